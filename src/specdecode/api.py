@@ -1,0 +1,183 @@
+"""The Python API: decode with any method from a model you already hold.
+
+    import specdecode
+    result = specdecode.generate(model, tokenizer, "Summarize: ...", method="suffix")
+    result.text, result.token_ids, result.stats.mean_accepted
+
+    decoder = specdecode.Decoder(model, tokenizer, method="recycling")   # keeps proposer state
+    for piece in decoder.stream("Tell me a story", max_new_tokens=64):   # text as it is produced
+        print(piece, end="")
+
+``model`` is a ``transformers`` causal LM or a :class:`specdecode.models.base.Runner`. Keyword
+arguments are split by name: sampling options (temperature, top_k, ...) go to
+:class:`SamplingParams`, everything else to the method's frozen config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode import registry
+from specdecode.engine import Generation, GenerationStats
+from specdecode.errors import SpecDecodeError, require
+from specdecode.models.base import Runner
+from specdecode.sampling import SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    #: the new tokens only
+    token_ids: list[int]
+    method: str
+    stats: GenerationStats
+    #: "stop" (end-of-sequence or a stop string) or "length"
+    finish_reason: str
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "method": self.method,
+                "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+
+
+def as_runner(model) -> Runner:
+    if isinstance(model, Runner):
+        return model
+    from specdecode.models.hf import HFRunner
+
+    return HFRunner(model)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids as ``transformers.generate`` would use them: the generation config's,
+    else the tokenizer's."""
+    config = (getattr(model, "generation_config", None)
+              or getattr(getattr(model, "model", None), "generation_config", None))
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def split_options(options: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
+    """Sampling options -> SamplingParams; the rest is method config."""
+    sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS and v is not None}
+    config = {k: v for k, v in options.items() if k not in SAMPLING_FIELDS}
+    return SamplingParams(**sampling), config
+
+
+class Decoder:
+    """A target, a tokenizer and one method's proposer, reused across requests (so proposers
+    that learn across requests, such as the suffix tree, keep what they learnt)."""
+
+    def __init__(self, model, tokenizer=None, method: str | None = None, **config):
+        self.runner = as_runner(model)
+        self.tokenizer = tokenizer
+        self.method = registry.get(method or registry.DEFAULT_METHOD)
+        self.config = self.method.make_config(config)
+        self.proposer = self.method.proposer(self.config, self.runner)
+        self.eos_token_ids = eos_ids(model, tokenizer)
+
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        """Text (chat-templated when the tokenizer has a template), chat messages, or ids."""
+        if isinstance(prompt, str):
+            require(prompt.strip() != "", "the prompt is empty; give some text")
+            require(self.tokenizer is not None, "a text prompt needs a tokenizer")
+            if chat and getattr(self.tokenizer, "chat_template", None):
+                return self._template([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            require(self.tokenizer is not None, "chat messages need a tokenizer")
+            return self._template(list(prompt))
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise SpecDecodeError("prompt must be text, a list of chat messages or a list of token ids")
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # jinja errors: malformed messages
+            raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
+              **sampling) -> Generation:
+        """A :class:`Generation` over token chunks (the lowest level of streaming)."""
+        params = SamplingParams(**sampling)
+        return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
+                          params, self.eos_token_ids)
+
+    def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
+               stop: Sequence[str] = (), **sampling) -> TextStream:
+        return TextStream(self, self.start(prompt, max_new_tokens, chat, **sampling), stop)
+
+    def generate(self, prompt, max_new_tokens: int = 128, chat: bool = True,
+                 stop: Sequence[str] = (), **sampling) -> GenerationResult:
+        stream = self.stream(prompt, max_new_tokens, chat, stop, **sampling)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+class TextStream:
+    """Iterates text pieces as tokens are committed; ``result`` is set when it ends.
+
+    Stop strings end the generation as soon as they appear; the returned text stops before
+    the stop string, as in the OpenAI API.
+    """
+
+    def __init__(self, decoder: Decoder, generation: Generation, stop: Sequence[str] = ()):
+        self.decoder = decoder
+        self.generation = generation
+        self.stop = [s for s in stop if s]
+        self.text = ""
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokenizer = self.decoder.tokenizer
+        finish = None
+        chunks = iter(self.generation)
+        try:
+            for _ in chunks:
+                if tokenizer is None:
+                    continue
+                full = tokenizer.decode(self.generation.tokens, skip_special_tokens=True)
+                cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    full, finish = full[:cut], "stop"
+                elif full.endswith("\ufffd"):
+                    continue  # half a multi-byte character: wait for the rest
+                piece, self.text = full[len(self.text):], full
+                if piece:
+                    yield piece
+                if finish:
+                    break
+        finally:
+            chunks.close()
+        gen = self.generation
+        self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
+                                       gen.stats, finish or gen.finish_reason or "stop")
+
+
+def generate(model, tokenizer=None, prompt="", method: str | None = None,
+             max_new_tokens: int = 128, chat: bool = True, stop: Sequence[str] = (),
+             **options) -> GenerationResult:
+    """One request: returns the text, the new token ids and the statistics."""
+    sampling, config = split_options(options)
+    decoder = Decoder(model, tokenizer, method, **config)
+    return decoder.generate(prompt, max_new_tokens, chat, stop, **dataclasses.asdict(sampling))
+
+
+def stream(model, tokenizer=None, prompt="", method: str | None = None,
+           max_new_tokens: int = 128, chat: bool = True, stop: Sequence[str] = (),
+           **options) -> TextStream:
+    """Like :func:`generate`, but iterate it for text pieces; ``.result`` holds the rest."""
+    sampling, config = split_options(options)
+    decoder = Decoder(model, tokenizer, method, **config)
+    return decoder.stream(prompt, max_new_tokens, chat, stop, **dataclasses.asdict(sampling))

@@ -1,0 +1,184 @@
+"""The decode loop: draft, one target forward, verify, commit, emit.
+
+    logits = runner.prefill(prompt)                      # the first token comes from here
+    while not done:
+        budget = controller.budget()                     # capped by the tokens left
+        draft  = proposer.propose(context, budget)       # a Draft tree (a chain is a tree)
+        logits = runner.forward(root, draft)             # ONE target pass over every node
+        result = verify(draft, logits, sampling, ...)    # accepted path + bonus/recovered token
+        runner.commit(result.accepted)                   # keep the accepted KV rows only
+        proposer.observe(...); controller.observe(...)
+        emit(result.tokens)                              # cut at end-of-sequence / the limit
+
+A :class:`Generation` is an iterator over the committed token chunks; its ``tokens`` and
+``stats`` fill as it runs, so streaming and one-shot generation share the same loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from specdecode.control import Controller
+from specdecode.draft import Draft
+from specdecode.errors import require
+from specdecode.models.base import Runner
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.sampling import GREEDY, SamplingParams
+from specdecode.verify import verify
+
+
+@dataclass
+class GenerationStats:
+    """Speculation statistics of one request, as data."""
+
+    new_tokens: int = 0
+    #: target forward passes, the prefill included
+    target_forwards: int = 0
+    #: tokens committed by each verify step (accepted + 1); the prefill's token is not counted
+    accepted_lengths: list[int] = field(default_factory=list)
+    #: draft nodes sent to the target, all steps together
+    draft_tokens: int = 0
+    prefill_s: float = 0.0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted length tau: tokens committed per verify step (1.0 for ``ar``)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted, all steps together (bonus/recovered tokens excluded)."""
+        return sum(self.accepted_lengths) - len(self.accepted_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """accepted length -> number of verify steps."""
+        return dict(sorted(Counter(self.accepted_lengths).items()))
+
+    @property
+    def accepted_per_depth(self) -> list[int]:
+        """[d-1] = verify steps that accepted a draft token at depth d."""
+        deepest = max(self.accepted_lengths, default=1) - 1
+        return [sum(1 for n in self.accepted_lengths if n - 1 >= d) for d in range(1, deepest + 1)]
+
+    def as_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_histogram": {str(k): v for k, v in self.histogram.items()},
+            "accepted_per_depth": self.accepted_per_depth,
+            "prefill_s": round(self.prefill_s, 4),
+            "propose_s": round(self.propose_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "total_s": round(self.total_s, 4),
+        }
+
+
+def check_request(runner: Runner, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Reject bad requests before any model work, with the fix in the message."""
+    require(len(prompt_ids) > 0, "the prompt is empty; give at least one token of text")
+    require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+            and max_new_tokens > 0,
+            f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    require(len(prompt_ids) < runner.max_context,
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+            f"{runner.max_context}; shorten the prompt")
+    require(len(prompt_ids) + max_new_tokens <= runner.max_context,
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {runner.max_context} tokens; lower max_new_tokens "
+            f"to at most {runner.max_context - len(prompt_ids)}")
+    bad = [t for t in prompt_ids if not 0 <= t < runner.vocab_size]
+    require(not bad, f"prompt token ids {bad[:5]} are outside the vocabulary (0..{runner.vocab_size - 1})")
+
+
+class Generation:
+    """One request. Iterate for token chunks as they are committed."""
+
+    def __init__(self, runner: Runner, proposer: Proposer, prompt_ids: Sequence[int],
+                 max_new_tokens: int, sampling: SamplingParams = GREEDY,
+                 eos_token_ids: Sequence[int] = (), controller: Controller | None = None):
+        check_request(runner, prompt_ids, max_new_tokens)
+        self.runner = runner
+        self.proposer = proposer
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.controller = controller or Controller()
+        self.tokens: list[int] = []
+        self.stats = GenerationStats()
+        #: "stop" (end-of-sequence) or "length" (max_new_tokens); None while running
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = time.perf_counter()
+        runner, proposer, stats = self.runner, self.proposer, self.stats
+        generator = self.sampling.generator()
+        context = list(self.prompt_ids)
+        prompt_len = len(context)
+        proposer.start(self.prompt_ids)
+        try:
+            logits = runner.prefill(context)
+            stats.target_forwards += 1
+            stats.prefill_s = time.perf_counter() - start
+            first = verify(Draft.empty(), logits[None], self.sampling, context, prompt_len, generator)
+            chunk = self._emit(first.tokens, context)
+            yield chunk
+            while self.finish_reason is None:
+                t0 = time.perf_counter()
+                left = self.max_new_tokens - len(self.tokens)
+                budget = self.controller.budget().capped(left - 1)
+                draft = proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
+                t1 = time.perf_counter()
+                logits = runner.forward(context[-1], draft)
+                result = verify(draft, logits, self.sampling, context, prompt_len, generator)
+                runner.commit(result.accepted)
+                t2 = time.perf_counter()
+                stats.propose_s += t1 - t0
+                stats.verify_s += t2 - t1
+                stats.target_forwards += 1
+                stats.draft_tokens += len(draft)
+                stats.accepted_lengths.append(len(result.tokens))
+                feedback = Feedback(tuple(context), draft, logits, result.accepted, result.tokens)
+                proposer.observe(feedback)
+                self.controller.observe(len(draft), len(result.accepted))
+                stats.propose_s += time.perf_counter() - t2
+                yield self._emit(result.tokens, context)
+        finally:
+            proposer.finish(self.tokens)
+            stats.total_s = time.perf_counter() - start
+
+    def _emit(self, tokens: Sequence[int], context: list[int]) -> list[int]:
+        """Commit ``tokens``, cut at end-of-sequence or the token limit."""
+        out: list[int] = []
+        for token in tokens:
+            out.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(out) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.tokens.extend(out)
+        context.extend(out)
+        self.stats.new_tokens = len(self.tokens)
+        return out
+
+    def run(self) -> list[int]:
+        for _ in self:
+            pass
+        return self.tokens

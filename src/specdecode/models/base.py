@@ -1,0 +1,57 @@
+"""The runner protocol: what the engine needs from a target model.
+
+The KV cache holds every committed token except the last one, the *root* (pending token). One
+verify step feeds the root plus every draft node in one forward:
+
+    logits = runner.forward(root, draft)   # [1 + n, V]: row 0 = next-token logits after the
+                                           # root, row 1 + i = after draft node i
+    runner.commit(accepted)                # keep the root's and the accepted nodes' KV rows
+
+Plain autoregressive decoding is the same call with an empty draft, so the reference decoder
+and every speculative method compute each token through the same code path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.draft import Draft
+
+
+class Runner(ABC):
+    """A target model behind the prefill / forward(draft) / commit protocol."""
+
+    #: short name shown in statistics and benchmark reports
+    name: str = "runner"
+    vocab_size: int
+    max_context: int
+    num_layers: int
+
+    @abstractmethod
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Reset the cache, run ``ids`` and return the float32 logits [V] after the last one."""
+
+    @abstractmethod
+    def forward(self, root: int, draft: Draft) -> torch.Tensor:
+        """Run the root token and every draft node in one pass with tree attention.
+
+        Returns float32 logits [1 + len(draft), V]. The cache is left holding the new rows
+        until :meth:`commit` decides which to keep.
+        """
+
+    @abstractmethod
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the root's KV row and those of the accepted draft nodes (a root-to-leaf path,
+        in order), drop the rest."""
+
+    @property
+    @abstractmethod
+    def cache_len(self) -> int:
+        """Number of committed tokens whose KV entries are in the cache."""
+
+    def fingerprint(self) -> str:
+        """Identifies the target's weights (for trained artifacts); runners override."""
+        return f"{self.name}:{self.vocab_size}:{self.num_layers}"

@@ -1,0 +1,123 @@
+"""Method registry: name -> proposer class + its frozen config dataclass.
+
+A method is one file in ``specdecode/proposers/`` that decorates its proposer with
+:func:`register`. The CLI, the server, the benchmark and the tests read this registry; nothing
+dispatches on method names anywhere else.
+
+Config fields carry their documentation in ``field(metadata={"help": ...})`` (see :func:`param`)
+so ``specdecode methods`` can print every default with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+#: used when the user names no method: the fastest exact method measured on the default model
+DEFAULT_METHOD = "recycling"
+
+
+def param(default: Any, help: str) -> Any:
+    """A config field with its documentation (shown by ``specdecode methods``)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    proposer: type
+    config: type
+    paper: str
+    summary: str
+
+    def make_config(self, overrides: dict[str, Any] | None = None):
+        """Build the frozen config, rejecting unknown fields with the list of known ones."""
+        overrides = dict(overrides or {})
+        known = {f.name: f for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise SpecDecodeError(
+                f"method '{self.name}' has no config field {', '.join(map(repr, unknown))}; "
+                f"known fields: {', '.join(known) or '(none)'}"
+            )
+        for key, value in overrides.items():
+            overrides[key] = _coerce(self.name, known[key], value)
+        return self.config(**overrides)
+
+    def defaults(self) -> list[tuple[str, Any, str]]:
+        return [
+            (f.name, f.default, f.metadata.get("help", ""))
+            for f in dataclasses.fields(self.config)
+        ]
+
+
+def _coerce(method: str, f: dataclasses.Field, value: Any) -> Any:
+    """Accept strings from the CLI for typed fields; reject values of the wrong type."""
+    kind = type(f.default)
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif kind in (int, float, str):
+        if isinstance(value, bool):
+            pass
+        elif isinstance(value, kind) or (kind is float and isinstance(value, int)):
+            return kind(value)
+        elif isinstance(value, str):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    elif kind is tuple and isinstance(value, (tuple, list)):
+        return tuple(value)
+    else:
+        return value
+    raise SpecDecodeError(
+        f"config field '{f.name}' of method '{method}' must be {kind.__name__}, got {value!r}"
+    )
+
+
+_METHODS: dict[str, Method] = {}
+_loaded = False
+
+
+def register(name: str, config: type, paper: str, summary: str):
+    """Class decorator: ``@register("ngram", NgramConfig, paper=..., summary=...)``."""
+
+    def wrap(cls):
+        if name in _METHODS:
+            raise RuntimeError(f"method {name!r} registered twice")
+        cls.method_name = name
+        _METHODS[name] = Method(name, cls, config, paper, summary)
+        return cls
+
+    return wrap
+
+
+def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
+    import specdecode.proposers as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    _loaded = True
+
+
+def names() -> list[str]:
+    _load_all()
+    return sorted(_METHODS, key=lambda n: (n != "ar", n))
+
+
+def get(name: str) -> Method:
+    _load_all()
+    if name not in _METHODS:
+        raise SpecDecodeError(f"unknown method {name!r}; known methods: {', '.join(names())}")
+    return _METHODS[name]

@@ -1,0 +1,102 @@
+"""Verification: which draft tokens the target accepts, and the one token it adds.
+
+Words used everywhere (metrics, docs): after one target forward over a draft,
+
+- **accepted** tokens are draft tokens on one root-to-leaf path that the rule keeps;
+- a **bonus** token is sampled from the target after the last accepted node when the walk
+  reaches a leaf (every draft token on the path accepted);
+- a **recovered** token is sampled from the (residual) target distribution where the walk stops
+  at a node whose drafted children were all rejected.
+
+Each step therefore commits ``len(accepted) + 1`` tokens. The rule is chosen by what the draft
+carries; the verifier knows nothing of how the draft was made:
+
+- greedy (temperature 0): descend into the child equal to the target's argmax, chain or tree;
+- sampled, deterministic draft (``probs is None``): sample from the target at each node and
+  descend into the child holding the sampled token; stop where none does. This is plain
+  ancestral sampling, so a seeded run gives the same tokens as ``ar`` whatever was drafted;
+- sampled, draft with proposer probabilities: recursive rejection sampling over the siblings of
+  each node (SpecInfer, Miao et al. 2023; RSD, Jeon et al. 2024). Sibling i was drawn from
+  ``q_i = probs[i]``; accept it with probability min(1, p_i(x_i) / q_i(x_i)), else move to
+  ``p_{i+1} = norm(max(0, p_i - q_i))``. With one child per node this is speculative sampling
+  (Leviathan et al. 2023; Chen et al. 2023). With i.i.d. siblings (SpecInfer) every q_i is the
+  same q; with siblings drawn without replacement (RSD) q_i excludes the earlier siblings - the
+  proposer records whichever it used, and the same rule is exact for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.sampling import SamplingParams, processed_logits, sample, target_probs, uniform
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    #: accepted draft node indices, root to leaf
+    accepted: tuple[int, ...]
+    #: committed tokens: the accepted draft tokens then the bonus or recovered token
+    tokens: tuple[int, ...]
+
+
+def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
+           prompt_len: int, generator: torch.Generator) -> VerifyResult:
+    """Verify ``draft`` against target ``logits`` [1 + n, V] (row 0 = after the root).
+
+    ``context`` is the committed tokens, ending with the root; the first ``prompt_len`` are the
+    prompt (penalties treat prompt and output differently).
+    """
+    if params.greedy:
+        targets = processed_logits(logits, params, context, prompt_len, draft).argmax(-1).tolist()
+        return _walk(draft, lambda row: targets[row])
+    probs = target_probs(logits, params, context, prompt_len, draft)
+    if draft.probs is None or len(draft) == 0:
+        return _walk(draft, lambda row: sample(probs[row], generator))
+    return _recursive_rejection(draft, probs, generator)
+
+
+def _walk(draft: Draft, choose) -> VerifyResult:
+    """Descend from the root into the child holding ``choose(row)`` until none does."""
+    accepted: list[int] = []
+    tokens: list[int] = []
+    node = -1
+    while True:
+        token = choose(node + 1)
+        tokens.append(token)
+        child = next((c for c in draft.children(node) if draft.tokens[c] == token), None)
+        if child is None:
+            return VerifyResult(tuple(accepted), tuple(tokens))
+        accepted.append(child)
+        node = child
+
+
+def _recursive_rejection(draft: Draft, probs: torch.Tensor,
+                         generator: torch.Generator) -> VerifyResult:
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = probs[node + 1].double()
+        for child in draft.children(node):
+            q = draft.probs[child].double()
+            token = draft.tokens[child]
+            if q[token] <= 0:
+                raise ValueError(
+                    f"draft node {child} holds token {token} with zero proposer probability; "
+                    "probs[i] must be the distribution tokens[i] was drawn from"
+                )
+            if uniform(generator) * float(q[token]) < float(p[token]):
+                accepted.append(child)
+                node = child
+                break
+            residual = (p - q).clamp_min(0)
+            total = residual.sum()
+            # p == q up to rounding: the residual is empty; any rejection is then measure-zero
+            p = residual / total if total > 0 else p
+        else:
+            tokens = [draft.tokens[i] for i in accepted]
+            tokens.append(sample(p.float(), generator))
+            return VerifyResult(tuple(accepted), tuple(tokens))
