@@ -76,13 +76,14 @@ class Decoder:
     """A target, a tokenizer and one method's proposer, reused across requests (so proposers
     that learn across requests, such as the suffix tree, keep what they learnt)."""
 
-    def __init__(self, model, tokenizer=None, method: str | None = None, **config):
+    def __init__(self, model, tokenizer=None, method: str | None = None,
+                 eos_token_ids: Sequence[int] | None = None, **config):
         self.runner = as_runner(model)
         self.tokenizer = tokenizer
         self.method = registry.get(method or registry.DEFAULT_METHOD)
         self.config = self.method.make_config(config)
         self.proposer = self.method.proposer(self.config, self.runner)
-        self.eos_token_ids = eos_ids(model, tokenizer)
+        self.eos_token_ids = list(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """Text (chat-templated when the tokenizer has a template), chat messages, or ids."""

@@ -118,7 +118,7 @@ class Generation:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.controller = controller or Controller()
+        self.controller = controller or proposer.make_controller()
         self.tokens: list[int] = []
         self.stats = GenerationStats()
         #: "stop" (end-of-sequence) or "length" (max_new_tokens); None while running

@@ -123,3 +123,20 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, hea
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)
     return model.eval()
+
+
+RUNNERS = ("auto", "hf")
+
+
+def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "fp32"):
+    """The runner for a loaded model: ``hf`` (any transformers model) or, for Llama-family
+    weights, the native runner; ``auto`` picks the fastest that supports the model."""
+    from specdecode.models.hf import HFRunner
+
+    if runner not in RUNNERS:
+        raise SpecDecodeError(f"unknown runner {runner!r}; known runners: {', '.join(RUNNERS)}")
+    if weights != "fp32":
+        raise SpecDecodeError(
+            f"weights {weights!r} need the native runner; the hf runner computes in fp32 "
+            "(known formats: fp32)")
+    return HFRunner(loaded.model)

