@@ -69,6 +69,7 @@ class HFRunner(Runner):
         self._pending = n
         return out.logits[0].float()
 
+    @torch.inference_mode()  # the cache tensors were made in inference mode
     def commit(self, accepted: Sequence[int]) -> None:
         keep = len(accepted) + 1
         if list(accepted) != list(range(len(accepted))):
