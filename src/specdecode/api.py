@@ -141,22 +141,33 @@ class TextStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        steps = self.steps()
+        try:
+            for piece in steps:
+                if piece:
+                    yield piece
+        finally:
+            steps.close()
+
+    def steps(self) -> Iterator[str]:
+        """One text piece per committed token chunk, possibly empty (text held back, special
+        tokens), so a caller interleaving several generations gets control back every step."""
         tokenizer = self.decoder.tokenizer
         finish = None
         chunks = iter(self.generation)
         try:
             for _ in chunks:
                 if tokenizer is None:
+                    yield ""
                     continue
                 full = tokenizer.decode(self.generation.tokens, skip_special_tokens=True)
                 cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     full, finish = full[:cut], "stop"
-                elif full.endswith("\ufffd"):
-                    continue  # half a multi-byte character: wait for the rest
+                elif self.generation.finish_reason is None:
+                    full = full[:len(full) - self._unsettled(full)]
                 piece, self.text = full[len(self.text):], full
-                if piece:
-                    yield piece
+                yield piece
                 if finish:
                     break
         finally:
@@ -164,6 +175,18 @@ class TextStream:
         gen = self.generation
         self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
                                        gen.stats, finish or gen.finish_reason or "stop")
+
+    def _unsettled(self, text: str) -> int:
+        """Characters at the end of ``text`` that may still change, held back until they settle:
+        half a multi-byte character (decoded as U+FFFD), or the beginning of a stop string (a
+        streamed piece must never carry part of a stop string that completes later)."""
+        held = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
 
 
 def generate(model, tokenizer=None, prompt="", method: str | None = None,

@@ -15,7 +15,9 @@ import sys
 from specdecode.errors import SpecDecodeError
 
 #: command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``
-EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {}
+EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("specdecode.server", "OpenAI-compatible HTTP server with speculative decoding"),
+}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,151 @@
+"""``specdecode serve``: an OpenAI-compatible HTTP server with lossless speculative decoding.
+
+    specdecode serve                                  # default model and method, 127.0.0.1:8000
+    specdecode serve --method suffix --suffix-cache ~/.cache/specdecode/suffix.bin
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming with ``stream:
+true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). A request picks
+its method with the model alias ``smollm2+ngram`` or ``"specdecode": {"method": "ngram",
+"config": {...}}``; ``usage`` carries its speculation statistics.
+
+Layout: :mod:`.protocol` (OpenAI schemas and errors), :mod:`.scheduler` (runner slots, bounded
+queue, round-robin stepping), :mod:`.app` (routes, streaming), :mod:`.metrics`,
+:mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
+:mod:`.loadtest`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.cli import add_model_arguments
+
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--method", default=None,
+                        help="method of requests that name none (see `specdecode methods`); "
+                             "default: the fastest")
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="config field of the default method (repeatable)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: from --model)")
+    parser.add_argument("--parallel", type=int, default=4,
+                        help="sequences generated at once, each on its own KV cache over shared "
+                             "weights, stepped in turn (1 = strictly one after another)")
+    parser.add_argument("--max-queue", type=int, default=32,
+                        help="sequences that may wait for a slot; beyond it requests get 429")
+    parser.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                        help="largest request body accepted (413 beyond)")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="max_tokens of requests that give none")
+    parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
+                        help="load the suffix proposer's global tree from PATH at start (when it "
+                             "exists) and save it there on shutdown")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_model_arguments(parser)
+
+
+def served_name(model: str) -> str:
+    from specdecode.models.loading import DEFAULT_MODEL
+
+    if model in (DEFAULT_MODEL, "default"):
+        return DEFAULT_MODEL
+    return Path(model).stem or model
+
+
+def build(args: argparse.Namespace):
+    """The app for parsed ``serve`` arguments: loads the model, checks everything else
+    first so bad flags fail in a second, not after the model load."""
+    from specdecode import registry
+    from specdecode.api import eos_ids
+    from specdecode.cli import parse_config
+    from specdecode.models.loading import load_model, make_runner
+    from specdecode.server.app import Server, Settings, create_app
+    from specdecode.server.memory import SharedMemory
+
+    settings = Settings(
+        model_id=args.served_model_name or served_name(args.model),
+        method=args.method or registry.DEFAULT_METHOD, config=parse_config(args.config),
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens)
+    registry.get(settings.method).make_config(settings.config)
+    for flag in ("parallel", "max_body_bytes", "default_max_tokens"):
+        if getattr(args, flag) < 1:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_queue < 0:
+        raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    suffix = registry.get("suffix").make_config(
+        settings.config if settings.method == "suffix" else {})
+    memory = SharedMemory(args.suffix_cache, suffix)
+    loaded = load_model(args.model)
+    runners = [make_runner(loaded, args.runner, args.weights) for _ in range(args.parallel)]
+    eos = eos_ids(loaded.model, loaded.tokenizer)
+    server = Server(runners, loaded.tokenizer, eos, settings, memory)
+    # the first forward of a process pays one-off costs; keep them out of the first request
+    runners[0].prefill(server.encode("Hello", chat=True))
+    return create_app(server)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = build(args)
+    server = app.state.server
+    print(f"specdecode serve: http://{args.host}:{args.port}/v1 (model "
+          f"'{server.settings.model_id}', method '{server.settings.method}')"
+          + (f", suffix cache {server.memory.path}" if server.memory.path else ""), flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+class BackgroundServer:
+    """Serve an app on loopback from a thread (tests, load tests, measurements)::
+
+        with BackgroundServer(app) as server:
+            openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))  # port 0: the OS picks a free one, no race
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="specdecode-uvicorn")
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,452 @@
+"""The FastAPI application: OpenAI's chat and completion endpoints over the scheduler.
+
+A request is checked completely on the event loop (body size, JSON, schema, method, prompt
+length against the context) before it takes a place in the queue, so bad input costs no model
+time and gets OpenAI's error object with a 4xx. Generation runs on the scheduler thread; its
+events come back through an ``asyncio.Queue`` and leave as one JSON body or as server-sent
+events (``data: {...}`` ... ``data: [DONE]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode import registry
+from specdecode.api import Decoder, GenerationResult
+from specdecode.engine import check_request
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import Runner
+from specdecode.sampling import SamplingParams
+from specdecode.server.metrics import CONTENT_TYPE, Metrics
+from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, SamplingFields,
+                                        error_body, new_id, now, parse)
+from specdecode.server.memory import SharedMemory
+from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
+
+log = logging.getLogger("specdecode.server")
+
+#: seconds between checks that a waiting (non-streaming) client is still connected
+DISCONNECT_POLL_S = 0.25
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class Settings:
+    #: the name clients put in ``model`` (``default`` is always accepted too)
+    model_id: str = "smollm2"
+    #: the method used when a request names none
+    method: str = registry.DEFAULT_METHOD
+    #: config overrides of the default method (strings are coerced, as from the CLI)
+    config: dict[str, Any] = field(default_factory=dict)
+    #: sequences that may wait for a slot before requests get 429
+    max_queue: int = 32
+    #: largest accepted request body (bytes); larger ones get 413
+    max_body_bytes: int = 2 * 1024 * 1024
+    #: most choices per request
+    max_n: int = 8
+    #: max_tokens when the request gives none (capped by the context left)
+    default_max_tokens: int = 256
+
+
+class Server:
+    """The state behind the routes: settings, tokenizer, scheduler, metrics."""
+
+    def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
+                 settings: Settings, memory: SharedMemory | None = None):
+        self.settings = settings
+        method = registry.get(settings.method)
+        method.make_config(settings.config)  # reject a bad default before serving
+        self.memory = memory or SharedMemory()
+        self.runner_info = runners[0]
+        self.max_context = runners[0].max_context
+        self.metrics = Metrics()
+        # encoding happens on the event loop's worker threads, decoding on the scheduler
+        # thread: each side gets its own tokenizer object (fast tokenizers are not re-entrant)
+        self.encoder = Decoder(runners[0], tokenizer, "ar", eos_token_ids)
+        self.encoder.tokenizer = copy.deepcopy(tokenizer)
+        self.scheduler = Scheduler(runners, tokenizer, eos_token_ids, self.memory.make_proposer,
+                                   settings.max_queue, self.metrics)
+        self.started = now()
+        self.fingerprint = runners[0].fingerprint()
+
+    # ---- request -> sequence specs ---------------------------------------------------------
+
+    def resolve_method(self, req: SamplingFields) -> tuple[str, Any]:
+        base, plus, alias = req.model.partition("+")
+        if base not in (self.settings.model_id, "default"):
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
+                                f"'{self.settings.model_id}' (or '{self.settings.model_id}+METHOD', "
+                                "see GET /v1/models)", param="model", code="model_not_found")
+        if plus and not alias:
+            raise ApiError(400, f"model '{req.model}' names no method after '+'", param="model")
+        chosen = req.specdecode.method if req.specdecode else None
+        if chosen and alias and chosen != alias:
+            raise ApiError(400, f"the model alias names method '{alias}' but specdecode.method "
+                                f"is '{chosen}'; give one of them", param="specdecode.method")
+        name = chosen or alias or self.settings.method
+        try:
+            method = registry.get(name)
+        except SpecDecodeError as exc:
+            raise ApiError(400, str(exc), param="specdecode.method" if chosen else "model",
+                           code="unknown_method") from None
+        overrides = dict(self.settings.config) if name == self.settings.method else {}
+        overrides.update(req.specdecode.config if req.specdecode else {})
+        try:
+            return name, method.make_config(overrides)
+        except (SpecDecodeError, TypeError) as exc:
+            raise ApiError(400, str(exc), param="specdecode.config") from None
+
+    def sampling(self, req: SamplingFields) -> dict[str, Any]:
+        options = req.sampling()
+        try:
+            SamplingParams(**options)
+        except SpecDecodeError as exc:
+            param = next((k for k in options if str(exc).startswith(k)), None)
+            raise ApiError(400, str(exc), param=param) from None
+        return options
+
+    def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        context = self.max_context
+        if prompt_len >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens, but "
+                                f"the prompt has {prompt_len} tokens; shorten the prompt",
+                           param=param, code="context_length_exceeded")
+        left = context - prompt_len
+        if requested is None:
+            return min(self.settings.default_max_tokens, left)
+        if requested < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {requested}",
+                           param="max_tokens")
+        if requested > left:
+            raise ApiError(400, f"max_tokens ({requested}) plus the prompt ({prompt_len} tokens) "
+                                f"exceeds the model's context of {context} tokens; lower "
+                                f"max_tokens to at most {left}", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    def specs(self, req: SamplingFields, prompts: list[list[int]], requested: int | None,
+              param: str) -> list[SequenceSpec]:
+        if not 1 <= req.n <= self.settings.max_n:
+            raise ApiError(400, f"n must be between 1 and {self.settings.max_n}, got {req.n}",
+                           param="n")
+        method, config = self.resolve_method(req)
+        sampling = self.sampling(req)
+        stop = tuple(req.stop_list())
+        specs = []
+        for ids in prompts:
+            limit = self.max_tokens(len(ids), requested, param)
+            try:
+                check_request(self.runner_info, ids, limit)
+            except SpecDecodeError as exc:
+                raise ApiError(400, str(exc), param=param) from None
+            for i in range(req.n):
+                options = dict(sampling)
+                if options.get("seed") is not None:
+                    options["seed"] += i  # n seeded choices: distinct, and each repeatable
+                specs.append(SequenceSpec(ids, limit, stop, options, method, config))
+        return specs
+
+    def encode(self, prompt, chat: bool) -> list[int]:
+        try:
+            return self.encoder.encode(prompt, chat)
+        except SpecDecodeError as exc:
+            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's token counts plus this request's own speculation statistics."""
+    completion = sum(len(r.token_ids) for r in results)
+    steps = sum(len(r.stats.accepted_lengths) for r in results)
+    committed = sum(sum(r.stats.accepted_lengths) for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "method": results[0].method if results else None,
+        "draft_tokens": sum(r.stats.draft_tokens for r in results),
+        "accepted_tokens": sum(r.stats.accepted_tokens for r in results),
+        "target_forwards": sum(r.stats.target_forwards for r in results),
+        "verify_steps": steps,
+        "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
+    }
+
+
+class ClientWatch:
+    """Notices a client that hung up while its (non-streaming) response is being generated;
+    streaming responses are cancelled by Starlette itself when the client goes."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def next_event(self, job: Job) -> tuple[str, int, Any]:
+        """The job's next event; cancels the job if the client is gone meanwhile."""
+        while True:
+            if time.monotonic() - self.checked >= DISCONNECT_POLL_S:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    job.cancel()
+                    raise ApiError(499, "client closed the request")
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Endpoint:
+    """One completion-style endpoint: how its chunks and final body look."""
+
+    def __init__(self, server: Server, chat: bool):
+        self.server = server
+        self.chat = chat
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def choice(self, index: int, text: str, finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        body = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": index, key: body, "logprobs": None, "finish_reason": finish}
+
+    def envelope(self, rid: str, model: str, chunk: bool) -> dict:
+        kind = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": rid, "object": kind, "created": now(), "model": model,
+                "system_fingerprint": self.server.fingerprint}
+
+    async def handle(self, request: Request) -> Response:
+        server = self.server
+        payload = await read_json(request, server.settings.max_body_bytes)
+        if self.chat:
+            req = parse(ChatRequest, payload)
+            req.unsupported()
+            if not req.messages:
+                raise ApiError(400, "'messages' must hold at least one message", param="messages")
+            messages = [m.as_template_input() for m in req.messages]
+            prompts = [await run_in_threadpool(server.encode, messages, True)]
+            requested = (req.max_completion_tokens if req.max_completion_tokens is not None
+                         else req.max_tokens)
+            param = "messages"
+        else:
+            req = parse(CompletionRequest, payload)
+            req.unsupported()
+            if not req.prompts():
+                raise ApiError(400, "'prompt' must not be empty", param="prompt")
+            prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
+            requested, param = req.max_tokens, "prompt"
+        specs = server.specs(req, prompts, requested, param)
+        job = Job(specs, asyncio.get_running_loop())
+        server.scheduler.submit(job)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        server.metrics.prompt_tokens.inc(prompt_tokens)
+        if req.stream:
+            return await self.stream(request, job, req, prompt_tokens)
+        try:
+            return await self.collect(request, job, req, prompt_tokens)
+        finally:
+            job.cancel()  # a no-op when every sequence is done; stops the rest otherwise
+            server.metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
+
+    async def collect(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+        results: list[GenerationResult | None] = [None] * len(job.specs)
+        first_text = True
+        watch = ClientWatch(request)
+        while any(r is None for r in results):
+            kind, index, payload = await watch.next_event(job)
+            if kind == "error":
+                raise payload
+            if kind == "text" and first_text:
+                first_text = False
+                self.server.metrics.first_token.observe(time.perf_counter() - job.arrived)
+            if kind == "done":
+                results[index] = payload
+        rid = new_id("chatcmpl" if self.chat else "cmpl")
+        body = self.envelope(rid, req.model, chunk=False)
+        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False)
+                           for i, r in enumerate(results)]
+        body["usage"] = usage(prompt_tokens, results)
+        return JSONResponse(body)
+
+    async def stream(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+        # wait for the start (or the first error) while we can still answer with a status code
+        try:
+            first = await ClientWatch(request).next_event(job)
+        except BaseException:
+            job.cancel()
+            raise
+        if first[0] == "error":
+            job.cancel()
+            raise first[2]
+        rid = new_id("chatcmpl" if self.chat else "cmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        metrics = self.server.metrics
+
+        def chunk(index: int, text: str, finish: str | None, role: bool = False) -> str:
+            body = self.envelope(rid, req.model, chunk=True)
+            choice = self.choice(index, text, finish, delta=True)
+            if role:
+                choice["delta"] = {"role": "assistant", "content": ""}
+            body["choices"] = [choice]
+            return sse(body)
+
+        async def events() -> AsyncIterator[str]:
+            results: list[GenerationResult | None] = [None] * len(job.specs)
+            first_text = True
+            event = first
+            try:
+                if self.chat:
+                    for i in range(len(job.specs)):
+                        yield chunk(i, "", None, role=True)
+                while True:
+                    kind, index, payload = event
+                    if kind == "error":
+                        yield sse(payload.body())
+                        break
+                    if kind == "text":
+                        if first_text:
+                            first_text = False
+                            metrics.first_token.observe(time.perf_counter() - job.arrived)
+                        yield chunk(index, payload, None)
+                    elif kind == "done":
+                        results[index] = payload
+                        yield chunk(index, "", payload.finish_reason)
+                        if all(r is not None for r in results):
+                            if include_usage:
+                                body = self.envelope(rid, req.model, chunk=True)
+                                body["choices"] = []
+                                body["usage"] = usage(prompt_tokens, results)
+                                yield sse(body)
+                            break
+                    event = await job.events.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel()  # the client left, or we are done: free the slots either way
+                metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {declared} bytes; this server accepts at most "
+                            f"{limit} (--max-body-bytes)", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)",
+                           code="request_too_large")
+    if not body:
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+class CountRequests:
+    """ASGI middleware: count every HTTP request by endpoint and status code."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def create_app(server: Server) -> FastAPI:
+    """The ASGI app. On shutdown the scheduler stops first (every proposer sees ``finish``),
+    then the suffix global tree is saved (with ``--suffix-cache``)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(server.scheduler.stop)
+            await run_in_threadpool(server.memory.save)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+    chat = Endpoint(server, chat=True)
+    completion = Endpoint(server, chat=False)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await chat.handle(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion.handle(request)
+
+    @app.get("/v1/models")
+    async def models():
+        ids = [server.settings.model_id] + [f"{server.settings.model_id}+{name}"
+                                            for name in registry.names()]
+        return {"object": "list", "data": [
+            {"id": i, "object": "model", "created": server.started, "owned_by": "specdecode",
+             "max_model_len": server.max_context} for i in ids]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.settings.model_id,
+                "method": server.settings.method, "max_context": server.max_context,
+                **server.scheduler.load()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(CountRequests, metrics=server.metrics)
+    return app

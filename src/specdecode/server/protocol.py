@@ -1,0 +1,201 @@
+"""The OpenAI wire format: request schemas, error objects and response bodies.
+
+Requests are validated strictly (wrong types are errors, not coerced; unknown fields are
+rejected the way OpenAI rejects them) so a typo such as ``"max_token": 5`` fails loudly instead of
+being ignored. Every failure becomes OpenAI's error object::
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Beyond OpenAI's fields the server accepts vLLM's sampling extras (``top_k``, ``min_p``,
+``repetition_penalty``) and ``"specdecode": {"method": ..., "config": {...}}`` to choose the
+decoding method per request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: OpenAI's limit on stop sequences
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """An error the client caused (4xx) or the server cannot serve now (429/503)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SpecDecodeOptions(Strict):
+    """The ``specdecode`` extra field: the method and its config for this request."""
+
+    method: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    specdecode: SpecDecodeOptions | None = None
+    # accepted for compatibility, only in their "off" setting (checked by ``unsupported``)
+    logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise ApiError(400, f"'stop' takes at most {MAX_STOP} sequences, got {len(stops)}",
+                           param="stop")
+        return [s for s in stops if s]
+
+    def sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (None = the default)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def unsupported(self) -> None:
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported by this server; leave 'logprobs' unset",
+                           param="logprobs")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this server (it would change the "
+                                "target distribution speculation preserves); leave it unset",
+                           param="logit_bias")
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts are supported (checked on use, so the
+    error can name the unsupported type)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"content parts of type {part.type!r} are not supported "
+                                        "(this is a text model); send text parts or a string",
+                                   param="messages")
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs:
+            raise ApiError(400, "logprobs are not supported by this server; leave 'top_logprobs' "
+                                "unset", param="top_logprobs")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported by this server",
+                           param="suffix")
+        if self.best_of not in (None, 1, self.n):
+            raise ApiError(400, "best_of is not supported by this server; use n", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt, text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+def parse(schema: type[Strict], payload: Any) -> Strict:
+    """Validate ``payload``; the first problem becomes a 400 naming the field."""
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        param = loc[0] if loc else None
+        if first["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {'.'.join(loc)}"
+        elif first["type"] == "missing":
+            message = f"'{'.'.join(loc)}' is a required property"
+        else:
+            # union members appear in the location as type names; keep only field names/indices
+            path = ".".join(p for p in loc if not any(c in p for c in "[]()") and p not in
+                            ("str", "int", "float", "bool", "list", "dict"))
+            message = f"invalid value for '{path}': {first['msg'].lower()} (got {first['input']!r:.80})"
+        raise ApiError(400, message, param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

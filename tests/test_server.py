@@ -1,0 +1,531 @@
+"""`specdecode serve`: the real server on loopback, spoken to with the official ``openai``
+client (chat, completion, streaming, stop sequences, seeds, methods) and with raw HTTP for the
+error cases, plus queueing, disconnects, a small load test and the suffix tree's persistence.
+
+Most tests serve a tiny random Llama with a small BPE tokenizer built here (no download, no real
+model); greedy responses are compared with the Decoder API over the same weights. The last test
+(slow) does the same on the real default model.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from specdecode import registry
+from specdecode.api import Decoder
+from specdecode.models.hf import HFRunner
+from specdecode.models.loading import tiny_llama
+from specdecode.server import BackgroundServer
+from specdecode.server.app import Server, Settings, create_app
+from specdecode.server.loadtest import run_load
+from specdecode.server.memory import SharedMemory
+
+MODEL = "tiny"
+EOS = 2
+CONTEXT = 256
+BODY_LIMIT = 64 * 1024
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Speculative decoding drafts tokens and verifies them in one forward pass.",
+]
+
+
+def build_tokenizer():
+    """A ~300-token BPE tokenizer with a chat template, trained in milliseconds. Metaspace
+    pieces over printable ASCII: any token sequence decodes to valid text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    alphabet = [c for c in string.printable if c not in " \t\r\x0b\x0c"]
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False,
+                                  special_tokens=["<pad>", "<unk>", "<|im_end|>", "<|im_start|>"])
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert fast.eos_token_id == EOS
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=CONTEXT, seed=1)
+
+
+def make_server(model, tokenizer, runners=None, parallel=2, memory=None, **settings):
+    runners = runners or [HFRunner(model) for _ in range(parallel)]
+    options = dict(model_id=MODEL, method="ngram", max_body_bytes=BODY_LIMIT)
+    options.update(settings)
+    server = Server(runners, tokenizer, [EOS], Settings(**options), memory)
+    return BackgroundServer(create_app(server))
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    with make_server(model, tokenizer) as background:
+        yield background
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(model, tokenizer, prompt, max_tokens, method="ar", chat=True, stop=()):
+    """The Decoder API's greedy output: what `specdecode generate` prints."""
+    return Decoder(HFRunner(model), tokenizer, method, [EOS]).generate(
+        prompt, max_tokens, chat, stop)
+
+
+def chat(client, content, **kwargs):
+    kwargs.setdefault("max_tokens", 24)
+    return client.chat.completions.create(model=kwargs.pop("model", MODEL),
+                                          messages=[{"role": "user", "content": content}],
+                                          **kwargs)
+
+
+def still_serving(served):
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- chat and completion equal the Decoder API ---------------------------------------------
+
+#: the model-free methods: they need no trained artifact or draft model
+MODEL_FREE = [m for m in ("ar", "ngram", "recycling", "suffix") if m in registry.names()]
+
+
+@pytest.mark.parametrize("method", MODEL_FREE)
+def test_greedy_chat_equals_decoder_for_model_free_methods(client, model, tokenizer, method):
+    prompt = "The quick brown fox"
+    ref = reference(model, tokenizer, prompt, 24)
+    response = chat(client, prompt, temperature=0, extra_body={"specdecode": {"method": method}})
+    choice = response.choices[0]
+    assert choice.message.content == ref.text
+    assert choice.message.role == "assistant" and choice.finish_reason == ref.finish_reason
+    usage = response.usage
+    assert usage.completion_tokens == len(ref.token_ids)
+    assert usage.prompt_tokens == len(Decoder(HFRunner(model), tokenizer).encode(prompt))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    extra = usage.model_extra
+    assert extra["method"] == method
+    assert extra["target_forwards"] == extra["verify_steps"] + 1  # + the prefill
+    assert extra["accepted_tokens"] <= extra["draft_tokens"]
+    # tokens = the prefill's one + (accepted + 1) per verify step, cut at the limit
+    assert extra["mean_accepted_length"] >= 1.0
+    assert extra["verify_steps"] + extra["accepted_tokens"] >= usage.completion_tokens - 1
+
+
+def test_model_alias_picks_the_method(client, model, tokenizer):
+    ref = reference(model, tokenizer, "Hello world", 16)
+    response = chat(client, "Hello world", max_tokens=16, model=f"{MODEL}+ar")
+    assert response.choices[0].message.content == ref.text
+    assert response.usage.model_extra["method"] == "ar"
+    assert response.model == f"{MODEL}+ar"
+    default = chat(client, "Hello world", max_tokens=16, model="default")
+    assert default.usage.model_extra["method"] == "ngram"  # the server's --method
+
+
+def test_completion_text_token_ids_and_batch(client, model, tokenizer):
+    ref = reference(model, tokenizer, "def add(a, b):", 20, chat=False)
+    out = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=20)
+    assert out.choices[0].text == ref.text and out.object == "text_completion"
+    ids = tokenizer("The lazy dog")["input_ids"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=20)
+    assert by_ids.choices[0].text == reference(model, tokenizer, ids, 20, chat=False).text
+    batch = client.completions.create(model=MODEL, prompt=["def add(a, b):", "The lazy dog"],
+                                      max_tokens=20)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == ref.text and batch.choices[1].text == by_ids.choices[0].text
+    assert batch.usage.prompt_tokens == out.usage.prompt_tokens + by_ids.usage.prompt_tokens
+
+
+def test_streaming_equals_the_whole_response(client):
+    whole = chat(client, "How are you today?", max_tokens=30)
+    stream = chat(client, "How are you today?", max_tokens=30, stream=True,
+                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.model_extra["draft_tokens"] == whole.usage.model_extra["draft_tokens"]
+
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20)
+    pieces = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20,
+                                            stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == completion.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == completion.choices[0].finish_reason
+
+
+def test_stream_ends_with_done(served):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+            "stream": True}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    json.loads(lines[-2][6:])
+
+
+def test_stop_sequences_cut_the_text_also_across_stream_pieces(client):
+    content = "The quick brown fox"
+    whole = chat(client, content, max_tokens=40).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in chat(client, content, max_tokens=40,
+                                                                 stream=True) if c.choices]
+    pieces = [p for p in pieces if p]
+    # a stop string that straddles two streamed pieces: its first half must not be streamed
+    assert "".join(pieces) == whole
+    j = next(j for j in range(1, len(pieces)) if whole.find(pieces[j - 1][-1] + pieces[j][0])
+             == len("".join(pieces[:j])) - 1)
+    stop = pieces[j - 1][-1] + pieces[j][0]
+    expected = whole[:whole.find(stop)]
+    response = chat(client, content, max_tokens=40, stop=[stop, "never appears"])
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].finish_reason == "stop"
+    streamed = [c for c in chat(client, content, max_tokens=40, stop=stop, stream=True)
+                if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats_and_n_choices(client):
+    options = dict(temperature=1.5, top_p=0.95, max_tokens=24, extra_body={"top_k": 50})
+    first = chat(client, "Tell me a story", seed=11, n=3, **options)
+    again = chat(client, "Tell me a story", seed=11, n=3, **options)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # choice i is seeded with seed + i
+    other = [chat(client, "Tell me a story", seed=s, **options).choices[0].message.content
+             for s in (12, 13)]
+    assert texts[1:] == other  # so choice 1 of seed 11 is choice 0 of seed 12
+    extras = {"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.3}  # vLLM's extra fields
+    penalised = [chat(client, "Tell me a story", seed=11, presence_penalty=1.0,
+                      frequency_penalty=0.5, temperature=1.5, max_tokens=24, extra_body=extras)
+                 for _ in range(2)]
+    assert penalised[0].choices[0].message.content == penalised[1].choices[0].message.content
+    assert first.usage.completion_tokens == sum(
+        chat(client, "Tell me a story", seed=s, **options).usage.completion_tokens
+        for s in (11, 12, 13))
+
+
+def test_models_health_and_metrics(served, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == MODEL and f"{MODEL}+suffix" in ids and f"{MODEL}+ar" in ids
+    health = httpx.get(served.url + "/health").json()
+    assert health["status"] == "ok" and health["parallel"] == 2 and health["max_context"] == CONTEXT
+    chat(client, "metrics please", max_tokens=8, extra_body={"specdecode": {"method": "ngram"}})
+    text = httpx.get(served.url + "/metrics").text
+    for needle in ('specdecode_requests_total{endpoint="/v1/chat/completions",status="200"}',
+                   'specdecode_completion_tokens_total{method="ngram"}',
+                   'specdecode_target_forwards_total{method="ngram"}',
+                   'specdecode_draft_tokens_total{method="ngram"}',
+                   'specdecode_accepted_tokens_total{method="ngram"}',
+                   'specdecode_accepted_length_bucket{le="1.0",method="ngram"}',
+                   'specdecode_request_latency_seconds_bucket',
+                   'specdecode_time_to_first_token_seconds_count',
+                   'specdecode_queue_wait_seconds_count', 'specdecode_active_sequences'):
+        assert needle in text, needle
+
+
+# ---- bad input: OpenAI's error object, a 4xx, and the server keeps serving ---------------------
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def with_(**changes):
+    body = dict(GOOD)
+    for key, value in changes.items():
+        if value is None:
+            body.pop(key)
+        else:
+            body[key] = value
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("path,body,status,param,needle", [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
+    ("/v1/chat/completions", b"", 400, None, "body is empty"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    ("/v1/chat/completions", b"\xff\xfe", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", with_(messages=None), 400, "messages", "'messages' is a required"),
+    ("/v1/chat/completions", with_(messages="hi"), 400, "messages", "valid list"),
+    ("/v1/chat/completions", with_(messages=[]), 400, "messages", "at least one message"),
+    ("/v1/chat/completions", with_(messages=[{"role": "robot", "content": "x"}]), 400,
+     "messages", "messages.0.role"),
+    ("/v1/chat/completions", with_(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages",
+     "type 'image_url' are not supported"),
+    ("/v1/chat/completions", with_(model=None), 400, "model", "'model' is a required"),
+    ("/v1/chat/completions", with_(max_tokens="ten"), 400, "max_tokens", "valid integer"),
+    ("/v1/chat/completions", with_(max_tokens=0), 400, "max_tokens", "at least 1"),
+    ("/v1/chat/completions", with_(stream="yes"), 400, "stream", "valid boolean"),
+    ("/v1/chat/completions", with_(temperature=-1), 400, "temperature", "temperature must be >= 0"),
+    ("/v1/chat/completions", with_(top_p=0), 400, "top_p", "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", with_(seed=1.5), 400, "seed", "valid integer"),
+    ("/v1/chat/completions", with_(n=99), 400, "n", "n must be between 1 and 8"),
+    ("/v1/chat/completions", with_(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4"),
+    ("/v1/chat/completions", with_(max_token=5), 400, "max_token", "Unrecognized request argument"),
+    ("/v1/chat/completions", with_(logprobs=True), 400, "logprobs", "not supported"),
+    ("/v1/chat/completions", with_(max_tokens=10_000), 400, "max_tokens", "lower max_tokens to at most"),
+    ("/v1/chat/completions", with_(messages=[{"role": "user", "content": "fox " * 300}]), 400,
+     "messages", "maximum context length is 256 tokens"),
+    ("/v1/chat/completions", with_(model="gpt-4"), 404, "model", "does not exist"),
+    ("/v1/chat/completions", with_(model="tiny+bogus"), 400, "model",
+     "unknown method 'bogus'; known methods: ar"),
+    ("/v1/chat/completions", with_(specdecode={"method": "bogus"}), 400, "specdecode.method",
+     "known methods: ar"),
+    ("/v1/chat/completions", with_(model="tiny+ar", specdecode={"method": "ngram"}), 400,
+     "specdecode.method", "give one of them"),
+    ("/v1/chat/completions", with_(specdecode={"method": "ngram", "config": {"bogus": 1}}), 400,
+     "specdecode.config", "has no config field 'bogus'"),
+    ("/v1/chat/completions", with_(specdecode={"method": "ngram", "config": {
+        "num_speculative_tokens": 0}}), 400, "specdecode.config", "must be >= 1"),
+    ("/v1/chat/completions", with_(specdecode={"method": "suffix", "config": {
+        "max_tree_depth": 8}}), 400, None, "max_tree_depth"),
+    ("/v1/chat/completions", b'{"pad": "' + b"x" * (BODY_LIMIT + 10) + b'"}', 413, None,
+     "at most 65536"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt",
+     "prompt is empty"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 5000]}).encode(), 400,
+     "prompt", "outside the vocabulary"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), 400,
+     "echo", "not supported"),
+    ("/v1/nothing", json.dumps(GOOD).encode(), 404, None, "Not Found"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, path, body, status,
+                                                                     param, needle):
+    r = httpx.post(served.url + path, content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    still_serving(served)
+
+
+def test_wrong_http_method_and_chunked_oversized_body(served):
+    r = httpx.get(served.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+    def chunks():  # no content-length: the limit is enforced while reading
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b" " * 1024
+
+    r = httpx.post(served.url + "/v1/chat/completions", content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    still_serving(served)
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "Hi", max_tokens=100_000)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        chat(client, "Hi", model="gpt-4")
+
+
+# ---- concurrency ----------------------------------------------------------------------------
+
+class GatedRunner(HFRunner):
+    """Prefill waits for ``gate``; ``entered`` tells the test it got there."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def prefill(self, ids):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().prefill(ids)
+
+
+class SlowRunner(HFRunner):
+    def forward(self, root, draft):
+        time.sleep(0.02)
+        return super().forward(root, draft)
+
+
+def test_full_queue_answers_429_then_everything_completes(model, tokenizer):
+    runner = GatedRunner(model)
+    with make_server(model, tokenizer, runners=[runner], max_queue=1) as served:
+        results = {}
+
+        def post(name):
+            r = httpx.post(served.url + "/v1/chat/completions", json=GOOD, timeout=60)
+            results[name] = r
+
+        running = threading.Thread(target=post, args=("running",))
+        running.start()
+        assert runner.entered.wait(30)
+        waiting = threading.Thread(target=post, args=("waiting",))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(served.url + "/health").json()["waiting"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        full = httpx.post(served.url + "/v1/chat/completions", json=GOOD)
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "queue_full"
+        n_too_many = httpx.post(served.url + "/v1/chat/completions", json=dict(GOOD, n=2))
+        assert n_too_many.status_code == 429
+        runner.gate.set()
+        running.join(60)
+        waiting.join(60)
+        assert results["running"].status_code == results["waiting"].status_code == 200
+        assert results["running"].json()["choices"] == results["waiting"].json()["choices"]
+        still_serving(served)
+
+
+class FinishSpy(SharedMemory):
+    """Records the output each proposer's ``finish`` receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.finished: list[list[int]] = []
+
+    def make_proposer(self, method, config, runner):
+        proposer = super().make_proposer(method, config, runner)
+        finish = proposer.finish
+
+        def spy(output):
+            self.finished.append(list(output))
+            finish(output)
+
+        proposer.finish = spy
+        return proposer
+
+
+def wait_idle(served, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        load = httpx.get(served.url + "/health").json()
+        if load["running"] == 0 and load["waiting"] == 0:
+            return
+        assert time.monotonic() < deadline, f"slot not freed: {load}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(model, tokenizer, stream):
+    spy = FinishSpy()
+    with make_server(model, tokenizer, runners=[SlowRunner(model)], memory=spy,
+                     method="ar") as served:  # ar: one slow forward per token
+        body = dict(GOOD, max_tokens=200, stream=stream)
+        start = time.monotonic()
+        if stream:
+            with httpx.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+                lines = (json.loads(line[6:]) for line in r.iter_lines() if line)
+                # leave once text arrives: generation is under way
+                next(c for c in lines if c["choices"][0]["delta"].get("content"))
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(served.url + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_idle(served)
+        assert time.monotonic() - start < 200 * 0.02  # well before the generation would end
+        assert len(spy.finished) == 1 and 0 < len(spy.finished[0]) < 200
+        metrics = httpx.get(served.url + "/metrics").text
+        assert 'specdecode_sequences_total{method="ar",outcome="cancelled"} 1.0' in metrics
+        still_serving(served)
+
+
+def test_concurrent_requests_are_never_mixed_up(model, tokenizer):
+    """The load test, small: every response complete and equal to its single-request output."""
+    with make_server(model, tokenizer, parallel=3, max_queue=64) as served:
+        prompts = ["The quick brown fox", "Hello world!", "def add(a, b):", "How are you?",
+                   "Speculative decoding", "thank you"]
+        report = run_load(served.url, MODEL, prompts, requests=24, concurrency=6, max_tokens=16,
+                          time_limit=120)
+        data = report.as_dict()
+        assert report.ok, data["problems"]
+        assert data["completed"] == data["correct"] == 24
+        assert data["requests_per_s"] > 0 and data["p95_latency_s"] >= data["p50_latency_s"] > 0
+
+
+# ---- cross-request memory -------------------------------------------------------------------
+
+def test_suffix_global_tree_is_shared_saved_and_loaded(model, tokenizer, tmp_path):
+    path = tmp_path / "suffix.json"
+    memory = SharedMemory(path)
+    prompt = "The quick brown fox"
+    with make_server(model, tokenizer, memory=memory, method="suffix") as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        first = chat(client, prompt, max_tokens=40)
+        # a second slot's proposer answers the same prompt from the first answer in the tree
+        second = chat(client, prompt, max_tokens=40)
+        assert second.choices[0].message.content == first.choices[0].message.content
+        assert (second.usage.model_extra["mean_accepted_length"]
+                > first.usage.model_extra["mean_accepted_length"])
+        cached = memory.global_cache.cached_requests
+        assert len(cached) == 2
+    assert path.exists()  # saved on shutdown
+
+    restarted = SharedMemory(path)
+    assert len(restarted.global_cache.cached_requests) == 2
+    with make_server(model, tokenizer, memory=restarted, method="suffix") as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        warm = chat(client, prompt, max_tokens=40)
+    assert warm.choices[0].message.content == first.choices[0].message.content
+    assert (warm.usage.model_extra["mean_accepted_length"]
+            > first.usage.model_extra["mean_accepted_length"])
+
+
+def test_a_suffix_cache_of_another_depth_is_refused(tmp_path):
+    from specdecode.errors import SpecDecodeError
+    from specdecode.suffix_tree import SuffixCache
+
+    path = tmp_path / "deep.json"
+    SuffixCache(max_tree_depth=32).save(path)
+    with pytest.raises(SpecDecodeError, match="max_tree_depth 32"):
+        SharedMemory(path)
+
+
+# ---- the real model -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_model_greedy_responses_equal_specdecode_generate(real_model):
+    from specdecode.api import eos_ids
+
+    eos = eos_ids(real_model.model, real_model.tokenizer)
+    runners = [HFRunner(real_model.model) for _ in range(2)]
+    server = Server(runners, real_model.tokenizer, eos,
+                    Settings(model_id="smollm2", method=registry.DEFAULT_METHOD))
+    prompt = "Write a Python function that returns the squares of a list of numbers."
+    with BackgroundServer(create_app(server)) as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                               timeout=300)
+        for method in (registry.DEFAULT_METHOD, "suffix", "ar"):
+            ref = Decoder(HFRunner(real_model.model), real_model.tokenizer, method, eos).generate(
+                prompt, 48)
+            response = chat(client, prompt, max_tokens=48, model=f"smollm2+{method}")
+            assert response.choices[0].message.content == ref.text, method
+            assert response.usage.completion_tokens == len(ref.token_ids)
