@@ -16,6 +16,9 @@ from specdecode.errors import SpecDecodeError
 
 #: command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("specdecode.bench.cli", "time every method and the peers on Spec-Bench questions"),
+    "simulate": ("specdecode.bench.simulate",
+                 "replay recorded ar outputs through model-free proposers (no model)"),
     "serve": ("specdecode.server", "OpenAI-compatible HTTP server with speculative decoding"),
 }
 

@@ -1,0 +1,267 @@
+"""``specdecode bench``: every method and the peers over a Spec-Bench question file, one run.
+
+    specdecode bench --per-task 10 --max-new-tokens 128 --out bench-out
+
+Every input is checked before the model loads (question file, methods, peers, sampling
+options, the output folder). The run writes, into ``--out``: ``records.jsonl`` (one record per
+contender x question x turn), ``summary.json``, ``report.md`` and the PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.bench.contenders import (PEERS, HFGenerate, LlamaCpp, MethodContender,
+                                         llama_cpp_available)
+from specdecode.bench.datasets import Question, load_questions, sample_per_task
+from specdecode.bench.metrics import accepted_histograms, summarize
+from specdecode.bench.report import markdown, plots
+from specdecode.bench.runner import BenchOptions, Target, encode_messages, jsonl_writer, run_bench
+from specdecode.errors import SpecDecodeError, require
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.cli import add_model_arguments, add_sampling_arguments
+
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated methods (default: every registered method); "
+                             "'ar' is always run, as the reference")
+    parser.add_argument("--data", default=None, metavar="FILE",
+                        help="question file in Spec-Bench's JSON-lines format (default: the "
+                             "packaged Spec-Bench dev half, 240 questions, 6 tasks)")
+    parser.add_argument("--per-task", type=int, default=None, metavar="N",
+                        help="the first N questions of each task (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each prompt this many times; records keep the median")
+    parser.add_argument("--out", default="bench-out", metavar="DIR",
+                        help="output folder (created; files in it are replaced)")
+    parser.add_argument("--peers", default="all",
+                        help=f"comma-separated peers from {', '.join(PEERS)}; 'all' (default: "
+                             "those available) or 'none'")
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                        help="method config field (repeatable), e.g. -c ngram.max_ngram=4")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+
+
+@dataclass
+class Plan:
+    """Everything checked before the model loads."""
+
+    questions: list[Question]
+    #: (name, registry Method, frozen config), ar first
+    methods: list[tuple]
+    #: requested peer names; None = every available one
+    peers: list[str] | None
+    options: BenchOptions
+    out: Path
+
+
+def parse_methods(spec: str | None, config_pairs: list[str]) -> list[tuple]:
+    from specdecode import registry
+    from specdecode.cli import parse_config
+
+    names = registry.names() if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
+    require(len(names) > 0, "--methods is empty; give names such as ar,ngram "
+                            "(see `specdecode methods`)")
+    methods = [registry.get(n) for n in names]  # unknown names fail here, listing the known
+    overrides: dict[str, dict] = {}
+    for key, value in parse_config(config_pairs).items():
+        method, dot, field = key.partition(".")
+        require(dot and field, f"--config expects METHOD.KEY=VALUE, got {key}={value}")
+        require(method in names, f"--config names method {method!r}, which is not in --methods")
+        overrides.setdefault(method, {})[field] = value
+    chosen = [(m.name, m, m.make_config(overrides.get(m.name))) for m in methods]
+    if "ar" not in names:
+        ar = registry.get("ar")
+        chosen.append(("ar", ar, ar.make_config()))
+    chosen.sort(key=lambda c: c[0] != "ar")
+    return list({c[0]: c for c in chosen}.values())
+
+
+def parse_peers(spec: str, model: str) -> list[str] | None:
+    spec = spec.strip()
+    if spec == "all":
+        return None
+    if spec == "none":
+        return []
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    require(not unknown, f"unknown peer(s) {', '.join(map(repr, unknown))}; known peers: "
+                         f"{', '.join(PEERS)} (or 'all', 'none')")
+    if any(n.startswith("llama.cpp") for n in names):
+        require(llama_cpp_available(),
+                "the llama.cpp peers need llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
+                "-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF\" pip install "
+                "llama-cpp-python (see docs/bench.md)")
+        require(gguf_path_for(model) is not None,
+                f"the llama.cpp peers need a GGUF file; --model {model!r} is not one")
+    return list(dict.fromkeys(names))
+
+
+def gguf_path_for(model: str) -> Path | None:
+    from specdecode.models.loading import DEFAULT_MODEL, default_gguf_path
+
+    if model in (DEFAULT_MODEL, "default"):
+        return default_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None
+
+
+def prepare_out(out: str) -> Path:
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".specdecode-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot write to --out {out}: {exc.strerror or exc}; choose a "
+                              "folder you can write") from None
+    return path
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    from specdecode.cli import sampling_options
+    from specdecode.sampling import SamplingParams
+
+    questions = sample_per_task(load_questions(args.data), args.per_task)
+    methods = parse_methods(args.methods, args.config)
+    peers = parse_peers(args.peers, args.model)
+    sampling = SamplingParams(**sampling_options(args))
+    require(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
+    options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           repeats=args.repeats, seed=0 if args.seed is None else args.seed)
+    return Plan(questions, methods, peers, options, prepare_out(args.out))
+
+
+def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> tuple[list, list[str]]:
+    """Our methods (ar first), then the peers; and notes on peers left out."""
+    contenders = [MethodContender(name, method, config, target.runner, target.eos_token_ids)
+                  for name, method, config in plan.methods]
+    notes: list[str] = []
+    wanted = plan.peers
+    for peer in PEERS if wanted is None else wanted:
+        explicit = wanted is not None
+        if peer.startswith("hf"):
+            if target.hf_model is None:
+                require(not explicit, f"peer {peer!r} needs a transformers model")
+                notes.append(f"{peer}: no transformers model behind this runner")
+                continue
+            contender = HFGenerate(target.hf_model, target.eos_token_ids, peer == "hf-pld")
+        else:
+            if not llama_cpp_available() or target.gguf_path is None:
+                notes.append(f"{peer}: " + ("llama-cpp-python is not installed"
+                                            if not llama_cpp_available() else "no GGUF file"))
+                continue
+            contender = LlamaCpp(target.gguf_path, target.eos_token_ids, peer == "llama.cpp-pld",
+                                 llama_n_ctx(target, questions, plan.options.max_new_tokens))
+        reason = contender.unsupported(plan.options.sampling)
+        if reason:
+            require(not explicit, f"peer {peer!r} cannot run these sampling options: {reason}")
+            notes.append(f"{peer}: skipped, {reason}")
+            continue
+        contenders.append(contender)
+    return contenders, notes
+
+
+def llama_n_ctx(target: Target, questions: list[Question], max_new_tokens: int) -> int:
+    """A context just big enough for the longest conversation (logits_all keeps a row per
+    context position, so 8192 would cost 1.6 GB of logits)."""
+    need = 0
+    for q in questions:
+        messages = [{"role": "user", "content": t} for t in q.turns]
+        need = max(need, len(encode_messages(target.tokenizer, messages))
+                   + len(q.turns) * (max_new_tokens + 32))
+    return min(target.runner.max_context, -(-need // 256) * 256)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with " \
+           f"{torch.get_num_threads()} threads"
+
+
+def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None = None) -> dict:
+    """Run the plan on ``target``; write records.jsonl, summary.json, report.md and plots."""
+    contenders, notes = build_contenders(target, plan, plan.questions)
+    write, close = jsonl_writer(plan.out / "records.jsonl")
+    started = time.time()
+    try:
+        records = run_bench(target, plan.questions, contenders, plan.options, write, progress)
+    finally:
+        close()
+    summary = summarize(records)
+    s = plan.options.sampling
+    info = {
+        "model": target.source,
+        "runner": target.runner.name,
+        "machine": machine(),
+        "questions": f"{len(plan.questions)} ({', '.join(summary['tasks'])}), "
+                     f"{sum(len(q.turns) for q in plan.questions)} turns",
+        "max_new_tokens": plan.options.max_new_tokens,
+        "sampling": "greedy" if s.greedy else
+                    f"temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+                    f"min_p {s.min_p}, seeds from {plan.options.seed}",
+        "repeats": plan.options.repeats,
+        "contenders": ", ".join(c.name for c in contenders),
+        "peers left out": "; ".join(notes) or "none",
+        "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        **(meta or {}),
+    }
+    summary = {"meta": info, **summary}
+    (plan.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    written = plots(summary, accepted_histograms(records), plan.out)
+    info["plots"] = (", ".join(p.name for p in written) or "none") if isinstance(written, list) \
+        else written
+    (plan.out / "report.md").write_text(markdown(summary, info))
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.cli import load_target
+    from specdecode.models.hf import HFRunner
+
+    checked = plan(args)
+    runner, tokenizer, eos = load_target(args)
+    hf_model = runner.model if isinstance(runner, HFRunner) else None
+    if hf_model is None and (checked.peers is None or any(p.startswith("hf") for p in checked.peers)):
+        from specdecode.models.loading import load_model
+
+        hf_model = load_model(args.model).model
+    target = Target(runner, tokenizer, eos, hf_model, gguf_path_for(args.model), args.model)
+    summary = bench(target, checked, progress=not args.no_progress,
+                    meta={"command": "specdecode bench " + " ".join(_argv())})
+    print(f"wrote {checked.out}/records.jsonl, summary.json, report.md")
+    print(f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'vs hf':>8}{'tau':>7}{'identical':>11}")
+    for name, entry in summary["methods"].items():
+        o = entry["overall"]
+        vs_hf = "-" if o["speedup_vs_hf"] is None else f"{o['speedup_vs_hf']:.2f}x"
+        tau = "-" if o["mean_accepted"] is None else f"{o['mean_accepted']:.2f}"
+        print(f"{name:<16}{o['tokens_per_s']:>10.1f}{o['speedup_vs_ar']:>7.2f}x{vs_hf:>8}"
+              f"{tau:>7}{o['identical_fraction']:>11.0%}")
+    return 0
+
+
+def _argv() -> list[str]:
+    import sys
+
+    argv = sys.argv[1:]
+    return argv[1:] if argv and argv[0] == "bench" else argv

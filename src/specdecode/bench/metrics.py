@@ -1,0 +1,110 @@
+"""Records -> ``summary.json``: per contender, overall and per task.
+
+Aggregation (stated once here and in docs/bench.md):
+
+- ``tokens_per_s`` = total new tokens / total wall time of the records in the cell (each
+  record's wall time is the median of its repeats). This weights every request by its time, so
+  one short answer cannot swing a task; Spec-Bench averages per-question speeds instead, which
+  lets a 3-token answer count as much as a 128-token one.
+- ``speedup_vs_ar`` = the cell's ``tokens_per_s`` / ``ar``'s ``tokens_per_s`` in the same cell
+  (same run, same questions); ``speedup_vs_hf`` the same against the ``hf`` peer (plain
+  ``transformers`` ``generate``), None when that peer did not run.
+- ``overall`` pools every record of every task the same way (total tokens / total time).
+- ``median_speedup_vs_ar``: the median over prompts of the per-prompt ratio, a check that the
+  pooled figure is not carried by a few prompts.
+- ``mean_accepted`` (tau): tokens committed per verify step, the prefill's token excluded - the
+  engine's own accepted lengths for our methods; for peers, which do not expose per-step data,
+  (new tokens - 1) / (target forwards - 1) per request, pooled.
+- ``identical_fraction``: the share of records whose token ids equal ``ar``'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from specdecode.bench.datasets import task_sort_key
+
+FIELDS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted", "identical_fraction")
+
+
+def _cell(records: Sequence[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    steps = [n for r in records for n in (r["accepted_lengths"] or [])]
+    if records and all(r["accepted_lengths"] is not None for r in records):
+        accepted = sum(steps) / len(steps) if steps else None
+    else:
+        # peers: every forward after the prefill committed (tokens - 1) / (forwards - 1)
+        after = sum(r["new_tokens"] - 1 for r in records)
+        forwards = sum(r["target_forwards"] - 1 for r in records)
+        accepted = after / forwards if forwards > 0 else None
+    return {
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "mean_accepted": accepted,
+        "identical_fraction": sum(r["identical_to_ar"] for r in records) / len(records),
+        "new_tokens": tokens,
+        "wall_s": wall,
+        "target_forwards": sum(r["target_forwards"] for r in records),
+        "records": len(records),
+    }
+
+
+def _key(r: dict) -> tuple:
+    return (r["question_id"], r["turn"])
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """``{"tasks": [...], "methods": {name: {"kind", "overall": {...}, "tasks": {task: {...}}}}}``"""
+    names = list(dict.fromkeys(r["method"] for r in records))
+    tasks = sorted({r["task"] for r in records}, key=task_sort_key)
+    by_method = {n: [r for r in records if r["method"] == n] for n in names}
+    ar_speed = {_key(r): r["new_tokens"] / r["wall_s"] for r in by_method.get("ar", [])
+                if r["wall_s"] > 0}
+    methods: dict[str, dict] = {}
+    for name in names:
+        rows = by_method[name]
+        cells = {"overall": _cell(rows)}
+        for task in tasks:
+            task_rows = [r for r in rows if r["task"] == task]
+            if task_rows:
+                cells[task] = _cell(task_rows)
+        for scope, cell in cells.items():
+            scoped = rows if scope == "overall" else [r for r in rows if r["task"] == scope]
+            ratios = [(r["new_tokens"] / r["wall_s"]) / ar_speed[_key(r)]
+                      for r in scoped if _key(r) in ar_speed and r["wall_s"] > 0
+                      and ar_speed[_key(r)] > 0]
+            cell["median_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
+        methods[name] = {"kind": rows[0]["kind"], "cells": cells}
+    for name, entry in methods.items():
+        for scope, cell in entry["cells"].items():
+            for ref, key in (("ar", "speedup_vs_ar"), ("hf", "speedup_vs_hf")):
+                base = methods.get(ref, {}).get("cells", {}).get(scope)
+                cell[key] = (cell["tokens_per_s"] / base["tokens_per_s"]
+                             if base and base["tokens_per_s"] > 0 else None)
+    return {
+        "tasks": tasks,
+        "methods": {
+            name: {"kind": e["kind"], "overall": _rounded(e["cells"]["overall"]),
+                   "tasks": {t: _rounded(c) for t, c in e["cells"].items() if t != "overall"}}
+            for name, e in methods.items()
+        },
+    }
+
+
+def _rounded(cell: dict) -> dict:
+    ordered = {k: cell[k] for k in FIELDS}
+    ordered.update({k: v for k, v in cell.items() if k not in FIELDS})
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in ordered.items()}
+
+
+def accepted_histograms(records: Sequence[dict]) -> dict[str, dict[int, int]]:
+    """method -> accepted length -> verify steps (methods that expose accepted lengths)."""
+    out: dict[str, dict[int, int]] = {}
+    for r in records:
+        if r["accepted_lengths"] is None:
+            continue
+        hist = out.setdefault(r["method"], {})
+        for n in r["accepted_lengths"]:
+            hist[n] = hist.get(n, 0) + 1
+    return {m: dict(sorted(h.items())) for m, h in out.items()}

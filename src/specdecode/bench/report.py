@@ -1,0 +1,93 @@
+"""``summary.json`` -> ``report.md`` (per task and overall tables) and PNG plots
+(``speedup.png``: speedup over ``ar`` per task per contender; ``accepted_hist.png``: the
+accepted-length histogram per method). matplotlib is imported only here, and only if present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _table(summary: dict, field: str, spec: str, suffix: str = "") -> list[str]:
+    tasks = summary["tasks"]
+    lines = ["| method | " + " | ".join(tasks) + " | overall |",
+             "|---|" + "---:|" * (len(tasks) + 1)]
+    for name, entry in summary["methods"].items():
+        cells = [_fmt(entry["tasks"].get(t, {}).get(field), spec, suffix) for t in tasks]
+        cells.append(_fmt(entry["overall"][field], spec, suffix))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    lines = ["# specdecode bench", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    lines += ["", "## Overall", "",
+              "| method | kind | tokens/s | speedup vs ar | speedup vs hf | mean accepted | "
+              "identical to ar |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for name, entry in summary["methods"].items():
+        o = entry["overall"]
+        lines.append(
+            f"| {name} | {entry['kind']} | {_fmt(o['tokens_per_s'], '.1f')} | "
+            f"{_fmt(o['speedup_vs_ar'], '.2f', 'x')} | {_fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
+            f"{_fmt(o['mean_accepted'], '.2f')} | {_fmt(o['identical_fraction'], '.0%')} |")
+    sections = [("Speedup over ar", "speedup_vs_ar", ".2f", "x"),
+                ("Speedup over transformers generate (hf)", "speedup_vs_hf", ".2f", "x"),
+                ("Tokens per second", "tokens_per_s", ".1f", ""),
+                ("Mean accepted length (tokens per verify step)", "mean_accepted", ".2f", ""),
+                ("Identical to ar (share of question turns)", "identical_fraction", ".0%", "")]
+    for title, field, spec, suffix in sections:
+        lines += ["", f"## {title}, per task", ""] + _table(summary, field, spec, suffix)
+    lines += ["", "Speedups are ratios of pooled throughput (total new tokens / total wall "
+                  "time) measured in this run; see docs/bench.md.", ""]
+    return "\n".join(lines)
+
+
+def plots(summary: dict, histograms: dict[str, dict[int, int]], out: Path) -> list[Path] | str:
+    """Write the PNG plots; returns their paths, or why there are none."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (pip install 'specdecode[bench]'); no plots"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    scopes = summary["tasks"] + ["overall"]
+    names = [n for n in summary["methods"] if n != "ar"]
+    if names:
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(scopes)), 4))
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            entry = summary["methods"][name]
+            values = [(entry["overall"] if s == "overall" else entry["tasks"].get(s, {}))
+                      .get("speedup_vs_ar") or 0.0 for s in scopes]
+            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(scopes))], values,
+                   width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(scopes)), scopes, rotation=20)
+        ax.set_ylabel("speedup over ar")
+        ax.legend(fontsize="small", ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / "speedup.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "speedup.png")
+    shown = {m: h for m, h in histograms.items() if m != "ar" and h}
+    if shown:
+        fig, axes = plt.subplots(len(shown), 1, figsize=(6, 1.8 * len(shown) + 0.6), squeeze=False)
+        for ax, (name, hist) in zip(axes[:, 0], shown.items()):
+            steps = sum(hist.values())
+            ax.bar(list(hist), [v / steps for v in hist.values()], width=0.8)
+            ax.set_title(f"{name} ({steps} verify steps)", fontsize="small")
+            ax.set_ylabel("share")
+        axes[-1, 0].set_xlabel("tokens committed per verify step (accepted + 1)")
+        fig.tight_layout()
+        fig.savefig(out / "accepted_hist.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "accepted_hist.png")
+    return written

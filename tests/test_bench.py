@@ -1,0 +1,210 @@
+"""The bench harness end to end on a tiny random model, the simulator against the engine, and
+bad input rejected before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from specdecode import registry
+from specdecode.bench import cli as bench_cli
+from specdecode.bench import simulate
+from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.bench.metrics import FIELDS
+from specdecode.bench.runner import Target
+from specdecode.cli import main
+from specdecode.errors import SpecDecodeError
+from specdecode.models.hf import HFRunner
+
+
+class ToyTokenizer:
+    """Characters <-> ids 4..95 and a chat template, enough for the harness on tiny_llama."""
+
+    chat_template = "toy"
+
+    def encode(self, text):
+        return [4 + ord(c) % 92 for c in text]
+
+    def __call__(self, text):
+        return {"input_ids": self.encode(text)}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        ids = [1]
+        for m in messages:
+            ids += [3] + self.encode(m["role"][0] + ":" + m["content"]) + [3]
+        return ids + self.encode("a:")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + (i - 4) % 92) for i in ids if i >= 4)
+
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["abc abc abc abd", "again abc abc"]},
+    {"question_id": 2, "category": "translation", "turns": ["xyz xyz xyz xy"]},
+    {"question_id": 3, "category": "translation", "turns": ["hello hello hel"]},
+    {"question_id": 4, "category": "qa", "turns": ["q: 1 2 3 1 2 3 1 2"]},
+]
+
+
+def write_questions(path, rows=QUESTIONS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench_args(tmp_path, *extra):
+    data = write_questions(tmp_path / "q.jsonl")
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(["--data", str(data), "--out", str(tmp_path / "out"),
+                              "--max-new-tokens", "20", *extra])
+
+
+def tiny_target(tiny_model, eos=(2,)):
+    return Target(HFRunner(tiny_model), ToyTokenizer(), list(eos), tiny_model, None, "tiny")
+
+
+def test_bench_end_to_end(tmp_path, tiny_model):
+    plan = bench_cli.plan(bench_args(tmp_path, "--max-new-tokens", "16"))
+    summary = bench_cli.bench(tiny_target(tiny_model), plan, progress=False)
+    out = tmp_path / "out"
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    names = registry.names() + ["hf", "hf-pld"]
+    assert list(summary["methods"]) == names
+    # one record per contender x question x turn
+    assert len(records) == len(names) * 5
+    assert summary["tasks"] == ["mt_bench", "translation", "qa"]
+    for name in registry.names():
+        entry = summary["methods"][name]
+        for cell in [entry["overall"], *entry["tasks"].values()]:
+            assert set(FIELDS) <= set(cell)
+            assert cell["identical_fraction"] == 1.0, name
+            assert cell["speedup_vs_hf"] is not None and cell["tokens_per_s"] > 0
+    assert summary["methods"]["ar"]["overall"]["speedup_vs_ar"] == 1.0
+    assert summary["methods"]["ar"]["overall"]["mean_accepted"] == 1.0
+    # greedy transformers generate reproduces ar on this runner (fp32, CPU)
+    assert summary["methods"]["hf"]["overall"]["identical_fraction"] == 1.0
+    ar = [r for r in records if r["method"] == "ar"]
+    assert all("prompt_ids" in r for r in ar)
+    for r in records:
+        assert r["new_tokens"] == len(r["token_ids"]) <= 16
+        if r["kind"] == "method":
+            assert sum(r["accepted_lengths"]) + 1 >= r["new_tokens"]
+    # the second turn carries the first answer: a longer prompt than turn 0
+    turns = {r["turn"]: r["prompt_tokens"] for r in ar if r["question_id"] == 1}
+    assert turns[1] > turns[0] + 10
+    report = (out / "report.md").read_text()
+    assert "| ngram |" in report and "Speedup over ar, per task" in report
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the bench extra)")
+    assert (out / "speedup.png").stat().st_size > 1000
+    assert (out / "accepted_hist.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module", params=["greedy", "sampled"])
+def ngram_run(request, tmp_path_factory, tiny_model):
+    """ar and ngram, 32 tokens, no end-of-sequence id (the engine would walk a draft past it,
+    where a recording is silent)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    # greedy also checks repeats: two passes, new proposers each
+    extra = ["--temperature", "0.9"] if request.param == "sampled" else ["--repeats", "2"]
+    plan = bench_cli.plan(bench_args(tmp, "--methods", "ngram", "--peers", "none",
+                                     "--max-new-tokens", "32", *extra))
+    summary = bench_cli.bench(tiny_target(tiny_model, eos=()), plan, progress=False)
+    return summary, tmp / "out" / "records.jsonl"
+
+
+def test_simulator_agrees_with_engine(ngram_run):
+    summary, path = ngram_run
+    assert list(summary["methods"]) == ["ar", "ngram"]
+    # greedy, and seeded sampling with a deterministic draft (verify.py), reproduce ar
+    assert summary["methods"]["ngram"]["overall"]["identical_fraction"] == 1.0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 2 * 5
+    assert all(len(r["wall_s_repeats"]) == summary["meta"]["repeats"] for r in rows)
+    engine = [r["accepted_lengths"] for r in rows if r["method"] == "ngram"]
+    recording = simulate.load_recording(path)
+    method = registry.get("ngram")
+    replayed = simulate.simulate(recording, method, method.make_config())
+    assert replayed == engine
+    assert any(n > 1 for steps in engine for n in steps)  # drafts did land
+    per_task = simulate.summarize(recording, replayed)
+    assert list(per_task) == ["mt_bench", "translation", "qa", "overall"]
+    steps = [n for s in engine for n in s]
+    assert per_task["overall"]["mean_accepted"] == pytest.approx(sum(steps) / len(steps), abs=1e-4)
+
+
+def test_simulate_cli_and_simulable_methods(ngram_run, capsys):
+    _, path = ngram_run
+    assert main(["simulate", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "ngram" in result and "recycling" not in result
+    assert result["ar"]["tasks"]["overall"]["mean_accepted"] == 1.0
+    assert not simulate.simulable(registry.get("recycling"))
+    assert main(["simulate", str(path), "--methods", "recycling"]) == 2
+    assert "needs the target model" in capsys.readouterr().err
+
+
+def test_per_task_sample_spreads_over_mt_bench_categories():
+    questions = sample_per_task(load_questions(), 8)
+    mt = [q for q in questions if q.task == "mt_bench"]
+    assert len(questions) == 48 and len({q.category for q in mt}) == 8
+    assert len(load_questions()) == 240
+
+
+def _no_model(*_):
+    raise AssertionError("the model must not load for bad input")
+
+
+@pytest.mark.parametrize("rows,message", [
+    (['{"question_id": 1, "category": "qa", "turns": ["hi"]}', '{"question_id": 2,'],
+     "line 2: not valid JSON"),
+    (['{"question_id": 1, "category": "qa"}'], "line 1: missing field(s) turns"),
+    (['{"question_id": 1, "category": "qa", "turns": []}'], "line 1: turns must be"),
+    (['{"question_id": 1, "category": "qa", "turns": ["a"]}',
+      '{"question_id": 1, "category": "qa", "turns": ["b"]}'], "line 2: question_id 1 repeats"),
+])
+def test_malformed_question_file_names_the_line(tmp_path, capsys, monkeypatch, rows, message):
+    monkeypatch.setattr("specdecode.cli.load_target", _no_model)
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    assert main(["bench", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(data) in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "/nonexistent/q.jsonl"], "question file /nonexistent/q.jsonl does not exist"),
+    (["--methods", "ar,nope"], "unknown method 'nope'"),
+    (["--peers", "hf,vllm"], "unknown peer(s) 'vllm'"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--per-task", "0"], "--per-task must be positive"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["-c", "suffix.x=1", "--methods", "ngram"], "not in --methods"),
+    (["-c", "ngram.bogus=1", "--methods", "ngram"], "has no config field 'bogus'"),
+])
+def test_bad_bench_input_fails_before_the_model_loads(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setattr("specdecode.cli.load_target", _no_model)
+    assert main(["bench", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_unwritable_out_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("specdecode.cli.load_target", _no_model)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--out", str(blocker / "sub")]) == 2
+    assert "cannot write to --out" in capsys.readouterr().err
+
+
+def test_bad_recording(tmp_path):
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        simulate.load_recording(tmp_path / "none.jsonl")
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"method": "ar", "task": "qa"}\n')
+    with pytest.raises(SpecDecodeError, match="line 1: the ar record lacks prompt_ids"):
+        simulate.load_recording(path)
+    path.write_text('{"method": "ngram"}\n')
+    with pytest.raises(SpecDecodeError, match="no 'ar' records"):
+        simulate.load_recording(path)
