@@ -130,6 +130,7 @@ class Generation:
         generator = self.sampling.generator()
         context = list(self.prompt_ids)
         prompt_len = len(context)
+        proposer.set_sampling(self.sampling)
         proposer.start(self.prompt_ids)
         try:
             logits = runner.prefill(context)

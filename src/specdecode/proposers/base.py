@@ -1,7 +1,8 @@
 """The proposer interface: where draft tokens come from.
 
 A proposer only proposes; it never decides what is accepted. Its lifecycle per request:
-``start(prompt)`` -> (``propose(context, budget)`` -> ``observe(feedback)``)* -> ``finish(output)``.
+``set_sampling(params)`` -> ``start(prompt)`` -> (``propose(context, budget)`` ->
+``observe(feedback)``)* -> ``finish(output)``.
 State that outlives a request (a global suffix tree, a token-recycling matrix) stays on the
 instance, so one proposer serving many requests learns across them.
 """
@@ -17,6 +18,7 @@ import torch
 from specdecode.control import Budget, Controller
 from specdecode.draft import Draft
 from specdecode.models.base import Runner
+from specdecode.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,17 @@ class Proposer(ABC):
     def __init__(self, config, runner: Runner):
         self.config = config
         self.runner = runner
+        self.sampling: SamplingParams = GREEDY
 
     def make_controller(self) -> Controller:
         """The budget controller this method uses by default (fixed: the proposer's own limits)."""
         return Controller()
+
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        """The request's sampling options, given just before :meth:`start`. Proposers that draw
+        their drafts from a model (draft models) sample from the same processed distribution as
+        the target, and record it in ``Draft.probs`` for the verifier."""
+        self.sampling = sampling
 
     def start(self, prompt: Sequence[int]) -> None:
         """A request begins with ``prompt`` (token ids)."""
