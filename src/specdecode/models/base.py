@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
 
 
 class Runner(ABC):
@@ -55,3 +56,37 @@ class Runner(ABC):
     def fingerprint(self) -> str:
         """Identifies the target's weights (for trained artifacts); runners override."""
         return f"{self.name}:{self.vocab_size}:{self.num_layers}"
+
+    # ---- optional: early exit, for self-speculative proposers (LayerSkip, DEL) -------------
+    # Runners that implement these set ``supports_early_exit``; proposers check it up front.
+
+    #: True where :meth:`exit_forward`, :meth:`exit_logits` and :meth:`capture_hidden` work
+    supports_early_exit: bool = False
+    #: after a :meth:`forward` with :meth:`capture_hidden` on: {layer: hidden [1 + n, H]}
+    captured: dict[int, torch.Tensor]
+
+    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
+        """Run ``tokens`` through the first ``exit_layer`` layers only and return that layer's
+        output hidden states [n, H] (before any norm).
+
+        The first call of a step feeds the root; later calls continue the chain. Their KV rows
+        go into layers < ``exit_layer`` of the target's own cache (shared KV: the committed
+        tokens' entries there are exactly what a draft pass computes) and are dropped before
+        the next :meth:`forward`, which stays the normal full pass over root and draft.
+        """
+        raise self._no_early_exit()
+
+    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        """float32 logits [n, V] from an exit layer's hidden states [n, H]: the final norm and
+        the LM head, or ``adapter`` (a module mapping hidden states to normed ones) then the
+        LM head."""
+        raise self._no_early_exit()
+
+    def capture_hidden(self, layers: Sequence[int]) -> None:
+        """From now on, every :meth:`forward` keeps the output hidden states of ``layers``
+        (1 .. num_layers - 1) for its rows in :attr:`captured`; ``()`` stops capturing."""
+        raise self._no_early_exit()
+
+    def _no_early_exit(self) -> SpecDecodeError:
+        return SpecDecodeError(f"the {self.name} runner does not support early exit; "
+                               "use the hf runner (--runner hf)")

@@ -4,6 +4,10 @@ The tree is passed as an explicit 4-D additive attention mask (each node sees th
 prefix, the root, its ancestors and itself) with depth-based position ids. ``commit`` moves the
 accepted path's KV rows into place in the ``DynamicCache`` and crops the rest, so rejected
 branches cost nothing after the step.
+
+Early exit (Llama-layout models): ``exit_forward`` runs draft tokens through the first layers
+with the model's own modules, writing their KV rows into those layers of the same cache; the
+next ``forward`` crops them first, so verification is always the plain full forward.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ class HFRunner(Runner):
         self.cache = DynamicCache()
         self._len = 0
         self._pending = 0  # rows appended by the last forward, not yet committed
+        self.supports_early_exit = config.model_type in _EARLY_EXIT_TYPES and all(
+            hasattr(getattr(model, "model", None), a) for a in ("embed_tokens", "layers", "norm",
+                                                                 "rotary_emb"))
+        self.captured = {}
+        self._capture: tuple[int, ...] = ()
+        self._exit_rows = 0  # rows appended to the first layers by exit_forward this step
+        self._exit_layer = 0
 
     @property
     def cache_len(self) -> int:
@@ -51,11 +62,13 @@ class HFRunner(Runner):
                          logits_to_keep=1)
         self._len = len(ids)
         self._pending = 0
+        self._exit_rows = 0
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
         require(self._pending == 0, "runner.forward called twice without commit")
+        self._drop_exit_rows()
         n = len(draft) + 1
         past = self._len
         input_ids = torch.tensor([(root,) + draft.tokens], dtype=torch.long)
@@ -65,8 +78,12 @@ class HFRunner(Runner):
         mask = torch.zeros(1, 1, n, past + n, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+                         past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=bool(self._capture))
         self._pending = n
+        if self._capture:
+            # hidden_states[l] is layer l's output (index 0: the embeddings)
+            self.captured = {layer: out.hidden_states[layer][0] for layer in self._capture}
         return out.logits[0].float()
 
     @torch.inference_mode()  # the cache tensors were made in inference mode
@@ -81,3 +98,60 @@ class HFRunner(Runner):
         self._len += keep
         self._pending = 0
         self.cache.crop(self._len)
+
+    # ---- early exit ------------------------------------------------------------------------
+
+    def _check_exit_layer(self, layer: int) -> None:
+        require(self.supports_early_exit,
+                f"early exit needs a Llama-layout model ({', '.join(sorted(_EARLY_EXIT_TYPES))}); "
+                f"this one is '{self.model.config.model_type}'")
+        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
+                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
+                f"an exit layer must be in 1..{self.num_layers - 1}")
+
+    def _drop_exit_rows(self) -> None:
+        if self._exit_rows:
+            self.cache.crop(self._len)
+            self._exit_rows = 0
+
+    @torch.inference_mode()
+    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
+        self._check_exit_layer(exit_layer)
+        require(self._pending == 0, "exit_forward called between forward and commit")
+        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
+                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
+                "the deeper layers would lack the earlier draft tokens")
+        inner = self.model.model
+        n = len(tokens)
+        start = self._len + self._exit_rows
+        hidden = inner.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n, H]
+        positions = torch.arange(start, start + n)
+        rope = inner.rotary_emb(hidden, positions.unsqueeze(0))
+        mask = None  # one new token attends to everything before it
+        if n > 1:  # a chain: causal over the new rows
+            mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype)
+            mask[..., start:] = torch.full((n, n), torch.finfo(self.dtype).min).triu(1)
+        for layer in inner.layers[:exit_layer]:
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions.unsqueeze(0),
+                           past_key_values=self.cache, use_cache=True, cache_position=positions,
+                           position_embeddings=rope)
+            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                hidden = hidden[0]
+        self._exit_rows += n
+        self._exit_layer = exit_layer
+        return hidden[0]
+
+    @torch.inference_mode()
+    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        normed = self.model.model.norm(hidden) if adapter is None else adapter(hidden)
+        return self.model.get_output_embeddings()(normed).float()
+
+    def capture_hidden(self, layers: Sequence[int]) -> None:
+        for layer in layers:
+            self._check_exit_layer(layer)
+        self._capture = tuple(layers)
+        self.captured = {}
+
+
+#: model types whose decoder stack is embed_tokens -> layers(position_embeddings=rope) -> norm
+_EARLY_EXIT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})

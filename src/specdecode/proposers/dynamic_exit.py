@@ -1,0 +1,188 @@
+"""DEL: a context-aware dynamic exit layer for self-speculative decoding (Zarch et al., COLM 2025,
+arXiv 2504.05598). Named ``del`` in the registry; ``del`` is a Python keyword, hence this file's
+name.
+
+Early-exit drafting (see ``early_exit``) with the exit layer and the draft length chosen anew
+every round:
+
+1. *Shadow tokens.* The verify pass already computes every layer's hidden state for the
+   committed rows, so the runner keeps those of the candidate exit layers; the exit head of each
+   layer l turns them into the token l would have drafted there. Row i's shadow token is accepted
+   exactly when it equals the committed token after row i (the context up to row i is the
+   target's own), so each round gives every candidate layer a few acceptance trials for free.
+2. *Context-aware acceptance.* Per layer, decayed counts of accepted / tried shadow tokens
+   (``decay`` per round: recent context counts more) give the acceptance rate alpha_l, starting
+   from a prior (the adapters' measured agreement, else 0.5) worth ``prior_weight`` trials.
+3. *Token per layer.* Each round picks the layer l and draft length d maximising expected
+   tokens per layer computed, TPL(l, d) = (1 - alpha_l^(d+1)) / (1 - alpha_l) / cost(l, d),
+   where the paper's cost is d * l + L (L = all layers). On a CPU two terms it ignores matter:
+   the LM head (``head_cost`` layers per application) and the verify pass growing with the
+   draft (``verify_token_cost`` of a full pass per draft token); both default to values measured
+   on SmolLM2-135M here. d = 0 (plain decoding) competes too, so a context where no exit agrees
+   costs one forward per token, not more.
+4. *Dynamic draft exiting.* Drafting stops after the first token whose probability under the
+   exit head is below ``confidence_threshold``.
+
+Defaults: candidate layers auto (the trained adapters' layers, else eight spread over the upper
+three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, confidence
+threshold 0.4 (tuned on the Spec-Bench dev half; the paper's value is not given in its
+abstract/README). Drafts are deterministic, so sampled verification stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.errors import require
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposers.early_exit import check_exit_layer, require_early_exit
+from specdecode.registry import param, register
+from specdecode.training.adapters import resolve_adapters
+
+#: cost model constants measured on SmolLM2-135M, 2-core CPU, hf runner (docs/self-speculation.md)
+HEAD_COST = 2.0
+VERIFY_TOKEN_COST = 0.08
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """Tokens one verify step commits for a chain of ``depth`` drafts each accepted with
+    probability ``alpha``: 1 + alpha + ... + alpha^depth."""
+    return float(sum(alpha ** i for i in range(depth + 1)))
+
+
+def tokens_per_layer(alpha: float, layer: int, depth: int, num_layers: int,
+                     head_cost: float = 0.0, verify_token_cost: float = 0.0) -> float:
+    """DEL's TPL with the head and verify-width terms (both 0 gives the paper's formula)."""
+    draft = depth * (layer + head_cost)
+    verify = (num_layers + head_cost) * (1.0 + verify_token_cost * depth)
+    return expected_tokens(alpha, depth) / (draft + verify)
+
+
+def best_fixed_layer(agreement: dict[int, float], num_layers: int, depth: int,
+                     head_cost: float = HEAD_COST,
+                     verify_token_cost: float = VERIFY_TOKEN_COST) -> int:
+    """The exit layer with the highest TPL at a fixed draft length (``early_exit``'s auto)."""
+    return max(agreement, key=lambda layer: tokens_per_layer(
+        agreement[layer], layer, depth, num_layers, head_cost, verify_token_cost))
+
+
+@dataclass(frozen=True)
+class DelConfig:
+    candidate_layers: str = param("auto", "comma-separated exit layers to track and choose from, "
+                                          "or auto (the adapters' layers, else 8 spread layers)")
+    max_speculative_tokens: int = param(8, "longest draft considered by the TPL choice")
+    confidence_threshold: float = param(0.4, "stop drafting after a token whose exit-head "
+                                             "probability is below this (0 = never)")
+    decay: float = param(0.9, "weight of the previous rounds in each layer's acceptance counts")
+    prior_weight: float = param(4.0, "trials the prior acceptance rate is worth")
+    head_cost: float = param(HEAD_COST, "cost of one LM head application, in layers (0 in the "
+                                        "paper; measured on SmolLM2 / CPU)")
+    verify_token_cost: float = param(VERIFY_TOKEN_COST, "extra verify cost per draft token, as a "
+                                                        "fraction of a one-token forward (0 in the paper)")
+    adapters: str = param("auto", "'auto' (a trained exit-adapter artifact for this target, if "
+                                  "found), 'none' (final norm + LM head), or an artifact path")
+
+    def __post_init__(self):
+        require(self.max_speculative_tokens >= 1,
+                f"max_speculative_tokens must be >= 1, got {self.max_speculative_tokens}; "
+                "use method 'ar' for no speculation")
+        require(0.0 <= self.confidence_threshold < 1.0,
+                f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        require(0.0 <= self.decay <= 1.0, f"decay must be in [0, 1], got {self.decay}")
+        require(self.prior_weight > 0, f"prior_weight must be > 0, got {self.prior_weight}")
+        require(self.head_cost >= 0 and self.verify_token_cost >= 0,
+                "head_cost and verify_token_cost must be >= 0")
+        if self.candidate_layers != "auto":
+            try:
+                layers = [int(x) for x in self.candidate_layers.split(",") if x.strip()]
+            except ValueError:
+                layers = []
+            require(bool(layers), f"candidate_layers must be 'auto' or comma-separated layer "
+                                  f"numbers such as '8,12,16', got {self.candidate_layers!r}")
+
+
+@register("del", DelConfig,
+          paper="DEL: Context-Aware Dynamic Exit Layer for Self-Speculative Decoding (Zarch et al., 2025)",
+          summary="early-exit drafting; exit layer and length chosen each round by tokens per "
+                  "layer from shadow-token acceptance")
+class DynamicExitProposer(Proposer):
+    def __init__(self, config: DelConfig, runner):
+        super().__init__(config, runner)
+        require_early_exit(runner, "del")
+        self.adapters = resolve_adapters(config.adapters, runner)
+        n = runner.num_layers
+        if config.candidate_layers != "auto":
+            layers = sorted({int(x) for x in config.candidate_layers.split(",") if x.strip()})
+        elif self.adapters is not None:
+            layers = list(self.adapters.layers)
+        else:  # eight layers from a quarter of the way down to the last but one
+            first = max(1, n // 4)
+            layers = sorted({round(first + i * (n - 1 - first) / 7) for i in range(8)})
+        for layer in layers:
+            check_exit_layer(runner, layer, "candidate layer")
+        self.layers = tuple(layers)
+        self.heads = {layer: self.adapters[layer] if self.adapters is not None
+                      and layer in self.adapters else None for layer in self.layers}
+        measured = self.adapters.agreement() if self.adapters is not None else {}
+        self.prior = {layer: measured.get(layer, 0.5) for layer in self.layers}
+        #: decayed shadow-token counts per layer (reset per request: acceptance is contextual)
+        self.hits = dict.fromkeys(self.layers, 0.0)
+        self.trials = dict.fromkeys(self.layers, 0.0)
+        #: (layer, depth) chosen in each round of the current request, for reports
+        self.choices: list[tuple[int, int]] = []
+
+    def alpha(self, layer: int) -> float:
+        w = self.config.prior_weight
+        return (self.hits[layer] + w * self.prior[layer]) / (self.trials[layer] + w)
+
+    def choose(self, max_depth: int) -> tuple[int, int]:
+        """(exit layer, draft length) with the highest TPL; depth 0 = do not speculate."""
+        c, n = self.config, self.runner.num_layers
+        best, best_tpl = (self.layers[0], 0), tokens_per_layer(0.0, 0, 0, n, c.head_cost)
+        for layer in self.layers:
+            a = self.alpha(layer)
+            for depth in range(1, max_depth + 1):
+                tpl = tokens_per_layer(a, layer, depth, n, c.head_cost, c.verify_token_cost)
+                if tpl > best_tpl:
+                    best, best_tpl = (layer, depth), tpl
+        return best
+
+    def start(self, prompt):
+        self.runner.capture_hidden(self.layers)
+        self.hits = dict.fromkeys(self.layers, 0.0)
+        self.trials = dict.fromkeys(self.layers, 0.0)
+        self.choices = []
+
+    def finish(self, output):
+        self.runner.capture_hidden(())
+
+    def propose(self, context, budget):
+        layer, depth = self.choose(min(self.config.max_speculative_tokens, budget.max_depth))
+        self.choices.append((layer, depth))
+        tokens: list[int] = []
+        token = context[-1]
+        for _ in range(depth):
+            hidden = self.runner.exit_forward([token], layer)  # [1, H]
+            probs = torch.softmax(self.runner.exit_logits(hidden, self.heads[layer])[0], -1)
+            confidence, best = probs.max(-1)
+            token = int(best)
+            tokens.append(token)
+            if float(confidence) < self.config.confidence_threshold:
+                break
+        return Draft.chain(tokens)
+
+    def observe(self, feedback: Feedback) -> None:
+        captured = self.runner.captured
+        if not captured:
+            return
+        rows = [0] + [1 + i for i in feedback.accepted]  # rows whose next token is committed
+        target = torch.tensor(feedback.tokens[: len(rows)])
+        d = self.config.decay
+        for layer in self.layers:
+            logits = self.runner.exit_logits(captured[layer][rows], self.heads[layer])  # [r, V]
+            hits = int((logits.argmax(-1) == target).sum())
+            self.hits[layer] = d * self.hits[layer] + hits
+            self.trials[layer] = d * self.trials[layer] + len(rows)
