@@ -20,6 +20,8 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("specdecode.bench.simulate",
                  "replay recorded ar outputs through model-free proposers (no model)"),
     "serve": ("specdecode.server", "OpenAI-compatible HTTP server with speculative decoding"),
+    "train": ("specdecode.training.cli",
+              "train small artifacts that model-based methods draft with (exit adapters, ...)"),
 }
 
 

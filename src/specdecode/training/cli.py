@@ -1,0 +1,29 @@
+"""``specdecode train <what>``: one subcommand per trainer.
+
+A trainer is a module exposing ``add_arguments(parser)`` and ``run(args) -> int``; adding one is
+one entry in :data:`TRAIN_COMMANDS`. Trainer modules are imported only when ``train`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: subcommand -> (module, help)
+TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "exit-adapters": ("specdecode.training.exit_adapters",
+                      "per-layer early-exit adapters for early_exit / del (self-distillation)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
+    for name, (module, help_text) in TRAIN_COMMANDS.items():
+        trainer = importlib.import_module(module)
+        cmd = sub.add_parser(name, help=help_text, description=(trainer.__doc__ or "").split("\n\n")[0])
+        trainer.add_arguments(cmd)
+        cmd.set_defaults(train=trainer.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args.train(args)
