@@ -1,0 +1,704 @@
+"""Token-level suffix trees with counts, and the cross-request suffix cache of SuffixDecoding
+(Oliaro et al., 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications", arXiv 2411.04975; reference code: snowflakedb/ArcticInference,
+``arctic_inference/suffix_decoding/``). Written from the paper and that code's behaviour in pure
+Python; nothing here needs torch. The proposer that uses it is ``proposers/suffix.py``.
+
+**The tree.** A :class:`SuffixTree` holds every suffix of its sequences, cut at ``max_depth``
+tokens (default 64). Node ``s`` stands for the token string ``s`` and its ``count`` is the number
+of positions where ``s`` occurs (suffixes passing through or ending at it), so
+``count(child) / count(node)`` is the empirical probability of the next token after ``s``.
+
+**Lazy tails.** A trie of every suffix would cost up to 64 nodes per token. Here a node whose
+count is 1 is *lazy*: it stores where its single occurrence is (``seq``, ``pos``) instead of
+children, and its descendants are read from the sequence itself. Only strings that occur twice or
+more get real nodes, so natural text costs about one node per token; text copied from earlier in
+the context costs up to ``max_depth`` nodes per copied token (still bounded). A lazy tail grows
+for free as its sequence grows, and appending a token touches only the suffixes that currently end
+on a real node (ArcticInference's "active nodes": the positions where the sequence repeats itself).
+
+**Matching.** After each appended token those active suffixes are exactly the nodes matching the
+last m tokens of the sequence, for every useful m, so a request's own tree needs no search at all.
+For the shared tree a request keeps its own list of matches and advances it token by token
+(:meth:`SuffixTree.advance`), rebuilding it only when the shared tree has changed.
+
+**Drafting** from a match of length m (:meth:`SuffixTree.draft`): a node's probability is
+``count(node) / count(match)`` (the product of ``count(child) / count(parent)`` along its path,
+telescoped); nodes below ``min_prob`` are pruned. Tree mode expands the most probable frontier
+node first (best-first, as ArcticInference's heap); path mode follows the most frequent child.
+Between nodes of equal probability the most recently seen occurrence comes first (recent text
+predicts the continuation best, as in the ``ngram`` proposer).
+
+**Choosing among matches** (:func:`best_draft`): every match length m of both trees is a
+candidate with budget ``min(max_spec_tokens, floor(factor * m + offset))``; the highest score
+(sum of node probabilities = expected accepted tokens) wins, ties to the request's own tree, then
+to the longer match. The probabilities at one depth sum to at most 1, so a candidate's score is
+at most its number of depth levels; candidates are tried best bound first and the search stops
+as soon as no bound can beat the best score, which gives the same answer as trying them all.
+
+Worked example (per-request tree, context ``[1, 2, 3, 1, 2, 4, 1, 2]``, budget 4): the last two
+tokens ``1 2`` occur three times (the context's own tail is one occurrence), followed once by
+``3`` and once by ``4 1 2``; every one of those nodes has probability 1/3. Tree mode drafts the
+more recent branch first, then the other: tokens ``[4, 1, 2, 3]``, parents ``[-1, 0, 1, -1]``,
+score 4/3. Path mode drafts the chain ``[4, 1, 2]``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import operator
+import os
+import threading
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError, require
+
+#: bump when the saved cache layout changes; load() refuses other versions
+CACHE_FORMAT = "specdecode-suffix-cache"
+CACHE_VERSION = 1
+
+
+ROOT = 0
+_NONE = -1
+#: edge keys are ``parent << _SHIFT | token``: one int per edge, so the edge dict holds no objects
+_SHIFT = 32
+
+
+class SuffixTree:
+    """Every suffix (cut at ``max_depth`` tokens) of a set of growing token sequences, with
+    occurrence counts. Sequences are appended to with :meth:`extend` and dropped with
+    :meth:`remove`; ``version`` changes whenever the tree does.
+
+    Nodes are integer ids into parallel ``array`` columns and edges live in one dict of ints, so
+    the tree holds no Python objects per node: it costs about 100-150 bytes per node and the
+    garbage collector never walks it (a tree of ``_Node`` objects made every full collection,
+    with torch loaded, pause for most of a second). Node 0 is the root. A node is *lazy* when
+    ``seq[node] >= 0``: its token is ``tokens[seq][pos]`` and its descendants are read from there.
+    """
+
+    def __init__(self, max_depth: int = 64):
+        require(max_depth >= 2, f"max_depth must be >= 2 (a match plus one token), got {max_depth}")
+        self.max_depth = max_depth
+        # one column per node field; index = node id
+        self._count = array("q", [0])   # occurrences of the node's string
+        self._last = array("q", [0])    # tick of the latest occurrence (ties between siblings)
+        self._token = array("q", [-1])  # the node's own token
+        self._seq = array("q", [-1])    # lazy nodes: handle of the sequence holding them, else -1
+        self._pos = array("q", [-1])    # lazy nodes: position of their token in that sequence
+        self._child = array("q", [-1])  # first child (children form a doubly linked list)
+        self._next = array("q", [-1])   # next sibling
+        self._prev = array("q", [-1])   # previous sibling
+        self._edges: dict[int, int] = {}  # parent << _SHIFT | token -> child
+        self._free: list[int] = []        # ids of deleted nodes, reused first
+        # sequences by handle (small ints); lazy nodes refer to handles, callers to seq ids
+        self._handles: dict[Hashable, int] = {}
+        self._tokens: dict[int, array] = {}
+        # per sequence: suffixes that end on a real node and can still grow, as parallel lists
+        # of start positions and nodes (ArcticInference's "active nodes")
+        self._starts: dict[int, list[int]] = {}
+        self._nodes: dict[int, list[int]] = {}
+        self._next_handle = 0
+        self._tick = 0
+        self.version = 0
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._handles
+
+    def sequence(self, seq_id, start: int = 0) -> list[int]:
+        """The tokens of ``seq_id`` from ``start`` (negative: from the end)."""
+        return self._tokens[self._handles[seq_id]][start:].tolist()
+
+    def length(self, seq_id) -> int:
+        return len(self._tokens[self._handles[seq_id]])
+
+    @property
+    def num_tokens(self) -> int:
+        return self._count[ROOT]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._count) - len(self._free)
+
+    # ---- building -------------------------------------------------------------------------
+
+    def _add_child(self, parent: int, token: int, count: int, seq: int, pos: int,
+                   last: int) -> int:
+        """A new node under ``parent``, linked at the head of its children."""
+        if self._free:
+            node = self._free.pop()
+            self._count[node], self._token[node], self._seq[node] = count, token, seq
+            self._pos[node], self._last[node], self._child[node] = pos, last, _NONE
+        else:
+            node = len(self._count)
+            self._count.append(count)
+            self._token.append(token)
+            self._seq.append(seq)
+            self._pos.append(pos)
+            self._last.append(last)
+            self._child.append(_NONE)
+            self._next.append(_NONE)
+            self._prev.append(_NONE)
+        self._edges[parent << _SHIFT | token] = node
+        head = self._child[parent]
+        self._next[node] = head
+        self._prev[node] = _NONE
+        if head >= 0:
+            self._prev[head] = node
+        self._child[parent] = node
+        return node
+
+    def _unlink(self, parent: int, node: int, token: int) -> None:
+        del self._edges[parent << _SHIFT | token]
+        before, after = self._prev[node], self._next[node]
+        if before >= 0:
+            self._next[before] = after
+        else:
+            self._child[parent] = after
+        if after >= 0:
+            self._prev[after] = before
+
+    def extend(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to sequence ``seq_id`` (a new sequence if unknown)."""
+        handle = self._handles.get(seq_id)
+        if handle is None:
+            handle = self._handles[seq_id] = self._next_handle
+            self._next_handle += 1
+            self._tokens[handle] = array("q")
+            self._starts[handle] = []
+            self._nodes[handle] = []
+        seq, starts, nodes = self._tokens[handle], self._starts[handle], self._nodes[handle]
+        count, last, lazy, get = self._count, self._last, self._seq, self._edges.get
+        cap = self.max_depth
+        for token in map(int, tokens):
+            n = len(seq)
+            seq.append(token)
+            self._tick += 1
+            tick = self._tick
+            count[ROOT] += 1
+            starts.append(n)  # the suffix that starts at the new token
+            nodes.append(ROOT)
+            kept_starts, kept_nodes = [], []
+            for start, node in zip(starts, nodes):
+                depth = n - start + 1  # depth this suffix reaches with the new token
+                child = get(node << _SHIFT | token)
+                if child is None:
+                    # first occurrence of this string: a lazy tail reading the sequence itself
+                    self._add_child(node, token, 1, handle, n, tick)
+                    continue
+                if lazy[child] >= 0:
+                    self._materialize(child, depth)
+                count[child] += 1
+                last[child] = tick
+                if depth < cap:
+                    kept_starts.append(start)
+                    kept_nodes.append(child)
+            starts[:] = kept_starts
+            nodes[:] = kept_nodes
+        self.version += 1
+
+    def _materialize(self, node: int, depth: int) -> None:
+        """A lazy node at ``depth`` is reached a second time: it becomes a real node whose one
+        child is the rest of its earlier occurrence, still lazy."""
+        handle, nxt = self._seq[node], self._pos[node] + 1
+        self._seq[node] = self._pos[node] = _NONE
+        if depth >= self.max_depth:
+            return
+        seq = self._tokens[handle]
+        if nxt < len(seq):
+            self._add_child(node, seq[nxt], 1, handle, nxt, self._last[node])
+        else:
+            # the earlier occurrence ends its (still growing) sequence: that sequence's suffix
+            # now ends on a real node, so its next token must extend it explicitly
+            self._starts[handle].append(nxt - depth)
+            self._nodes[handle].append(node)
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Drop sequence ``seq_id``: undo its counts and delete the nodes only it used."""
+        handle = self._handles.pop(seq_id)
+        seq = self._tokens.pop(handle)
+        del self._starts[handle], self._nodes[handle]
+        count, edges, cap = self._count, self._edges, self.max_depth
+        count[ROOT] -= len(seq)
+        for start in range(len(seq)):
+            node = ROOT
+            for k in range(start, min(start + cap, len(seq))):
+                token = seq[k]
+                child = edges[node << _SHIFT | token]
+                if count[child] == 1:
+                    # only this suffix passes here, so below is a single chain: free it all
+                    self._unlink(node, child, token)
+                    while child >= 0:
+                        below = self._child[child]
+                        if below >= 0:
+                            del edges[child << _SHIFT | self._token[below]]
+                        self._free.append(child)
+                        child = below
+                    break
+                count[child] -= 1
+                node = child
+        self.version += 1
+
+    # ---- matching -------------------------------------------------------------------------
+
+    def matches(self, seq_id: Hashable) -> list[tuple[int, int, int]]:
+        """Matches ``(m, node, -1)`` of the last m tokens of ``seq_id`` that occur elsewhere too
+        (the sequence's own tail always matches but has no continuation)."""
+        handle = self._handles[seq_id]
+        n = len(self._tokens[handle])
+        count = self._count
+        return [(n - start, node, _NONE)
+                for start, node in zip(self._starts[handle], self._nodes[handle])
+                if count[node] > 1]  # count 1 after a removal: only the context's own
+
+    def step(self, node: int, pos: int, token: int) -> tuple[int, int] | None:
+        """Follow ``token`` from a match: a real node (``pos == -1``) or the implicit node at
+        ``pos`` of a lazy node's sequence."""
+        if pos < 0:
+            child = self._edges.get(node << _SHIFT | token)
+            if child is None:
+                return None
+            return child, self._pos[child]  # -1 for a real node
+        seq = self._tokens[self._seq[node]]
+        nxt = pos + 1
+        if nxt < len(seq) and seq[nxt] == token:
+            return node, nxt
+        return None
+
+    def advance(self, matches: list, tokens: Sequence[int]) -> list:
+        """Matches ``(m, node, pos)`` of a context's last m tokens, moved on by ``tokens``.
+        Matches as deep as ``max_depth`` are dropped: nothing can follow them."""
+        cap, get, lazy_pos = self.max_depth, self._edges.get, self._pos
+        for token in tokens:
+            moved = []
+            for m, node, pos in matches:
+                if m + 1 >= cap:
+                    continue
+                if pos < 0:  # inlined step(): this loop runs for every token and match
+                    child = get(node << _SHIFT | token)
+                    if child is not None:
+                        moved.append((m + 1, child, lazy_pos[child]))
+                else:
+                    seq = self._tokens[self._seq[node]]
+                    if pos + 1 < len(seq) and seq[pos + 1] == token:
+                        moved.append((m + 1, node, pos + 1))
+            child = get(token)  # ROOT << _SHIFT | token
+            if child is not None:
+                moved.append((1, child, lazy_pos[child]))
+            matches = moved
+        return matches
+
+    def count(self, tokens: Sequence[int]) -> int:
+        """Occurrences of the string ``tokens`` (0 if absent or longer than ``max_depth``)."""
+        if len(tokens) > self.max_depth:
+            return 0
+        node, pos = ROOT, _NONE
+        for token in tokens:
+            nxt = self.step(node, pos, int(token))
+            if nxt is None:
+                return 0
+            node, pos = nxt
+        return 1 if pos >= 0 else self._count[node]
+
+    def count_of(self, node: int) -> int:
+        return self._count[node]
+
+    def remaining(self, node: int, pos: int) -> int:
+        """Tokens that follow a lazy match in its sequence (unbounded for a real node)."""
+        return len(self._tokens[self._seq[node]]) - pos - 1 if pos >= 0 else 1 << 30
+
+    # ---- drafting -------------------------------------------------------------------------
+
+    def draft(self, node: int, pos: int, max_nodes: int, max_depth: int, min_prob: float,
+              tree: bool = True) -> SuffixDraft:
+        """The draft below one match (a real node, or position ``pos`` of a lazy one)."""
+        if max_nodes <= 0 or max_depth <= 0:
+            return SuffixDraft()
+        if pos >= 0:
+            # one occurrence: its continuation, every token with probability 1
+            seq = self._tokens[self._seq[node]]
+            tokens = seq[pos + 1:pos + 1 + min(max_nodes, max_depth)].tolist()
+            n = len(tokens)
+            return SuffixDraft(tokens, list(range(-1, n - 1)), [1.0] * n, float(n))
+        return (self._draft_tree if tree else self._draft_path)(node, max_nodes, max_depth,
+                                                                 min_prob)
+
+    def _draft_tree(self, match: int, max_nodes: int, max_depth: int,
+                    min_prob: float) -> SuffixDraft:
+        count, last, first, after = self._count, self._last, self._child, self._next
+        total = count[match]
+        tokens: list[int] = []
+        parents: list[int] = []
+        counts: list[int] = []
+        # heap items (-count, -last, order, token, node, pos, parent index, depth): the most
+        # frequent first, then the most recent, then the first pushed
+        heap: list = []
+        order = 0
+        child = first[match]
+        while child >= 0:
+            if count[child] / total >= min_prob:
+                heap.append((-count[child], -last[child], order, self._token[child], child,
+                             self._pos[child], -1, 1))
+                order += 1
+            child = after[child]
+        heapq.heapify(heap)
+        while heap and len(tokens) < max_nodes:
+            neg_count, neg_last, _, token, node, pos, parent, depth = heapq.heappop(heap)
+            index = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            counts.append(-neg_count)
+            if depth >= max_depth:
+                continue
+            if pos >= 0:
+                # inside a lazy tail: one continuation, count 1
+                seq = self._tokens[self._seq[node]]
+                if pos + 1 < len(seq) and 1 / total >= min_prob:
+                    heapq.heappush(heap, (-1, neg_last, order, seq[pos + 1], node, pos + 1,
+                                          index, depth + 1))
+                    order += 1
+                continue
+            child = first[node]
+            while child >= 0:
+                if count[child] / total >= min_prob:
+                    heapq.heappush(heap, (-count[child], -last[child], order, self._token[child],
+                                          child, self._pos[child], index, depth + 1))
+                    order += 1
+                child = after[child]
+        return SuffixDraft(tokens, parents, [c / total for c in counts], sum(counts) / total)
+
+    def _draft_path(self, match: int, max_nodes: int, max_depth: int,
+                    min_prob: float) -> SuffixDraft:
+        count, last, first, after = self._count, self._last, self._child, self._next
+        total = count[match]
+        limit = min(max_nodes, max_depth)
+        tokens: list[int] = []
+        counts: list[int] = []
+        node = match
+        while len(tokens) < limit and first[node] >= 0:
+            best, child = first[node], after[first[node]]
+            while child >= 0:
+                if (count[child], last[child]) > (count[best], last[best]):
+                    best = child
+                child = after[child]
+            if count[best] / total < min_prob:
+                break
+            tokens.append(self._token[best])
+            counts.append(count[best])
+            node = best
+            if self._seq[best] >= 0:
+                # a lazy tail: the rest is its single occurrence, all at the same probability
+                seq, pos = self._tokens[self._seq[best]], self._pos[best]
+                rest = seq[pos + 1:pos + 1 + limit - len(tokens)].tolist()
+                tokens.extend(rest)
+                counts.extend([1] * len(rest))
+                break
+        n = len(tokens)
+        return SuffixDraft(tokens, list(range(-1, n - 1)), [c / total for c in counts],
+                           sum(counts) / total)
+
+
+@dataclass
+class SuffixDraft:
+    """A draft tree from a suffix tree: nodes in topological order (``parents[i] < i``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    #: estimated probability of each node: count(node) / count(match)
+    probs: list[float] = field(default_factory=list)
+    #: sum of probs: the expected number of accepted tokens
+    score: float = 0.0
+    #: length of the context suffix that was matched
+    match_len: int = 0
+    #: "request" (the request's own prompt and output) or "global" (earlier responses)
+    source: str = ""
+
+
+def spec_budget(match_len: int, max_spec_tokens: int, factor: float, offset: float) -> int:
+    """Draft tokens allowed for a match of ``match_len`` tokens: longer matches earn longer
+    drafts (the paper's MAX_SPEC = alpha * p)."""
+    # the epsilon keeps e.g. 0.1 * 30 = 3.0000000000000004 from flooring below 3
+    return max(0, min(max_spec_tokens, math.floor(factor * match_len + offset + 1e-6)))
+
+
+def best_draft(candidates: list[tuple[str, SuffixTree, list, bool]], max_spec_tokens: int,
+               factor: float, offset: float, min_prob: float, tree: bool,
+               max_depth: int) -> SuffixDraft:
+    """The best draft over every match of every tree.
+
+    ``candidates``: ``(source, tree, matches, holds_context)`` in order of preference: among
+    equal scores the earlier source wins (the request's own tree before the global one), then
+    the longer match, as in ArcticInference. ``holds_context``: the tree contains the context
+    itself, whose own occurrence of every match has no continuation.
+    """
+    options = []
+    for index, (source, suffix_tree, matches, holds_context) in enumerate(candidates):
+        rank = len(candidates) - index
+        cap = suffix_tree.max_depth
+        for m, node, pos in matches:
+            nodes = spec_budget(m, max_spec_tokens, factor, offset)
+            depth = min(max_depth, cap - m)
+            # probabilities at one depth sum to at most 1 (to (count - 1) / count when one
+            # occurrence is the context's own), so the score is at most that times the depth
+            levels = min(nodes, depth, suffix_tree.remaining(node, pos))
+            if levels <= 0:
+                continue
+            bound = float(levels)
+            if holds_context and pos < 0:
+                total = suffix_tree.count_of(node)
+                bound = levels * (total - 1) / total
+            if bound > 0:
+                options.append((bound, rank, m, source, suffix_tree, node, pos, nodes,
+                                depth))
+    options.sort(key=lambda o: o[:3], reverse=True)
+    best = SuffixDraft()
+    best_key = (0.0, 0, 0)
+    for bound, rank, m, source, suffix_tree, node, pos, nodes, depth in options:
+        if (bound, rank, m) <= best_key:
+            break  # sorted by bound: nothing left can beat the best
+        draft = suffix_tree.draft(node, pos, nodes, depth, min_prob, tree)
+        if draft.score > 0 and (draft.score, rank, m) > best_key:
+            best, best_key = draft, (draft.score, rank, m)
+            best.match_len, best.source = m, source
+    return best
+
+
+#: default bound on responses kept in the global tree (see SuffixCache)
+DEFAULT_MAX_CACHED_REQUESTS = 1000
+
+
+def _token_ids(tokens, what: str) -> list[int]:
+    """Validate token ids at the cache's boundary."""
+    try:
+        ids = [operator.index(t) for t in tokens]
+    except TypeError:
+        raise SpecDecodeError(f"{what} must be a sequence of integer token ids") from None
+    require(all(t >= 0 for t in ids), f"{what} has negative token ids; give ids >= 0")
+    return ids
+
+
+def _check_id(req_id) -> None:
+    require(isinstance(req_id, (int, str)) and not isinstance(req_id, bool),
+            f"request ids must be int or str (they are saved as JSON), got {req_id!r}")
+
+
+class _Request:
+    """An active request: its own tree (prompt + output so far) and its matches in the global
+    tree, valid for the global tree's ``global_version`` and the first ``global_synced`` tokens."""
+
+    __slots__ = ("tree", "prompt_len", "global_matches", "global_version", "global_synced")
+
+    def __init__(self, tree: SuffixTree, prompt_len: int):
+        self.tree = tree
+        self.prompt_len = prompt_len
+        self.global_matches: list = []
+        self.global_version = -1
+        self.global_synced = 0
+
+
+class SuffixCache:
+    """SuffixDecoding's memory: a suffix tree per active request over its prompt and output,
+    and one global suffix tree over earlier responses, shared by every request.
+
+    Lifecycle, named after request events as in ArcticInference::
+
+        cache.start_request(rid, prompt)                 # the request's own tree
+        cache.add_response(rid, new_tokens)              # after every verify step
+        draft = cache.speculate(rid, max_spec_tokens=16) # best of both trees
+        cache.stop_request(rid)                          # its response joins the global tree
+        cache.evict(rid)                                 # drop a cached response early
+
+    The global tree keeps at most ``max_cached_requests`` responses and evicts the oldest first
+    (FIFO). Each stored token costs about 0.3 KB in this pure-Python tree (more for text that
+    repeats itself), so the default of 1000 responses bounds it to roughly 100-300 MB for
+    300-1000-token responses; ArcticInference's C++ tree affords 100000. 0 disables the global
+    tree. One lock guards every method, so threads serving different requests may share a cache.
+    :meth:`save` / :meth:`load` keep the cached responses in a versioned JSON file.
+    """
+
+    def __init__(self, max_tree_depth: int = 64,
+                 max_cached_requests: int = DEFAULT_MAX_CACHED_REQUESTS):
+        require(isinstance(max_tree_depth, int) and max_tree_depth >= 2,
+                f"max_tree_depth must be an integer >= 2, got {max_tree_depth!r}")
+        require(isinstance(max_cached_requests, int) and max_cached_requests >= 0,
+                f"max_cached_requests must be an integer >= 0 (0 disables the global tree), "
+                f"got {max_cached_requests!r}")
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests
+        self._lock = threading.Lock()
+        self._global = SuffixTree(max_tree_depth)
+        self._requests: dict[int | str, _Request] = {}
+        #: cached response ids in insertion order (dicts keep it): the FIFO eviction order
+        self._cached: dict[int | str, None] = {}
+        self._next_id = 0
+
+    # ---- inspection -----------------------------------------------------------------------
+
+    @property
+    def active_requests(self) -> list:
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def cached_requests(self) -> list:
+        """Ids of the responses in the global tree, oldest first."""
+        with self._lock:
+            return list(self._cached)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        with self._lock:
+            return self._global.num_tokens
+
+    def cached_response(self, req_id) -> list[int]:
+        with self._lock:
+            require(req_id in self._cached, f"request {req_id!r} has no cached response")
+            return list(self._global.sequence(req_id))
+
+    def new_request_id(self) -> int:
+        """An integer id that no active or cached request uses."""
+        with self._lock:
+            while self._next_id in self._requests or self._next_id in self._cached:
+                self._next_id += 1
+            self._next_id += 1
+            return self._next_id - 1
+
+    # ---- request lifecycle ----------------------------------------------------------------
+
+    def start_request(self, req_id: int | str, prompt: Sequence[int]) -> None:
+        """Begin a request: build its own tree over ``prompt``."""
+        _check_id(req_id)
+        ids = _token_ids(prompt, "prompt")
+        tree = SuffixTree(self.max_tree_depth)
+        tree.extend(0, ids)  # outside the lock: nothing shared yet
+        with self._lock:
+            require(req_id not in self._requests,
+                    f"request {req_id!r} is already active; stop it first or use a new id")
+            self._requests[req_id] = _Request(tree, len(ids))
+
+    def add_response(self, req_id: int | str, tokens: Sequence[int]) -> None:
+        """Append newly committed output tokens to the request's tree."""
+        ids = _token_ids(tokens, "tokens")
+        with self._lock:
+            self._active(req_id).tree.extend(0, ids)
+
+    def speculate(self, req_id: int | str, max_spec_tokens: int = 16,
+                  max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
+                  min_token_prob: float = 0.1, tree: bool = True,
+                  max_depth: int | None = None) -> SuffixDraft:
+        """Draft a continuation of the request's prompt + output so far (see the module
+        docstring): the best of every match in its own tree and in the global tree."""
+        with self._lock:
+            request = self._active(req_id)
+            candidates = [("request", request.tree, request.tree.matches(0), True)]
+            if self._global.num_tokens:
+                candidates.append(("global", self._global, self._global_matches(request), False))
+            return best_draft(candidates, max_spec_tokens, max_spec_factor, max_spec_offset,
+                              min_token_prob, tree,
+                              self.max_tree_depth if max_depth is None else max_depth)
+
+    def stop_request(self, req_id: int | str, response: Sequence[int] | None = None) -> None:
+        """End a request. Its response (``response`` if given, else the tokens added with
+        :meth:`add_response`) joins the global tree, evicting the oldest ones beyond the bound."""
+        ids = None if response is None else _token_ids(response, "response")
+        with self._lock:
+            request = self._active(req_id)
+            del self._requests[req_id]
+            if ids is None:
+                ids = request.tree.sequence(0, request.prompt_len)
+            self._cache_response(req_id, ids)
+
+    def evict(self, req_id: int | str) -> None:
+        """Drop a cached response from the global tree."""
+        with self._lock:
+            require(req_id in self._cached, f"request {req_id!r} has no cached response to evict")
+            self._evict(req_id)
+
+    # ---- persistence ----------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cached responses (oldest first) to a versioned JSON file, atomically."""
+        with self._lock:
+            data = {
+                "format": CACHE_FORMAT,
+                "version": CACHE_VERSION,
+                "max_tree_depth": self.max_tree_depth,
+                "max_cached_requests": self.max_cached_requests,
+                "responses": [{"id": rid, "tokens": self._global.sequence(rid)}
+                              for rid in self._cached],
+            }
+            path = Path(path)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, max_cached_requests: int | None = None) -> SuffixCache:
+        """Rebuild a cache from :meth:`save`'s file (the global tree is rebuilt from the stored
+        responses; no code is ever unpickled). ``max_cached_requests`` overrides the stored
+        bound; the oldest responses beyond it are dropped."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise SpecDecodeError(f"cannot read suffix cache {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise SpecDecodeError(f"suffix cache {path} is not valid JSON: {exc}") from None
+        require(isinstance(data, dict) and data.get("format") == CACHE_FORMAT,
+                f"{path} is not a specdecode suffix cache (no format {CACHE_FORMAT!r})")
+        require(data.get("version") == CACHE_VERSION,
+                f"suffix cache {path} has version {data.get('version')!r}; this specdecode reads "
+                f"version {CACHE_VERSION}: rebuild the cache")
+        responses = data.get("responses")
+        require(isinstance(responses, list), f"suffix cache {path} has no 'responses' list")
+        if max_cached_requests is None:
+            max_cached_requests = data.get("max_cached_requests")
+        cache = cls(data.get("max_tree_depth"), max_cached_requests)
+        for entry in responses:
+            require(isinstance(entry, dict) and "id" in entry and "tokens" in entry,
+                    f"suffix cache {path} has a malformed response entry")
+            _check_id(entry["id"])
+            require(isinstance(entry["tokens"], list),
+                    f"suffix cache {path}: a response's tokens must be a list")
+            cache._cache_response(entry["id"], _token_ids(entry["tokens"], "cached response"))
+        return cache
+
+    # ---- internals (callers hold the lock) -------------------------------------------------
+
+    def _active(self, req_id) -> _Request:
+        request = self._requests.get(req_id)
+        require(request is not None,
+                f"request {req_id!r} is not active; call start_request({req_id!r}, prompt) first")
+        return request
+
+    def _global_matches(self, request: _Request) -> list:
+        """The request's matches in the global tree, brought up to date."""
+        length = request.tree.length(0)
+        cap = self.max_tree_depth
+        new = length - request.global_synced
+        if request.global_version != self._global.version or new >= cap:
+            # the shared tree changed (or we are far behind): match the last tokens afresh
+            request.global_matches = self._global.advance([], request.tree.sequence(0, 1 - cap))
+        elif new:
+            request.global_matches = self._global.advance(
+                request.global_matches, request.tree.sequence(0, request.global_synced))
+        request.global_version = self._global.version
+        request.global_synced = length
+        return request.global_matches
+
+    def _cache_response(self, req_id, ids: list[int]) -> None:
+        if self.max_cached_requests == 0 or not ids:
+            return
+        if req_id in self._cached:
+            self._evict(req_id)  # an id used again: its newest response replaces the old one
+        self._global.extend(req_id, ids)
+        self._cached[req_id] = None
+        while len(self._cached) > self.max_cached_requests:
+            self._evict(next(iter(self._cached)))
+
+    def _evict(self, req_id) -> None:
+        del self._cached[req_id]
+        self._global.remove(req_id)
