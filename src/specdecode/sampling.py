@@ -7,14 +7,23 @@ the order both use: penalties, then temperature, then top-k, top-p and min-p.
   (prompt and output) has its logit divided by the penalty if positive, multiplied if negative.
 - ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once and
   ``frequency`` per occurrence, counting the generated tokens only (as OpenAI and vLLM do).
+- ``top_k`` keeps every token whose logit reaches the k-th largest; ``top_p`` drops a token when
+  the tokens more likely than it already hold ``top_p`` of the mass; ``min_p`` drops tokens less
+  likely than ``min_p`` times the most likely one. These are ``transformers``' TopK, TopP and
+  MinP warpers (tested against them).
 
 A draft node deep in a tree is penalised with the committed tokens *plus the path to it*, so
 every node sees exactly the distribution plain decoding would have used there.
+
+:class:`NodeDistributions` computes a node's distribution only when the verifier first asks for
+it: a verify step visits the accepted path plus one node, a handful of the up to ~80 rows of a
+tree, and at a 49152-token vocabulary each row costs a softmax, a top-p cut and the penalties.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,13 +57,14 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(
-                isinstance(value, (int, float)) and not isinstance(value, bool)
+                isinstance(value, numbers.Real) and not isinstance(value, bool)
                 and math.isfinite(value),
                 f"{name} must be a finite number, got {value!r}",
             )
+            object.__setattr__(self, name, float(value))
         require(self.temperature >= 0,
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+        require(isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
                 and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
@@ -64,8 +74,14 @@ class SamplingParams:
                 f"presence_penalty must be in [-2, 2] (OpenAI's range), got {self.presence_penalty}")
         require(-2 <= self.frequency_penalty <= 2,
                 f"frequency_penalty must be in [-2, 2] (OpenAI's range), got {self.frequency_penalty}")
-        require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-                f"seed must be an integer, got {self.seed!r}")
+        require(self.seed is None or (isinstance(self.seed, numbers.Integral)
+                                      and not isinstance(self.seed, bool)
+                                      and -2**63 <= self.seed < 2**64),
+                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        # numpy integers pass the checks above; store plain ints (hashable, JSON-friendly)
+        object.__setattr__(self, "top_k", int(self.top_k))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -88,68 +104,111 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
+#: first guess at how many tokens hold top_p of the mass (SmolLM2 at temperature 0.7, top_p
+#: 0.95: a median of 5 tokens, rarely over 64); multiplied by 8 until they do
+_NUCLEUS_GUESS = 64
 
-def _apply_penalties(logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
-                     prompt_len: int, draft: Draft) -> torch.Tensor:
-    """logits [1 + n, V]; row r is penalised with the committed context plus row r's path."""
-    rows, vocab = logits.shape
-    # paths[r] = draft tokens from the root down to row r (row 0 = root: empty path)
-    path_tokens = torch.zeros(rows, vocab, dtype=torch.float32)
-    for i, parent in enumerate(draft.parents):
-        if parent >= 0:
-            path_tokens[i + 1] = path_tokens[parent + 1]
-        path_tokens[i + 1, draft.tokens[i]] += 1
-    # context ends with the root (committed, KV not yet cached): it counts like any output
-    output = torch.bincount(torch.tensor(context[prompt_len:], dtype=torch.long),
-                            minlength=vocab)[:vocab].float()
-    output_counts = output.unsqueeze(0) + path_tokens  # [rows, V]
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor,
+                    output: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of ``logits`` [V]; ``prompt`` and ``output`` are token id tensors."""
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(list(context[:prompt_len]), dtype=torch.long)] = True
-        present = seen.unsqueeze(0) | (output_counts > 0)
-        penalised = torch.where(logits > 0, logits / params.repetition_penalty,
-                                logits * params.repetition_penalty)
-        logits = torch.where(present, penalised, logits)
+        present = torch.cat([prompt, output]).unique()
+        chosen = logits[present]
+        logits[present] = torch.where(chosen > 0, chosen / params.repetition_penalty,
+                                      chosen * params.repetition_penalty)
     if params.frequency_penalty or params.presence_penalty:
-        logits = (logits - params.frequency_penalty * output_counts
-                  - params.presence_penalty * (output_counts > 0).float())
+        ids, counts = output.unique(return_counts=True)
+        logits[ids] = (logits[ids] - params.frequency_penalty * counts.float()
+                       - params.presence_penalty)
     return logits
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on logits [rows, V]; removed tokens get -inf."""
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token of ``probs`` [V] that the tokens more likely than it already cover to
+    ``top_p``. Only the most likely tokens are sorted: once they hold ``top_p`` of the mass, every
+    token outside them is dropped anyway."""
+    vocab = probs.shape[-1]
+    k = min(vocab, _NUCLEUS_GUESS)
+    while True:
+        values, order = probs.topk(k)  # [k], descending
+        cumulative = values.cumsum(0)
+        if k == vocab or cumulative[-1] >= top_p:
+            break
+        k = min(vocab, 8 * k)
+    keep = order[(cumulative - values) < top_p]  # the most likely token always stays
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on (penalised) logits [V] -> probabilities [V]."""
     logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    vocab = logits.shape[-1]
+    kept = None  # top-k's token ids, when the rest of the work can run on those k alone
+    if 0 < params.top_k < vocab:
+        values, ids = logits.topk(params.top_k)  # [k]
+        if int((logits >= values[-1]).sum()) == params.top_k:
+            logits, kept = values, ids
+        else:  # tokens tied with the k-th all stay, as in transformers
+            logits = logits.masked_fill(logits < values[-1], float("-inf"))
+    probs = logits.softmax(-1)
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        probs = _nucleus(probs, params.top_p)
     if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        threshold = params.min_p * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
+        # relative to the most likely token, so the cut is the same before or after normalising
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if kept is not None:
+        probs = torch.zeros(vocab, dtype=probs.dtype).index_copy_(0, kept, probs)
+    return probs / probs.sum()
 
 
-def processed_logits(logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
-                     prompt_len: int, draft: Draft) -> torch.Tensor:
-    """Penalised logits [1 + n, V] (greedy decodes their argmax)."""
-    if params.has_penalties:
-        return _apply_penalties(logits, params, context, prompt_len, draft)
-    return logits
+class NodeDistributions:
+    """The target's next-token distribution at the root (row 0) and after each draft node
+    (row 1 + i), each row processed with its own context when first asked for.
+
+    ``logits`` [1 + n, V] come from the runner; ``context`` is the committed tokens, ending with
+    the root; its first ``prompt_len`` are the prompt (penalties treat prompt and output
+    differently).
+    """
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
+                 prompt_len: int, draft: Draft):
+        self.logits = logits
+        self.params = params
+        self.draft = draft
+        self._probs: dict[int, torch.Tensor] = {}
+        if params.has_penalties:
+            self._prompt = torch.tensor(context[:prompt_len], dtype=torch.long)
+            # the root (committed, its KV not yet cached) counts like any output token
+            self._output = torch.tensor(context[prompt_len:], dtype=torch.long)
+
+    def penalised(self, row: int) -> torch.Tensor:
+        """Row ``row``'s logits [V] after the penalties (what greedy decoding takes the argmax of)."""
+        logits = self.logits[row].float()
+        if not self.params.has_penalties:
+            return logits
+        path = [self.draft.tokens[i] for i in self.draft.path_to(row - 1)] if row else []
+        output = torch.cat([self._output, torch.tensor(path, dtype=torch.long)])
+        return apply_penalties(logits, self.params, self._prompt, output)
+
+    def argmax(self, row: int) -> int:
+        return int(self.penalised(row).argmax())
+
+    def probs(self, row: int) -> torch.Tensor:
+        """Row ``row``'s sampling distribution [V] (temperature > 0)."""
+        if row not in self._probs:
+            self._probs[row] = filtered_probs(self.penalised(row), self.params)
+        return self._probs[row]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
                  prompt_len: int, draft: Draft) -> torch.Tensor:
-    """The target's sampling distribution [1 + n, V] at the root and at every draft node."""
-    logits = processed_logits(logits.float(), params, context, prompt_len, draft)
-    return _filter(logits, params).softmax(-1)
+    """Every row's sampling distribution at once [1 + n, V] (the verifier asks row by row)."""
+    nodes = NodeDistributions(logits, params, context, prompt_len, draft)
+    return torch.stack([nodes.probs(row) for row in range(len(draft) + 1)])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

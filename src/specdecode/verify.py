@@ -22,6 +22,17 @@ carries; the verifier knows nothing of how the draft was made:
   (Leviathan et al. 2023; Chen et al. 2023). With i.i.d. siblings (SpecInfer) every q_i is the
   same q; with siblings drawn without replacement (RSD) q_i excludes the earlier siblings - the
   proposer records whichever it used, and the same rule is exact for both.
+
+Exactness of the last rule needs exactly this of the proposer: given everything drafted before
+it (its ancestors and its earlier siblings), node i's token was drawn from ``probs[i]``. So i.i.d.
+siblings must be kept as separate nodes even when two draw the same token (merging them skips a
+residual update), and a without-replacement sibling records q renormalised over the tokens its
+earlier siblings did not take. The tests sample every rule against exactly enumerated target
+distributions, and show that wrong rules (accepting with p(x), skipping the residual update,
+recording i.i.d. q for without-replacement siblings, Medusa's typical acceptance) fail them.
+
+Random numbers: the deterministic walk draws one uniform per committed token, as ``ar`` does;
+the rejection rule draws one per sibling it tries and one for the bonus/recovered token.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.draft import Draft
-from specdecode.sampling import SamplingParams, processed_logits, sample, target_probs, uniform
+from specdecode.sampling import NodeDistributions, SamplingParams, sample, uniform
 
 
 @dataclass(frozen=True)
@@ -50,13 +61,15 @@ def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, context: 
     ``context`` is the committed tokens, ending with the root; the first ``prompt_len`` are the
     prompt (penalties treat prompt and output differently).
     """
+    target = NodeDistributions(logits, params, context, prompt_len, draft)
     if params.greedy:
-        targets = processed_logits(logits, params, context, prompt_len, draft).argmax(-1).tolist()
-        return _walk(draft, lambda row: targets[row])
-    probs = target_probs(logits, params, context, prompt_len, draft)
+        return _walk(draft, target.argmax)
     if draft.probs is None or len(draft) == 0:
-        return _walk(draft, lambda row: sample(probs[row], generator))
-    return _recursive_rejection(draft, probs, generator)
+        return _walk(draft, lambda row: sample(target.probs(row), generator))
+    if draft.probs.shape[-1] != logits.shape[-1]:
+        raise ValueError(f"draft probs cover {draft.probs.shape[-1]} tokens but the target's "
+                         f"vocabulary has {logits.shape[-1]}; give q over the target's vocabulary")
+    return _recursive_rejection(draft, target, generator)
 
 
 def _walk(draft: Draft, choose) -> VerifyResult:
@@ -74,12 +87,25 @@ def _walk(draft: Draft, choose) -> VerifyResult:
         node = child
 
 
-def _recursive_rejection(draft: Draft, probs: torch.Tensor,
+def accepts(u: float, p_x: float, q_x: float) -> bool:
+    """Speculative sampling's test: accept x ~ q with probability min(1, p(x) / q(x))."""
+    return u * q_x < p_x
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution to sample from after rejecting a draw from q: norm(max(0, p - q))."""
+    rest = (p - q).clamp_min(0)
+    total = rest.sum()
+    # p == q up to rounding: nothing is left, and a rejection had probability ~0
+    return rest / total if total > 0 else p
+
+
+def _recursive_rejection(draft: Draft, target: NodeDistributions,
                          generator: torch.Generator) -> VerifyResult:
     accepted: list[int] = []
     node = -1
     while True:
-        p = probs[node + 1].double()
+        p = target.probs(node + 1).double()
         for child in draft.children(node):
             q = draft.probs[child].double()
             token = draft.tokens[child]
@@ -88,15 +114,12 @@ def _recursive_rejection(draft: Draft, probs: torch.Tensor,
                     f"draft node {child} holds token {token} with zero proposer probability; "
                     "probs[i] must be the distribution tokens[i] was drawn from"
                 )
-            if uniform(generator) * float(q[token]) < float(p[token]):
+            if accepts(uniform(generator), float(p[token]), float(q[token])):
                 accepted.append(child)
                 node = child
                 break
-            residual = (p - q).clamp_min(0)
-            total = residual.sum()
-            # p == q up to rounding: the residual is empty; any rejection is then measure-zero
-            p = residual / total if total > 0 else p
+            p = residual(p, q)
         else:
             tokens = [draft.tokens[i] for i in accepted]
-            tokens.append(sample(p.float(), generator))
+            tokens.append(sample(p, generator))
             return VerifyResult(tuple(accepted), tuple(tokens))
