@@ -120,8 +120,10 @@ MODEL_FREE = [m for m in ("ar", "ngram", "recycling", "suffix") if m in registry
 def test_greedy_chat_equals_decoder_for_model_free_methods(client, model, tokenizer, method):
     prompt = "The quick brown fox"
     ref = reference(model, tokenizer, prompt, 24)
-    response = chat(client, prompt, temperature=0, extra_body={"specdecode": {"method": method}})
+    response = chat(client, prompt, temperature=0,
+                    extra_body={"specdecode": {"method": method, "return_token_ids": True}})
     choice = response.choices[0]
+    assert choice.model_extra["token_ids"] == ref.token_ids
     assert choice.message.content == ref.text
     assert choice.message.role == "assistant" and choice.finish_reason == ref.finish_reason
     usage = response.usage
@@ -396,8 +398,10 @@ def test_full_queue_answers_429_then_everything_completes(model, tokenizer):
         full = httpx.post(served.url + "/v1/chat/completions", json=GOOD)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "queue_full"
-        n_too_many = httpx.post(served.url + "/v1/chat/completions", json=dict(GOOD, n=2))
-        assert n_too_many.status_code == 429
+        two = httpx.post(served.url + "/v1/chat/completions", json=dict(GOOD, n=2))
+        assert two.status_code == 429  # fits an idle server (one slot + one place), not now
+        never = httpx.post(served.url + "/v1/chat/completions", json=dict(GOOD, n=3))
+        assert never.status_code == 400 and "at most 2 at once" in never.json()["error"]["message"]
         runner.gate.set()
         running.join(60)
         waiting.join(60)
@@ -509,6 +513,21 @@ def test_a_suffix_cache_of_another_depth_is_refused(tmp_path):
         SharedMemory(path)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--method", "bogus"], "unknown method 'bogus'; known methods: ar"),
+    (["--method", "ngram", "-c", "bogus=1"], "has no config field 'bogus'"),
+    (["--parallel", "0"], "--parallel must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--suffix-cache", "{tmp}/broken.json"], "is not valid JSON"),
+])
+def test_serve_rejects_bad_flags_before_loading_the_model(args, message, tmp_path, capsys):
+    from specdecode.cli import main
+
+    (tmp_path / "broken.json").write_text("{")
+    assert main(["serve", *[a.format(tmp=tmp_path) for a in args]]) == 2
+    assert message in capsys.readouterr().err
+
+
 # ---- the real model -------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -523,9 +542,11 @@ def test_real_model_greedy_responses_equal_specdecode_generate(real_model):
     with BackgroundServer(create_app(server)) as served:
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
                                timeout=300)
-        for method in (registry.DEFAULT_METHOD, "suffix", "ar"):
-            ref = Decoder(HFRunner(real_model.model), real_model.tokenizer, method, eos).generate(
-                prompt, 48)
-            response = chat(client, prompt, max_tokens=48, model=f"smollm2+{method}")
+        # `specdecode generate --method ar`; every method is lossless, so one reference serves
+        ref = Decoder(HFRunner(real_model.model), real_model.tokenizer, "ar", eos).generate(
+            prompt, 40)
+        for method in (registry.DEFAULT_METHOD, "suffix"):
+            response = chat(client, prompt, max_tokens=40, model=f"smollm2+{method}",
+                            extra_body={"specdecode": {"return_token_ids": True}})
+            assert response.choices[0].model_extra["token_ids"] == ref.token_ids, method
             assert response.choices[0].message.content == ref.text, method
-            assert response.usage.completion_tokens == len(ref.token_ids)

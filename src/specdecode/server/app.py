@@ -13,6 +13,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -72,10 +73,11 @@ class Server:
         self.runner_info = runners[0]
         self.max_context = runners[0].max_context
         self.metrics = Metrics()
-        # encoding happens on the event loop's worker threads, decoding on the scheduler
-        # thread: each side gets its own tokenizer object (fast tokenizers are not re-entrant)
-        self.encoder = Decoder(runners[0], tokenizer, "ar", eos_token_ids)
-        self.encoder.tokenizer = copy.deepcopy(tokenizer)
+        # requests are encoded on the event loop's worker threads and decoded on the scheduler
+        # thread; a fast tokenizer used from two threads at once can fail ("Already borrowed"),
+        # so the encoding side has its own copy and a lock. The encoder's runner is never run.
+        self.encoder = Decoder(runners[0], copy.deepcopy(tokenizer), "ar", eos_token_ids)
+        self._encode_lock = threading.Lock()
         self.scheduler = Scheduler(runners, tokenizer, eos_token_ids, self.memory.make_proposer,
                                    settings.max_queue, self.metrics)
         self.started = now()
@@ -160,7 +162,8 @@ class Server:
 
     def encode(self, prompt, chat: bool) -> list[int]:
         try:
-            return self.encoder.encode(prompt, chat)
+            with self._encode_lock:
+                return self.encoder.encode(prompt, chat)
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
 
@@ -253,6 +256,10 @@ class Endpoint:
             prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
             requested, param = req.max_tokens, "prompt"
         specs = server.specs(req, prompts, requested, param)
+        capacity = server.scheduler.parallel + server.settings.max_queue
+        if len(specs) > capacity:  # could never be admitted: retrying would not help
+            raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "
+                                f"this server takes at most {capacity} at once", param="n")
         job = Job(specs, asyncio.get_running_loop())
         server.scheduler.submit(job)
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -282,6 +289,9 @@ class Endpoint:
         body = self.envelope(rid, req.model, chunk=False)
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False)
                            for i, r in enumerate(results)]
+        if req.specdecode and req.specdecode.return_token_ids:
+            for choice, result in zip(body["choices"], results):
+                choice["token_ids"] = result.token_ids
         body["usage"] = usage(prompt_tokens, results)
         return JSONResponse(body)
 

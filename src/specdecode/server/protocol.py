@@ -55,6 +55,9 @@ class SpecDecodeOptions(Strict):
 
     method: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)
+    #: add each choice's generated token ids (``choices[i].token_ids``; non-streaming only),
+    #: for exactness checks that must not compare text
+    return_token_ids: bool = False
 
 
 class StreamOptions(Strict):
