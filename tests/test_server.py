@@ -217,9 +217,12 @@ def test_stop_sequences_cut_the_text_also_across_stream_pieces(client):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_repeats_and_n_choices(client):
+def test_seeded_sampling_repeats_and_n_choices(client, model, tokenizer):
     options = dict(temperature=1.5, top_p=0.95, max_tokens=24, extra_body={"top_k": 50})
     first = chat(client, "Tell me a story", seed=11, n=3, **options)
+    alone = Decoder(HFRunner(model), tokenizer, "ngram", [EOS]).generate(
+        "Tell me a story", 24, temperature=1.5, top_p=0.95, top_k=50, seed=11)
+    assert first.choices[0].message.content == alone.text  # interleaving changes nothing
     again = chat(client, "Tell me a story", seed=11, n=3, **options)
     texts = [c.message.content for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2]

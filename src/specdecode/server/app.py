@@ -450,9 +450,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.settings.model_id,
+        alive = server.scheduler.alive
+        body = {"status": "ok" if alive else "error", "model": server.settings.model_id,
                 "method": server.settings.method, "max_context": server.max_context,
                 **server.scheduler.load()}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -126,6 +126,9 @@ class Scheduler:
             if self._stopping:
                 raise ApiError(503, "the server is shutting down", kind="server_error",
                                code="shutting_down")
+            if not self.alive:
+                raise ApiError(503, "the decode scheduler has stopped; see the server log",
+                               kind="server_error", code="scheduler_stopped")
             waiting = max(0, self._busy + len(self._pending) + len(job.specs) - self.parallel)
             if waiting > self.max_queue:
                 raise ApiError(
@@ -135,6 +138,10 @@ class Scheduler:
             self._pending.extend(_Sequence(job, i) for i in range(len(job.specs)))
             self.metrics.queued.set(len(self._pending))
             self._cond.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def load(self) -> dict[str, int]:
         with self._cond:
