@@ -21,7 +21,7 @@ from specdecode.bench.contenders import (PEERS, HFGenerate, LlamaCpp, MethodCont
                                          llama_cpp_available)
 from specdecode.bench.datasets import Question, load_questions, sample_per_task
 from specdecode.bench.metrics import accepted_histograms, summarize
-from specdecode.bench.report import markdown, plots
+from specdecode.bench.report import fmt, markdown, plots
 from specdecode.bench.runner import BenchOptions, Target, encode_messages, jsonl_writer, run_bench
 from specdecode.errors import SpecDecodeError, require
 
@@ -59,6 +59,9 @@ class Plan:
     questions: list[Question]
     #: (name, registry Method, frozen config), ar first
     methods: list[tuple]
+    #: whether --methods named them (a named method that cannot run is an error; one from
+    #: the default list, e.g. a draft model not trained yet, is left out with a note)
+    methods_named: bool
     #: requested peer names; None = every available one
     peers: list[str] | None
     options: BenchOptions
@@ -140,14 +143,22 @@ def plan(args: argparse.Namespace) -> Plan:
     require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
     options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
                            repeats=args.repeats, seed=0 if args.seed is None else args.seed)
-    return Plan(questions, methods, peers, options, prepare_out(args.out))
+    return Plan(questions, methods, args.methods is not None, peers, options,
+                prepare_out(args.out))
 
 
 def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> tuple[list, list[str]]:
-    """Our methods (ar first), then the peers; and notes on peers left out."""
-    contenders = [MethodContender(name, method, config, target.runner, target.eos_token_ids)
-                  for name, method, config in plan.methods]
+    """Our methods (ar first), then the peers; and notes on what was left out."""
+    contenders: list = []
     notes: list[str] = []
+    for name, method, config in plan.methods:
+        try:
+            contenders.append(MethodContender(name, method, config, target.runner,
+                                              target.eos_token_ids))
+        except SpecDecodeError as exc:
+            if plan.methods_named:
+                raise
+            notes.append(f"{name}: {exc}")
     wanted = plan.peers
     for peer in PEERS if wanted is None else wanted:
         explicit = wanted is not None
@@ -221,7 +232,7 @@ def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None =
                     f"min_p {s.min_p}, seeds from {plan.options.seed}",
         "repeats": plan.options.repeats,
         "contenders": ", ".join(c.name for c in contenders),
-        "peers left out": "; ".join(notes) or "none",
+        "left out": "; ".join(notes) or "none",
         "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
         **(meta or {}),
@@ -253,10 +264,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'vs hf':>8}{'tau':>7}{'identical':>11}")
     for name, entry in summary["methods"].items():
         o = entry["overall"]
-        vs_hf = "-" if o["speedup_vs_hf"] is None else f"{o['speedup_vs_hf']:.2f}x"
-        tau = "-" if o["mean_accepted"] is None else f"{o['mean_accepted']:.2f}"
-        print(f"{name:<16}{o['tokens_per_s']:>10.1f}{o['speedup_vs_ar']:>7.2f}x{vs_hf:>8}"
-              f"{tau:>7}{o['identical_fraction']:>11.0%}")
+        print(f"{name:<16}{o['tokens_per_s']:>10.1f}{fmt(o['speedup_vs_ar'], '.2f', 'x'):>8}"
+              f"{fmt(o['speedup_vs_hf'], '.2f', 'x'):>8}{fmt(o['mean_accepted'], '.2f'):>7}"
+              f"{o['identical_fraction']:>11.0%}")
     return 0
 
 

@@ -130,6 +130,7 @@ class HFGenerate:
 
         options = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_list or None,
                        pad_token_id=self.eos_list[0] if self.eos_list else None,
+                       bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
                        do_sample=not sampling.greedy,
                        repetition_penalty=sampling.repetition_penalty)
         if not sampling.greedy:
@@ -211,7 +212,7 @@ class LlamaCpp:
         stream = llm.generate(
             list(prompt_ids), temp=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, min_p=sampling.min_p, typical_p=1.0, repeat_penalty=1.0,
-            present_penalty=sampling.presence_penalty,
+            presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty, reset=True)
         for token in stream:
             tokens.append(int(token))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _fmt(value, spec: str, suffix: str = "") -> str:
+def fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
@@ -17,8 +17,8 @@ def _table(summary: dict, field: str, spec: str, suffix: str = "") -> list[str]:
     lines = ["| method | " + " | ".join(tasks) + " | overall |",
              "|---|" + "---:|" * (len(tasks) + 1)]
     for name, entry in summary["methods"].items():
-        cells = [_fmt(entry["tasks"].get(t, {}).get(field), spec, suffix) for t in tasks]
-        cells.append(_fmt(entry["overall"][field], spec, suffix))
+        cells = [fmt(entry["tasks"].get(t, {}).get(field), spec, suffix) for t in tasks]
+        cells.append(fmt(entry["overall"][field], spec, suffix))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -33,9 +33,9 @@ def markdown(summary: dict, meta: dict) -> str:
     for name, entry in summary["methods"].items():
         o = entry["overall"]
         lines.append(
-            f"| {name} | {entry['kind']} | {_fmt(o['tokens_per_s'], '.1f')} | "
-            f"{_fmt(o['speedup_vs_ar'], '.2f', 'x')} | {_fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
-            f"{_fmt(o['mean_accepted'], '.2f')} | {_fmt(o['identical_fraction'], '.0%')} |")
+            f"| {name} | {entry['kind']} | {fmt(o['tokens_per_s'], '.1f')} | "
+            f"{fmt(o['speedup_vs_ar'], '.2f', 'x')} | {fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
+            f"{fmt(o['mean_accepted'], '.2f')} | {fmt(o['identical_fraction'], '.0%')} |")
     sections = [("Speedup over ar", "speedup_vs_ar", ".2f", "x"),
                 ("Speedup over transformers generate (hf)", "speedup_vs_hf", ".2f", "x"),
                 ("Tokens per second", "tokens_per_s", ".1f", ""),
