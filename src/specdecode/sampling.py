@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,19 +110,20 @@ GREEDY = SamplingParams()
 _NUCLEUS_GUESS = 64
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor,
-                    output: torch.Tensor) -> torch.Tensor:
-    """Penalised copy of ``logits`` [V]; ``prompt`` and ``output`` are token id tensors."""
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, seen: Collection[int],
+                    counts: Mapping[int, int]) -> torch.Tensor:
+    """Penalised copy of ``logits`` [V]: ``seen`` holds every token of the context (repetition
+    penalty), ``counts`` each generated token's occurrences (presence/frequency penalties)."""
     logits = logits.clone()
-    if params.repetition_penalty != 1.0:
-        present = torch.cat([prompt, output]).unique()
+    if params.repetition_penalty != 1.0 and seen:
+        present = torch.tensor(list(seen), dtype=torch.long)
         chosen = logits[present]
         logits[present] = torch.where(chosen > 0, chosen / params.repetition_penalty,
                                       chosen * params.repetition_penalty)
-    if params.frequency_penalty or params.presence_penalty:
-        ids, counts = output.unique(return_counts=True)
-        logits[ids] = (logits[ids] - params.frequency_penalty * counts.float()
-                       - params.presence_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and counts:
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        times = torch.tensor(list(counts.values()), dtype=torch.float32)
+        logits[ids] = logits[ids] - params.frequency_penalty * times - params.presence_penalty
     return logits
 
 
@@ -181,18 +183,20 @@ class NodeDistributions:
         self.draft = draft
         self._probs: dict[int, torch.Tensor] = {}
         if params.has_penalties:
-            self._prompt = torch.tensor(context[:prompt_len], dtype=torch.long)
+            self.seen = set(context)
             # the root (committed, its KV not yet cached) counts like any output token
-            self._output = torch.tensor(context[prompt_len:], dtype=torch.long)
+            self.counts = Counter(context[prompt_len:])
 
     def penalised(self, row: int) -> torch.Tensor:
         """Row ``row``'s logits [V] after the penalties (what greedy decoding takes the argmax of)."""
         logits = self.logits[row].float()
         if not self.params.has_penalties:
             return logits
-        path = [self.draft.tokens[i] for i in self.draft.path_to(row - 1)] if row else []
-        output = torch.cat([self._output, torch.tensor(path, dtype=torch.long)])
-        return apply_penalties(logits, self.params, self._prompt, output)
+        if row == 0:
+            return apply_penalties(logits, self.params, self.seen, self.counts)
+        path = [self.draft.tokens[i] for i in self.draft.path_to(row - 1)]
+        return apply_penalties(logits, self.params, self.seen.union(path),
+                               self.counts + Counter(path))
 
     def argmax(self, row: int) -> int:
         return int(self.penalised(row).argmax())
