@@ -18,7 +18,7 @@ from specdecode.control import Budget
 from specdecode.errors import SpecDecodeError
 from specdecode.proposers.base import Feedback
 from specdecode.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
-from specdecode.suffix_tree import SuffixTree
+from specdecode.suffix_tree import OPEN, SuffixTree
 
 from conftest import repetitive_prompts
 
@@ -35,22 +35,21 @@ def substring_counts(seqs, depth):
 
 
 def tree_strings(tree: SuffixTree) -> dict:
-    """Every string the tree holds with its count, lazy tails expanded."""
+    """Every string the tree holds with its count, compressed edges and leaves expanded."""
     out = {}
 
     def walk(node, prefix):
         child = tree._child[node]
         while child >= 0:
-            key = prefix + (tree._token[child],)
-            out[key] = tree._count[child]
-            if tree._seq[child] >= 0:
-                seq = tree._tokens[tree._seq[child]]
-                for k in range(tree._pos[child] + 1, len(seq)):
-                    if len(key) >= tree.max_depth:
-                        break
-                    key = key + (seq[k],)
-                    out[key] = 1
-            else:
+            seq, start, length = tree._tokens[tree._ref[child]], tree._start[child], tree._length[child]
+            key, k = prefix, 0
+            while (start + k < len(seq) if length == OPEN else k < length) \
+                    and len(key) < tree.max_depth:
+                key += (seq[start + k],)
+                out[key] = tree._count[child]
+                k += 1
+            if length != OPEN:
+                assert k == length, "a real edge reaches below the depth cap"
                 walk(child, key)
             child = tree._next[child]
 
@@ -71,7 +70,7 @@ def speculate(tokens, max_spec_tokens=16, factor=1.0, offset=0.0, min_prob=0.1, 
 
 # ---- the tree -------------------------------------------------------------------------------
 
-def test_counts_equal_brute_force_through_extends_and_removals():
+def test_counts_equal_brute_force_through_inserts_extends_and_removals():
     rng = random.Random(0)
     for trial in range(150):
         depth = rng.choice([2, 3, 5, 64])
@@ -86,8 +85,12 @@ def test_counts_equal_brute_force_through_extends_and_removals():
                 continue
             sid = rng.randint(0, 3)
             tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
-            seqs.setdefault(sid, []).extend(tokens)  # interleaved growth of several sequences
-            tree.extend(sid, tokens)
+            if sid not in seqs and rng.random() < 0.5:
+                seqs[sid] = tokens  # a whole sequence at once (compressed edges)
+                tree.insert(sid, tokens)
+            else:
+                seqs.setdefault(sid, []).extend(tokens)  # interleaved growth of several
+                tree.extend(sid, tokens)
             assert tree_strings(tree) == substring_counts(seqs.values(), depth), trial
             assert tree.num_tokens == sum(map(len, seqs.values()))
             # no node leaks: every node but the root hangs on exactly one edge
@@ -209,6 +212,23 @@ def test_the_draft_budget_is_factor_times_match_length_plus_offset():
     # so the 3-token match, with room for 5, wins
     capped = speculate(context, factor=2.0, depth=8)
     assert (capped.token_ids, capped.match_len) == (passage[5:10], 3)
+
+
+def test_the_bounded_search_drafts_from_few_matches(monkeypatch):
+    # a 40-token passage copied again: every m up to 40 matches, but after the first draft
+    # (16 tokens at probability 1/2) no other match's bound can beat it
+    passage = list(range(100, 160))
+    calls = []
+    original = SuffixTree.draft
+
+    def counted(self, *args):
+        calls.append(args)
+        return original(self, *args)
+
+    monkeypatch.setattr(SuffixTree, "draft", counted)
+    draft = speculate(passage + [1] + passage[:40])
+    assert draft.token_ids == passage[40:56] and draft.match_len == 40
+    assert len(calls) == 1
 
 
 def test_a_context_with_no_earlier_match_drafts_nothing():

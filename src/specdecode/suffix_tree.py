@@ -9,13 +9,13 @@ tokens (default 64). Node ``s`` stands for the token string ``s`` and its ``coun
 of positions where ``s`` occurs (suffixes passing through or ending at it), so
 ``count(child) / count(node)`` is the empirical probability of the next token after ``s``.
 
-**Lazy tails.** A trie of every suffix would cost up to 64 nodes per token. Here a node whose
-count is 1 is *lazy*: it stores where its single occurrence is (``seq``, ``pos``) instead of
-children, and its descendants are read from the sequence itself. Only strings that occur twice or
-more get real nodes, so natural text costs about one node per token; text copied from earlier in
-the context costs up to ``max_depth`` nodes per copied token (still bounded). A lazy tail grows
-for free as its sequence grows, and appending a token touches only the suffixes that currently end
-on a real node (ArcticInference's "active nodes": the positions where the sequence repeats itself).
+**Compressed edges.** A plain trie of every suffix costs up to 64 nodes per token. Here an edge
+carries a run of tokens (read from one of the sequences) over which the count does not change,
+and a *leaf* holds one occurrence and reads the rest of its sequence, so a whole response costs
+at most two nodes per token however much it repeats earlier ones (measured: about 260 bytes per
+token of natural text, 215 when every response is repeated once). A leaf grows for free with its
+sequence; appending a token to a request's tree touches only the suffixes that end on a real node
+(ArcticInference's "active nodes": the places where the sequence is repeating itself).
 
 **Matching.** After each appended token those active suffixes are exactly the nodes matching the
 last m tokens of the sequence, for every useful m, so a request's own tree needs no search at all.
@@ -67,39 +67,50 @@ ROOT = 0
 _NONE = -1
 #: edge keys are ``parent << _SHIFT | token``: one int per edge, so the edge dict holds no objects
 _SHIFT = 32
+#: the length of a leaf's edge: its label runs on to the end of its sequence (and grows with it)
+OPEN = 1 << 40
 
 
 class SuffixTree:
-    """Every suffix (cut at ``max_depth`` tokens) of a set of growing token sequences, with
-    occurrence counts. Sequences are appended to with :meth:`extend` and dropped with
-    :meth:`remove`; ``version`` changes whenever the tree does.
+    """Every suffix (cut at ``max_depth`` tokens) of a set of token sequences, with occurrence
+    counts. :meth:`insert` adds a whole sequence, :meth:`extend` appends to a growing one,
+    :meth:`remove` drops one; ``version`` changes whenever the tree does.
 
-    Nodes are integer ids into parallel ``array`` columns and edges live in one dict of ints, so
-    the tree holds no Python objects per node: it costs about 100-150 bytes per node and the
-    garbage collector never walks it (a tree of ``_Node`` objects made every full collection,
-    with torch loaded, pause for most of a second). Node 0 is the root. A node is *lazy* when
-    ``seq[node] >= 0``: its token is ``tokens[seq][pos]`` and its descendants are read from there.
+    Layout: nodes are integer ids into parallel ``array`` columns and edges live in one dict of
+    ints, so the tree holds no Python object per node (about 170 bytes a node) and the garbage
+    collector never walks it (a tree of node objects made every full collection, with torch
+    loaded, pause for most of a second). Node 0 is the root. Node ``n``'s edge is labelled
+    ``tokens[ref[n]][start[n]:start[n] + length[n]]`` and every position on it has the count of
+    ``n``. A *leaf* (``length == OPEN``) holds one occurrence and reads the rest of its sequence.
+
+    :meth:`insert` walks each suffix down compressed edges and splits one edge where it leaves
+    the tree, so a response costs at most two nodes per token however much it repeats earlier
+    ones. :meth:`extend` (the request's own tree, one token at a time) extends the suffixes that
+    end on a real node by one token each, with one-token nodes: cheap to grow, and that tree is
+    dropped with its request. ``ref`` always names the newest occurrence, so FIFO eviction of the
+    oldest sequence never leaves a node reading a removed one.
     """
 
     def __init__(self, max_depth: int = 64):
         require(max_depth >= 2, f"max_depth must be >= 2 (a match plus one token), got {max_depth}")
         self.max_depth = max_depth
         # one column per node field; index = node id
-        self._count = array("q", [0])   # occurrences of the node's string
-        self._last = array("q", [0])    # tick of the latest occurrence (ties between siblings)
-        self._token = array("q", [-1])  # the node's own token
-        self._seq = array("q", [-1])    # lazy nodes: handle of the sequence holding them, else -1
-        self._pos = array("q", [-1])    # lazy nodes: position of their token in that sequence
+        self._count = array("q", [0])   # occurrences of every string on the node's edge
+        self._last = array("q", [0])    # tick of the newest occurrence (ties between siblings)
+        self._token = array("q", [-1])  # first token of the edge
+        self._ref = array("q", [-1])    # the edge label's sequence (a handle) ...
+        self._start = array("q", [0])   # ... and position there: its newest occurrence
+        self._length = array("q", [0])  # edge length, OPEN for a leaf
         self._child = array("q", [-1])  # first child (children form a doubly linked list)
         self._next = array("q", [-1])   # next sibling
         self._prev = array("q", [-1])   # previous sibling
         self._edges: dict[int, int] = {}  # parent << _SHIFT | token -> child
         self._free: list[int] = []        # ids of deleted nodes, reused first
-        # sequences by handle (small ints); lazy nodes refer to handles, callers to seq ids
+        # sequences by handle (small ints); nodes refer to handles, callers to seq ids
         self._handles: dict[Hashable, int] = {}
         self._tokens: dict[int, array] = {}
-        # per sequence: suffixes that end on a real node and can still grow, as parallel lists
-        # of start positions and nodes (ArcticInference's "active nodes")
+        # per sequence: suffixes that end the sequence on a real node and can still grow, as
+        # parallel lists of start positions and nodes (ArcticInference's "active nodes")
         self._starts: dict[int, list[int]] = {}
         self._nodes: dict[int, list[int]] = {}
         self._next_handle = 0
@@ -124,36 +135,37 @@ class SuffixTree:
     def num_nodes(self) -> int:
         return len(self._count) - len(self._free)
 
-    # ---- building -------------------------------------------------------------------------
+    # ---- nodes ----------------------------------------------------------------------------
 
-    def _add_child(self, parent: int, token: int, count: int, seq: int, pos: int,
+    def _add_child(self, parent: int, token: int, count: int, ref: int, start: int, length: int,
                    last: int) -> int:
         """A new node under ``parent``, linked at the head of its children."""
         if self._free:
             node = self._free.pop()
-            self._count[node], self._token[node], self._seq[node] = count, token, seq
-            self._pos[node], self._last[node], self._child[node] = pos, last, _NONE
+            self._count[node], self._last[node], self._token[node] = count, last, token
+            self._ref[node], self._start[node], self._length[node] = ref, start, length
+            self._child[node] = _NONE
         else:
             node = len(self._count)
-            self._count.append(count)
-            self._token.append(token)
-            self._seq.append(seq)
-            self._pos.append(pos)
-            self._last.append(last)
-            self._child.append(_NONE)
-            self._next.append(_NONE)
-            self._prev.append(_NONE)
-        self._edges[parent << _SHIFT | token] = node
+            for column, value in ((self._count, count), (self._last, last), (self._token, token),
+                                  (self._ref, ref), (self._start, start),
+                                  (self._length, length), (self._child, _NONE),
+                                  (self._next, _NONE), (self._prev, _NONE)):
+                column.append(value)
+        self._link(parent, node)
+        return node
+
+    def _link(self, parent: int, node: int) -> None:
+        self._edges[parent << _SHIFT | self._token[node]] = node
         head = self._child[parent]
         self._next[node] = head
         self._prev[node] = _NONE
         if head >= 0:
             self._prev[head] = node
         self._child[parent] = node
-        return node
 
-    def _unlink(self, parent: int, node: int, token: int) -> None:
-        del self._edges[parent << _SHIFT | token]
+    def _unlink(self, parent: int, node: int) -> None:
+        del self._edges[parent << _SHIFT | self._token[node]]
         before, after = self._prev[node], self._next[node]
         if before >= 0:
             self._next[before] = after
@@ -162,18 +174,100 @@ class SuffixTree:
         if after >= 0:
             self._prev[after] = before
 
+    def _split(self, parent: int, node: int, k: int, depth: int) -> int:
+        """Cut ``node``'s edge after ``k`` tokens: a new node takes the first ``k`` (with the
+        same count and label), ``node`` keeps the rest below it. ``depth``: the depth of the
+        edge's first token. Returns the new node; the caller counts the new occurrence in."""
+        ref, start = self._ref[node], self._start[node]
+        self._unlink(parent, node)
+        head = self._add_child(parent, self._token[node], self._count[node], ref, start, k,
+                               self._last[node])
+        seq = self._tokens[ref]
+        if self._length[node] != OPEN:
+            self._length[node] -= k
+        elif start + k >= len(seq) or depth + k > self.max_depth:
+            # a leaf with nothing past the cut: its occurrence now ends on the new node
+            self._free_node(node)
+            if start + k == len(seq) and depth + k <= self.max_depth:
+                # ... at the end of its sequence: should that sequence grow, the new node is
+                # where its suffix continues
+                self._starts[ref].append(start - depth + 1)
+                self._nodes[ref].append(head)
+            return head
+        self._start[node] = start + k
+        self._token[node] = seq[start + k]
+        self._link(head, node)
+        return head
+
+    def _free_node(self, node: int) -> None:
+        self._count[node] = 0
+        self._ref[node] = _NONE
+        self._free.append(node)
+
+    # ---- building -------------------------------------------------------------------------
+
+    def _new_sequence(self, seq_id: Hashable) -> int:
+        handle = self._handles[seq_id] = self._next_handle
+        self._next_handle += 1
+        self._tokens[handle] = array("q")
+        self._starts[handle] = []
+        self._nodes[handle] = []
+        return handle
+
+    def insert(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Add the complete sequence ``tokens`` as ``seq_id`` (which must be new)."""
+        require(seq_id not in self._handles, f"sequence {seq_id!r} is already in the tree")
+        handle = self._new_sequence(seq_id)
+        seq = self._tokens[handle]
+        seq.extend(map(int, tokens))
+        count, last, ref, start, length = (self._count, self._last, self._ref, self._start,
+                                           self._length)
+        get, cap, size = self._edges.get, self.max_depth, len(seq)
+        count[ROOT] += size
+        for i in range(size):
+            self._tick += 1
+            tick = self._tick
+            end = min(i + cap, size)  # this suffix, cut at the tree depth
+            node, pos = ROOT, i
+            while pos < end:
+                child = get(node << _SHIFT | seq[pos])
+                if child is None:
+                    # the rest of this suffix is new: a leaf reading this sequence
+                    self._add_child(node, seq[pos], 1, handle, pos, OPEN, tick)
+                    break
+                label, at, edge = self._tokens[ref[child]], start[child], length[child]
+                if edge == OPEN:
+                    edge = min(len(label) - at, cap - (pos - i))
+                n = min(edge, end - pos)
+                if seq[pos:pos + n] == label[at:at + n]:
+                    same = n
+                else:
+                    same = 1  # the first tokens match: the edge is keyed by it
+                    while seq[pos + same] == label[at + same]:
+                        same += 1
+                if same != length[child]:
+                    # the suffix leaves the edge (or ends) inside it: cut the edge there
+                    child = self._split(node, child, same, pos - i + 1)
+                count[child] += 1
+                last[child], ref[child], start[child] = tick, handle, pos
+                node, pos = child, pos + same
+            else:
+                # the suffix ends on a real node; if it ends the sequence below the depth cap,
+                # extend() would continue it from there
+                if end == size and pos - i < cap:
+                    self._starts[handle].append(i)
+                    self._nodes[handle].append(node)
+        self.version += 1
+
     def extend(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to sequence ``seq_id`` (a new sequence if unknown)."""
         handle = self._handles.get(seq_id)
         if handle is None:
-            handle = self._handles[seq_id] = self._next_handle
-            self._next_handle += 1
-            self._tokens[handle] = array("q")
-            self._starts[handle] = []
-            self._nodes[handle] = []
+            handle = self._new_sequence(seq_id)
         seq, starts, nodes = self._tokens[handle], self._starts[handle], self._nodes[handle]
-        count, last, lazy, get = self._count, self._last, self._seq, self._edges.get
-        cap = self.max_depth
+        count, last, ref, start, length = (self._count, self._last, self._ref, self._start,
+                                           self._length)
+        get, cap = self._edges.get, self.max_depth
         for token in map(int, tokens):
             n = len(seq)
             seq.append(token)
@@ -183,112 +277,95 @@ class SuffixTree:
             starts.append(n)  # the suffix that starts at the new token
             nodes.append(ROOT)
             kept_starts, kept_nodes = [], []
-            for start, node in zip(starts, nodes):
-                depth = n - start + 1  # depth this suffix reaches with the new token
+            for begin, node in zip(starts, nodes):
+                depth = n - begin + 1  # depth of the new token in this suffix
                 child = get(node << _SHIFT | token)
                 if child is None:
-                    # first occurrence of this string: a lazy tail reading the sequence itself
-                    self._add_child(node, token, 1, handle, n, tick)
+                    # first occurrence of this string: a leaf reading this sequence
+                    self._add_child(node, token, 1, handle, n, OPEN, tick)
                     continue
-                if lazy[child] >= 0:
-                    self._materialize(child, depth)
+                if length[child] != 1:
+                    # a leaf reached a second time, or a longer edge: take its first token apart
+                    child = self._split(node, child, 1, depth)
                 count[child] += 1
-                last[child] = tick
+                last[child], ref[child], start[child] = tick, handle, n
                 if depth < cap:
-                    kept_starts.append(start)
+                    kept_starts.append(begin)
                     kept_nodes.append(child)
             starts[:] = kept_starts
             nodes[:] = kept_nodes
         self.version += 1
 
-    def _materialize(self, node: int, depth: int) -> None:
-        """A lazy node at ``depth`` is reached a second time: it becomes a real node whose one
-        child is the rest of its earlier occurrence, still lazy."""
-        handle, nxt = self._seq[node], self._pos[node] + 1
-        self._seq[node] = self._pos[node] = _NONE
-        if depth >= self.max_depth:
-            return
-        seq = self._tokens[handle]
-        if nxt < len(seq):
-            self._add_child(node, seq[nxt], 1, handle, nxt, self._last[node])
-        else:
-            # the earlier occurrence ends its (still growing) sequence: that sequence's suffix
-            # now ends on a real node, so its next token must extend it explicitly
-            self._starts[handle].append(nxt - depth)
-            self._nodes[handle].append(node)
-
     def remove(self, seq_id: Hashable) -> None:
         """Drop sequence ``seq_id``: undo its counts and delete the nodes only it used."""
         handle = self._handles.pop(seq_id)
-        seq = self._tokens.pop(handle)
+        seq = self._tokens[handle]
         del self._starts[handle], self._nodes[handle]
         count, edges, cap = self._count, self._edges, self.max_depth
         count[ROOT] -= len(seq)
-        for start in range(len(seq)):
-            node = ROOT
-            for k in range(start, min(start + cap, len(seq))):
-                token = seq[k]
-                child = edges[node << _SHIFT | token]
+        still_reading = []  # nodes whose label is read from this sequence
+        for i in range(len(seq)):
+            end = min(i + cap, len(seq))
+            node, pos = ROOT, i
+            while pos < end:
+                child = edges[node << _SHIFT | seq[pos]]
                 if count[child] == 1:
                     # only this suffix passes here, so below is a single chain: free it all
-                    self._unlink(node, child, token)
+                    self._unlink(node, child)
                     while child >= 0:
                         below = self._child[child]
                         if below >= 0:
                             del edges[child << _SHIFT | self._token[below]]
-                        self._free.append(child)
+                        self._free_node(child)
                         child = below
                     break
                 count[child] -= 1
-                node = child
+                if self._ref[child] == handle:
+                    still_reading.append(child)
+                node, pos = child, pos + self._length[child]
+        # Labels name their newest occurrence, so removing the oldest sequence (FIFO) leaves no
+        # reader; after an out-of-order removal its tokens stay for the nodes that read them.
+        if not any(count[n] > 0 and self._ref[n] == handle for n in still_reading):
+            del self._tokens[handle]
         self.version += 1
 
     # ---- matching -------------------------------------------------------------------------
 
     def matches(self, seq_id: Hashable) -> list[tuple[int, int, int]]:
-        """Matches ``(m, node, -1)`` of the last m tokens of ``seq_id`` that occur elsewhere too
+        """Matches ``(m, node, k)`` of the last m tokens of ``seq_id`` that occur elsewhere too
         (the sequence's own tail always matches but has no continuation)."""
         handle = self._handles[seq_id]
         n = len(self._tokens[handle])
-        count = self._count
-        return [(n - start, node, _NONE)
-                for start, node in zip(self._starts[handle], self._nodes[handle])
+        count, length = self._count, self._length
+        return [(n - begin, node, length[node])
+                for begin, node in zip(self._starts[handle], self._nodes[handle])
                 if count[node] > 1]  # count 1 after a removal: only the context's own
 
-    def step(self, node: int, pos: int, token: int) -> tuple[int, int] | None:
-        """Follow ``token`` from a match: a real node (``pos == -1``) or the implicit node at
-        ``pos`` of a lazy node's sequence."""
-        if pos < 0:
-            child = self._edges.get(node << _SHIFT | token)
-            if child is None:
-                return None
-            return child, self._pos[child]  # -1 for a real node
-        seq = self._tokens[self._seq[node]]
-        nxt = pos + 1
-        if nxt < len(seq) and seq[nxt] == token:
-            return node, nxt
-        return None
+    def step(self, node: int, k: int, token: int) -> tuple[int, int] | None:
+        """Follow ``token`` from the position ``k`` tokens into ``node``'s edge."""
+        if k < self._length[node]:
+            seq = self._tokens[self._ref[node]]
+            at = self._start[node] + k
+            if at < len(seq) and seq[at] == token:
+                return node, k + 1
+            return None
+        child = self._edges.get(node << _SHIFT | token)
+        return None if child is None else (child, 1)
 
     def advance(self, matches: list, tokens: Sequence[int]) -> list:
-        """Matches ``(m, node, pos)`` of a context's last m tokens, moved on by ``tokens``.
+        """Matches ``(m, node, k)`` of a context's last m tokens, moved on by ``tokens``.
         Matches as deep as ``max_depth`` are dropped: nothing can follow them."""
-        cap, get, lazy_pos = self.max_depth, self._edges.get, self._pos
+        cap, step = self.max_depth, self.step
         for token in tokens:
             moved = []
-            for m, node, pos in matches:
-                if m + 1 >= cap:
-                    continue
-                if pos < 0:  # inlined step(): this loop runs for every token and match
-                    child = get(node << _SHIFT | token)
-                    if child is not None:
-                        moved.append((m + 1, child, lazy_pos[child]))
-                else:
-                    seq = self._tokens[self._seq[node]]
-                    if pos + 1 < len(seq) and seq[pos + 1] == token:
-                        moved.append((m + 1, node, pos + 1))
-            child = get(token)  # ROOT << _SHIFT | token
-            if child is not None:
-                moved.append((1, child, lazy_pos[child]))
+            for m, node, k in matches:
+                if m + 1 < cap:
+                    nxt = step(node, k, token)
+                    if nxt is not None:
+                        moved.append((m + 1, nxt[0], nxt[1]))
+            nxt = step(ROOT, 0, token)
+            if nxt is not None:
+                moved.append((1, nxt[0], nxt[1]))
             matches = moved
         return matches
 
@@ -296,110 +373,84 @@ class SuffixTree:
         """Occurrences of the string ``tokens`` (0 if absent or longer than ``max_depth``)."""
         if len(tokens) > self.max_depth:
             return 0
-        node, pos = ROOT, _NONE
+        node, k = ROOT, 0
         for token in tokens:
-            nxt = self.step(node, pos, int(token))
+            nxt = self.step(node, k, int(token))
             if nxt is None:
                 return 0
-            node, pos = nxt
-        return 1 if pos >= 0 else self._count[node]
+            node, k = nxt
+        return self._count[node]
 
     def count_of(self, node: int) -> int:
         return self._count[node]
 
-    def remaining(self, node: int, pos: int) -> int:
-        """Tokens that follow a lazy match in its sequence (unbounded for a real node)."""
-        return len(self._tokens[self._seq[node]]) - pos - 1 if pos >= 0 else 1 << 30
+    def remaining(self, node: int, k: int) -> int:
+        """Tokens that can follow the position (unbounded unless it is in a leaf)."""
+        if self._length[node] != OPEN:
+            return 1 << 30
+        return len(self._tokens[self._ref[node]]) - self._start[node] - k
 
     # ---- drafting -------------------------------------------------------------------------
 
-    def draft(self, node: int, pos: int, max_nodes: int, max_depth: int, min_prob: float,
+    def _continuations(self, node: int, k: int) -> list[tuple[int, int, int]]:
+        """``(token, node, k)`` one token on from a position: the edge's next token, or the
+        children at the edge's end."""
+        if k < self._length[node]:
+            seq = self._tokens[self._ref[node]]
+            at = self._start[node] + k
+            return [(seq[at], node, k + 1)] if at < len(seq) else []
+        out = []
+        child = self._child[node]
+        while child >= 0:
+            out.append((self._token[child], child, 1))
+            child = self._next[child]
+        return out
+
+    def draft(self, node: int, k: int, max_nodes: int, max_depth: int, min_prob: float,
               tree: bool = True) -> SuffixDraft:
-        """The draft below one match (a real node, or position ``pos`` of a lazy one)."""
+        """The draft below one match: tree mode (best-first by probability) or path mode (the
+        most frequent continuation, as a chain)."""
         if max_nodes <= 0 or max_depth <= 0:
             return SuffixDraft()
-        if pos >= 0:
-            # one occurrence: its continuation, every token with probability 1
-            seq = self._tokens[self._seq[node]]
-            tokens = seq[pos + 1:pos + 1 + min(max_nodes, max_depth)].tolist()
-            n = len(tokens)
-            return SuffixDraft(tokens, list(range(-1, n - 1)), [1.0] * n, float(n))
-        return (self._draft_tree if tree else self._draft_path)(node, max_nodes, max_depth,
-                                                                 min_prob)
-
-    def _draft_tree(self, match: int, max_nodes: int, max_depth: int,
-                    min_prob: float) -> SuffixDraft:
-        count, last, first, after = self._count, self._last, self._child, self._next
-        total = count[match]
+        count, last = self._count, self._last
+        total = count[node]
         tokens: list[int] = []
         parents: list[int] = []
         counts: list[int] = []
-        # heap items (-count, -last, order, token, node, pos, parent index, depth): the most
-        # frequent first, then the most recent, then the first pushed
-        heap: list = []
-        order = 0
-        child = first[match]
-        while child >= 0:
-            if count[child] / total >= min_prob:
-                heap.append((-count[child], -last[child], order, self._token[child], child,
-                             self._pos[child], -1, 1))
-                order += 1
-            child = after[child]
-        heapq.heapify(heap)
-        while heap and len(tokens) < max_nodes:
-            neg_count, neg_last, _, token, node, pos, parent, depth = heapq.heappop(heap)
-            index = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            counts.append(-neg_count)
-            if depth >= max_depth:
-                continue
-            if pos >= 0:
-                # inside a lazy tail: one continuation, count 1
-                seq = self._tokens[self._seq[node]]
-                if pos + 1 < len(seq) and 1 / total >= min_prob:
-                    heapq.heappush(heap, (-1, neg_last, order, seq[pos + 1], node, pos + 1,
-                                          index, depth + 1))
-                    order += 1
-                continue
-            child = first[node]
-            while child >= 0:
-                if count[child] / total >= min_prob:
-                    heapq.heappush(heap, (-count[child], -last[child], order, self._token[child],
-                                          child, self._pos[child], index, depth + 1))
-                    order += 1
-                child = after[child]
-        return SuffixDraft(tokens, parents, [c / total for c in counts], sum(counts) / total)
+        if not tree:
+            while len(tokens) < min(max_nodes, max_depth):
+                options = self._continuations(node, k)
+                if not options:
+                    break
+                token, node, k = max(options, key=lambda o: (count[o[1]], last[o[1]]))
+                if count[node] / total < min_prob:
+                    break
+                parents.append(len(tokens) - 1)
+                tokens.append(token)
+                counts.append(count[node])
+        else:
+            # heap items (-count, -last, order, token, node, k, parent index, depth): the most
+            # probable first, then the most recent occurrence, then the first pushed
+            heap: list = []
+            order = 0
 
-    def _draft_path(self, match: int, max_nodes: int, max_depth: int,
-                    min_prob: float) -> SuffixDraft:
-        count, last, first, after = self._count, self._last, self._child, self._next
-        total = count[match]
-        limit = min(max_nodes, max_depth)
-        tokens: list[int] = []
-        counts: list[int] = []
-        node = match
-        while len(tokens) < limit and first[node] >= 0:
-            best, child = first[node], after[first[node]]
-            while child >= 0:
-                if (count[child], last[child]) > (count[best], last[best]):
-                    best = child
-                child = after[child]
-            if count[best] / total < min_prob:
-                break
-            tokens.append(self._token[best])
-            counts.append(count[best])
-            node = best
-            if self._seq[best] >= 0:
-                # a lazy tail: the rest is its single occurrence, all at the same probability
-                seq, pos = self._tokens[self._seq[best]], self._pos[best]
-                rest = seq[pos + 1:pos + 1 + limit - len(tokens)].tolist()
-                tokens.extend(rest)
-                counts.extend([1] * len(rest))
-                break
-        n = len(tokens)
-        return SuffixDraft(tokens, list(range(-1, n - 1)), [c / total for c in counts],
-                           sum(counts) / total)
+            def push(at_node: int, at_k: int, parent: int, depth: int) -> None:
+                nonlocal order
+                for token, child, child_k in self._continuations(at_node, at_k):
+                    if count[child] / total >= min_prob:
+                        heapq.heappush(heap, (-count[child], -last[child], order, token, child,
+                                              child_k, parent, depth))
+                        order += 1
+
+            push(node, k, -1, 1)
+            while heap and len(tokens) < max_nodes:
+                neg_count, _, _, token, child, child_k, parent, depth = heapq.heappop(heap)
+                parents.append(parent)
+                tokens.append(token)
+                counts.append(-neg_count)
+                if depth < max_depth:
+                    push(child, child_k, len(tokens) - 1, depth + 1)
+        return SuffixDraft(tokens, parents, [c / total for c in counts], sum(counts) / total)
 
 
 @dataclass
@@ -439,28 +490,25 @@ def best_draft(candidates: list[tuple[str, SuffixTree, list, bool]], max_spec_to
     for index, (source, suffix_tree, matches, holds_context) in enumerate(candidates):
         rank = len(candidates) - index
         cap = suffix_tree.max_depth
-        for m, node, pos in matches:
+        for m, node, k in matches:
             nodes = spec_budget(m, max_spec_tokens, factor, offset)
             depth = min(max_depth, cap - m)
             # probabilities at one depth sum to at most 1 (to (count - 1) / count when one
             # occurrence is the context's own), so the score is at most that times the depth
-            levels = min(nodes, depth, suffix_tree.remaining(node, pos))
-            if levels <= 0:
-                continue
+            levels = min(nodes, depth, suffix_tree.remaining(node, k))
             bound = float(levels)
-            if holds_context and pos < 0:
+            if holds_context:
                 total = suffix_tree.count_of(node)
                 bound = levels * (total - 1) / total
             if bound > 0:
-                options.append((bound, rank, m, source, suffix_tree, node, pos, nodes,
-                                depth))
+                options.append((bound, rank, m, source, suffix_tree, node, k, nodes, depth))
     options.sort(key=lambda o: o[:3], reverse=True)
     best = SuffixDraft()
     best_key = (0.0, 0, 0)
-    for bound, rank, m, source, suffix_tree, node, pos, nodes, depth in options:
+    for bound, rank, m, source, suffix_tree, node, k, nodes, depth in options:
         if (bound, rank, m) <= best_key:
             break  # sorted by bound: nothing left can beat the best
-        draft = suffix_tree.draft(node, pos, nodes, depth, min_prob, tree)
+        draft = suffix_tree.draft(node, k, nodes, depth, min_prob, tree)
         if draft.score > 0 and (draft.score, rank, m) > best_key:
             best, best_key = draft, (draft.score, rank, m)
             best.match_len, best.source = m, source
@@ -574,7 +622,7 @@ class SuffixCache:
         _check_id(req_id)
         ids = _token_ids(prompt, "prompt")
         tree = SuffixTree(self.max_tree_depth)
-        tree.extend(0, ids)  # outside the lock: nothing shared yet
+        tree.insert(0, ids)  # outside the lock: nothing shared yet
         with self._lock:
             require(req_id not in self._requests,
                     f"request {req_id!r} is already active; stop it first or use a new id")
@@ -694,7 +742,7 @@ class SuffixCache:
             return
         if req_id in self._cached:
             self._evict(req_id)  # an id used again: its newest response replaces the old one
-        self._global.extend(req_id, ids)
+        self._global.insert(req_id, ids)
         self._cached[req_id] = None
         while len(self._cached) > self.max_cached_requests:
             self._evict(next(iter(self._cached)))
