@@ -60,7 +60,8 @@ class Runner(ABC):
     # ---- optional: early exit, for self-speculative proposers (LayerSkip, DEL) -------------
     # Runners that implement these set ``supports_early_exit``; proposers check it up front.
 
-    #: True where :meth:`exit_forward`, :meth:`exit_logits` and :meth:`capture_hidden` work
+    #: True where :meth:`exit_forward`, :meth:`exit_norm`, :meth:`lm_head` and
+    #: :meth:`capture_hidden` work
     supports_early_exit: bool = False
     #: after a :meth:`forward` with :meth:`capture_hidden` on: {layer: hidden [1 + n, H]}
     captured: dict[int, torch.Tensor]
@@ -76,11 +77,19 @@ class Runner(ABC):
         """
         raise self._no_early_exit()
 
-    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        """float32 logits [n, V] from an exit layer's hidden states [n, H]: the final norm and
-        the LM head, or ``adapter`` (a module mapping hidden states to normed ones) then the
-        LM head."""
+    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        """Normed states [n, H] for the LM head from an exit layer's hidden states [n, H]: the
+        final norm, or ``adapter`` (a trained module mapping hidden states to normed ones)."""
         raise self._no_early_exit()
+
+    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, V] from normed states [n, H]. One call for many rows costs about
+        what one row does (the head's weights are read once), so callers batch rows."""
+        raise self._no_early_exit()
+
+    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        """float32 logits [n, V] at an exit: :meth:`exit_norm` then :meth:`lm_head`."""
+        return self.lm_head(self.exit_norm(hidden, adapter))
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         """From now on, every :meth:`forward` keeps the output hidden states of ``layers``

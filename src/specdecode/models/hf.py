@@ -142,8 +142,11 @@ class HFRunner(Runner):
         return hidden[0]
 
     @torch.inference_mode()
-    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        normed = self.model.model.norm(hidden) if adapter is None else adapter(hidden)
+    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        return self.model.model.norm(hidden) if adapter is None else adapter(hidden)
+
+    @torch.inference_mode()
+    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(normed).float()
 
     def capture_hidden(self, layers: Sequence[int]) -> None:

@@ -42,9 +42,12 @@ from specdecode.proposers.early_exit import check_exit_layer, require_early_exit
 from specdecode.registry import param, register
 from specdecode.training.adapters import resolve_adapters
 
-#: cost model constants measured on SmolLM2-135M, 2-core CPU, hf runner (docs/self-speculation.md)
-HEAD_COST = 2.0
-VERIFY_TOKEN_COST = 0.08
+#: cost model constants for SmolLM2-135M on a 2-core CPU, hf runner (docs/self-speculation.md):
+#: its tied 49152 x 576 head reads as many weights as ~6 of its 30 layers (a one-token forward
+#: is memory-bound), and a verify pass grows ~12% of a one-token forward per extra token
+#: (37 ms for 1 token, 67 ms for 8, DESIGN.md)
+HEAD_COST = 6.0
+VERIFY_TOKEN_COST = 0.12
 
 
 def expected_tokens(alpha: float, depth: int) -> float:
@@ -54,11 +57,13 @@ def expected_tokens(alpha: float, depth: int) -> float:
 
 
 def tokens_per_layer(alpha: float, layer: int, depth: int, num_layers: int,
-                     head_cost: float = 0.0, verify_token_cost: float = 0.0) -> float:
-    """DEL's TPL with the head and verify-width terms (both 0 gives the paper's formula)."""
+                     head_cost: float = 0.0, verify_token_cost: float = 0.0,
+                     round_cost: float = 0.0) -> float:
+    """DEL's TPL with the CPU terms: the LM head, the verify pass's width and a fixed cost per
+    round (the shadow tokens' head call); all 0 gives the paper's formula."""
     draft = depth * (layer + head_cost)
     verify = (num_layers + head_cost) * (1.0 + verify_token_cost * depth)
-    return expected_tokens(alpha, depth) / (draft + verify)
+    return expected_tokens(alpha, depth) / (draft + verify + round_cost)
 
 
 def best_fixed_layer(agreement: dict[int, float], num_layers: int, depth: int,
@@ -141,11 +146,14 @@ class DynamicExitProposer(Proposer):
     def choose(self, max_depth: int) -> tuple[int, int]:
         """(exit layer, draft length) with the highest TPL; depth 0 = do not speculate."""
         c, n = self.config, self.runner.num_layers
-        best, best_tpl = (self.layers[0], 0), tokens_per_layer(0.0, 0, 0, n, c.head_cost)
+        # the shadow tokens' head call is paid every round, speculating or not
+        best = (self.layers[0], 0)
+        best_tpl = tokens_per_layer(0.0, 0, 0, n, c.head_cost, round_cost=c.head_cost)
         for layer in self.layers:
             a = self.alpha(layer)
             for depth in range(1, max_depth + 1):
-                tpl = tokens_per_layer(a, layer, depth, n, c.head_cost, c.verify_token_cost)
+                tpl = tokens_per_layer(a, layer, depth, n, c.head_cost, c.verify_token_cost,
+                                       c.head_cost)
                 if tpl > best_tpl:
                     best, best_tpl = (layer, depth), tpl
         return best
@@ -180,9 +188,12 @@ class DynamicExitProposer(Proposer):
             return
         rows = [0] + [1 + i for i in feedback.accepted]  # rows whose next token is committed
         target = torch.tensor(feedback.tokens[: len(rows)])
+        # every layer's rows through the head in one call: it costs what one row does
+        normed = torch.cat([self.runner.exit_norm(captured[layer][rows], self.heads[layer])
+                            for layer in self.layers])  # [layers * r, H]
+        shadows = self.runner.lm_head(normed).argmax(-1).view(len(self.layers), len(rows))
+        hits = (shadows == target).sum(-1).tolist()
         d = self.config.decay
-        for layer in self.layers:
-            logits = self.runner.exit_logits(captured[layer][rows], self.heads[layer])  # [r, V]
-            hits = int((logits.argmax(-1) == target).sum())
-            self.hits[layer] = d * self.hits[layer] + hits
+        for layer, hit in zip(self.layers, hits):
+            self.hits[layer] = d * self.hits[layer] + hit
             self.trials[layer] = d * self.trials[layer] + len(rows)

@@ -156,7 +156,7 @@ def build_features(model, tokenizer, prompts, layers, args, path: Path, what: st
     done = sum(c["count"] for c in cache["chunks"])
     bar = tqdm(total=len(prompts), initial=done, desc=f"{what} features", unit="prompt")
     for start in range(done, len(prompts), batch):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and cache["chunks"]:  # one chunk at least, however late
             break
         chunk = prompts[start:start + batch]
         encoded = [encode(tokenizer, text, args.max_prompt_tokens) for _, text in chunk]
