@@ -58,7 +58,7 @@ class BenchOptions:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     repeats: int = 1
-    #: base of the per-request seeds of sampled runs
+    #: base of the per-request seeds of sampled runs (--seed)
     seed: int = 0
     warmup: bool = True
 
@@ -152,8 +152,7 @@ def _one_pass(target: Target, questions: Sequence[Question], contenders: list,
 def _seeded(sampling: SamplingParams, base: int, question_id, turn: int) -> SamplingParams:
     if sampling.greedy:
         return sampling
-    seed = request_seed(base if sampling.seed is None else sampling.seed, question_id, turn)
-    return dataclasses.replace(sampling, seed=seed)
+    return dataclasses.replace(sampling, seed=request_seed(base, question_id, turn))
 
 
 def _record(c, q: Question, turn: int, prompt_ids: list[int], o, walls: list[float],
