@@ -44,7 +44,13 @@ def markdown(summary: dict, meta: dict) -> str:
     for title, field, spec, suffix in sections:
         lines += ["", f"## {title}, per task", ""] + _table(summary, field, spec, suffix)
     lines += ["", "Speedups are ratios of pooled throughput (total new tokens / total wall "
-                  "time) measured in this run; see docs/bench.md.", ""]
+                  "time) measured in this run; see docs/bench.md."]
+    if meta.get("sampling") != "greedy":
+        lines += ["", "Sampled run: every request is seeded alike, so methods with deterministic "
+                      "drafts reproduce ar's tokens; methods that sample drafts, and the peers "
+                      "(their own random generators), keep the target's distribution, not ar's "
+                      "random stream, so their identical share is not expected to be 100%."]
+    lines.append("")
     return "\n".join(lines)
 
 
