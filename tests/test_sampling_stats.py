@@ -254,7 +254,8 @@ def _penalised_without_path(self, row):
 
 WRONG_RULES = {
     "accept with p(x), not min(1, p/q)": (
-        "chain with probs", PLAIN, [(verify_module, "accepts", lambda u, p_x, q_x: u < p_x)]),
+        "chain with probs", PLAIN,
+        [(verify_module, "accepts", lambda p_x, q_x, gen: verify_module.uniform(gen) < p_x)]),
     "no residual update (chain)": (
         "chain with probs", PLAIN, [(verify_module, "residual", lambda p, q: p)]),
     "no residual update (iid tree)": (

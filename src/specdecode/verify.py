@@ -31,8 +31,10 @@ earlier siblings did not take. The tests sample every rule against exactly enume
 distributions, and show that wrong rules (accepting with p(x), skipping the residual update,
 recording i.i.d. q for without-replacement siblings, Medusa's typical acceptance) fail them.
 
-Random numbers: the deterministic walk draws one uniform per committed token, as ``ar`` does;
-the rejection rule draws one per sibling it tries and one for the bonus/recovered token.
+Random numbers: the deterministic walk draws one uniform per committed token, as ``ar`` does,
+whatever was drafted. The rejection rule draws one for each sibling whose test is uncertain
+(0 < p(x) < q(x)) and one for the bonus/recovered token; so a draft whose tokens the target
+never produces, and whose q lies off the target's support, leaves the tokens of ``ar`` unchanged.
 """
 
 from __future__ import annotations
@@ -87,9 +89,15 @@ def _walk(draft: Draft, choose) -> VerifyResult:
         node = child
 
 
-def accepts(u: float, p_x: float, q_x: float) -> bool:
-    """Speculative sampling's test: accept x ~ q with probability min(1, p(x) / q(x))."""
-    return u * q_x < p_x
+def accepts(p_x: float, q_x: float, generator: torch.Generator) -> bool:
+    """Speculative sampling's test: accept x ~ q with probability min(1, p(x) / q(x)). A uniform
+    is drawn only when the outcome is uncertain, so a draft token the target never produces
+    (p(x) = 0) costs no random number."""
+    if p_x >= q_x:
+        return True
+    if p_x <= 0:
+        return False
+    return uniform(generator) * q_x < p_x
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def _recursive_rejection(draft: Draft, target: NodeDistributions,
                     f"draft node {child} holds token {token} with zero proposer probability; "
                     "probs[i] must be the distribution tokens[i] was drawn from"
                 )
-            if accepts(uniform(generator), float(p[token]), float(q[token])):
+            if accepts(float(p[token]), float(q[token]), generator):
                 accepted.append(child)
                 node = child
                 break
