@@ -13,6 +13,8 @@ import importlib
 TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "exit-adapters": ("specdecode.training.exit_adapters",
                       "per-layer early-exit adapters for early_exit / del (self-distillation)"),
+    "draft": ("specdecode.training.distill_draft",
+              "a small draft model for draft_model / dyspec, distilled from the target"),
 }
 
 

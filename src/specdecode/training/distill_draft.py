@@ -1,0 +1,420 @@
+"""``specdecode train draft``: distil a small draft model from the target itself.
+
+No smaller sibling of the default model is installed, so the draft is made from the target: its
+first ``--layers`` decoder layers and final norm (a strong start: the residual stream already
+speaks the target's language), sharing the target's frozen embedding table, with an LM head
+restricted to a frequency-ranked shortlist of ``--shortlist`` tokens (FR-Spec, Zhao et al., 2025:
+the head of a 49k vocabulary would otherwise cost more than the draft's layers). It is trained
+on the target's own distributions in the spirit of OSD (Liu et al., 2023, "Online Speculative
+Decoding"): minimise KL(p_target || q_draft) over the shortlist at every position of text the
+target reads and generates.
+
+1. data: the target writes user turns itself (sampled after the chat template's user header,
+   from a few openers covering the Spec-Bench tasks) and answers them (half greedy, half at
+   temperature 0.7), batched. No benchmark prompt is trained on, so measurements on Spec-Bench
+   stay honest. A tenth is held out to measure agreement (the greedy acceptance rate: how often
+   the draft's argmax is the target's).
+2. distillation: AdamW on the draft's layers and norm; one conversation a step, the target's
+   distribution computed on the fly.
+3. SpecDec++ acceptance head (Huang et al., 2024): the draft reads held-in conversations where
+   15% of the answer tokens are replaced by its own greedy guesses (the paper's mixing ratio);
+   the head learns, from the draft's hidden state at each answer token, whether the target's
+   greedy choice there is that token; weighted BCE, rejected tokens weighted 6 (the paper's).
+
+Bounded (``--max-minutes``, split between the phases), resumable (``--resume`` continues from
+the last checkpoint in ``--workdir``), with a progress bar. The artifact (kind ``draft_model``,
+tied to the target's fingerprint) holds the layers in float16, the shortlist and the head:
+about 28 MB for 4 layers of SmolLM2; the draft_model proposer finds it in the user cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.control import AcceptanceHead
+from specdecode.errors import require
+from specdecode.training.artifacts import save_artifact, user_dir
+
+KIND = "draft_model"
+#: user-turn openers: the target completes them, so its self-written prompts cover the tasks
+#: Spec-Bench measures (chat, translation, summarization, QA, maths, retrieval-style reading)
+OPENERS = ("", "Write", "Explain", "Translate German to English:", "Summarize the following "
+           "article:", "Question:", "Solve this math problem step by step:", "What", "How",
+           "Read the passage and answer the question.", "Can you", "Give me")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2",
+                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="draft depth: the target's first N layers (4 of SmolLM2's 30)")
+    parser.add_argument("--shortlist", type=int, default=8192,
+                        help="tokens the draft's LM head covers (0 = the whole vocabulary)")
+    parser.add_argument("--max-minutes", type=float, default=28.0,
+                        help="wall-clock budget of this run, all phases together")
+    parser.add_argument("--conversations", type=int, default=320,
+                        help="target-written conversations to generate (data phase)")
+    parser.add_argument("--data-share", type=float, default=0.4,
+                        help="largest share of the budget spent generating data")
+    parser.add_argument("--head-share", type=float, default=0.08,
+                        help="share of the budget for the SpecDec++ acceptance head (0 = none)")
+    parser.add_argument("--batch", type=int, default=8, help="conversations generated at once")
+    parser.add_argument("--prompt-tokens", type=int, default=96, help="longest user turn written")
+    parser.add_argument("--answer-tokens", type=int, default=160, help="longest answer generated")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="AdamW learning rate (after 10 warm-up steps, constant: runs are short)")
+    parser.add_argument("--out", default=None,
+                        help="artifact path (default: the user cache, where draft_model finds it)")
+    parser.add_argument("--workdir", default=None,
+                        help="checkpoints and data (default: under the user cache)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---- the student ------------------------------------------------------------------------
+
+def make_student(target, layers: int, head_ids: torch.Tensor | None):
+    """A LlamaForCausalLM of the target's first ``layers`` layers (copied) and final norm,
+    sharing the target's embedding table; its LM head covers ``head_ids`` (None: all)."""
+    from transformers import LlamaForCausalLM
+
+    require(target.config.model_type == "llama",
+            f"the draft distiller builds Llama-layout drafts; the target is "
+            f"'{target.config.model_type}'")
+    require(1 <= layers < target.config.num_hidden_layers,
+            f"--layers must be in 1..{target.config.num_hidden_layers - 1}, got {layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    config.tie_word_embeddings = False
+    student = LlamaForCausalLM(config)
+    embed = target.get_input_embeddings().weight.detach()
+    student.model.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
+    for mine, theirs in zip(student.model.layers, target.model.layers):
+        mine.load_state_dict(theirs.state_dict())
+    student.model.norm.load_state_dict(target.model.norm.state_dict())
+    head = embed if head_ids is None else embed[head_ids]
+    student.lm_head = torch.nn.Linear(config.hidden_size, head.shape[0], bias=False)
+    student.lm_head.weight = torch.nn.Parameter(head.clone(), requires_grad=False)
+    return student.float()
+
+
+def trainable_state(student) -> dict[str, torch.Tensor]:
+    """What the artifact stores: the layers and the final norm (embeddings are the target's)."""
+    return {k: v for k, v in student.state_dict().items()
+            if not k.startswith(("model.embed_tokens", "lm_head"))}
+
+
+def save_draft(path: Path, student, head_ids: torch.Tensor | None, fingerprint: str,
+               info: dict, acceptance_head: AcceptanceHead | None = None) -> Path:
+    tensors = {f"model.{k}": v.half() for k, v in trainable_state(student).items()}
+    if head_ids is not None:
+        tensors["head_ids"] = head_ids
+    config = {"model": student.config.to_dict(), **info}
+    if acceptance_head is not None:
+        tensors.update({f"acceptance_head.{k}": v for k, v in acceptance_head.state_dict().items()})
+        config["acceptance_head"] = {"num_blocks": len(acceptance_head.blocks)}
+    config["model"]["torch_dtype"] = "float32"
+    config["model"].pop("dtype", None)
+    return save_artifact(path, tensors, KIND, config, fingerprint)
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+def user_header(tokenizer) -> str:
+    """The chat template's text before a user message's content."""
+    marker = "\x00MARK\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return text[: text.index(marker)]
+
+
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: set[int],
+              temperature: float, seconds: float) -> list[list[int]]:
+    """Continuations of ``prompts`` (batched, left padding), each cut after end-of-sequence;
+    shorter when ``seconds`` run out."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature else \
+        dict(do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                         min_new_tokens=1, pad_token_id=pad, max_time=max(seconds, 1.0),
+                         **sampling)
+    result = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        result.append(row[:end])
+    return result
+
+
+def conversations(model, tokenizer, count: int, args, rng: random.Random,
+                  seconds: float) -> list[tuple[list[int], int]]:
+    """``count`` conversations the target writes within about ``seconds``: (token ids, prompt
+    length)."""
+    from specdecode.api import eos_ids
+
+    header = user_header(tokenizer)
+    eos = set(eos_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    openers = [rng.choice(OPENERS) for _ in range(count)]
+    starts = [tokenizer(header + o, add_special_tokens=False)["input_ids"] for o in openers]
+    turns = _generate(model, starts, args.prompt_tokens, pad, eos, 1.0, seconds / 3)
+    out = []
+    for opener, turn in zip(openers, turns):
+        text = (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip()
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
+                                            add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    temperature = 0.0 if rng.random() < 0.5 else 0.7
+    answers = _generate(model, out, args.answer_tokens, pad, eos, temperature, seconds * 2 / 3)
+    return [(p + a, len(p)) for p, a in zip(out, answers)]
+
+
+def make_shortlist(sequences: list[tuple[list[int], int]], size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the data; ties and the unseen rest by token id
+    (byte-pair merges get low ids first, so low ids are the frequent ones)."""
+    counts = torch.zeros(vocab)
+    for ids, _ in sequences:
+        counts += torch.bincount(torch.tensor(ids), minlength=vocab)[:vocab].float()
+    order = sorted(range(vocab), key=lambda t: (-counts[t].item(), t))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+# ---- distillation --------------------------------------------------------------------------
+
+def kl_loss(student, target, ids: list[int], head_ids: torch.Tensor | None) -> torch.Tensor:
+    """Mean KL(p_target || q_draft) over the shortlist at every position of ``ids``."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        teacher = target(input_ids=x).logits[0, :-1].float()  # [T-1, V]
+        if head_ids is not None:
+            teacher = teacher[:, head_ids]
+        p = teacher.log_softmax(-1)
+    q = student(input_ids=x).logits[0, :-1].float().log_softmax(-1)
+    return F.kl_div(q, p, log_target=True, reduction="batchmean")
+
+
+@torch.inference_mode()
+def agreement(student, target, sequences, head_ids: torch.Tensor | None) -> float:
+    """How often the draft's argmax is the target's at answer positions (the greedy
+    acceptance rate of one draft token)."""
+    hits = total = 0
+    for ids, prompt_len in sequences:
+        x = torch.tensor([ids])
+        want = target(input_ids=x).logits[0, prompt_len - 1:-1].argmax(-1)
+        got = student(input_ids=x).logits[0, prompt_len - 1:-1].argmax(-1)
+        if head_ids is not None:
+            got = head_ids[got]
+        hits += int((want == got).sum())
+        total += len(want)
+    return hits / max(total, 1)
+
+
+def acceptance_examples(student, target, ids: list[int], prompt_len: int,
+                        head_ids: torch.Tensor | None, rng: random.Random):
+    """(hidden states [n, H], labels [n]) at the answer tokens of ``ids`` with 15% of them
+    replaced by the draft's greedy guesses; label 1 where the target's greedy token is the one
+    present."""
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        guess = student(input_ids=x).logits[0].argmax(-1)
+        if head_ids is not None:
+            guess = head_ids[guess]
+        mixed = list(ids)
+        for t in range(prompt_len, len(ids)):
+            if rng.random() < 0.15:
+                mixed[t] = int(guess[t - 1])
+        x = torch.tensor([mixed])
+        want = target(input_ids=x).logits[0].argmax(-1)
+        hidden = student.model(input_ids=x).last_hidden_state[0]
+    positions = torch.arange(prompt_len, len(ids))
+    labels = (want[positions - 1] == x[0, positions]).float()
+    return hidden[positions], labels
+
+
+def train_acceptance_head(student, target, sequences, head_ids, seconds: float,
+                          rng: random.Random, hidden_size: int) -> tuple[AcceptanceHead, dict]:
+    """Collect examples for half the time, fit the head for the other half."""
+    start = time.monotonic()
+    feats, labels = [], []
+    for ids, prompt_len in sequences:
+        if time.monotonic() - start > seconds / 2 and feats:
+            break
+        h, y = acceptance_examples(student, target, ids, prompt_len, head_ids, rng)
+        feats.append(h)
+        labels.append(y)
+    h, y = torch.cat(feats), torch.cat(labels)
+    head = AcceptanceHead(hidden_size)
+    optim = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    weight = torch.where(y > 0.5, 1.0, 6.0)  # the paper's weight on rejected tokens
+    steps = 0
+    while time.monotonic() - start < seconds or steps < 50:
+        index = torch.randint(len(y), (min(256, len(y)),))
+        loss = F.binary_cross_entropy_with_logits(head(h[index]), y[index], weight[index])
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        steps += 1
+        if steps >= 2000:
+            break
+    with torch.no_grad():
+        predicted = torch.sigmoid(head(h))
+    info = {"examples": len(y), "accepted_share": round(float(y.mean()), 4), "steps": steps,
+            "train_accuracy": round(float(((predicted > 0.5).float() == y).float().mean()), 4)}
+    return head.eval(), info
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.loading import load_model
+
+    require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
+    require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
+    require(0 <= args.shortlist, f"--shortlist must be >= 0 (0 = whole vocabulary)")
+    deadline = time.monotonic() + 60 * args.max_minutes
+    budget = 60 * args.max_minutes
+    loaded = load_model(args.model)
+    target, tokenizer = loaded.model, loaded.tokenizer
+    for p in target.parameters():
+        p.requires_grad_(False)
+    fingerprint = HFRunner(target).fingerprint()
+    workdir = Path(args.workdir) if args.workdir else user_dir() / "draft-work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    state_path = workdir / "state.pt"
+    out = Path(args.out) if args.out else user_dir() / f"draft_model-{args.layers}L.safetensors"
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+
+    state = {"sequences": [], "step": 0, "fingerprint": fingerprint, "layers": args.layers,
+             "log": []}
+    if args.resume:
+        require(state_path.is_file(), f"no checkpoint to resume in {workdir}; run without --resume")
+        state = torch.load(state_path, weights_only=False)
+        require(state["fingerprint"] == fingerprint and state["layers"] == args.layers,
+                f"the checkpoint in {workdir} is for another target or --layers; start afresh "
+                "without --resume (or pass another --workdir)")
+        rng.setstate(state["rng"])
+
+    progress = None if args.no_progress else _progress(args)
+
+    # 1. data: target-written conversations
+    data_deadline = time.monotonic() + args.data_share * budget
+    while len(state["sequences"]) < args.conversations and time.monotonic() < data_deadline:
+        batch = min(args.batch, args.conversations - len(state["sequences"]))
+        state["sequences"] += conversations(target, tokenizer, batch, args, rng,
+                                            data_deadline - time.monotonic())
+        _show(progress, f"data {len(state['sequences'])}/{args.conversations} conversations")
+    require(len(state["sequences"]) >= 10, "too little time to generate data; raise --max-minutes")
+    sequences = state["sequences"]
+    held = max(2, len(sequences) // 10)
+    evaluation, train = sequences[:held], sequences[held:]
+    if "head_ids" not in state:
+        vocab = target.get_input_embeddings().weight.shape[0]
+        state["head_ids"] = (make_shortlist(train, args.shortlist, vocab)
+                             if 0 < args.shortlist < vocab else None)
+    head_ids = state["head_ids"]
+
+    # 2. distillation
+    student = make_student(target, args.layers, head_ids)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    if "student" in state:
+        student.load_state_dict(state["student"], strict=False)
+        optim.load_state_dict(state["optim"])
+    else:
+        state["agreement_before"] = agreement(student, target, evaluation, head_ids)
+    head_seconds = args.head_share * budget
+    train_deadline = deadline - head_seconds - 30  # keep time to evaluate and save
+    last_save = time.monotonic()
+    losses: list[float] = []
+    order = list(range(len(train)))
+    while time.monotonic() < train_deadline:
+        step = state["step"]
+        if step % len(order) == 0:
+            random.Random(args.seed + step).shuffle(order)
+        ids, _ = train[order[step % len(order)]]
+        for group in optim.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / 10)
+        loss = kl_loss(student, target, ids, head_ids)
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        state["step"] = step + 1
+        losses.append(loss.item())
+        _show(progress, f"distil step {step + 1} KL {sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if time.monotonic() - last_save > 120:
+            _checkpoint(state, student, optim, rng, state_path)
+            last_save = time.monotonic()
+    _checkpoint(state, student, optim, rng, state_path)
+    after = agreement(student, target, evaluation, head_ids)
+    state["log"].append({"steps": state["step"], "agreement": round(after, 4)})
+
+    # 3. SpecDec++ acceptance head
+    acc_head, head_info = None, {}
+    if args.head_share > 0:
+        _show(progress, "acceptance head")
+        seconds = max(10.0, deadline - time.monotonic() - 15)
+        acc_head, head_info = train_acceptance_head(student, target, train, head_ids, seconds,
+                                                    rng, target.config.hidden_size)
+    info = {"layers_from_target": list(range(args.layers)), "shortlist": args.shortlist,
+            "conversations": len(sequences), "steps": state["step"],
+            "agreement_before": round(state["agreement_before"], 4),
+            "agreement_after": round(after, 4), "acceptance_head_training": head_info,
+            "command": "specdecode train draft " + _argv(args)}
+    path = save_draft(out, student, head_ids, fingerprint, info, acc_head)
+    if progress is not None:
+        progress.close()
+    print(f"draft: {args.layers} layers, {state['step']} distillation steps on "
+          f"{len(train)} conversations; greedy agreement with the target on {held} held-out "
+          f"conversations {state['agreement_before']:.3f} -> {after:.3f}")
+    if head_info:
+        print(f"acceptance head: {head_info}")
+    print(f"saved {path}")
+    return 0
+
+
+def _checkpoint(state, student, optim, rng, path: Path) -> None:
+    state["student"] = {k: v for k, v in student.state_dict().items()
+                        if not k.startswith(("model.embed_tokens", "lm_head"))}
+    state["optim"] = optim.state_dict()
+    state["rng"] = rng.getstate()
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _progress(args):
+    from tqdm import tqdm
+
+    bar = tqdm(total=math.ceil(60 * args.max_minutes), unit="s", desc="train draft",
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s {postfix}")
+    bar.began = time.monotonic()
+    return bar
+
+
+def _show(progress, text: str) -> None:
+    if progress is None:
+        return
+    progress.n = min(progress.total, time.monotonic() - progress.began)
+    progress.set_postfix_str(text, refresh=True)
+
+
+def _argv(args: argparse.Namespace) -> str:
+    skip = {"resume", "no_progress", "train", "func", "command", "what", "out", "workdir"}
+    parts = []
+    for key, value in sorted(vars(args).items()):
+        if key not in skip and value is not None and not callable(value):
+            parts.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join(parts)

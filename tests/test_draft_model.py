@@ -1,0 +1,244 @@
+"""draft_model and dyspec on tiny random models: greedy output identical to ``ar`` for chains and
+trees with every controller, seeded sampling repeats, drafts carry the distribution each token
+was drawn from (checked against the draft model run from scratch, which also checks that its
+KV cache stays aligned with the target), and bad input (vocabulary mismatch, draft length 0, an
+artifact made for another target)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import registry
+from specdecode.api import Decoder
+from specdecode.control import AcceptanceHead, Budget
+from specdecode.draft import Draft
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.models.hf import HFRunner
+from specdecode.models.loading import tiny_llama
+from specdecode.proposers.base import Feedback
+from specdecode.proposers.draft_model import DraftModelProposer, load_draft
+from specdecode.sampling import NodeDistributions, SamplingParams
+from specdecode.training import distill_draft
+
+from conftest import repetitive_prompts
+
+CONTROLLERS = ["fixed", "heuristic", "confidence", "specdecpp"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """A draft that agrees with ``model`` often but not always."""
+    draft = tiny_llama(seed=0)
+    draft.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    """Checkpoint folders: a different small model (rarely agrees) and a noisy copy of the
+    target (agrees often, so accepted tokens, cache reuse and rejections all happen)."""
+    paths = {}
+    for name, model in [("other", tiny_llama(seed=3, layers=1, hidden_size=16, heads=2, kv_heads=1)),
+                        ("close", noisy_copy(target, 0.3, seed=1))]:
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        paths[name] = str(path)
+    return paths
+
+
+def decoder(target, method, draft, controller=None, **config):
+    if controller:
+        config["controller"] = controller
+    dec = Decoder(target, None, method, eos_token_ids=[], draft=draft, **config)
+    # specdecpp needs a trained head; an untrained one still exercises the stopping rule
+    dec.proposer.acceptance_head = AcceptanceHead(dec.proposer.lm.model.config.hidden_size, 1)
+    return dec
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+@pytest.mark.parametrize("which", ["other", "close"])
+def test_chain_greedy_identical_to_ar(target, drafts, controller, which):
+    dec = decoder(target, "draft_model", drafts[which], controller)
+    accepted = 0
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(target, None, "ar", eos_token_ids=[]).start(prompt, 32).run()
+        gen = dec.start(prompt, 32)
+        assert gen.run() == ar, (controller, which, prompt)
+        accepted += gen.stats.accepted_tokens
+    if which == "close":
+        assert accepted > 0  # the aligned-cache path was exercised, not only rejections
+
+
+@pytest.mark.parametrize("which", ["other", "close"])
+def test_tree_greedy_identical_to_ar(target, drafts, which):
+    dec = decoder(target, "dyspec", drafts[which], tree_nodes=10, max_depth=5, expand_width=3)
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(target, None, "ar", eos_token_ids=[]).start(prompt, 32).run()
+        assert dec.start(prompt, 32).run() == ar, (which, prompt)
+
+
+@pytest.mark.parametrize("method,config", [("draft_model", {"controller": "confidence"}),
+                                           ("dyspec", {"tree_nodes": 8})])
+def test_seeded_sampling_repeats(target, drafts, method, config):
+    dec = decoder(target, method, drafts["close"], **config)
+    prompt = repetitive_prompts()[1]
+    runs = [dec.start(prompt, 30, temperature=0.9, top_k=40, seed=seed).run() for seed in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_self_draft_accepts_everything_when_sampling(target):
+    """With the target as its own draft, q == p: every sampled draft token is accepted, which
+    a draft whose probs were not its sampling distribution would not achieve."""
+    runner = HFRunner(target)
+    config = registry.get("draft_model").make_config({})
+    proposer = DraftModelProposer(config, runner, draft_model=target)
+    gen = Generation(runner, proposer, repetitive_prompts()[0], 36,
+                     SamplingParams(temperature=1.0, top_p=0.9, seed=1))
+    gen.run()
+    assert gen.stats.accepted_tokens == gen.stats.draft_tokens > 20  # every draft token
+
+
+def _check_draft_probs(proposer, model, context, draft, sampling, prompt_len):
+    """probs[i] is a distribution holding tokens[i], and equals the draft model's own processed
+    distribution at node i's parent, computed from scratch (no cache), minus the earlier
+    siblings (drawn without replacement)."""
+    assert draft.probs is not None and draft.probs.shape == (len(draft), model.config.vocab_size)
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft)), atol=1e-5, rtol=0)
+    for i, token in enumerate(draft.tokens):
+        assert draft.probs[i, token] > 0
+        parent = draft.parents[i]
+        path = list(context) + ([draft.tokens[n] for n in draft.path_to(parent)] if parent >= 0 else [])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([path])).logits[0, -1:].float()
+        q = NodeDistributions(logits, sampling, path, prompt_len, Draft.empty()).probs(0)
+        earlier = [draft.tokens[s] for s in draft.children(parent) if s < i]
+        q[earlier] = 0
+        torch.testing.assert_close(draft.probs[i], q / q.sum(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
+def test_drafts_carry_their_sampling_distribution(target, drafts, method):
+    dec = decoder(target, method, drafts["close"], tree_nodes=8) if method == "dyspec" else \
+        decoder(target, method, drafts["close"], num_speculative_tokens=4)
+    draft_model = dec.proposer.lm.model
+    sampling = SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=3)
+    gen = dec.start(repetitive_prompts()[2], 40, **vars(sampling))
+    checked = 0
+    original = dec.proposer.propose
+
+    def checking(context, budget):
+        nonlocal checked
+        draft = original(context, budget)
+        if len(draft):
+            _check_draft_probs(dec.proposer, draft_model, context, draft, sampling,
+                               len(repetitive_prompts()[2]))
+            checked += 1
+        return draft
+
+    dec.proposer.propose = checking
+    gen.run()
+    assert checked >= 3
+
+
+def test_cache_holds_the_committed_tokens(target, drafts):
+    """After each verify step the draft's cache holds a prefix of the committed tokens and no
+    tree rows, and it kept accepted tokens it drafted itself instead of feeding them again."""
+    dec = decoder(target, "draft_model", drafts["close"])
+    lm = dec.proposer.lm
+    gen = dec.start(repetitive_prompts()[0], 40)
+    reused, before = 0, None
+    for _ in gen:
+        context = gen.prompt_ids + gen.tokens
+        if gen.finish_reason is None:  # a cut at the token limit leaves accepted rows past it
+            assert lm.tokens == context[:len(lm.tokens)] and not lm.tree_tokens
+        if before is not None and len(lm.tokens) > before:
+            reused += 1
+        before = len(context)
+    assert reused > 0
+
+
+def test_keep_drafting_stops_the_chain(target, drafts):
+    config = registry.get("draft_model").make_config({"draft": drafts["close"]})
+    proposer = DraftModelProposer(config, HFRunner(target))
+    proposer.start([5, 6, 7])
+    calls = []
+    budget = Budget(6, 6, lambda signal: calls.append(signal) or signal.depth < 2)
+    draft = proposer.propose([5, 6, 7, 8], budget)
+    assert len(draft) == 2 and [s.depth for s in calls] == [1, 2]
+    hidden_size = proposer.lm.model.config.hidden_size
+    assert all(0 < s.prob <= 1 and s.hidden.shape == (hidden_size,) for s in calls)
+    # the first token accepted: its row (the draft fed it to draft the second) is kept
+    logits = torch.zeros(3, target.config.vocab_size)
+    proposer.observe(Feedback((5, 6, 7, 8), draft, logits, (0,), (draft.tokens[0], 1)))
+    assert proposer.lm.tokens == [5, 6, 7, 8, draft.tokens[0]] and not proposer.lm.tree_tokens
+
+
+def test_vocabulary_mismatch_names_both_sizes(target, tmp_path):
+    tiny_llama(vocab_size=80, seed=2).save_pretrained(tmp_path)
+    with pytest.raises(SpecDecodeError, match="draft model's vocabulary has 80 tokens but the "
+                                              "target's has 96"):
+        Decoder(target, None, "draft_model", draft=str(tmp_path))
+
+
+@pytest.mark.parametrize("method,field", [("draft_model", "num_speculative_tokens"),
+                                          ("dyspec", "tree_nodes")])
+def test_draft_length_zero_is_refused(target, drafts, method, field):
+    with pytest.raises(SpecDecodeError, match=f"{field} must be >= 1, got 0"):
+        Decoder(target, None, method, draft=drafts["other"], **{field: 0})
+
+
+def test_unknown_controller_and_missing_head(target, drafts):
+    with pytest.raises(SpecDecodeError, match="unknown controller 'nope'; known: fixed, heuristic"):
+        Decoder(target, None, "draft_model", draft=drafts["other"], controller="nope")
+    dec = Decoder(target, None, "draft_model", draft=drafts["other"], controller="specdecpp")
+    with pytest.raises(SpecDecodeError, match="needs an acceptance head"):
+        dec.start([5, 6, 7], 4)
+
+
+def test_distilled_artifact_round_trip_and_refusal(tmp_path):
+    """A student distilled from one target loads for it (sharing its embeddings, drafting over
+    the shortlist, with its acceptance head) and is refused for another target."""
+    target = tiny_llama(seed=0, tie_embeddings=True)
+    head_ids = torch.arange(0, 96, 2)
+    student = distill_draft.make_student(target, 1, head_ids)
+    seqs = [([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], 4), ([10, 11, 12, 13, 10, 11, 12, 13], 3)]
+    params = [p for p in student.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=1e-2)
+    first = distill_draft.kl_loss(student, target, seqs[0][0], head_ids).item()
+    for _ in range(15):
+        loss = distill_draft.kl_loss(student, target, seqs[0][0], head_ids)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    assert loss.item() < first
+    head = AcceptanceHead(target.config.hidden_size, 2)
+    runner = HFRunner(target)
+    path = distill_draft.save_draft(tmp_path / "d.safetensors", student, head_ids,
+                                    runner.fingerprint(), {"steps": 15}, head)
+    loaded = load_draft(str(path), runner)
+    assert torch.equal(loaded.head_ids, head_ids) and loaded.acceptance_head is not None
+    x = torch.tensor([seqs[1][0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids=x).logits, student(input_ids=x).logits,
+                                   atol=1e-2, rtol=1e-2)  # float16 storage
+    prompt = seqs[1][0]
+    dec = Decoder(target, None, "draft_model", eos_token_ids=[], draft=str(path),
+                  controller="specdecpp")
+    ar = Decoder(target, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+    assert dec.start(prompt, 24).run() == ar
+    draft = dec.proposer.propose(prompt, Budget(5, 5))
+    assert len(draft) == 5 and all(t % 2 == 0 for t in draft.tokens)  # only shortlist tokens
+    other = tiny_llama(seed=5, tie_embeddings=True)
+    with pytest.raises(SpecDecodeError, match="trained for another target model"):
+        Decoder(other, None, "draft_model", draft=str(path))
