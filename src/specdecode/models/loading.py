@@ -125,18 +125,29 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, hea
     return model.eval()
 
 
-RUNNERS = ("auto", "hf")
+RUNNERS = ("auto", "native", "hf")
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "fp32"):
-    """The runner for a loaded model: ``hf`` (any transformers model) or, for Llama-family
-    weights, the native runner; ``auto`` picks the fastest that supports the model."""
+def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto"):
+    """The runner for a loaded model: ``native`` (Llama-family weights, models/llama.py) or
+    ``hf`` (any transformers model); ``auto`` picks native where it runs the model (it is
+    faster, see docs/native-runner.md). ``weights``: fp32 | bf16 | int8 | int4 (native only),
+    or ``auto``: the native runner's default format, fp32 on the hf runner."""
     from specdecode.models.hf import HFRunner
+    from specdecode.models.llama import DEFAULT_WEIGHTS, LlamaRunner, runs
+    from specdecode.models.quant import WEIGHT_FORMATS
 
     if runner not in RUNNERS:
         raise SpecDecodeError(f"unknown runner {runner!r}; known runners: {', '.join(RUNNERS)}")
-    if weights != "fp32":
-        raise SpecDecodeError(
-            f"weights {weights!r} need the native runner; the hf runner computes in fp32 "
-            "(known formats: fp32)")
-    return HFRunner(loaded.model)
+    if weights != "auto" and weights not in WEIGHT_FORMATS:
+        raise SpecDecodeError(f"unknown weight format {weights!r}; known formats: auto, "
+                              f"{', '.join(WEIGHT_FORMATS)}")
+    if runner == "auto":
+        runner = "native" if runs(loaded.model.config) else "hf"
+    if runner == "hf":
+        if weights not in ("auto", "fp32"):
+            raise SpecDecodeError(
+                f"weights {weights!r} need the native runner (--runner native); the hf runner "
+                "computes in fp32")
+        return HFRunner(loaded.model)
+    return LlamaRunner.from_transformers(loaded.model, DEFAULT_WEIGHTS if weights == "auto" else weights)

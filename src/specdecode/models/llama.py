@@ -1,0 +1,440 @@
+"""Native runner for Llama-family models: a lean PyTorch forward with a static KV cache.
+
+The architecture is LLaMA's (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
+Language Models"), as ``transformers``' ``modeling_llama`` computes it: RMSNorm, rotary position
+embeddings with the checkpoint's rope settings, grouped-query attention, a SwiGLU MLP and a tied
+or separate LM head. The static cache written at explicit positions follows gpt-fast
+(pytorch-labs/gpt-fast, model.py); tree attention over a draft follows SpecInfer (Miao et al.
+2023). What this file adds is *batch invariance*: a token's logits are bitwise the same whether
+it is computed alone (``ar``), in a chain or in a 64-node tree, so every speculative method
+reproduces this runner's ``ar`` exactly, not just up to rounding.
+
+Where a forward's result could depend on the number of rows, it is made not to:
+
+- matrix products: each weight format's kernel is row-invariant (see ``quant.py``; fp32 rows
+  are padded to a multiple of 4 to keep MKL on one kernel);
+- attention: the keys are split into chunks of ``CHUNK`` positions aligned to absolute
+  position 0. Every (row, chunk) product is one fixed-shape GEMM, the softmax max is exact,
+  chunk sums are added in chunk order, and chunks past a row's position contribute exact zeros.
+  A tree node sees its ancestors in the order ``ar`` will see them after the commit (their
+  scores are gathered into that order and, in the chunks holding the tree, their values too),
+  so the same numbers are added in the same order;
+- SiLU is written as ``x / (1 + exp(-x))``: ATen's fused SiLU rounds differently in the
+  vectorised body and the scalar tail of a tensor, so a row's result moved with the row count.
+
+Defaults: fp32 weights; ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
+more work on the last one); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError, require
+from specdecode.models.base import Runner
+from specdecode.models.quant import Int4Linear, check_format, make_linear, pad_rows
+
+#: attention key chunk (positions); every attention GEMM has this inner size
+CHUNK = 64
+#: rows are padded to a multiple of this (row-invariant GEMMs: MKL sgemm, see quant.py)
+ROW_MULTIPLE = 4
+#: extra value columns: a column of ones (softmax denominator) and zeros to a multiple of 4
+VALUE_PAD = 4
+#: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
+PREFILL_BLOCK = 128
+#: architectures (transformers ``model_type`` / GGUF ``general.architecture``) this runner runs
+SUPPORTED = ("llama",)
+#: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
+DEFAULT_WEIGHTS = "fp32"
+#: rope types whose frequencies do not depend on the sequence length
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    max_context: int
+    tie_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> LlamaShape:
+        model_type = getattr(config, "model_type", "?")
+        require(model_type in SUPPORTED,
+                f"the native runner supports {', '.join(SUPPORTED)} models, not '{model_type}'; "
+                "use the hf runner (--runner hf)")
+        require(not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False),
+                "the native runner has no attention or MLP biases; use --runner hf")
+        act = getattr(config, "hidden_act", "silu")
+        require(act == "silu", f"the native runner's MLP is SwiGLU, not '{act}'; use --runner hf")
+        heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_eps=float(config.rms_norm_eps),
+            max_context=int(getattr(config, "max_position_embeddings", 2048)),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+def runs(config) -> bool:
+    """Whether the native runner runs a model of this transformers config."""
+    try:
+        LlamaShape.from_config(config)
+        rope_frequencies(config)
+    except SpecDecodeError:
+        return False
+    return True
+
+
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], attention scaling) from the checkpoint's rope
+    settings, computed by ``transformers``' own rope initialisers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    require(kind in _STATIC_ROPE,
+            f"rope type '{kind}' changes with the sequence length; the native runner supports "
+            f"{', '.join(_STATIC_ROPE)}: use --runner hf")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    return inv_freq.float(), float(attention_scaling)
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
+    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        # the same float32 operations as gguf's dequantisation (product, then sum)
+        q = self.codes.float().reshape(*self.scale.shape, -1)
+        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                          for f in ("codes", "scale", "minimum")))
+
+
+def _fused(parts: list, weights: str):
+    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call."""
+    if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
+        q4 = Q4Weight.cat(parts)
+        return Int4Linear(q4.codes, q4.scale, q4.minimum)
+    dense = [p.dequantize() if isinstance(p, Q4Weight) else p for p in parts]
+    return make_linear(torch.cat(dense), weights)
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: object
+    o: object
+    mlp_norm: torch.Tensor
+    gate_up: object
+    down: object
+
+
+@dataclass
+class _Plan:
+    """How one forward's rows attend: built once, used by every layer."""
+
+    rows: int           # padded row count m
+    span: int           # key slots the scores cover (a multiple of CHUNK)
+    blocked: torch.Tensor       # [G * m, span'] True where a row may not attend
+    gather: torch.Tensor | None  # [KH, G * m, span'] score columns in ancestor order (trees)
+    tail_start: int = 0          # first chunk holding tree rows (trees)
+    tail_slots: torch.Tensor | None = None  # [m, tail] value slots in ancestor order (trees)
+
+
+class LlamaRunner(Runner):
+    """Llama forward with a static KV cache, tree attention and a choice of weight formats."""
+
+    name = "native"
+
+    def __init__(self, config, tensors: dict, weights: str = "fp32", max_draft: int = 256,
+                 source: str = ""):
+        """``config``: a transformers ``LlamaConfig``; ``tensors``: Hugging Face parameter names
+        -> float tensors or :class:`Q4Weight` (4-bit GGUF tensors, used as they are by int4)."""
+        check_format(weights)
+        shape = LlamaShape.from_config(config)
+        self.shape = shape
+        self.weights = weights
+        self.source = source
+        self.vocab_size = shape.vocab_size
+        self.max_context = shape.max_context
+        self.num_layers = shape.num_layers
+        self.supports_early_exit = False
+        self.captured = {}
+
+        def dense(name: str) -> torch.Tensor:
+            value = tensors[name]
+            return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
+
+        missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
+        require(not missing, f"checkpoint lacks {', '.join(missing)}: not a Llama checkpoint")
+        self.embed = dense("model.embed_tokens.weight").contiguous()  # [V, H]
+        require(tuple(self.embed.shape) == (shape.vocab_size, shape.hidden_size),
+                f"embedding is {tuple(self.embed.shape)}, config says "
+                f"({shape.vocab_size}, {shape.hidden_size})")
+        self.final_norm = dense("model.norm.weight")
+        head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
+        if head not in tensors:  # checkpoints that tie the head without saying so
+            head = "model.embed_tokens.weight"
+        self.head = _fused([tensors[head]], weights)
+        self.layers = []
+        for i in range(shape.num_layers):
+            p = f"model.layers.{i}."
+            try:
+                self.layers.append(_Layer(
+                    attn_norm=dense(p + "input_layernorm.weight"),
+                    qkv=_fused([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], weights),
+                    o=_fused([tensors[p + "self_attn.o_proj.weight"]], weights),
+                    mlp_norm=dense(p + "post_attention_layernorm.weight"),
+                    gate_up=_fused([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")],
+                                   weights),
+                    down=_fused([tensors[p + "mlp.down_proj.weight"]], weights),
+                ))
+            except KeyError as exc:
+                raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a Llama checkpoint "
+                                      "of the configured size") from None
+
+        inv_freq, attention_scaling = rope_frequencies(config)
+        require(inv_freq.numel() * 2 == shape.head_dim,
+                f"rope has {inv_freq.numel() * 2} dimensions but heads have {shape.head_dim}; "
+                "partial rotary embeddings need --runner hf")
+        self.capacity = -(-(shape.max_context + max_draft) // CHUNK) * CHUNK
+        freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos = (freqs.cos() * attention_scaling)[:, None, :]  # [capacity, 1, D / 2]
+        self.sin = (freqs.sin() * attention_scaling)[:, None, :]
+        self.scale = shape.head_dim ** -0.5
+        kh, d = shape.num_kv_heads, shape.head_dim
+        # empty, not zeros: untouched pages cost no memory; _prepare() initialises chunks
+        # before first use (values must be finite: a masked key still multiplies its value by 0)
+        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
+        # values carry a column of ones: the softmax denominator comes out of the same GEMM;
+        # and three of zeros: MKL takes other kernels for widths 5-7 and 9-11 (tiny models)
+        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d + VALUE_PAD)
+        self._ready = 0  # slots initialised
+        self._len = 0
+        self._pending = 0
+
+    # ---- constructors ---------------------------------------------------------------------
+
+    @classmethod
+    def from_transformers(cls, model, weights: str = "fp32", **kwargs) -> LlamaRunner:
+        """From a loaded ``transformers`` Llama model (its weights are copied as float32)."""
+        require(hasattr(model, "config") and hasattr(model, "state_dict"),
+                f"expected a transformers causal LM, got {type(model).__name__}")
+        LlamaShape.from_config(model.config)  # reject other architectures before copying
+        tensors = {k: v.detach().float() for k, v in model.state_dict().items()}
+        return cls(model.config, tensors, weights, source=type(model).__name__, **kwargs)
+
+    @classmethod
+    def from_safetensors(cls, path, weights: str = "fp32", **kwargs) -> LlamaRunner:
+        """From a Hugging Face checkpoint folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors"))
+        require(path.is_dir() and (path / "config.json").is_file() and bool(files),
+                f"{path} is not a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        try:
+            config = AutoConfig.from_pretrained(path)
+            tensors = {}
+            for file in files:
+                tensors.update(load_file(file))
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise SpecDecodeError(f"cannot read checkpoint {path}: {exc}") from None
+        return cls(config, tensors, weights, source=str(path), **kwargs)
+
+    @classmethod
+    def from_gguf(cls, path, weights: str = "fp32", **kwargs) -> LlamaRunner:
+        """From a GGUF file read directly (4-bit tensors stay 4-bit for int4 weights)."""
+        from specdecode.models.gguf_reader import read_gguf
+
+        config, tensors = read_gguf(path)
+        return cls(config, tensors, weights, source=str(path), **kwargs)
+
+    # ---- the runner protocol --------------------------------------------------------------
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def fingerprint(self) -> str:
+        # The same string the hf runner gives for the same weights: artifacts trained against
+        # one runner serve the other (the embedding table is float32 in every weight format).
+        embed = self.embed
+        sample = embed[:: max(1, embed.shape[0] // 64), :8].double().sum().item()
+        return f"hf:llama:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        ids = list(ids)
+        require(0 < len(ids) <= self.max_context,
+                f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
+        self._len = 0
+        self._pending = 0
+        for start in range(0, len(ids), PREFILL_BLOCK):
+            block = ids[start:start + PREFILL_BLOCK]
+            hidden = self._forward(block, tuple(range(len(block))), None)
+            self._len += len(block)
+        return self._logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def forward(self, root: int, draft: Draft) -> torch.Tensor:
+        require(self._pending == 0, "runner.forward called twice without commit")
+        n = len(draft) + 1
+        require(self._len + n <= self.capacity,
+                f"the cache holds {self.capacity} rows; {self._len} are used and this draft "
+                f"needs {n}: give a smaller draft or a larger max_draft")
+        depths = (0,) + draft.depths
+        hidden = self._forward((root,) + draft.tokens, depths, None if draft.is_chain else draft)
+        self._pending = n
+        return self._logits(hidden)
+
+    @torch.inference_mode()
+    def commit(self, accepted: Sequence[int]) -> None:
+        keep = len(accepted) + 1
+        require(0 < keep <= self._pending,
+                f"commit of {keep} rows after a forward of {self._pending}")
+        if list(accepted) != list(range(len(accepted))):
+            # the accepted path is not the first rows: move its rows next to the root's
+            rows = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
+            end = self._len + keep
+            self.k_cache[:, :, self._len:end] = self.k_cache[:, :, rows]
+            self.v_cache[:, :, self._len:end] = self.v_cache[:, :, rows]
+        self._len += keep
+        self._pending = 0
+
+    # ---- the model ------------------------------------------------------------------------
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self._norm(hidden, self.final_norm))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, operation for operation
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(variance + self.shape.rms_eps))
+
+    def _forward(self, tokens: Sequence[int], depths: Sequence[int],
+                 tree: Draft | None) -> torch.Tensor:
+        """Run ``tokens`` (row 0 at position ``cache_len``, row i at ``cache_len + depths[i]``)
+        through every layer, writing their KV rows at slots ``cache_len + i``. ``tree`` is the
+        draft when the rows are not a chain. Returns the last hidden states [n, hidden]."""
+        s = self.shape
+        n, past = len(tokens), self._len
+        m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+        positions = torch.zeros(m, dtype=torch.long)  # padding rows sit at position 0
+        positions[:n] = past + torch.tensor(depths, dtype=torch.long)
+        plan = self._plan(n, m, past, positions, tree)
+        x = pad_rows(self.embed[torch.tensor(tokens)], ROW_MULTIPLE)  # [m, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D / 2]
+        heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
+        half = d // 2
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer.attn_norm)
+            qkv = layer.qkv(h)  # [m, (heads + 2 kv_heads) * D]
+            qk = qkv[:, :(heads + kv_heads) * d].view(m, heads + kv_heads, d)
+            q1, q2 = qk[..., :half], qk[..., half:]
+            qk = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1)  # rotary, [m, .., D]
+            q = qk[:, :heads]
+            k = qk[:n, heads:]  # [n, KH, D]
+            v = qkv[:n, (heads + kv_heads) * d:].view(n, kv_heads, d)
+            self.k_cache[i, :, past:past + n] = k.transpose(0, 1)
+            self.v_cache[i, :, past:past + n, :d] = v.transpose(0, 1)
+            x = x + layer.o(self._attend(q * self.scale, i, plan))
+            h = self._norm(x, layer.mlp_norm)
+            gate, up = layer.gate_up(h).chunk(2, -1)  # [m, I] each
+            x = x + layer.down(gate * up / (1 + torch.exp(-gate)))  # SwiGLU
+        return x[:n]
+
+    def _prepare(self, end: int) -> None:
+        """Initialise cache slots up to ``end`` (finite keys and values, value column 1)."""
+        if end > self._ready:
+            self.k_cache[:, :, self._ready:end] = 0
+            self.v_cache[:, :, self._ready:end] = 0
+            self.v_cache[:, :, self._ready:end, self.shape.head_dim] = 1
+            self._ready = end
+
+    def _plan(self, n: int, m: int, past: int, positions: torch.Tensor,
+              tree: Draft | None) -> _Plan:
+        s = self.shape
+        groups = s.num_heads // s.num_kv_heads
+        span = -(-(past + n) // CHUNK) * CHUNK  # slots holding the prefix and every new row
+        self._prepare(span)
+        limit = positions.clone()
+        limit[n:] = 0  # padding rows see slot 0 only
+        # rows are (group, row) pairs, group-major, as _attend lays out the queries
+        limit = limit.repeat(groups)
+        if tree is None:
+            blocked = torch.arange(span)[None, :] > limit[:, None]
+            return _Plan(m, span, blocked, None)
+        # Ancestor order: row r's key for position past + j sits in the slot of its ancestor
+        # at depth j (root: row 0). Columns past a row's own position are blocked anyway.
+        virtual = -(-(past + max(tree.depths) + 1) // CHUNK) * CHUNK
+        slots = torch.zeros(m, virtual, dtype=torch.long)
+        slots[:] = torch.arange(virtual).clamp_max(past)
+        for r in range(1, n):
+            path = tree.path_to(r - 1)
+            slots[r, past + 1:past + 1 + len(path)] = past + 1 + torch.tensor(path)
+        blocked = torch.arange(virtual)[None, :] > limit[:, None]
+        gather = slots.repeat(groups, 1).expand(s.num_kv_heads, -1, -1)
+        start = past // CHUNK
+        return _Plan(m, span, blocked, gather, start, slots[:, start * CHUNK:].contiguous())
+
+    def _attend(self, q: torch.Tensor, layer: int, plan: _Plan) -> torch.Tensor:
+        """Attention of ``q`` [m, heads, D] over the cache (see the module docstring)."""
+        s = self.shape
+        kh, d, m = s.num_kv_heads, s.head_dim, plan.rows
+        g = s.num_heads // kh
+        q = q.reshape(m, kh, g, d).permute(1, 2, 0, 3).reshape(kh, g * m, d)
+        scores = q @ self.k_cache[layer, :, :plan.span].transpose(1, 2)  # [KH, G m, span]
+        if plan.gather is not None:
+            scores = scores.gather(2, plan.gather)  # [KH, G m, virtual]: ancestor order
+        scores.masked_fill_(plan.blocked, float("-inf"))
+        p = (scores - scores.amax(-1, keepdim=True)).exp_()
+        chunks = p.shape[-1] // CHUNK
+        p = p.view(kh, g * m, chunks, CHUNK).transpose(1, 2)  # [KH, chunks, G m, C]
+        values = self.v_cache[layer]  # [KH, capacity, D + 1]
+        if plan.gather is None:
+            out = p @ values[:, :chunks * CHUNK].view(kh, chunks, CHUNK, d + VALUE_PAD)
+        else:
+            t0 = plan.tail_start
+            head = p[:, :t0] @ values[:, :t0 * CHUNK].view(kh, t0, CHUNK, d + VALUE_PAD)
+            # chunks holding tree rows: each row with its own values, in ancestor order; the
+            # G rows of one query row form one GEMM, padded to 4 rows like every other
+            tail = chunks - t0
+            pt = p[:, t0:].reshape(kh, tail, g, m, CHUNK).permute(0, 3, 1, 2, 4)
+            gp = -(-g // ROW_MULTIPLE) * ROW_MULTIPLE
+            if gp != g:
+                pt = torch.cat([pt, pt.new_zeros(kh, m, tail, gp - g, CHUNK)], 3)
+            vt = values[:, plan.tail_slots].view(kh, m, tail, CHUNK, d + VALUE_PAD)
+            out = (pt @ vt)[:, :, :, :g]  # [KH, m, tail, G, D + VALUE_PAD]
+            out = out.permute(0, 2, 3, 1, 4).reshape(kh, tail, g * m, d + VALUE_PAD)
+            out = torch.cat([head, out], 1)
+        out = out.sum(1)  # chunk order; [KH, G m, D + VALUE_PAD]
+        out = out[..., :d] / out[..., d:d + 1]
+        return out.view(kh, g, m, d).permute(2, 0, 1, 3).reshape(m, kh * g * d)

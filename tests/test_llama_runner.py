@@ -1,0 +1,290 @@
+"""The native Llama runner: equal to transformers, batch-invariant, exact against its own ar,
+loading GGUF and safetensors files, and clear errors for what it cannot run."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.hf import HFRunner
+from specdecode.models.llama import CHUNK, LlamaRunner, Q4Weight
+from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
+from specdecode.models.quant import WEIGHT_FORMATS, int4_kernel_weights
+
+from conftest import repetitive_prompts
+
+TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
+
+
+def tiny(seed=0, tie=False, **kw):
+    # int4 needs input sizes divisible by 32; heads 4, kv heads 2: grouped-query attention
+    kw = {"hidden_size": 64, "heads": 4, "kv_heads": 2, **kw}
+    return tiny_llama(seed=seed, tie_embeddings=tie, **kw)
+
+
+def random_tree(rng, n, vocab=96) -> Draft:
+    return Draft(tuple(rng.randrange(vocab) for _ in range(n)),
+                 tuple(rng.randrange(-1, i) for i in range(n)))
+
+
+# ---- equivalence with transformers (fp32) ----------------------------------------------------
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_transformers(tie):
+    model = tiny(seed=3, tie=tie, layers=3)
+    hf, native = HFRunner(model), LlamaRunner.from_transformers(model)
+    rng = random.Random(0)
+    for plen in (1, 9, CHUNK + 3):
+        prompt = [rng.randrange(96) for _ in range(plen)]
+        assert (hf.prefill(prompt) - native.prefill(prompt)).abs().max() < 1e-4
+        root = rng.randrange(96)
+        for step in range(6):
+            draft = [TREE, Draft.chain([5, 6, 7]), Draft.empty(), random_tree(rng, 12)][step % 4]
+            a, b = hf.forward(root, draft), native.forward(root, draft)
+            assert a.shape == b.shape
+            assert (a - b).abs().max() < 1e-4, (plen, step)
+            # accept the path to a leaf, as a verifier would, then continue after it
+            path = draft.path_to(len(draft) - 1) if len(draft) else []
+            hf.commit(path)
+            native.commit(path)
+            assert hf.cache_len == native.cache_len
+            root = int(a[len(path) and path[-1] + 1].argmax())
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_greedy_ar_tokens_identical_to_transformers(tie):
+    model = tiny(seed=4, tie=tie)
+    native = LlamaRunner.from_transformers(model)
+    for prompt in repetitive_prompts()[:3]:
+        expected = Decoder(model, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
+        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 40).run() == expected
+
+
+# ---- batch invariance -------------------------------------------------------------------------
+
+def alone_logits(runner, prompt, tokens):
+    """Logits after each of ``tokens``, fed one per forward (plain decoding)."""
+    runner.prefill(prompt)
+    rows = []
+    for token in tokens:
+        rows.append(runner.forward(token, Draft.empty())[0])
+        runner.commit([])
+    return rows
+
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+def test_position_alone_equals_position_in_tree_bitwise(weights):
+    runner = LlamaRunner.from_transformers(tiny(seed=5, layers=2), weights)
+    rng = random.Random(1)
+    # prompts end just before, at and after a key-chunk boundary; the tree crosses it
+    for plen in (CHUNK - 9, CHUNK + 1):
+        prompt = [rng.randrange(96) for _ in range(plen)]
+        for draft in (random_tree(rng, 15), Draft.chain([rng.randrange(96) for _ in range(15)])):
+            runner.prefill(prompt)
+            together = runner.forward(7, draft)  # 16 rows: root + 15 nodes
+            runner.commit([])
+            for node in [-1] + [i for i in range(len(draft)) if not draft.children(i)]:
+                path = draft.path_to(node) if node >= 0 else []
+                rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
+                for row, i in zip(rows, [-1] + path):
+                    assert torch.equal(row, together[i + 1]), (weights, plen, node, i)
+
+
+# ---- every format: speculative output equals its own ar ---------------------------------------
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+@pytest.mark.parametrize("method", ["ngram", "recycling", "suffix"])
+def test_speculative_equals_own_ar(weights, method):
+    runner = LlamaRunner.from_transformers(tiny(seed=6, tie=True), weights)
+    decoder = Decoder(runner, None, method, eos_token_ids=[])
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert decoder.start(prompt, 24).run() == ar, (weights, method, prompt)
+
+
+def test_quantised_formats_stay_close_to_fp32():
+    model = tiny(seed=7)
+    prompt = repetitive_prompts()[1]
+    ref = LlamaRunner.from_transformers(model).prefill(prompt)
+    for weights, tolerance in (("bf16", 0.05), ("int8", 0.1), ("int4", 0.5)):
+        logits = LlamaRunner.from_transformers(model, weights).prefill(prompt)
+        err = (logits - ref).abs().max() / ref.abs().max()
+        assert 0 < err < tolerance, (weights, float(err))
+
+
+# ---- loading: safetensors and GGUF -----------------------------------------------------------
+
+def test_safetensors_checkpoint(tmp_path):
+    model = tiny(seed=8)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    native = LlamaRunner.from_safetensors(tmp_path)
+    prompt = repetitive_prompts()[0]
+    assert (native.prefill(prompt) - HFRunner(model).prefill(prompt)).abs().max() < 1e-4
+    assert native.fingerprint() == HFRunner(model).fingerprint()
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row permutation of q/k projections (convert_hf_to_gguf.py)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(model, path, arch="llama"):
+    """Write ``model`` as llama.cpp would: Q8_0 embeddings and head, Q4_1 projections, f32
+    norms. The model's weights become the file's dequantised ones, so both hold the same."""
+    import gguf
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    q = gguf.GGMLQuantizationType
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}.get(name)
+            if gguf_name is None:
+                gguf_name = f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
+            w = param.float().numpy()
+            heads = (c.num_attention_heads if "q_proj" in name else
+                     c.num_key_value_heads if "k_proj" in name else 0)
+            if w.ndim == 1:
+                writer.add_tensor(gguf_name, w)
+                continue
+            qtype = q.Q8_0 if parts[-2] in ("embed_tokens", "lm_head") else q.Q4_1
+            data = gguf.quants.quantize(_permute(w, heads) if heads else w, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+            back = gguf.quants.dequantize(data, qtype)
+            param.copy_(torch.from_numpy(_unpermute(back, heads) if heads else back))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    model = tiny(seed=9, layers=2)
+    path = write_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return model, path
+
+
+def test_gguf_file_matches_transformers(gguf_model):
+    model, path = gguf_model
+    native = LlamaRunner.from_gguf(path)
+    hf = HFRunner(model)
+    prompt = repetitive_prompts()[2]
+    assert (native.prefill(prompt) - hf.prefill(prompt)).abs().max() < 1e-4
+    assert (native.forward(4, TREE) - hf.forward(4, TREE)).abs().max() < 1e-4
+
+
+def test_gguf_q4_1_blocks_are_read_exactly(gguf_model):
+    from specdecode.models.gguf_reader import read_gguf
+
+    model, path = gguf_model
+    config, tensors = read_gguf(path)
+    state = model.state_dict()
+    q4 = {k: v for k, v in tensors.items() if isinstance(v, Q4Weight)}
+    assert len(q4) == 7 * config.num_hidden_layers
+    for name, w in tensors.items():
+        dense = w.dequantize() if isinstance(w, Q4Weight) else w
+        assert torch.equal(dense, state[name]), name
+    # int4 holds the file's codes; only the scale and offset are rounded to bfloat16
+    w = q4["model.layers.0.mlp.up_proj.weight"]
+    err = (int4_kernel_weights(w.codes, w.scale, w.minimum) - w.dequantize()).abs().max()
+    assert 0 < err < w.scale.abs().max() / 16
+
+
+def test_gguf_int4_runner_is_exact_against_its_own_ar(gguf_model):
+    runner = LlamaRunner.from_gguf(gguf_model[1], "int4")
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "recycling", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_gguf_of_another_architecture_names_it_and_the_fallback(tmp_path):
+    path = write_gguf(tiny(seed=10, layers=1), tmp_path / "other.gguf", arch="gemma3")
+    with pytest.raises(SpecDecodeError, match=r"'gemma3'.*--runner hf"):
+        LlamaRunner.from_gguf(path)
+
+
+def test_truncated_gguf_file(gguf_model, tmp_path):
+    data = gguf_model[1].read_bytes()
+    for size in (len(data) // 2, 100, len(data) - 64):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(SpecDecodeError, match="truncated"):
+            LlamaRunner.from_gguf(cut)
+
+
+def test_missing_files():
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        LlamaRunner.from_gguf("/nonexistent/model.gguf")
+    with pytest.raises(SpecDecodeError, match="not a Hugging Face checkpoint"):
+        LlamaRunner.from_safetensors("/nonexistent")
+
+
+def test_unknown_weight_format_and_runner():
+    model = tiny(seed=11, layers=1)
+    loaded = LoadedModel(model, None, "tiny")
+    with pytest.raises(SpecDecodeError, match="known formats: fp32, bf16, int8, int4"):
+        LlamaRunner.from_transformers(model, "fp8")
+    with pytest.raises(SpecDecodeError, match="known formats"):
+        make_runner(loaded, "native", "q3")
+    with pytest.raises(SpecDecodeError, match="--runner native"):
+        make_runner(loaded, "hf", "int4")
+    with pytest.raises(SpecDecodeError, match="known runners"):
+        make_runner(loaded, "fast", "fp32")
+
+
+def test_other_architectures_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2))
+    with pytest.raises(SpecDecodeError, match="'mistral'.*--runner hf"):
+        LlamaRunner.from_transformers(model)
+    loaded = LoadedModel(model, None, "mistral")
+    assert isinstance(make_runner(loaded, "auto"), HFRunner)
+
+
+def test_make_runner_picks_native_for_llama():
+    loaded = LoadedModel(tiny(seed=12, layers=1), None, "tiny")
+    assert isinstance(make_runner(loaded, "native", "int8"), LlamaRunner)
+    assert isinstance(make_runner(loaded, "hf"), HFRunner)
+
+
+def test_draft_beyond_the_cache_is_refused():
+    runner = LlamaRunner.from_transformers(tiny(seed=13, layers=1, max_positions=64), max_draft=8)
+    runner.prefill(list(range(60)))
+    with pytest.raises(SpecDecodeError, match="smaller draft"):
+        runner.forward(1, Draft.chain([5] * 80))
