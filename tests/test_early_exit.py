@@ -139,7 +139,8 @@ def test_early_exit_speculates_and_accepts(model):
 # ---- DEL's estimates and choice ----------------------------------------------------------
 
 def test_shadow_tokens_count_teacher_forced_agreement(model):
-    decoder = Decoder(model, None, "del", eos_token_ids=[], decay=1.0, adapters="none")
+    decoder = Decoder(model, None, "del", eos_token_ids=[], decay=1.0, adapters="none",
+                      idle_shadow_every=1)
     out = decoder.start(PROMPT, 30).run()
     proposer = decoder.proposer
     with torch.no_grad():
@@ -151,6 +152,16 @@ def test_shadow_tokens_count_teacher_forced_agreement(model):
             exit_tokens = model.lm_head(model.model.norm(full.hidden_states[layer][0, rows])).argmax(-1)
         assert proposer.trials[layer] == len(out) - 1
         assert proposer.hits[layer] == int((exit_tokens == torch.tensor(out[1:])).sum()), layer
+
+
+def test_idle_rounds_skip_shadow_tokens(model):
+    decoder = Decoder(model, None, "del", eos_token_ids=[], decay=1.0, adapters="none",
+                      idle_shadow_every=3, candidate_layers="1", prior_weight=1e9)
+    decoder.proposer.prior = {1: 0.0}  # an overwhelming prior of no agreement: never speculate
+    assert len(decoder.start(PROMPT, 13).run()) == 13
+    assert all(depth == 0 for _, depth in decoder.proposer.choices)
+    # 12 verify rounds of one row each; shadow tokens on rounds 3, 6, 9 and 12
+    assert decoder.proposer.trials[1] == 4
 
 
 def test_del_choice_follows_acceptance(model):

@@ -11,8 +11,11 @@ every round:
    exactly when it equals the committed token after row i (the context up to row i is the
    target's own), so each round gives every candidate layer a few acceptance trials for free.
 2. *Context-aware acceptance.* Per layer, decayed counts of accepted / tried shadow tokens
-   (``decay`` per round: recent context counts more) give the acceptance rate alpha_l, starting
+   (``decay`` per update: recent context counts more) give the acceptance rate alpha_l, starting
    from a prior (the adapters' measured agreement, else 0.5) worth ``prior_weight`` trials.
+   Shadow tokens of all layers cost one LM head call per round; while ``del`` is not speculating
+   they are computed every ``idle_shadow_every`` rounds only (a CPU adaptation: on SmolLM2 that
+   call costs about a sixth of a forward).
 3. *Token per layer.* Each round picks the layer l and draft length d maximising expected
    tokens per layer computed, TPL(l, d) = (1 - alpha_l^(d+1)) / (1 - alpha_l) / cost(l, d),
    where the paper's cost is d * l + L (L = all layers). On a CPU two terms it ignores matter:
@@ -24,8 +27,8 @@ every round:
    exit head is below ``confidence_threshold``.
 
 Defaults: candidate layers auto (the trained adapters' layers, else eight spread over the upper
-three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, confidence
-threshold 0.4 (tuned on the Spec-Bench dev half; the paper's value is not given in its
+three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, idle shadow
+interval 4, confidence threshold 0.4 (tuned on the Spec-Bench dev half; the paper's value is not given in its
 abstract/README). Drafts are deterministic, so sampled verification stays exact.
 """
 
@@ -81,7 +84,9 @@ class DelConfig:
     max_speculative_tokens: int = param(8, "longest draft considered by the TPL choice")
     confidence_threshold: float = param(0.4, "stop drafting after a token whose exit-head "
                                              "probability is below this (0 = never)")
-    decay: float = param(0.9, "weight of the previous rounds in each layer's acceptance counts")
+    decay: float = param(0.9, "weight of the previous updates in each layer's acceptance counts")
+    idle_shadow_every: int = param(4, "while not speculating, compute shadow tokens every this "
+                                      "many rounds (each costs an LM head call; the paper: 1)")
     prior_weight: float = param(4.0, "trials the prior acceptance rate is worth")
     head_cost: float = param(HEAD_COST, "cost of one LM head application, in layers (0 in the "
                                         "paper; measured on SmolLM2 / CPU)")
@@ -98,6 +103,8 @@ class DelConfig:
                 f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         require(0.0 <= self.decay <= 1.0, f"decay must be in [0, 1], got {self.decay}")
         require(self.prior_weight > 0, f"prior_weight must be > 0, got {self.prior_weight}")
+        require(self.idle_shadow_every >= 1,
+                f"idle_shadow_every must be >= 1, got {self.idle_shadow_every}")
         require(self.head_cost >= 0 and self.verify_token_cost >= 0,
                 "head_cost and verify_token_cost must be >= 0")
         if self.candidate_layers != "auto":
@@ -138,6 +145,7 @@ class DynamicExitProposer(Proposer):
         self.trials = dict.fromkeys(self.layers, 0.0)
         #: (layer, depth) chosen in each round of the current request, for reports
         self.choices: list[tuple[int, int]] = []
+        self.idle_rounds = 0
 
     def alpha(self, layer: int) -> float:
         w = self.config.prior_weight
@@ -146,9 +154,10 @@ class DynamicExitProposer(Proposer):
     def choose(self, max_depth: int) -> tuple[int, int]:
         """(exit layer, draft length) with the highest TPL; depth 0 = do not speculate."""
         c, n = self.config, self.runner.num_layers
-        # the shadow tokens' head call is paid every round, speculating or not
+        # the shadow tokens' head call: every round when speculating, 1 in idle_shadow_every if not
         best = (self.layers[0], 0)
-        best_tpl = tokens_per_layer(0.0, 0, 0, n, c.head_cost, round_cost=c.head_cost)
+        best_tpl = tokens_per_layer(0.0, 0, 0, n, c.head_cost,
+                                    round_cost=c.head_cost / c.idle_shadow_every)
         for layer in self.layers:
             a = self.alpha(layer)
             for depth in range(1, max_depth + 1):
@@ -163,6 +172,7 @@ class DynamicExitProposer(Proposer):
         self.hits = dict.fromkeys(self.layers, 0.0)
         self.trials = dict.fromkeys(self.layers, 0.0)
         self.choices = []
+        self.idle_rounds = 0
 
     def finish(self, output):
         self.runner.capture_hidden(())
@@ -184,7 +194,8 @@ class DynamicExitProposer(Proposer):
 
     def observe(self, feedback: Feedback) -> None:
         captured = self.runner.captured
-        if not captured:
+        self.idle_rounds = 0 if len(feedback.draft) else self.idle_rounds + 1
+        if not captured or self.idle_rounds % self.config.idle_shadow_every:
             return
         rows = [0] + [1 + i for i in feedback.accepted]  # rows whose next token is committed
         target = torch.tensor(feedback.tokens[: len(rows)])
