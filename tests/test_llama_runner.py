@@ -118,6 +118,45 @@ def test_quantised_formats_stay_close_to_fp32():
         assert 0 < err < tolerance, (weights, float(err))
 
 
+# ---- early exit -------------------------------------------------------------------------------
+
+def test_exit_forward_is_the_full_forward_cut_short():
+    model = tiny(seed=14, layers=4)
+    native, hf = LlamaRunner.from_transformers(model), HFRunner(model)
+    prompt = repetitive_prompts()[0]
+    native.prefill(prompt)
+    hf.prefill(prompt)
+    hidden = torch.cat([native.exit_forward([12], 2), native.exit_forward([13, 14], 2)])
+    assert (hidden - torch.cat([hf.exit_forward([12], 2), hf.exit_forward([13, 14], 2)])).abs().max() < 1e-5
+    assert (native.exit_logits(hidden) - hf.exit_logits(hidden)).abs().max() < 1e-5
+    # the verify pass overwrites the draft rows; its root row is the exit pass's, bit for bit
+    native.capture_hidden([2, 3])
+    logits = native.forward(12, Draft.chain([13, 14]))
+    assert torch.equal(native.captured[2][:3], hidden)
+    native.commit([0, 1])
+    plain = LlamaRunner.from_transformers(model)
+    plain.prefill(prompt)
+    assert torch.equal(plain.forward(12, Draft.chain([13, 14])), logits)
+    with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
+        native.exit_forward([1], 4)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+@pytest.mark.parametrize("method", ["early_exit", "del"])
+def test_self_speculation_equals_own_ar(weights, method):
+    runner = LlamaRunner.from_transformers(tiny(seed=15, layers=4), weights)
+    config = {"early_exit": {"exit_layer": 3, "adapters": "none"},
+              "del": {"adapters": "none", "head_cost": 0.0, "verify_token_cost": 0.0}}[method]
+    decoder = Decoder(runner, None, method, eos_token_ids=[], **config)
+    drafted = 0
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        generation = decoder.start(prompt, 24)
+        assert generation.run() == ar, (weights, method, prompt)
+        drafted += generation.stats.draft_tokens
+    assert drafted > 0
+
+
 # ---- loading: safetensors and GGUF -----------------------------------------------------------
 
 def test_safetensors_checkpoint(tmp_path):

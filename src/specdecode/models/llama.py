@@ -171,6 +171,7 @@ class LlamaRunner(Runner):
     """Llama forward with a static KV cache, tree attention and a choice of weight formats."""
 
     name = "native"
+    supports_early_exit = True
 
     def __init__(self, config, tensors: dict, weights: str = "fp32", max_draft: int = 256,
                  source: str = ""):
@@ -184,8 +185,10 @@ class LlamaRunner(Runner):
         self.vocab_size = shape.vocab_size
         self.max_context = shape.max_context
         self.num_layers = shape.num_layers
-        self.supports_early_exit = False
         self.captured = {}
+        self._capture: tuple[int, ...] = ()
+        self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
+        self._exit_layer = 0
 
         def dense(name: str) -> torch.Tensor:
             value = tensors[name]
@@ -297,9 +300,10 @@ class LlamaRunner(Runner):
                 f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
         self._len = 0
         self._pending = 0
+        self._exit_rows = 0
         for start in range(0, len(ids), PREFILL_BLOCK):
             block = ids[start:start + PREFILL_BLOCK]
-            hidden = self._forward(block, tuple(range(len(block))), None)
+            hidden = self._forward(block, tuple(range(len(block))), None, self._len)
             self._len += len(block)
         return self._logits(hidden[-1:])[0]
 
@@ -311,7 +315,9 @@ class LlamaRunner(Runner):
                 f"the cache holds {self.capacity} rows; {self._len} are used and this draft "
                 f"needs {n}: give a smaller draft or a larger max_draft")
         depths = (0,) + draft.depths
-        hidden = self._forward((root,) + draft.tokens, depths, None if draft.is_chain else draft)
+        self._exit_rows = 0  # the full pass overwrites the draft pass's rows
+        hidden = self._forward((root,) + draft.tokens, depths, None if draft.is_chain else draft,
+                               self._len, capture=self._capture)
         self._pending = n
         return self._logits(hidden)
 
@@ -329,6 +335,42 @@ class LlamaRunner(Runner):
         self._len += keep
         self._pending = 0
 
+    # ---- early exit: shared KV, the draft pass's rows are overwritten by the verify pass ----
+
+    def _check_exit_layer(self, layer: int) -> None:
+        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
+                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
+                f"an exit layer must be in 1..{self.num_layers - 1}")
+
+    @torch.inference_mode()
+    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
+        self._check_exit_layer(exit_layer)
+        require(self._pending == 0, "exit_forward called between forward and commit")
+        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
+                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
+                "the deeper layers would lack the earlier draft tokens")
+        start = self._len + self._exit_rows
+        require(start + len(tokens) <= self.capacity,
+                f"the cache holds {self.capacity} rows; the draft pass would need more")
+        hidden = self._forward(list(tokens), tuple(range(len(tokens))), None, start,
+                               stop=exit_layer)
+        self._exit_rows += len(tokens)
+        self._exit_layer = exit_layer
+        return hidden
+
+    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        return self._norm(hidden.float(), self.final_norm) if adapter is None else adapter(hidden)
+
+    @torch.inference_mode()
+    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.head(normed.float())
+
+    def capture_hidden(self, layers: Sequence[int]) -> None:
+        for layer in layers:
+            self._check_exit_layer(layer)
+        self._capture = tuple(layers)
+        self.captured = {}
+
     # ---- the model ------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -339,13 +381,14 @@ class LlamaRunner(Runner):
         variance = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(variance + self.shape.rms_eps))
 
-    def _forward(self, tokens: Sequence[int], depths: Sequence[int],
-                 tree: Draft | None) -> torch.Tensor:
-        """Run ``tokens`` (row 0 at position ``cache_len``, row i at ``cache_len + depths[i]``)
-        through every layer, writing their KV rows at slots ``cache_len + i``. ``tree`` is the
-        draft when the rows are not a chain. Returns the last hidden states [n, hidden]."""
+    def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
+                 past: int, stop: int | None = None, capture: tuple[int, ...] = ()) -> torch.Tensor:
+        """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
+        layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
+        draft when the rows are not a chain; layers in ``capture`` keep their output in
+        :attr:`captured`. Returns the last layer's hidden states [n, hidden]."""
         s = self.shape
-        n, past = len(tokens), self._len
+        n = len(tokens)
         m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
         positions = torch.zeros(m, dtype=torch.long)  # padding rows sit at position 0
         positions[:n] = past + torch.tensor(depths, dtype=torch.long)
@@ -354,7 +397,9 @@ class LlamaRunner(Runner):
         cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D / 2]
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         half = d // 2
-        for i, layer in enumerate(self.layers):
+        if capture:
+            self.captured = {}
+        for i, layer in enumerate(self.layers[:stop]):
             h = self._norm(x, layer.attn_norm)
             qkv = layer.qkv(h)  # [m, (heads + 2 kv_heads) * D]
             qk = qkv[:, :(heads + kv_heads) * d].view(m, heads + kv_heads, d)
@@ -369,6 +414,8 @@ class LlamaRunner(Runner):
             h = self._norm(x, layer.mlp_norm)
             gate, up = layer.gate_up(h).chunk(2, -1)  # [m, I] each
             x = x + layer.down(gate * up / (1 + torch.exp(-gate)))  # SwiGLU
+            if i + 1 in capture:
+                self.captured[i + 1] = x[:n].clone()
         return x[:n]
 
     def _prepare(self, end: int) -> None:
