@@ -407,7 +407,7 @@ def test_registered_with_validated_config():
 
 
 def test_proposer_without_a_model_respects_the_budget():
-    proposer = SuffixProposer(SuffixConfig(max_spec_factor=4.0), None)
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=4.0, max_spec_tokens=16), None)
     passage = list(range(10, 40))
     context = passage + [99] + passage[:6]
     proposer.start(context)

@@ -556,15 +556,15 @@ class SuffixCache:
 
         cache.start_request(rid, prompt)                 # the request's own tree
         cache.add_response(rid, new_tokens)              # after every verify step
-        draft = cache.speculate(rid, max_spec_tokens=16) # best of both trees
+        draft = cache.speculate(rid, max_spec_tokens=32) # best of both trees
         cache.stop_request(rid)                          # its response joins the global tree
         cache.evict(rid)                                 # drop a cached response early
 
     The global tree keeps at most ``max_cached_requests`` responses and evicts the oldest first
-    (FIFO). Each stored token costs about 0.3 KB in this pure-Python tree (more for text that
-    repeats itself), so the default of 1000 responses bounds it to roughly 100-300 MB for
-    300-1000-token responses; ArcticInference's C++ tree affords 100000. 0 disables the global
-    tree. One lock guards every method, so threads serving different requests may share a cache.
+    (FIFO). A stored token costs about 0.26 KB in this pure-Python tree (at most two nodes per
+    token, however repetitive), so the default of 1000 responses bounds it to roughly 80-260 MB
+    for responses of 300-1000 tokens; ArcticInference's C++ tree affords 100000. 0 disables the
+    global tree. One lock guards every method, so threads serving different requests may share a cache.
     :meth:`save` / :meth:`load` keep the cached responses in a versioned JSON file.
     """
 
@@ -634,7 +634,7 @@ class SuffixCache:
         with self._lock:
             self._active(req_id).tree.extend(0, ids)
 
-    def speculate(self, req_id: int | str, max_spec_tokens: int = 16,
+    def speculate(self, req_id: int | str, max_spec_tokens: int = 32,
                   max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
                   min_token_prob: float = 0.1, tree: bool = True,
                   max_depth: int | None = None) -> SuffixDraft:
