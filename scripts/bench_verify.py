@@ -55,8 +55,8 @@ def cases(nodes: int = 80, depth: int = 8):
     built = []
     for t in range(prompt_len + 5, len(ids) - depth - 4, 3):
         truth = ids[t + 1:t + 1 + depth]
-        paths = [truth] + [truth[:k % depth] + [int(torch.randint(0, vocab, (1,), generator=gen))] * 3
-                           for k in range(24)]
+        distractors = torch.randint(0, vocab, (24,), generator=gen).tolist()
+        paths = [truth] + [truth[:k % depth] + [distractors[k]] * 3 for k in range(24)]
         draft = Draft.from_paths(paths).truncated(64, nodes)
         rows = [logits[t]]
         for i in range(len(draft)):

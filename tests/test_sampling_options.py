@@ -7,8 +7,9 @@
   one uniform per committed token: so every registered proposer whose drafts carry no
   probabilities gives, at a fixed seed, exactly the tokens of ``ar`` at that seed, with every
   sampling option set. Proposers whose drafts carry ``Draft.probs`` (a draft model) change which
-  random numbers are drawn, so they match ``ar`` in distribution only (tests/test_sampling_stats.py);
-  here they must repeat under a seed. Which kind a proposer is, is read from its drafts;
+  random numbers are drawn, so they match ``ar`` in distribution only
+  (tests/test_sampling_stats.py); here they must repeat under a seed. Which kind a proposer is,
+  is read from its drafts;
 - drafts the target never produces change nothing, with or without probabilities;
 - bad options are clear errors from ``SamplingParams``, the API and the CLI.
 """
@@ -32,7 +33,6 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.ar import ArConfig, Autoregressive
 from specdecode.proposers.base import Proposer
 from specdecode.sampling import NodeDistributions, SamplingParams
@@ -116,7 +116,8 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     logits = torch.zeros(8)
     params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
     # prompt [1, 2, 2], output [2, 3, 3, 3]
-    got = NodeDistributions(logits[None], params, [1, 2, 2, 2, 3, 3, 3], 3, Draft.empty()).penalised(0)
+    nodes = NodeDistributions(logits[None], params, [1, 2, 2, 2, 3, 3, 3], 3, Draft.empty())
+    got = nodes.penalised(0)
     want = torch.zeros(8)
     want[2] = -0.5 - 0.25 * 1
     want[3] = -0.5 - 0.25 * 3
@@ -143,7 +144,8 @@ def test_tree_nodes_are_processed_with_their_own_paths():
         torch.testing.assert_close(nodes.penalised(row), plain.penalised(0), atol=0, rtol=0)
         torch.testing.assert_close(nodes.probs(row), plain.probs(0), atol=0, rtol=0)
         # and an independent implementation (transformers' processors)
-        want = reference_probs(logits[row], context[:prompt_len], tuple(explicit[prompt_len:]), params)
+        want = reference_probs(logits[row], context[:prompt_len], tuple(explicit[prompt_len:]),
+                               params)
         torch.testing.assert_close(nodes.probs(row).double(), want, atol=1e-6, rtol=1e-5)
         if row:  # the path matters: processing with the committed tokens alone differs
             committed_only = NodeDistributions(logits[row:row + 1], params, context, prompt_len,
@@ -191,8 +193,10 @@ def test_rejection_draws_uniforms_only_where_the_outcome_is_uncertain():
     onehot = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     for seed in range(10):
         gen = torch.Generator().manual_seed(seed)
-        result = verify(Draft.chain([3, 3], torch.stack([onehot, onehot])), logits, params, [0], 1, gen)
-        plain = verify(Draft.empty(), logits[:1], params, [0], 1, torch.Generator().manual_seed(seed))
+        draft = Draft.chain([3, 3], torch.stack([onehot, onehot]))
+        result = verify(draft, logits, params, [0], 1, gen)
+        plain = verify(Draft.empty(), logits[:1], params, [0], 1,
+                       torch.Generator().manual_seed(seed))
         assert result.accepted == () and result.tokens == plain.tokens
         assert torch.equal(gen.get_state(), advanced(seed, 1))
 
@@ -200,10 +204,11 @@ def test_rejection_draws_uniforms_only_where_the_outcome_is_uncertain():
 def test_one_generator_per_request(tiny_model):
     """Two seeded requests stepped alternately give what each gives alone."""
     prompts = repetitive_prompts()[:2]
-    alone = [Decoder(tiny_model, None, "ar", eos_token_ids=[]).start(p, 12, temperature=1.0, seed=7).run()
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = [Decoder(tiny_model, None, "ar", eos_token_ids=[]).start(p, 12, **vars(params)).run()
              for p in prompts]
     runners = [HFRunner(tiny_model) for _ in prompts]
-    gens = [Generation(r, Autoregressive(ArConfig(), r), p, 12, SamplingParams(temperature=1.0, seed=7))
+    gens = [Generation(r, Autoregressive(ArConfig(), r), p, 12, params)
             for r, p in zip(runners, prompts)]
     iters = [iter(g) for g in gens]
     for _ in range(13):
@@ -337,7 +342,8 @@ def test_drafts_change_nothing_at_a_seed_with_every_option(target, mode):
     runner = HFRunner(target)
     params = SamplingParams(seed=5, **ALL_OPTIONS)
     for prompt in repetitive_prompts()[:2]:
-        ar = Generation(runner, Autoregressive(ArConfig(), runner), prompt, NEW_TOKENS, params).run()
+        reference = Autoregressive(ArConfig(), runner)
+        ar = Generation(runner, reference, prompt, NEW_TOKENS, params).run()
         if mode.startswith("never produced"):
             proposer = NeverProduced(runner, target, params)
         else:

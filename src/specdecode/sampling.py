@@ -188,7 +188,7 @@ class NodeDistributions:
             self.counts = Counter(context[prompt_len:])
 
     def penalised(self, row: int) -> torch.Tensor:
-        """Row ``row``'s logits [V] after the penalties (what greedy decoding takes the argmax of)."""
+        """Row ``row``'s logits [V] after the penalties (greedy decoding takes their argmax)."""
         logits = self.logits[row].float()
         if not self.params.has_penalties:
             return logits
