@@ -124,6 +124,15 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     torch.testing.assert_close(got, want)
 
 
+def test_tiny_temperatures_decode_greedily_without_overflow(tiny_model):
+    prompt = repetitive_prompts()[0]
+    greedy = Decoder(tiny_model, None, "ngram", eos_token_ids=[]).start(prompt, 16).run()
+    for temperature in (1e-6, 1e-30):
+        tokens = Decoder(tiny_model, None, "ngram", eos_token_ids=[]).start(
+            prompt, 16, temperature=temperature, seed=0).run()
+        assert tokens == greedy
+
+
 # ---- every node with its own context ---------------------------------------------------------
 
 def test_tree_nodes_are_processed_with_their_own_paths():

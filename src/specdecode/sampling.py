@@ -34,9 +34,15 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 
 
+#: temperatures below this decode greedily
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    #: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature)
+    #: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature); below 1e-5 is
+    #: greedy too (vLLM's rule: logits / temperature would overflow float32 to inf, and the
+    #: distribution is all but the argmax anyway)
     temperature: float = 0.0
     #: keep the k most likely tokens; 0 = off
     top_k: int = 0
@@ -86,7 +92,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
