@@ -22,14 +22,15 @@ every round:
    the LM head (``head_cost`` layers per application) and the verify pass growing with the
    draft (``verify_token_cost`` of a full pass per draft token); both default to values measured
    on SmolLM2-135M here. d = 0 (plain decoding) competes too, so a context where no exit agrees
-   costs one forward per token, not more.
+   costs one forward per token plus the occasional shadow-token head call.
 4. *Dynamic draft exiting.* Drafting stops after the first token whose probability under the
    exit head is below ``confidence_threshold``.
 
 Defaults: candidate layers auto (the trained adapters' layers, else eight spread over the upper
 three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, idle shadow
-interval 4, confidence threshold 0.4 (tuned on the Spec-Bench dev half; the paper's value is not given in its
-abstract/README). Drafts are deterministic, so sampled verification stays exact.
+interval 4, confidence threshold 0.4 (provisional, not yet tuned: the paper's threshold, decay
+and window are not in its abstract or README, the only parts of it read here). Drafts are
+deterministic, so sampled verification stays exact.
 """
 
 from __future__ import annotations
