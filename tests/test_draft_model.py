@@ -242,3 +242,42 @@ def test_distilled_artifact_round_trip_and_refusal(tmp_path):
     other = tiny_llama(seed=5, tie_embeddings=True)
     with pytest.raises(SpecDecodeError, match="trained for another target model"):
         Decoder(other, None, "draft_model", draft=str(path))
+
+
+def test_heuristic_schedule_is_plus_two_minus_one():
+    from specdecode.control import HeuristicLength
+
+    c = HeuristicLength(start=5, longest=8)
+    lengths = []
+    for drafted, accepted in [(5, 5), (7, 7), (8, 8), (8, 3), (7, 0), (6, 0), (0, 0)]:
+        c.observe(drafted, accepted)
+        lengths.append(c.budget().max_depth)
+    # full accept: +2 (capped at 8); any rejection: -1; an empty draft: no change
+    assert lengths == [7, 8, 8, 7, 6, 5, 5]
+    for _ in range(10):
+        c.observe(1, 0)
+    assert c.budget().max_depth == 1
+
+
+def test_confidence_and_specdecpp_stopping_rules():
+    from specdecode.control import ConfidenceStop, DraftSignal, SpecDecPlusPlus
+
+    keep = ConfidenceStop(threshold=0.4, max_depth=9).budget().keep_drafting
+    assert keep(DraftSignal(1, 0.41)) and not keep(DraftSignal(2, 0.39))
+    head = AcceptanceHead(4, 1)
+    with torch.no_grad():  # a head that predicts acceptance 0.8 for every token
+        for p in head.parameters():
+            p.zero_()
+        head.out.bias.fill_(torch.logit(torch.tensor(0.8)).item())
+    keep = SpecDecPlusPlus(head, threshold=0.5, min_depth=2, max_depth=12).budget().keep_drafting
+    h = torch.zeros(4)
+    # depth 1 scores nothing; then P(all accepted) = 0.8, 0.64, 0.512, 0.41 -> stop past 0.5
+    assert [keep(DraftSignal(d, 0.9, h)) for d in range(1, 6)] == [True, True, True, True, False]
+    assert keep(DraftSignal(1, 0.9, h))  # a new draft starts afresh
+
+
+def test_train_draft_rejects_bad_options_before_loading(capsys):
+    from specdecode.cli import main
+
+    assert main(["train", "draft", "--max-minutes", "0"]) == 2
+    assert "--max-minutes must be positive" in capsys.readouterr().err
