@@ -117,9 +117,6 @@ class SuffixTree:
         self._tick = 0
         self.version = 0
 
-    def __contains__(self, seq_id) -> bool:
-        return seq_id in self._handles
-
     def sequence(self, seq_id, start: int = 0) -> list[int]:
         """The tokens of ``seq_id`` from ``start`` (negative: from the end)."""
         return self._tokens[self._handles[seq_id]][start:].tolist()
@@ -369,18 +366,6 @@ class SuffixTree:
             matches = moved
         return matches
 
-    def count(self, tokens: Sequence[int]) -> int:
-        """Occurrences of the string ``tokens`` (0 if absent or longer than ``max_depth``)."""
-        if len(tokens) > self.max_depth:
-            return 0
-        node, k = ROOT, 0
-        for token in tokens:
-            nxt = self.step(node, k, int(token))
-            if nxt is None:
-                return 0
-            node, k = nxt
-        return self._count[node]
-
     def count_of(self, node: int) -> int:
         return self._count[node]
 
@@ -525,7 +510,9 @@ def _token_ids(tokens, what: str) -> list[int]:
         ids = [operator.index(t) for t in tokens]
     except TypeError:
         raise SpecDecodeError(f"{what} must be a sequence of integer token ids") from None
-    require(all(t >= 0 for t in ids), f"{what} has negative token ids; give ids >= 0")
+    # the tree keys an edge by parent << 32 | token
+    require(all(0 <= t < 1 << _SHIFT for t in ids),
+            f"{what} has token ids outside 0 .. 2**32 - 1; give vocabulary ids")
     return ids
 
 
@@ -564,7 +551,8 @@ class SuffixCache:
     (FIFO). A stored token costs about 0.26 KB in this pure-Python tree (at most two nodes per
     token, however repetitive), so the default of 1000 responses bounds it to roughly 80-260 MB
     for responses of 300-1000 tokens; ArcticInference's C++ tree affords 100000. 0 disables the
-    global tree. One lock guards every method, so threads serving different requests may share a cache.
+    global tree. One lock guards every method, so threads serving different requests may share a
+    cache.
     :meth:`save` / :meth:`load` keep the cached responses in a versioned JSON file.
     """
 

@@ -12,11 +12,11 @@ example are in :mod:`specdecode.suffix_tree`.
 
 Defaults are the paper's / ArcticInference's (``max_tree_depth=64``, ``max_spec_factor=1.0``,
 ``max_spec_offset=0``, ``min_token_prob=0.1``, tree drafts), except ``max_spec_tokens=32``
-(the paper caps drafts only by the tree depth; with depth 64 and factor 1 a chain cannot exceed
-32 tokens anyway, so 32 drafts as the paper does while capping a tree's verify cost; on the dev
-data it matched 64 and beat ArcticInference's 16 on second turns that rework the first, tau 10.3
-vs 8.7) and ``max_cached_requests=1000`` (a pure-Python tree costs more memory per token than
-the reference's C++ one; see :class:`SuffixCache`).
+(the paper bounds a draft by alpha * match length and the tree depth only; with depth 64 and
+factor 1 a chain cannot exceed 32 tokens anyway, so 32 drafts as the paper does while capping a
+tree's verify cost; on the dev data it matched 64 and beat ArcticInference's 16 on second turns
+that rework the first, tau 10.3 vs 8.7) and ``max_cached_requests=1000`` (a pure-Python tree
+costs more memory per token than the reference's C++ one; see :class:`SuffixCache`).
 
 Several proposers (one per server worker or request) may share one :class:`SuffixCache`, so what
 one request generates helps the next; without one a proposer makes its own. ``runner`` may be
