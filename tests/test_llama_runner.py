@@ -327,3 +327,50 @@ def test_draft_beyond_the_cache_is_refused():
     runner.prefill(list(range(60)))
     with pytest.raises(SpecDecodeError, match="smaller draft"):
         runner.forward(1, Draft.chain([5] * 80))
+
+
+# ---- the real default model -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_model_matches_transformers(real_model):
+    from test_exactness import dev_prompts
+
+    from specdecode.api import eos_ids
+
+    model, tokenizer = real_model.model, real_model.tokenizer
+    native, hf = LlamaRunner.from_transformers(model), HFRunner(model)
+    eos = eos_ids(model, tokenizer)
+    for prompt in dev_prompts()[:2]:
+        ids = Decoder(model, tokenizer, "ar").encode(prompt)
+        assert (native.prefill(ids) - hf.prefill(ids)).abs().max() < 1e-4
+        assert (native.forward(ids[-1], TREE) - hf.forward(ids[-1], TREE)).abs().max() < 1e-4
+        expected = Decoder(model, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
+        got = Decoder(native, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
+        assert got.token_ids == expected.token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+def test_real_model_position_alone_equals_position_in_tree(real_model, weights):
+    runner = LlamaRunner.from_transformers(real_model.model, weights)
+    rng = random.Random(2)
+    prompt = [rng.randrange(1000, 20000) for _ in range(CHUNK * 2 - 5)]
+    draft = random_tree(rng, 15, vocab=20000)
+    runner.prefill(prompt)
+    together = runner.forward(7, draft)
+    runner.commit([])
+    path = draft.path_to(max(range(len(draft)), key=lambda i: draft.depths[i]))
+    rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
+    for row, i in zip(rows, [-1] + path):
+        assert torch.equal(row, together[i + 1]), (weights, i)
+
+
+@pytest.mark.slow
+def test_real_gguf_reads_like_transformers(real_model):
+    from specdecode.models.gguf_reader import read_gguf
+
+    config, tensors = read_gguf(real_model.gguf_path)
+    state = real_model.model.state_dict()
+    for name, w in tensors.items():
+        assert torch.equal(w.dequantize() if isinstance(w, Q4Weight) else w, state[name]), name
+    assert config.rope_theta == real_model.model.config.rope_theta
