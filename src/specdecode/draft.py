@@ -8,7 +8,8 @@ A chain is the tree whose parents are ``[-1, 0, 1, ...]``; an empty draft is pla
                 last committed token whose KV entry is not yet in the cache)
     probs       optional [n, V] tensor: probs[i] is the proposer's distribution q from which
                 tokens[i] was drawn (the next-token distribution at node i's parent). None for a
-                deterministic proposer. Siblings share the same q.
+                deterministic proposer. I.i.d. siblings share the same q; siblings drawn without
+                replacement each record q with the earlier siblings removed.
 
 Nodes are topologically ordered: ``parents[i] < i``. This lets the runner build the tree
 attention mask in one pass and the verifier walk depth by depth.
