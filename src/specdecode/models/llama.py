@@ -141,8 +141,15 @@ def _fused(parts: list, weights: str):
     if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
         q4 = Q4Weight.cat(parts)
         return Int4Linear(q4.codes, q4.scale, q4.minimum)
-    dense = [p.dequantize() if isinstance(p, Q4Weight) else p for p in parts]
+    dense = [p.dequantize() if isinstance(p, Q4Weight) else p.float() for p in parts]
     return make_linear(torch.cat(dense), weights)
+
+
+def _scaled(weight, factor: float):
+    """``weight`` times ``factor`` (exact for a power of two, such as 1/sqrt(64))."""
+    if isinstance(weight, Q4Weight):
+        return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
+    return weight.float() * factor
 
 
 @dataclass
@@ -159,12 +166,12 @@ class _Layer:
 class _Plan:
     """How one forward's rows attend: built once, used by every layer."""
 
-    rows: int           # padded row count m
-    span: int           # key slots the scores cover (a multiple of CHUNK)
-    blocked: torch.Tensor       # [G * m, span'] True where a row may not attend
-    gather: torch.Tensor | None  # [KH, G * m, span'] score columns in ancestor order (trees)
+    rows: int           # query rows in attention: the forward's rows padded to ROW_MULTIPLE
+    chunks: int         # key chunks holding the prefix and every new row
+    blocked: torch.Tensor        # [chunks', 1, G rows, C] True where a row may not attend
+    gather: torch.Tensor | None  # [KH, G rows, chunks' C] key slot of each column (trees)
     tail_start: int = 0          # first chunk holding tree rows (trees)
-    tail_slots: torch.Tensor | None = None  # [m, tail] value slots in ancestor order (trees)
+    tail_slots: tuple | None = None  # (chunk, offset) [rows, tail C]: value slots (trees)
 
 
 class LlamaRunner(Runner):
@@ -205,13 +212,18 @@ class LlamaRunner(Runner):
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
         self.head = _fused([tensors[head]], weights)
+        self.row_multiple = self.head.row_multiple
+        scale = shape.head_dim ** -0.5
         self.layers = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
             try:
                 self.layers.append(_Layer(
                     attn_norm=dense(p + "input_layernorm.weight"),
-                    qkv=_fused([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], weights),
+                    # the attention scale 1/sqrt(D) folded into the query projection
+                    qkv=_fused([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
+                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"],
+                               weights),
                     o=_fused([tensors[p + "self_attn.o_proj.weight"]], weights),
                     mlp_norm=dense(p + "post_attention_layernorm.weight"),
                     gate_up=_fused([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")],
@@ -228,17 +240,22 @@ class LlamaRunner(Runner):
                 "partial rotary embeddings need --runner hf")
         self.capacity = -(-(shape.max_context + max_draft) // CHUNK) * CHUNK
         freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.cos = (freqs.cos() * attention_scaling)[:, None, :]  # [capacity, 1, D / 2]
-        self.sin = (freqs.sin() * attention_scaling)[:, None, :]
-        self.scale = shape.head_dim ** -0.5
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        # q * cos + rotate_half(q) * sin with rotate_half(q) = (-q2, q1), as transformers
+        # computes it, is q * (c, c) + (q2, q1) * (-s, s)
+        self.cos = torch.cat([cos, cos], -1)[:, None, :]  # [capacity, 1, D]
+        self.sin = torch.cat([-sin, sin], -1)[:, None, :]
         kh, d = shape.num_kv_heads, shape.head_dim
-        # empty, not zeros: untouched pages cost no memory; _prepare() initialises chunks
-        # before first use (values must be finite: a masked key still multiplies its value by 0)
-        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
+        # Chunk-major: [layer, chunk, kv head, position in chunk, D], so each (chunk, head) is
+        # one contiguous GEMM operand. Empty, not zeros: untouched pages cost no memory;
+        # _prepare() initialises chunks before first use (values must be finite: a masked key
+        # still multiplies its value by 0).
+        chunks = self.capacity // CHUNK
+        self.k_cache = torch.empty(shape.num_layers, chunks, kh, CHUNK, d)
         # values carry a column of ones: the softmax denominator comes out of the same GEMM;
         # and three of zeros: MKL takes other kernels for widths 5-7 and 9-11 (tiny models)
-        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d + VALUE_PAD)
-        self._ready = 0  # slots initialised
+        self.v_cache = torch.empty(shape.num_layers, chunks, kh, CHUNK, d + VALUE_PAD)
+        self._ready = 0  # chunks initialised
         self._len = 0
         self._pending = 0
 
@@ -328,10 +345,10 @@ class LlamaRunner(Runner):
                 f"commit of {keep} rows after a forward of {self._pending}")
         if list(accepted) != list(range(len(accepted))):
             # the accepted path is not the first rows: move its rows next to the root's
-            rows = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
-            end = self._len + keep
-            self.k_cache[:, :, self._len:end] = self.k_cache[:, :, rows]
-            self.v_cache[:, :, self._len:end] = self.v_cache[:, :, rows]
+            src = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
+            dst = torch.arange(self._len, self._len + keep)
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, dst // CHUNK, :, dst % CHUNK] = cache[:, src // CHUNK, :, src % CHUNK]
         self._len += keep
         self._pending = 0
 
@@ -363,7 +380,7 @@ class LlamaRunner(Runner):
 
     @torch.inference_mode()
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.head(normed.float())
+        return self.head(normed.to(self.head.in_dtype)).float()
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         for layer in layers:
@@ -374,114 +391,119 @@ class LlamaRunner(Runner):
     # ---- the model ------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self._norm(hidden, self.final_norm))
+        return self.head(self._norm(hidden, self.final_norm, self.head.in_dtype)).float()
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm, operation for operation
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(variance + self.shape.rms_eps))
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, operation for operation; the result in the dtype the
+        # next matrix kernel takes
+        return F.rms_norm(x, weight.shape, weight, self.shape.rms_eps).to(dtype)
 
     def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
                  past: int, stop: int | None = None, capture: tuple[int, ...] = ()) -> torch.Tensor:
         """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
         layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
         draft when the rows are not a chain; layers in ``capture`` keep their output in
-        :attr:`captured`. Returns the last layer's hidden states [n, hidden]."""
+        :attr:`captured`. Returns the last layer's hidden states [n, hidden], float32."""
         s = self.shape
         n = len(tokens)
-        m = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+        m = -(-n // self.row_multiple) * self.row_multiple  # rows through the layers
         positions = torch.zeros(m, dtype=torch.long)  # padding rows sit at position 0
         positions[:n] = past + torch.tensor(depths, dtype=torch.long)
-        plan = self._plan(n, m, past, positions, tree)
-        x = pad_rows(self.embed[torch.tensor(tokens)], ROW_MULTIPLE)  # [m, H]
-        cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D / 2]
+        plan = self._plan(n, past, positions, tree)
+        x = pad_rows(self.embed[torch.tensor(tokens)], self.row_multiple)  # [m, H] float32
+        cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D]
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
-        half = d // 2
+        rotated = heads + kv_heads
+        slots = torch.arange(past, past + n)
+        chunk, offset = slots // CHUNK, slots % CHUNK
         if capture:
             self.captured = {}
         for i, layer in enumerate(self.layers[:stop]):
-            h = self._norm(x, layer.attn_norm)
-            qkv = layer.qkv(h)  # [m, (heads + 2 kv_heads) * D]
-            qk = qkv[:, :(heads + kv_heads) * d].view(m, heads + kv_heads, d)
-            q1, q2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1)  # rotary, [m, .., D]
-            q = qk[:, :heads]
-            k = qk[:n, heads:]  # [n, KH, D]
-            v = qkv[:n, (heads + kv_heads) * d:].view(n, kv_heads, d)
-            self.k_cache[i, :, past:past + n] = k.transpose(0, 1)
-            self.v_cache[i, :, past:past + n, :d] = v.transpose(0, 1)
-            x = x + layer.o(self._attend(q * self.scale, i, plan))
-            h = self._norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h).chunk(2, -1)  # [m, I] each
-            x = x + layer.down(gate * up / (1 + torch.exp(-gate)))  # SwiGLU
+            qkv = layer.qkv(self._norm(x, layer.attn_norm, layer.qkv.in_dtype))
+            qk = qkv[:, :rotated * d].view(m, rotated, d)  # q already scaled by 1/sqrt(D)
+            swapped = qk.view(m, rotated, 2, d // 2).flip(2).view(m, rotated, d)
+            qk = qk * cos + swapped * sin  # rotary embedding, [m, heads + kv heads, D]
+            self.k_cache[i][chunk, :, offset] = qk[:n, heads:]
+            self.v_cache[i][chunk, :, offset, :d] = qkv[:n, rotated * d:].view(n, kv_heads, d).float()
+            x = x + layer.o(self._attend(qk[:, :heads], i, plan, layer.o.in_dtype))
+            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm, layer.gate_up.in_dtype)
+                                     ).float().chunk(2, -1)  # [m, I] each
+            x = x + layer.down((gate * up / (1 + torch.exp(-gate))).to(layer.down.in_dtype))
             if i + 1 in capture:
                 self.captured[i + 1] = x[:n].clone()
         return x[:n]
 
-    def _prepare(self, end: int) -> None:
-        """Initialise cache slots up to ``end`` (finite keys and values, value column 1)."""
-        if end > self._ready:
-            self.k_cache[:, :, self._ready:end] = 0
-            self.v_cache[:, :, self._ready:end] = 0
-            self.v_cache[:, :, self._ready:end, self.shape.head_dim] = 1
-            self._ready = end
+    def _prepare(self, chunks: int) -> None:
+        """Initialise cache chunks up to ``chunks`` (finite keys and values, value column 1)."""
+        if chunks > self._ready:
+            new = slice(self._ready, chunks)
+            self.k_cache[:, new] = 0
+            self.v_cache[:, new] = 0
+            self.v_cache[:, new, :, :, self.shape.head_dim] = 1
+            self._ready = chunks
 
-    def _plan(self, n: int, m: int, past: int, positions: torch.Tensor,
-              tree: Draft | None) -> _Plan:
+    def _plan(self, n: int, past: int, positions: torch.Tensor, tree: Draft | None) -> _Plan:
         s = self.shape
         groups = s.num_heads // s.num_kv_heads
-        span = -(-(past + n) // CHUNK) * CHUNK  # slots holding the prefix and every new row
-        self._prepare(span)
-        limit = positions.clone()
-        limit[n:] = 0  # padding rows see slot 0 only
-        # rows are (group, row) pairs, group-major, as _attend lays out the queries
+        rows = -(-len(positions) // ROW_MULTIPLE) * ROW_MULTIPLE  # query rows in attention
+        chunks = -(-(past + n) // CHUNK)  # chunks holding the prefix and every new row
+        self._prepare(chunks)
+        limit = torch.zeros(rows, dtype=torch.long)
+        limit[:n] = positions[:n]  # padding rows see slot 0 only
+        # query rows are (group, row) pairs, group-major, as _attend lays them out
         limit = limit.repeat(groups)
         if tree is None:
-            blocked = torch.arange(span)[None, :] > limit[:, None]
-            return _Plan(m, span, blocked, None)
+            keys = torch.arange(chunks * CHUNK).view(chunks, 1, 1, CHUNK)
+            return _Plan(rows, chunks, keys > limit.view(1, 1, -1, 1), None)
         # Ancestor order: row r's key for position past + j sits in the slot of its ancestor
         # at depth j (root: row 0). Columns past a row's own position are blocked anyway.
-        virtual = -(-(past + max(tree.depths) + 1) // CHUNK) * CHUNK
-        slots = torch.zeros(m, virtual, dtype=torch.long)
-        slots[:] = torch.arange(virtual).clamp_max(past)
+        virtual = -(-(past + max(tree.depths) + 1) // CHUNK)
+        slots = torch.arange(virtual * CHUNK).clamp_max(past).repeat(rows, 1)
         for r in range(1, n):
             path = tree.path_to(r - 1)
             slots[r, past + 1:past + 1 + len(path)] = past + 1 + torch.tensor(path)
-        blocked = torch.arange(virtual)[None, :] > limit[:, None]
+        keys = torch.arange(virtual * CHUNK).view(virtual, 1, 1, CHUNK)
+        blocked = keys > limit.view(1, 1, -1, 1)
         gather = slots.repeat(groups, 1).expand(s.num_kv_heads, -1, -1)
         start = past // CHUNK
-        return _Plan(m, span, blocked, gather, start, slots[:, start * CHUNK:].contiguous())
+        tail = slots[:, start * CHUNK:]
+        return _Plan(rows, chunks, blocked, gather, start, (tail // CHUNK, tail % CHUNK))
 
-    def _attend(self, q: torch.Tensor, layer: int, plan: _Plan) -> torch.Tensor:
-        """Attention of ``q`` [m, heads, D] over the cache (see the module docstring)."""
+    def _attend(self, q: torch.Tensor, layer: int, plan: _Plan,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Attention of ``q`` [m, heads, D] over the cache (see the module docstring); the
+        result [m, heads * D] in ``dtype``."""
         s = self.shape
-        kh, d, m = s.num_kv_heads, s.head_dim, plan.rows
+        kh, d, rows, m = s.num_kv_heads, s.head_dim, plan.rows, q.shape[0]
         g = s.num_heads // kh
-        q = q.reshape(m, kh, g, d).permute(1, 2, 0, 3).reshape(kh, g * m, d)
-        scores = q @ self.k_cache[layer, :, :plan.span].transpose(1, 2)  # [KH, G m, span]
-        if plan.gather is not None:
-            scores = scores.gather(2, plan.gather)  # [KH, G m, virtual]: ancestor order
-        scores.masked_fill_(plan.blocked, float("-inf"))
-        p = (scores - scores.amax(-1, keepdim=True)).exp_()
-        chunks = p.shape[-1] // CHUNK
-        p = p.view(kh, g * m, chunks, CHUNK).transpose(1, 2)  # [KH, chunks, G m, C]
-        values = self.v_cache[layer]  # [KH, capacity, D + 1]
+        qg = q.new_zeros(kh, g, rows, d)
+        qg[:, :, :m] = q.view(m, kh, g, d).permute(1, 2, 0, 3)
+        qg = qg.view(kh, g * rows, d)
+        keys = self.k_cache[layer, :plan.chunks]  # [chunks, KH, C, D]
+        scores = qg @ keys.transpose(-1, -2)  # [chunks, KH, G rows, C]
+        if plan.gather is not None:  # ancestor order, [virtual chunks, KH, G rows, C]
+            flat = scores.permute(1, 2, 0, 3).reshape(kh, g * rows, -1).gather(2, plan.gather)
+            scores = flat.view(kh, g * rows, -1, CHUNK).permute(2, 0, 1, 3)
+        scores = scores.masked_fill(plan.blocked, float("-inf"))
+        p = (scores - scores.amax((0, 3), keepdim=True)).exp_()
+        values = self.v_cache[layer]  # [all chunks, KH, C, D + VALUE_PAD]
         if plan.gather is None:
-            out = p @ values[:, :chunks * CHUNK].view(kh, chunks, CHUNK, d + VALUE_PAD)
+            out = p @ values[:p.shape[0]]  # [chunks, KH, G rows, D + VALUE_PAD]
         else:
             t0 = plan.tail_start
-            head = p[:, :t0] @ values[:, :t0 * CHUNK].view(kh, t0, CHUNK, d + VALUE_PAD)
+            head = p[:t0] @ values[:t0]
             # chunks holding tree rows: each row with its own values, in ancestor order; the
-            # G rows of one query row form one GEMM, padded to 4 rows like every other
-            tail = chunks - t0
-            pt = p[:, t0:].reshape(kh, tail, g, m, CHUNK).permute(0, 3, 1, 2, 4)
+            # G query rows of one row form one GEMM, padded to 4 rows like every other
+            tail = p.shape[0] - t0
+            pt = p[t0:].reshape(tail, kh, g, rows, CHUNK).permute(1, 3, 0, 2, 4)
             gp = -(-g // ROW_MULTIPLE) * ROW_MULTIPLE
             if gp != g:
-                pt = torch.cat([pt, pt.new_zeros(kh, m, tail, gp - g, CHUNK)], 3)
-            vt = values[:, plan.tail_slots].view(kh, m, tail, CHUNK, d + VALUE_PAD)
-            out = (pt @ vt)[:, :, :, :g]  # [KH, m, tail, G, D + VALUE_PAD]
-            out = out.permute(0, 2, 3, 1, 4).reshape(kh, tail, g * m, d + VALUE_PAD)
-            out = torch.cat([head, out], 1)
-        out = out.sum(1)  # chunk order; [KH, G m, D + VALUE_PAD]
-        out = out[..., :d] / out[..., d:d + 1]
-        return out.view(kh, g, m, d).permute(2, 0, 1, 3).reshape(m, kh * g * d)
+                pt = torch.cat([pt, pt.new_zeros(kh, rows, tail, gp - g, CHUNK)], 3)
+            chunk, offset = plan.tail_slots  # [rows, tail * C]
+            vt = values[chunk, :, offset].permute(2, 0, 1, 3).reshape(kh, rows, tail, CHUNK, -1)
+            out = (pt @ vt)[:, :, :, :g]  # [KH, rows, tail, G, D + VALUE_PAD]
+            out = torch.cat([head, out.permute(2, 0, 3, 1, 4).reshape(tail, kh, g * rows, -1)])
+        out = out.sum(0)  # in chunk order; [KH, G rows, D + VALUE_PAD]
+        out = (out[..., :d] / out[..., d:d + 1]).view(kh, g, rows, d)[:, :, :m]
+        return out.permute(2, 0, 1, 3).to(dtype).reshape(m, kh * g * d)

@@ -1,7 +1,8 @@
 """Weight formats of the native runner: one linear layer per format, all batch-invariant.
 
-Every layer takes float32 activations [m, in] and returns float32 [m, out]; what differs is how
-the weight is held and which PyTorch CPU kernel multiplies by it:
+Every layer takes activations [m, in] in its ``in_dtype`` and returns [m, out] in the same dtype
+(the caller converts where it must: the model keeps its residual stream in float32); what
+differs is how the weight is held and which PyTorch CPU kernel multiplies by it:
 
     fp32  the weight as given; MKL sgemm, rows padded to a multiple of 4 (see below)
     bf16  bfloat16 weight and activations, float32 accumulation (oneDNN, AVX-512 BF16)
@@ -13,12 +14,14 @@ the weight is held and which PyTorch CPU kernel multiplies by it:
           as in gpt-fast's quantize.py)
 
 The quantised kernels take bfloat16 activations on x86 (their float32 paths are scalar
-fallbacks, 50-100x slower) and return bfloat16, which is upcast again.
+fallbacks, 50-100x slower) and return bfloat16.
 
-Batch invariance, measured on this CPU over every row count 1..80 and each layer shape of
-SmolLM2: a row's result is bitwise the same whatever other rows share the call for the bf16,
-int8 and int4 kernels; MKL's sgemm takes another kernel for 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows,
-so the fp32 layer pads to a multiple of 4 rows (4, 8, 12, ... all agree).
+Batch invariance, measured on this CPU for each layer shape of SmolLM2, every row count 1..20
+and every position of a row in the call: a row's result is bitwise the same whatever other rows
+share the call for the int8 and int4 kernels. MKL's sgemm takes another kernel for 1, 2, 3, 5,
+6, 7, 9, 10 or 11 rows, and oneDNN's bf16 GEMM another for one row when the input is 1536 wide
+(about one row in 80 differs), so the fp32 and bf16 layers take a multiple of 4 rows
+(``row_multiple``; 4, 8, 12, ... all agree); the runner pads once, before the first layer.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from specdecode.errors import require
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 #: weights per int4 group: GGUF's Q4_0/Q4_1 block size
 INT4_GROUP = 32
-#: sgemm row multiple that keeps MKL on one kernel path (measured; see the module docstring)
+#: row multiple that keeps MKL's sgemm and oneDNN's bf16 GEMM on one kernel path (measured;
+#: see the module docstring)
 FP32_ROW_MULTIPLE = 4
 
 
@@ -48,6 +52,8 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 class Fp32Linear:
     fmt = "fp32"
+    in_dtype = torch.float32
+    row_multiple = FP32_ROW_MULTIPLE
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.float().contiguous()  # [out, in]
@@ -63,12 +69,15 @@ class Fp32Linear:
 
 class Bf16Linear:
     fmt = "bf16"
+    in_dtype = torch.bfloat16
+    row_multiple = FP32_ROW_MULTIPLE
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight).float()
+        m = x.shape[0]
+        return F.linear(pad_rows(x.to(torch.bfloat16), FP32_ROW_MULTIPLE), self.weight)[:m]
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +88,8 @@ class Int8Linear:
     """Symmetric per-channel int8: s[n] = max|w[n]| / 127, q = round(w / s)."""
 
     fmt = "int8"
+    in_dtype = torch.bfloat16
+    row_multiple = 1
 
     def __init__(self, weight: torch.Tensor):
         require(hasattr(torch.ops.aten, "_weight_int8pack_mm"),
@@ -90,8 +101,7 @@ class Int8Linear:
         self.scale = scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight,
-                                                  self.scale).float()
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +113,8 @@ class Int4Linear:
     q = round((w - min) / d) in 0..15, so w ~ d * q + min."""
 
     fmt = "int4"
+    in_dtype = torch.bfloat16
+    row_multiple = 1
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
         """``codes`` [out, in] integers 0..15; ``scale``, ``minimum`` [out, in / 32]:
@@ -130,7 +142,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero).float()
+            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero)
         return y[:, :self.out_features] if self.padded else y
 
     @property
