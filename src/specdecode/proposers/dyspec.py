@@ -22,7 +22,8 @@ values use the actual draft probabilities (nothing random to bias).
 The same draft model, cache handling and artifacts as ``draft_model`` (see draft_model.py).
 Defaults: 16 nodes (on this CPU a 17-row target forward costs about 15% more than a 9-row
 one, DESIGN.md), depth 8, 4 nodes read per draft forward (a small draft's forward costs nearly
-the same for 1 or 4 rows).
+the same for 1 or 4 rows), at most 6 such forwards a step (a weak draft's flat distributions
+otherwise take up to one forward per node).
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ class DySpecConfig:
     tree_nodes: int = param(16, "draft tree size per verify step (node budget)")
     max_depth: int = param(8, "deepest draft node")
     expand_width: int = param(4, "most tree nodes the draft model reads in one forward")
+    max_forwards: int = param(6, "most draft forwards per step after the catch-up (bounds the "
+                                 "draft's cost like a 7-token chain; the tree placed so far is "
+                                 "sent when they run out)")
 
     def __post_init__(self):
         require(self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes} (a draft "
                                       "of 0 nodes drafts nothing: use method 'ar')")
         require(self.max_depth >= 1, f"max_depth must be >= 1, got {self.max_depth}")
         require(self.expand_width >= 1, f"expand_width must be >= 1, got {self.expand_width}")
+        require(self.max_forwards >= 0, f"max_forwards must be >= 0, got {self.max_forwards}")
 
 
 class _Children:
@@ -133,6 +138,7 @@ class DySpecProposer(DraftModelProposer):
         # entries: (-value, tie, node, read): read = node's children are ranked (take the next
         # one); unread = the node must be fed to the draft model first (value: an upper bound)
         heap = [(-children[-1].next_weight(), next(tie), -1, True)]
+        forwards = 0
         while heap and len(tokens) < budget_nodes:
             value, _, node, read = heap[0]
             if -value <= 0:
@@ -155,6 +161,9 @@ class DySpecProposer(DraftModelProposer):
                 if depth < max_depth:
                     heapq.heappush(heap, (-values[new], next(tie), new, False))
                 continue
+            if forwards == self.config.max_forwards:
+                break
+            forwards += 1
             # read the most valuable unread nodes that could still join, in one forward
             room = budget_nodes - len(tokens)
             unread = [e for e in heapq.nsmallest(room, heap) if not e[3]][: self.config.expand_width]
