@@ -19,7 +19,7 @@ from typing import Any
 from specdecode.errors import SpecDecodeError
 
 #: used when the user names no method: the fastest exact method measured on the default model
-DEFAULT_METHOD = "recycling"
+DEFAULT_METHOD = "suffix"
 
 
 def param(default: Any, help: str) -> Any:
