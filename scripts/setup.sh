@@ -12,9 +12,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     $PIP install -q "$TORCH"
   else
-    # a local wheel (pip's find-links) first, else PyTorch's CPU index
-    $PIP install -q --no-index "$TORCH" 2>/dev/null \
-      || $PIP install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu
+    # the CPU build by its local version label: from the indexes pip is configured with (a
+    # local mirror), else from PyTorch's CPU index
+    $PIP install -q "$TORCH+cpu" 2>/dev/null \
+      || $PIP install -q "$TORCH+cpu" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 $PIP install -q -e ".[test]"
