@@ -166,10 +166,10 @@ class _Layer:
 class _Plan:
     """How one forward's rows attend: built once, used by every layer."""
 
-    rows: int           # query rows in attention: the forward's rows padded to ROW_MULTIPLE
+    rows: int           # query rows of each head's GEMMs: G m padded to ROW_MULTIPLE
     chunks: int         # key chunks holding the prefix and every new row
-    blocked: torch.Tensor        # [chunks', 1, G rows, C] True where a row may not attend
-    gather: torch.Tensor | None  # [KH, G rows, chunks' C] key slot of each column (trees)
+    blocked: torch.Tensor        # [rows, chunks' C] True where a row may not attend
+    gather: torch.Tensor | None  # [KH, rows, chunks' C] key slot of each column (trees)
     tail_start: int = 0          # first chunk holding tree rows (trees)
     tail_slots: tuple | None = None  # (chunk, offset) [rows, tail C]: value slots (trees)
 
@@ -246,15 +246,16 @@ class LlamaRunner(Runner):
         self.cos = torch.cat([cos, cos], -1)[:, None, :]  # [capacity, 1, D]
         self.sin = torch.cat([-sin, sin], -1)[:, None, :]
         kh, d = shape.num_kv_heads, shape.head_dim
-        # Chunk-major: [layer, chunk, kv head, position in chunk, D], so each (chunk, head) is
-        # one contiguous GEMM operand. Empty, not zeros: untouched pages cost no memory;
-        # _prepare() initialises chunks before first use (values must be finite: a masked key
-        # still multiplies its value by 0).
-        chunks = self.capacity // CHUNK
-        self.k_cache = torch.empty(shape.num_layers, chunks, kh, CHUNK, d)
+        # Keys head-major, [layer, kv head, slot, D]: one score GEMM per head over all slots.
+        # Values chunk-major, [layer, chunk, kv head, position in chunk, D + VALUE_PAD]: one
+        # GEMM per (chunk, head), each operand contiguous. Empty, not zeros: untouched pages
+        # cost no memory; _prepare() initialises chunks before first use (values must be
+        # finite: a masked key still multiplies its value by 0).
+        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
         # values carry a column of ones: the softmax denominator comes out of the same GEMM;
         # and three of zeros: MKL takes other kernels for widths 5-7 and 9-11 (tiny models)
-        self.v_cache = torch.empty(shape.num_layers, chunks, kh, CHUNK, d + VALUE_PAD)
+        self.v_cache = torch.empty(shape.num_layers, self.capacity // CHUNK, kh, CHUNK,
+                                   d + VALUE_PAD)
         self._ready = 0  # chunks initialised
         self._len = 0
         self._pending = 0
@@ -347,8 +348,9 @@ class LlamaRunner(Runner):
             # the accepted path is not the first rows: move its rows next to the root's
             src = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
             dst = torch.arange(self._len, self._len + keep)
-            for cache in (self.k_cache, self.v_cache):
-                cache[:, dst // CHUNK, :, dst % CHUNK] = cache[:, src // CHUNK, :, src % CHUNK]
+            self.k_cache[:, :, dst] = self.k_cache[:, :, src]
+            v = self.v_cache
+            v[:, dst // CHUNK, :, dst % CHUNK] = v[:, src // CHUNK, :, src % CHUNK]
         self._len += keep
         self._pending = 0
 
@@ -424,7 +426,7 @@ class LlamaRunner(Runner):
             qk = qkv[:, :rotated * d].view(m, rotated, d)  # q already scaled by 1/sqrt(D)
             swapped = qk.view(m, rotated, 2, d // 2).flip(2).view(m, rotated, d)
             qk = qk * cos + swapped * sin  # rotary embedding, [m, heads + kv heads, D]
-            self.k_cache[i][chunk, :, offset] = qk[:n, heads:]
+            self.k_cache[i, :, past:past + n] = qk[:n, heads:].transpose(0, 1)
             self.v_cache[i][chunk, :, offset, :d] = qkv[:n, rotated * d:].view(n, kv_heads, d).float()
             x = x + layer.o(self._attend(qk[:, :heads], i, plan, layer.o.in_dtype))
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm, layer.gate_up.in_dtype)
@@ -438,7 +440,7 @@ class LlamaRunner(Runner):
         """Initialise cache chunks up to ``chunks`` (finite keys and values, value column 1)."""
         if chunks > self._ready:
             new = slice(self._ready, chunks)
-            self.k_cache[:, new] = 0
+            self.k_cache[:, :, self._ready * CHUNK:chunks * CHUNK] = 0
             self.v_cache[:, new] = 0
             self.v_cache[:, new, :, :, self.shape.head_dim] = 1
             self._ready = chunks
@@ -446,29 +448,29 @@ class LlamaRunner(Runner):
     def _plan(self, n: int, past: int, positions: torch.Tensor, tree: Draft | None) -> _Plan:
         s = self.shape
         groups = s.num_heads // s.num_kv_heads
-        rows = -(-len(positions) // ROW_MULTIPLE) * ROW_MULTIPLE  # query rows in attention
+        m = len(positions)  # rows through the layers (padding rows: position 0)
+        rows = -(-groups * m // ROW_MULTIPLE) * ROW_MULTIPLE  # query rows of each head's GEMMs
         chunks = -(-(past + n) // CHUNK)  # chunks holding the prefix and every new row
         self._prepare(chunks)
+        # query rows are (group, row) pairs, group-major; rows past G m pad the GEMMs and,
+        # like the forward's padding rows, see slot 0 only
         limit = torch.zeros(rows, dtype=torch.long)
-        limit[:n] = positions[:n]  # padding rows see slot 0 only
-        # query rows are (group, row) pairs, group-major, as _attend lays them out
-        limit = limit.repeat(groups)
+        limit[:groups * m] = positions.masked_fill(torch.arange(m) >= n, 0).repeat(groups)
         if tree is None:
-            keys = torch.arange(chunks * CHUNK).view(chunks, 1, 1, CHUNK)
-            return _Plan(rows, chunks, keys > limit.view(1, 1, -1, 1), None)
+            return _Plan(rows, chunks, torch.arange(chunks * CHUNK) > limit[:, None], None)
         # Ancestor order: row r's key for position past + j sits in the slot of its ancestor
         # at depth j (root: row 0). Columns past a row's own position are blocked anyway.
         virtual = -(-(past + max(tree.depths) + 1) // CHUNK)
-        slots = torch.arange(virtual * CHUNK).clamp_max(past).repeat(rows, 1)
+        slots = torch.arange(virtual * CHUNK).clamp_max(past).repeat(m, 1)
         for r in range(1, n):
             path = tree.path_to(r - 1)
             slots[r, past + 1:past + 1 + len(path)] = past + 1 + torch.tensor(path)
-        keys = torch.arange(virtual * CHUNK).view(virtual, 1, 1, CHUNK)
-        blocked = keys > limit.view(1, 1, -1, 1)
-        gather = slots.repeat(groups, 1).expand(s.num_kv_heads, -1, -1)
+        gather = torch.zeros(rows, virtual * CHUNK, dtype=torch.long)
+        gather[:groups * m] = slots.repeat(groups, 1)
         start = past // CHUNK
         tail = slots[:, start * CHUNK:]
-        return _Plan(rows, chunks, blocked, gather, start, (tail // CHUNK, tail % CHUNK))
+        return _Plan(rows, chunks, torch.arange(virtual * CHUNK) > limit[:, None],
+                     gather.expand(s.num_kv_heads, -1, -1), start, (tail // CHUNK, tail % CHUNK))
 
     def _attend(self, q: torch.Tensor, layer: int, plan: _Plan,
                 dtype: torch.dtype) -> torch.Tensor:
@@ -477,33 +479,35 @@ class LlamaRunner(Runner):
         s = self.shape
         kh, d, rows, m = s.num_kv_heads, s.head_dim, plan.rows, q.shape[0]
         g = s.num_heads // kh
-        qg = q.new_zeros(kh, g, rows, d)
-        qg[:, :, :m] = q.view(m, kh, g, d).permute(1, 2, 0, 3)
-        qg = qg.view(kh, g * rows, d)
-        keys = self.k_cache[layer, :plan.chunks]  # [chunks, KH, C, D]
-        scores = qg @ keys.transpose(-1, -2)  # [chunks, KH, G rows, C]
-        if plan.gather is not None:  # ancestor order, [virtual chunks, KH, G rows, C]
-            flat = scores.permute(1, 2, 0, 3).reshape(kh, g * rows, -1).gather(2, plan.gather)
-            scores = flat.view(kh, g * rows, -1, CHUNK).permute(2, 0, 1, 3)
-        scores = scores.masked_fill(plan.blocked, float("-inf"))
-        p = (scores - scores.amax((0, 3), keepdim=True)).exp_()
+        qg = q.new_zeros(kh, rows, d)
+        qg[:, :g * m] = q.reshape(m, kh, g, d).permute(1, 2, 0, 3).reshape(kh, g * m, d)
+        scores = qg @ self.k_cache[layer, :, :plan.chunks * CHUNK].transpose(1, 2)  # [KH, rows, L]
+        if plan.gather is not None:
+            scores = scores.gather(2, plan.gather)  # ancestor order
+        scores.masked_fill_(plan.blocked, float("-inf"))
+        p = (scores - scores.amax(-1, keepdim=True)).exp_()
+        chunks = p.shape[-1] // CHUNK
+        p = p.view(kh, rows, chunks, CHUNK).permute(2, 0, 1, 3)  # [chunks, KH, rows, C]
         values = self.v_cache[layer]  # [all chunks, KH, C, D + VALUE_PAD]
         if plan.gather is None:
-            out = p @ values[:p.shape[0]]  # [chunks, KH, G rows, D + VALUE_PAD]
+            out = p @ values[:chunks]  # [chunks, KH, rows, D + VALUE_PAD]
         else:
             t0 = plan.tail_start
             head = p[:t0] @ values[:t0]
             # chunks holding tree rows: each row with its own values, in ancestor order; the
             # G query rows of one row form one GEMM, padded to 4 rows like every other
-            tail = p.shape[0] - t0
-            pt = p[t0:].reshape(tail, kh, g, rows, CHUNK).permute(1, 3, 0, 2, 4)
+            tail = chunks - t0
+            pt = p[t0:, :, :g * m].reshape(tail, kh, g, m, CHUNK).permute(1, 3, 0, 2, 4)
             gp = -(-g // ROW_MULTIPLE) * ROW_MULTIPLE
             if gp != g:
-                pt = torch.cat([pt, pt.new_zeros(kh, rows, tail, gp - g, CHUNK)], 3)
-            chunk, offset = plan.tail_slots  # [rows, tail * C]
-            vt = values[chunk, :, offset].permute(2, 0, 1, 3).reshape(kh, rows, tail, CHUNK, -1)
-            out = (pt @ vt)[:, :, :, :g]  # [KH, rows, tail, G, D + VALUE_PAD]
-            out = torch.cat([head, out.permute(2, 0, 3, 1, 4).reshape(tail, kh, g * rows, -1)])
-        out = out.sum(0)  # in chunk order; [KH, G rows, D + VALUE_PAD]
-        out = (out[..., :d] / out[..., d:d + 1]).view(kh, g, rows, d)[:, :, :m]
+                pt = torch.cat([pt, pt.new_zeros(kh, m, tail, gp - g, CHUNK)], 3)
+            chunk, offset = plan.tail_slots  # [m, tail C]
+            vt = values[chunk, :, offset].permute(2, 0, 1, 3).reshape(kh, m, tail, CHUNK, -1)
+            out = (pt @ vt)[:, :, :, :g]  # [KH, m, tail, G, D + VALUE_PAD]
+            out = out.permute(2, 0, 3, 1, 4).reshape(tail, kh, g * m, -1)
+            if rows > g * m:
+                out = torch.cat([out, out.new_zeros(tail, kh, rows - g * m, out.shape[-1])], 2)
+            out = torch.cat([head, out])
+        out = out.sum(0)  # in chunk order; [KH, rows, D + VALUE_PAD]
+        out = (out[:, :g * m, :d] / out[:, :g * m, d:d + 1]).view(kh, g, m, d)
         return out.permute(2, 0, 1, 3).to(dtype).reshape(m, kh * g * d)
