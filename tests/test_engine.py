@@ -147,3 +147,13 @@ def test_runner_commit_keeps_only_accepted_rows(runner):
     # the next plain step must see exactly prompt + truth[:3]
     logits = runner.forward(truth[3], Draft.empty())
     assert int(logits[0].argmax()) == truth[4]
+
+
+def test_stats_count_only_tokens_committed_before_end_of_sequence(runner):
+    prompt = repetitive_prompts()[1]
+    full, _ = reference(runner, prompt)
+    eos = full[6]
+    gen = Generation(runner, Oracle(runner, prompt, full, "agree", length=10), prompt, MAX_NEW,
+                     eos_token_ids=[eos])
+    tokens = gen.run()
+    assert sum(gen.stats.accepted_lengths) + 1 == len(tokens) == gen.stats.new_tokens

@@ -153,12 +153,14 @@ class Generation:
                 stats.verify_s += t2 - t1
                 stats.target_forwards += 1
                 stats.draft_tokens += len(draft)
-                stats.accepted_lengths.append(len(result.tokens))
                 feedback = Feedback(tuple(context), draft, logits, result.accepted, result.tokens)
                 proposer.observe(feedback)
                 self.controller.observe(len(draft), len(result.accepted))
                 stats.propose_s += time.perf_counter() - t2
-                yield self._emit(result.tokens, context)
+                chunk = self._emit(result.tokens, context)
+                # count what was committed: tokens accepted past end-of-sequence are dropped
+                stats.accepted_lengths.append(len(chunk))
+                yield chunk
         finally:
             proposer.finish(self.tokens)
             stats.total_s = time.perf_counter() - start
