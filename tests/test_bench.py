@@ -212,3 +212,26 @@ def test_bad_recording(tmp_path):
     path.write_text('{"method": "ngram"}\n')
     with pytest.raises(SpecDecodeError, match="no 'ar' records"):
         simulate.load_recording(path)
+
+
+def test_runner_measurement_on_a_tiny_model(tmp_path):
+    from specdecode.bench.runners import FORWARD_SIZES, measure_runners, runners_markdown
+    from specdecode.models.loading import LoadedModel
+    from specdecode.models.quant import WEIGHT_FORMATS
+
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))
+    from specdecode.models.loading import tiny_llama
+
+    # int4 groups need input sizes divisible by 32
+    loaded = LoadedModel(tiny_llama(hidden_size=64, seed=0), ToyTokenizer(), "tiny")
+    result = measure_runners(loaded, loaded.tokenizer, [2], questions, None, context=24,
+                             max_new_tokens=6, progress=lambda _: None)
+    runners = ["hf (fp32)"] + [f"native {fmt}" for fmt in WEIGHT_FORMATS]
+    assert list(result["forward_ms"]) == runners  # no GGUF file: no llama.cpp row
+    for row in result["forward_ms"].values():
+        assert [int(k) for k in row] == list(FORWARD_SIZES) and all(v > 0 for v in row.values())
+    assert list(result["ar"]) == runners + ["transformers generate"]
+    assert result["ar"]["native fp32"]["identical_to_native_fp32"] == len(questions)
+    assert all(row["new_tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["ar"].values())
+    report = runners_markdown(result, {"machine": "test"})
+    assert "| native int4 |" in report and "| transformers generate |" in report

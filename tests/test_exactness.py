@@ -117,3 +117,29 @@ def test_greedy_identical_on_real_model(real_model, method):
     for prompt in dev_prompts()[::2]:
         expected = ar.generate(prompt, 48).token_ids
         assert decoder.generate(prompt, 48).token_ids == expected, (method, prompt[:60])
+
+
+@pytest.fixture(scope="module")
+def default_runner(real_model):
+    from specdecode.models.loading import make_runner
+
+    return make_runner(real_model)  # what the CLI, bench and server use: native int4 here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_on_the_default_runner(real_model, default_runner, method):
+    from specdecode.models.llama import LlamaRunner
+
+    assert isinstance(default_runner, LlamaRunner) and default_runner.weights == "int4"
+    if needs_draft_model(method):
+        from specdecode.training.artifacts import find_artifacts
+
+        if not find_artifacts("draft_model", default_runner.fingerprint()):
+            pytest.skip("no distilled draft model for the default model: `specdecode train "
+                        "draft` makes one")
+    ar = Decoder(default_runner, real_model.tokenizer, "ar")
+    decoder = Decoder(default_runner, real_model.tokenizer, method)
+    for prompt in dev_prompts()[1::2]:
+        expected = ar.generate(prompt, 64).token_ids
+        assert decoder.generate(prompt, 64).token_ids == expected, (method, prompt[:60])

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", action="append", default=[], metavar="METHOD.KEY=VALUE",
                         help="method config field (repeatable), e.g. -c ngram.max_ngram=4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--runners", action="store_true",
+                        help="measure the runners instead of the methods: per-forward latency "
+                             "(1, 8, 16, 64 tokens) and greedy ar tokens/s of the hf runner and "
+                             "every native weight format, beside transformers and llama.cpp")
+    parser.add_argument("--context", type=int, default=256, metavar="N",
+                        help="with --runners: context tokens before each timed forward")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
 
@@ -251,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.models.hf import HFRunner
 
     checked = plan(args)
+    if args.runners:
+        return run_runners(args, checked)
     runner, tokenizer, eos = load_target(args)
     hf_model = runner.model if isinstance(runner, HFRunner) else None
     if hf_model is None and (checked.peers is None or any(p.startswith("hf") for p in checked.peers)):
@@ -267,6 +275,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<16}{o['tokens_per_s']:>10.1f}{fmt(o['speedup_vs_ar'], '.2f', 'x'):>8}"
               f"{fmt(o['speedup_vs_hf'], '.2f', 'x'):>8}{fmt(o['mean_accepted'], '.2f'):>7}"
               f"{o['identical_fraction']:>11.0%}")
+    return 0
+
+
+def run_runners(args: argparse.Namespace, checked: Plan) -> int:
+    from specdecode.api import eos_ids
+    from specdecode.bench.runners import measure_runners, runners_markdown
+    from specdecode.models.loading import load_model
+
+    require(args.context > 0, f"--context must be positive, got {args.context}")
+    loaded = load_model(args.model)
+    started = time.time()
+    say = (lambda _: None) if args.no_progress else print
+    result = measure_runners(loaded, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer),
+                             checked.questions, gguf_path_for(args.model), args.context,
+                             checked.options.max_new_tokens, say)
+    meta = {"command": "specdecode bench " + " ".join(_argv()), "model": args.model,
+            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+            "duration_s": round(time.time() - started, 1)}
+    (checked.out / "runners.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
+    report = runners_markdown(result, meta)
+    (checked.out / "runners.md").write_text(report)
+    print(report)
     return 0
 
 

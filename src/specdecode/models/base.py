@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.draft import Draft
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require
 
 
 class Runner(ABC):
@@ -95,6 +95,21 @@ class Runner(ABC):
         """From now on, every :meth:`forward` keeps the output hidden states of ``layers``
         (1 .. num_layers - 1) for its rows in :attr:`captured`; ``()`` stops capturing."""
         raise self._no_early_exit()
+
+    def _check_exit_layer(self, layer: int) -> None:
+        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
+                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
+                f"an exit layer must be in 1..{self.num_layers - 1}")
+
+    def _check_exit_pass(self, exit_layer: int) -> None:
+        """Before a draft pass: the layer is inside the model, no verify pass is pending, and
+        the chain keeps one exit layer within a step (runners keep ``_pending``,
+        ``_exit_rows`` and ``_exit_layer``)."""
+        self._check_exit_layer(exit_layer)
+        require(self._pending == 0, "exit_forward called between forward and commit")
+        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
+                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
+                "the deeper layers would lack the earlier draft tokens")
 
     def _no_early_exit(self) -> SpecDecodeError:
         return SpecDecodeError(f"the {self.name} runner does not support early exit; "

@@ -105,9 +105,7 @@ class HFRunner(Runner):
         require(self.supports_early_exit,
                 f"early exit needs a Llama-layout model ({', '.join(sorted(_EARLY_EXIT_TYPES))}); "
                 f"this one is '{self.model.config.model_type}'")
-        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
-                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
-                f"an exit layer must be in 1..{self.num_layers - 1}")
+        super()._check_exit_layer(layer)
 
     def _drop_exit_rows(self) -> None:
         if self._exit_rows:
@@ -116,11 +114,7 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
-        self._check_exit_layer(exit_layer)
-        require(self._pending == 0, "exit_forward called between forward and commit")
-        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
-                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
-                "the deeper layers would lack the earlier draft tokens")
+        self._check_exit_pass(exit_layer)
         inner = self.model.model
         n = len(tokens)
         start = self._len + self._exit_rows

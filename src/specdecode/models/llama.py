@@ -22,7 +22,9 @@ Where a forward's result could depend on the number of rows, it is made not to:
 - SiLU is written as ``x / (1 + exp(-x))``: ATen's fused SiLU rounds differently in the
   vectorised body and the scalar tail of a tensor, so a row's result moved with the row count.
 
-Defaults: fp32 weights; ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
+Defaults: int4 weights (``DEFAULT_WEIGHTS``: the fastest one-token forward of the four formats,
+so the fastest ``ar`` and the fastest speculation where drafts are short; measured in
+docs/native-runner.md); ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
 more work on the last one); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
 """
 
@@ -52,7 +54,7 @@ PREFILL_BLOCK = 128
 #: architectures (transformers ``model_type`` / GGUF ``general.architecture``) this runner runs
 SUPPORTED = ("llama",)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
-DEFAULT_WEIGHTS = "fp32"
+DEFAULT_WEIGHTS = "int4"
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -356,18 +358,9 @@ class LlamaRunner(Runner):
 
     # ---- early exit: shared KV, the draft pass's rows are overwritten by the verify pass ----
 
-    def _check_exit_layer(self, layer: int) -> None:
-        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
-                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
-                f"an exit layer must be in 1..{self.num_layers - 1}")
-
     @torch.inference_mode()
     def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
-        self._check_exit_layer(exit_layer)
-        require(self._pending == 0, "exit_forward called between forward and commit")
-        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
-                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
-                "the deeper layers would lack the earlier draft tokens")
+        self._check_exit_pass(exit_layer)
         start = self._len + self._exit_rows
         require(start + len(tokens) <= self.capacity,
                 f"the cache holds {self.capacity} rows; the draft pass would need more")

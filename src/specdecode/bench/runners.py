@@ -1,0 +1,160 @@
+"""``specdecode bench --runners``: what each runner and weight format costs, beside the peers.
+
+Two measurements, on the same machine in the same run:
+
+- per-forward latency: the median time of one target forward over 1, 8, 16 and 64 new tokens
+  (a root plus a chain draft) after a ``--context``-token prefill of real Spec-Bench text, for
+  the ``hf`` runner and the native runner in every weight format, and for llama.cpp on the
+  GGUF file (``Llama.eval`` of the same tokens with ``logits_all``, since a verify pass needs
+  every row's logits);
+- end-to-end ``ar`` decoding (greedy, ``--max-new-tokens``) over the first turn of each
+  question: tokens/s of every runner, of ``transformers`` ``generate`` and of llama.cpp, and
+  how many answers of each native format equal the fp32 native runner's token for token
+  (exactness is always against the same runner; this says how far the formats drift).
+
+Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from specdecode.bench.contenders import HFGenerate, LlamaCpp, MethodContender, llama_cpp_available
+from specdecode.bench.datasets import Question
+from specdecode.bench.runner import encode_messages
+from specdecode.draft import Draft
+from specdecode.sampling import SamplingParams
+
+FORWARD_SIZES = (1, 8, 16, 64)
+TIMED_FORWARDS = 9
+
+
+def context_ids(tokenizer, questions: list[Question], length: int) -> list[int]:
+    """``length`` real tokens: the questions' first turns, chat-templated, end to end."""
+    ids: list[int] = []
+    for q in questions:
+        ids += encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}])
+        if len(ids) >= length:
+            break
+    while len(ids) < length:  # a tiny question file: repeat it
+        ids += ids
+    return ids[:length]
+
+
+def runner_forward_ms(runner, context: list[int], tokens: list[int], size: int) -> float:
+    times = []
+    runner.prefill(context)
+    for i in range(TIMED_FORWARDS + 1):
+        draft = Draft.chain(tokens[1:size]) if size > 1 else Draft.empty()
+        start = time.perf_counter()
+        runner.forward(tokens[0], draft)
+        times.append(time.perf_counter() - start)
+        runner.commit([])  # keeps only the root: the context grows by one token per forward
+    return statistics.median(times[1:]) * 1000
+
+
+def llama_cpp_forward_ms(gguf_path: Path, context: list[int], tokens: list[int],
+                         sizes: tuple[int, ...]) -> dict[int, float]:
+    from llama_cpp import Llama
+
+    from specdecode.bench.contenders import LLAMA_CPP_THREADS
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=len(context) + max(sizes) + 16,
+                n_threads=LLAMA_CPP_THREADS, n_threads_batch=LLAMA_CPP_THREADS,
+                logits_all=True, verbose=False)
+    llm.eval(context)
+    result = {}
+    for size in sizes:
+        times = []
+        for _ in range(TIMED_FORWARDS + 1):
+            llm.n_tokens = len(context)  # eval drops the KV rows past n_tokens first
+            start = time.perf_counter()
+            llm.eval(tokens[:size])
+            times.append(time.perf_counter() - start)
+        result[size] = statistics.median(times[1:]) * 1000
+    return result
+
+
+def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path: Path | None,
+                    context: int, max_new_tokens: int, progress=print) -> dict:
+    from specdecode import registry
+    from specdecode.models.llama import runs
+    from specdecode.models.loading import make_runner
+    from specdecode.models.quant import WEIGHT_FORMATS
+
+    ids = context_ids(tokenizer, questions, context + max(FORWARD_SIZES))
+    ctx, tokens = ids[:context], ids[context:]
+    runners = {"hf (fp32)": make_runner(loaded, "hf")}
+    if runs(loaded.model.config):
+        runners.update({f"native {fmt}": make_runner(loaded, "native", fmt)
+                        for fmt in WEIGHT_FORMATS})
+    latency: dict[str, dict[int, float]] = {}
+    for name, runner in runners.items():
+        latency[name] = {size: runner_forward_ms(runner, ctx, tokens, size)
+                         for size in FORWARD_SIZES}
+        progress(f"forward latency {name}: {latency[name]}")
+    if gguf_path is not None and llama_cpp_available():
+        latency["llama.cpp (Q4_1)"] = llama_cpp_forward_ms(gguf_path, ctx, tokens, FORWARD_SIZES)
+        progress(f"forward latency llama.cpp: {latency['llama.cpp (Q4_1)']}")
+
+    ar = registry.get("ar")
+    contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
+                  for name, runner in runners.items()}
+    contenders["transformers generate"] = HFGenerate(loaded.model, eos, prompt_lookup=False)
+    if gguf_path is not None and llama_cpp_available():
+        prompts_len = max(len(encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}]))
+                          for q in questions)
+        contenders["llama.cpp"] = LlamaCpp(gguf_path, eos, False,
+                                           -(-(prompts_len + max_new_tokens + 32) // 256) * 256)
+    greedy = SamplingParams()
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}])
+               for q in questions]
+    for contender in contenders.values():  # warm-up
+        contender.run(prompts[0], 8, greedy)
+    totals = {name: [0, 0.0] for name in contenders}
+    answers: dict[str, list[list[int]]] = {name: [] for name in contenders}
+    for i, prompt in enumerate(prompts):  # interleaved, prompt by prompt
+        for name, contender in contenders.items():
+            outcome = contender.run(prompt, max_new_tokens, greedy)
+            totals[name][0] += len(outcome.tokens)
+            totals[name][1] += outcome.wall_s
+            answers[name].append(outcome.tokens)
+        progress(f"ar prompt {i + 1}/{len(prompts)}")
+    reference = answers.get("native fp32")
+    ar_rows = {}
+    for name, (new_tokens, wall) in totals.items():
+        same = (sum(a == b for a, b in zip(answers[name], reference))
+                if reference is not None and name.startswith("native") else None)
+        ar_rows[name] = {"tokens_per_s": new_tokens / wall, "new_tokens": new_tokens,
+                         "identical_to_native_fp32": same}
+    return {"context_tokens": context, "sizes": list(FORWARD_SIZES),
+            "forward_ms": {name: {str(k): v for k, v in row.items()} for name, row in latency.items()},
+            "ar": ar_rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
+def runners_markdown(result: dict, meta: dict) -> str:
+    lines = ["# specdecode bench --runners", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    sizes = result["sizes"]
+    lines += ["", f"## Per-forward latency (ms, median of {TIMED_FORWARDS}; after a "
+                  f"{result['context_tokens']}-token context)", "",
+              "| runner | " + " | ".join(f"{s} token{'s' if s > 1 else ''}" for s in sizes)
+              + f" | {sizes[-2]} / 1 |",
+              "|---|" + "---:|" * (len(sizes) + 1)]
+    for name, row in result["forward_ms"].items():
+        cells = [f"{row[str(s)]:.1f}" for s in sizes]
+        lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {row[str(sizes[-2])] / row['1']:.2f}x |")
+    hf = result["ar"].get("transformers generate", {}).get("tokens_per_s")
+    lines += ["", f"## Greedy `ar` end to end ({result['prompts']} first turns, "
+                  f"{result['max_new_tokens']} new tokens at most)", "",
+              "| decoder | tokens/s | vs transformers generate | answers identical to native fp32 |",
+              "|---|---:|---:|---:|"]
+    for name, row in result["ar"].items():
+        same = row["identical_to_native_fp32"]
+        same_cell = "" if same is None else f"{same}/{result['prompts']}"
+        ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf else ""
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio} | {same_cell} |")
+    return "\n".join(lines) + "\n"
