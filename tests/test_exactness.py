@@ -102,21 +102,29 @@ def test_ar_matches_transformers_generate(real_model):
         assert ours == theirs
 
 
+def check_greedy_identical(target, runner, tokenizer, method, prompts, max_new_tokens, eos=None):
+    """``method`` on ``target`` (a model or a runner; ``runner`` is what it runs on) gives
+    ``ar``'s tokens for every prompt."""
+    if needs_draft_model(method):
+        from specdecode.training.artifacts import find_artifacts
+
+        if not find_artifacts("draft_model", runner.fingerprint()):
+            pytest.skip("no distilled draft model for the default model: `specdecode train "
+                        "draft` makes one")
+    ar = Decoder(target, tokenizer, "ar", eos)
+    decoder = Decoder(target, tokenizer, method, eos)
+    for prompt in prompts:
+        expected = ar.generate(prompt, max_new_tokens).token_ids
+        assert decoder.generate(prompt, max_new_tokens).token_ids == expected, (method, prompt[:60])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_on_real_model(real_model, method):
-    if needs_draft_model(method):
-        from specdecode.models.hf import HFRunner
-        from specdecode.training.artifacts import find_artifacts
+    from specdecode.models.hf import HFRunner
 
-        if not find_artifacts("draft_model", HFRunner(real_model.model).fingerprint()):
-            pytest.skip("no distilled draft model for the default model: `specdecode train "
-                        "draft` makes one")
-    ar = Decoder(real_model.model, real_model.tokenizer, "ar")
-    decoder = Decoder(real_model.model, real_model.tokenizer, method)
-    for prompt in dev_prompts()[::2]:
-        expected = ar.generate(prompt, 48).token_ids
-        assert decoder.generate(prompt, 48).token_ids == expected, (method, prompt[:60])
+    check_greedy_identical(real_model.model, HFRunner(real_model.model), real_model.tokenizer,
+                           method, dev_prompts()[::2], 48)
 
 
 @pytest.fixture(scope="module")
@@ -129,17 +137,9 @@ def default_runner(real_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_on_the_default_runner(real_model, default_runner, method):
+    from specdecode.api import eos_ids
     from specdecode.models.llama import LlamaRunner
 
     assert isinstance(default_runner, LlamaRunner) and default_runner.weights == "int4"
-    if needs_draft_model(method):
-        from specdecode.training.artifacts import find_artifacts
-
-        if not find_artifacts("draft_model", default_runner.fingerprint()):
-            pytest.skip("no distilled draft model for the default model: `specdecode train "
-                        "draft` makes one")
-    ar = Decoder(default_runner, real_model.tokenizer, "ar")
-    decoder = Decoder(default_runner, real_model.tokenizer, method)
-    for prompt in dev_prompts()[1::2]:
-        expected = ar.generate(prompt, 64).token_ids
-        assert decoder.generate(prompt, 64).token_ids == expected, (method, prompt[:60])
+    check_greedy_identical(default_runner, default_runner, real_model.tokenizer, method,
+                           dev_prompts()[1::2], 64, eos_ids(real_model.model, real_model.tokenizer))

@@ -31,11 +31,17 @@ FORWARD_SIZES = (1, 8, 16, 64)
 TIMED_FORWARDS = 9
 
 
-def context_ids(tokenizer, questions: list[Question], length: int) -> list[int]:
-    """``length`` real tokens: the questions' first turns, chat-templated, end to end."""
+def first_turns(tokenizer, questions: list[Question]) -> list[list[int]]:
+    """Each question's first turn, chat-templated."""
+    return [encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}])
+            for q in questions]
+
+
+def context_ids(prompts: list[list[int]], length: int) -> list[int]:
+    """``length`` real tokens: the prompts end to end."""
     ids: list[int] = []
-    for q in questions:
-        ids += encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}])
+    for prompt in prompts:
+        ids += prompt
         if len(ids) >= length:
             break
     while len(ids) < length:  # a tiny question file: repeat it
@@ -84,7 +90,8 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
     from specdecode.models.loading import make_runner
     from specdecode.models.quant import WEIGHT_FORMATS
 
-    ids = context_ids(tokenizer, questions, context + max(FORWARD_SIZES))
+    prompts = first_turns(tokenizer, questions)
+    ids = context_ids(prompts, context + max(FORWARD_SIZES))
     ctx, tokens = ids[:context], ids[context:]
     runners = {"hf (fp32)": make_runner(loaded, "hf")}
     if runs(loaded.model.config):
@@ -104,13 +111,9 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
                   for name, runner in runners.items()}
     contenders["transformers generate"] = HFGenerate(loaded.model, eos, prompt_lookup=False)
     if gguf_path is not None and llama_cpp_available():
-        prompts_len = max(len(encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}]))
-                          for q in questions)
-        contenders["llama.cpp"] = LlamaCpp(gguf_path, eos, False,
-                                           -(-(prompts_len + max_new_tokens + 32) // 256) * 256)
+        need = max(map(len, prompts)) + max_new_tokens + 32
+        contenders["llama.cpp"] = LlamaCpp(gguf_path, eos, False, -(-need // 256) * 256)
     greedy = SamplingParams()
-    prompts = [encode_messages(tokenizer, [{"role": "user", "content": q.turns[0]}])
-               for q in questions]
     for contender in contenders.values():  # warm-up
         contender.run(prompts[0], 8, greedy)
     totals = {name: [0, 0.0] for name in contenders}
