@@ -111,11 +111,30 @@ def test_speculative_equals_own_ar(weights, method):
 def test_quantised_formats_stay_close_to_fp32():
     model = tiny(seed=7)
     prompt = repetitive_prompts()[1]
-    ref = LlamaRunner.from_transformers(model).prefill(prompt)
+
+    def prefill_then_step(runner):
+        first = runner.prefill(prompt[:-1])
+        return first, runner.forward(prompt[-1], Draft.chain(prompt[:3]))
+
+    ref = prefill_then_step(LlamaRunner.from_transformers(model))
     for weights, tolerance in (("bf16", 0.05), ("int8", 0.1), ("int4", 0.5)):
-        logits = LlamaRunner.from_transformers(model, weights).prefill(prompt)
-        err = (logits - ref).abs().max() / ref.abs().max()
-        assert 0 < err < tolerance, (weights, float(err))
+        for logits, expected in zip(prefill_then_step(LlamaRunner.from_transformers(model, weights)), ref):
+            err = (logits - expected).abs().max() / expected.abs().max()
+            assert 0 < err < tolerance, (weights, float(err))
+
+
+def test_quantised_formats_prefill_in_bf16():
+    # the int8/int4 kernels cost as much per row for a prompt as for one token: prompts go
+    # through bf16 layers, decoding and verification through the format's own
+    model = tiny(seed=7)
+    prompt = repetitive_prompts()[1]
+    bf16 = LlamaRunner.from_transformers(model, "bf16")
+    expected = bf16.prefill(prompt), bf16.forward(3, Draft.chain([4, 5]))
+    for weights in ("int8", "int4"):
+        runner = LlamaRunner.from_transformers(model, weights)
+        assert runner.prefill_weights == "bf16"
+        assert torch.equal(runner.prefill(prompt), expected[0]), weights
+        assert not torch.equal(runner.forward(3, Draft.chain([4, 5])), expected[1]), weights
 
 
 # ---- early exit -------------------------------------------------------------------------------
@@ -374,3 +393,20 @@ def test_real_gguf_reads_like_transformers(real_model):
     for name, w in tensors.items():
         assert torch.equal(w.dequantize() if isinstance(w, Q4Weight) else w, state[name]), name
     assert config.rope_theta == real_model.model.config.rope_theta
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_replicas_share_weights_and_keep_their_own_cache(kind):
+    model = tiny(seed=8)
+    runner = LlamaRunner.from_transformers(model, "int4") if kind == "native" else HFRunner(model)
+    twin = runner.replica()
+    first, second = repetitive_prompts()[:2]
+    expected = [Decoder(runner, None, "ar", eos_token_ids=[]).start(p, 12).run() for p in (first, second)]
+    # interleaved steps on the two runners: each keeps its own sequence
+    a = Decoder(runner, None, "ar", eos_token_ids=[]).start(first, 12)
+    b = Decoder(twin, None, "ar", eos_token_ids=[]).start(second, 12)
+    for _ in zip(a, b):
+        pass
+    assert [a.tokens, b.tokens] == expected
+    if kind == "native":
+        assert twin.layers is runner.layers and twin.k_cache is not runner.k_cache

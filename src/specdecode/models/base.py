@@ -53,6 +53,11 @@ class Runner(ABC):
     def cache_len(self) -> int:
         """Number of committed tokens whose KV entries are in the cache."""
 
+    def replica(self) -> Runner:
+        """A runner over the same weights with a cache and decoding state of its own (server
+        slots share one copy of the weights)."""
+        raise SpecDecodeError(f"the {self.name} runner cannot share its weights with a replica")
+
     def fingerprint(self) -> str:
         """Identifies the target's weights (for trained artifacts); runners override."""
         return f"{self.name}:{self.vocab_size}:{self.num_layers}"

@@ -45,6 +45,9 @@ class HFRunner(Runner):
         self._exit_rows = 0  # rows appended to the first layers by exit_forward this step
         self._exit_layer = 0
 
+    def replica(self) -> HFRunner:
+        return HFRunner(self.model)
+
     @property
     def cache_len(self) -> int:
         return self._len

@@ -30,6 +30,7 @@ more work on the last one); the cache holds ``max_context`` plus ``max_draft`` =
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ PREFILL_BLOCK = 128
 SUPPORTED = ("llama",)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
+#: weight format prompts are prefilled with, where it differs from the decode format: the int8
+#: and int4 kernels cost the same per row for 128 rows as for one, bf16 GEMMs much less (a
+#: 512-token prefill: int4 1.08 s, bf16 0.78 s; docs/native-runner.md)
+PREFILL_WEIGHTS = {"int8": "bf16", "int4": "bf16"}
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -138,6 +143,11 @@ class Q4Weight:
                           for f in ("codes", "scale", "minimum")))
 
 
+def _dense(tensors: dict, name: str) -> torch.Tensor:
+    value = tensors[name]
+    return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
+
+
 def _fused(parts: list, weights: str):
     """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call."""
     if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
@@ -194,47 +204,24 @@ class LlamaRunner(Runner):
         self.vocab_size = shape.vocab_size
         self.max_context = shape.max_context
         self.num_layers = shape.num_layers
-        self.captured = {}
-        self._capture: tuple[int, ...] = ()
-        self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
-        self._exit_layer = 0
-
-        def dense(name: str) -> torch.Tensor:
-            value = tensors[name]
-            return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
 
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
         require(not missing, f"checkpoint lacks {', '.join(missing)}: not a Llama checkpoint")
-        self.embed = dense("model.embed_tokens.weight").contiguous()  # [V, H]
+        self.embed = _dense(tensors, "model.embed_tokens.weight").contiguous()  # [V, H]
         require(tuple(self.embed.shape) == (shape.vocab_size, shape.hidden_size),
                 f"embedding is {tuple(self.embed.shape)}, config says "
                 f"({shape.vocab_size}, {shape.hidden_size})")
-        self.final_norm = dense("model.norm.weight")
+        self.final_norm = _dense(tensors, "model.norm.weight")
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
-        self.head = _fused([tensors[head]], weights)
-        self.row_multiple = self.head.row_multiple
-        scale = shape.head_dim ** -0.5
-        self.layers = []
-        for i in range(shape.num_layers):
-            p = f"model.layers.{i}."
-            try:
-                self.layers.append(_Layer(
-                    attn_norm=dense(p + "input_layernorm.weight"),
-                    # the attention scale 1/sqrt(D) folded into the query projection
-                    qkv=_fused([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
-                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"],
-                               weights),
-                    o=_fused([tensors[p + "self_attn.o_proj.weight"]], weights),
-                    mlp_norm=dense(p + "post_attention_layernorm.weight"),
-                    gate_up=_fused([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")],
-                                   weights),
-                    down=_fused([tensors[p + "mlp.down_proj.weight"]], weights),
-                ))
-            except KeyError as exc:
-                raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a Llama checkpoint "
-                                      "of the configured size") from None
+        self.head, self.layers = self._linears(tensors, head, weights)
+        # prompts go through PREFILL_WEIGHTS where the decode format's kernel costs more per
+        # row for many rows (every prefill is the same computation, so exactness holds)
+        bulk = PREFILL_WEIGHTS.get(weights, weights)
+        self.prefill_weights = bulk
+        self.prefill_head, self.prefill_layers = (
+            (self.head, self.layers) if bulk == weights else self._linears(tensors, head, bulk))
 
         inv_freq, attention_scaling = rope_frequencies(config)
         require(inv_freq.numel() * 2 == shape.head_dim,
@@ -247,6 +234,15 @@ class LlamaRunner(Runner):
         # computes it, is q * (c, c) + (q2, q1) * (-s, s)
         self.cos = torch.cat([cos, cos], -1)[:, None, :]  # [capacity, 1, D]
         self.sin = torch.cat([-sin, sin], -1)[:, None, :]
+        self._new_cache()
+
+    def _new_cache(self) -> None:
+        """An empty KV cache and decoding state of this runner's own."""
+        shape = self.shape
+        self.captured = {}
+        self._capture: tuple[int, ...] = ()
+        self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
+        self._exit_layer = 0
         kh, d = shape.num_kv_heads, shape.head_dim
         # Keys head-major, [layer, kv head, slot, D]: one score GEMM per head over all slots.
         # Values chunk-major, [layer, chunk, kv head, position in chunk, D + VALUE_PAD]: one
@@ -261,6 +257,31 @@ class LlamaRunner(Runner):
         self._ready = 0  # chunks initialised
         self._len = 0
         self._pending = 0
+
+    def _linears(self, tensors: dict, head: str, weights: str) -> tuple[object, list[_Layer]]:
+        """The LM head and the layers with their matrices in format ``weights``."""
+        shape = self.shape
+        scale = shape.head_dim ** -0.5
+        layers = []
+        for i in range(shape.num_layers):
+            p = f"model.layers.{i}."
+            try:
+                layers.append(_Layer(
+                    attn_norm=_dense(tensors, p + "input_layernorm.weight"),
+                    # the attention scale 1/sqrt(D) folded into the query projection
+                    qkv=_fused([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
+                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"],
+                               weights),
+                    o=_fused([tensors[p + "self_attn.o_proj.weight"]], weights),
+                    mlp_norm=_dense(tensors, p + "post_attention_layernorm.weight"),
+                    gate_up=_fused([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")],
+                                   weights),
+                    down=_fused([tensors[p + "mlp.down_proj.weight"]], weights),
+                ))
+            except KeyError as exc:
+                raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a Llama checkpoint "
+                                      "of the configured size") from None
+        return _fused([tensors[head]], weights), layers
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -300,6 +321,11 @@ class LlamaRunner(Runner):
         config, tensors = read_gguf(path)
         return cls(config, tensors, weights, source=str(path), **kwargs)
 
+    def replica(self) -> LlamaRunner:
+        twin = copy.copy(self)  # weights, rope tables: shared, read-only
+        twin._new_cache()
+        return twin
+
     # ---- the runner protocol --------------------------------------------------------------
 
     @property
@@ -323,9 +349,10 @@ class LlamaRunner(Runner):
         self._exit_rows = 0
         for start in range(0, len(ids), PREFILL_BLOCK):
             block = ids[start:start + PREFILL_BLOCK]
-            hidden = self._forward(block, tuple(range(len(block))), None, self._len)
+            hidden = self._forward(block, tuple(range(len(block))), None, self._len,
+                                   prefill=True)
             self._len += len(block)
-        return self._logits(hidden[-1:])[0]
+        return self._logits(hidden[-1:], self.prefill_head)[0]
 
     @torch.inference_mode()
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
@@ -385,8 +412,9 @@ class LlamaRunner(Runner):
 
     # ---- the model ------------------------------------------------------------------------
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self._norm(hidden, self.final_norm, self.head.in_dtype)).float()
+    def _logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
+        head = head or self.head
+        return head(self._norm(hidden, self.final_norm, head.in_dtype)).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -395,18 +423,22 @@ class LlamaRunner(Runner):
         return F.rms_norm(x, weight.shape, weight, self.shape.rms_eps).to(dtype)
 
     def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
-                 past: int, stop: int | None = None, capture: tuple[int, ...] = ()) -> torch.Tensor:
+                 past: int, stop: int | None = None, capture: tuple[int, ...] = (),
+                 prefill: bool = False) -> torch.Tensor:
         """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
         layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
         draft when the rows are not a chain; layers in ``capture`` keep their output in
-        :attr:`captured`. Returns the last layer's hidden states [n, hidden], float32."""
+        :attr:`captured`; ``prefill`` runs the prompt formats' layers. Returns the last layer's
+        hidden states [n, hidden], float32."""
         s = self.shape
         n = len(tokens)
-        m = -(-n // self.row_multiple) * self.row_multiple  # rows through the layers
+        layers, head = (self.prefill_layers, self.prefill_head) if prefill else (self.layers, self.head)
+        multiple = head.row_multiple
+        m = -(-n // multiple) * multiple  # rows through the layers
         positions = torch.zeros(m, dtype=torch.long)  # padding rows sit at position 0
         positions[:n] = past + torch.tensor(depths, dtype=torch.long)
         plan = self._plan(n, past, positions, tree)
-        x = pad_rows(self.embed[torch.tensor(tokens)], self.row_multiple)  # [m, H] float32
+        x = pad_rows(self.embed[torch.tensor(tokens)], multiple)  # [m, H] float32
         cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D]
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         rotated = heads + kv_heads
@@ -414,7 +446,7 @@ class LlamaRunner(Runner):
         chunk, offset = slots // CHUNK, slots % CHUNK
         if capture:
             self.captured = {}
-        for i, layer in enumerate(self.layers[:stop]):
+        for i, layer in enumerate(layers[:stop]):
             qkv = layer.qkv(self._norm(x, layer.attn_norm, layer.qkv.in_dtype))
             qk = qkv[:, :rotated * d].view(m, rotated, d)  # q already scaled by 1/sqrt(D)
             swapped = qk.view(m, rotated, 2, d // 2).flip(2).view(m, rotated, d)

@@ -1,7 +1,8 @@
 """Weight formats of the native runner: one linear layer per format, all batch-invariant.
 
 Every layer takes activations [m, in] in its ``in_dtype`` and returns [m, out] in the same dtype
-(the caller converts where it must: the model keeps its residual stream in float32); what
+(the caller converts: the model keeps its residual stream in float32, and the quantised layers
+do not check, one call fewer per layer); what
 differs is how the weight is held and which PyTorch CPU kernel multiplies by it:
 
     fp32  the weight as given; MKL sgemm, rows padded to a multiple of 4 (see below)
@@ -101,7 +102,7 @@ class Int8Linear:
         self.scale = scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
+        return torch.ops.aten._weight_int8pack_mm.default(x, self.qweight, self.scale)
 
     @property
     def nbytes(self) -> int:
@@ -141,8 +142,8 @@ class Int4Linear:
         return cls(*quantize_int4(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu.default(
+            x, self.packed, INT4_GROUP, self.scale_zero)
         return y[:, :self.out_features] if self.padded else y
 
     @property

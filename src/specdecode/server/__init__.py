@@ -88,7 +88,8 @@ def build(args: argparse.Namespace):
         settings.config if settings.method == "suffix" else {})
     memory = SharedMemory(args.suffix_cache, suffix)
     loaded = load_model(args.model)
-    runners = [make_runner(loaded, args.runner, args.weights) for _ in range(args.parallel)]
+    first = make_runner(loaded, args.runner, args.weights)
+    runners = [first] + [first.replica() for _ in range(args.parallel - 1)]
     eos = eos_ids(loaded.model, loaded.tokenizer)
     server = Server(runners, loaded.tokenizer, eos, settings, memory)
     # the first forward of a process pays one-off costs; keep them out of the first request
