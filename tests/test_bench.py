@@ -235,3 +235,18 @@ def test_runner_measurement_on_a_tiny_model(tmp_path):
     assert all(row["new_tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["ar"].values())
     report = runners_markdown(result, {"machine": "test"})
     assert "| native int4 |" in report and "| transformers generate |" in report
+
+
+def test_method_variants_run_several_configs_of_one_method():
+    methods = bench_cli.parse_methods(
+        "ngram:max_ngram=2:num_speculative_tokens=3,ngram,suffix:max_spec_tokens=4",
+        ["ngram.num_speculative_tokens=6"])
+    by_label = {label: (method.name, config) for label, method, config in methods}
+    assert list(by_label) == ["ar", "ngram:max_ngram=2:num_speculative_tokens=3", "ngram",
+                              "suffix:max_spec_tokens=4"]
+    name, config = by_label["ngram:max_ngram=2:num_speculative_tokens=3"]
+    assert name == "ngram" and (config.max_ngram, config.num_speculative_tokens) == (2, 3)
+    assert by_label["ngram"][1].num_speculative_tokens == 6  # -c applies where no variant overrides
+    assert by_label["suffix:max_spec_tokens=4"][1].max_spec_tokens == 4
+    with pytest.raises(SpecDecodeError, match="expects KEY=VALUE"):
+        bench_cli.parse_methods("ngram:max_ngram", [])

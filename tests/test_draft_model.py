@@ -20,6 +20,7 @@ from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Feedback
 from specdecode.proposers.draft_model import DraftModelProposer, load_draft
 from specdecode.sampling import NodeDistributions, SamplingParams
+from transformers import AutoModelForCausalLM
 from specdecode.training import distill_draft
 
 from conftest import repetitive_prompts
@@ -61,7 +62,7 @@ def decoder(target, method, draft, controller=None, **config):
         config["controller"] = controller
     dec = Decoder(target, None, method, eos_token_ids=[], draft=draft, **config)
     # specdecpp needs a trained head; an untrained one still exercises the stopping rule
-    dec.proposer.acceptance_head = AcceptanceHead(dec.proposer.lm.model.config.hidden_size, 1)
+    dec.proposer.acceptance_head = AcceptanceHead(dec.proposer.lm.hidden_size, 1)
     return dec
 
 
@@ -101,7 +102,7 @@ def test_self_draft_accepts_everything_when_sampling(target):
     """With the target as its own draft, q == p: every sampled draft token is accepted, which
     a draft whose probs were not its sampling distribution would not achieve."""
     runner = HFRunner(target)
-    config = registry.get("draft_model").make_config({})
+    config = registry.get("draft_model").make_config({"draft_runner": "hf"})  # q is p's, exactly
     proposer = DraftModelProposer(config, runner, draft_model=target)
     gen = Generation(runner, proposer, repetitive_prompts()[0], 36,
                      SamplingParams(temperature=1.0, top_p=0.9, seed=1))
@@ -127,11 +128,14 @@ def _check_draft_probs(proposer, model, context, draft, sampling, prompt_len):
         torch.testing.assert_close(draft.probs[i], q / q.sum(), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
-def test_drafts_carry_their_sampling_distribution(target, drafts, method):
+@pytest.mark.parametrize("method,draft_runner", [("draft_model", "hf"), ("draft_model", "native"),
+                                                  ("dyspec", None)])
+def test_drafts_carry_their_sampling_distribution(target, drafts, method, draft_runner):
+    # the native draft in fp32: its logits are transformers' within 1e-4 (test_llama_runner)
     dec = decoder(target, method, drafts["close"], tree_nodes=8) if method == "dyspec" else \
-        decoder(target, method, drafts["close"], num_speculative_tokens=4)
-    draft_model = dec.proposer.lm.model
+        decoder(target, method, drafts["close"], num_speculative_tokens=4,
+                draft_runner=draft_runner, draft_weights="fp32")
+    draft_model = AutoModelForCausalLM.from_pretrained(drafts["close"], dtype=torch.float32).eval()
     sampling = SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=3)
     gen = dec.start(repetitive_prompts()[2], 40, **vars(sampling))
     checked = 0
@@ -151,10 +155,11 @@ def test_drafts_carry_their_sampling_distribution(target, drafts, method):
     assert checked >= 3
 
 
-def test_cache_holds_the_committed_tokens(target, drafts):
+@pytest.mark.parametrize("draft_runner", ["hf", "native"])
+def test_cache_holds_the_committed_tokens(target, drafts, draft_runner):
     """After each verify step the draft's cache holds a prefix of the committed tokens and no
     tree rows, and it kept accepted tokens it drafted itself instead of feeding them again."""
-    dec = decoder(target, "draft_model", drafts["close"])
+    dec = decoder(target, "draft_model", drafts["close"], draft_runner=draft_runner)
     lm = dec.proposer.lm
     gen = dec.start(repetitive_prompts()[0], 40)
     reused, before = 0, None
@@ -162,21 +167,25 @@ def test_cache_holds_the_committed_tokens(target, drafts):
         context = gen.prompt_ids + gen.tokens
         if gen.finish_reason is None:  # a cut at the token limit leaves accepted rows past it
             assert lm.tokens == context[:len(lm.tokens)] and not lm.tree_tokens
+            if draft_runner == "native":
+                assert lm.runner.cache_len == len(lm.tokens)
         if before is not None and len(lm.tokens) > before:
             reused += 1
         before = len(context)
     assert reused > 0
 
 
-def test_keep_drafting_stops_the_chain(target, drafts):
-    config = registry.get("draft_model").make_config({"draft": drafts["close"]})
+@pytest.mark.parametrize("draft_runner", ["hf", "native"])
+def test_keep_drafting_stops_the_chain(target, drafts, draft_runner):
+    config = registry.get("draft_model").make_config({"draft": drafts["close"],
+                                                      "draft_runner": draft_runner})
     proposer = DraftModelProposer(config, HFRunner(target))
     proposer.start([5, 6, 7])
     calls = []
     budget = Budget(6, 6, lambda signal: calls.append(signal) or signal.depth < 2)
     draft = proposer.propose([5, 6, 7, 8], budget)
     assert len(draft) == 2 and [s.depth for s in calls] == [1, 2]
-    hidden_size = proposer.lm.model.config.hidden_size
+    hidden_size = proposer.lm.hidden_size
     assert all(0 < s.prob <= 1 and s.hidden.shape == (hidden_size,) for s in calls)
     # the first token accepted: its row (the draft fed it to draft the second) is kept
     logits = torch.zeros(3, target.config.vocab_size)
@@ -198,9 +207,13 @@ def test_draft_length_zero_is_refused(target, drafts, method, field):
         Decoder(target, None, method, draft=drafts["other"], **{field: 0})
 
 
-def test_unknown_controller_and_missing_head(target, drafts):
+def test_unknown_controller_runner_and_missing_head(target, drafts):
     with pytest.raises(SpecDecodeError, match="unknown controller 'nope'; known: fixed, heuristic"):
         Decoder(target, None, "draft_model", draft=drafts["other"], controller="nope")
+    with pytest.raises(SpecDecodeError, match="unknown draft_runner 'gpu'; known: native, hf"):
+        Decoder(target, None, "draft_model", draft=drafts["other"], draft_runner="gpu")
+    with pytest.raises(SpecDecodeError, match="unknown weight format 'int3'"):
+        Decoder(target, None, "draft_model", draft=drafts["other"], draft_weights="int3")
     dec = Decoder(target, None, "draft_model", draft=drafts["other"], controller="specdecpp")
     with pytest.raises(SpecDecodeError, match="needs an acceptance head"):
         dec.start([5, 6, 7], 4)

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.cli import add_model_arguments, add_sampling_arguments
 
     parser.add_argument("--methods", default=None,
-                        help="comma-separated methods (default: every registered method); "
-                             "'ar' is always run, as the reference")
+                        help="comma-separated methods (default: every registered method), or "
+                             "variants NAME:KEY=VALUE[:KEY=VALUE...] such as "
+                             "draft_model:controller=heuristic; 'ar' is always run, as the "
+                             "reference")
     parser.add_argument("--data", default=None, metavar="FILE",
                         help="question file in Spec-Bench's JSON-lines format (default: the "
                              "packaged Spec-Bench dev half, 240 questions, 6 tasks)")
@@ -75,21 +77,27 @@ class Plan:
 
 
 def parse_methods(spec: str | None, config_pairs: list[str]) -> list[tuple]:
+    """(label, method, config) per contender. A contender is a method name, or a *variant*
+    ``name:key=value:...`` whose fields override the method's ``-c`` ones, so several configs
+    of one method run interleaved in one run (a sweep, each length controller)."""
     from specdecode import registry
     from specdecode.cli import parse_config
 
-    names = registry.names() if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
-    require(len(names) > 0, "--methods is empty; give names such as ar,ngram "
-                            "(see `specdecode methods`)")
-    methods = [registry.get(n) for n in names]  # unknown names fail here, listing the known
+    labels = registry.names() if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
+    require(len(labels) > 0, "--methods is empty; give names such as ar,ngram "
+                             "(see `specdecode methods`)")
+    variants = [label.split(":") for label in labels]
+    methods = [registry.get(name) for name, *_ in variants]  # unknown names fail here
     overrides: dict[str, dict] = {}
     for key, value in parse_config(config_pairs).items():
         method, dot, field = key.partition(".")
         require(dot and field, f"--config expects METHOD.KEY=VALUE, got {key}={value}")
-        require(method in names, f"--config names method {method!r}, which is not in --methods")
+        require(method in [m.name for m in methods],
+                f"--config names method {method!r}, which is not in --methods")
         overrides.setdefault(method, {})[field] = value
-    chosen = [(m.name, m, m.make_config(overrides.get(m.name))) for m in methods]
-    if "ar" not in names:
+    chosen = [(label, m, m.make_config({**overrides.get(m.name, {}), **parse_config(pairs)}))
+              for label, m, (_, *pairs) in zip(labels, methods, variants)]
+    if "ar" not in labels:
         ar = registry.get("ar")
         chosen.append(("ar", ar, ar.make_config()))
     chosen.sort(key=lambda c: c[0] != "ar")

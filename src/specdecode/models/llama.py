@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
-from specdecode.models.quant import Int4Linear, check_format, make_linear, pad_rows
+from specdecode.models.quant import INT4_GROUP, Int4Linear, check_format, make_linear, pad_rows
 
 #: attention key chunk (positions); every attention GEMM has this inner size
 CHUNK = 64
@@ -52,6 +52,8 @@ ROW_MULTIPLE = 4
 VALUE_PAD = 4
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
+#: ``extend`` (drafting) runs blocks of at least this many rows through the prefill layers
+BULK_ROWS = 16
 #: architectures (transformers ``model_type`` / GGUF ``general.architecture``) this runner runs
 SUPPORTED = ("llama",)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
@@ -76,6 +78,12 @@ class LlamaShape:
     rms_eps: float
     max_context: int
     tie_embeddings: bool
+
+    @property
+    def fits_int4(self) -> bool:
+        """Whether every matrix's input size is a whole number of int4 groups."""
+        inputs = (self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size)
+        return all(size % INT4_GROUP == 0 for size in inputs)
 
     @classmethod
     def from_config(cls, config) -> LlamaShape:
@@ -409,6 +417,34 @@ class LlamaRunner(Runner):
             self._check_exit_layer(layer)
         self._capture = tuple(layers)
         self.captured = {}
+
+    # ---- drafting for another runner (draft_model): the cache holds every token read -------
+
+    @torch.inference_mode()
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` to the cache as read tokens and return their hidden states after
+        the final norm [n, H], float32. For a runner that drafts: nothing here is verified, so
+        long runs (a prompt) take the prefill layers whatever their row count."""
+        tokens = list(tokens)
+        require(self._pending == 0 and self._exit_rows == 0,
+                "extend called between forward and commit")
+        require(self._len + len(tokens) <= self.capacity,
+                f"the cache holds {self.capacity} rows; {self._len} are used and "
+                f"{len(tokens)} more do not fit")
+        hidden = []
+        for start in range(0, len(tokens), PREFILL_BLOCK):
+            block = tokens[start:start + PREFILL_BLOCK]
+            hidden.append(self._forward(block, tuple(range(len(block))), None, self._len,
+                                        prefill=len(block) >= BULK_ROWS))
+            self._len += len(block)
+        return self._norm(torch.cat(hidden), self.final_norm)
+
+    def rewind(self, length: int) -> None:
+        """Forget every cached token from position ``length`` on."""
+        require(self._pending == 0 and 0 <= length <= self._len,
+                f"cannot rewind a cache of {self._len} tokens to {length}")
+        self._len = length
+        self._exit_rows = 0
 
     # ---- the model ------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from specdecode.control import (AcceptanceHead, ConfidenceStop, Controller, Draf
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
+from specdecode.models.quant import check_format
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.sampling import NodeDistributions, sample
@@ -62,6 +63,13 @@ class DraftModelConfig:
                                            "schedule starts at 5)")
     controller: str = param("fixed", "draft length controller: fixed | heuristic | confidence | "
                                      "specdecpp")
+    draft_runner: str = param("native", "what runs the draft: native (the native runner, see "
+                                        "draft_weights; Llama-family drafts) or hf (transformers, "
+                                        "float32)")
+    draft_weights: str = param("auto", "the native draft's weight format: fp32 | bf16 | int8 | "
+                                       "int4, or auto: int4 (the cheapest one-token forward) "
+                                       "where the draft's sizes allow it, else fp32; the draft's "
+                                       "numbers never change the output")
     max_speculative_tokens: int = param(12, "longest draft the adaptive controllers allow "
                                             "(SpecDec++ uses 20 for 7B drafts; 12 bounds the "
                                             "wasted draft steps on CPU)")
@@ -80,6 +88,10 @@ class DraftModelConfig:
                 f"num_speculative_tokens ({self.num_speculative_tokens})")
         require(self.controller in CONTROLLERS,
                 f"unknown controller {self.controller!r}; known: {', '.join(CONTROLLERS)}")
+        require(self.draft_runner in ("native", "hf"),
+                f"unknown draft_runner {self.draft_runner!r}; known: native, hf")
+        if self.draft_weights != "auto":
+            check_format(self.draft_weights)
         require(0.0 <= self.confidence_threshold <= 1.0,
                 f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         require(0.0 < self.stop_threshold < 1.0,
@@ -207,7 +219,35 @@ def check_vocabulary(model: torch.nn.Module, runner: Runner) -> None:
 # ---- the draft's own KV cache --------------------------------------------------------------
 
 
-class DraftLM:
+class _DraftCache:
+    """What both draft caches share: the shortlist, and finding the cached prefix to reuse."""
+
+    head_ids: torch.Tensor | None
+    vocab_size: int
+    hidden_size: int
+    tokens: list[int]  # committed tokens whose KV rows are cached, in order
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Shortlist logits [n, V'] -> vocabulary logits [n, V] (-inf off the shortlist)."""
+        if self.head_ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head_ids] = logits
+        return full
+
+    def _reusable(self, context: Sequence[int]) -> int:
+        """How many cached tokens ``context`` starts with (at most all but its last, whose
+        logits the caller needs)."""
+        limit = min(len(self.tokens), len(context) - 1)
+        if self.tokens[:limit] == list(context[:limit]):
+            return limit
+        n = 0
+        while n < limit and self.tokens[n] == context[n]:
+            n += 1
+        return n
+
+
+class DraftLM(_DraftCache):
     """A draft model with its own KV cache: committed tokens (a prefix of the request's
     context) plus, while drafting, *tree rows* (draft tokens, each attending to the committed
     prefix and its ancestors). After verification :meth:`prune` keeps the accepted path's rows
@@ -223,12 +263,13 @@ class DraftLM:
         self.head_ids = head_ids
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.hidden_size = int(model.config.hidden_size)
         self.dtype = next(model.parameters()).dtype
         self.reset()
 
     def reset(self) -> None:
         self.cache = self._new_cache()
-        self.tokens: list[int] = []  # committed tokens whose KV rows are cached, in order
+        self.tokens: list[int] = []
         self._clear_tree()
 
     def _clear_tree(self) -> None:
@@ -243,27 +284,13 @@ class DraftLM:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Shortlist logits [n, V'] -> vocabulary logits [n, V] (-inf off the shortlist)."""
-        if self.head_ids is None:
-            return logits
-        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head_ids] = logits
-        return full
-
     @torch.inference_mode()
     def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache every token of ``context``; return the logits [V'] and the last hidden state
         [H] after its last token. Reuses the longest cached prefix (from the previous step or
         an earlier request with the same prompt start)."""
         self.prune([])
-        limit = min(len(self.tokens), len(context) - 1)
-        n = 0
-        if self.tokens[:limit] == list(context[:limit]):
-            n = limit
-        else:
-            while n < limit and self.tokens[n] == context[n]:
-                n += 1
+        n = self._reusable(context)
         if n < len(self.tokens):
             self.cache.crop(n)
             del self.tokens[n:]
@@ -318,6 +345,54 @@ class DraftLM:
         self._clear_tree()
 
 
+class NativeDraftLM(_DraftCache):
+    """The draft on the native runner (models/llama.py; int4 by default, whose one-token
+    forward is several times cheaper than ``transformers``'). Drafts chains: the runner's cache
+    holds the committed tokens and, while drafting, this step's chain; :meth:`prune` rewinds
+    past the rejected part, so accepted draft tokens are not computed again."""
+
+    def __init__(self, runner, head_ids: torch.Tensor | None = None):
+        self.runner = runner
+        self.head_ids = head_ids
+        self.vocab_size = runner.vocab_size
+        self.hidden_size = runner.shape.hidden_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.runner.rewind(0)
+        self.tokens: list[int] = []
+        self.tree_tokens: list[int] = []
+
+    def _read(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.runner.extend(tokens)
+        return self.runner.lm_head(hidden), hidden
+
+    def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DraftLM.catch_up`."""
+        self.prune([])
+        n = self._reusable(context)
+        del self.tokens[n:]
+        self.runner.rewind(n)
+        hidden = self.runner.extend(context[n:])[-1:]
+        self.tokens.extend(context[n:])
+        return self.runner.lm_head(hidden)[0], hidden[0]
+
+    def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DraftLM.feed`, for a chain: one token, the child of the last row."""
+        require(len(tokens) == 1 and list(parents) == [len(self.tree_tokens) - 1],
+                "the native draft drafts chains; a tree draft needs draft_runner=hf")
+        self.tree_tokens.extend(tokens)
+        return self._read(tokens)
+
+    def prune(self, path_rows: Sequence[int]) -> None:
+        """As :meth:`DraftLM.prune`; a chain's accepted rows are its first ones."""
+        keep = len(path_rows)
+        require(list(path_rows) == list(range(keep)), "the native draft keeps a chain's first rows")
+        self.tokens.extend(self.tree_tokens[:keep])
+        self.runner.rewind(len(self.tokens))
+        self.tree_tokens = []
+
+
 # ---- the proposer --------------------------------------------------------------------------
 
 
@@ -336,13 +411,27 @@ class DraftModelProposer(Proposer):
         else:
             check_vocabulary(draft_model, runner)
             loaded = LoadedDraft(draft_model.eval(), None, None, type(draft_model).__name__)
-        self.lm = DraftLM(loaded.model, loaded.head_ids)
+        self.lm = self._draft_cache(loaded)
         self.acceptance_head = loaded.acceptance_head
         self.draft_source = loaded.source
         self.generator = torch.Generator()
         self._prompt_len = 0
         # the last draft, for observe(): node tokens, parents, and each node's tree row
         self._nodes: tuple[list[int], list[int], list[int | None]] = ([], [], [])
+
+    def _draft_cache(self, loaded: LoadedDraft) -> DraftLM | NativeDraftLM:
+        if self.config.draft_runner == "hf":
+            return DraftLM(loaded.model, loaded.head_ids)
+        from specdecode.models.llama import LlamaRunner, LlamaShape, runs
+
+        config = loaded.model.config
+        require(runs(config), f"the native runner does not run the draft {loaded.source} "
+                              f"({config.model_type}); use -c draft_runner=hf")
+        weights = self.config.draft_weights
+        if weights == "auto":
+            weights = "int4" if LlamaShape.from_config(config).fits_int4 else "fp32"
+        runner = LlamaRunner.from_transformers(loaded.model, weights)
+        return NativeDraftLM(runner, loaded.head_ids)
 
     def make_controller(self) -> Controller:
         return CONTROLLERS[self.config.controller](self)

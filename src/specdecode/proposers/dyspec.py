@@ -19,7 +19,8 @@ sibling candidate is valued before it is drawn, by its parent's value times the 
 probability of the next draw (sum of q(x)^2 over the undrawn tokens, over their mass). Greedy
 values use the actual draft probabilities (nothing random to bias).
 
-The same draft model, cache handling and artifacts as ``draft_model`` (see draft_model.py).
+The same draft model and artifacts as ``draft_model`` (see draft_model.py), run by
+``transformers`` (the native runner's draft cache reads chains only).
 Defaults: 16 nodes (on this CPU a 17-row target forward costs about 15% more than a 9-row
 one, DESIGN.md), depth 8, 4 nodes read per draft forward (a small draft's forward costs nearly
 the same for 1 or 4 rows), at most 6 such forwards a step (a weak draft's flat distributions
@@ -37,7 +38,7 @@ import torch
 from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_model import DraftLM, DraftModelProposer, LoadedDraft
 from specdecode.registry import param, register
 from specdecode.sampling import NodeDistributions
 
@@ -102,6 +103,11 @@ class _Children:
           summary="a draft model grows a tree best-first by path probability under a node "
                   "budget; exact with sampling")
 class DySpecProposer(DraftModelProposer):
+    def _draft_cache(self, loaded: LoadedDraft) -> DraftLM:
+        # trees grow a few nodes per draft forward, each attending to its ancestors among the
+        # rows read before: transformers' cache with a mask (the native draft reads chains)
+        return DraftLM(loaded.model, loaded.head_ids)
+
     def make_controller(self) -> Controller:
         return Controller(self.config.max_depth, self.config.tree_nodes)
 
