@@ -24,7 +24,8 @@ Where a forward's result could depend on the number of rows, it is made not to:
 
 Defaults: int4 weights (``DEFAULT_WEIGHTS``: the fastest one-token forward of the four formats,
 so the fastest ``ar`` and the fastest speculation where drafts are short; measured in
-docs/native-runner.md); ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
+docs/native-runner.md), prompts prefilled through bf16 copies of the int4 weights
+(``PREFILL_WEIGHTS``: every method prefills the same way, so exactness is untouched); ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
 more work on the last one); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
 """
 
@@ -59,8 +60,9 @@ SUPPORTED = ("llama",)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
 #: weight format prompts are prefilled with, where it differs from the decode format: the int8
-#: and int4 kernels cost the same per row for 128 rows as for one, bf16 GEMMs much less (a
-#: 512-token prefill: int4 1.08 s, bf16 0.78 s; docs/native-runner.md)
+#: and int4 kernels' cost grows almost linearly with the rows (64 rows: 8-11x one row), bf16
+#: GEMMs' far less (3x), so a 512-token prompt takes 1.08 s through int4 layers, 0.68 s through
+#: bf16 ones (docs/native-runner.md)
 PREFILL_WEIGHTS = {"int8": "bf16", "int4": "bf16"}
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -423,8 +425,9 @@ class LlamaRunner(Runner):
     @torch.inference_mode()
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` to the cache as read tokens and return their hidden states after
-        the final norm [n, H], float32. For a runner that drafts: nothing here is verified, so
-        long runs (a prompt) take the prefill layers whatever their row count."""
+        the final norm [n, H], float32. For a runner that drafts: nothing it computes needs to
+        match another pass bit for bit, so blocks of ``BULK_ROWS`` or more (a prompt) take the
+        prefill layers."""
         tokens = list(tokens)
         require(self._pending == 0 and self._exit_rows == 0,
                 "extend called between forward and commit")

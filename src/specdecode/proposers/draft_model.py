@@ -15,6 +15,11 @@ The draft's cache is kept aligned with the target: at each step the committed to
 seen (the accepted tokens it did not compute itself, and the bonus/recovered token) are fed in
 one forward; the KV rows of drafted tokens that were accepted are kept, the rest dropped.
 
+The draft runs on the native runner (``draft_runner=native``, int4 where its sizes allow:
+``draft_weights=auto``), whose one-token forward costs a fraction of ``transformers``'; its
+static cache is extended and rewound. ``draft_runner=hf`` runs it through ``transformers``
+(any causal LM; trees, which ``dyspec`` needs).
+
 Length controllers (``controller``; see :mod:`specdecode.control`): ``fixed`` (always
 ``num_speculative_tokens``), ``heuristic`` (transformers' +2/-1 schedule), ``confidence`` (stop
 after a token whose draft probability is below ``confidence_threshold``; transformers' default
