@@ -410,3 +410,18 @@ def test_replicas_share_weights_and_keep_their_own_cache(kind):
     assert [a.tokens, b.tokens] == expected
     if kind == "native":
         assert twin.layers is runner.layers and twin.k_cache is not runner.k_cache
+
+
+def test_chunk_sums_do_not_depend_on_the_rows_beside_them():
+    # ATen's sum(0) added a row's chunks in another order when it sat elsewhere in a wider
+    # tensor (a 4-token verify's last row differed from ar in real decoding); the tree of
+    # elementwise adds gives every element one order, and trailing zero chunks change nothing
+    from specdecode.models.llama import _sum_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    for chunks in (1, 2, 5, 13, 16):
+        wide = torch.randn(chunks, 3, 12, 68, generator=gen)
+        for row in range(12):
+            alone = torch.zeros(chunks + 3, 3, 4, 68)
+            alone[:chunks, :, 0] = wide[:, :, row]
+            assert torch.equal(_sum_chunks(wide)[:, row], _sum_chunks(alone)[:, 0]), (chunks, row)

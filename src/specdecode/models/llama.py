@@ -15,7 +15,8 @@ Where a forward's result could depend on the number of rows, it is made not to:
   are padded to a multiple of 4 to keep MKL on one kernel);
 - attention: the keys are split into chunks of ``CHUNK`` positions aligned to absolute
   position 0. Every (row, chunk) product is one fixed-shape GEMM, the softmax max is exact,
-  chunk sums are added in chunk order, and chunks past a row's position contribute exact zeros.
+  chunk sums are added in a fixed pairwise tree of elementwise adds (``_sum_chunks``; ATen's
+  ``sum`` is not row-invariant), and chunks past a row's position contribute exact zeros.
   A tree node sees its ancestors in the order ``ar`` will see them after the commit (their
   scores are gathered into that order and, in the chunks holding the tree, their values too),
   so the same numbers are added in the same order;
@@ -172,6 +173,20 @@ def _scaled(weight, factor: float):
     if isinstance(weight, Q4Weight):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
     return weight.float() * factor
+
+
+def _sum_chunks(parts: torch.Tensor) -> torch.Tensor:
+    """The sum over the first dimension as a pairwise tree of elementwise adds.
+
+    ATen's ``sum(0)`` orders the additions differently in its vectorised body and its tail, so
+    an element's sum depended on where it sat in the tensor, that is on how many rows shared
+    the forward. Here every element is added in the same tree, and all-zero chunks at the end
+    (a row's chunks past its position) leave every sum unchanged, x + 0 being x."""
+    while parts.shape[0] > 1:
+        n = parts.shape[0]
+        pairs = parts[0:n - 1:2] + parts[1:n:2]
+        parts = torch.cat([pairs, parts[n - 1:]]) if n % 2 else pairs
+    return parts[0]
 
 
 @dataclass
@@ -572,6 +587,6 @@ class LlamaRunner(Runner):
             if rows > g * m:
                 out = torch.cat([out, out.new_zeros(tail, kh, rows - g * m, out.shape[-1])], 2)
             out = torch.cat([head, out])
-        out = out.sum(0)  # in chunk order; [KH, rows, D + VALUE_PAD]
+        out = _sum_chunks(out)  # [KH, rows, D + VALUE_PAD]
         out = (out[:, :g * m, :d] / out[:, :g * m, d:d + 1]).view(kh, g, m, d)
         return out.permute(2, 0, 1, 3).to(dtype).reshape(m, kh * g * d)
