@@ -372,12 +372,7 @@ class LlamaRunner(Runner):
         self._len = 0
         self._pending = 0
         self._exit_rows = 0
-        for start in range(0, len(ids), PREFILL_BLOCK):
-            block = ids[start:start + PREFILL_BLOCK]
-            hidden = self._forward(block, tuple(range(len(block))), None, self._len,
-                                   prefill=True)
-            self._len += len(block)
-        return self._logits(hidden[-1:], self.prefill_head)[0]
+        return self._logits(self._append(ids, bulk_rows=1)[-1][-1:], self.prefill_head)[0]
 
     @torch.inference_mode()
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
@@ -449,13 +444,19 @@ class LlamaRunner(Runner):
         require(self._len + len(tokens) <= self.capacity,
                 f"the cache holds {self.capacity} rows; {self._len} are used and "
                 f"{len(tokens)} more do not fit")
+        return self._norm(torch.cat(self._append(tokens, BULK_ROWS)), self.final_norm)
+
+    def _append(self, tokens: list[int], bulk_rows: int) -> list[torch.Tensor]:
+        """Run ``tokens`` as a chain after the cache, in blocks of ``PREFILL_BLOCK``, and keep
+        them; blocks of ``bulk_rows`` rows or more take the prefill layers. Each block's last
+        layer hidden states."""
         hidden = []
         for start in range(0, len(tokens), PREFILL_BLOCK):
             block = tokens[start:start + PREFILL_BLOCK]
             hidden.append(self._forward(block, tuple(range(len(block))), None, self._len,
-                                        prefill=len(block) >= BULK_ROWS))
+                                        prefill=len(block) >= bulk_rows))
             self._len += len(block)
-        return self._norm(torch.cat(hidden), self.final_norm)
+        return hidden
 
     def rewind(self, length: int) -> None:
         """Forget every cached token from position ``length`` on."""

@@ -368,10 +368,6 @@ class NativeDraftLM(_DraftCache):
         self.tokens: list[int] = []
         self.tree_tokens: list[int] = []
 
-    def _read(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.runner.extend(tokens)
-        return self.runner.lm_head(hidden), hidden
-
     def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DraftLM.catch_up`."""
         self.prune([])
@@ -387,7 +383,8 @@ class NativeDraftLM(_DraftCache):
         require(len(tokens) == 1 and list(parents) == [len(self.tree_tokens) - 1],
                 "the native draft drafts chains; a tree draft needs draft_runner=hf")
         self.tree_tokens.extend(tokens)
-        return self._read(tokens)
+        hidden = self.runner.extend(tokens)
+        return self.runner.lm_head(hidden), hidden
 
     def prune(self, path_rows: Sequence[int]) -> None:
         """As :meth:`DraftLM.prune`; a chain's accepted rows are its first ones."""
