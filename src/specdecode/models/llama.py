@@ -9,25 +9,20 @@ or separate LM head. The static cache written at explicit positions follows gpt-
 it is computed alone (``ar``), in a chain or in a 64-node tree, so every speculative method
 reproduces this runner's ``ar`` exactly, not just up to rounding.
 
-Where a forward's result could depend on the number of rows, it is made not to:
+It holds by construction, on every x86-64 CPU: every operation of a decode or verify forward
+that adds numbers up (the linear layers of every weight format, RMSNorm, SwiGLU, attention)
+runs in our own kernels (``specdecode/kernels``), where each output element is one thread's
+sum in an order fixed by the model's sizes alone; the rest (embedding lookup, residual adds,
+rotary products) is elementwise. Attention walks a row's keys in its logical order: positions
+before the forward from the cache, then the row's ancestors in depth order (a tree node sees
+them in the order ``ar`` will see them after the commit), so the same numbers are added in the
+same order. Prompts go through ATen's GEMMs (``quant.LibraryLinear``): every method prefills
+the same prompt in the same blocks, so prefill needs determinism, not row invariance.
 
-- matrix products: each weight format's kernel is row-invariant (see ``quant.py``; fp32 rows
-  are padded to a multiple of 4 to keep MKL on one kernel);
-- attention: the keys are split into chunks of ``CHUNK`` positions aligned to absolute
-  position 0. Every (row, chunk) product is one fixed-shape GEMM, the softmax max is exact,
-  chunk sums are added in a fixed pairwise tree of elementwise adds (``_sum_chunks``; ATen's
-  ``sum`` is not row-invariant), and chunks past a row's position contribute exact zeros.
-  A tree node sees its ancestors in the order ``ar`` will see them after the commit (their
-  scores are gathered into that order and, in the chunks holding the tree, their values too),
-  so the same numbers are added in the same order;
-- SiLU is written as ``x / (1 + exp(-x))``: ATen's fused SiLU rounds differently in the
-  vectorised body and the scalar tail of a tensor, so a row's result moved with the row count.
-
-Defaults: int4 weights (``DEFAULT_WEIGHTS``: the fastest one-token forward of the four formats,
-so the fastest ``ar`` and the fastest speculation where drafts are short; measured in
-docs/native-runner.md), prompts prefilled through bf16 copies of the int4 weights
-(``PREFILL_WEIGHTS``: every method prefills the same way, so exactness is untouched); ``CHUNK`` = 64 (GEMMs with a fixed inner size; larger chunks waste
-more work on the last one); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
+Defaults: int4 weights (``DEFAULT_WEIGHTS``: GGUF Q4_1 blocks times int8 activations, the
+fastest forward of the four formats; docs/native-runner.md), prompts prefilled through ATen's
+GEMMs on bf16 copies of the weights (fp32 for ``--weights fp32``: ``PREFILL_WEIGHTS``); the
+cache holds ``max_context`` plus ``max_draft`` = 256 rows.
 """
 
 from __future__ import annotations
@@ -44,14 +39,10 @@ import torch.nn.functional as F
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
-from specdecode.models.quant import INT4_GROUP, Int4Linear, check_format, make_linear, pad_rows
+from specdecode import kernels
+from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, check_format,
+                                     make_linear)
 
-#: attention key chunk (positions); every attention GEMM has this inner size
-CHUNK = 64
-#: rows are padded to a multiple of this (row-invariant GEMMs: MKL sgemm, see quant.py)
-ROW_MULTIPLE = 4
-#: extra value columns: a column of ones (softmax denominator) and zeros to a multiple of 4
-VALUE_PAD = 4
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
 #: ``extend`` (drafting) runs blocks of at least this many rows through the prefill layers
@@ -60,11 +51,10 @@ BULK_ROWS = 16
 SUPPORTED = ("llama",)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
-#: weight format prompts are prefilled with, where it differs from the decode format: the int8
-#: and int4 kernels' cost grows almost linearly with the rows (64 rows: 8-11x one row), bf16
-#: GEMMs' far less (3x), so a 512-token prompt takes 1.08 s through int4 layers, 0.68 s through
-#: bf16 ones (docs/native-runner.md)
-PREFILL_WEIGHTS = {"int8": "bf16", "int4": "bf16"}
+#: the dtype of ATen's GEMMs for prompts, per decode format: bf16 GEMMs amortise their weights
+#: over many rows (a 512-token prompt: 0.68 s through bf16 layers, 1.08 s through the old int4
+#: ones; docs/native-runner.md); fp32 keeps its exact weights
+PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": "bf16"}
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -160,12 +150,15 @@ def _dense(tensors: dict, name: str) -> torch.Tensor:
 
 
 def _fused(parts: list, weights: str):
-    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call."""
+    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call.
+    ``weights``: a decode format, or ``prefill-fp32`` / ``prefill-bf16`` for ATen's GEMM."""
     if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
-        q4 = Q4Weight.cat(parts)
+        q4 = Q4Weight.cat(parts)  # the file's own blocks
         return Int4Linear(q4.codes, q4.scale, q4.minimum)
-    dense = [p.dequantize() if isinstance(p, Q4Weight) else p.float() for p in parts]
-    return make_linear(torch.cat(dense), weights)
+    dense = torch.cat([p.dequantize() if isinstance(p, Q4Weight) else p.float() for p in parts])
+    if weights.startswith("prefill-"):
+        return LibraryLinear(dense, torch.float32 if weights == "prefill-fp32" else torch.bfloat16)
+    return make_linear(dense, weights)
 
 
 def _scaled(weight, factor: float):
@@ -173,20 +166,6 @@ def _scaled(weight, factor: float):
     if isinstance(weight, Q4Weight):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
     return weight.float() * factor
-
-
-def _sum_chunks(parts: torch.Tensor) -> torch.Tensor:
-    """The sum over the first dimension as a pairwise tree of elementwise adds.
-
-    ATen's ``sum(0)`` orders the additions differently in its vectorised body and its tail, so
-    an element's sum depended on where it sat in the tensor, that is on how many rows shared
-    the forward. Here every element is added in the same tree, and all-zero chunks at the end
-    (a row's chunks past its position) leave every sum unchanged, x + 0 being x."""
-    while parts.shape[0] > 1:
-        n = parts.shape[0]
-        pairs = parts[0:n - 1:2] + parts[1:n:2]
-        parts = torch.cat([pairs, parts[n - 1:]]) if n % 2 else pairs
-    return parts[0]
 
 
 @dataclass
@@ -197,18 +176,6 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: object
     down: object
-
-
-@dataclass
-class _Plan:
-    """How one forward's rows attend: built once, used by every layer."""
-
-    rows: int           # query rows of each head's GEMMs: G m padded to ROW_MULTIPLE
-    chunks: int         # key chunks holding the prefix and every new row
-    blocked: torch.Tensor        # [rows, chunks' C] True where a row may not attend
-    gather: torch.Tensor | None  # [KH, rows, chunks' C] key slot of each column (trees)
-    tail_start: int = 0          # first chunk holding tree rows (trees)
-    tail_slots: tuple | None = None  # (chunk, offset) [rows, tail C]: value slots (trees)
 
 
 class LlamaRunner(Runner):
@@ -241,24 +208,23 @@ class LlamaRunner(Runner):
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
         self.head, self.layers = self._linears(tensors, head, weights)
-        # prompts go through PREFILL_WEIGHTS where the decode format's kernel costs more per
-        # row for many rows (every prefill is the same computation, so exactness holds)
-        bulk = PREFILL_WEIGHTS.get(weights, weights)
-        self.prefill_weights = bulk
-        self.prefill_head, self.prefill_layers = (
-            (self.head, self.layers) if bulk == weights else self._linears(tensors, head, bulk))
+        # prompts go through ATen's GEMMs in PREFILL_WEIGHTS (every prefill is the same
+        # computation, so exactness holds)
+        self.prefill_weights = PREFILL_WEIGHTS[weights]
+        self.prefill_head, self.prefill_layers = self._linears(
+            tensors, head, f"prefill-{self.prefill_weights}")
 
         inv_freq, attention_scaling = rope_frequencies(config)
         require(inv_freq.numel() * 2 == shape.head_dim,
                 f"rope has {inv_freq.numel() * 2} dimensions but heads have {shape.head_dim}; "
                 "partial rotary embeddings need --runner hf")
-        self.capacity = -(-(shape.max_context + max_draft) // CHUNK) * CHUNK
+        self.capacity = shape.max_context + max_draft
         freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         # q * cos + rotate_half(q) * sin with rotate_half(q) = (-q2, q1), as transformers
         # computes it, is q * (c, c) + (q2, q1) * (-s, s)
-        self.cos = torch.cat([cos, cos], -1)[:, None, :]  # [capacity, 1, D]
-        self.sin = torch.cat([-sin, sin], -1)[:, None, :]
+        self.cos = torch.cat([cos, cos], -1)  # [capacity, D]
+        self.sin = torch.cat([-sin, sin], -1)
         self._new_cache()
 
     def _new_cache(self) -> None:
@@ -268,18 +234,12 @@ class LlamaRunner(Runner):
         self._capture: tuple[int, ...] = ()
         self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
         self._exit_layer = 0
+        # keys [layer, kv head, D, slot] (a score is one fma chain over D, 64 slots at a time),
+        # values [layer, kv head, slot, D]; empty, not zeros: attention reads only slots that
+        # were written
         kh, d = shape.num_kv_heads, shape.head_dim
-        # Keys head-major, [layer, kv head, slot, D]: one score GEMM per head over all slots.
-        # Values chunk-major, [layer, chunk, kv head, position in chunk, D + VALUE_PAD]: one
-        # GEMM per (chunk, head), each operand contiguous. Empty, not zeros: untouched pages
-        # cost no memory; _prepare() initialises chunks before first use (values must be
-        # finite: a masked key still multiplies its value by 0).
-        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
-        # values carry a column of ones: the softmax denominator comes out of the same GEMM;
-        # and three of zeros: MKL takes other kernels for widths 5-7 and 9-11 (tiny models)
-        self.v_cache = torch.empty(shape.num_layers, self.capacity // CHUNK, kh, CHUNK,
-                                   d + VALUE_PAD)
-        self._ready = 0  # chunks initialised
+        self.k_cache = torch.empty(shape.num_layers, kh, d, self.capacity)
+        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
         self._len = 0
         self._pending = 0
 
@@ -397,9 +357,8 @@ class LlamaRunner(Runner):
             # the accepted path is not the first rows: move its rows next to the root's
             src = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
             dst = torch.arange(self._len, self._len + keep)
-            self.k_cache[:, :, dst] = self.k_cache[:, :, src]
-            v = self.v_cache
-            v[:, dst // CHUNK, :, dst % CHUNK] = v[:, src // CHUNK, :, src % CHUNK]
+            self.k_cache[:, :, :, dst] = self.k_cache[:, :, :, src]
+            self.v_cache[:, :, dst] = self.v_cache[:, :, src]
         self._len += keep
         self._pending = 0
 
@@ -422,7 +381,7 @@ class LlamaRunner(Runner):
 
     @torch.inference_mode()
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.head(normed.to(self.head.in_dtype)).float()
+        return self.head(normed.float().contiguous())
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         for layer in layers:
@@ -468,14 +427,10 @@ class LlamaRunner(Runner):
     # ---- the model ------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
-        head = head or self.head
-        return head(self._norm(hidden, self.final_norm, head.in_dtype)).float()
+        return (head or self.head)(self._norm(hidden, self.final_norm))
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # transformers' LlamaRMSNorm, operation for operation; the result in the dtype the
-        # next matrix kernel takes
-        return F.rms_norm(x, weight.shape, weight, self.shape.rms_eps).to(dtype)
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x.contiguous(), weight, self.shape.rms_eps)
 
     def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
                  past: int, stop: int | None = None, capture: tuple[int, ...] = (),
@@ -483,111 +438,40 @@ class LlamaRunner(Runner):
         """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
         layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
         draft when the rows are not a chain; layers in ``capture`` keep their output in
-        :attr:`captured`; ``prefill`` runs the prompt formats' layers. Returns the last layer's
-        hidden states [n, hidden], float32."""
+        :attr:`captured`; ``prefill`` runs the prompt layers. Returns the last layer's hidden
+        states [n, hidden], float32."""
         s = self.shape
         n = len(tokens)
-        layers, head = (self.prefill_layers, self.prefill_head) if prefill else (self.layers, self.head)
-        multiple = head.row_multiple
-        m = -(-n // multiple) * multiple  # rows through the layers
-        positions = torch.zeros(m, dtype=torch.long)  # padding rows sit at position 0
-        positions[:n] = past + torch.tensor(depths, dtype=torch.long)
-        plan = self._plan(n, past, positions, tree)
-        x = pad_rows(self.embed[torch.tensor(tokens)], multiple)  # [m, H] float32
-        cos, sin = self.cos[positions], self.sin[positions]  # [m, 1, D]
-        heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
-        rotated = heads + kv_heads
+        layers = self.prefill_layers if prefill else self.layers
+        positions = past + torch.tensor(depths, dtype=torch.long)
         slots = torch.arange(past, past + n)
-        chunk, offset = slots // CHUNK, slots % CHUNK
+        keys, lengths = _key_slots(past, depths, tree)
+        x = self.embed[torch.tensor(tokens)]  # [n, H] float32
+        cos, sin = self.cos[positions], self.sin[positions]  # [n, D]
         if capture:
             self.captured = {}
         for i, layer in enumerate(layers[:stop]):
-            qkv = layer.qkv(self._norm(x, layer.attn_norm, layer.qkv.in_dtype))
-            qk = qkv[:, :rotated * d].view(m, rotated, d)  # q already scaled by 1/sqrt(D)
-            swapped = qk.view(m, rotated, 2, d // 2).flip(2).view(m, rotated, d)
-            qk = qk * cos + swapped * sin  # rotary embedding, [m, heads + kv heads, D]
-            self.k_cache[i, :, past:past + n] = qk[:n, heads:].transpose(0, 1)
-            self.v_cache[i][chunk, :, offset, :d] = qkv[:n, rotated * d:].view(n, kv_heads, d).float()
-            x = x + layer.o(self._attend(qk[:, :heads], i, plan, layer.o.in_dtype))
-            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm, layer.gate_up.in_dtype)
-                                     ).float().chunk(2, -1)  # [m, I] each
-            x = x + layer.down((gate * up / (1 + torch.exp(-gate))).to(layer.down.in_dtype))
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            q = kernels.rope_store(layer.qkv(self._norm(x, layer.attn_norm)), cos, sin,
+                                   s.num_heads, s.num_kv_heads, k_cache, v_cache, slots)
+            x = layer.o(kernels.attention(q, k_cache, v_cache, past, keys, lengths), x)
+            x = layer.down(kernels.swiglu(layer.gate_up(self._norm(x, layer.mlp_norm))), x)
             if i + 1 in capture:
-                self.captured[i + 1] = x[:n].clone()
-        return x[:n]
+                self.captured[i + 1] = x.clone()
+        return x
 
-    def _prepare(self, chunks: int) -> None:
-        """Initialise cache chunks up to ``chunks`` (finite keys and values, value column 1)."""
-        if chunks > self._ready:
-            new = slice(self._ready, chunks)
-            self.k_cache[:, :, self._ready * CHUNK:chunks * CHUNK] = 0
-            self.v_cache[:, new] = 0
-            self.v_cache[:, new, :, :, self.shape.head_dim] = 1
-            self._ready = chunks
 
-    def _plan(self, n: int, past: int, positions: torch.Tensor, tree: Draft | None) -> _Plan:
-        s = self.shape
-        groups = s.num_heads // s.num_kv_heads
-        m = len(positions)  # rows through the layers (padding rows: position 0)
-        rows = -(-groups * m // ROW_MULTIPLE) * ROW_MULTIPLE  # query rows of each head's GEMMs
-        chunks = -(-(past + n) // CHUNK)  # chunks holding the prefix and every new row
-        self._prepare(chunks)
-        # query rows are (group, row) pairs, group-major; rows past G m pad the GEMMs and,
-        # like the forward's padding rows, see slot 0 only
-        limit = torch.zeros(rows, dtype=torch.long)
-        limit[:groups * m] = positions.masked_fill(torch.arange(m) >= n, 0).repeat(groups)
-        if tree is None:
-            return _Plan(rows, chunks, torch.arange(chunks * CHUNK) > limit[:, None], None)
-        # Ancestor order: row r's key for position past + j sits in the slot of its ancestor
-        # at depth j (root: row 0). Columns past a row's own position are blocked anyway.
-        virtual = -(-(past + max(tree.depths) + 1) // CHUNK)
-        slots = torch.arange(virtual * CHUNK).clamp_max(past).repeat(m, 1)
-        for r in range(1, n):
-            path = tree.path_to(r - 1)
-            slots[r, past + 1:past + 1 + len(path)] = past + 1 + torch.tensor(path)
-        gather = torch.zeros(rows, virtual * CHUNK, dtype=torch.long)
-        gather[:groups * m] = slots.repeat(groups, 1)
-        start = past // CHUNK
-        tail = slots[:, start * CHUNK:]
-        return _Plan(rows, chunks, torch.arange(virtual * CHUNK) > limit[:, None],
-                     gather.expand(s.num_kv_heads, -1, -1), start, (tail // CHUNK, tail % CHUNK))
-
-    def _attend(self, q: torch.Tensor, layer: int, plan: _Plan,
-                dtype: torch.dtype) -> torch.Tensor:
-        """Attention of ``q`` [m, heads, D] over the cache (see the module docstring); the
-        result [m, heads * D] in ``dtype``."""
-        s = self.shape
-        kh, d, rows, m = s.num_kv_heads, s.head_dim, plan.rows, q.shape[0]
-        g = s.num_heads // kh
-        qg = q.new_zeros(kh, rows, d)
-        qg[:, :g * m] = q.reshape(m, kh, g, d).permute(1, 2, 0, 3).reshape(kh, g * m, d)
-        scores = qg @ self.k_cache[layer, :, :plan.chunks * CHUNK].transpose(1, 2)  # [KH, rows, L]
-        if plan.gather is not None:
-            scores = scores.gather(2, plan.gather)  # ancestor order
-        scores.masked_fill_(plan.blocked, float("-inf"))
-        p = (scores - scores.amax(-1, keepdim=True)).exp_()
-        chunks = p.shape[-1] // CHUNK
-        p = p.view(kh, rows, chunks, CHUNK).permute(2, 0, 1, 3)  # [chunks, KH, rows, C]
-        values = self.v_cache[layer]  # [all chunks, KH, C, D + VALUE_PAD]
-        if plan.gather is None:
-            out = p @ values[:chunks]  # [chunks, KH, rows, D + VALUE_PAD]
-        else:
-            t0 = plan.tail_start
-            head = p[:t0] @ values[:t0]
-            # chunks holding tree rows: each row with its own values, in ancestor order; the
-            # G query rows of one row form one GEMM, padded to 4 rows like every other
-            tail = chunks - t0
-            pt = p[t0:, :, :g * m].reshape(tail, kh, g, m, CHUNK).permute(1, 3, 0, 2, 4)
-            gp = -(-g // ROW_MULTIPLE) * ROW_MULTIPLE
-            if gp != g:
-                pt = torch.cat([pt, pt.new_zeros(kh, m, tail, gp - g, CHUNK)], 3)
-            chunk, offset = plan.tail_slots  # [m, tail C]
-            vt = values[chunk, :, offset].permute(2, 0, 1, 3).reshape(kh, m, tail, CHUNK, -1)
-            out = (pt @ vt)[:, :, :, :g]  # [KH, m, tail, G, D + VALUE_PAD]
-            out = out.permute(2, 0, 3, 1, 4).reshape(tail, kh, g * m, -1)
-            if rows > g * m:
-                out = torch.cat([out, out.new_zeros(tail, kh, rows - g * m, out.shape[-1])], 2)
-            out = torch.cat([head, out])
-        out = _sum_chunks(out)  # [KH, rows, D + VALUE_PAD]
-        out = (out[:, :g * m, :d] / out[:, :g * m, d:d + 1]).view(kh, g, m, d)
-        return out.permute(2, 0, 1, 3).to(dtype).reshape(m, kh * g * d)
+def _key_slots(past: int, depths: Sequence[int], tree: Draft | None):
+    """The cache slots each new row attends to after the ``past`` committed ones, in position
+    order: [n, max depth + 1] int32 and the count per row. A chain row i sees slots past..past+i;
+    a tree node sees the root's slot, its ancestors' and its own."""
+    n = len(depths)
+    if tree is None:
+        table = (past + torch.arange(n, dtype=torch.int32)).expand(n, n).contiguous()
+        return table, torch.arange(1, n + 1, dtype=torch.int32)
+    width = max(depths) + 1
+    table = torch.full((n, width), past, dtype=torch.int32)
+    for row in range(1, n):
+        path = tree.path_to(row - 1)
+        table[row, 1:1 + len(path)] = past + 1 + torch.tensor(path, dtype=torch.int32)
+    return table, torch.tensor(depths, dtype=torch.int32) + 1

@@ -1,0 +1,144 @@
+"""Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
+
+``cpu_kernels.cpp`` (with ``generic.h``) holds every operation of a decode or verify forward
+that adds numbers up: the linear layers of each weight format (fp32, bf16, int8 and the 4-bit
+GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
+with the cache write, and tree attention. Each output element is computed by one thread in an
+order of additions fixed by the model's sizes alone, so a row's result never depends on the
+rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
+give the same bits).
+
+The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
+on first use, with torch's ``cpp_extension`` and the machine's g++, into
+``~/.cache/specdecode/kernels/<hash of the sources and torch version>``.
+
+``SPECDECODE_KERNEL_ISA`` (avx512 | avx2 | generic) caps the instruction set, as
+``ATEN_CPU_CAPABILITY`` does for ATen: a diagnostic for testing other CPUs' code paths on this
+one, never needed in use.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h")
+#: instruction-set levels, lowest first (the extension's isa_level() numbering)
+ISA_LEVELS = ("generic", "avx2", "avx512")
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
+#: 4-bit weights: bytes per block of 16 output columns x 32 inputs (codes, then float16 d, m)
+Q4_BLOCK = 320
+#: output columns per packed tile
+TILE = 16
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_FLAGS + [torch.__version__, sys.version]).encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "specdecode" / "kernels" / digest.hexdigest()[:16]
+
+
+@functools.cache
+def load():
+    """The compiled extension, built on first use; a SpecDecodeError naming the fix where the
+    machine cannot build it."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "AMD64"):
+        raise SpecDecodeError(
+            "the native runner's kernels are written for x86-64 Linux; use --runner hf here")
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return load_extension(name="specdecode_cpu_kernels", sources=[str(_SOURCES[0])],
+                              extra_cflags=_FLAGS, build_directory=str(folder), verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "?")
+        raise SpecDecodeError(
+            f"could not build the native runner's CPU kernels ({reason}): install g++ "
+            "and the Python headers (python3-dev) and run `python -m specdecode.kernels`, or "
+            "use --runner hf") from None
+
+
+@functools.cache
+def isa() -> int:
+    """The instruction-set level the kernels run: the CPU's best, capped by
+    ``SPECDECODE_KERNEL_ISA``."""
+    best = load().isa_level()
+    cap = os.environ.get("SPECDECODE_KERNEL_ISA", "avx512")
+    if cap not in ISA_LEVELS:
+        raise SpecDecodeError(f"SPECDECODE_KERNEL_ISA={cap!r}; known: {', '.join(ISA_LEVELS)}")
+    return min(best, ISA_LEVELS.index(cap))
+
+
+def available() -> bool:
+    try:
+        load()
+    except SpecDecodeError:
+        return False
+    return True
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [N, ...] with N padded by zero rows to a multiple of TILE, as [N / TILE, TILE, ...]."""
+    extra = -t.shape[0] % TILE
+    if extra:
+        t = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+    return t.view(t.shape[0] // TILE, TILE, *t.shape[1:])
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (any dtype) -> [N / 16, K, 16]: each tile's 16 columns side by side per input."""
+    return _tiles(weight).transpose(1, 2).contiguous()
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks (w = scale * codes + minimum per 32 inputs; codes [N, K] in 0..15,
+    scale and minimum [N, K / 32], rounded to float16 as the file stores them) -> uint8
+    [N / 16, K / 32, 320]: per tile and group, byte 4c + i of slice j holds input 4j + i of
+    column c (low nibble) and input 16 + 4j + i (high nibble), then 16 scales, 16 minimums."""
+    n, k = codes.shape
+    c = _tiles(codes.to(torch.uint8)).view(-1, TILE, k // 32, 2, 4, 4)  # [T, c, g, half, j, i]
+    c = c.permute(0, 2, 3, 4, 1, 5)  # [T, g, half, j, c, i]
+    nibbles = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(-1, k // 32, 256)
+
+    def halves(t):
+        return _tiles(t.to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, halves(scale), halves(minimum)], -1).contiguous()
+
+
+def dense_linear(x, packed, n, scale=None, residual=None):
+    return load().dense_linear(x, packed, scale, residual, n, isa())
+
+
+def q4_linear(x, packed, n, residual=None):
+    return load().q4_linear(x, packed, residual, n, isa())
+
+
+def rms_norm(x, weight, eps):
+    return load().rms_norm(x, weight, eps, isa())
+
+
+def swiglu(gate_up):
+    return load().swiglu(gate_up, isa())
+
+
+def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
+    return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+
+
+def attention(q, k_cache, v_cache, past, slots, lens):
+    return load().attention(q, k_cache, v_cache, past, slots, lens, isa())

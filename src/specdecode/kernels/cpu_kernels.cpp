@@ -1,0 +1,434 @@
+// CPU kernels of the native runner (specdecode.kernels builds and loads this file).
+//
+// Every kernel is row-invariant by construction: see generic.h for the rule. The instruction
+// set is chosen at run time (AVX-512 with VNNI, AVX2 + FMA, or baseline x86-64); the integer
+// dot products are exact and the float operations are the same sequence in every variant, so
+// the variants agree bit for bit as well. Threads split output columns (or attention rows and
+// heads), never a sum.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define FMA __builtin_fmaf
+#define Q4_BLOCK 320  // bytes per (16-column tile, 32-input group): 256 of codes, 2 x 32 of scales
+
+#define WEIGHT_LOADERS                                                    \
+  static inline float load_weight(float w) { return w; }                  \
+  static inline float load_weight(int8_t w) { return (float)w; }          \
+  static inline float load_weight(uint16_t w) { /* bfloat16 bits */       \
+    uint32_t bits = (uint32_t)w << 16;                                    \
+    float f;                                                              \
+    std::memcpy(&f, &bits, 4);                                            \
+    return f;                                                             \
+  }
+
+#define DENSE_TILE dense_tile
+namespace k_generic {
+WEIGHT_LOADERS
+#include "generic.h"
+}  // namespace k_generic
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace k_avx2 {
+WEIGHT_LOADERS
+#include "generic.h"
+}  // namespace k_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#undef DENSE_TILE
+#define DENSE_TILE dense_tile_avx512
+namespace k_avx512 {
+WEIGHT_LOADERS
+
+static inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+static inline __m512 load16(const uint16_t* w) {  // bfloat16: the high half of a float32
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+// generic.h's dense_tile with the 16 columns in one register: the same fma per input
+template <typename W, int R>
+static void dense_tile_avx512(const float* x, int64_t k_dim, const W* w, float* acc_out) {
+  __m512 a[R];
+  for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; k++) {
+    const __m512 wv = load16(w + k * 16);
+    for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k_dim + k]), wv, a[r]);
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + 16 * r, a[r]);
+}
+
+#include "generic.h"
+
+// exp_fixed of generic.h, 16 lanes: the same operations in the same order
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// generic.h's attend_one for head sizes that are a multiple of 16 (at most 256), 16 keys or
+// 16 value columns per register; every key's and every column's operations are the same.
+static void attend_one_avx512(const float* q, const float* kt, const float* vc, int64_t d,
+                              int64_t cap, int64_t past, const int32_t* slots, int64_t len,
+                              float* scores, float* out) {
+  if (d % 16 != 0 || d > 256) {
+    attend_one(q, kt, vc, d, cap, past, slots, len, scores, out);
+    return;
+  }
+  // scores, 16 keys a lane each: slots before the forward directly, the rest gathered
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, len - j0);
+    const __mmask16 live = (__mmask16)((1u << count) - 1);
+    __m512 acc = _mm512_setzero_ps();
+    if (j0 + count <= past) {
+      for (int64_t i = 0; i < d; i++)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_maskz_loadu_ps(live, kt + i * cap + j0), acc);
+    } else {
+      alignas(64) int32_t idx[16];
+      for (int l = 0; l < 16; l++) {
+        const int64_t j = j0 + std::min<int64_t>(l, count - 1);
+        idx[l] = (int32_t)(j < past ? j : slots[j - past]);
+      }
+      const __m512i at = _mm512_load_si512(idx);
+      for (int64_t i = 0; i < d; i++)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_i32gather_ps(at, kt + i * cap, 4), acc);
+    }
+    _mm512_mask_storeu_ps(scores + j0, live, acc);
+  }
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
+  __m512 part = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(mx);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j0)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j0), top));
+    _mm512_mask_storeu_ps(scores + j0, live, p);
+    part = _mm512_mask_add_ps(part, live, part, p);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, part);
+  const float denom = tree16(lanes);
+  __m512 acc[16];
+  const int64_t blocks = d / 16;
+  for (int64_t b = 0; b < blocks; b++) acc[b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j++) {
+    const float* v = vc + (j < past ? j : slots[j - past]) * d;
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t b = 0; b < blocks; b++) acc[b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * b), acc[b]);
+  }
+  const __m512 den = _mm512_set1_ps(denom);
+  for (int64_t b = 0; b < blocks; b++) _mm512_storeu_ps(out + 16 * b, _mm512_div_ps(acc[b], den));
+}
+
+// The generic Q4 kernel with VPDPBUSD: R rows share each unpacked block of codes.
+template <int R>
+static void q4_tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t k_dim,
+                         const uint8_t* tile, float* acc_out) {
+  const int64_t groups = k_dim / 32;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blk = tile + g * Q4_BLOCK;
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; j++) {
+      __m512i v = _mm512_loadu_si512(blk + 64 * j);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    for (int r = 0; r < R; r++) {
+      const int8_t* xg = xq + r * k_dim + g * 32;
+      __m512i s = _mm512_setzero_si512();
+      for (int j = 0; j < 4; j++) {
+        int32_t a, b;
+        std::memcpy(&a, xg + 4 * j, 4);
+        std::memcpy(&b, xg + 16 + 4 * j, 4);
+        s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(a));
+        s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(b));
+      }
+      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + 16 * r, acc[r]);
+}
+
+static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t m,
+                            int64_t k_dim, const uint8_t* packed, const float* residual,
+                            float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t groups = k_dim / 32;
+  alignas(64) float acc[4 * 16];
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = packed + t * groups * Q4_BLOCK;
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+      int rows = (int)std::min<int64_t>(4, m - r0);
+      const int8_t* x = xq + r0 * k_dim;
+      const float* gx = dx + r0 * groups;
+      const float* gs = sx + r0 * groups;
+      switch (rows) {
+        case 4: q4_tile_vnni<4>(x, gx, gs, k_dim, tile, acc); break;
+        case 3: q4_tile_vnni<3>(x, gx, gs, k_dim, tile, acc); break;
+        case 2: q4_tile_vnni<2>(x, gx, gs, k_dim, tile, acc); break;
+        default: q4_tile_vnni<1>(x, gx, gs, k_dim, tile, acc); break;
+      }
+      for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 16 && t * 16 + c < n; c++) {
+          int64_t col = t * 16 + c, at = (r0 + r) * n + col;
+          y[at] = residual ? residual[at] + acc[r * 16 + c] : acc[r * 16 + c];
+        }
+    }
+  }
+}
+}  // namespace k_avx512
+#pragma GCC pop_options
+#undef DENSE_TILE
+
+namespace {
+
+enum Isa { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
+
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  return GENERIC;
+}
+
+#define DISPATCH(isa, fn, ...)                          \
+  do {                                                  \
+    if ((isa) >= AVX512) k_avx512::fn(__VA_ARGS__);     \
+    else if ((isa) == AVX2) k_avx2::fn(__VA_ARGS__);    \
+    else k_generic::fn(__VA_ARGS__);                    \
+  } while (0)
+
+void check_rows(const at::Tensor& x, int64_t k, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == k,
+              what, ": expected a contiguous float32 [rows, ", k, "] tensor, got ", x.sizes());
+}
+
+const float* residual_ptr(const c10::optional<at::Tensor>& residual, int64_t m, int64_t n) {
+  if (!residual) return nullptr;
+  check_rows(*residual, n, "residual");
+  TORCH_CHECK(residual->size(0) == m, "residual has ", residual->size(0), " rows, not ", m);
+  return residual->data_ptr<float>();
+}
+
+// a grain that gives every thread a similar share of column tiles
+int64_t tile_grain(int64_t tiles) {
+  int64_t threads = at::get_num_threads();
+  return std::max<int64_t>(1, (tiles + threads - 1) / threads);
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& scale,
+                        const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.is_contiguous(),
+              "dense weights must be packed [N / 16, K, 16]");
+  const int64_t k = packed.size(1), m = x.size(0), tiles = packed.size(0);
+  check_rows(x, k, "dense_linear input");
+  TORCH_CHECK(tiles * 16 >= n, "packed weights hold ", tiles * 16, " columns, not ", n);
+  const float* res = residual_ptr(residual, m, n);
+  const float* sc = scale ? scale->data_ptr<float>() : nullptr;
+  auto y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    switch (packed.scalar_type()) {
+      case at::kFloat:
+        DISPATCH(isa, dense_columns<float>, xp, m, k, packed.data_ptr<float>(), sc, res, yp, n, t0, t1);
+        break;
+      case at::kBFloat16:
+        DISPATCH(isa, dense_columns<uint16_t>, xp, m, k,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), sc, res, yp, n, t0, t1);
+        break;
+      case at::kChar:
+        DISPATCH(isa, dense_columns<int8_t>, xp, m, k, packed.data_ptr<int8_t>(), sc, res, yp, n, t0, t1);
+        break;
+      default:
+        TORCH_CHECK(false, "dense weights must be float32, bfloat16 or int8");
+    }
+  });
+  return y;
+}
+
+// x ~ dx * xq per row and 32 inputs: dx = max|x| / 127, xq = round(x * 127 / max|x|)
+void quantise_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, float* sx) {
+  const int64_t groups = k / 32;
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = x + r * k + g * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xg[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t total = 0;
+      for (int i = 0; i < 32; i++) {
+        int32_t q = (int32_t)std::nearbyint(xg[i] * inv);
+        q = std::min(127, std::max(-127, q));
+        xq[r * k + g * 32 + i] = (int8_t)q;
+        total += q;
+      }
+      dx[r * groups + g] = amax / 127.0f;
+      sx[r * groups + g] = dx[r * groups + g] * (float)total;
+    }
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == Q4_BLOCK && packed.scalar_type() == at::kByte &&
+              packed.is_contiguous(), "q4 weights must be packed uint8 [N / 16, K / 32, 320]");
+  const int64_t tiles = packed.size(0), k = packed.size(1) * 32, m = x.size(0);
+  check_rows(x, k, "q4_linear input");
+  TORCH_CHECK(tiles * 16 >= n, "packed weights hold ", tiles * 16, " columns, not ", n);
+  const float* res = residual_ptr(residual, m, n);
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> dx(m * (k / 32)), sx(m * (k / 32));
+  quantise_rows(x.data_ptr<float>(), m, k, xq.data(), dx.data(), sx.data());
+  auto y = at::empty({m, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    if (isa >= AVX512)
+      k_avx512::q4_columns_vnni(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
+    else if (isa == AVX2)
+      k_avx2::q4_columns_generic(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
+    else
+      k_generic::q4_columns_generic(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
+  });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  const int64_t h = weight.numel();
+  check_rows(x, h, "rms_norm input");
+  auto y = at::empty_like(x);
+  DISPATCH(isa, rms_norm_rows, x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(),
+           x.size(0), h, (float)eps);
+  return y;
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu takes [rows, 2 I]");
+  check_rows(gate_up, gate_up.size(1), "swiglu input");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto y = at::empty({gate_up.size(0), inter}, gate_up.options());
+  DISPATCH(isa, swiglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), gate_up.size(0), inter);
+  return y;
+}
+
+// Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
+// into the layer's key cache [KH, D, capacity] (transposed), v into its value cache
+// [KH, capacity, D], at ``slots``; returns q [m, H, D].
+// cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots) {
+  const int64_t m = qkv.size(0), d = cos.size(1), half = d / 2, cap = v_cache.size(1);
+  check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
+  check_rows(cos, d, "rope cos");
+  check_rows(sin, d, "rope sin");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == d &&
+              k_cache.size(2) == cap && v_cache.size(2) == d,
+              "caches must be contiguous [KH, D, capacity] (keys) and [KH, capacity, D] (values)");
+  auto q = at::empty({m, heads, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  for (int64_t r = 0; r < m; r++) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
+    const float* row = src + r * (heads + 2 * kv_heads) * d;
+    const float *c = cos.data_ptr<float>() + r * d, *s = sin.data_ptr<float>() + r * d;
+    for (int64_t h = 0; h < heads + kv_heads; h++) {
+      const float* x = row + h * d;
+      for (int64_t i = 0; i < d; i++) {
+        const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
+        if (h < heads) qp[(r * heads + h) * d + i] = a + b;
+        else kp[((h - heads) * d + i) * cap + slot[r]] = a + b;
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; h++)
+      std::memcpy(vp + (h * cap + slot[r]) * d, row + (heads + kv_heads + h) * d, d * sizeof(float));
+  }
+  return q;
+}
+
+// q [m, H, D]; caches [KH, D, capacity] (keys), [KH, capacity, D] (values); row r sees positions 0..past-1 (slots 0..past-1) and
+// then slots[r, :lens[r]]. Returns [m, H * D].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
+  const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
+  const int64_t cap = v_cache.size(1), width = slots.size(1);
+  TORCH_CHECK(heads % kv == 0 && k_cache.size(1) == d && k_cache.size(2) == cap &&
+              v_cache.size(2) == d && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and cache shapes disagree");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
+              slots.is_contiguous() && slots.size(0) == m && lens.numel() == m, "bad slot table");
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < m; r++) {
+    TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
+    for (int64_t i = 0; i < lp[r]; i++)
+      TORCH_CHECK(sp[r * width + i] >= 0 && sp[r * width + i] < cap, "slot out of range");
+  }
+  auto out = at::empty({m, heads * d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = heads / kv;
+  at::parallel_for(0, m * heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(past + width);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t r = i / heads, h = i % heads, kvh = h / group;
+      const float *qi = qp + i * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
+      const int64_t len = past + lp[r];
+      float* o = op + i * d;
+      if (isa >= AVX512)
+        k_avx512::attend_one_avx512(qi, kt, vc, d, cap, past, sp + r * width, len, scores.data(), o);
+      else
+        DISPATCH(isa, attend_one, qi, kt, vc, d, cap, past, sp + r * width, len, scores.data(), o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa_level", &detect_isa, "2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
+  m.def("dense_linear", &dense_linear);
+  m.def("q4_linear", &q4_linear);
+  m.def("rms_norm", &rms_norm);
+  m.def("swiglu", &swiglu);
+  m.def("rope_store", &rope_store);
+  m.def("attention", &attention);
+}

@@ -1,0 +1,208 @@
+// Portable kernels of the native runner, included once per instruction set (cpu_kernels.cpp
+// compiles this file under several `#pragma GCC target` regions, each in its own namespace).
+//
+// The rule every function here keeps: an output element is computed by one thread, with a
+// sequence of floating-point operations that depends only on the model's sizes (K, D, H, a
+// row's own context length), never on how many rows share the call or where a row sits in it.
+// Reductions go through fixed "lanes" (element i adds into lane i % 16, in index order) folded
+// by a fixed pairwise tree; products that should fuse are written as std::fma, and the file is
+// compiled with -ffp-contract=off, so the compiler fuses nothing else. The same code compiled
+// for AVX-512, AVX2 or baseline x86-64 therefore gives the same bits.
+
+static inline float tree16(float* part) {
+  for (int s = 8; s > 0; s /= 2)
+    for (int l = 0; l < s; l++) part[l] += part[l + s];
+  return part[0];
+}
+
+static inline float dot_lanes(const float* a, const float* b, int n) {
+  float part[16] = {0};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; l++) part[l] = FMA(a[i + l], b[i + l], part[l]);
+  for (int l = 0; i + l < n; l++) part[l] = FMA(a[i + l], b[i + l], part[l]);
+  return tree16(part);
+}
+
+// exp(x) for x in [-87, 88] (clamped): Cephes' expf polynomial (about 1 ulp), branch-free so
+// that it vectorises, and the same bits in every lane and on every instruction set.
+static inline float exp_fixed(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = FMA(n, -0.693359375f, x);
+  r = FMA(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = FMA(p, r, 1.3981999507e-3f);
+  p = FMA(p, r, 8.3334519073e-3f);
+  p = FMA(p, r, 4.1665795894e-2f);
+  p = FMA(p, r, 1.6666665459e-1f);
+  p = FMA(p, r, 5.0000001201e-1f);
+  p = FMA(p, r * r, r) + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+static inline float half_to_float(uint16_t h) {
+  // exact IEEE binary16 -> binary32 (finite values: GGUF scales)
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; e++; } while (!(man & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static void rms_norm_rows(const float* x, const float* w, float* y, int64_t m, int64_t h,
+                          float eps) {
+  for (int64_t r = 0; r < m; r++) {
+    const float* xr = x + r * h;
+    float ms = dot_lanes(xr, xr, (int)h) / (float)h;
+    float inv = 1.0f / __builtin_sqrtf(ms + eps);
+    for (int64_t i = 0; i < h; i++) y[r * h + i] = (xr[i] * inv) * w[i];
+  }
+}
+
+// silu(gate) * up for [m, 2I] rows (gate then up): gate * up / (1 + exp(-gate))
+static void swiglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
+  for (int64_t r = 0; r < m; r++) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    for (int64_t i = 0; i < inter; i++) y[r * inter + i] = g[i] * u[i] / (1.0f + exp_fixed(-g[i]));
+  }
+}
+
+// Dense weights packed [N / 16][K][16]; acc[r][c] = sum over k in order of fma(x, w, acc).
+// DENSE_TILE is this tile, or an instruction-set version of it with the same operations.
+template <typename W, int R>
+static void dense_tile(const float* x, int64_t k_dim, const W* w, float* acc) {
+  float a[R][16] = {};
+  for (int64_t k = 0; k < k_dim; k++) {
+    float wv[16];
+    for (int c = 0; c < 16; c++) wv[c] = load_weight(w[k * 16 + c]);
+    for (int r = 0; r < R; r++) {
+      float xv = x[r * k_dim + k];
+      for (int c = 0; c < 16; c++) a[r][c] = FMA(xv, wv[c], a[r][c]);
+    }
+  }
+  std::memcpy(acc, a, sizeof(a));
+}
+
+template <typename W>
+static void dense_columns(const float* x, int64_t m, int64_t k_dim, const W* packed,
+                          const float* scale, const float* residual, float* y, int64_t n,
+                          int64_t t0, int64_t t1) {
+  float acc[4 * 16];
+  for (int64_t t = t0; t < t1; t++) {
+    const W* w = packed + t * k_dim * 16;
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+      int rows = (int)std::min<int64_t>(4, m - r0);
+      const float* xr = x + r0 * k_dim;
+      switch (rows) {
+        case 4: DENSE_TILE<W, 4>(xr, k_dim, w, acc); break;
+        case 3: DENSE_TILE<W, 3>(xr, k_dim, w, acc); break;
+        case 2: DENSE_TILE<W, 2>(xr, k_dim, w, acc); break;
+        default: DENSE_TILE<W, 1>(xr, k_dim, w, acc); break;
+      }
+      for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 16 && t * 16 + c < n; c++) {
+          int64_t col = t * 16 + c;
+          float v = scale ? acc[r * 16 + c] * scale[col] : acc[r * 16 + c];
+          y[(r0 + r) * n + col] = residual ? residual[(r0 + r) * n + col] + v : v;
+        }
+    }
+  }
+}
+
+// 4-bit weights (GGUF Q4_1: w = d * q + m per 32 inputs) times int8 activations quantised per
+// row and per 32 (x ~ dx * xq). Block of one column tile and one group: 256 bytes of codes
+// (byte 4c + i of slice j holds input 4j + i of column c in its low nibble and input
+// 16 + 4j + i in its high nibble), then d and m of the 16 columns as float16.
+// The integer dot product of a group is exact, so only the float folds order the result:
+// acc = fma(isum, d * dx, acc); acc = fma(m, dx * sum(xq), acc), group after group.
+static void q4_columns_generic(const int8_t* xq, const float* dx, const float* sx, int64_t m,
+                               int64_t k_dim, const uint8_t* packed, const float* residual,
+                               float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t groups = k_dim / 32;
+  for (int64_t t = t0; t < t1; t++) {
+    for (int64_t r = 0; r < m; r++) {
+      float acc[16] = {};
+      const int8_t* xr = xq + r * k_dim;
+      for (int64_t g = 0; g < groups; g++) {
+        const uint8_t* blk = packed + (t * groups + g) * Q4_BLOCK;
+        const int8_t* xg = xr + g * 32;
+        int32_t isum[16] = {};
+        for (int j = 0; j < 4; j++)
+          for (int c = 0; c < 16; c++)
+            for (int i = 0; i < 4; i++) {
+              uint8_t b = blk[j * 64 + 4 * c + i];
+              isum[c] += (int32_t)(b & 15) * xg[4 * j + i] + (int32_t)(b >> 4) * xg[16 + 4 * j + i];
+            }
+        const uint16_t* dm = reinterpret_cast<const uint16_t*>(blk + 256);
+        float gx = dx[r * groups + g], gs = sx[r * groups + g];
+        for (int c = 0; c < 16; c++) {
+          acc[c] = FMA((float)isum[c], half_to_float(dm[c]) * gx, acc[c]);
+          acc[c] = FMA(half_to_float(dm[16 + c]), gs, acc[c]);
+        }
+      }
+      for (int c = 0; c < 16 && t * 16 + c < n; c++) {
+        int64_t col = t * 16 + c;
+        y[r * n + col] = residual ? residual[r * n + col] + acc[c] : acc[c];
+      }
+    }
+  }
+}
+
+// Attention of one (row, head): keys are logical positions 0..len-1, position j held in cache
+// slot j for j < past and slots[j - past] after (a tree row's ancestors in depth order, so it
+// sees the same keys in the same order as plain decoding will after the commit). Keys are
+// cached transposed, kt [D][capacity], so that a score is one fma chain over d in order,
+// whether it is computed 64 keys at a time (slots before the forward) or alone (its own rows).
+// Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]), then / sum p.
+static void attend_one(const float* q, const float* kt, const float* vc, int64_t d,
+                       int64_t cap, int64_t past, const int32_t* slots, int64_t len,
+                       float* scores, float* out) {
+  int64_t j0 = 0;
+  for (; j0 + 64 <= past; j0 += 64) {
+    float acc[64] = {};
+    for (int64_t i = 0; i < d; i++) {
+      const float qi = q[i], *row = kt + i * cap + j0;
+      for (int l = 0; l < 64; l++) acc[l] = FMA(qi, row[l], acc[l]);
+    }
+    for (int l = 0; l < 64; l++) scores[j0 + l] = acc[l];
+  }
+  for (int64_t j = j0; j < len; j++) {
+    const int64_t s = j < past ? j : slots[j - past];
+    float acc = 0.0f;
+    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], kt[i * cap + s], acc);
+    scores[j] = acc;
+  }
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
+  for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
+  float part[16] = {0};
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16)
+    for (int l = 0; l < 16; l++) part[l] += scores[j + l];
+  for (int l = 0; j + l < len; l++) part[l] += scores[j + l];
+  const float denom = tree16(part);
+  for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+  for (int64_t jj = 0; jj < len; jj++) {
+    const int64_t s = jj < past ? jj : slots[jj - past];
+    const float* v = vc + s * d;
+    const float p = scores[jj];
+    for (int64_t i = 0; i < d; i++) out[i] = FMA(p, v[i], out[i]);
+  }
+  for (int64_t i = 0; i < d; i++) out[i] = out[i] / denom;
+}

@@ -1,0 +1,122 @@
+"""The native runner's CPU kernels: right answers, every row count and every position of a row
+in a call bitwise the same, and the same bits from every instruction-set variant (AVX-512,
+AVX2, baseline x86-64), whichever this CPU would pick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import kernels
+from specdecode.models.quant import int4_weights, quantize_int4
+
+ISAS = range(len(kernels.ISA_LEVELS))  # every variant runs on any CPU that has the highest
+ROWS = 64
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = kernels.load()
+    if ext.isa_level() < kernels.ISA_LEVELS.index("avx512"):
+        pytest.skip("this CPU lacks AVX-512 VNNI: the AVX-512 variant cannot run here")
+    return ext
+
+
+def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
+    """``call`` on all rows of ``x`` at once equals it on every smaller block of rows, for every
+    row count 1..len(x) and every position of a row in the block."""
+    together = call(x)
+    for m in range(1, len(x) + 1):
+        for start in {0, (len(x) - m) // 2, len(x) - m}:
+            part = call(x[start:start + m].contiguous())
+            assert torch.equal(part, together[start:start + m]), (m, start)
+    return together
+
+
+def test_dense_formats(ext):
+    gen = torch.Generator().manual_seed(0)
+    n, k = 200, 96  # a last, partial tile of columns
+    w, x = torch.randn(n, k, generator=gen), torch.randn(ROWS, k, generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.5
+    for dtype, sc in ((torch.float32, None), (torch.bfloat16, None), (torch.int8, scale)):
+        wq = (w * 20).round().clamp(-127, 127).to(torch.int8) if dtype == torch.int8 else w.to(dtype)
+        packed = kernels.pack_dense(wq)
+        outs = [assert_row_invariant(lambda rows: ext.dense_linear(rows, packed, sc, None, n, isa), x)
+                for isa in ISAS]
+        assert all(torch.equal(o, outs[0]) for o in outs), dtype
+        expected = x.double() @ wq.double().T * (1 if sc is None else sc.double())
+        assert (outs[0] - expected).abs().max() < 1e-3, dtype
+    residual = torch.randn(ROWS, n, generator=gen)
+    packed = kernels.pack_dense(w)
+    with_residual = ext.dense_linear(x, packed, None, residual, n, 2)
+    assert torch.equal(with_residual, residual + ext.dense_linear(x, packed, None, None, n, 2))
+
+
+def test_q4_times_int8_activations(ext):
+    gen = torch.Generator().manual_seed(1)
+    n, k = 72, 128
+    w, x = torch.randn(n, k, generator=gen), torch.randn(ROWS, k, generator=gen)
+    codes, scale, minimum = quantize_int4(w)
+    packed = kernels.pack_q4(codes, scale, minimum)
+    outs = [assert_row_invariant(lambda rows: ext.q4_linear(rows, packed, None, n, isa), x)
+            for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    # the file's weights times activations rounded to int8 per 32: about 1% of the scale
+    exact = x @ int4_weights(codes, scale, minimum).T
+    relative = float((outs[0] - exact).abs().max() / exact.abs().max())
+    assert 0 < relative < 0.02, relative
+    assert torch.equal(ext.q4_linear(torch.zeros(1, k), packed, None, n, 2), torch.zeros(1, n))
+
+
+def test_norm_and_swiglu(ext):
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(ROWS, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    outs = [assert_row_invariant(lambda rows: ext.rms_norm(rows, w, 1e-5, isa), h) for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert (outs[0] - torch.nn.functional.rms_norm(h, (576,), w, 1e-5)).abs().max() < 1e-5
+    gu = torch.randn(ROWS, 2 * 200, generator=gen) * 6
+    outs = [assert_row_invariant(lambda rows: ext.swiglu(rows, isa), gu) for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    gate, up = gu.chunk(2, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert (outs[0] - expected).abs().max() / expected.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("d", [16, 64, 24])
+def test_attention_rows_see_their_keys_in_order(ext, d):
+    gen = torch.Generator().manual_seed(d)
+    heads, kv, cap = 4, 2, 300
+    keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
+    for past in (0, 5, 64, 130):
+        q = torch.randn(ROWS, heads, d, generator=gen)
+
+        def chain(rows, isa):  # row r of a block sees past..past+r, as in a chain forward
+            m = len(rows)
+            table = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
+            return ext.attention(rows, keys, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), isa)
+
+        outs = [chain(q, isa) for isa in ISAS]
+        assert all(torch.equal(o, outs[0]) for o in outs), past
+        for r in (0, 17, ROWS - 1):
+            # the same row alone, its earlier rows committed: the same keys, the same bits
+            alone = ext.attention(q[r:r + 1].contiguous(), keys, values, past + r,
+                                  torch.tensor([[past + r]], dtype=torch.int32),
+                                  torch.tensor([1], dtype=torch.int32), 2)
+            assert torch.equal(alone[0], outs[0][r]), (past, r)
+            n = past + r + 1
+            scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, :n].repeat_interleave(2, 0))
+            expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
+                                    values[:, :n].repeat_interleave(2, 0))
+            assert (outs[0][r] - expected.reshape(-1)).abs().max() < 1e-4
+
+
+def test_unknown_isa_limit_is_named(monkeypatch):
+    monkeypatch.setenv("SPECDECODE_KERNEL_ISA", "sse9")
+    kernels.isa.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="SPECDECODE_KERNEL_ISA='sse9'; known: generic, avx2, avx512"):
+            kernels.isa()
+    finally:
+        monkeypatch.undo()
+        kernels.isa.cache_clear()
