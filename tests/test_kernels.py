@@ -86,21 +86,22 @@ def test_norm_and_swiglu(ext):
 @pytest.mark.parametrize("d", [16, 64, 24])
 def test_attention_rows_see_their_keys_in_order(ext, d):
     gen = torch.Generator().manual_seed(d)
-    heads, kv, cap = 4, 2, 300
+    heads, kv, cap = 4, 2, 304
     keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
+    blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()  # the cache's layout
     for past in (0, 5, 64, 130):
         q = torch.randn(ROWS, heads, d, generator=gen)
 
         def chain(rows, isa):  # row r of a block sees past..past+r, as in a chain forward
             m = len(rows)
             table = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
-            return ext.attention(rows, keys, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), isa)
+            return ext.attention(rows, blocked, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), isa)
 
         outs = [chain(q, isa) for isa in ISAS]
         assert all(torch.equal(o, outs[0]) for o in outs), past
         for r in (0, 17, ROWS - 1):
             # the same row alone, its earlier rows committed: the same keys, the same bits
-            alone = ext.attention(q[r:r + 1].contiguous(), keys, values, past + r,
+            alone = ext.attention(q[r:r + 1].contiguous(), blocked, values, past + r,
                                   torch.tensor([[past + r]], dtype=torch.int32),
                                   torch.tensor([1], dtype=torch.int32), 2)
             assert torch.equal(alone[0], outs[0][r]), (past, r)

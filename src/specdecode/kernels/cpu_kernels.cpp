@@ -94,30 +94,42 @@ static inline __m512 exp16(__m512 x) {
 // generic.h's attend_one for head sizes that are a multiple of 16 (at most 256), 16 keys or
 // 16 value columns per register; every key's and every column's operations are the same.
 static void attend_one_avx512(const float* q, const float* kt, const float* vc, int64_t d,
-                              int64_t cap, int64_t past, const int32_t* slots, int64_t len,
-                              float* scores, float* out) {
+                              int64_t past, const int32_t* slots, int64_t len, float* scores,
+                              float* out) {
   if (d % 16 != 0 || d > 256) {
-    attend_one(q, kt, vc, d, cap, past, slots, len, scores, out);
+    attend_one(q, kt, vc, d, past, slots, len, scores, out);
     return;
   }
-  // scores, 16 keys a lane each: slots before the forward directly, the rest gathered
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+  // scores of slots before the forward, 4 blocks of 16 keys at once (independent chains)
+  int64_t j0 = 0;
+  for (; j0 + 64 <= past; j0 += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* blk = kt + (j0 / 16) * d * 16;
+    for (int64_t i = 0; i < d; i++) {
+      const __m512 qi = _mm512_set1_ps(q[i]);
+      a0 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + i * 16), a0);
+      a1 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (d + i) * 16), a1);
+      a2 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (2 * d + i) * 16), a2);
+      a3 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (3 * d + i) * 16), a3);
+    }
+    _mm512_storeu_ps(scores + j0, a0);
+    _mm512_storeu_ps(scores + j0 + 16, a1);
+    _mm512_storeu_ps(scores + j0 + 32, a2);
+    _mm512_storeu_ps(scores + j0 + 48, a3);
+  }
+  // the rest, 16 keys a register, gathered from their slots
+  for (; j0 < len; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, len - j0);
     const __mmask16 live = (__mmask16)((1u << count) - 1);
-    __m512 acc = _mm512_setzero_ps();
-    if (j0 + count <= past) {
-      for (int64_t i = 0; i < d; i++)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_maskz_loadu_ps(live, kt + i * cap + j0), acc);
-    } else {
-      alignas(64) int32_t idx[16];
-      for (int l = 0; l < 16; l++) {
-        const int64_t j = j0 + std::min<int64_t>(l, count - 1);
-        idx[l] = (int32_t)(j < past ? j : slots[j - past]);
-      }
-      const __m512i at = _mm512_load_si512(idx);
-      for (int64_t i = 0; i < d; i++)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_i32gather_ps(at, kt + i * cap, 4), acc);
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; l++) {
+      const int64_t j = j0 + std::min<int64_t>(l, count - 1);
+      idx[l] = (int32_t)key_at(j < past ? j : slots[j - past], 0, d);
     }
+    const __m512i at = _mm512_load_si512(idx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i++)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_i32gather_ps(at, kt + i * 16, 4), acc);
     _mm512_mask_storeu_ps(scores + j0, live, acc);
   }
   float mx = -INFINITY;
@@ -165,14 +177,15 @@ static void q4_tile_vnni(const int8_t* xq, const float* dx, const float* sx, int
     __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     for (int r = 0; r < R; r++) {
       const int8_t* xg = xq + r * k_dim + g * 32;
-      __m512i s = _mm512_setzero_si512();
+      __m512i s0 = _mm512_setzero_si512(), s1 = s0;  // two chains; integer sums are exact
       for (int j = 0; j < 4; j++) {
         int32_t a, b;
         std::memcpy(&a, xg + 4 * j, 4);
         std::memcpy(&b, xg + 16 + 4 * j, 4);
-        s = _mm512_dpbusd_epi32(s, lo[j], _mm512_set1_epi32(a));
-        s = _mm512_dpbusd_epi32(s, hi[j], _mm512_set1_epi32(b));
+        s0 = _mm512_dpbusd_epi32(s0, lo[j], _mm512_set1_epi32(a));
+        s1 = _mm512_dpbusd_epi32(s1, hi[j], _mm512_set1_epi32(b));
       }
+      const __m512i s = _mm512_add_epi32(s0, s1);
       __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
@@ -347,7 +360,7 @@ at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) {
 }
 
 // Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
-// into the layer's key cache [KH, D, capacity] (transposed), v into its value cache
+// into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
 // [KH, capacity, D], at ``slots``; returns q [m, H, D].
 // cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -357,9 +370,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
   check_rows(cos, d, "rope cos");
   check_rows(sin, d, "rope sin");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == d &&
-              k_cache.size(2) == cap && v_cache.size(2) == d,
-              "caches must be contiguous [KH, D, capacity] (keys) and [KH, capacity, D] (values)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(1) * 16 == cap && k_cache.size(2) == d && v_cache.size(2) == d,
+              "caches must be contiguous [KH, capacity / 16, D, 16] (keys) and [KH, capacity, D] (values)");
   auto q = at::empty({m, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -373,7 +386,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
       for (int64_t i = 0; i < d; i++) {
         const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
         if (h < heads) qp[(r * heads + h) * d + i] = a + b;
-        else kp[((h - heads) * d + i) * cap + slot[r]] = a + b;
+        else kp[(h - heads) * cap * d + (slot[r] / 16) * d * 16 + i * 16 + slot[r] % 16] = a + b;
       }
     }
     for (int64_t h = 0; h < kv_heads; h++)
@@ -382,16 +395,16 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-// q [m, H, D]; caches [KH, D, capacity] (keys), [KH, capacity, D] (values); row r sees positions 0..past-1 (slots 0..past-1) and
-// then slots[r, :lens[r]]. Returns [m, H * D].
+// q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values); row r
+// sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]]. Returns [m, H * D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
   const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
   const int64_t cap = v_cache.size(1), width = slots.size(1);
-  TORCH_CHECK(heads % kv == 0 && k_cache.size(1) == d && k_cache.size(2) == cap &&
-              v_cache.size(2) == d && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q and cache shapes disagree");
+  TORCH_CHECK(heads % kv == 0 && k_cache.dim() == 4 && k_cache.size(1) * 16 == cap &&
+              k_cache.size(2) == d && v_cache.size(2) == d && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "q and cache shapes disagree");
   TORCH_CHECK(slots.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
               slots.is_contiguous() && slots.size(0) == m && lens.numel() == m, "bad slot table");
   const int32_t* sp = slots.data_ptr<int32_t>();
@@ -413,9 +426,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const int64_t len = past + lp[r];
       float* o = op + i * d;
       if (isa >= AVX512)
-        k_avx512::attend_one_avx512(qi, kt, vc, d, cap, past, sp + r * width, len, scores.data(), o);
+        k_avx512::attend_one_avx512(qi, kt, vc, d, past, sp + r * width, len, scores.data(), o);
       else
-        DISPATCH(isa, attend_one, qi, kt, vc, d, cap, past, sp + r * width, len, scores.data(), o);
+        DISPATCH(isa, attend_one, qi, kt, vc, d, past, sp + r * width, len, scores.data(), o);
     }
   });
   return out;

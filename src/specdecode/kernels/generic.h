@@ -167,25 +167,30 @@ static void q4_columns_generic(const int8_t* xq, const float* dx, const float* s
 // Attention of one (row, head): keys are logical positions 0..len-1, position j held in cache
 // slot j for j < past and slots[j - past] after (a tree row's ancestors in depth order, so it
 // sees the same keys in the same order as plain decoding will after the commit). Keys are
-// cached transposed, kt [D][capacity], so that a score is one fma chain over d in order,
-// whether it is computed 64 keys at a time (slots before the forward) or alone (its own rows).
-// Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]), then / sum p.
+// cached in blocks of 16 slots, kt [capacity / 16][D][16], so that a score is one fma chain
+// over d in order whether it is computed 16 keys at a time (slots before the forward) or alone
+// (its own rows). Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]),
+// then / sum p.
+static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
+  return (slot / 16) * d * 16 + i * 16 + slot % 16;
+}
+
 static void attend_one(const float* q, const float* kt, const float* vc, int64_t d,
-                       int64_t cap, int64_t past, const int32_t* slots, int64_t len,
-                       float* scores, float* out) {
+                       int64_t past, const int32_t* slots, int64_t len, float* scores,
+                       float* out) {
   int64_t j0 = 0;
-  for (; j0 + 64 <= past; j0 += 64) {
-    float acc[64] = {};
+  for (; j0 + 16 <= past; j0 += 16) {
+    float acc[16] = {};
     for (int64_t i = 0; i < d; i++) {
-      const float qi = q[i], *row = kt + i * cap + j0;
-      for (int l = 0; l < 64; l++) acc[l] = FMA(qi, row[l], acc[l]);
+      const float qi = q[i], *row = kt + key_at(j0, i, d);
+      for (int l = 0; l < 16; l++) acc[l] = FMA(qi, row[l], acc[l]);
     }
-    for (int l = 0; l < 64; l++) scores[j0 + l] = acc[l];
+    for (int l = 0; l < 16; l++) scores[j0 + l] = acc[l];
   }
   for (int64_t j = j0; j < len; j++) {
     const int64_t s = j < past ? j : slots[j - past];
     float acc = 0.0f;
-    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], kt[i * cap + s], acc);
+    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], kt[key_at(s, i, d)], acc);
     scores[j] = acc;
   }
   float mx = -INFINITY;

@@ -218,7 +218,7 @@ class LlamaRunner(Runner):
         require(inv_freq.numel() * 2 == shape.head_dim,
                 f"rope has {inv_freq.numel() * 2} dimensions but heads have {shape.head_dim}; "
                 "partial rotary embeddings need --runner hf")
-        self.capacity = shape.max_context + max_draft
+        self.capacity = -(-(shape.max_context + max_draft) // 16) * 16  # whole key blocks
         freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         # q * cos + rotate_half(q) * sin with rotate_half(q) = (-q2, q1), as transformers
@@ -234,11 +234,11 @@ class LlamaRunner(Runner):
         self._capture: tuple[int, ...] = ()
         self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
         self._exit_layer = 0
-        # keys [layer, kv head, D, slot] (a score is one fma chain over D, 64 slots at a time),
-        # values [layer, kv head, slot, D]; empty, not zeros: attention reads only slots that
-        # were written
+        # keys in blocks of 16 slots, [layer, kv head, slot / 16, D, slot % 16] (a score is one
+        # fma chain over D, 16 slots a register), values [layer, kv head, slot, D]; empty, not
+        # zeros: attention reads only slots that were written
         kh, d = shape.num_kv_heads, shape.head_dim
-        self.k_cache = torch.empty(shape.num_layers, kh, d, self.capacity)
+        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity // 16, d, 16)
         self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
         self._len = 0
         self._pending = 0
@@ -357,7 +357,8 @@ class LlamaRunner(Runner):
             # the accepted path is not the first rows: move its rows next to the root's
             src = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
             dst = torch.arange(self._len, self._len + keep)
-            self.k_cache[:, :, :, dst] = self.k_cache[:, :, :, src]
+            k = self.k_cache
+            k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
             self.v_cache[:, :, dst] = self.v_cache[:, :, src]
         self._len += keep
         self._pending = 0
