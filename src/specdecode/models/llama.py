@@ -101,13 +101,14 @@ class LlamaShape:
 
 
 def runs(config) -> bool:
-    """Whether the native runner runs a model of this transformers config."""
+    """Whether the native runner runs a model of this transformers config on this machine
+    (its kernels compile here)."""
     try:
         LlamaShape.from_config(config)
         rope_frequencies(config)
     except SpecDecodeError:
         return False
-    return True
+    return kernels.available()
 
 
 def rope_frequencies(config) -> tuple[torch.Tensor, float]:
