@@ -1,6 +1,6 @@
 """``summary.json`` -> ``report.md`` (per task and overall tables) and PNG plots
 (``speedup.png``: speedup over ``ar`` per task per contender; ``accepted_hist.png``: the
-accepted-length histogram per method). matplotlib is imported only here, and only if present.
+accepted-length histogram per method). matplotlib (a base dependency) is imported only here.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def plots(summary: dict, histograms: dict[str, dict[int, int]], out: Path) -> li
     try:
         import matplotlib
     except ImportError:
-        return "matplotlib is not installed (pip install 'specdecode[bench]'); no plots"
+        return "matplotlib is not installed (pip install matplotlib, or run scripts/setup.sh); no plots"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
