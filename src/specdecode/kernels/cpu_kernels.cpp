@@ -91,31 +91,31 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// generic.h's attend_one for head sizes that are a multiple of 16 (at most 256), 16 keys or
-// 16 value columns per register; every key's and every column's operations are the same.
-static void attend_one_avx512(const float* q, const float* kt, const float* vc, int64_t d,
-                              int64_t past, const int32_t* slots, int64_t len, float* scores,
-                              float* out) {
-  if (d % 16 != 0 || d > 256) {
-    attend_one(q, kt, vc, d, past, slots, len, scores, out);
-    return;
-  }
+// generic.h's attend_one for NH heads that share one key/value head (grouped-query attention:
+// the keys and values are read once for all of them), head sizes a multiple of 16 (at most
+// 256), 16 keys or 16 value columns per register. Every key's and every column's operations
+// are those of attend_one, head by head.
+template <int NH>
+static void attend_heads_avx512(const float* q, const float* kt, const float* vc, int64_t d,
+                                int64_t past, const int32_t* slots, int64_t len, float* scores,
+                                int64_t stride, float* out) {
   // scores of slots before the forward, 4 blocks of 16 keys at once (independent chains)
   int64_t j0 = 0;
   for (; j0 + 64 <= past; j0 += 64) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 a[NH][4];
+    for (int h = 0; h < NH; h++)
+      for (int b = 0; b < 4; b++) a[h][b] = _mm512_setzero_ps();
     const float* blk = kt + (j0 / 16) * d * 16;
     for (int64_t i = 0; i < d; i++) {
-      const __m512 qi = _mm512_set1_ps(q[i]);
-      a0 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + i * 16), a0);
-      a1 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (d + i) * 16), a1);
-      a2 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (2 * d + i) * 16), a2);
-      a3 = _mm512_fmadd_ps(qi, _mm512_loadu_ps(blk + (3 * d + i) * 16), a3);
+      __m512 k[4];
+      for (int b = 0; b < 4; b++) k[b] = _mm512_loadu_ps(blk + (b * d + i) * 16);
+      for (int h = 0; h < NH; h++) {
+        const __m512 qi = _mm512_set1_ps(q[h * d + i]);
+        for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(qi, k[b], a[h][b]);
+      }
     }
-    _mm512_storeu_ps(scores + j0, a0);
-    _mm512_storeu_ps(scores + j0 + 16, a1);
-    _mm512_storeu_ps(scores + j0 + 32, a2);
-    _mm512_storeu_ps(scores + j0 + 48, a3);
+    for (int h = 0; h < NH; h++)
+      for (int b = 0; b < 4; b++) _mm512_storeu_ps(scores + h * stride + j0 + 16 * b, a[h][b]);
   }
   // the rest, 16 keys a register, gathered from their slots
   for (; j0 < len; j0 += 16) {
@@ -127,34 +127,71 @@ static void attend_one_avx512(const float* q, const float* kt, const float* vc, 
       idx[l] = (int32_t)key_at(j < past ? j : slots[j - past], 0, d);
     }
     const __m512i at = _mm512_load_si512(idx);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i++)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_i32gather_ps(at, kt + i * 16, 4), acc);
-    _mm512_mask_storeu_ps(scores + j0, live, acc);
+    __m512 acc[NH];
+    for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i++) {
+      const __m512 k = _mm512_i32gather_ps(at, kt + i * 16, 4);
+      for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * d + i]), k, acc[h]);
+    }
+    for (int h = 0; h < NH; h++) _mm512_mask_storeu_ps(scores + h * stride + j0, live, acc[h]);
   }
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
-  __m512 part = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(mx);
-  for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j0)) - 1);
-    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j0), top));
-    _mm512_mask_storeu_ps(scores + j0, live, p);
-    part = _mm512_mask_add_ps(part, live, part, p);
+  float denom[NH];
+  for (int h = 0; h < NH; h++) {
+    float* sc = scores + h * stride;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
+    __m512 part = _mm512_setzero_ps();
+    const __m512 top = _mm512_set1_ps(mx);
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
+      const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + j), top));
+      _mm512_mask_storeu_ps(sc + j, live, p);
+      part = _mm512_mask_add_ps(part, live, part, p);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, part);
+    denom[h] = tree16(lanes);
   }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, part);
-  const float denom = tree16(lanes);
-  __m512 acc[16];
-  const int64_t blocks = d / 16;
-  for (int64_t b = 0; b < blocks; b++) acc[b] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; j++) {
-    const float* v = vc + (j < past ? j : slots[j - past]) * d;
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t b = 0; b < blocks; b++) acc[b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * b), acc[b]);
+  // values: up to 16 registers of accumulators per pass (heads x 16 columns)
+  const int64_t blocks = d / 16, per_pass = std::max<int64_t>(1, 16 / NH);
+  for (int64_t b0 = 0; b0 < blocks; b0 += per_pass) {
+    const int64_t nb = std::min(per_pass, blocks - b0);
+    __m512 acc[16];
+    for (int64_t x = 0; x < NH * nb; x++) acc[x] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j++) {
+      const float* v = vc + (j < past ? j : slots[j - past]) * d + 16 * b0;
+      for (int64_t b = 0; b < nb; b++) {
+        const __m512 vb = _mm512_loadu_ps(v + 16 * b);
+        for (int h = 0; h < NH; h++)
+          acc[h * nb + b] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), vb, acc[h * nb + b]);
+      }
+    }
+    for (int h = 0; h < NH; h++)
+      for (int64_t b = 0; b < nb; b++)
+        _mm512_storeu_ps(out + h * d + 16 * (b0 + b),
+                         _mm512_div_ps(acc[h * nb + b], _mm512_set1_ps(denom[h])));
   }
-  const __m512 den = _mm512_set1_ps(denom);
-  for (int64_t b = 0; b < blocks; b++) _mm512_storeu_ps(out + 16 * b, _mm512_div_ps(acc[b], den));
+}
+
+// the heads [h0, h0 + nh) of one query row that share a key/value head
+static void attend_heads(const float* q, const float* kt, const float* vc, int64_t d,
+                         int64_t past, const int32_t* slots, int64_t len, float* scores,
+                         int64_t stride, float* out, int64_t nh) {
+  if (d % 16 != 0 || d > 256) {
+    for (int64_t h = 0; h < nh; h++)
+      attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d);
+    return;
+  }
+  for (int64_t h = 0; h < nh; h += 4) {
+    const float* qh = q + h * d;
+    float* oh = out + h * d;
+    switch (std::min<int64_t>(4, nh - h)) {
+      case 4: attend_heads_avx512<4>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
+      case 3: attend_heads_avx512<3>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
+      case 2: attend_heads_avx512<2>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
+      default: attend_heads_avx512<1>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
+    }
+  }
 }
 
 // The generic Q4 kernel with VPDPBUSD: R rows share each unpacked block of codes.
@@ -417,18 +454,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   auto out = at::empty({m, heads * d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = heads / kv;
-  at::parallel_for(0, m * heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(past + width);
+  const int64_t group = heads / kv, stride = past + width;
+  // one item: a query row and a key/value head, with the query heads that share it
+  at::parallel_for(0, m * kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(group * stride);
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t r = i / heads, h = i % heads, kvh = h / group;
-      const float *qi = qp + i * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
+      const int64_t r = i / kv, kvh = i % kv, first = r * heads + kvh * group;
+      const float *qi = qp + first * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
       const int64_t len = past + lp[r];
-      float* o = op + i * d;
-      if (isa >= AVX512)
-        k_avx512::attend_one_avx512(qi, kt, vc, d, past, sp + r * width, len, scores.data(), o);
-      else
-        DISPATCH(isa, attend_one, qi, kt, vc, d, past, sp + r * width, len, scores.data(), o);
+      float* o = op + first * d;
+      if (isa >= AVX512) {
+        k_avx512::attend_heads(qi, kt, vc, d, past, sp + r * width, len, scores.data(), stride, o, group);
+      } else {
+        for (int64_t h = 0; h < group; h++)
+          DISPATCH(isa, attend_one, qi + h * d, kt, vc, d, past, sp + r * width, len, scores.data(), o + h * d);
+      }
     }
   });
   return out;
