@@ -15,8 +15,10 @@ Peers (measured in the same run, on the same weights):
 - ``llama.cpp`` / ``llama.cpp-pld``: ``llama-cpp-python`` on the same GGUF file, plain and with
   ``LlamaPromptLookupDecoding`` (its default ``num_pred_tokens=10``, which needs
   ``logits_all=True``), 2 threads, fed token ids so it sees the same chat-template tokens.
-  Its weights stay Q4_1; the native runner's int4 format (its default) re-quantises them in the
-  same scheme, with bf16 scales; the ``hf`` peers run the dequantised fp32 weights.
+  Its weights stay Q4_1; the native runner's int4 format (its default) re-quantises the
+  dequantised weights in the same scheme (float16 scale and minimum per 32; a runner read with
+  ``from_gguf`` keeps the file's blocks) and, like llama.cpp, multiplies them by int8
+  activations; the ``hf`` peers run the dequantised fp32 weights.
 
 Target forwards of a peer are counted by a hook on the model call (transformers) or on
 ``Llama.eval`` (llama.cpp): one per verify step, the prefill included, as the engine counts.
