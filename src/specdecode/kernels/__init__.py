@@ -34,8 +34,6 @@ _SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering)
 ISA_LEVELS = ("generic", "avx2", "avx512")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
-#: 4-bit weights: bytes per block of 16 output columns x 32 inputs (codes, then float16 d, m)
-Q4_BLOCK = 320
 #: output columns per packed tile
 TILE = 16
 

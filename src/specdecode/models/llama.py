@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
-from specdecode import kernels
 from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, check_format,
                                      make_linear)
 
