@@ -19,8 +19,8 @@ from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
 from conftest import repetitive_prompts
 
-#: a context length that prompts in these tests cross (the lanes of the kernels' sums are 16
-#: wide; 64 positions cover several of them)
+#: a context length that prompts in these tests cross (attention scores 64 cached keys at a
+#: time, then 16 gathered ones a register)
 CHUNK = 64
 TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
 

@@ -178,8 +178,7 @@ static void attend_heads(const float* q, const float* kt, const float* vc, int64
                          int64_t past, const int32_t* slots, int64_t len, float* scores,
                          int64_t stride, float* out, int64_t nh) {
   if (d % 16 != 0 || d > 256) {
-    for (int64_t h = 0; h < nh; h++)
-      attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d);
+    attend_group(q, kt, vc, d, past, slots, len, scores, out, nh);
     return;
   }
   for (int64_t h = 0; h < nh; h += 4) {
@@ -249,11 +248,7 @@ static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, 
         case 2: q4_tile_vnni<2>(x, gx, gs, k_dim, tile, acc); break;
         default: q4_tile_vnni<1>(x, gx, gs, k_dim, tile, acc); break;
       }
-      for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 16 && t * 16 + c < n; c++) {
-          int64_t col = t * 16 + c, at = (r0 + r) * n + col;
-          y[at] = residual ? residual[at] + acc[r * 16 + c] : acc[r * 16 + c];
-        }
+      store_tile(acc, rows, r0, t, n, nullptr, residual, y);
     }
   }
 }
@@ -463,12 +458,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const float *qi = qp + first * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
       const int64_t len = past + lp[r];
       float* o = op + first * d;
-      if (isa >= AVX512) {
+      if (isa >= AVX512)
         k_avx512::attend_heads(qi, kt, vc, d, past, sp + r * width, len, scores.data(), stride, o, group);
-      } else {
-        for (int64_t h = 0; h < group; h++)
-          DISPATCH(isa, attend_one, qi + h * d, kt, vc, d, past, sp + r * width, len, scores.data(), o + h * d);
-      }
+      else
+        DISPATCH(isa, attend_group, qi, kt, vc, d, past, sp + r * width, len, scores.data(), o, group);
     }
   });
   return out;

@@ -83,6 +83,18 @@ static void swiglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
   }
 }
 
+// Write a tile's sums [rows][16] for output rows r0.. and column tile t, the last tile cut at
+// n columns: y = residual + sum * scale (each optional; scale per column).
+static inline void store_tile(const float* acc, int rows, int64_t r0, int64_t t, int64_t n,
+                              const float* scale, const float* residual, float* y) {
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < 16 && t * 16 + c < n; c++) {
+      const int64_t col = t * 16 + c, at = (r0 + r) * n + col;
+      const float v = scale ? acc[r * 16 + c] * scale[col] : acc[r * 16 + c];
+      y[at] = residual ? residual[at] + v : v;
+    }
+}
+
 // Dense weights packed [N / 16][K][16]; acc[r][c] = sum over k in order of fma(x, w, acc).
 // DENSE_TILE is this tile, or an instruction-set version of it with the same operations.
 template <typename W, int R>
@@ -115,12 +127,7 @@ static void dense_columns(const float* x, int64_t m, int64_t k_dim, const W* pac
         case 2: DENSE_TILE<W, 2>(xr, k_dim, w, acc); break;
         default: DENSE_TILE<W, 1>(xr, k_dim, w, acc); break;
       }
-      for (int r = 0; r < rows; r++)
-        for (int c = 0; c < 16 && t * 16 + c < n; c++) {
-          int64_t col = t * 16 + c;
-          float v = scale ? acc[r * 16 + c] * scale[col] : acc[r * 16 + c];
-          y[(r0 + r) * n + col] = residual ? residual[(r0 + r) * n + col] + v : v;
-        }
+      store_tile(acc, rows, r0, t, n, scale, residual, y);
     }
   }
 }
@@ -156,10 +163,7 @@ static void q4_columns_generic(const int8_t* xq, const float* dx, const float* s
           acc[c] = FMA(half_to_float(dm[16 + c]), gs, acc[c]);
         }
       }
-      for (int c = 0; c < 16 && t * 16 + c < n; c++) {
-        int64_t col = t * 16 + c;
-        y[r * n + col] = residual ? residual[r * n + col] + acc[c] : acc[c];
-      }
+      store_tile(acc, 1, r, t, n, nullptr, residual, y);
     }
   }
 }
@@ -210,4 +214,12 @@ static void attend_one(const float* q, const float* kt, const float* vc, int64_t
     for (int64_t i = 0; i < d; i++) out[i] = FMA(p, v[i], out[i]);
   }
   for (int64_t i = 0; i < d; i++) out[i] = out[i] / denom;
+}
+
+// attend_one for the nh query heads (q and out: nh rows of D) that share one key/value head
+static void attend_group(const float* q, const float* kt, const float* vc, int64_t d,
+                         int64_t past, const int32_t* slots, int64_t len, float* scores,
+                         float* out, int64_t nh) {
+  for (int64_t h = 0; h < nh; h++)
+    attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d);
 }

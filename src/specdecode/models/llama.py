@@ -144,21 +144,25 @@ class Q4Weight:
                           for f in ("codes", "scale", "minimum")))
 
 
-def _dense(tensors: dict, name: str) -> torch.Tensor:
-    value = tensors[name]
+def _float(value) -> torch.Tensor:
+    """A float32 tensor, or a 4-bit GGUF tensor dequantised."""
     return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
 
 
+def _dense(tensors: dict, name: str) -> torch.Tensor:
+    return _float(tensors[name])
+
+
+def _dense_parts(parts: list) -> torch.Tensor:
+    return torch.cat([_float(p) for p in parts])
+
+
 def _fused(parts: list, weights: str):
-    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call.
-    ``weights``: a decode format, or ``prefill-fp32`` / ``prefill-bf16`` for ATen's GEMM."""
+    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call."""
     if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
         q4 = Q4Weight.cat(parts)  # the file's own blocks
         return Int4Linear(q4.codes, q4.scale, q4.minimum)
-    dense = torch.cat([p.dequantize() if isinstance(p, Q4Weight) else p.float() for p in parts])
-    if weights.startswith("prefill-"):
-        return LibraryLinear(dense, torch.float32 if weights == "prefill-fp32" else torch.bfloat16)
-    return make_linear(dense, weights)
+    return make_linear(_dense_parts(parts), weights)
 
 
 def _scaled(weight, factor: float):
@@ -207,12 +211,13 @@ class LlamaRunner(Runner):
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
-        self.head, self.layers = self._linears(tensors, head, weights)
+        self.head, self.layers = self._linears(tensors, head, lambda parts: _fused(parts, weights))
         # prompts go through ATen's GEMMs in PREFILL_WEIGHTS (every prefill is the same
         # computation, so exactness holds)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.prefill_weights]
         self.prefill_head, self.prefill_layers = self._linears(
-            tensors, head, f"prefill-{self.prefill_weights}")
+            tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
         inv_freq, attention_scaling = rope_frequencies(config)
         require(inv_freq.numel() * 2 == shape.head_dim,
@@ -243,8 +248,9 @@ class LlamaRunner(Runner):
         self._len = 0
         self._pending = 0
 
-    def _linears(self, tensors: dict, head: str, weights: str) -> tuple[object, list[_Layer]]:
-        """The LM head and the layers with their matrices in format ``weights``."""
+    def _linears(self, tensors: dict, head: str, linear) -> tuple[object, list[_Layer]]:
+        """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
+        by ``linear``."""
         shape = self.shape
         scale = shape.head_dim ** -0.5
         layers = []
@@ -254,19 +260,17 @@ class LlamaRunner(Runner):
                 layers.append(_Layer(
                     attn_norm=_dense(tensors, p + "input_layernorm.weight"),
                     # the attention scale 1/sqrt(D) folded into the query projection
-                    qkv=_fused([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
-                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"],
-                               weights),
-                    o=_fused([tensors[p + "self_attn.o_proj.weight"]], weights),
+                    qkv=linear([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
+                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"]),
+                    o=linear([tensors[p + "self_attn.o_proj.weight"]]),
                     mlp_norm=_dense(tensors, p + "post_attention_layernorm.weight"),
-                    gate_up=_fused([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")],
-                                   weights),
-                    down=_fused([tensors[p + "mlp.down_proj.weight"]], weights),
+                    gate_up=linear([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]),
+                    down=linear([tensors[p + "mlp.down_proj.weight"]]),
                 ))
             except KeyError as exc:
                 raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a Llama checkpoint "
                                       "of the configured size") from None
-        return _fused([tensors[head]], weights), layers
+        return linear([tensors[head]]), layers
 
     # ---- constructors ---------------------------------------------------------------------
 
