@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specdecode import registry
+from specdecode import kernels, registry
 from specdecode.bench import cli as bench_cli
 from specdecode.bench import simulate
 from specdecode.bench.datasets import load_questions, sample_per_task
@@ -235,6 +235,18 @@ def test_runner_measurement_on_a_tiny_model(tmp_path):
     assert all(row["new_tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["ar"].values())
     report = runners_markdown(result, {"machine": "test"})
     assert "| native int4 |" in report and "| transformers generate |" in report
+    if kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
+        c = loaded.model.config
+        d = c.hidden_size // c.num_attention_heads
+        per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * d
+                     + c.num_attention_heads * d * c.hidden_size
+                     + 3 * c.hidden_size * c.intermediate_size)
+        expected = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+        assert result["roofline"]["macs_per_row"] == expected
+        assert result["roofline"]["peak_gmacs"] > 1
+        assert "## Roofline of native int4" in report
+    else:
+        assert result["roofline"] is None
 
 
 def test_method_variants_run_several_configs_of_one_method():

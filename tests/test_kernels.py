@@ -4,6 +4,8 @@ AVX2, baseline x86-64), whichever this CPU would pick."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -110,6 +112,46 @@ def test_attention_rows_see_their_keys_in_order(ext, d):
             expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
                                     values[:, :n].repeat_interleave(2, 0))
             assert (outs[0][r] - expected.reshape(-1)).abs().max() < 1e-4
+
+
+@pytest.fixture
+def two_threads():
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the kernels' threads cannot be tested here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_kernels_run_on_every_thread(ext, two_threads):
+    """The extension is built with OpenMP: without it, at::parallel_for inside it runs on one
+    thread whatever torch.set_num_threads says (it did, unnoticed, for a whole session)."""
+    assert ext.parallel_threads(64) == 2
+
+
+def test_thread_count_changes_no_bit(ext, two_threads):
+    gen = torch.Generator().manual_seed(3)
+    n, k = 200, 128
+    x = torch.randn(ROWS, k, generator=gen)
+    codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen))
+    q4 = kernels.pack_q4(codes, scale, minimum)
+    dense = kernels.pack_dense(torch.randn(n, k, generator=gen))
+    heads, kv, d, cap, past = 4, 2, 64, 160, 70
+    keys = torch.randn(kv, cap // 16, d, 16, generator=gen)
+    values = torch.randn(kv, cap, d, generator=gen)
+    q = torch.randn(ROWS, heads, d, generator=gen)
+    table = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
+    lens = torch.arange(1, ROWS + 1, dtype=torch.int32)
+
+    def run_all():
+        return [ext.q4_linear(x, q4, None, n, 2), ext.dense_linear(x, dense, None, None, n, 2),
+                ext.attention(q, keys, values, past, table, lens, 2)]
+
+    together = run_all()
+    torch.set_num_threads(1)
+    alone = run_all()
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
 
 
 def test_unknown_isa_limit_is_named(monkeypatch):

@@ -10,7 +10,11 @@ Two measurements, on the same machine in the same run:
 - end-to-end ``ar`` decoding (greedy, ``--max-new-tokens``) over the first turn of each
   question: tokens/s of every runner, of ``transformers`` ``generate`` and of llama.cpp, and
   how many answers of each native format equal the fp32 native runner's token for token
-  (exactness is always against the same runner; this says how far the formats drift).
+  (exactness is always against the same runner; this says how far the formats drift);
+- the roofline of the native int4 runner: the machine's int8 multiply-add peak (VPDPBUSD
+  chains on every thread, nothing else) beside the rate each forward size reaches (the
+  multiply-adds of its linear layers over the whole forward's time), which bounds what any
+  kernel could make of a row on this machine.
 
 Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median).
 """
@@ -21,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from specdecode import kernels
 from specdecode.bench.contenders import HFGenerate, LlamaCpp, MethodContender, llama_cpp_available
 from specdecode.bench.datasets import Question
 from specdecode.bench.runner import encode_messages
@@ -29,6 +34,15 @@ from specdecode.sampling import SamplingParams
 
 FORWARD_SIZES = (1, 8, 16, 64)
 TIMED_FORWARDS = 9
+#: VPDPBUSD rounds per thread for the peak (12 chains each: about 0.2 s)
+PEAK_ITERATIONS = 30_000_000
+
+
+def linear_macs_per_row(runner) -> int:
+    """Multiply-adds of one row through the layers' and the head's linear maps (int4 runner)."""
+    linears = [runner.head] + [getattr(layer, name) for layer in runner.layers
+                               for name in ("qkv", "o", "gate_up", "down")]
+    return sum(lin.out_features * lin.packed.shape[1] * 32 for lin in linears)
 
 
 def first_turns(tokenizer, questions: list[Question]) -> list[list[int]]:
@@ -107,6 +121,10 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
         progress(f"forward latency llama.cpp: {latency['llama.cpp (Q4_1)']}")
 
     ar = registry.get("ar")
+    roofline = None
+    if "native int4" in runners and kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
+        roofline = {"peak_gmacs": kernels.load().int8_peak_macs(PEAK_ITERATIONS) / 1e9,
+                    "macs_per_row": linear_macs_per_row(runners["native int4"])}
     contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
                   for name, runner in runners.items()}
     contenders["transformers generate"] = HFGenerate(loaded.model, eos, prompt_lookup=False)
@@ -134,7 +152,8 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
                          "identical_to_native_fp32": same}
     return {"context_tokens": context, "sizes": list(FORWARD_SIZES),
             "forward_ms": {name: {str(k): v for k, v in row.items()} for name, row in latency.items()},
-            "ar": ar_rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+            "ar": ar_rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "roofline": roofline}
 
 
 def runners_markdown(result: dict, meta: dict) -> str:
@@ -160,4 +179,19 @@ def runners_markdown(result: dict, meta: dict) -> str:
         same_cell = "" if same is None else f"{same}/{result['prompts']}"
         ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio} | {same_cell} |")
+    roofline = result.get("roofline")
+    if roofline:
+        int4 = result["forward_ms"]["native int4"]
+        peak = roofline["peak_gmacs"]
+        lines += ["", "## Roofline of native int4", "",
+                  f"The machine's int8 multiply-add peak (VPDPBUSD alone, every thread): "
+                  f"**{peak:.0f} GMAC/s**. A row's linear layers are "
+                  f"{roofline['macs_per_row'] / 1e6:.1f} M multiply-adds, so no int8 kernel "
+                  f"short of AMX can run {sizes[-2]} rows' linear layers in less than "
+                  f"{sizes[-2] * roofline['macs_per_row'] / peak / 1e6:.1f} ms here.", "",
+                  "| rows | forward ms | linear GMAC/s over the forward | share of the peak |",
+                  "|---:|---:|---:|---:|"]
+        for size in sizes:
+            rate = size * roofline["macs_per_row"] / (int4[str(size)] / 1000) / 1e9
+            lines.append(f"| {size} | {int4[str(size)]:.1f} | {rate:.0f} | {rate / peak:.0%} |")
     return "\n".join(lines) + "\n"

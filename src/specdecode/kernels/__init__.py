@@ -33,7 +33,10 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering)
 ISA_LEVELS = ("generic", "avx2", "avx512")
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
+# -fopenmp: at::parallel_for is a template compiled into this extension, and runs its loop on
+# one thread unless _OPENMP is defined here; the extension then uses the libgomp that torch
+# has already loaded (the same soname), so torch.set_num_threads governs both
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp"]
 #: output columns per packed tile
 TILE = 16
 
@@ -60,7 +63,7 @@ def load():
     folder.mkdir(parents=True, exist_ok=True)
     try:
         return load_extension(name="specdecode_cpu_kernels", sources=[str(_SOURCES[0])],
-                              extra_cflags=_FLAGS, build_directory=str(folder), verbose=False)
+                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "?")

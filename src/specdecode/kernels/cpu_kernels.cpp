@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,9 @@
 
 #define FMA __builtin_fmaf
 #define Q4_BLOCK 320  // bytes per (16-column tile, 32-input group): 256 of codes, 2 x 32 of scales
+// how far ahead of the block in use the Q4 kernel asks for weights: a tile's first row block
+// streams them from memory, and the hardware prefetcher alone leaves it waiting (measured)
+#define Q4_PREFETCH (12 * Q4_BLOCK)
 
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
@@ -203,6 +207,8 @@ static void q4_tile_vnni(const int8_t* xq, const float* dx, const float* sx, int
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = tile + g * Q4_BLOCK;
+    for (int line = 0; line < Q4_BLOCK; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + line), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; j++) {
       __m512i v = _mm512_loadu_si512(blk + 64 * j);
@@ -251,6 +257,20 @@ static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, 
       store_tile(acc, rows, r0, t, n, nullptr, residual, y);
     }
   }
+}
+// VPDPBUSD and nothing else, in twelve independent chains: the int8 multiply-add peak of a
+// core, the roofline the bench sets the Q4 kernel against
+static int64_t vnni_chains(int64_t iterations) {
+  __m512i acc[12];
+  for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_epi32(i);
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(1);
+  for (int64_t it = 0; it < iterations; it++) {
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    __asm__ volatile("" : "+v"(a));  // keeps the loop from being folded into a product
+  }
+  int64_t total = 0;
+  for (int i = 0; i < 12; i++) total += _mm512_reduce_add_epi32(acc[i]);
+  return total;
 }
 }  // namespace k_avx512
 #pragma GCC pop_options
@@ -469,6 +489,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 }  // namespace
 
+// int8 multiply-adds per second on all of torch's threads at once, with VPDPBUSD (0 without)
+double int8_peak_macs(int64_t iterations) {
+  if (detect_isa() < AVX512) return 0.0;
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> sums(threads);
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) sums[t] = k_avx512::vnni_chains(iterations);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  static volatile int64_t sink;
+  for (int64_t sum : sums) sink = sink + sum;  // the chains' results are used
+  return (double)threads * iterations * 12 * 64 / seconds;
+}
+
+// the threads a kernel's parallel_for runs on (1 where the extension was built without OpenMP)
+int64_t parallel_threads(int64_t items) {
+  std::vector<int> used(at::get_num_threads(), 0);
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  return std::count(used.begin(), used.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_level", &detect_isa, "2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
   m.def("dense_linear", &dense_linear);
@@ -477,4 +519,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu);
   m.def("rope_store", &rope_store);
   m.def("attention", &attention);
+  m.def("parallel_threads", &parallel_threads);
+  m.def("int8_peak_macs", &int8_peak_macs);
 }
