@@ -262,3 +262,33 @@ def test_q4_k_blocks_unpack_like_ggml():
     assert inexact == 0
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
     assert np.array_equal(Q4Weight(codes, scale, minimum).dequantize().numpy(), expected)
+
+
+# ---- the real Gemma 3 270M ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_gemma_matches_transformers(gemma_model):
+    from test_exactness import dev_prompts
+
+    from specdecode.api import eos_ids
+    from specdecode.models.hf import HFRunner
+
+    model, tokenizer = gemma_model.model, gemma_model.tokenizer
+    native, hf = LlamaRunner.from_transformers(model), HFRunner(model)
+    assert native.shape.windows.count(512) == 15  # five sliding layers to each global one
+    decoder = Decoder(model, tokenizer, "ar")
+    long = decoder.encode(" ".join(dev_prompts(2)))  # past the 512-position window
+    assert len(long) > 700
+    for ids in (decoder.encode(dev_prompts()[0]), long):
+        assert_close(native.prefill(ids), reference(model, ids))
+    short = decoder.encode(dev_prompts()[0])
+    native.prefill(short)
+    logits = native.forward(100, TREE)
+    for node in (-1, 2, 6):  # the root, a depth-3 node, a depth-4 node
+        path = TREE.path_to(node) if node >= 0 else []
+        assert_close(logits[node + 1], reference(model, short + [100] + [TREE.tokens[i] for i in path]))
+    for ids in (short, long):
+        theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        generation = Decoder(native, tokenizer, "ar", eos_ids(model, tokenizer)).start(ids, 32, chat=False)
+        assert generation.run() == theirs

@@ -6,11 +6,12 @@ embeddings with the checkpoint's rope settings, grouped-query attention, a SwiGL
 or separate LM head. Qwen2, Qwen3 and Gemma 3 run through the same forward with the pieces
 they change switched on (q/k/v biases, q/k head norms, (1 + w) norms, norms after attention and
 MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base, logit
-soft-capping): ``models/architectures.py`` holds them as data. The static cache written at explicit positions follows gpt-fast
-(pytorch-labs/gpt-fast, model.py); tree attention over a draft follows SpecInfer (Miao et al.
-2023). What this file adds is *batch invariance*: a token's logits are bitwise the same whether
-it is computed alone (``ar``), in a chain or in a 64-node tree, so every speculative method
-reproduces this runner's ``ar`` exactly, not just up to rounding.
+soft-capping): ``models/architectures.py`` holds them as data. The static cache written at
+explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
+draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch invariance*: a
+token's logits are bitwise the same whether it is computed alone (``ar``), in a chain or in a
+64-node tree, so every speculative method reproduces this runner's ``ar`` exactly, not just up
+to rounding.
 
 It holds by construction, on every x86-64 CPU: every operation of a decode or verify forward
 that adds numbers up (the linear layers of every weight format, RMSNorm, SwiGLU, attention)
