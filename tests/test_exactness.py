@@ -109,8 +109,8 @@ def check_greedy_identical(target, runner, tokenizer, method, prompts, max_new_t
         from specdecode.training.artifacts import find_artifacts
 
         if not find_artifacts("draft_model", runner.fingerprint()):
-            pytest.skip("no distilled draft model for the default model: `specdecode train "
-                        "draft` makes one")
+            pytest.skip("no distilled draft model for this model: `specdecode train draft` "
+                        "makes one for the default model")
     ar = Decoder(target, tokenizer, "ar", eos)
     decoder = Decoder(target, tokenizer, method, eos)
     for prompt in prompts:
@@ -143,3 +143,22 @@ def test_greedy_identical_on_the_default_runner(real_model, default_runner, meth
     assert isinstance(default_runner, LlamaRunner) and default_runner.weights == "int4"
     check_greedy_identical(default_runner, default_runner, real_model.tokenizer, method,
                            dev_prompts()[1::2], 64, eos_ids(real_model.model, real_model.tokenizer))
+
+
+@pytest.fixture(scope="module")
+def gemma_runner(gemma_model):
+    from specdecode.models.loading import make_runner
+
+    return make_runner(gemma_model)  # native int4: the file's Q4_K blocks, the rest re-quantised
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_on_gemma(gemma_model, gemma_runner, method):
+    from specdecode.api import eos_ids
+    from specdecode.models.llama import LlamaRunner
+
+    assert isinstance(gemma_runner, LlamaRunner) and gemma_runner.weights == "int4"
+    # the summarization and RAG prompts are longer than Gemma's 512-position sliding window
+    check_greedy_identical(gemma_runner, gemma_runner, gemma_model.tokenizer, method,
+                           dev_prompts()[1::2], 64, eos_ids(gemma_model.model, gemma_model.tokenizer))

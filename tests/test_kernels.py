@@ -85,6 +85,51 @@ def test_norm_and_swiglu(ext):
     assert (outs[0] - expected).abs().max() / expected.abs().max() < 1e-6
 
 
+def test_geglu_and_softcap(ext):
+    gen = torch.Generator().manual_seed(3)
+    gu = torch.randn(ROWS, 2 * 200, generator=gen) * 6
+    outs = [assert_row_invariant(lambda rows: ext.geglu(rows, isa), gu) for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    gate, up = gu.chunk(2, -1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert (outs[0] - expected).abs().max() / expected.abs().max() < 1e-6
+    logits = torch.randn(ROWS, 300, generator=gen) * 40
+    outs = [assert_row_invariant(lambda rows: ext.softcap(rows, 30.0, isa), logits) for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert (outs[0] - torch.tanh(logits / 30) * 30).abs().max() < 1e-5
+    assert outs[0].abs().max() <= 30
+
+
+@pytest.mark.parametrize("window", [1, 7, 20, 70])
+def test_sliding_window_attention(ext, window):
+    gen = torch.Generator().manual_seed(window)
+    heads, kv, d, cap, past = 4, 2, 32, 304, 90
+    keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
+    blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()
+    q = torch.randn(ROWS, heads, d, generator=gen)
+    # rows in tree order: row r's keys are the cached ones, then the slots of rows 0, 2, 4 ..
+    # up to r (every other row), so a row's window covers slots that are not contiguous
+    width = ROWS // 2 + 1
+    table = torch.zeros(ROWS, width, dtype=torch.int32)
+    lens = torch.zeros(ROWS, dtype=torch.int32)
+    for r in range(ROWS):
+        path = list(range(r % 2, r + 1, 2))
+        table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
+        lens[r] = len(path)
+    outs = [ext.attention(q, blocked, values, past, table, lens, window, isa) for isa in ISAS]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    for r in (0, 1, 33, ROWS - 1):
+        alone = ext.attention(q[r:r + 1].contiguous(), blocked, values, past, table[r:r + 1].contiguous(),
+                              lens[r:r + 1], window, 2)
+        assert torch.equal(alone[0], outs[0][r]), r
+        slots = list(range(past)) + table[r, :lens[r]].tolist()
+        seen = torch.tensor(slots[-window:])  # the last `window` positions of the row
+        scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(2, 0))
+        expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
+                                values[:, seen].repeat_interleave(2, 0))
+        assert (outs[0][r] - expected.reshape(-1)).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("d", [16, 64, 24])
 def test_attention_rows_see_their_keys_in_order(ext, d):
     gen = torch.Generator().manual_seed(d)
@@ -97,7 +142,7 @@ def test_attention_rows_see_their_keys_in_order(ext, d):
         def chain(rows, isa):  # row r of a block sees past..past+r, as in a chain forward
             m = len(rows)
             table = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
-            return ext.attention(rows, blocked, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), isa)
+            return ext.attention(rows, blocked, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), 0, isa)
 
         outs = [chain(q, isa) for isa in ISAS]
         assert all(torch.equal(o, outs[0]) for o in outs), past
@@ -105,7 +150,7 @@ def test_attention_rows_see_their_keys_in_order(ext, d):
             # the same row alone, its earlier rows committed: the same keys, the same bits
             alone = ext.attention(q[r:r + 1].contiguous(), blocked, values, past + r,
                                   torch.tensor([[past + r]], dtype=torch.int32),
-                                  torch.tensor([1], dtype=torch.int32), 2)
+                                  torch.tensor([1], dtype=torch.int32), 0, 2)
             assert torch.equal(alone[0], outs[0][r]), (past, r)
             n = past + r + 1
             scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, :n].repeat_interleave(2, 0))

@@ -291,8 +291,8 @@ def test_gguf_int4_runner_is_exact_against_its_own_ar(gguf_model):
 # ---- bad input ----------------------------------------------------------------------------------
 
 def test_gguf_of_another_architecture_names_it_and_the_fallback(tmp_path):
-    path = write_gguf(tiny(seed=10, layers=1), tmp_path / "other.gguf", arch="gemma3")
-    with pytest.raises(SpecDecodeError, match=r"'gemma3'.*--runner hf"):
+    path = write_gguf(tiny(seed=10, layers=1), tmp_path / "other.gguf", arch="phi3")
+    with pytest.raises(SpecDecodeError, match=r"'phi3'.*--runner hf"):
         LlamaRunner.from_gguf(path)
 
 

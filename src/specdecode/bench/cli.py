@@ -125,10 +125,10 @@ def parse_peers(spec: str, model: str) -> list[str] | None:
 
 
 def gguf_path_for(model: str) -> Path | None:
-    from specdecode.models.loading import DEFAULT_MODEL, default_gguf_path
+    from specdecode.models.loading import NAMED_MODELS
 
-    if model in (DEFAULT_MODEL, "default"):
-        return default_gguf_path()
+    if model in NAMED_MODELS:
+        return NAMED_MODELS[model]()
     return Path(model) if model.endswith(".gguf") else None
 
 

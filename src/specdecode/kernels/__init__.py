@@ -3,7 +3,8 @@
 ``cpu_kernels.cpp`` (with ``generic.h``) holds every operation of a decode or verify forward
 that adds numbers up: the linear layers of each weight format (fp32, bf16, int8 and the 4-bit
 GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
-with the cache write, and tree attention. Each output element is computed by one thread in an
+with the cache write, tree attention (optionally over a sliding window), GeGLU and logit
+soft-capping. Each output element is computed by one thread in an
 order of additions fixed by the model's sizes alone, so a row's result never depends on the
 rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
 give the same bits).
@@ -137,9 +138,18 @@ def swiglu(gate_up):
     return load().swiglu(gate_up, isa())
 
 
+def geglu(gate_up):
+    return load().geglu(gate_up, isa())
+
+
+def softcap(x, cap):
+    return load().softcap(x, cap, isa())
+
+
 def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
 
-def attention(q, k_cache, v_cache, past, slots, lens):
-    return load().attention(q, k_cache, v_cache, past, slots, lens, isa())
+def attention(q, k_cache, v_cache, past, slots, lens, window=0):
+    """``window`` > 0: each row sees only its last ``window`` positions (sliding-window layers)."""
+    return load().attention(q, k_cache, v_cache, past, slots, lens, window, isa())

@@ -411,6 +411,22 @@ at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) {
   return y;
 }
 
+at::Tensor geglu(const at::Tensor& gate_up, int64_t isa) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "geglu takes [rows, 2 I]");
+  check_rows(gate_up, gate_up.size(1), "geglu input");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto y = at::empty({gate_up.size(0), inter}, gate_up.options());
+  DISPATCH(isa, geglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), gate_up.size(0), inter);
+  return y;
+}
+
+at::Tensor softcap(const at::Tensor& x, double cap, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && cap > 0, "softcap takes contiguous float32 and a positive cap");
+  auto y = at::empty_like(x);
+  DISPATCH(isa, softcap_values, x.data_ptr<float>(), y.data_ptr<float>(), x.numel(), (float)cap);
+  return y;
+}
+
 // Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
 // into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
 // [KH, capacity, D], at ``slots``; returns q [m, H, D].
@@ -448,9 +464,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 }
 
 // q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values); row r
-// sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]]. Returns [m, H * D].
+// sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]]; with a sliding
+// ``window`` > 0 only its last ``window`` positions. Returns [m, H * D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t isa) {
+                     int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
+                     int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
   const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
   const int64_t cap = v_cache.size(1), width = slots.size(1);
@@ -473,15 +491,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   // one item: a query row and a key/value head, with the query heads that share it
   at::parallel_for(0, m * kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(group * stride);
+    std::vector<int32_t> window_slots;
     for (int64_t i = i0; i < i1; i++) {
       const int64_t r = i / kv, kvh = i % kv, first = r * heads + kvh * group;
       const float *qi = qp + first * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
-      const int64_t len = past + lp[r];
+      int64_t len = past + lp[r], row_past = past;
+      const int32_t* row_slots = sp + r * width;
+      if (window > 0 && len > window) {
+        // a sliding window: the row's last `window` positions, every one named by its slot
+        // (none read as a cached block), so the row sees the same keys in the same order,
+        // with the same lanes, in any call
+        window_slots.resize(window);
+        for (int64_t j = len - window; j < len; j++)
+          window_slots[j - (len - window)] = j < past ? (int32_t)j : row_slots[j - past];
+        row_slots = window_slots.data();
+        row_past = 0;
+        len = window;
+      }
       float* o = op + first * d;
       if (isa >= AVX512)
-        k_avx512::attend_heads(qi, kt, vc, d, past, sp + r * width, len, scores.data(), stride, o, group);
+        k_avx512::attend_heads(qi, kt, vc, d, row_past, row_slots, len, scores.data(), stride, o, group);
       else
-        DISPATCH(isa, attend_group, qi, kt, vc, d, past, sp + r * width, len, scores.data(), o, group);
+        DISPATCH(isa, attend_group, qi, kt, vc, d, row_past, row_slots, len, scores.data(), o, group);
     }
   });
   return out;
@@ -517,6 +548,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear);
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
+  m.def("geglu", &geglu);
+  m.def("softcap", &softcap);
   m.def("rope_store", &rope_store);
   m.def("attention", &attention);
   m.def("parallel_threads", &parallel_threads);

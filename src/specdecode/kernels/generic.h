@@ -83,6 +83,28 @@ static void swiglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
   }
 }
 
+// tanh through exp_fixed (1 - 2 / (exp(2x) + 1)): elementwise, the same bits in every lane and
+// variant (a library tanh differs between its vector body and its scalar tail)
+static inline float tanh_fixed(float x) { return 1.0f - 2.0f / (exp_fixed(2.0f * x) + 1.0f); }
+
+// gelu_tanh(gate) * up for [m, 2I] rows (gate then up), transformers' gelu_pytorch_tanh:
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU MLP)
+static void geglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
+  for (int64_t r = 0; r < m; r++) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    for (int64_t i = 0; i < inter; i++) {
+      const float inner = 0.7978845608028654f * (g[i] + 0.044715f * (g[i] * g[i] * g[i]));
+      y[r * inter + i] = (0.5f * g[i]) * (1.0f + tanh_fixed(inner)) * u[i];
+    }
+  }
+}
+
+// cap * tanh(x / cap) elementwise (logit soft-capping)
+static void softcap_values(const float* x, float* y, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; i++) y[i] = tanh_fixed(x[i] / cap) * cap;
+}
+
 // Write a tile's sums [rows][16] for output rows r0.. and column tile t, the last tile cut at
 // n columns: y = residual + sum * scale (each optional; scale per column).
 static inline void store_tile(const float* acc, int rows, int64_t r0, int64_t t, int64_t n,

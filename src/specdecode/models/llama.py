@@ -3,11 +3,15 @@
 The architecture is LLaMA's (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
 Language Models"), as ``transformers``' ``modeling_llama`` computes it: RMSNorm, rotary position
 embeddings with the checkpoint's rope settings, grouped-query attention, a SwiGLU MLP and a tied
-or separate LM head. The static cache written at explicit positions follows gpt-fast
-(pytorch-labs/gpt-fast, model.py); tree attention over a draft follows SpecInfer (Miao et al.
-2023). What this file adds is *batch invariance*: a token's logits are bitwise the same whether
-it is computed alone (``ar``), in a chain or in a 64-node tree, so every speculative method
-reproduces this runner's ``ar`` exactly, not just up to rounding.
+or separate LM head. Qwen2, Qwen3 and Gemma 3 run through the same forward with the pieces
+they change switched on (q/k/v biases, q/k head norms, (1 + w) norms, norms after attention and
+MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base, logit
+soft-capping): ``models/architectures.py`` holds them as data. The static cache written at
+explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
+draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch invariance*: a
+token's logits are bitwise the same whether it is computed alone (``ar``), in a chain or in a
+64-node tree, so every speculative method reproduces this runner's ``ar`` exactly, not just up
+to rounding.
 
 It holds by construction, on every x86-64 CPU: every operation of a decode or verify forward
 that adds numbers up (the linear layers of every weight format, RMSNorm, SwiGLU, attention)
@@ -38,6 +42,7 @@ import torch
 from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
+from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import Runner
 from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, check_format,
                                      make_linear)
@@ -46,8 +51,8 @@ from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, chec
 PREFILL_BLOCK = 128
 #: ``extend`` (drafting) runs blocks of at least this many rows through the prefill layers
 BULK_ROWS = 16
-#: architectures (transformers ``model_type`` / GGUF ``general.architecture``) this runner runs
-SUPPORTED = ("llama",)
+#: architectures (transformers ``model_type``) this runner runs
+SUPPORTED = tuple(ARCHITECTURES)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
 #: the dtype of ATen's GEMMs for prompts, per decode format: bf16 GEMMs amortise their weights
@@ -70,6 +75,15 @@ class LlamaShape:
     rms_eps: float
     max_context: int
     tie_embeddings: bool
+    arch: Architecture
+    #: the MLP gate's activation (transformers' name)
+    activation: str
+    #: per layer: the sliding window (positions a row sees, itself included), 0 = all
+    windows: tuple[int, ...]
+    #: attention scores are q.k times this (folded into q)
+    query_scale: float
+    #: final logits are cap * tanh(logits / cap); 0 = none
+    logit_softcap: float
 
     @property
     def fits_int4(self) -> bool:
@@ -83,19 +97,36 @@ class LlamaShape:
         require(model_type in SUPPORTED,
                 f"the native runner supports {', '.join(SUPPORTED)} models, not '{model_type}'; "
                 "use the hf runner (--runner hf)")
+        arch = ARCHITECTURES[model_type]
+        # Llama's attention_bias puts a bias on o_proj as well: not one of the pieces we have
         require(not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False),
-                "the native runner has no attention or MLP biases; use --runner hf")
-        act = getattr(config, "hidden_act", "silu")
-        require(act == "silu", f"the native runner's MLP is SwiGLU, not '{act}'; use --runner hf")
+                "the native runner has no attention or MLP biases besides Qwen2's q/k/v; use "
+                "--runner hf")
+        act = getattr(config, arch.activation_attr, "silu")
+        require(act in ACTIVATIONS, f"the native runner's MLP gate is {' or '.join(ACTIVATIONS)}, "
+                                    f"not '{act}'; use --runner hf")
+        for attr in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            require(not getattr(config, attr, None),
+                    f"the native runner has no {attr.replace('_', ' ')}; use --runner hf")
         heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers = config.num_hidden_layers
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        require(not unknown, f"the native runner has no {', '.join(unknown)} layers; use --runner hf")
+        window = getattr(config, "sliding_window", None) or 0
+        scale_by = getattr(config, arch.query_scale_attr) if arch.query_scale_attr else head_dim
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_eps=float(config.rms_norm_eps),
+            head_dim=head_dim, rms_eps=float(config.rms_norm_eps),
             max_context=int(getattr(config, "max_position_embeddings", 2048)),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            arch=arch, activation=act,
+            windows=tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds),
+            query_scale=float(scale_by) ** -0.5,
+            logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
         )
 
 
@@ -110,11 +141,18 @@ def runs(config) -> bool:
     return kernels.available()
 
 
-def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2], attention scaling) from the checkpoint's rope
-    settings, computed by ``transformers``' own rope initialisers."""
+    settings, computed by ``transformers``' own rope initialisers; ``local``: those of the
+    sliding-window layers of an architecture that gives them their own base (Gemma 3: the
+    default rope at ``rope_local_base_freq``, as modeling_gemma3 builds it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    attr = ARCHITECTURES[config.model_type].local_rope_base_attr
+    if local and attr:
+        config = copy.deepcopy(config)
+        config.rope_theta = getattr(config, attr)
+        config.rope_scaling = {"rope_type": "default"}
     scaling = getattr(config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     require(kind in _STATIC_ROPE,
@@ -180,6 +218,18 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: object
     down: object
+    #: Qwen2: the q/k/v biases [(H + 2 KH) D], q's scaled like its weight
+    qkv_bias: torch.Tensor | None = None
+    #: Qwen3, Gemma 3: RMSNorm weights [D] over each head of q (times the query scale) and k
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    #: Gemma 3: norms of the attention and MLP outputs, before each residual add
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    #: positions a row sees (itself included) in a sliding-window layer; 0 = all
+    window: int = 0
+    #: the layer's rotary tables: the local ones (Gemma 3's sliding layers) or the global ones
+    local_rope: bool = False
 
 
 class LlamaRunner(Runner):
@@ -202,12 +252,16 @@ class LlamaRunner(Runner):
         self.num_layers = shape.num_layers
 
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
-        require(not missing, f"checkpoint lacks {', '.join(missing)}: not a Llama checkpoint")
+        require(not missing, f"checkpoint lacks {', '.join(missing)}: not a "
+                             f"{shape.arch.model_type} checkpoint")
         self.embed = _dense(tensors, "model.embed_tokens.weight").contiguous()  # [V, H]
         require(tuple(self.embed.shape) == (shape.vocab_size, shape.hidden_size),
                 f"embedding is {tuple(self.embed.shape)}, config says "
                 f"({shape.vocab_size}, {shape.hidden_size})")
-        self.final_norm = _dense(tensors, "model.norm.weight")
+        # Gemma: embeddings times sqrt(hidden), as float32 (modeling_gemma3's embed_scale)
+        self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5)
+                            if shape.arch.scale_embeddings else None)
+        self.final_norm = self._norm_weight(tensors, "model.norm.weight")
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
@@ -219,18 +273,30 @@ class LlamaRunner(Runner):
         self.prefill_head, self.prefill_layers = self._linears(
             tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
-        inv_freq, attention_scaling = rope_frequencies(config)
-        require(inv_freq.numel() * 2 == shape.head_dim,
-                f"rope has {inv_freq.numel() * 2} dimensions but heads have {shape.head_dim}; "
-                "partial rotary embeddings need --runner hf")
         self.capacity = -(-(shape.max_context + max_draft) // 16) * 16  # whole key blocks
+        # rotary tables per kind of layer: False the global ones, True the sliding layers' own
+        self.rope = {local: self._rope_tables(config, local)
+                     for local in {layer.local_rope for layer in self.layers}}
+        self._new_cache()
+
+    def _rope_tables(self, config, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [capacity, D] of every position."""
+        d = self.shape.head_dim
+        inv_freq, attention_scaling = rope_frequencies(config, local)
+        require(inv_freq.numel() * 2 == d,
+                f"rope has {inv_freq.numel() * 2} dimensions but heads have {d}; "
+                "partial rotary embeddings need --runner hf")
         freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         # q * cos + rotate_half(q) * sin with rotate_half(q) = (-q2, q1), as transformers
         # computes it, is q * (c, c) + (q2, q1) * (-s, s)
-        self.cos = torch.cat([cos, cos], -1)  # [capacity, D]
-        self.sin = torch.cat([-sin, sin], -1)
-        self._new_cache()
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+
+    def _norm_weight(self, tensors: dict, name: str, factor: float = 1.0) -> torch.Tensor:
+        """An RMSNorm weight as the kernel multiplies by it: Gemma's (1 + w), in float32 as
+        modeling_gemma3 computes it, times ``factor`` (a query scale folded in)."""
+        w = _dense(tensors, name) + self.shape.arch.norm_offset
+        return w if factor == 1.0 else w * factor
 
     def _new_cache(self) -> None:
         """An empty KV cache and decoding state of this runner's own."""
@@ -251,36 +317,61 @@ class LlamaRunner(Runner):
     def _linears(self, tensors: dict, head: str, linear) -> tuple[object, list[_Layer]]:
         """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
         by ``linear``."""
-        shape = self.shape
-        scale = shape.head_dim ** -0.5
+        shape, arch = self.shape, self.shape.arch
+        scale = shape.query_scale
         layers = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
+            norm = lambda name, factor=1.0: self._norm_weight(tensors, p + name, factor)  # noqa: E731
+            # the attention scale folded into q: into its head norm where it has one (a norm
+            # would undo it in the projection), else into the projection (and its bias)
+            q_factor = 1.0 if arch.qk_norm else scale
             try:
                 layers.append(_Layer(
-                    attn_norm=_dense(tensors, p + "input_layernorm.weight"),
-                    # the attention scale 1/sqrt(D) folded into the query projection
-                    qkv=linear([_scaled(tensors[p + "self_attn.q_proj.weight"], scale)]
+                    attn_norm=norm("input_layernorm.weight"),
+                    qkv=linear([_scaled(tensors[p + "self_attn.q_proj.weight"], q_factor)]
                                + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"]),
                     o=linear([tensors[p + "self_attn.o_proj.weight"]]),
-                    mlp_norm=_dense(tensors, p + "post_attention_layernorm.weight"),
+                    mlp_norm=norm("pre_feedforward_layernorm.weight" if arch.post_norms
+                                  else "post_attention_layernorm.weight"),
                     gate_up=linear([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]),
                     down=linear([tensors[p + "mlp.down_proj.weight"]]),
+                    qkv_bias=torch.cat([_dense(tensors, p + "self_attn.q_proj.bias") * q_factor]
+                                       + [_dense(tensors, p + f"self_attn.{x}_proj.bias") for x in "kv"])
+                    if arch.qkv_bias else None,
+                    q_norm=norm("self_attn.q_norm.weight", scale) if arch.qk_norm else None,
+                    k_norm=norm("self_attn.k_norm.weight") if arch.qk_norm else None,
+                    post_attn_norm=norm("post_attention_layernorm.weight") if arch.post_norms else None,
+                    post_mlp_norm=norm("post_feedforward_layernorm.weight") if arch.post_norms else None,
+                    window=shape.windows[i],
+                    local_rope=bool(shape.windows[i]) and arch.local_rope_base_attr is not None,
                 ))
             except KeyError as exc:
-                raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a Llama checkpoint "
-                                      "of the configured size") from None
+                raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a {arch.model_type} "
+                                      "checkpoint of the configured size") from None
         return linear([tensors[head]]), layers
 
     # ---- constructors ---------------------------------------------------------------------
 
     @classmethod
-    def from_transformers(cls, model, weights: str = "fp32", **kwargs) -> LlamaRunner:
-        """From a loaded ``transformers`` Llama model (its weights are copied as float32)."""
+    def from_transformers(cls, model, weights: str = "fp32", gguf_path=None,
+                          **kwargs) -> LlamaRunner:
+        """From a loaded ``transformers`` model of a supported architecture (its weights are
+        copied as float32). ``gguf_path``: the GGUF file the model was loaded from; with int4
+        weights its 4-bit tensors (Q4_0, Q4_1, Q4_K) are taken from the file as they are, not
+        re-quantised from their dequantised values."""
+        from specdecode.models.gguf_reader import read_gguf
+
         require(hasattr(model, "config") and hasattr(model, "state_dict"),
                 f"expected a transformers causal LM, got {type(model).__name__}")
         LlamaShape.from_config(model.config)  # reject other architectures before copying
         tensors = {k: v.detach().float() for k, v in model.state_dict().items()}
+        if gguf_path is not None and weights == "int4":
+            blocks = read_gguf(gguf_path, blocks_only=True)[1]
+            unknown = sorted(set(blocks) - set(tensors))
+            require(not unknown, f"{gguf_path} is not the file this model was loaded from "
+                                 f"(it has {', '.join(unknown[:3])})")
+            tensors.update(blocks)
         return cls(model.config, tensors, weights, source=type(model).__name__, **kwargs)
 
     @classmethod
@@ -326,7 +417,7 @@ class LlamaRunner(Runner):
         # one runner serve the other (the embedding table is float32 in every weight format).
         embed = self.embed
         sample = embed[:: max(1, embed.shape[0] // 64), :8].double().sum().item()
-        return f"hf:llama:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
+        return f"hf:{self.shape.arch.model_type}:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -386,7 +477,7 @@ class LlamaRunner(Runner):
 
     @torch.inference_mode()
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.head(normed.float().contiguous())
+        return self._capped(self.head(normed.float().contiguous()))
 
     def capture_hidden(self, layers: Sequence[int]) -> None:
         for layer in layers:
@@ -432,10 +523,28 @@ class LlamaRunner(Runner):
     # ---- the model ------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
-        return (head or self.head)(self._norm(hidden, self.final_norm))
+        return self._capped((head or self.head)(self._norm(hidden, self.final_norm)))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.shape.logit_softcap
+        return kernels.softcap(logits, cap) if cap else logits
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x.contiguous(), weight, self.shape.rms_eps)
+
+    def _head_norms(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """qkv [n, (H + 2 KH) D] with every head of q and of k RMS-normalised over D."""
+        s = self.shape
+        n, d = len(qkv), s.head_dim
+        q_end, k_end = s.num_heads * d, (s.num_heads + s.num_kv_heads) * d
+        q = self._norm(qkv[:, :q_end].reshape(-1, d), layer.q_norm)  # [n H, D]
+        k = self._norm(qkv[:, q_end:k_end].reshape(-1, d), layer.k_norm)  # [n KH, D]
+        return torch.cat([q.view(n, -1), k.view(n, -1), qkv[:, k_end:]], 1)
+
+    def _residual(self, linear, h: torch.Tensor, x: torch.Tensor, post_norm) -> torch.Tensor:
+        """x + linear(h), with the output normed first where the architecture says so (the add
+        is folded into the linear layer's kernel otherwise)."""
+        return linear(h, x) if post_norm is None else x + self._norm(linear(h), post_norm)
 
     def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
                  past: int, stop: int | None = None, capture: tuple[int, ...] = (),
@@ -452,15 +561,25 @@ class LlamaRunner(Runner):
         slots = torch.arange(past, past + n)
         keys, lengths = _key_slots(past, depths, tree)
         x = self.embed[torch.tensor(tokens)]  # [n, H] float32
-        cos, sin = self.cos[positions], self.sin[positions]  # [n, D]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
+        activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
         if capture:
             self.captured = {}
         for i, layer in enumerate(layers[:stop]):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-            q = kernels.rope_store(layer.qkv(self._norm(x, layer.attn_norm)), cos, sin,
-                                   s.num_heads, s.num_kv_heads, k_cache, v_cache, slots)
-            x = layer.o(kernels.attention(q, k_cache, v_cache, past, keys, lengths), x)
-            x = layer.down(kernels.swiglu(layer.gate_up(self._norm(x, layer.mlp_norm))), x)
+            qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            if layer.q_norm is not None:
+                qkv = self._head_norms(qkv, layer)
+            cos, sin = rope[layer.local_rope]  # [n, D]
+            q = kernels.rope_store(qkv, cos, sin, s.num_heads, s.num_kv_heads, k_cache, v_cache, slots)
+            attended = kernels.attention(q, k_cache, v_cache, past, keys, lengths, layer.window)
+            x = self._residual(layer.o, attended, x, layer.post_attn_norm)
+            hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
+            x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
             if i + 1 in capture:
                 self.captured[i + 1] = x.clone()
         return x

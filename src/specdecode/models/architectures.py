@@ -1,0 +1,76 @@
+"""What differs between the model families the native runner runs, as data.
+
+The runner (``models/llama.py``) has one forward: embed, then per layer norm -> q/k/v ->
+rotary -> attention -> o -> residual, norm -> gated MLP -> down -> residual, then a final norm
+and the LM head. A family is that forward with a few named pieces switched on, each read from
+the same place ``transformers``' modeling file reads it:
+
+    llama   the forward as it stands (Touvron et al. 2023)
+    qwen2   + biases on the q, k and v projections (modeling_qwen2)
+    qwen3   + an RMSNorm over each head of q and of k before the rotary embedding, no biases
+            (modeling_qwen3)
+    gemma3  + (1 + w) RMSNorm weights, q/k head norms, norms after attention and after the MLP
+            as well as before them, a GeGLU MLP (gelu_pytorch_tanh), embeddings times
+            sqrt(hidden), a query scale of query_pre_attn_scalar ** -0.5, and interleaved
+            sliding-window layers whose rotary base is rope_local_base_freq (modeling_gemma3)
+
+Per-layer facts that a config carries for every family (``layer_types`` with
+``sliding_window``, ``final_logit_softcapping``) are read from the config by the runner, so a
+Qwen2 config with sliding-window layers runs them as Gemma's do. A new family is one more entry
+here (and its GGUF tensor names), not a copy of the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Architecture:
+    #: transformers' ``model_type``
+    model_type: str
+    #: GGUF ``general.architecture``
+    gguf_name: str
+    #: q, k and v projections have biases (Qwen2)
+    qkv_bias: bool = False
+    #: RMSNorm over each head of q and k, before the rotary embedding (Qwen3, Gemma 3)
+    qk_norm: bool = False
+    #: norm weights are stored as w - 1 and multiply by (1 + w) (Gemma); added once at load
+    norm_offset: float = 0.0
+    #: norms after attention and after the MLP, before each residual add (Gemma 2/3)
+    post_norms: bool = False
+    #: config attribute naming the MLP gate's activation
+    activation_attr: str = "hidden_act"
+    #: embeddings are multiplied by sqrt(hidden_size) (Gemma)
+    scale_embeddings: bool = False
+    #: config attribute whose value q is scaled by the inverse square root of (Gemma:
+    #: query_pre_attn_scalar); None: the head size
+    query_scale_attr: str | None = None
+    #: config attribute of the rotary base of sliding-window layers (Gemma 3: they use the
+    #: default rope with this base; full layers use rope_theta and rope_scaling); None: one rope
+    local_rope_base_attr: str | None = None
+    #: llama.cpp permutes q/k rows for its interleaved rotary embedding (Llama only)
+    gguf_permuted_qk: bool = False
+    #: GGUF layer tensor names that differ from the common ones (see gguf_reader)
+    gguf_layer_names: dict = field(default_factory=dict)
+    #: GGUF files store Gemma's norm weights as 1 + w (llama.cpp's converter adds the 1)
+    gguf_norm_plus_one: bool = False
+
+
+ARCHITECTURES = {a.model_type: a for a in (
+    Architecture("llama", "llama", gguf_permuted_qk=True),
+    Architecture("qwen2", "qwen2", qkv_bias=True),
+    Architecture("qwen3", "qwen3", qk_norm=True),
+    Architecture("gemma3_text", "gemma3", qk_norm=True, norm_offset=1.0, post_norms=True,
+                 activation_attr="hidden_activation", scale_embeddings=True,
+                 query_scale_attr="query_pre_attn_scalar",
+                 local_rope_base_attr="rope_local_base_freq",
+                 gguf_layer_names={"ffn_norm": "pre_feedforward_layernorm",
+                                   "post_attention_norm": "post_attention_layernorm",
+                                   "post_ffw_norm": "post_feedforward_layernorm"},
+                 gguf_norm_plus_one=True),
+)}
+#: GGUF ``general.architecture`` -> Architecture
+GGUF_ARCHITECTURES = {a.gguf_name: a for a in ARCHITECTURES.values()}
+#: MLP gate activations with a kernel (transformers' names)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

@@ -1,0 +1,294 @@
+"""Qwen2, Qwen3 and Gemma 3 on the native runner: each tiny random-weight model of that config
+against transformers (logits of chains and trees, greedy tokens), bitwise row invariance in
+every weight format across a sliding window, every method exact against ``ar``, and GGUF files
+of these architectures (Gemma's stored 1 + w norms, Q4_K blocks)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import LlamaRunner, Q4Weight
+from specdecode.models.loading import tiny_model
+from specdecode.models.quant import WEIGHT_FORMATS
+
+from conftest import repetitive_prompts
+from test_exactness import METHODS, tiny_overrides
+
+WINDOW = 8
+#: tiny configs: every piece an architecture switches on, sliding windows short enough for
+#: short prompts to cross them
+ARCHS = {
+    "qwen2": dict(model_type="qwen2"),
+    # Qwen2's own sliding-window layers (from max_window_layers on): the same piece as Gemma's
+    "qwen2-window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1),
+    "qwen3": dict(model_type="qwen3"),
+    # layer 0 sliding (local rope base 10000), layer 1 global (rope_theta 1e6); query scale
+    # query_pre_attn_scalar ** -0.5 = 1/16
+    "gemma3": dict(model_type="gemma3_text", sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "gemma3-softcap": dict(model_type="gemma3_text", sliding_window=WINDOW,
+                           layer_types=["sliding_attention", "full_attention"],
+                           final_logit_softcapping=5.0, tie_word_embeddings=True),
+}
+TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
+
+
+def build(name: str, seed: int = 0, **kw):
+    spec = dict(ARCHS[name])
+    return tiny_model(spec.pop("model_type"), seed=seed, **{**spec, **kw})
+
+
+def reference(model, ids) -> torch.Tensor:
+    """transformers' logits of the last position of ``ids``, the whole sequence in one call
+    (its own causal and sliding-window masks)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(got.argmax(), expected.argmax())
+    relative = float((got - expected).abs().max() / expected.abs().max())
+    assert relative < 1e-5, relative
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_logits_of_chains_and_trees_match_transformers(name):
+    model = build(name, seed=3)
+    native = LlamaRunner.from_transformers(model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(96) for _ in range(3 * WINDOW)]
+    assert_close(native.prefill(prompt), reference(model, prompt))
+    context = list(prompt)
+    for root, draft in ((5, TREE), (6, Draft.chain([7, 8, 9])), (11, TREE)):
+        logits = native.forward(root, draft)
+        for node in range(-1, len(draft)):
+            path = draft.path_to(node) if node >= 0 else []
+            expected = reference(model, context + [root] + [draft.tokens[i] for i in path])
+            assert_close(logits[node + 1], expected)
+        # keep the path to the last node (not the first rows: its KV rows move), then go on
+        path = draft.path_to(len(draft) - 1)
+        native.commit(path)
+        context += [root] + [draft.tokens[i] for i in path]
+        assert native.cache_len == len(context)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_ar_tokens_identical_to_transformers_generate(name):
+    model = build(name, seed=4)
+    native = LlamaRunner.from_transformers(model)
+    for prompt in repetitive_prompts()[:3]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                 max_new_tokens=3 * WINDOW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        expected = out[0, len(prompt):].tolist()
+        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 3 * WINDOW).run() == expected
+
+
+def alone_logits(runner, prompt, tokens):
+    runner.prefill(prompt)
+    rows = []
+    for token in tokens:
+        rows.append(runner.forward(token, Draft.empty())[0])
+        runner.commit([])
+    return rows
+
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap"])
+def test_position_alone_equals_position_in_tree_bitwise(name, weights):
+    runner = LlamaRunner.from_transformers(build(name, seed=5), weights)
+    rng = random.Random(1)
+    # the prompt ends inside the window; the tree's rows cross its edge
+    prompt = [rng.randrange(96) for _ in range(WINDOW - 3)]
+    draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
+    runner.prefill(prompt)
+    together = runner.forward(7, draft)
+    runner.commit([])
+    for node in [i for i in range(len(draft)) if not draft.children(i)]:
+        path = draft.path_to(node)
+        rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
+        for row, i in zip(rows, [-1] + path):
+            assert torch.equal(row, together[i + 1]), (name, weights, node, i)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap"])
+def test_every_method_equals_ar_on_the_int4_runner(name, method):
+    runner = LlamaRunner.from_transformers(build(name, seed=6), "int4")
+    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method))
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 3 * WINDOW).run()
+        assert decoder.start(prompt, 3 * WINDOW).run() == ar, (name, method, prompt)
+
+
+def test_unsupported_pieces_are_named():
+    with pytest.raises(SpecDecodeError, match="attn logit softcapping.*--runner hf"):
+        LlamaRunner.from_transformers(build("gemma3", attn_logit_softcapping=50.0))
+    with pytest.raises(SpecDecodeError, match="'gelu'.*--runner hf"):
+        LlamaRunner.from_transformers(build("qwen3", hidden_act="gelu"))
+
+
+# ---- GGUF files of these architectures ----------------------------------------------------------
+
+#: Hugging Face -> GGUF layer tensor names, per architecture (llama.cpp's convert_hf_to_gguf)
+_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm"}
+_GEMMA = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
+          "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K data [rows, cols / 256 * 144]: random codes and 6-bit scales, small float16 d, dmin."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
+    """``model`` as llama.cpp writes it: Q8_0 embeddings, Q5_0 q/k/v, Q4_K for the matrices
+    named in ``q4k`` (random blocks), Q4_1 for the rest, f32 norms (Gemma's as 1 + w) and
+    biases. The model's weights become the file's dequantised ones."""
+    import gguf
+
+    c = model.config
+    names = {**_GGUF, **(_GEMMA if arch == "gemma3" else {})}
+    q = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if getattr(c, "sliding_window", None):
+        writer.add_sliding_window(c.sliding_window)
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}.get(name)
+            if gguf_name is None:
+                parts = name.split(".")
+                gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+            w = param.float().numpy()
+            if w.ndim == 1:
+                shift = 1 if arch == "gemma3" and "norm" in name else 0
+                writer.add_tensor(gguf_name, w + shift)
+                param.copy_(torch.from_numpy((w + shift) - shift))  # as a reader gets it back
+                continue
+            if any(part in name for part in q4k):
+                qtype, data = q.Q4_K, random_q4k(*w.shape, rng)
+            else:
+                qtype = (q.Q8_0 if "embed" in name or "lm_head" in name else
+                         q.Q5_0 if "self_attn" in name and "o_proj" not in name else q.Q4_1)
+                data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(data, qtype)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
+def test_gguf_files_read_like_the_model(tmp_path, name, arch):
+    from specdecode.models.gguf_reader import read_gguf
+
+    # intermediate 256: the down projection's rows are one Q4_K super-block. A GGUF file has
+    # no layer types (llama.cpp makes every sixth Gemma 3 layer global, as transformers'
+    # default does): six layers with the default pattern
+    gemma = {"layers": 6, "layer_types": None} if arch == "gemma3" else {}
+    model = build(name, seed=8, intermediate_size=256, **gemma)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(model, path, arch, q4k=("down_proj",))
+    config, tensors = read_gguf(path)
+    assert config.model_type == model.config.model_type
+    for field in ("sliding_window", "layer_types", "head_dim", "rope_theta"):
+        assert getattr(config, field, None) == getattr(model.config, field, None), field
+    state = model.state_dict()
+    for key, w in tensors.items():
+        if isinstance(w, Q4Weight) and "down_proj" in key:
+            # Q4_K: the file's codes; scales and minimums as float16, within 2^-11 of ggml's
+            bound = 2 ** -11 * (15 * w.scale + w.minimum.abs()).max()
+            assert (w.dequantize() - state[key]).abs().max() <= bound * (1 + 1e-6)
+        else:
+            assert torch.equal(w.dequantize() if isinstance(w, Q4Weight) else w, state[key]), key
+    native, prompt = LlamaRunner.from_gguf(path), repetitive_prompts()[2]
+    # the fp32 runner dequantises through our Q4_K scales: equal to transformers up to them
+    assert (native.prefill(prompt) - reference(model, prompt)).abs().max() < 1e-2
+    runner = LlamaRunner.from_gguf(path, "int4")
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
+def test_q4_k_blocks_unpack_like_ggml():
+    import gguf
+
+    from specdecode.models.gguf_reader import q4k_blocks
+
+    raw = random_q4k(8, 512, np.random.default_rng(1))
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)  # float32 [8, 512]
+    codes, scale, minimum, inexact = q4k_blocks(raw)
+    assert codes.max() <= 15 and tuple(codes.shape) == (8, 512) and tuple(scale.shape) == (8, 16)
+    got = Q4Weight(codes, scale, minimum).dequantize()
+    error = np.abs(got.numpy() - expected).reshape(8, 16, 32).max(-1)
+    # d * sc has up to 17 significant bits: most are not float16 numbers; rounding moves a
+    # scale and a minimum by at most 2^-11 of themselves, so a weight q s + m (q <= 15) by at
+    # most 2^-11 (15 s + |m|)
+    assert 0 < inexact <= 2 * scale.numel()
+    assert (error <= 2 ** -11 * (15 * scale + minimum.abs()).numpy() * (1 + 1e-6)).all()
+    # with d and dmin powers of two every product is a float16: exactly ggml's weights
+    raw[:, 0:4] = np.array([2 ** -10, 2 ** -9], dtype=np.float16).view(np.uint8)[None].repeat(8, 0)
+    raw[:, 144:148] = raw[:, 0:4]
+    codes, scale, minimum, inexact = q4k_blocks(raw)
+    assert inexact == 0
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(Q4Weight(codes, scale, minimum).dequantize().numpy(), expected)
+
+
+# ---- the real Gemma 3 270M ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_gemma_matches_transformers(gemma_model):
+    from test_exactness import dev_prompts
+
+    from specdecode.api import eos_ids
+    from specdecode.models.hf import HFRunner
+
+    model, tokenizer = gemma_model.model, gemma_model.tokenizer
+    native, hf = LlamaRunner.from_transformers(model), HFRunner(model)
+    assert native.shape.windows.count(512) == 15  # five sliding layers to each global one
+    decoder = Decoder(model, tokenizer, "ar")
+    long = decoder.encode(" ".join(dev_prompts(2)))  # past the 512-position window
+    assert len(long) > 700
+    for ids in (decoder.encode(dev_prompts()[0]), long):
+        assert_close(native.prefill(ids), reference(model, ids))
+    short = decoder.encode(dev_prompts()[0])
+    native.prefill(short)
+    logits = native.forward(100, TREE)
+    for node in (-1, 2, 6):  # the root, a depth-3 node, a depth-4 node
+        path = TREE.path_to(node) if node >= 0 else []
+        assert_close(logits[node + 1], reference(model, short + [100] + [TREE.tokens[i] for i in path]))
+    for ids in (short, long):
+        theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        generation = Decoder(native, tokenizer, "ar", eos_ids(model, tokenizer)).start(ids, 32, chat=False)
+        assert generation.run() == theirs
