@@ -87,13 +87,14 @@ class NgramPool:
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    window: int = param(4, "W, future positions decoded in parallel by the lookahead branch "
-                           "(reference README: 7 on GPUs; on this CPU every row costs, and W = 4 "
-                           "was fastest on the dev half: docs/parallel-decoding.md)")
-    ngram: int = param(4, "N, n-gram size: the window keeps N - 1 Jacobi iterations and drafts "
-                          "N - 1 tokens per candidate (reference README: 5; 4 measured best here)")
-    guesses: int = param(4, "G, n-grams kept per first token and verified per step (reference "
-                            "README: 7; 4 measured best here)")
+    window: int = param(1, "W, future positions decoded in parallel by the lookahead branch "
+                           "(reference README: 7 on GPUs; every row costs on this CPU's runner, "
+                           "and W = 1 was fastest on the dev half, W = 4 accepted most: "
+                           "docs/parallel-decoding.md)")
+    ngram: int = param(3, "N, n-gram size: the window keeps N - 1 Jacobi iterations and drafts "
+                          "N - 1 tokens per candidate (reference README: 5; 3 was fastest here)")
+    guesses: int = param(2, "G, n-grams kept per first token and verified per step (reference "
+                            "README: 7; 2 was fastest here)")
     pool_from_context: bool = param(True, "also pool every n-gram of the prompt and of the "
                                           "output (the reference's POOL_FROM_PROMPT; on here: it "
                                           "raised tau on the dev half)")

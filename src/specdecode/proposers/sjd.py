@@ -24,7 +24,7 @@ a deterministic token with a point-mass q is accepted with probability p(x), whi
 
 Greedy, SJD is Jacobi decoding (the verifier takes argmaxes; the draft carries no probs).
 Defaults: W = 16 is the paper's window for images; text accepts far less per step, and on the
-dev half a shorter window wasted fewer rows (docs/parallel-decoding.md).
+dev half the shortest real window (2) wasted fewest rows (docs/parallel-decoding.md).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ GUESS_SEED_OFFSET = 0x5D1
 
 @dataclass(frozen=True)
 class SJDConfig:
-    window: int = param(8, "W, tokens guessed per step (paper: 16 image tokens; text accepts "
-                           "less per step, so fewer rows pay: docs/parallel-decoding.md)")
+    window: int = param(2, "W, tokens guessed per step (paper: 16 image tokens; text accepts "
+                           "~1 per step, so the fewest rows pay: docs/parallel-decoding.md)")
 
     def __post_init__(self):
         check_window(self.window)
