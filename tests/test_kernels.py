@@ -191,7 +191,7 @@ def test_thread_count_changes_no_bit(ext, two_threads):
 
     def run_all():
         return [ext.q4_linear(x, q4, None, n, 2), ext.dense_linear(x, dense, None, None, n, 2),
-                ext.attention(q, keys, values, past, table, lens, 2)]
+                ext.attention(q, keys, values, past, table, lens, 0, 2)]
 
     together = run_all()
     torch.set_num_threads(1)
