@@ -31,4 +31,4 @@ def test_methods_lists_every_registered_method(capsys):
     out = capsys.readouterr().out
     for name in registry.names():
         assert f"\n{name}" in "\n" + out
-    assert "paper:" in out and "num_speculative_tokens = 10" in out
+    assert "paper:" in out and "max_tree_depth = 64" in out
