@@ -2,8 +2,11 @@
 static tree (Luo et al., 2024, "Turning Trash into Treasure: Accelerating Inference of Large
 Language Models with Token Recycling", ACL 2025, arXiv 2408.08696).
 
-Defaults: ``candidates=8`` (the paper's k) per token and the paper's "2.2.2" tree template (80 nodes,
-6 levels), as in the paper.
+Defaults: ``candidates=8`` (the paper's k) per token; tree ``chain2``, not the paper's "2.2.2"
+template (80 nodes, 6 levels): on a CPU every draft row costs a share of a forward, and on the
+kernel runner the 2-node chain measured fastest of the templates (0.97x ``ar`` on the
+Spec-Bench dev half against 0.95x for chain3, 0.76x for best8 and 0.2-0.3x for 2.2.2, which
+accepts the most tokens per step; docs/bench.md). ``tree="2.2.2"`` gives the paper's.
 
 State: ``M`` [V, k] int64, zero-initialised, kept on the proposer across requests. Row ``t``
 holds the k most likely next tokens the target predicted the last time it saw ``t``.
@@ -184,9 +187,10 @@ class RecyclingConfig:
     # not "top_k": specdecode.generate() routes that name to the sampling options
     candidates: int = param(8, "k, the candidate successors kept per token in the adjacency "
                                "matrix (paper: 8)")
-    tree: str = param("2.2.2", "static tree template: 2.2.2 (the paper's, 80 nodes, depth 6), "
-                               "chain<D> (the first candidate, D deep) or best<N> (the N nodes "
-                               "most often accepted on SmolLM2)")
+    tree: str = param("chain2", "static tree template: 2.2.2 (the paper's, 80 nodes, depth 6), "
+                                "chain<D> (the first candidate, D deep) or best<N> (the N nodes "
+                                "most often accepted on SmolLM2); chain2 measured fastest on "
+                                "the CPU kernel runner")
     prune_unseen: bool = param(True, "draft nothing under a token whose row was never written "
                                      "(ours; the paper drafts token 0 there)")
 
