@@ -51,3 +51,42 @@ def repetitive_prompts(vocab_size: int = 96) -> list[list[int]]:
         [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33],
         [50, 51, 50, 51, 50, 51, 50],
     ]
+
+
+def gguf_writer(config, path, arch: str):
+    """A GGUF writer for a tiny test model, with the header llama.cpp writes for ``config``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if getattr(config, "head_dim", None):
+        writer.add_key_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    return writer
+
+
+def close_gguf(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def alone_logits(runner, prompt, tokens):
+    """Logits after each of ``tokens``, fed one per forward (plain decoding)."""
+    from specdecode.draft import Draft
+
+    runner.prefill(prompt)
+    rows = []
+    for token in tokens:
+        rows.append(runner.forward(token, Draft.empty())[0])
+        runner.commit([])
+    return rows

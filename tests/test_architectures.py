@@ -18,7 +18,8 @@ from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.loading import tiny_model
 from specdecode.models.quant import WEIGHT_FORMATS
 
-from conftest import repetitive_prompts
+from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+
 from test_exactness import METHODS, tiny_overrides
 
 WINDOW = 8
@@ -93,15 +94,6 @@ def test_greedy_ar_tokens_identical_to_transformers_generate(name):
         assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 3 * WINDOW).run() == expected
 
 
-def alone_logits(runner, prompt, tokens):
-    runner.prefill(prompt)
-    rows = []
-    for token in tokens:
-        rows.append(runner.forward(token, Draft.empty())[0])
-        runner.commit([])
-    return rows
-
-
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
 @pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap"])
 def test_position_alone_equals_position_in_tree_bitwise(name, weights):
@@ -164,18 +156,7 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
     c = model.config
     names = {**_GGUF, **(_GEMMA if arch == "gemma3" else {})}
     q = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if getattr(c, "sliding_window", None):
-        writer.add_sliding_window(c.sliding_window)
+    writer = gguf_writer(c, path, arch)
     rng = np.random.default_rng(0)
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -201,10 +182,7 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
                 data = gguf.quants.quantize(w, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=qtype)
             param.copy_(torch.from_numpy(gguf.quants.dequantize(data, qtype)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
 
 
 @pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])

@@ -17,7 +17,7 @@ from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
-from conftest import repetitive_prompts
+from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
 
 #: a context length that prompts in these tests cross (attention scores 64 cached keys at a
 #: time, then 16 gathered ones a register)
@@ -70,16 +70,6 @@ def test_greedy_ar_tokens_identical_to_transformers(tie):
 
 
 # ---- batch invariance -------------------------------------------------------------------------
-
-def alone_logits(runner, prompt, tokens):
-    """Logits after each of ``tokens``, fed one per forward (plain decoding)."""
-    runner.prefill(prompt)
-    rows = []
-    for token in tokens:
-        rows.append(runner.forward(token, Draft.empty())[0])
-        runner.commit([])
-    return rows
-
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
 def test_position_alone_equals_position_in_tree_bitwise(weights):
@@ -211,15 +201,7 @@ def write_gguf(model, path, arch="llama"):
     import gguf
 
     c = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer = gguf_writer(c, path, arch)
     q = gguf.GGMLQuantizationType
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -242,10 +224,7 @@ def write_gguf(model, path, arch="llama"):
             writer.add_tensor(gguf_name, data, raw_dtype=qtype)
             back = gguf.quants.dequantize(data, qtype)
             param.copy_(torch.from_numpy(_unpermute(back, heads) if heads else back))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 

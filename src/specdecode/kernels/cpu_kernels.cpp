@@ -473,23 +473,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   return y;
 }
 
-at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu takes [rows, 2 I]");
-  check_rows(gate_up, gate_up.size(1), "swiglu input");
-  const int64_t inter = gate_up.size(1) / 2;
-  auto y = at::empty({gate_up.size(0), inter}, gate_up.options());
-  DISPATCH(isa, swiglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), gate_up.size(0), inter);
+// act(gate) * up for [rows, 2 I] (gate then up): SwiGLU (silu) or GeGLU (gelu_tanh)
+at::Tensor gated(const at::Tensor& gate_up, int64_t isa, bool gelu) {
+  const char* name = gelu ? "geglu" : "swiglu";
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, " takes [rows, 2 I]");
+  check_rows(gate_up, gate_up.size(1), name);
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto y = at::empty({rows, inter}, gate_up.options());
+  if (gelu)
+    DISPATCH(isa, geglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
+  else
+    DISPATCH(isa, swiglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
   return y;
 }
 
-at::Tensor geglu(const at::Tensor& gate_up, int64_t isa) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "geglu takes [rows, 2 I]");
-  check_rows(gate_up, gate_up.size(1), "geglu input");
-  const int64_t inter = gate_up.size(1) / 2;
-  auto y = at::empty({gate_up.size(0), inter}, gate_up.options());
-  DISPATCH(isa, geglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), gate_up.size(0), inter);
-  return y;
-}
+at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, false); }
+
+at::Tensor geglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, true); }
 
 at::Tensor softcap(const at::Tensor& x, double cap, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && cap > 0, "softcap takes contiguous float32 and a positive cap");
