@@ -13,8 +13,8 @@ Two measurements, on the same machine in the same run:
   (exactness is always against the same runner; this says how far the formats drift);
 - the roofline of the native int4 runner: the machine's int8 multiply-add peak (VPDPBUSD
   chains on every thread, nothing else) beside the rate each forward size reaches (the
-  multiply-adds of its linear layers over the whole forward's time), which bounds what any
-  kernel could make of a row on this machine.
+  multiply-adds of its linear layers over the whole forward's time), which bounds what an int8
+  kernel without AMX could make of a row on this machine.
 
 Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median).
 """
