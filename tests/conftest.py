@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +92,47 @@ def alone_logits(runner, prompt, tokens):
         rows.append(runner.forward(token, Draft.empty())[0])
         runner.commit([])
     return rows
+
+
+_TINY_HEADS: dict[tuple[str, str], str] = {}
+
+
+def tiny_heads(kind: str, target) -> str:
+    """A head artifact of ``kind`` trained for a few seconds on ``target`` (a tiny model or
+    runner): its own greedy continuations of the repetitive prompts, through the real trainer's
+    loss, so drafts are accepted often enough to exercise trees. Cached per target."""
+    import tempfile
+
+    from specdecode.api import Decoder, as_runner
+    from specdecode.heads.artifact import save_heads
+    from specdecode.heads.networks import make_network
+    from specdecode.proposers.draft_model import target_embeddings
+    from specdecode.training.train_heads import DEPTHS, depth_losses
+
+    runner = as_runner(target)
+    key = (kind, runner.fingerprint())
+    if key in _TINY_HEADS:
+        return _TINY_HEADS[key]
+    torch.manual_seed(0)
+    embed = target_embeddings(runner)
+    head = runner.output_embeddings().float()
+    data = []
+    for prompt in repetitive_prompts():
+        prompt = [t % runner.vocab_size for t in prompt]
+        ids = prompt + Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
+        runner.keep_final_hidden(True)
+        runner.prefill(ids)
+        data.append((torch.tensor(ids), runner.final_hidden.clone()))
+        runner.keep_final_hidden(False)
+    net = make_network(kind, embed.shape[1], embed)
+    optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    for step in range(60):
+        ids, feats = data[step % len(data)]
+        net.reset()
+        losses = depth_losses(kind, net.train_outputs(feats, ids, DEPTHS[kind]), feats, head)
+        optim.zero_grad()
+        (sum(losses.values()) / len(losses)).backward()
+        optim.step()
+    path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-heads-")) / f"{kind}.safetensors"
+    _TINY_HEADS[key] = str(save_heads(path, net.eval(), None, runner.fingerprint(), {}))
+    return _TINY_HEADS[key]

@@ -116,7 +116,7 @@ def test_position_alone_equals_position_in_tree_bitwise(name, weights):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap"])
 def test_every_method_equals_ar_on_the_int4_runner(name, method):
     runner = LlamaRunner.from_transformers(build(name, seed=6), "int4")
-    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method))
+    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
     for prompt in repetitive_prompts()[:3]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 3 * WINDOW).run()
         assert decoder.start(prompt, 3 * WINDOW).run() == ar, (name, method, prompt)

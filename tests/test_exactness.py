@@ -18,7 +18,7 @@ from specdecode import registry
 from specdecode.api import Decoder
 from specdecode.models.loading import tiny_llama
 
-from conftest import repetitive_prompts
+from conftest import repetitive_prompts, tiny_heads
 
 DEV = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "data" / "spec_bench_dev.jsonl"
 if not DEV.is_file():
@@ -39,10 +39,18 @@ def tiny_draft_dir() -> str:
     return str(path)
 
 
-def tiny_overrides(method: str) -> dict:
-    """Config a method needs on a tiny model (e.g. a tiny draft model instead of the
-    distilled SmolLM2 draft); empty for model-free methods."""
-    return {"draft": tiny_draft_dir()} if needs_draft_model(method) else {}
+def needs_heads(method: str) -> bool:
+    return "heads" in {f.name for f in dataclasses.fields(registry.get(method).config)}
+
+
+def tiny_overrides(method: str, target=None) -> dict:
+    """Config a method needs on the tiny model ``target`` (a tiny draft model instead of the
+    distilled SmolLM2 draft, heads trained on it); empty for model-free methods."""
+    if needs_draft_model(method):
+        return {"draft": tiny_draft_dir()}
+    if needs_heads(method):
+        return {"heads": tiny_heads(registry.get(method).proposer.head_kind, target)}
+    return {}
 
 
 def decode(model, method, prompt, max_new, eos=None, **config):
@@ -57,10 +65,9 @@ def tiny_models():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_on_tiny_models(tiny_models, method):
-    overrides = tiny_overrides(method)
     for model in tiny_models:
         # one decoder for all prompts: state learnt across requests must not change tokens
-        decoder = Decoder(model, None, method, eos_token_ids=[], **overrides)
+        decoder = Decoder(model, None, method, eos_token_ids=[], **tiny_overrides(method, model))
         for prompt in repetitive_prompts():
             ar = decode(model, "ar", prompt, 32)
             assert decoder.start(prompt, 32).run() == ar, (method, prompt)
@@ -73,9 +80,10 @@ def test_end_of_sequence_and_token_limit(tiny_models, method):
     full = decode(model, "ar", prompt, 32)
     eos = [full[9]]
     expected = full[: full.index(eos[0]) + 1]
-    assert decode(model, method, prompt, 32, eos=eos, **tiny_overrides(method)) == expected
+    config = tiny_overrides(method, model)
+    assert decode(model, method, prompt, 32, eos=eos, **config) == expected
     for limit in (1, 2, 5):
-        assert decode(model, method, prompt, limit, **tiny_overrides(method)) == full[:limit]
+        assert decode(model, method, prompt, limit, **config) == full[:limit]
 
 
 def dev_prompts(n_per_task: int = 1) -> list[str]:
@@ -111,6 +119,14 @@ def check_greedy_identical(target, runner, tokenizer, method, prompts, max_new_t
         if not find_artifacts("draft_model", runner.fingerprint()):
             pytest.skip("no distilled draft model for this model: `specdecode train draft` "
                         "makes one for the default model")
+    if needs_heads(method):
+        from specdecode.heads.artifact import artifact_kind
+        from specdecode.training.artifacts import find_artifacts
+
+        kind = registry.get(method).proposer.head_kind
+        if not find_artifacts(artifact_kind(kind), runner.fingerprint()):
+            pytest.skip(f"no trained {kind} heads for this model: `specdecode train heads "
+                        f"--kind {kind}` makes them")
     ar = Decoder(target, tokenizer, "ar", eos)
     decoder = Decoder(target, tokenizer, method, eos)
     for prompt in prompts:

@@ -250,10 +250,10 @@ def draft_folder(target, tmp_path_factory):
     return str(path)
 
 
-def overrides(method: str, draft_folder: str) -> dict:
+def overrides(method: str, draft_folder: str, target) -> dict:
     """tests/test_exactness.py's tiny-model config, plus a tiny draft model for methods that
     take one (a ``draft`` config field)."""
-    config = dict(tiny_overrides(method))
+    config = dict(tiny_overrides(method, target))
     fields = {f.name for f in dataclasses.fields(registry.get(method).config)}
     if "draft" in fields:
         config.setdefault("draft", draft_folder)
@@ -292,7 +292,7 @@ def ar_outputs(target):
 
 @pytest.mark.parametrize("method", [m for m in registry.names() if m != "ar"])
 def test_seeded_sampling_matches_ar_for_every_proposer(target, draft_folder, ar_outputs, method):
-    config = overrides(method, draft_folder)
+    config = overrides(method, draft_folder, target)
     for (options, prompt), expected in zip(REGISTRY_CASES, ar_outputs):
         decoder = Decoder(target, None, method, eos_token_ids=[], **config)
         recorder = Recorder(decoder.proposer)

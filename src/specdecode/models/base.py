@@ -101,6 +101,24 @@ class Runner(ABC):
         (1 .. num_layers - 1) for its rows in :attr:`captured`; ``()`` stops capturing."""
         raise self._no_early_exit()
 
+    # ---- optional: the target's own features, for draft heads (Hydra, Clover, EAGLE) --------
+
+    #: after :meth:`prefill` or :meth:`forward` with :meth:`keep_final_hidden` on: the final
+    #: normed hidden state of every row (what the LM head reads) [rows, H], float32
+    final_hidden: torch.Tensor | None = None
+
+    def keep_final_hidden(self, on: bool) -> None:
+        """From now on (``on``), every :meth:`prefill` (one row per prompt token) and
+        :meth:`forward` (one row per fed token) keeps its final normed hidden states in
+        :attr:`final_hidden`."""
+        raise SpecDecodeError(f"the {self.name} runner does not expose its hidden states, which "
+                              "draft heads read; use the native or the hf runner")
+
+    def output_embeddings(self) -> torch.Tensor:
+        """The LM head's weight [V, H] in float (draft heads score a shortlist of its rows)."""
+        raise SpecDecodeError(f"the {self.name} runner does not expose its LM head; use the "
+                              "native or the hf runner")
+
     def _check_exit_layer(self, layer: int) -> None:
         require(isinstance(layer, int) and 1 <= layer < self.num_layers,
                 f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "

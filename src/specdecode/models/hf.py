@@ -42,6 +42,8 @@ class HFRunner(Runner):
                                                                  "rotary_emb"))
         self.captured = {}
         self._capture: tuple[int, ...] = ()
+        self._keep_final = False
+        self.final_hidden = None
         self._exit_rows = 0  # rows appended to the first layers by exit_forward this step
         self._exit_layer = 0
 
@@ -62,7 +64,9 @@ class HFRunner(Runner):
         self.cache = DynamicCache()
         input_ids = torch.tensor([list(ids)], dtype=torch.long)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+                         logits_to_keep=1, output_hidden_states=self._keep_final)
+        if self._keep_final:  # transformers' last hidden state is after the final norm
+            self.final_hidden = out.hidden_states[-1][0].float()
         self._len = len(ids)
         self._pending = 0
         self._exit_rows = 0
@@ -82,8 +86,10 @@ class HFRunner(Runner):
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                          past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=bool(self._capture))
+                         output_hidden_states=bool(self._capture) or self._keep_final)
         self._pending = n
+        if self._keep_final:
+            self.final_hidden = out.hidden_states[-1][0].float()
         if self._capture:
             # hidden_states[l] is layer l's output (index 0: the embeddings)
             self.captured = {layer: out.hidden_states[layer][0] for layer in self._capture}
@@ -151,6 +157,13 @@ class HFRunner(Runner):
             self._check_exit_layer(layer)
         self._capture = tuple(layers)
         self.captured = {}
+
+    def keep_final_hidden(self, on: bool) -> None:
+        self._keep_final = on
+        self.final_hidden = None
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()
 
 
 #: model types whose decoder stack is embed_tokens -> layers(position_embeddings=rope) -> norm

@@ -266,6 +266,7 @@ class LlamaRunner(Runner):
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
         self.head, self.layers = self._linears(tensors, head, lambda parts: _fused(parts, weights))
+        self._head_weight = tensors[head]  # a reference: draft heads read a shortlist of it
         # prompts go through ATen's GEMMs in PREFILL_WEIGHTS (every prefill is the same
         # computation, so exactness holds)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
@@ -303,6 +304,8 @@ class LlamaRunner(Runner):
         shape = self.shape
         self.captured = {}
         self._capture: tuple[int, ...] = ()
+        self._keep_final = False
+        self.final_hidden = None
         self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
         self._exit_layer = 0
         # keys in blocks of 16 slots, [layer, kv head, slot / 16, D, slot % 16] (a score is one
@@ -427,7 +430,10 @@ class LlamaRunner(Runner):
         self._len = 0
         self._pending = 0
         self._exit_rows = 0
-        return self._logits(self._append(ids, bulk_rows=1)[-1][-1:], self.prefill_head)[0]
+        blocks = self._append(ids, bulk_rows=1)
+        if self._keep_final:
+            self.final_hidden = self._norm(torch.cat(blocks), self.final_norm)
+        return self._logits(blocks[-1][-1:], self.prefill_head)[0]
 
     @torch.inference_mode()
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
@@ -441,7 +447,10 @@ class LlamaRunner(Runner):
         hidden = self._forward((root,) + draft.tokens, depths, None if draft.is_chain else draft,
                                self._len, capture=self._capture)
         self._pending = n
-        return self._logits(hidden)
+        normed = self._norm(hidden, self.final_norm)
+        if self._keep_final:
+            self.final_hidden = normed
+        return self._capped(self.head(normed))
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
@@ -484,6 +493,13 @@ class LlamaRunner(Runner):
             self._check_exit_layer(layer)
         self._capture = tuple(layers)
         self.captured = {}
+
+    def keep_final_hidden(self, on: bool) -> None:
+        self._keep_final = on
+        self.final_hidden = None
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self._head_weight
 
     # ---- drafting for another runner (draft_model): the cache holds every token read -------
 

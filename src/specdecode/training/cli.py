@@ -15,6 +15,8 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
                       "per-layer early-exit adapters for early_exit / del (self-distillation)"),
     "draft": ("specdecode.training.distill_draft",
               "a small draft model for draft_model / dyspec, distilled from the target"),
+    "heads": ("specdecode.training.train_heads",
+              "draft heads for hydra / clover / eagle, trained on the target's own features"),
 }
 
 

@@ -9,10 +9,9 @@ on the target's own distributions in the spirit of OSD (Liu et al., 2023, "Onlin
 Decoding"): minimise KL(p_target || q_draft) over the shortlist at every position of text the
 target reads and generates.
 
-1. data: the target writes user turns itself (sampled after the chat template's user header,
-   from a few openers covering the Spec-Bench tasks) and answers them (half greedy, half at
-   temperature 0.7), batched. No benchmark prompt is trained on, so measurements on Spec-Bench
-   stay honest. A tenth is held out to measure agreement (the greedy acceptance rate: how often
+1. data: conversations the target writes itself (:mod:`specdecode.training.self_data`: user
+   turns and answers, half greedy, half at temperature 0.7; no benchmark prompt). A tenth is held
+   out to measure agreement (the greedy acceptance rate: how often
    the draft's argmax is the target's).
 2. distillation: AdamW (lr 1e-3 after 10 warm-up steps, constant: runs are short) on the
    draft's layers and norm; one conversation a step, the target's distribution computed on the
@@ -24,8 +23,9 @@ target reads and generates.
 
 Bounded (``--max-minutes``, split between the phases), resumable (``--resume`` continues from
 the last checkpoint in ``--workdir``), with a progress bar. The artifact (kind ``draft_model``,
-tied to the target's fingerprint) holds the layers in float16, the shortlist and the head:
-about 28 MB for 4 layers of SmolLM2; the draft_model proposer finds it in the user cache.
+tied to the target's fingerprint) holds the layers' matrices in int8 with float16 row scales
+(norms in float16), the shortlist and the acceptance head: about 14 MB for 4 layers of SmolLM2.
+The draft_model proposer finds it in the user cache or, for the default model, in the package.
 """
 
 from __future__ import annotations
@@ -42,14 +42,10 @@ import torch.nn.functional as F
 
 from specdecode.control import AcceptanceHead
 from specdecode.errors import require
-from specdecode.training.artifacts import save_artifact, user_dir
+from specdecode.training.artifacts import int8_rows, save_artifact, user_dir
+from specdecode.training.self_data import frequency_shortlist, target_conversations
 
 KIND = "draft_model"
-#: user-turn openers: the target completes them, so its self-written prompts cover the tasks
-#: Spec-Bench measures (chat, translation, summarization, QA, maths, retrieval-style reading)
-OPENERS = ("", "Write", "Explain", "Translate German to English:", "Summarize the following "
-           "article:", "Question:", "Solve this math problem step by step:", "What", "How",
-           "Read the passage and answer the question.", "Can you", "Give me")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +114,7 @@ def trainable_state(student) -> dict[str, torch.Tensor]:
 
 def save_draft(path: Path, student, head_ids: torch.Tensor | None, fingerprint: str,
                info: dict, acceptance_head: AcceptanceHead | None = None) -> Path:
-    tensors = {f"model.{k}": v.half() for k, v in trainable_state(student).items()}
+    tensors = int8_rows({f"model.{k}": v.half() for k, v in trainable_state(student).items()})
     if head_ids is not None:
         tensors["head_ids"] = head_ids
     config = {"model": student.config.to_dict(), **info}
@@ -128,68 +124,6 @@ def save_draft(path: Path, student, head_ids: torch.Tensor | None, fingerprint: 
     config["model"]["torch_dtype"] = "float32"
     config["model"].pop("dtype", None)
     return save_artifact(path, tensors, KIND, config, fingerprint)
-
-
-# ---- data ----------------------------------------------------------------------------------
-
-def user_header(tokenizer) -> str:
-    """The chat template's text before a user message's content."""
-    marker = "\x00MARK\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    return text[: text.index(marker)]
-
-
-@torch.inference_mode()
-def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: set[int],
-              temperature: float, seconds: float) -> list[list[int]]:
-    """Continuations of ``prompts`` (batched, left padding), each cut after end-of-sequence;
-    shorter when ``seconds`` run out."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature else \
-        dict(do_sample=False)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=1, pad_token_id=pad, max_time=max(seconds, 1.0),
-                         **sampling)
-    result = []
-    for row in out[:, width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        result.append(row[:end])
-    return result
-
-
-def conversations(model, tokenizer, count: int, args, rng: random.Random,
-                  seconds: float) -> list[tuple[list[int], int]]:
-    """``count`` conversations the target writes within about ``seconds``: (token ids, prompt
-    length)."""
-    from specdecode.api import eos_ids
-
-    header = user_header(tokenizer)
-    eos = set(eos_ids(model, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    openers = [rng.choice(OPENERS) for _ in range(count)]
-    starts = [tokenizer(header + o, add_special_tokens=False)["input_ids"] for o in openers]
-    turns = _generate(model, starts, args.prompt_tokens, pad, eos, 1.0, seconds / 3)
-    out = []
-    for opener, turn in zip(openers, turns):
-        text = (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip()
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
-                                            add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-    temperature = 0.0 if rng.random() < 0.5 else 0.7
-    answers = _generate(model, out, args.answer_tokens, pad, eos, temperature, seconds * 2 / 3)
-    return [(p + a, len(p)) for p, a in zip(out, answers)]
-
-
-def make_shortlist(sequences: list[tuple[list[int], int]], size: int, vocab: int) -> torch.Tensor:
-    """The ``size`` most frequent tokens of the data; ties and the unseen rest by token id
-    (byte-pair merges get low ids first, so low ids are the frequent ones)."""
-    counts = torch.zeros(vocab)
-    for ids, _ in sequences:
-        counts += torch.bincount(torch.tensor(ids), minlength=vocab)[:vocab].float()
-    order = sorted(range(vocab), key=lambda t: (-counts[t].item(), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
 # ---- distillation --------------------------------------------------------------------------
@@ -299,8 +233,7 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
 
-    state = {"sequences": [], "step": 0, "fingerprint": fingerprint, "layers": args.layers,
-             "log": []}
+    state = {"step": 0, "fingerprint": fingerprint, "layers": args.layers, "log": []}
     if args.resume:
         require(state_path.is_file(), f"no checkpoint to resume in {workdir}; run without --resume")
         state = torch.load(state_path, weights_only=False)
@@ -311,20 +244,16 @@ def run(args: argparse.Namespace) -> int:
 
     progress = None if args.no_progress else _progress(args)
 
-    # 1. data: target-written conversations
-    data_deadline = time.monotonic() + args.data_share * budget
-    while len(state["sequences"]) < args.conversations and time.monotonic() < data_deadline:
-        batch = min(args.batch, args.conversations - len(state["sequences"]))
-        state["sequences"] += conversations(target, tokenizer, batch, args, rng,
-                                            data_deadline - time.monotonic())
-        _show(progress, f"data {len(state['sequences'])}/{args.conversations} conversations")
-    require(len(state["sequences"]) >= 10, "too little time to generate data; raise --max-minutes")
-    sequences = state["sequences"]
+    # 1. data: target-written conversations (cached in the user cache, shared with `train heads`)
+    sequences = target_conversations(
+        target, tokenizer, fingerprint, args.conversations, prompt_tokens=args.prompt_tokens,
+        answer_tokens=args.answer_tokens, batch=args.batch, seed=args.seed,
+        seconds=args.data_share * budget, show=lambda text: _show(progress, text))
     held = max(2, len(sequences) // 10)
     evaluation, train = sequences[:held], sequences[held:]
     if "head_ids" not in state:
         vocab = target.get_input_embeddings().weight.shape[0]
-        state["head_ids"] = (make_shortlist(train, args.shortlist, vocab)
+        state["head_ids"] = (frequency_shortlist(train, args.shortlist, vocab)
                              if 0 < args.shortlist < vocab else None)
     head_ids = state["head_ids"]
 

@@ -1,0 +1,59 @@
+"""Trained draft heads as artifacts (see :mod:`specdecode.training.artifacts`): one kind per
+network (``hydra_heads``, ``clover_heads``, ``eagle_heads``), tied to the target's fingerprint.
+
+A file holds the network's weights (matrices in int8 with float16 row scales), the FR-Spec
+shortlist ``head_ids`` whose LM-head rows score the drafts, and the trainer's settings and
+measurements. The target's embedding table and LM head are never stored: they are the target's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import require
+from specdecode.heads.networks import HeadNetwork, make_network
+from specdecode.training.artifacts import find_artifacts, int8_rows, load_artifact, save_artifact
+
+#: minutes `specdecode train heads` takes by default (said in the "train one" message)
+TRAIN_MINUTES = 12
+
+
+def artifact_kind(kind: str) -> str:
+    return f"{kind}_heads"
+
+
+def save_heads(path: str | Path, net: HeadNetwork, head_ids: torch.Tensor | None,
+               fingerprint: str, info: dict) -> Path:
+    tensors = {f"net.{k}": v.detach().half() for k, v in net.state_dict().items()}
+    tensors = int8_rows(tensors)
+    if head_ids is not None:
+        tensors["head_ids"] = head_ids
+    config = {"network": net.settings(), **info}
+    return save_artifact(path, tensors, artifact_kind(net.kind), config, fingerprint)
+
+
+def load_heads(spec: str, runner, kind: str, embed: torch.Tensor):
+    """(network, shortlist or None, source path, config) for ``spec``: 'auto' (the newest
+    artifact of this kind trained for this target, user cache first, then the package) or a
+    path."""
+    fingerprint = runner.fingerprint()
+    if spec == "auto":
+        found = find_artifacts(artifact_kind(kind), fingerprint)
+        require(bool(found), f"no trained {kind} heads for this target; train them with "
+                             f"`specdecode train heads --kind {kind}` (about {TRAIN_MINUTES} "
+                             f"minutes on 2 CPU cores), or pass -c heads=PATH")
+        spec = str(found[0])
+    artifact = load_artifact(spec, artifact_kind(kind), fingerprint)
+    settings = dict(artifact.config["network"])
+    require(settings["size"] == embed.shape[1],
+            f"{spec} has heads {settings['size']} wide; this target's hidden size is "
+            f"{embed.shape[1]}")
+    net = make_network(kind, settings.pop("size"), embed, **settings)
+    state = {k[len("net."):]: v.float() for k, v in artifact.tensors.items() if k.startswith("net.")}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    require(not missing and not unexpected,
+            f"{spec} does not match its own config (missing {missing}, unexpected {unexpected}); "
+            f"re-create it with `specdecode train heads --kind {kind}`")
+    return net.eval().requires_grad_(False), artifact.tensors.get("head_ids"), spec, artifact.config

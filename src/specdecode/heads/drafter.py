@@ -1,0 +1,105 @@
+"""The draft cache of the head proposers: a head network fed with the target's own features.
+
+It has the interface of the draft model's caches (``catch_up`` / ``feed`` / ``prune``, see
+proposers/draft_model.py), so the dynamic tree of DySpec / EAGLE-2 grows head drafts unchanged.
+Its "context" is the target's: the proposer hands over the final hidden states of every
+committed position (the prompt's from the prefill, then each verify pass's root and accepted
+rows), and :meth:`catch_up` runs the network over the positions it has not read yet.
+
+The drafts are scored by the FR-Spec shortlist of the target's LM head, held in int8 by the
+native kernels (a fifth of a megabyte per thousand tokens for SmolLM2): a draft node costs a
+small fraction of a target row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode import kernels
+from specdecode.errors import require
+from specdecode.heads.networks import HeadNetwork
+from specdecode.proposers.draft_model import _DraftCache
+
+
+def scoring_layer(weight: torch.Tensor):
+    """``weight`` [V', H] as a linear layer: int8 in the native kernels where they load, else
+    float32 through ATen."""
+    from specdecode.models.quant import LibraryLinear, make_linear
+
+    if kernels.available():
+        return make_linear(weight.float(), "int8")
+    return LibraryLinear(weight.float(), torch.float32)
+
+
+class HeadDraftLM(_DraftCache):
+    def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner):
+        self.net = net
+        self.head_ids = head_ids
+        self.vocab_size = runner.vocab_size
+        self.hidden_size = net.size
+        head = runner.output_embeddings()
+        self.score = scoring_layer(head if head_ids is None else head[head_ids])
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: no positions read, no features given."""
+        self.net.reset()
+        self.features: list[torch.Tensor] = []
+        self.given = 0
+        self.read = 0
+        self._clear_tree()
+
+    def _clear_tree(self) -> None:
+        self.tree_tokens: list[int] = []
+        self.tree_states: list[torch.Tensor] = []
+        self.tree_depth: list[int] = []
+        self.tree_ancestors: list[list[int]] = []
+
+    def add_features(self, features: torch.Tensor) -> None:
+        """The target's final hidden states [n, H] of the next committed positions."""
+        self.features.append(features.detach().float())
+        self.given += len(features)
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.score(out.float().contiguous())
+
+    @torch.inference_mode()
+    def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the committed positions not read yet; the logits [V'] of the tokens after the
+        last one of ``context`` (the root), and the feature that scored them."""
+        self._clear_tree()
+        require(self.given == len(context) - 1,
+                f"the head drafter has the target's features of {self.given} positions but the "
+                f"context has {len(context) - 1} before its root")
+        features = torch.cat(self.features)
+        self.features = [features]
+        new = features[self.read:]
+        positions = torch.arange(self.read, self.given)
+        next_tokens = torch.tensor(list(context[self.read + 1:]), dtype=torch.long)
+        states, out = self.net.ingest(new, next_tokens, positions)
+        self.read = self.given
+        self.root_state = states[0]
+        return self._logits(out)[0], out[0]
+
+    @torch.inference_mode()
+    def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree rows: ``tokens[j]`` is a child of tree row ``parents[j]`` (-1 = the root).
+        Returns logits [k, V'] and features [k, H] scoring each new row's children."""
+        depths, ancestors, states = [], [], []
+        for p in parents:
+            depths.append(1 if p < 0 else self.tree_depth[p] + 1)
+            ancestors.append([] if p < 0 else self.tree_ancestors[p] + [p])
+            states.append(self.root_state if p < 0 else self.tree_states[p])
+        new_states, out = self.net.expand(states, torch.tensor(list(tokens), dtype=torch.long),
+                                          depths, ancestors)
+        self.tree_tokens.extend(tokens)
+        self.tree_states.extend(new_states)
+        self.tree_depth.extend(depths)
+        self.tree_ancestors.extend(ancestors)
+        return self._logits(out), out
+
+    def prune(self, path_rows: Sequence[int]) -> None:
+        """Drop the tree: the accepted tokens' true features come from the verify pass."""
+        self._clear_tree()

@@ -1,0 +1,392 @@
+"""The draft-head networks: small modules that read the target's own final hidden states (its
+*features*, what its LM head reads) and propose the tokens after the next one.
+
+Every network works in the target's feature space and scores tokens with a frozen shortlist of
+the target's LM head (FR-Spec), so a drafted token costs a few small matrix products. One
+interface serves training and drafting:
+
+    state = net.ingest(features, next_tokens, positions)   # committed positions, appended to
+                                                             # the network's own cache
+    out   = net.expand(parent_states, tokens, ...)           # one tree level: the feature that
+                                                             # scores each node's children
+
+- :class:`HydraHeads` (Ankner et al., 2024): head k reads the last feature and the embeddings of
+  the k tokens after it (the root and the drafted ones): sequentially dependent heads, each an
+  MLP (a projection and a residual SiLU block, Medusa's block).
+- :class:`CloverHeads` (Xiao et al., 2024): an augmenting block (a causal transformer layer over
+  the features, run once per committed token) and one regressive block applied per depth: the
+  previous state fused with the drafted token's embedding, cross-attention to the augmented
+  features of the context, an MLP.
+- :class:`EagleHead` (Li et al., 2024, EAGLE; EAGLE-2's dynamic tree is in the proposer): one
+  decoder layer autoregressing on features: (feature at t, embedding of token t + 1) -> the
+  feature at t + 1, attending to its own cache of the context and to the node's ancestors.
+
+Output projections start at zero, so an untrained network predicts "the next token again" (the
+identity on the feature); training moves it from there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.errors import require
+
+#: attention head width (one head spans a narrower model: the tests' tiny ones)
+HEAD_DIM = 64
+ROPE_BASE = 10000.0
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (half-split layout) of x [..., n, heads, D] at ``positions``
+    [..., n] (broadcast)."""
+    d = x.shape[-1]
+    inv = ROPE_BASE ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions.float()[..., None] * inv  # [..., n, D/2]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MLP(nn.Module):
+    """SwiGLU, its output projection zero at the start."""
+
+    def __init__(self, size: int, inner: int):
+        super().__init__()
+        self.gate_up = nn.Linear(size, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, size, bias=False)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with rotary positions; ``keys_from`` given = cross-attention."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.heads = max(1, size // HEAD_DIM)
+        self.head_dim = size // self.heads
+        self.q = nn.Linear(size, size, bias=False)
+        self.kv = nn.Linear(size, 2 * size, bias=False)
+        self.o = nn.Linear(size, size, bias=False)
+        nn.init.zeros_(self.o.weight)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor):
+        """Rotated keys and values [..., n, heads, D] of rows x [..., n, H]."""
+        k, v = self.kv(x).unflatten(-1, (2, self.heads, self.head_dim)).unbind(-3)
+        return rope(k, positions), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Rows x [..., n, H] at ``positions`` attend to ``keys``/``values`` [..., m, heads, D]
+        where ``allowed`` [n, m] (or [..., n, m]) is true."""
+        q = rope(self.q(x).unflatten(-1, (self.heads, self.head_dim)), positions)
+        out = F.scaled_dot_product_attention(q.transpose(-2, -3), keys.transpose(-2, -3),
+                                             values.transpose(-2, -3),
+                                             attn_mask=allowed.unsqueeze(-3))
+        return self.o(out.transpose(-2, -3).flatten(-2))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer layer whose attention reads keys the caller assembles (its own
+    cache, the context's memory, a draft tree's ancestors)."""
+
+    def __init__(self, size: int, inner: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(size)
+        self.attn = Attention(size)
+        self.mlp_norm = RMSNorm(size)
+        self.mlp = MLP(size, inner)
+
+    def forward(self, x, positions, keys, values, allowed):
+        x = x + self.attn(self.attn_norm(x), positions, keys, values, allowed)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _fuse(size: int, parts: int) -> nn.Linear:
+    """A projection of ``parts`` concatenated vectors of ``size`` to one: at the start, the
+    first part (the feature) passes through unchanged."""
+    fuse = nn.Linear(parts * size, size, bias=False)
+    with torch.no_grad():
+        fuse.weight.zero_()
+        fuse.weight[:, :size] = torch.eye(size)
+    return fuse
+
+
+class KVCache:
+    """Keys and values [m, heads, D] of the committed positions a block attends to."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
+        self.values = values if self.values is None else torch.cat([self.values, values])
+
+
+class HeadNetwork(nn.Module):
+    """What the drafter needs of every network (see the module docstring)."""
+
+    kind = "?"
+    #: deepest node whose children the network can score (None: any depth)
+    max_depth: int | None = None
+
+    def __init__(self, size: int, embed: torch.Tensor):
+        super().__init__()
+        self.size = size
+        # the target's embedding table, frozen and not saved (it is the target's)
+        self.embed = embed.detach()
+
+    def settings(self) -> dict:
+        return {"size": self.size}
+
+    def reset(self) -> None:
+        """Forget the committed positions (a new request)."""
+
+    def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens].float()
+
+
+class HydraHeads(HeadNetwork):
+    kind = "hydra"
+
+    def __init__(self, size: int, embed: torch.Tensor, heads: int = 4):
+        super().__init__(size, embed)
+        self.max_depth = heads
+        self.fuse = nn.ModuleList(_fuse(size, k + 2) for k in range(heads))
+        self.res = nn.ModuleList(nn.Linear(size, size) for _ in range(heads))
+        for layer in self.res:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        self.last_feature: torch.Tensor | None = None
+
+    def settings(self) -> dict:
+        return {"size": self.size, "heads": self.max_depth}
+
+    def head(self, k: int, feature: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Head k (0-based) on a feature [..., H] and k + 1 embeddings [..., k + 1, H]."""
+        x = self.fuse[k](torch.cat([feature, embeds.flatten(-2)], -1))
+        return x + F.silu(self.res[k](x))
+
+    # drafting: a node's state is the embeddings of the tokens from the root to it
+    def ingest(self, features, next_tokens, positions):
+        self.last_feature = features[-1]
+        root = self.embeddings(next_tokens[-1:])  # [1, H]
+        return [root], self.head(0, self.last_feature, root)[None]
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        """Nodes ``tokens`` (at ``depths``, 1 = a child of the root) under parents whose states
+        are ``parent_states``: (the nodes' states, features scoring their children [n, H])."""
+        states, outs = [], []
+        for state, token in zip(parent_states, tokens.tolist()):
+            path = torch.cat([state, self.embeddings(torch.tensor([token]))])
+            states.append(path)
+            outs.append(self.head(len(path) - 1, self.last_feature, path))
+        return states, torch.stack(outs)
+
+    def train_outputs(self, features, tokens, depth_limit: int):
+        """Training, teacher forcing over one sequence: {k: feature scoring token t + k + 2 from
+        position t} for k < heads, rows t = 0 .. T - k - 2."""
+        emb = self.embeddings(tokens)
+        n = len(tokens)
+        out = {}
+        for k in range(min(self.max_depth, depth_limit)):
+            rows = n - k - 1
+            if rows <= 0:
+                break
+            window = torch.stack([emb[1 + j: 1 + j + rows] for j in range(k + 1)], 1)
+            out[k] = self.head(k, features[:rows], window)
+        return out
+
+
+class CloverHeads(HeadNetwork):
+    kind = "clover"
+
+    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
+        super().__init__(size, embed)
+        inner = inner or 2 * size
+        self.inner = inner
+        self.augment = Block(size, inner)
+        self.fuse = _fuse(size, 2)
+        self.cross_norm = RMSNorm(size)
+        self.cross = Attention(size)
+        self.mlp_norm = RMSNorm(size)
+        self.mlp = MLP(size, inner)
+        self.reset()
+
+    def settings(self) -> dict:
+        return {"size": self.size, "inner": self.inner}
+
+    def reset(self) -> None:
+        self.cache = KVCache()  # the augmenting block's self-attention
+        self.memory = KVCache()  # the regressive block's cross-attention keys
+        self.length = 0
+
+    def regress(self, state, embeds, positions, keys, values, allowed):
+        x = self.fuse(torch.cat([state, embeds], -1))
+        x = x + self.cross(self.cross_norm(x), positions, keys, values, allowed)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def ingest(self, features, next_tokens, positions):
+        k, v = self.augment.attn.keys_values(self.augment.attn_norm(features), positions)
+        past = len(self.cache)
+        self.cache.append(k, v)
+        n = len(features)
+        allowed = torch.ones(n, past + n, dtype=torch.bool)
+        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        augmented = self.augment(features, positions, self.cache.keys, self.cache.values, allowed)
+        self.memory.append(*self.cross.keys_values(augmented, positions))
+        self.length = past + n
+        state = augmented[-1:]
+        out = self._step(state, next_tokens[-1:], 0)
+        return [out[0]], out
+
+    def _step(self, states, tokens, depth):
+        """The regressive block for nodes at ``depth`` (0: the root) after the context."""
+        positions = torch.full((len(states),), self.length - 1 + depth)
+        allowed = torch.ones(len(states), len(self.memory), dtype=torch.bool)
+        return self.regress(states, self.embeddings(tokens), positions, self.memory.keys,
+                            self.memory.values, allowed)
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        out = torch.cat([self._step(s[None], tokens[j:j + 1], depths[j])
+                         for j, s in enumerate(parent_states)])
+        return list(out), out
+
+    def train_outputs(self, features, tokens, depth_limit: int):
+        """Teacher forcing over one sequence: {k: feature scoring token t + k + 2 from
+        position t}: the augmenting block runs causally, then the regressive block k + 1 times."""
+        n = len(tokens)
+        positions = torch.arange(n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        k, v = self.augment.attn.keys_values(self.augment.attn_norm(features), positions)
+        augmented = self.augment(features, positions, k, v, causal)
+        mk, mv = self.cross.keys_values(augmented, positions)
+        emb = self.embeddings(tokens)
+        state, out = augmented, {}
+        for depth in range(depth_limit):
+            rows = n - depth - 1
+            if rows <= 0:
+                break
+            state = self.regress(state[:rows], emb[1 + depth: 1 + depth + rows],
+                                 positions[:rows] + depth, mk, mv, causal[:rows])
+            out[depth] = state
+        return out
+
+
+class EagleHead(HeadNetwork):
+    kind = "eagle"
+
+    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
+        super().__init__(size, embed)
+        inner = inner or 2 * size
+        self.inner = inner
+        self.fuse = _fuse(size, 2)
+        self.layer = Block(size, inner)
+        self.reset()
+
+    def settings(self) -> dict:
+        return {"size": self.size, "inner": self.inner}
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+        self.tree_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _inputs(self, features, tokens):
+        return self.fuse(torch.cat([features, self.embeddings(tokens)], -1))
+
+    def ingest(self, features, next_tokens, positions):
+        x = self._inputs(features, next_tokens)
+        k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
+        past = len(self.cache)
+        self.cache.append(k, v)
+        n = len(x)
+        allowed = torch.ones(n, past + n, dtype=torch.bool)
+        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
+        self.tree_keys = []
+        return [out[-1]], out[-1:]
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        """``ancestors[j]``: tree rows (earlier expand calls of this step, in order) that node j
+        descends from; the node attends to the context, those rows and itself."""
+        x = self._inputs(torch.stack(list(parent_states)), tokens)
+        positions = torch.tensor([len(self.cache) - 1 + d for d in depths])
+        k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
+        old = len(self.tree_keys)
+        n = len(x)
+        keys = torch.cat([self.cache.keys] + [t[0] for t in self.tree_keys] + [k])
+        values = torch.cat([self.cache.values] + [t[1] for t in self.tree_keys] + [v])
+        allowed = torch.zeros(n, len(keys), dtype=torch.bool)
+        allowed[:, : len(self.cache)] = True
+        for j, rows in enumerate(ancestors):
+            for r in rows:
+                allowed[j, len(self.cache) + r] = True
+            allowed[j, len(self.cache) + old + j] = True
+        self.tree_keys.extend(zip(k[:, None], v[:, None]))
+        out = self.layer(x, positions, keys, values, allowed)
+        return list(out), out
+
+    def train_outputs(self, features, tokens, depth_limit: int):
+        """Teacher forcing, then ``depth_limit - 1`` unrolled steps on its own predictions
+        (the drafting-time inputs, as in HASS / EAGLE-3's training-time test): {k: predicted
+        feature at t + k + 1 from position t}, each row attending to the true pairs up to t
+        and its own predictions."""
+        n = len(tokens) - 1
+        positions = torch.arange(n)
+        x = self._inputs(features[:n], tokens[1:])
+        k0, v0 = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        pred = self.layer(x, positions, k0, v0, causal)
+        out = {0: pred}
+        keys, values = [k0], [v0]
+        for depth in range(1, depth_limit):
+            rows = n - depth
+            if rows <= 0:
+                break
+            x = self._inputs(pred[:rows], tokens[1 + depth: 1 + depth + rows])
+            pos = positions[:rows] + depth
+            k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), pos)
+            keys.append(k)
+            values.append(v)
+            # row t: the true pairs 0..t, then its own chain's earlier predictions and itself
+            allowed = [causal[:rows]] + [torch.eye(n, dtype=torch.bool)[:rows, :len(kk)]
+                                         for kk in keys[1:]]
+            pred = self.layer(x, pos, torch.cat(keys), torch.cat(values), torch.cat(allowed, 1))
+            out[depth] = pred
+        return out
+
+
+NETWORKS: dict[str, type[HeadNetwork]] = {n.kind: n for n in (HydraHeads, CloverHeads, EagleHead)}
+
+
+def make_network(kind: str, size: int, embed: torch.Tensor, **settings) -> HeadNetwork:
+    require(kind in NETWORKS, f"unknown head kind {kind!r}; known: {', '.join(NETWORKS)}")
+    require(size % max(1, size // HEAD_DIM) == 0 and size % 2 == 0,
+            f"{kind} heads need an even hidden size that splits into {HEAD_DIM}-wide attention "
+            f"heads, got {size}")
+    settings.pop("size", None)
+    return NETWORKS[kind](size, embed, **settings)
+
+
+def parameter_count(net: HeadNetwork) -> int:
+    return sum(p.numel() for p in net.parameters())
+

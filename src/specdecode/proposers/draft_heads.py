@@ -1,0 +1,80 @@
+"""What the three draft-head methods share (hydra.py, clover.py, eagle.py): a trained head
+network reads the target's own final hidden states and a dynamic tree is grown from its
+probabilities, best-first by path probability under a node budget (EAGLE-2, Li et al., 2024;
+the same growth rule as DySpec, with the same sampling: siblings drawn without replacement,
+``Draft.probs`` recorded, so the recursive rejection rule keeps the target's distribution).
+
+The proposer turns the runner's :meth:`keep_final_hidden` on and hands the draft cache
+(heads/drafter.py) the features of every committed position: the prompt's after the prefill,
+then the root's and the accepted nodes' rows of each verify pass. Heads are trained by
+``specdecode train heads --kind KIND``; the default model's ship inside the package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.control import Controller
+from specdecode.errors import require
+from specdecode.heads.artifact import load_heads
+from specdecode.heads.drafter import HeadDraftLM
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposers.draft_model import target_embeddings
+from specdecode.proposers.dyspec import DySpecProposer
+from specdecode.registry import param
+
+
+def heads_param():
+    return param("auto", "trained heads: 'auto' (the newest artifact `specdecode train heads` "
+                         "made for this target, or the one shipped for the default model) or a "
+                         "path to one")
+
+
+def check_tree(config) -> None:
+    require(config.tree_nodes >= 1, f"tree_nodes must be >= 1, got {config.tree_nodes} (a draft "
+                                    "of 0 nodes drafts nothing: use method 'ar')")
+    require(config.max_depth >= 1, f"max_depth must be >= 1, got {config.max_depth}")
+    require(config.expand_width >= 1, f"expand_width must be >= 1, got {config.expand_width}")
+    require(config.max_forwards >= 0, f"max_forwards must be >= 0, got {config.max_forwards}")
+
+
+class HeadProposer(DySpecProposer):
+    """Subclasses set ``head_kind`` (a network of heads/networks.py) and register."""
+
+    head_kind = "?"
+
+    def __init__(self, config, runner):
+        Proposer.__init__(self, config, runner)
+        net, head_ids, source, self.artifact_config = load_heads(
+            config.heads, runner, self.head_kind, target_embeddings(runner))
+        self.lm = HeadDraftLM(net, head_ids, runner)
+        self.depth_limit = net.max_depth
+        runner.keep_final_hidden(True)
+        self.acceptance_head = None
+        self.draft_source = source
+        self.generator = torch.Generator()
+        self._prompt_len = 0
+        self._nodes = ([], [], [])
+        self._prompt_features_pending = False
+
+    def make_controller(self) -> Controller:
+        depth = self.config.max_depth
+        if self.depth_limit is not None:
+            depth = min(depth, self.depth_limit)
+        return Controller(depth, self.config.tree_nodes)
+
+    def start(self, prompt) -> None:
+        super().start(prompt)
+        self.lm.reset()
+        self._prompt_features_pending = True
+
+    def propose(self, context, budget):
+        if self._prompt_features_pending:  # the prefill ran since start(): its rows
+            self.lm.add_features(self.runner.final_hidden)
+            self._prompt_features_pending = False
+        return super().propose(context, budget)
+
+    def observe(self, feedback: Feedback) -> None:
+        rows = [0] + [1 + i for i in feedback.accepted]
+        self.lm.add_features(self.runner.final_hidden[rows])
+        super().observe(feedback)

@@ -1,0 +1,252 @@
+"""``specdecode train heads --kind hydra|clover|eagle``: draft heads by self-distillation.
+
+1. data: the conversations the target writes itself (:mod:`specdecode.training.self_data`, the
+   same cache as ``train draft``: made once, read by every trainer). A tenth is held out.
+2. features: the target reads each conversation once; its final hidden states (what its LM head
+   reads) are cached in float16 in ``--workdir``.
+3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
+   training conversations; its coverage of the held-out answers is measured and stored.
+4. training, teacher forcing over whole conversations: at every position t and depth k the
+   network's feature scores token t + k + 2 over the shortlist, and the loss is KL(p_target ||
+   q_head) against the target's own distribution there (Hydra++'s teacher loss; soft labels
+   teach more per position than the sampled token). EAGLE adds its feature regression
+   (smooth L1, weight 1, the distillation weighted 0.1 as in the paper) and is unrolled over its
+   own predictions for depths past the first. AdamW, lr 1e-3 after 20 warm-up steps, decaying
+   linearly to a tenth over the budget; one conversation a step.
+5. evaluation on the held-out conversations: per depth, how often the head's top token is the
+   target's greedy token (teacher forcing: the acceptance of a chain's node given its parent
+   was accepted); stored with the artifact.
+
+Bounded (``--max-minutes``, all phases together) and resumable (``--resume`` continues from the
+checkpoint in ``--workdir``). The artifact (kind ``<kind>_heads``, tied to the target's
+fingerprint) stores matrices in int8 with float16 row scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.errors import require
+from specdecode.heads.artifact import artifact_kind, save_heads
+from specdecode.heads.networks import NETWORKS, make_network, parameter_count
+from specdecode.training.artifacts import float_rows, int8_rows, user_dir
+from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
+                                           target_conversations)
+
+#: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE
+DEPTHS = {"hydra": 4, "clover": 4, "eagle": 3}
+#: EAGLE's loss: feature regression plus distillation weighted 0.1 (the paper's weights)
+EAGLE_DISTILL_WEIGHT = 0.1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", required=True, choices=sorted(NETWORKS),
+                        help="the network: hydra, clover or eagle")
+    parser.add_argument("--model", default="smollm2",
+                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
+    parser.add_argument("--max-minutes", type=float, default=12.0,
+                        help="wall-clock budget of this run, all phases together")
+    parser.add_argument("--conversations", type=int, default=320,
+                        help="target-written conversations to train on (shared with `train draft`)")
+    parser.add_argument("--data-share", type=float, default=0.5,
+                        help="largest share of the budget spent writing conversations not cached yet")
+    parser.add_argument("--shortlist", type=int, default=8192,
+                        help="tokens the heads score (FR-Spec; 0 = the whole vocabulary)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="depths trained (default: hydra 4 heads, clover 4, eagle 3)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
+    parser.add_argument("--out", default=None,
+                        help="artifact path (default: the user cache, where the method finds it)")
+    parser.add_argument("--workdir", default=None,
+                        help="features and checkpoint (default: under the user cache)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@torch.inference_mode()
+def read_features(model, sequences, path: Path, deadline: float) -> list[torch.Tensor]:
+    """The target's final hidden states of every conversation [T, H] float16, cached in
+    ``path`` (extended when more conversations come)."""
+    cached: list[torch.Tensor] = torch.load(path) if path.is_file() else []
+    for ids, _ in sequences[len(cached):]:
+        if time.monotonic() > deadline and cached:
+            break
+        out = model.model(input_ids=torch.tensor([ids]))
+        cached.append(out.last_hidden_state[0].half())
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(cached, tmp)
+    tmp.replace(path)
+    return cached
+
+
+def depth_losses(kind: str, outputs: dict, features: torch.Tensor, head: torch.Tensor):
+    """{depth: loss} for one conversation; outputs[k] row t scores token t + k + 2, whose
+    target distribution is the LM head's at position t + k + 1."""
+    losses = {}
+    for k, out in outputs.items():
+        truth = features[k + 1: k + 1 + len(out)]
+        with torch.no_grad():
+            teacher = (truth @ head.T).log_softmax(-1)
+        student = (out @ head.T).log_softmax(-1)
+        loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+        if kind == "eagle":
+            loss = F.smooth_l1_loss(out, truth) + EAGLE_DISTILL_WEIGHT * loss
+        losses[k] = loss
+    return losses
+
+
+@torch.no_grad()
+def evaluate(net, sequences, features, head_ids, full_head: torch.Tensor, depth: int) -> list[float]:
+    """Per depth: the share of held-out answer positions where the head's top shortlist token
+    is the target's greedy token (teacher forcing)."""
+    hits, total = [0] * depth, [0] * depth
+    short = full_head if head_ids is None else full_head[head_ids]
+    for (ids, prompt_len), feats in zip(sequences, features):
+        feats = feats.float()
+        net.reset()
+        outputs = net.train_outputs(feats, torch.tensor(ids), depth)
+        for k, out in outputs.items():
+            rows = torch.arange(len(out))
+            keep = rows + k + 1 >= prompt_len - 1  # the target's answer positions
+            want = (feats[k + 1: k + 1 + len(out)][keep] @ full_head.T).argmax(-1)
+            got = (out[keep] @ short.T).argmax(-1)
+            if head_ids is not None:
+                got = head_ids[got]
+            hits[k] += int((got == want).sum())
+            total[k] += int(keep.sum())
+    return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.loading import load_model
+
+    require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
+    require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
+    require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
+    depth = args.depth or DEPTHS[args.kind]
+    require(depth >= 1, f"--depth must be >= 1, got {depth}")
+    began = time.monotonic()
+    budget = 60 * args.max_minutes
+    deadline = began + budget
+    loaded = load_model(args.model)
+    target, tokenizer = loaded.model, loaded.tokenizer
+    target.requires_grad_(False)
+    fingerprint = HFRunner(target).fingerprint()
+    key = hashlib.sha1(fingerprint.encode()).hexdigest()[:10]
+    workdir = Path(args.workdir) if args.workdir else user_dir() / f"heads-work-{key}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint = workdir / f"{args.kind}-checkpoint.pt"
+    require(args.resume or not checkpoint.is_file(),
+            f"a checkpoint exists in {workdir}; pass --resume to continue it, or delete it to "
+            "start over")
+    torch.manual_seed(args.seed)
+    bar = None if args.no_progress else tqdm(total=math.ceil(budget), unit="s",
+                                             desc=f"train {args.kind} heads")
+
+    def show(text: str) -> None:
+        if bar is not None:
+            bar.n = min(bar.total, time.monotonic() - began)
+            bar.set_postfix_str(text, refresh=True)
+
+    # 1-2. data and features (the draft trainer's defaults: one cache serves both)
+    sequences = target_conversations(target, tokenizer, fingerprint, args.conversations,
+                                     prompt_tokens=64, answer_tokens=160, batch=16, seed=0,
+                                     seconds=args.data_share * budget, show=show)
+    show("features")
+    features = read_features(target, sequences, workdir / f"features-{len(sequences)}.pt",
+                             began + 0.7 * budget)
+    sequences = sequences[:len(features)]
+    held = max(2, len(sequences) // 10)
+    evaluation, train = sequences[:held], sequences[held:]
+    eval_features, train_features = features[:held], features[held:]
+    embed = target.get_input_embeddings().weight.detach()
+    full_head = target.get_output_embeddings().weight.detach().float()
+    vocab = full_head.shape[0]
+    head_ids = (frequency_shortlist(train, args.shortlist, vocab)
+                if 0 < args.shortlist < vocab else None)
+    coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
+    head = full_head if head_ids is None else full_head[head_ids]
+
+    # 4. training
+    net = make_network(args.kind, embed.shape[1], embed)
+    optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+    step, log = 0, []
+    if args.resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        require(state["fingerprint"] == fingerprint and state["kind"] == args.kind
+                and state["settings"] == net.settings(),
+                f"the checkpoint in {workdir} is for another target or network; start afresh "
+                "without --resume (or pass another --workdir)")
+        net.load_state_dict(state["net"])
+        optim.load_state_dict(state["optim"])
+        step, log = state["step"], state["log"]
+
+    def save_checkpoint() -> None:
+        tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+        torch.save({"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
+                    "net": net.state_dict(), "optim": optim.state_dict(), "step": step,
+                    "log": log}, tmp)
+        tmp.replace(checkpoint)
+
+    train_start = time.monotonic()
+    train_deadline = deadline - max(30.0, 0.06 * budget)  # time to evaluate and save
+    last_save, recent = time.monotonic(), []
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    while time.monotonic() < train_deadline:
+        i = int(order[step % len(train)])
+        ids, feats = torch.tensor(train[i][0]), train_features[i].float()
+        elapsed = (time.monotonic() - train_start) / max(train_deadline - train_start, 1.0)
+        for group in optim.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
+        net.reset()
+        losses = depth_losses(args.kind, net.train_outputs(feats, ids, depth), feats, head)
+        loss = sum(losses.values()) / len(losses)
+        require(not math.isnan(loss.item()), f"training diverged at step {step} (the loss is "
+                                              "NaN); lower --lr")
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optim.step()
+        step += 1
+        recent = (recent + [loss.item()])[-20:]
+        if step % 50 == 0:
+            log.append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
+        show(f"step {step} loss {sum(recent) / len(recent):.3f}")
+        if time.monotonic() - last_save > 120:
+            save_checkpoint()
+            last_save = time.monotonic()
+    save_checkpoint()
+
+    # 5. what is stored is evaluated: int8 round trip of the weights first
+    with torch.no_grad():
+        state = float_rows(int8_rows({k: v.half() for k, v in net.state_dict().items()}))
+        net.load_state_dict(state)
+    show("evaluation")
+    accuracy = evaluate(net.eval(), evaluation, eval_features, head_ids, full_head, depth)
+    info = {"kind": args.kind, "depth_trained": depth, "shortlist": args.shortlist,
+            "shortlist_coverage": round(coverage, 4), "conversations": len(sequences),
+            "held_out": held, "steps": step, "lr": args.lr, "loss_log": log,
+            "top1_agreement_per_depth": accuracy, "parameters": parameter_count(net),
+            "minutes": round((time.monotonic() - began) / 60, 1)}
+    out = Path(args.out) if args.out else user_dir() / f"{artifact_kind(args.kind)}-{key}.safetensors"
+    path = save_heads(out, net, head_ids, fingerprint, info)
+    if bar is not None:
+        bar.close()
+    print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {step} steps on "
+          f"{len(train)} conversations in {info['minutes']} min")
+    print(f"shortlist: {args.shortlist} tokens cover {coverage:.1%} of the held-out answer tokens")
+    print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
+          + ", ".join(f"{a:.1%}" for a in accuracy))
+    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0

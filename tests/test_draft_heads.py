@@ -1,0 +1,163 @@
+"""Draft heads (hydra, clover, eagle): the networks, their artifacts, the FR-Spec shortlist and
+the target's distribution under sampling. Greedy exactness against ``ar`` is in
+tests/test_exactness.py, as for every registered method."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.artifact import load_heads, save_heads
+from specdecode.heads.networks import NETWORKS, make_network
+from specdecode.models.hf import HFRunner
+from specdecode.models.loading import tiny_llama
+from specdecode.registry import get
+from specdecode.sampling import SamplingParams
+from specdecode.training.artifacts import float_rows, int8_rows
+from specdecode.training.self_data import frequency_shortlist, shortlist_coverage
+
+from conftest import tiny_heads
+from test_sampling_stats import (ALPHA, ENGINE_NEW, ENGINE_OPTIONS, ENGINE_PROMPT, ENGINE_VOCAB,
+                                 chi_square, enumerate_sequences, reference_probs)
+
+KINDS = sorted(NETWORKS)
+
+
+def perturbed(kind: str, size: int = 128, vocab: int = 50, seed: int = 0):
+    """A network whose zero-initialised projections are made random, so every path matters."""
+    torch.manual_seed(seed)
+    net = make_network(kind, size, torch.randn(vocab, size))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return net
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafting_computes_what_training_taught(kind):
+    """A chain drafted through ingest/expand (the proposer's path: caches, tree masks,
+    positions) gives the features the trainer's teacher-forced pass gives at the same place."""
+    net = perturbed(kind)
+    n, depth, t = 14, 3, 7
+    feats, ids = torch.randn(n, net.size), torch.randint(50, (n,))
+    taught = net.train_outputs(feats, ids, depth)
+    net.reset()
+    # the context in two pieces, as a prefill then a verify step hand it over
+    net.ingest(feats[:4], ids[1:5], torch.arange(4))
+    states, out = net.ingest(feats[4:t + 1], ids[5:t + 2], torch.arange(4, t + 1))
+    torch.testing.assert_close(out[0], taught[0][t], rtol=1e-4, atol=1e-4)
+    parent = states[0]
+    for d in range(1, depth):
+        # a sibling first, so the node's row is not the first of its call
+        st, out = net.expand([parent, parent], torch.tensor([ids[t + 1 + d] + 1, ids[t + 1 + d]]),
+                             [d, d], [list(range(2 * (d - 1) + 1))[1::2]] * 2)
+        torch.testing.assert_close(out[1], taught[d][t], rtol=1e-4, atol=1e-4)
+        parent = st[1]
+
+
+def test_untrained_heads_predict_the_next_token_again():
+    """Zero-initialised outputs make each network the identity on the feature at the start."""
+    embed = torch.randn(50, 64)
+    feats = torch.randn(9, 64)
+    ids = torch.randint(50, (9,))
+    for kind in ("hydra", "clover"):
+        out = make_network(kind, 64, embed).train_outputs(feats, ids, 2)
+        torch.testing.assert_close(out[0], feats[:len(out[0])])
+
+
+def test_int8_rows_round_trip():
+    t = torch.randn(300, 256)
+    stored = int8_rows({"w": t, "small": torch.randn(4, 4), "norm": torch.randn(256)})
+    assert stored["w"].dtype == torch.int8 and stored["small"].dtype == torch.float32
+    back = float_rows(stored)
+    assert set(back) == {"w", "small", "norm"}
+    assert (back["w"] - t).abs().max() <= t.abs().amax(1).max() / 127
+
+
+def test_shortlist_is_the_most_frequent_tokens_and_coverage_counts_answers():
+    sequences = [([1, 2, 3, 3, 3, 4], 2), ([5, 3, 4, 4], 1)]
+    ids = frequency_shortlist(sequences, 2, vocab=8)
+    assert ids.tolist() == [3, 4]
+    # answers: [3, 3, 3, 4] and [3, 4, 4]: all inside
+    assert shortlist_coverage(ids, sequences) == 1.0
+    assert shortlist_coverage(torch.tensor([3]), sequences) == pytest.approx(4 / 7)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(seed=0)
+
+
+def test_artifacts_load_refuse_and_say_how_to_train(tiny, tmp_path):
+    runner = HFRunner(tiny)
+    path = tiny_heads("hydra", tiny)
+    embed = tiny.get_input_embeddings().weight
+    net, head_ids, source, config = load_heads(path, runner, "hydra", embed)
+    assert source == path and head_ids is None and config["network"]["heads"] == 4
+    with pytest.raises(SpecDecodeError, match="another target model"):
+        load_heads(path, HFRunner(tiny_llama(seed=5)), "hydra", embed)
+    with pytest.raises(SpecDecodeError, match="not 'eagle_heads'"):
+        load_heads(path, runner, "eagle", embed)
+    # 'auto' with nothing trained for this target: one line saying how to train
+    with pytest.raises(SpecDecodeError, match=r"specdecode train heads --kind clover"):
+        Decoder(tiny_llama(seed=9), None, "clover")
+    ids = torch.tensor([3, 7, 11])
+    saved = save_heads(tmp_path / "h.safetensors", net, ids, runner.fingerprint(), {"x": 1})
+    assert load_heads(str(saved), runner, "hydra", embed)[1].tolist() == [3, 7, 11]
+
+
+def test_bad_tree_settings_are_named(tiny):
+    with pytest.raises(SpecDecodeError, match="tree_nodes must be >= 1"):
+        get("eagle").make_config({"tree_nodes": 0})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_heads_keep_the_target_distribution(kind):
+    """Heads draft trees with probabilities at T > 0; the engine's output over the tokens the
+    speculative steps produce has the target's exact distribution (chi-square, as for the
+    other proposers in tests/test_sampling_stats.py), through the HF runner."""
+    model = tiny_llama(vocab_size=ENGINE_VOCAB, hidden_size=16, layers=1, heads=2, kv_heads=1,
+                       seed=3)
+    runner = HFRunner(model)
+    proposer = get(kind).proposer(get(kind).make_config({"heads": tiny_heads(kind, model)}),
+                                  runner)
+    n, counts, accepted = 1200, Counter(), 0
+    for i in range(n):
+        gen = Generation(runner, proposer, ENGINE_PROMPT, ENGINE_NEW,
+                         SamplingParams(**{**vars(ENGINE_OPTIONS), "seed": i}))
+        counts[tuple(gen.run()[1:])] += 1
+        accepted += gen.stats.accepted_tokens
+    with torch.no_grad():
+        def probs(prefix):
+            ids = torch.tensor([ENGINE_PROMPT + list(prefix)])
+            return reference_probs(model(ids).logits[0, -1].float(), ENGINE_PROMPT, prefix,
+                                   ENGINE_OPTIONS)
+        exact = enumerate_sequences(probs, ENGINE_NEW, ENGINE_VOCAB)
+    marginal = Counter()
+    for seq, mass in exact.items():
+        marginal[seq[1:]] += mass
+    result = chi_square(counts, dict(marginal), n)
+    assert result["p"] > ALPHA, result
+    assert accepted > n // 4  # the drafts were really used
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
+def test_runners_keep_the_features_their_logits_come_from(tiny, native):
+    from specdecode.draft import Draft
+    from specdecode.models.llama import LlamaRunner
+
+    runner = LlamaRunner.from_transformers(tiny, "fp32") if native else HFRunner(tiny)
+    runner.keep_final_hidden(True)
+    prompt = [5, 6, 7, 8, 9]
+    last = runner.prefill(prompt)
+    assert runner.final_hidden.shape == (len(prompt), 32)
+    torch.testing.assert_close(runner.lm_head(runner.final_hidden[-1:])[0], last)
+    logits = runner.forward(3, Draft((4, 5, 6), (-1, 0, -1)))
+    assert runner.final_hidden.shape == (4, 32)
+    assert torch.equal(runner.lm_head(runner.final_hidden), logits) or not native
+    torch.testing.assert_close(runner.lm_head(runner.final_hidden), logits)
