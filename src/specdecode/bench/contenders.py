@@ -53,6 +53,9 @@ class Outcome:
     target_forwards: int
     #: tokens committed by each verify step; None where a peer does not expose them
     accepted_lengths: list[int] | None
+    #: draft nodes sent to the target, and the time spent making them (our methods only)
+    draft_tokens: int | None = None
+    propose_s: float | None = None
 
 
 def cut(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
@@ -91,7 +94,8 @@ class MethodContender:
         gen.run()
         wall = time.perf_counter() - start
         s = gen.stats
-        return Outcome(list(gen.tokens), wall, s.target_forwards, list(s.accepted_lengths))
+        return Outcome(list(gen.tokens), wall, s.target_forwards, list(s.accepted_lengths),
+                       s.draft_tokens, s.propose_s)
 
 
 class _CallCounter:

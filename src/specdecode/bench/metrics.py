@@ -16,6 +16,9 @@ Aggregation (stated once here and in docs/bench.md):
   engine's own accepted lengths for our methods; for peers, which do not expose per-step data,
   (new tokens - 1) / (target forwards - 1) per request, pooled.
 - ``identical_fraction``: the share of records whose token ids equal ``ar``'s.
+- ``draft_ms_per_token``: the proposer's time (drafting and learning from feedback) per draft
+  node sent to the target, pooled; ``propose_share``: that time over the wall time. Our
+  methods only (None for peers and for ``ar``, which drafts nothing).
 """
 
 from __future__ import annotations
@@ -39,9 +42,14 @@ def _cell(records: Sequence[dict]) -> dict:
         after = sum(r["new_tokens"] - 1 for r in records)
         forwards = sum(r["target_forwards"] - 1 for r in records)
         accepted = after / forwards if forwards > 0 else None
+    drafted = sum(r.get("draft_tokens") or 0 for r in records)
+    proposing = sum(r.get("propose_s") or 0.0 for r in records)
+    timed = records and all(r.get("propose_s") is not None for r in records)
     return {
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "mean_accepted": accepted,
+        "draft_ms_per_token": 1000 * proposing / drafted if timed and drafted else None,
+        "propose_share": proposing / wall if timed and wall > 0 else None,
         "identical_fraction": sum(r["identical_to_ar"] for r in records) / len(records),
         "new_tokens": tokens,
         "wall_s": wall,

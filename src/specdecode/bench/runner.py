@@ -173,6 +173,8 @@ def _record(c, q: Question, turn: int, prompt_ids: list[int], o, walls: list[flo
         "wall_s_repeats": [round(w, 6) for w in walls],
         "target_forwards": o.target_forwards,
         "accepted_lengths": o.accepted_lengths,
+        "draft_tokens": o.draft_tokens,
+        "propose_s": o.propose_s,
         "identical_to_ar": o.tokens == ar_tokens,
         "token_ids": o.tokens,
     }

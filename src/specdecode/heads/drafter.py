@@ -33,9 +33,34 @@ def scoring_layer(weight: torch.Tensor):
     return LibraryLinear(weight.float(), torch.float32)
 
 
+class KernelLinear(torch.nn.Module):
+    """A trained ``nn.Linear`` in the native kernels (int8 weights with row scales, 2-D
+    activations): the networks' products read a quarter of float32's bytes, and drafting is
+    bound by reading weights."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.layer = scoring_layer(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.float().reshape(-1, x.shape[-1]).contiguous()
+        y = self.layer(flat).reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def on_kernels(net: HeadNetwork) -> HeadNetwork:
+    """``net`` with every linear layer replaced by a :class:`KernelLinear` (drafting only)."""
+    for name, module in list(net.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, KernelLinear(child))
+    return net
+
+
 class HeadDraftLM(_DraftCache):
     def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner):
-        self.net = net
+        self.net = on_kernels(net) if kernels.available() else net
         self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = net.size

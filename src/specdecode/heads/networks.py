@@ -95,9 +95,12 @@ class Attention(nn.Module):
         """Rows x [..., n, H] at ``positions`` attend to ``keys``/``values`` [..., m, heads, D]
         where ``allowed`` [n, m] (or [..., n, m]) is true."""
         q = rope(self.q(x).unflatten(-1, (self.heads, self.head_dim)), positions)
-        out = F.scaled_dot_product_attention(q.transpose(-2, -3), keys.transpose(-2, -3),
-                                             values.transpose(-2, -3),
-                                             attn_mask=allowed.unsqueeze(-3))
+        # written out rather than scaled_dot_product_attention: with a boolean mask its CPU
+        # path spends longer on the mask than on the product for the few rows of a draft
+        scores = q.transpose(-2, -3) @ keys.transpose(-2, -3).transpose(-1, -2)
+        scores = scores * self.head_dim ** -0.5
+        scores = scores.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
+        out = scores.softmax(-1) @ values.transpose(-2, -3)
         return self.o(out.transpose(-2, -3).flatten(-2))
 
 
@@ -194,13 +197,16 @@ class HydraHeads(HeadNetwork):
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """Nodes ``tokens`` (at ``depths``, 1 = a child of the root) under parents whose states
-        are ``parent_states``: (the nodes' states, features scoring their children [n, H])."""
-        states, outs = [], []
-        for state, token in zip(parent_states, tokens.tolist()):
-            path = torch.cat([state, self.embeddings(torch.tensor([token]))])
-            states.append(path)
-            outs.append(self.head(len(path) - 1, self.last_feature, path))
-        return states, torch.stack(outs)
+        are ``parent_states``: (the nodes' states, features scoring their children [n, H]).
+        Nodes at one depth share a head: one call each."""
+        embeds = self.embeddings(tokens)
+        states = [torch.cat([state, embeds[j:j + 1]]) for j, state in enumerate(parent_states)]
+        out = torch.empty(len(states), self.size)
+        for depth in sorted(set(depths)):
+            group = [j for j, d in enumerate(depths) if d == depth]
+            paths = torch.stack([states[j] for j in group])  # [g, depth + 1, H]
+            out[group] = self.head(depth, self.last_feature.expand(len(group), -1), paths)
+        return states, out
 
     def train_outputs(self, features, tokens, depth_limit: int):
         """Training, teacher forcing over one sequence: {k: feature scoring token t + k + 2 from
@@ -260,15 +266,15 @@ class CloverHeads(HeadNetwork):
         return [out[0]], out
 
     def _step(self, states, tokens, depth):
-        """The regressive block for nodes at ``depth`` (0: the root) after the context."""
-        positions = torch.full((len(states),), self.length - 1 + depth)
+        """The regressive block for nodes at ``depth`` (an int or one per node; 0: the root)
+        after the context."""
+        positions = (self.length - 1 + torch.as_tensor(depth)).expand(len(states))
         allowed = torch.ones(len(states), len(self.memory), dtype=torch.bool)
         return self.regress(states, self.embeddings(tokens), positions, self.memory.keys,
                             self.memory.values, allowed)
 
     def expand(self, parent_states, tokens, depths, ancestors):
-        out = torch.cat([self._step(s[None], tokens[j:j + 1], depths[j])
-                         for j, s in enumerate(parent_states)])
+        out = self._step(torch.stack(list(parent_states)), tokens, torch.tensor(depths))
         return list(out), out
 
     def train_outputs(self, features, tokens, depth_limit: int):
