@@ -38,13 +38,27 @@ HEAD_DIM = 64
 ROPE_BASE = 10000.0
 
 
+_ROPE_TABLES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_table(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [positions, D/2] for head width ``d``, grown by doubling and kept: a draft
+    step rotates a few rows, and computing the angles each time cost more than rotating."""
+    table = _ROPE_TABLES.get(d)
+    if table is None or table[0].shape[0] < positions:
+        size = max(4096, 2 * positions)
+        inv = ROPE_BASE ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.arange(size, dtype=torch.float32)[:, None] * inv
+        table = _ROPE_TABLES[d] = (angles.cos(), angles.sin())
+    return table
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (half-split layout) of x [..., n, heads, D] at ``positions``
     [..., n] (broadcast)."""
     d = x.shape[-1]
-    inv = ROPE_BASE ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    angles = positions.float()[..., None] * inv  # [..., n, D/2]
-    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
+    cos, sin = _rope_table(d, int(positions.max()) + 1)
+    cos, sin = cos[positions][..., None, :], sin[positions][..., None, :]
     a, b = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
 
@@ -86,21 +100,21 @@ class Attention(nn.Module):
         nn.init.zeros_(self.o.weight)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor):
-        """Rotated keys and values [..., n, heads, D] of rows x [..., n, H]."""
+        """Rotated keys and values [..., heads, n, D] of rows x [..., n, H]."""
         k, v = self.kv(x).unflatten(-1, (2, self.heads, self.head_dim)).unbind(-3)
-        return rope(k, positions), v
+        return rope(k, positions).transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """Rows x [..., n, H] at ``positions`` attend to ``keys``/``values`` [..., m, heads, D]
+        """Rows x [..., n, H] at ``positions`` attend to ``keys``/``values`` [..., heads, m, D]
         where ``allowed`` [n, m] (or [..., n, m]) is true."""
         q = rope(self.q(x).unflatten(-1, (self.heads, self.head_dim)), positions)
         # written out rather than scaled_dot_product_attention: with a boolean mask its CPU
         # path spends longer on the mask than on the product for the few rows of a draft
-        scores = q.transpose(-2, -3) @ keys.transpose(-2, -3).transpose(-1, -2)
+        scores = q.transpose(-2, -3) @ keys.transpose(-1, -2)
         scores = scores * self.head_dim ** -0.5
         scores = scores.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
-        out = scores.softmax(-1) @ values.transpose(-2, -3)
+        out = scores.softmax(-1) @ values
         return self.o(out.transpose(-2, -3).flatten(-2))
 
 
@@ -131,18 +145,41 @@ def _fuse(size: int, parts: int) -> nn.Linear:
 
 
 class KVCache:
-    """Keys and values [m, heads, D] of the committed positions a block attends to."""
+    """Keys and values [heads, m, D] a block attends to, in a buffer grown by doubling (a
+    draft step appends a few rows; copying the whole cache each time would cost more)."""
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.length = 0
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+        return self.length
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
-        self.values = values if self.values is None else torch.cat([self.values, values])
+        n = keys.shape[-2]
+        if self.buffers is None or self.length + n > self.buffers[0].shape[-2]:
+            size = max(256, 2 * (self.length + n))
+            grown = []
+            for new, old in zip((keys, values), self.buffers or (None, None)):
+                buffer = new.new_empty(new.shape[0], size, new.shape[-1])
+                if old is not None:
+                    buffer[:, :self.length] = old[:, :self.length]
+                grown.append(buffer)
+            self.buffers = tuple(grown)
+        self.buffers[0][:, self.length:self.length + n] = keys
+        self.buffers[1][:, self.length:self.length + n] = values
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.buffers[0][:, :self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.buffers[1][:, :self.length]
 
 
 class HeadNetwork(nn.Module):
@@ -313,8 +350,9 @@ class EagleHead(HeadNetwork):
         return {"size": self.size, "inner": self.inner}
 
     def reset(self) -> None:
+        # the context's pairs, then (while drafting) the tree's rows, dropped at the next ingest
         self.cache = KVCache()
-        self.tree_keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.committed = 0
 
     def _inputs(self, features, tokens):
         return self.fuse(torch.cat([features, self.embeddings(tokens)], -1))
@@ -322,33 +360,31 @@ class EagleHead(HeadNetwork):
     def ingest(self, features, next_tokens, positions):
         x = self._inputs(features, next_tokens)
         k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
-        past = len(self.cache)
+        past = self.committed
+        self.cache.truncate(past)
         self.cache.append(k, v)
+        self.committed = len(self.cache)
         n = len(x)
         allowed = torch.ones(n, past + n, dtype=torch.bool)
         allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
         out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
-        self.tree_keys = []
         return [out[-1]], out[-1:]
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """``ancestors[j]``: tree rows (earlier expand calls of this step, in order) that node j
         descends from; the node attends to the context, those rows and itself."""
         x = self._inputs(torch.stack(list(parent_states)), tokens)
-        positions = torch.tensor([len(self.cache) - 1 + d for d in depths])
+        context = self.committed
+        positions = torch.tensor([context - 1 + d for d in depths])
         k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
-        old = len(self.tree_keys)
+        old = len(self.cache) - context  # tree rows of earlier calls
+        self.cache.append(k, v)
         n = len(x)
-        keys = torch.cat([self.cache.keys] + [t[0] for t in self.tree_keys] + [k])
-        values = torch.cat([self.cache.values] + [t[1] for t in self.tree_keys] + [v])
-        allowed = torch.zeros(n, len(keys), dtype=torch.bool)
-        allowed[:, : len(self.cache)] = True
+        allowed = torch.zeros(n, len(self.cache), dtype=torch.bool)
+        allowed[:, :context] = True
         for j, rows in enumerate(ancestors):
-            for r in rows:
-                allowed[j, len(self.cache) + r] = True
-            allowed[j, len(self.cache) + old + j] = True
-        self.tree_keys.extend(zip(k[:, None], v[:, None]))
-        out = self.layer(x, positions, keys, values, allowed)
+            allowed[j, [context + r for r in rows] + [context + old + j]] = True
+        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
         return list(out), out
 
     def train_outputs(self, features, tokens, depth_limit: int):
@@ -374,9 +410,10 @@ class EagleHead(HeadNetwork):
             keys.append(k)
             values.append(v)
             # row t: the true pairs 0..t, then its own chain's earlier predictions and itself
-            allowed = [causal[:rows]] + [torch.eye(n, dtype=torch.bool)[:rows, :len(kk)]
+            allowed = [causal[:rows]] + [torch.eye(n, dtype=torch.bool)[:rows, :kk.shape[-2]]
                                          for kk in keys[1:]]
-            pred = self.layer(x, pos, torch.cat(keys), torch.cat(values), torch.cat(allowed, 1))
+            pred = self.layer(x, pos, torch.cat(keys, -2), torch.cat(values, -2),
+                              torch.cat(allowed, 1))
             out[depth] = pred
         return out
 
