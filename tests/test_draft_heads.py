@@ -124,8 +124,9 @@ def test_sampled_heads_keep_the_target_distribution(kind):
     model = tiny_llama(vocab_size=ENGINE_VOCAB, hidden_size=16, layers=1, heads=2, kv_heads=1,
                        seed=3)
     runner = HFRunner(model)
-    proposer = get(kind).proposer(get(kind).make_config({"heads": tiny_heads(kind, model)}),
-                                  runner)
+    # min_path_prob 0: full trees every step, so the rejection rule is exercised throughout
+    config = get(kind).make_config({"heads": tiny_heads(kind, model), "min_path_prob": 0.0})
+    proposer = get(kind).proposer(config, runner)
     n, counts, accepted = 1200, Counter(), 0
     for i in range(n):
         gen = Generation(runner, proposer, ENGINE_PROMPT, ENGINE_NEW,
@@ -161,3 +162,19 @@ def test_runners_keep_the_features_their_logits_come_from(tiny, native):
     assert runner.final_hidden.shape == (4, 32)
     assert torch.equal(runner.lm_head(runner.final_hidden), logits) or not native
     torch.testing.assert_close(runner.lm_head(runner.final_hidden), logits)
+
+
+def test_the_default_model_ships_every_trained_artifact():
+    """A fresh install runs every model-based method on the default model: the package holds
+    the exit adapters, the distilled draft and the three head networks, all trained for one
+    target (the real-model exactness tests load them by fingerprint)."""
+    from specdecode.training.artifacts import packaged_dir, read_metadata
+
+    shipped = {}
+    for path in packaged_dir().glob("*.safetensors"):
+        kind, fingerprint, _ = read_metadata(path)
+        shipped[kind] = fingerprint
+        assert path.stat().st_size < 20e6, path  # small enough to ship
+    assert {"exit_adapters", "draft_model", "hydra_heads", "clover_heads",
+            "eagle_heads"} <= set(shipped)
+    assert len(set(shipped.values())) == 1

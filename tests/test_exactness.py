@@ -49,7 +49,9 @@ def tiny_overrides(method: str, target=None) -> dict:
     if needs_draft_model(method):
         return {"draft": tiny_draft_dir()}
     if needs_heads(method):
-        return {"heads": tiny_heads(registry.get(method).proposer.head_kind, target)}
+        # min_path_prob 0: full trees, where an untrained-looking tiny head would send none
+        return {"heads": tiny_heads(registry.get(method).proposer.head_kind, target),
+                "min_path_prob": 0.0}
     return {}
 
 

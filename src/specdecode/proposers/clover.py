@@ -9,15 +9,17 @@ output scores the FR-Spec shortlist of the target's frozen LM head. The block's 
 shared across depths (as Clover-2's RNN-style drafter), so drafts may be as deep as the tree
 allows. Trained by teacher distillation: `specdecode train heads --kind clover`.
 
-Defaults: a dynamic tree of 8 nodes, depth 6, 8 nodes read per call, at most 5 calls a step
-(Clover-1's candidate pruning is replaced by EAGLE-2's best-first growth, draft_heads.py).
+Defaults: a dynamic tree of at most 8 nodes, depth 6, 8 nodes read per call, at most 2 calls a
+step after the first, growth stops below a path probability of 0.35 (Clover-1's candidate
+pruning is replaced by EAGLE-2's best-first growth, draft_heads.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.proposers.draft_heads import HeadProposer, check_tree, heads_param
+from specdecode.proposers.draft_heads import (HeadProposer, check_tree, heads_param,
+                                              min_path_prob_param)
 from specdecode.registry import param, register
 
 
@@ -27,7 +29,8 @@ class CloverConfig:
     tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
     max_depth: int = param(6, "deepest draft node")
     expand_width: int = param(8, "most tree nodes the regressive block reads in one call")
-    max_forwards: int = param(5, "most block calls per step after the first")
+    max_forwards: int = param(2, "most block calls per step after the first")
+    min_path_prob: float = min_path_prob_param()
 
     def __post_init__(self):
         check_tree(self)

@@ -30,12 +30,20 @@ def heads_param():
                          "path to one")
 
 
+def min_path_prob_param():
+    return param(0.35, "stop growing when the best candidate's path probability (its expected "
+                      "acceptance) is below this: an uncertain step sends a small tree or none "
+                      "(a row costs a fifth of a one-token forward here)")
+
+
 def check_tree(config) -> None:
     require(config.tree_nodes >= 1, f"tree_nodes must be >= 1, got {config.tree_nodes} (a draft "
                                     "of 0 nodes drafts nothing: use method 'ar')")
     require(config.max_depth >= 1, f"max_depth must be >= 1, got {config.max_depth}")
     require(config.expand_width >= 1, f"expand_width must be >= 1, got {config.expand_width}")
     require(config.max_forwards >= 0, f"max_forwards must be >= 0, got {config.max_forwards}")
+    require(0 <= config.min_path_prob < 1,
+            f"min_path_prob must be in [0, 1), got {config.min_path_prob}")
 
 
 class HeadProposer(DySpecProposer):

@@ -21,6 +21,9 @@ values use the actual draft probabilities (nothing random to bias).
 
 The same draft model and artifacts as ``draft_model`` (see draft_model.py), run by
 ``transformers`` (the native runner's draft cache reads chains only).
+A node is worth its verify row only if it is likely to be accepted: ``min_path_prob`` stops the
+growth when the best candidate's value falls below it (EAGLE-2's observation that draft
+confidence predicts acceptance), so an uncertain step sends a small tree or none.
 Defaults: 16 nodes (on this CPU a 17-row target forward costs about 15% more than a 9-row
 one, DESIGN.md), depth 8, 4 nodes read per draft forward (a small draft's forward costs nearly
 the same for 1 or 4 rows), at most 6 such forwards a step (a weak draft's flat distributions
@@ -54,6 +57,9 @@ class DySpecConfig:
     max_forwards: int = param(6, "most draft forwards per step after the catch-up (bounds the "
                                  "draft's cost like a 7-token chain; the tree placed so far is "
                                  "sent when they run out)")
+    min_path_prob: float = param(0.0, "stop growing when the best candidate's path probability "
+                                      "(its expected acceptance) is below this (0: fill the "
+                                      "node budget)")
 
     def __post_init__(self):
         require(self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes} (a draft "
@@ -61,6 +67,8 @@ class DySpecConfig:
         require(self.max_depth >= 1, f"max_depth must be >= 1, got {self.max_depth}")
         require(self.expand_width >= 1, f"expand_width must be >= 1, got {self.expand_width}")
         require(self.max_forwards >= 0, f"max_forwards must be >= 0, got {self.max_forwards}")
+        require(0 <= self.min_path_prob < 1,
+                f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
 
 
 class _Children:
@@ -147,7 +155,7 @@ class DySpecProposer(DraftModelProposer):
         forwards = 0
         while heap and len(tokens) < budget_nodes:
             value, _, node, read = heap[0]
-            if -value <= 0:
+            if -value <= 0 or -value < self.config.min_path_prob:
                 break
             if read:
                 heapq.heappop(heap)

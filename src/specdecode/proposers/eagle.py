@@ -10,16 +10,19 @@ target's conversations by feature regression plus distillation (EAGLE's losses),
 its own predictions for the deeper steps (HASS / EAGLE-3's training-time test): `specdecode
 train heads --kind eagle`.
 
-Defaults: a dynamic tree of 8 nodes grown best-first by path probability, depth 6, 8 nodes read
-per layer call, at most 5 calls a step (EAGLE-2 uses 60 nodes on a GPU, where rows are nearly
-free; on this CPU a verify row costs about a fifth of a one-token forward).
+Defaults: a dynamic tree of at most 8 nodes grown best-first by path probability, depth 6, 8
+nodes read per layer call, at most 2 calls a step after the first, and growth stops below a path
+probability of 0.35 (EAGLE-2 uses 60 nodes on a GPU, where rows are nearly free; on this CPU a
+verify row costs about a fifth of a one-token forward and a layer call about a third: measured
+in docs/draft-heads.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.proposers.draft_heads import HeadProposer, check_tree, heads_param
+from specdecode.proposers.draft_heads import (HeadProposer, check_tree, heads_param,
+                                              min_path_prob_param)
 from specdecode.registry import param, register
 
 
@@ -29,7 +32,8 @@ class EagleConfig:
     tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
     max_depth: int = param(6, "deepest draft node")
     expand_width: int = param(8, "most tree nodes the layer reads in one call")
-    max_forwards: int = param(5, "most layer calls per step after the first")
+    max_forwards: int = param(2, "most layer calls per step after the first")
+    min_path_prob: float = min_path_prob_param()
 
     def __post_init__(self):
         check_tree(self)

@@ -9,16 +9,17 @@ residual SiLU block; every head scores the FR-Spec shortlist of the target's fro
 teacher distillation on the target's own conversations (Hydra++'s loss): `specdecode train heads
 --kind hydra`.
 
-Defaults: 4 heads (the paper's), so drafts are at most 4 deep; a dynamic tree of 8 nodes
+Defaults: 4 heads (the paper's), so drafts are at most 4 deep; a dynamic tree of at most 8 nodes
 (EAGLE-2's growth, see draft_heads.py; the paper's static tree needs rows as cheap as a GPU's), 8
-nodes read per head call, at most 4 calls a step.
+nodes read per head call, at most 4 calls a step, growth stops below a path probability of 0.35.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.proposers.draft_heads import HeadProposer, check_tree, heads_param
+from specdecode.proposers.draft_heads import (HeadProposer, check_tree, heads_param,
+                                              min_path_prob_param)
 from specdecode.registry import param, register
 
 
@@ -29,6 +30,7 @@ class HydraConfig:
     max_depth: int = param(4, "deepest draft node (at most the number of trained heads)")
     expand_width: int = param(8, "most tree nodes the heads read in one call")
     max_forwards: int = param(4, "most head calls per step after the first")
+    min_path_prob: float = min_path_prob_param()
 
     def __post_init__(self):
         check_tree(self)
