@@ -260,13 +260,24 @@ class HydraHeads(HeadNetwork):
         return out
 
 
-class CloverHeads(HeadNetwork):
-    kind = "clover"
+class _BlockNetwork(HeadNetwork):
+    """A network built of transformer blocks whose MLPs are ``inner`` wide (default 2 x size:
+    narrower than the target's, the block is drafted through a few times a step)."""
 
     def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
         super().__init__(size, embed)
-        inner = inner or 2 * size
-        self.inner = inner
+        self.inner = inner or 2 * size
+
+    def settings(self) -> dict:
+        return {"size": self.size, "inner": self.inner}
+
+
+class CloverHeads(_BlockNetwork):
+    kind = "clover"
+
+    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
+        super().__init__(size, embed, inner)
+        inner = self.inner
         self.augment = Block(size, inner)
         self.fuse = _fuse(size, 2)
         self.cross_norm = RMSNorm(size)
@@ -274,9 +285,6 @@ class CloverHeads(HeadNetwork):
         self.mlp_norm = RMSNorm(size)
         self.mlp = MLP(size, inner)
         self.reset()
-
-    def settings(self) -> dict:
-        return {"size": self.size, "inner": self.inner}
 
     def reset(self) -> None:
         self.cache = KVCache()  # the augmenting block's self-attention
@@ -335,19 +343,14 @@ class CloverHeads(HeadNetwork):
         return out
 
 
-class EagleHead(HeadNetwork):
+class EagleHead(_BlockNetwork):
     kind = "eagle"
 
     def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
-        super().__init__(size, embed)
-        inner = inner or 2 * size
-        self.inner = inner
+        super().__init__(size, embed, inner)
         self.fuse = _fuse(size, 2)
-        self.layer = Block(size, inner)
+        self.layer = Block(size, self.inner)
         self.reset()
-
-    def settings(self) -> dict:
-        return {"size": self.size, "inner": self.inner}
 
     def reset(self) -> None:
         # the context's pairs, then (while drafting) the tree's rows, dropped at the next ingest

@@ -18,22 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.proposers.draft_heads import (HeadProposer, check_tree, heads_param,
-                                              min_path_prob_param)
-from specdecode.registry import param, register
+from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
+from specdecode.registry import register
 
 
 @dataclass(frozen=True)
-class CloverConfig:
-    heads: str = heads_param()
-    tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
-    max_depth: int = param(6, "deepest draft node")
-    expand_width: int = param(8, "most tree nodes the regressive block reads in one call")
-    max_forwards: int = param(2, "most block calls per step after the first")
-    min_path_prob: float = min_path_prob_param()
-
-    def __post_init__(self):
-        check_tree(self)
+class CloverConfig(HeadTreeConfig):
+    """clover's settings: those of every head method (proposers/draft_heads.py)."""
 
 
 @register("clover", CloverConfig,

@@ -12,38 +12,37 @@ then the root's and the accepted nodes' rows of each verify pass. Heads are trai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdecode.control import Controller
-from specdecode.errors import require
 from specdecode.heads.artifact import load_heads
 from specdecode.heads.drafter import HeadDraftLM
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.proposers.draft_model import target_embeddings
-from specdecode.proposers.dyspec import DySpecProposer
+from specdecode.proposers.dyspec import DySpecProposer, check_tree
 from specdecode.registry import param
 
 
-def heads_param():
-    return param("auto", "trained heads: 'auto' (the newest artifact `specdecode train heads` "
-                         "made for this target, or the one shipped for the default model) or a "
-                         "path to one")
+@dataclass(frozen=True)
+class HeadTreeConfig:
+    """The settings of the three head methods; each subclass documents its own defaults."""
 
+    heads: str = param("auto", "trained heads: 'auto' (the newest artifact `specdecode train "
+                               "heads` made for this target, or the one shipped for the default "
+                               "model) or a path to one")
+    tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
+    max_depth: int = param(6, "deepest draft node")
+    expand_width: int = param(8, "most tree nodes the network reads in one call")
+    max_forwards: int = param(2, "most network calls per step after the first")
+    min_path_prob: float = param(0.35, "stop growing when the best candidate's path probability "
+                                       "(its expected acceptance) is below this: an uncertain "
+                                       "step sends a small tree or none (a row costs a fifth of "
+                                       "a one-token forward here)")
 
-def min_path_prob_param():
-    return param(0.35, "stop growing when the best candidate's path probability (its expected "
-                      "acceptance) is below this: an uncertain step sends a small tree or none "
-                      "(a row costs a fifth of a one-token forward here)")
-
-
-def check_tree(config) -> None:
-    require(config.tree_nodes >= 1, f"tree_nodes must be >= 1, got {config.tree_nodes} (a draft "
-                                    "of 0 nodes drafts nothing: use method 'ar')")
-    require(config.max_depth >= 1, f"max_depth must be >= 1, got {config.max_depth}")
-    require(config.expand_width >= 1, f"expand_width must be >= 1, got {config.expand_width}")
-    require(config.max_forwards >= 0, f"max_forwards must be >= 0, got {config.max_forwards}")
-    require(0 <= config.min_path_prob < 1,
-            f"min_path_prob must be in [0, 1), got {config.min_path_prob}")
+    def __post_init__(self):
+        check_tree(self)
 
 
 class HeadProposer(DySpecProposer):

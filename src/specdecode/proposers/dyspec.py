@@ -62,13 +62,18 @@ class DySpecConfig:
                                       "node budget)")
 
     def __post_init__(self):
-        require(self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes} (a draft "
-                                      "of 0 nodes drafts nothing: use method 'ar')")
-        require(self.max_depth >= 1, f"max_depth must be >= 1, got {self.max_depth}")
-        require(self.expand_width >= 1, f"expand_width must be >= 1, got {self.expand_width}")
-        require(self.max_forwards >= 0, f"max_forwards must be >= 0, got {self.max_forwards}")
-        require(0 <= self.min_path_prob < 1,
-                f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
+        check_tree(self)
+
+
+def check_tree(config) -> None:
+    """The tree-growth settings every dynamic-tree config shares, checked with the fix named."""
+    require(config.tree_nodes >= 1, f"tree_nodes must be >= 1, got {config.tree_nodes} (a draft "
+                                    "of 0 nodes drafts nothing: use method 'ar')")
+    require(config.max_depth >= 1, f"max_depth must be >= 1, got {config.max_depth}")
+    require(config.expand_width >= 1, f"expand_width must be >= 1, got {config.expand_width}")
+    require(config.max_forwards >= 0, f"max_forwards must be >= 0, got {config.max_forwards}")
+    require(0 <= config.min_path_prob < 1,
+            f"min_path_prob must be in [0, 1), got {config.min_path_prob}")
 
 
 class _Children:

@@ -18,22 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.proposers.draft_heads import (HeadProposer, check_tree, heads_param,
-                                              min_path_prob_param)
+from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
 from specdecode.registry import param, register
 
 
 @dataclass(frozen=True)
-class HydraConfig:
-    heads: str = heads_param()
-    tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
+class HydraConfig(HeadTreeConfig):
     max_depth: int = param(4, "deepest draft node (at most the number of trained heads)")
-    expand_width: int = param(8, "most tree nodes the heads read in one call")
     max_forwards: int = param(4, "most head calls per step after the first")
-    min_path_prob: float = min_path_prob_param()
-
-    def __post_init__(self):
-        check_tree(self)
 
 
 @register("hydra", HydraConfig,
