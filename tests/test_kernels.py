@@ -100,7 +100,8 @@ def test_geglu_and_softcap(ext):
     assert outs[0].abs().max() <= 30
 
 
-@pytest.mark.parametrize("window", [1, 7, 20, 70])
+# window 0: no window, tree rows whose ancestors are not contiguous slots
+@pytest.mark.parametrize("window", [0, 1, 7, 20, 70])
 def test_sliding_window_attention(ext, window):
     gen = torch.Generator().manual_seed(window)
     heads, kv, d, cap, past = 4, 2, 32, 304, 90
@@ -123,17 +124,19 @@ def test_sliding_window_attention(ext, window):
                               lens[r:r + 1], window, 2)
         assert torch.equal(alone[0], outs[0][r]), r
         slots = list(range(past)) + table[r, :lens[r]].tolist()
-        seen = torch.tensor(slots[-window:])  # the last `window` positions of the row
+        seen = torch.tensor(slots[-window:] if window else slots)  # the last `window` positions
         scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(2, 0))
         expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
                                 values[:, seen].repeat_interleave(2, 0))
         assert (outs[0][r] - expected.reshape(-1)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("d", [16, 64, 24])
-def test_attention_rows_see_their_keys_in_order(ext, d):
-    gen = torch.Generator().manual_seed(d)
-    heads, kv, cap = 4, 2, 304
+# head sizes: 16, 64 and one the AVX-512 blocks do not fit; groups of query heads per key/value
+# head: 2, SmolLM2's 3 (blocks of 4 rows) and 6 (4 + 2 heads; blocks of 3 rows)
+@pytest.mark.parametrize("d,heads,kv", [(16, 4, 2), (64, 4, 2), (24, 4, 2), (64, 9, 3), (32, 6, 1)])
+def test_attention_rows_see_their_keys_in_order(ext, d, heads, kv):
+    gen = torch.Generator().manual_seed(d + heads)
+    group, cap = heads // kv, 304
     keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
     blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()  # the cache's layout
     for past in (0, 5, 64, 130):
@@ -153,9 +156,9 @@ def test_attention_rows_see_their_keys_in_order(ext, d):
                                   torch.tensor([1], dtype=torch.int32), 0, 2)
             assert torch.equal(alone[0], outs[0][r]), (past, r)
             n = past + r + 1
-            scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, :n].repeat_interleave(2, 0))
+            scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, :n].repeat_interleave(group, 0))
             expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
-                                    values[:, :n].repeat_interleave(2, 0))
+                                    values[:, :n].repeat_interleave(group, 0))
             assert (outs[0][r] - expected.reshape(-1)).abs().max() < 1e-4
 
 

@@ -95,104 +95,184 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-// generic.h's attend_one for NH heads that share one key/value head (grouped-query attention:
-// the keys and values are read once for all of them), head sizes a multiple of 16 (at most
-// 256), 16 keys or 16 value columns per register. Every key's and every column's operations
-// are those of attend_one, head by head.
-template <int NH>
-static void attend_heads_avx512(const float* q, const float* kt, const float* vc, int64_t d,
-                                int64_t past, const int32_t* slots, int64_t len, float* scores,
-                                int64_t stride, float* out) {
-  // scores of slots before the forward, 4 blocks of 16 keys at once (independent chains)
-  int64_t j0 = 0;
-  for (; j0 + 64 <= past; j0 += 64) {
-    __m512 a[NH][4];
-    for (int h = 0; h < NH; h++)
-      for (int b = 0; b < 4; b++) a[h][b] = _mm512_setzero_ps();
-    const float* blk = kt + (j0 / 16) * d * 16;
-    for (int64_t i = 0; i < d; i++) {
-      __m512 k[4];
-      for (int b = 0; b < 4; b++) k[b] = _mm512_loadu_ps(blk + (b * d + i) * 16);
+// Attention of a block of R rows of one call for the NH query heads that share one key/value
+// head (grouped-query attention). Each row's keys are positions 0..len-1; a row's first
+// `cached` positions sit in the cache slot of the same number (the committed context, and a
+// chain's or a tree path's rows written in order), the rest in the slots it names (its tree
+// ancestors). Keys of the first kind are read as whole cached blocks of 16, once for every row
+// and head of the block; the rest are gathered per row. Every score is one fma chain over the
+// head dimension, and every output column one fma chain over the row's keys in logical order,
+// exactly as generic.h's attend_one computes them: which rows share a block, and how many,
+// changes no bit. R x NH <= 12, so a pass keeps two 16-wide blocks (of keys, or of value
+// columns) for every row and head in 24 registers. Head sizes for which blocks_fit(d).
+struct RowKeys {
+  const float* q;        // the row's NH query heads, [NH][D]
+  float* out;            // [NH][D]
+  const int32_t* slots;  // slots of positions cached, cached + 1, .. len - 1
+  int64_t cached;        // positions 0 .. cached - 1 sit in slots 0 .. cached - 1
+  int64_t len;           // positions the row sees
+};
+
+static inline bool blocks_fit(int64_t d) { return d % 16 == 0 && d <= 256; }
+
+static inline int64_t slot_of(const RowKeys& row, int64_t j) {
+  return j < row.cached ? j : row.slots[j - row.cached];
+}
+
+// scores of slots j0 .. j0 + 16 B for every row and head of the block (a row's scores past
+// its `cached` positions are overwritten by gathered_scores)
+template <int NH, int R, int B>
+static void score_blocks(const RowKeys* rows, const float* kt, int64_t d, int64_t j0,
+                         float* scores, int64_t stride) {
+  __m512 acc[B][R][NH];
+  for (int b = 0; b < B; b++)
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++) acc[b][r][h] = _mm512_setzero_ps();
+  const float* blk = kt + (j0 / 16) * d * 16;
+  for (int64_t i = 0; i < d; i++) {
+    __m512 k[B];
+    for (int b = 0; b < B; b++) k[b] = _mm512_loadu_ps(blk + (b * d + i) * 16);
+    for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) {
-        const __m512 qi = _mm512_set1_ps(q[h * d + i]);
-        for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(qi, k[b], a[h][b]);
+        const __m512 qi = _mm512_set1_ps(rows[r].q[h * d + i]);
+        for (int b = 0; b < B; b++) acc[b][r][h] = _mm512_fmadd_ps(qi, k[b], acc[b][r][h]);
       }
-    }
-    for (int h = 0; h < NH; h++)
-      for (int b = 0; b < 4; b++) _mm512_storeu_ps(scores + h * stride + j0 + 16 * b, a[h][b]);
   }
-  // the rest, 16 keys a register, gathered from their slots
-  for (; j0 < len; j0 += 16) {
-    const int64_t count = std::min<int64_t>(16, len - j0);
+  for (int b = 0; b < B; b++)
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++)
+        _mm512_storeu_ps(scores + (r * NH + h) * stride + j0 + 16 * b, acc[b][r][h]);
+}
+
+// one row's scores of positions row.cached .. len, 16 keys a register gathered from their slots
+template <int NH>
+static void gathered_scores(const RowKeys& row, const float* kt, int64_t d, float* scores,
+                            int64_t stride) {
+  for (int64_t j0 = row.cached; j0 < row.len; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, row.len - j0);
     const __mmask16 live = (__mmask16)((1u << count) - 1);
     alignas(64) int32_t idx[16];
-    for (int l = 0; l < 16; l++) {
-      const int64_t j = j0 + std::min<int64_t>(l, count - 1);
-      idx[l] = (int32_t)key_at(j < past ? j : slots[j - past], 0, d);
-    }
+    for (int l = 0; l < 16; l++)
+      idx[l] = (int32_t)key_at(slot_of(row, j0 + std::min<int64_t>(l, count - 1)), 0, d);
     const __m512i at = _mm512_load_si512(idx);
     __m512 acc[NH];
     for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i++) {
       const __m512 k = _mm512_i32gather_ps(at, kt + i * 16, 4);
-      for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * d + i]), k, acc[h]);
+      for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(row.q[h * d + i]), k, acc[h]);
     }
     for (int h = 0; h < NH; h++) _mm512_mask_storeu_ps(scores + h * stride + j0, live, acc[h]);
   }
-  float denom[NH];
-  for (int h = 0; h < NH; h++) {
-    float* sc = scores + h * stride;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
-    __m512 part = _mm512_setzero_ps();
-    const __m512 top = _mm512_set1_ps(mx);
-    for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
-      const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + j), top));
-      _mm512_mask_storeu_ps(sc + j, live, p);
-      part = _mm512_mask_add_ps(part, live, part, p);
-    }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, part);
-    denom[h] = tree16(lanes);
+}
+
+// scores -> exp(score - max) in place; returns their sum through 16 lanes (generic.h's order;
+// the maximum is exact in any order)
+static float softmax_numerators(float* sc, int64_t len) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
+    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, sc + j));
   }
-  // values: up to 16 registers of accumulators per pass (heads x 16 columns)
-  const int64_t blocks = d / 16, per_pass = std::max<int64_t>(1, 16 / NH);
-  for (int64_t b0 = 0; b0 < blocks; b0 += per_pass) {
-    const int64_t nb = std::min(per_pass, blocks - b0);
-    __m512 acc[16];
-    for (int64_t x = 0; x < NH * nb; x++) acc[x] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j++) {
-      const float* v = vc + (j < past ? j : slots[j - past]) * d + 16 * b0;
-      for (int64_t b = 0; b < nb; b++) {
-        const __m512 vb = _mm512_loadu_ps(v + 16 * b);
-        for (int h = 0; h < NH; h++)
-          acc[h * nb + b] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), vb, acc[h * nb + b]);
+  top = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 part = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + j), top));
+    _mm512_mask_storeu_ps(sc + j, live, p);
+    part = _mm512_mask_add_ps(part, live, part, p);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, part);
+  return tree16(lanes);
+}
+
+// value columns c0 .. c0 + 16 B of every row and head: positions below `shared` (cached for
+// every row of the block) once for all rows, then each row's others
+template <int NH, int R, int B>
+static void value_blocks(const RowKeys* rows, const float* vc, int64_t d, int64_t shared,
+                         int64_t c0, const float* scores, int64_t stride, const float* denom) {
+  __m512 acc[R][NH][B];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < NH; h++)
+      for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < shared; j++) {
+    __m512 v[B];
+    for (int b = 0; b < B; b++) v[b] = _mm512_loadu_ps(vc + j * d + c0 + 16 * b);
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < NH; h++) {
+        const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
+        for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_fmadd_ps(p, v[b], acc[r][h][b]);
+      }
+  }
+  for (int r = 0; r < R; r++) {
+    for (int64_t j = shared; j < rows[r].len; j++) {
+      const float* v = vc + slot_of(rows[r], j) * d + c0;
+      for (int h = 0; h < NH; h++) {
+        const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
+        for (int b = 0; b < B; b++)
+          acc[r][h][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * b), acc[r][h][b]);
       }
     }
     for (int h = 0; h < NH; h++)
-      for (int64_t b = 0; b < nb; b++)
-        _mm512_storeu_ps(out + h * d + 16 * (b0 + b),
-                         _mm512_div_ps(acc[h * nb + b], _mm512_set1_ps(denom[h])));
+      for (int b = 0; b < B; b++)
+        _mm512_storeu_ps(rows[r].out + h * d + c0 + 16 * b,
+                         _mm512_div_ps(acc[r][h][b], _mm512_set1_ps(denom[r * NH + h])));
   }
 }
 
-// the heads [h0, h0 + nh) of one query row that share a key/value head
-static void attend_heads(const float* q, const float* kt, const float* vc, int64_t d,
-                         int64_t past, const int32_t* slots, int64_t len, float* scores,
-                         int64_t stride, float* out, int64_t nh) {
-  if (d % 16 != 0 || d > 256) {
-    attend_group(q, kt, vc, d, past, slots, len, scores, out, nh);
-    return;
+// scores: R x NH x stride floats, stride a multiple of 16 at least every row's len
+template <int NH, int R>
+static void attend_block_avx512(const RowKeys* rows, const float* kt, const float* vc, int64_t d,
+                                float* scores, int64_t stride) {
+  static_assert(R * NH <= 12, "a pass holds 2 x R x NH accumulators");
+  int64_t shared = rows[0].cached, blocked = rows[0].cached;
+  for (int r = 1; r < R; r++) {
+    shared = std::min(shared, rows[r].cached);
+    blocked = std::max(blocked, rows[r].cached);
   }
+  blocked = (blocked + 15) / 16 * 16;
+  int64_t j0 = 0;
+  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2>(rows, kt, d, j0, scores, stride);
+  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1>(rows, kt, d, j0, scores, stride);
+  float denom[R * NH];
+  for (int r = 0; r < R; r++) {
+    float* sc = scores + r * NH * stride;
+    gathered_scores<NH>(rows[r], kt, d, sc, stride);
+    for (int h = 0; h < NH; h++) denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len);
+  }
+  int64_t c0 = 0;
+  for (; c0 + 32 <= d; c0 += 32) value_blocks<NH, R, 2>(rows, vc, d, shared, c0, scores, stride, denom);
+  for (; c0 < d; c0 += 16) value_blocks<NH, R, 1>(rows, vc, d, shared, c0, scores, stride, denom);
+}
+
+// rows of a block per key/value head: as many as keep R x NH <= 12 (at most 4)
+static inline int64_t block_rows(int64_t nh) { return std::min<int64_t>(4, 12 / std::min<int64_t>(4, nh)); }
+
+template <int NH>
+static void attend_block_rows(const RowKeys* rows, int64_t count, const float* kt,
+                              const float* vc, int64_t d, float* scores, int64_t stride) {
+  switch (count) {
+    case 1: attend_block_avx512<NH, 1>(rows, kt, vc, d, scores, stride); break;
+    case 2: attend_block_avx512<NH, 2>(rows, kt, vc, d, scores, stride); break;
+    case 3: attend_block_avx512<NH, 3>(rows, kt, vc, d, scores, stride); break;
+    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3)>(rows, kt, vc, d, scores, stride); break;
+  }
+}
+
+// `count` rows (at most block_rows(nh)) for the nh heads that share a key/value head, 4 heads
+// at a time; a row's q and out point at its first head of the group. scores: block_rows(nh)
+// x 4 x stride floats.
+static void attend_rows(const RowKeys* rows, int64_t count, const float* kt, const float* vc,
+                        int64_t d, float* scores, int64_t stride, int64_t nh) {
+  RowKeys part[4];
   for (int64_t h = 0; h < nh; h += 4) {
-    const float* qh = q + h * d;
-    float* oh = out + h * d;
+    for (int64_t r = 0; r < count; r++)
+      part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};
     switch (std::min<int64_t>(4, nh - h)) {
-      case 4: attend_heads_avx512<4>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
-      case 3: attend_heads_avx512<3>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
-      case 2: attend_heads_avx512<2>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
-      default: attend_heads_avx512<1>(qh, kt, vc, d, past, slots, len, scores, stride, oh); break;
+      case 4: attend_block_rows<4>(part, count, kt, vc, d, scores, stride); break;
+      case 3: attend_block_rows<3>(part, count, kt, vc, d, scores, stride); break;
+      case 2: attend_block_rows<2>(part, count, kt, vc, d, scores, stride); break;
+      default: attend_block_rows<1>(part, count, kt, vc, d, scores, stride); break;
     }
   }
 }
@@ -558,32 +638,40 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   auto out = at::empty({m, heads * d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = heads / kv, stride = past + width;
-  // one item: a query row and a key/value head, with the query heads that share it
-  at::parallel_for(0, m * kv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * stride);
-    std::vector<int32_t> window_slots;
+  const int64_t group = heads / kv;
+  const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
+  const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
+  const int64_t blocks = (m + per_block - 1) / per_block, stride = (past + width + 15) / 16 * 16;
+  // one item: a block of rows and a key/value head, with the query heads that share it
+  at::parallel_for(0, blocks * kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(per_block * std::min<int64_t>(4, group) * stride);
+    std::vector<int32_t> window_slots(per_block * std::max<int64_t>(window, 0));
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t r = i / kv, kvh = i % kv, first = r * heads + kvh * group;
-      const float *qi = qp + first * d, *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
-      int64_t len = past + lp[r], row_past = past;
-      const int32_t* row_slots = sp + r * width;
-      if (window > 0 && len > window) {
-        // a sliding window: the row's last `window` positions, every one named by its slot
-        // (none read as a cached block), so the row sees the same keys in the same order,
-        // with the same lanes, in any call
-        window_slots.resize(window);
-        for (int64_t j = len - window; j < len; j++)
-          window_slots[j - (len - window)] = j < past ? (int32_t)j : row_slots[j - past];
-        row_slots = window_slots.data();
-        row_past = 0;
-        len = window;
+      const int64_t b = i / kv, kvh = i % kv, r0 = b * per_block, r1 = std::min(m, r0 + per_block);
+      const float *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
+      k_avx512::RowKeys rows[4];
+      for (int64_t r = r0; r < r1; r++) {
+        const int64_t first = r * heads + kvh * group, len = past + lp[r];
+        const int32_t* own = sp + r * width;
+        k_avx512::RowKeys& row = rows[r - r0];
+        if (window > 0 && len > window) {
+          // a sliding window: the row's last `window` positions, every one named by its slot
+          // (none read as a cached block), so the row sees the same keys in the same order,
+          // with the same lanes, in any call
+          int32_t* named = window_slots.data() + (r - r0) * window;
+          for (int64_t j = len - window; j < len; j++)
+            named[j - (len - window)] = j < past ? (int32_t)j : own[j - past];
+          row = {qp + first * d, op + first * d, named, 0, window};
+        } else {
+          int64_t cached = past;  // the row's own slots that follow the cache in order
+          while (cached < len && own[cached - past] == cached) cached++;
+          row = {qp + first * d, op + first * d, own + (cached - past), cached, len};
+        }
+        if (!blocked)
+          DISPATCH(isa, attend_group, row.q, kt, vc, d, row.cached, row.slots, row.len,
+                   scores.data(), row.out, group);
       }
-      float* o = op + first * d;
-      if (isa >= AVX512)
-        k_avx512::attend_heads(qi, kt, vc, d, row_past, row_slots, len, scores.data(), stride, o, group);
-      else
-        DISPATCH(isa, attend_group, qi, kt, vc, d, row_past, row_slots, len, scores.data(), o, group);
+      if (blocked) k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group);
     }
   });
   return out;
