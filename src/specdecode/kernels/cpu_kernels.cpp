@@ -280,9 +280,13 @@ static void attend_rows(const RowKeys* rows, int64_t count, const float* kt, con
 // The Q4 kernel with VPDPBUSD: R rows x T column tiles per pass, so each unpacked block of
 // codes serves R rows and each broadcast of four activation bytes serves T tiles. A group's
 // integer sums are exact whatever the order; its two float folds come in group order.
+// `ahead`: where the rows after a tile's first pass ask for the next tiles' weights, `ahead_lines`
+// cache lines a group, so that they arrive while this pass computes from cache (null: the first
+// pass, which asks for its own stream Q4_PREFETCH ahead)
 template <int R, int T>
 static void q4_tiles_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t k_dim,
-                          const uint8_t* tile, int64_t tile_bytes, __m512 (&acc)[R][T]) {
+                          const uint8_t* tile, int64_t tile_bytes, const uint8_t* ahead,
+                          int64_t ahead_lines, __m512 (&acc)[R][T]) {
   const int64_t groups = k_dim / 32;
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int r = 0; r < R; r++)
@@ -291,10 +295,15 @@ static void q4_tiles_vnni(const int8_t* xq, const float* dx, const float* sx, in
     __m512i sum[R][T];
     for (int r = 0; r < R; r++)
       for (int t = 0; t < T; t++) sum[r][t] = _mm512_setzero_si512();
-    for (int t = 0; t < T; t++)
-      for (int line = 0; line < Q4_BLOCK; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(tile + t * tile_bytes + g * Q4_BLOCK +
-                                                   Q4_PREFETCH + line), _MM_HINT_T0);
+    if (ahead) {
+      for (int64_t line = 0; line < ahead_lines; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (g * ahead_lines + line) * 64), _MM_HINT_T0);
+    } else {
+      for (int t = 0; t < T; t++)
+        for (int line = 0; line < Q4_BLOCK; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tile + t * tile_bytes + g * Q4_BLOCK +
+                                                     Q4_PREFETCH + line), _MM_HINT_T0);
+    }
     for (int j = 0; j < 4; j++) {
       __m512i lo[T], hi[T];
       for (int t = 0; t < T; t++) {
@@ -341,21 +350,30 @@ static void store_tiles(const __m512 (&acc)[R][T], int rows, int64_t r0, int64_t
     }
 }
 
+// rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
+// (null if none), whose weights the passes after the first ask for
 template <int T>
 static void q4_rows_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t m,
-                         int64_t k_dim, const uint8_t* tile, int64_t t, const float* residual,
-                         float* y, int64_t n) {
-  const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK;
+                         int64_t k_dim, const uint8_t* tile, const uint8_t* next, int64_t t,
+                         const float* residual, float* y, int64_t n) {
+  const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK, passes = (m + 3) / 4;
+  // the next tiles' lines spread evenly over the groups of the later passes
+  const int64_t lines = T * tile_bytes / 64;
+  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
     const int rows = (int)std::min<int64_t>(4, m - r0);
     const int8_t* x = xq + r0 * k_dim;
     const float *gx = dx + r0 * groups, *gs = sx + r0 * groups;
-#define Q4_ROWS_CASE(R)                                                 \
-  {                                                                     \
-    __m512 acc[R][T];                                                   \
-    q4_tiles_vnni<R, T>(x, gx, gs, k_dim, tile, tile_bytes, acc);       \
-    store_tiles<R, T>(acc, R, r0, t, n, residual, y);                   \
-  }                                                                     \
+    const int64_t first_line = (r0 / 4 - 1) * groups * per_group;
+    const uint8_t* ahead = r0 > 0 && next && first_line < lines ? next + first_line * 64 : nullptr;
+    // the last pass's share may run past the next tiles: ask for no more than they hold
+    const int64_t ahead_lines = ahead ? std::min(per_group, (lines - first_line) / groups) : 0;
+#define Q4_ROWS_CASE(R)                                                                    \
+  {                                                                                        \
+    __m512 acc[R][T];                                                                      \
+    q4_tiles_vnni<R, T>(x, gx, gs, k_dim, tile, tile_bytes, ahead, ahead_lines, acc);      \
+    store_tiles<R, T>(acc, R, r0, t, n, residual, y);                                      \
+  }                                                                                        \
   break;
     switch (rows) {
       case 4: Q4_ROWS_CASE(4)
@@ -375,9 +393,11 @@ static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, 
   // two tiles a pass where rows are many enough to be bound by arithmetic; one stream of
   // weights where few rows make it bound by memory (measured: two streams cost 40% there)
   for (; m > 4 && t + 2 <= t1; t += 2)
-    q4_rows_vnni<2>(xq, dx, sx, m, k_dim, packed + t * tile_bytes, t, residual, y, n);
+    q4_rows_vnni<2>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
+                    t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
   for (; t < t1; t++)
-    q4_rows_vnni<1>(xq, dx, sx, m, k_dim, packed + t * tile_bytes, t, residual, y, n);
+    q4_rows_vnni<1>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
+                    t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
 }
 
 // quantise_rows (below) with 512-bit registers: the same operations, so the same bytes
