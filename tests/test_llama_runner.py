@@ -116,18 +116,28 @@ def test_quantised_formats_stay_close_to_fp32():
             assert 0 < err < tolerance, (weights, float(err))
 
 
-def test_quantised_formats_prefill_in_bf16():
-    # the int8/int4 kernels cost as much per row for a prompt as for one token: prompts go
-    # through bf16 layers, decoding and verification through the format's own
+def test_int8_prefills_in_bf16_and_int4_in_its_own_kernel():
+    # the int8 kernel costs as much per row for a prompt as for one token: its prompts go
+    # through bf16 layers, decoding and verification through its own
     model = tiny(seed=7)
     prompt = repetitive_prompts()[1]
     bf16 = LlamaRunner.from_transformers(model, "bf16")
     expected = bf16.prefill(prompt), bf16.forward(3, Draft.chain([4, 5]))
-    for weights in ("int8", "int4"):
-        runner = LlamaRunner.from_transformers(model, weights)
-        assert runner.prefill_weights == "bf16"
-        assert torch.equal(runner.prefill(prompt), expected[0]), weights
-        assert not torch.equal(runner.forward(3, Draft.chain([4, 5])), expected[1]), weights
+    int8 = LlamaRunner.from_transformers(model, "int8")
+    assert int8.prefill_weights == "bf16"
+    assert torch.equal(int8.prefill(prompt), expected[0])
+    assert not torch.equal(int8.forward(3, Draft.chain([4, 5])), expected[1])
+    # int4 prompts run through the int4 kernel's layers: a prompt's logits are bitwise those of
+    # reading it one token at a time
+    int4 = LlamaRunner.from_transformers(model, "int4")
+    assert int4.prefill_weights is None and int4.prefill_layers is int4.layers
+    prefilled = int4.prefill(prompt)
+    assert not torch.equal(prefilled, expected[0])
+    int4.prefill(prompt[:1])
+    for token in prompt[1:]:
+        stepped = int4.forward(token, Draft.empty())[0]
+        int4.commit([])
+    assert torch.equal(prefilled, stepped)
 
 
 # ---- early exit -------------------------------------------------------------------------------

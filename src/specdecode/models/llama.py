@@ -20,13 +20,14 @@ sum in an order fixed by the model's sizes alone; the rest (embedding lookup, re
 rotary products) is elementwise. Attention walks a row's keys in its logical order: positions
 before the forward from the cache, then the row's ancestors in depth order (a tree node sees
 them in the order ``ar`` will see them after the commit), so the same numbers are added in the
-same order. Prompts go through ATen's GEMMs (``quant.LibraryLinear``): every method prefills
-the same prompt in the same blocks, so prefill needs determinism, not row invariance.
+same order. Prompts of the int4 runner go through the same kernels; those of the other formats
+through ATen's GEMMs (``quant.LibraryLinear``): every method prefills the same prompt in the
+same blocks, so prefill needs determinism, not row invariance.
 
 Defaults: int4 weights (``DEFAULT_WEIGHTS``: GGUF Q4_1 blocks times int8 activations, the
-fastest forward of the four formats; docs/native-runner.md), prompts prefilled through ATen's
-GEMMs on bf16 copies of the weights (fp32 for ``--weights fp32``: ``PREFILL_WEIGHTS``); the
-cache holds ``max_context`` plus ``max_draft`` = 256 rows.
+fastest forward of the four formats; docs/native-runner.md), prompts prefilled through the
+same int4 layers (int8 and bf16 through ATen's GEMMs on bf16 copies of the weights, fp32 on
+fp32 ones: ``PREFILL_WEIGHTS``); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ BULK_ROWS = 16
 SUPPORTED = tuple(ARCHITECTURES)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
-#: the dtype of ATen's GEMMs for prompts, per decode format: bf16 GEMMs amortise their weights
-#: over many rows (a 512-token prompt: 0.68 s through bf16 layers, 1.08 s through the old int4
-#: ones; docs/native-runner.md); fp32 keeps its exact weights
-PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": "bf16"}
+#: the layers prompts go through, per decode format: ATen's GEMMs in fp32 or bf16, which
+#: amortise their weights over many rows better than our dense kernels (fp32 keeps its exact
+#: weights), or (None) the decode layers themselves: the int4 kernel prefills faster than bf16
+#: GEMMs since its passes overlap memory and arithmetic (a 512-token prompt on one Zen 5 core:
+#: 229 ms against 354; docs/native-runner.md)
+PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": None}
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -267,12 +270,15 @@ class LlamaRunner(Runner):
             head = "model.embed_tokens.weight"
         self.head, self.layers = self._linears(tensors, head, lambda parts: _fused(parts, weights))
         self._head_weight = tensors[head]  # a reference: draft heads read a shortlist of it
-        # prompts go through ATen's GEMMs in PREFILL_WEIGHTS (every prefill is the same
-        # computation, so exactness holds)
+        # prompts go through PREFILL_WEIGHTS' layers (every prefill is the same computation,
+        # so exactness holds either way)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.prefill_weights]
-        self.prefill_head, self.prefill_layers = self._linears(
-            tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
+        if self.prefill_weights is None:
+            self.prefill_head, self.prefill_layers = self.head, self.layers
+        else:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.prefill_weights]
+            self.prefill_head, self.prefill_layers = self._linears(
+                tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
         self.capacity = -(-(shape.max_context + max_draft) // 16) * 16  # whole key blocks
         # rotary tables per kind of layer: False the global ones, True the sliding layers' own
