@@ -50,6 +50,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
+    group = parser.add_argument_group(
+        "replicas (Ray Serve; needs pip install 'specdecode[ray]', see docs/server.md)")
+    group.add_argument("--replicas", type=int, default=0,
+                       help="serve from N engine replicas on Ray Serve, each with its own model "
+                            "and --parallel slots, sharing one suffix memory (0: one process, "
+                            "no Ray)")
+    group.add_argument("--threads-per-replica", type=int, default=None,
+                       help="torch threads of each replica (default: CPU cores / replicas)")
+    group.add_argument("--sync-interval", type=float, default=0.5,
+                       help="seconds a replica may draft without the other replicas' newest "
+                            "responses (it pulls them before a request when older; 0: always)")
+    group.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                       help="each replica learns only from its own responses (to measure what "
+                            "the shared memory gains)")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. 'auto' after `ray start --head`) "
+                            "instead of starting a local one")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_model_arguments(parser)
@@ -86,6 +103,8 @@ def build(args: argparse.Namespace):
         raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
     suffix = registry.get("suffix").make_config(
         settings.config if settings.method == "suffix" else {})
+    if args.replicas:
+        return build_replicas(args, settings, suffix)
     memory = SharedMemory(args.suffix_cache, suffix)
     loaded = load_model(args.model)
     first = make_runner(loaded, args.runner, args.weights)
@@ -97,6 +116,35 @@ def build(args: argparse.Namespace):
     return create_app(server)
 
 
+def build_replicas(args: argparse.Namespace, settings, suffix):
+    """The app over ``--replicas`` engine replicas on Ray Serve (:mod:`.ray_serve`)."""
+    import os
+
+    from specdecode.server.app import create_app
+
+    if args.replicas < 0:
+        raise SpecDecodeError(f"--replicas must be >= 0, got {args.replicas}")
+    if args.sync_interval < 0:
+        raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+    if threads < 1:
+        raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
+    from specdecode.server import ray_serve
+
+    ray_serve.require_ray()
+    if args.suffix_cache is not None and not args.shared_memory:
+        raise SpecDecodeError("--suffix-cache saves the shared memory; drop --no-shared-memory")
+    if args.suffix_cache is not None:  # a bad file fails here, not in a replica
+        from specdecode.server.memory import SharedMemory
+
+        SharedMemory(args.suffix_cache, suffix)
+    config = ray_serve.ReplicaConfig(
+        ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
+        threads, args.max_queue, args.sync_interval, args.shared_memory)
+    ray_serve.start_ray(args.replicas, threads, args.ray_address)
+    return create_app(ray_serve.deploy(config, args.replicas, settings, args.suffix_cache))
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -105,9 +153,16 @@ def run(args: argparse.Namespace) -> int:
     server = app.state.server
     print(f"specdecode serve: http://{args.host}:{args.port}/v1 (model "
           f"'{server.settings.model_id}', method '{server.settings.method}')"
+          + (f", {args.replicas} replicas" if args.replicas else "")
           + (f", suffix cache {server.memory.path}" if server.memory.path else ""), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if args.replicas:
+            from specdecode.server import ray_serve
+
+            ray_serve.shutdown()
     return 0
 
 
