@@ -350,18 +350,20 @@ class ReplicaPool:
         try:
             while True:
                 done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    try:
+                        event = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    yield event
+                    pending = asyncio.ensure_future(stream.__anext__())
                 if job.cancelled.is_set():
                     return
-                if not done:
-                    continue
-                try:
-                    event = pending.result()
-                except StopAsyncIteration:
-                    return
-                yield event
-                pending = asyncio.ensure_future(stream.__anext__())
         finally:
-            if not pending.done():
+            if pending.done():
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: the stream's end is no error
+            else:
                 pending.cancel()
             stream.cancel()
 
@@ -388,8 +390,8 @@ def require_ray() -> None:
 
 
 def start_ray(replicas: int, threads: int, address: str | None) -> None:
-    """Join the cluster at ``address``, or start a local one sized for the replicas (loopback
-    only, no dashboard). Serve's own HTTP proxy stays off: the ingress is ours."""
+    """Join the cluster at ``address``, or start a local one sized for the replicas (no
+    dashboard). Serve's own HTTP proxy stays off: the ingress (``--host``) is ours."""
     import ray
     from ray import serve
 
@@ -398,7 +400,7 @@ def start_ray(replicas: int, threads: int, address: str | None) -> None:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         else:
             ray.init(num_cpus=replicas * threads, include_dashboard=False,
-                     namespace=NAMESPACE, log_to_driver=False, node_ip_address="127.0.0.1")
+                     namespace=NAMESPACE, log_to_driver=False)
     serve.start(proxy_location="Disabled")
 
 
