@@ -11,7 +11,8 @@ its method with the model alias ``smollm2+ngram`` or ``"specdecode": {"method": 
 Layout: :mod:`.protocol` (OpenAI schemas and errors), :mod:`.scheduler` (runner slots, bounded
 queue, round-robin stepping), :mod:`.app` (routes, streaming), :mod:`.metrics`,
 :mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
-:mod:`.loadtest`.
+:mod:`.loadtest`. With ``--replicas N`` (Ray Serve): :mod:`.ray_serve` (engine replicas behind
+the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
 """
 
 from __future__ import annotations
