@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,10 +43,17 @@ def ray_missing() -> str | None:
 needs_ray = pytest.mark.skipif(ray_missing() is not None, reason=str(ray_missing()))
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def cluster(model, tokenizer, tmp_path_factory):
     """Two replicas, one slot and one thread each, syncing before every request; the suffix
-    memory saved to a file. Yields (background server, frontend, memory file)."""
+    memory saved to a file; the ingress in this process, and Serve's HTTP proxy on loopback
+    for the ``serve run`` ingress. Yields (background server, frontend, memory file, proxy)."""
     import ray
 
     from specdecode.server import ray_serve
@@ -55,17 +63,19 @@ def cluster(model, tokenizer, tmp_path_factory):
              log_to_driver=False, configure_logging=False)
     from ray import serve
 
-    serve.start(proxy_location="Disabled")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ray_serve.ReplicaConfig(
         ray_serve.GivenModel(model, tokenizer, (EOS,)), registry.get("suffix").make_config(),
-        slots=1, threads=1, max_queue=64, sync_interval=0.0)
+        slots=1, threads=1, max_queue=64, sync_interval=0.0, suffix_cache=str(path))
     settings = Settings(model_id=MODEL, method="suffix", max_queue=64)
-    frontend = ray_serve.deploy(config, 2, settings, path)
+    frontend = ray_serve.deploy(config, 2, settings)
     try:
         with BackgroundServer(create_app(frontend)) as background:
-            yield background, frontend, path
+            yield background, frontend, path, f"http://127.0.0.1:{port}"
     finally:
         ray_serve.shutdown()
+        serve.shutdown()
         ray.shutdown()
 
 
@@ -96,7 +106,7 @@ def wait_for_version(frontend, version: int, timeout: float = 10.0) -> dict:
 
 @needs_ray
 def test_replicas_give_the_single_process_servers_tokens(cluster, single):
-    background, frontend, _ = cluster
+    background, frontend, _, _ = cluster
     replicas, alone = client_of(background), client_of(single)
     ids = {"specdecode": {"return_token_ids": True}}
     cases = [dict(temperature=0), dict(temperature=1.2, top_p=0.95, seed=7, n=2)]
@@ -130,7 +140,7 @@ def test_replicas_give_the_single_process_servers_tokens(cluster, single):
 def test_a_response_from_one_replica_reaches_the_others_drafts(cluster):
     """Replica A answers a prompt; once its push lands, a request served by B drafts A's
     answer from the shared tree (B never saw it) and accepts far more per step."""
-    _, frontend, _ = cluster
+    _, frontend, _, _ = cluster
     from specdecode.server.scheduler import SequenceSpec
 
     handle = frontend.backend.handle.options(stream=True)
@@ -168,7 +178,7 @@ def test_the_shared_memory_is_saved_and_survives_its_actors_restart(cluster):
     from specdecode.server.shared_memory import MEMORY_ACTOR
     from specdecode.server.ray_serve import NAMESPACE
 
-    background, frontend, path = cluster
+    background, frontend, path, _ = cluster
     chat(client_of(background), "Save me, please", max_tokens=16)
     stats = wait_for_version(frontend, frontend.memory.stats()["version"] + 1)
     frontend.memory.save()
@@ -187,6 +197,42 @@ def test_the_shared_memory_is_saved_and_survives_its_actors_restart(cluster):
     assert restored["tokens"] == saved.num_cached_tokens
 
 
+@needs_ray
+def test_the_serve_run_ingress_serves_the_same_routes(cluster, single):
+    """The routes as a Serve deployment behind Serve's HTTP proxy (what ``serve run
+    specdecode.server.ray_serve:app`` deploys), over the same engine replicas."""
+    from ray import serve
+
+    from specdecode.server import ray_serve
+
+    _, frontend, _, proxy = cluster
+    pool = frontend.backend
+    config = ray_serve.ReplicaConfig(None, registry.get("suffix").make_config(), slots=1,
+                                     max_queue=64, sync_interval=0.0)
+    settings = Settings(model_id=MODEL, method="suffix", max_queue=64)
+    serve.run(ray_serve.ingress_deployment().bind(pool.handle, config, 2, settings),
+              name="http", route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=proxy + "/v1", api_key="x", max_retries=0, timeout=60)
+        ids = {"specdecode": {"return_token_ids": True}}
+        for options in (dict(temperature=0), dict(temperature=1.2, seed=3)):
+            got = chat(client, PROMPTS[2], max_tokens=20, extra_body=ids, **options)
+            ref = chat(client_of(single), PROMPTS[2], max_tokens=20, extra_body=ids, **options)
+            assert ids_of(got) == ids_of(ref)
+        streamed = chat(client, PROMPTS[2], max_tokens=20, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == ref_text(single, PROMPTS[2])
+        bad = httpx.post(proxy + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert bad.status_code == 400 and "at least one message" in bad.json()["error"]["message"]
+        assert httpx.get(proxy + "/health").json()["replicas"] == 2
+    finally:
+        serve.delete("http")
+
+
+def ref_text(single, prompt: str) -> str:
+    return chat(client_of(single), prompt, max_tokens=20, temperature=0).choices[0].message.content
+
+
 def kill_busiest_replica(pool, timeout: float = 30.0) -> int:
     """SIGKILL the replica process generating the most sequences, once one is busy."""
     deadline = time.monotonic() + timeout
@@ -202,7 +248,7 @@ def kill_busiest_replica(pool, timeout: float = 30.0) -> int:
 def test_a_stream_whose_replica_dies_is_finished_by_another(cluster, single):
     """Killed after the client got text: the retry regenerates the same tokens on the other
     replica and the client gets the rest, nothing twice, nothing missing."""
-    background, frontend, _ = cluster
+    background, frontend, _, _ = cluster
     pool = frontend.backend
     retries = pool.retries
     stream = chat(client_of(background), PROMPTS[1], max_tokens=200, temperature=0,
@@ -221,7 +267,7 @@ def test_a_stream_whose_replica_dies_is_finished_by_another(cluster, single):
 
 @needs_ray
 def test_a_replica_killed_under_load_loses_no_request(cluster):
-    background, frontend, _ = cluster
+    background, frontend, _, _ = cluster
     pool = frontend.backend
     retries = pool.retries
     before = frontend.memory.stats()["responses"]

@@ -81,15 +81,11 @@ def served_name(model: str) -> str:
     return Path(model).stem or model
 
 
-def build(args: argparse.Namespace):
-    """The app for parsed ``serve`` arguments: loads the model, checks everything else
-    first so bad flags fail in a second, not after the model load."""
+def settings_of(args: argparse.Namespace):
+    """(Settings, the server's ``suffix`` config) for parsed ``serve`` arguments, checked."""
     from specdecode import registry
-    from specdecode.api import eos_ids
     from specdecode.cli import parse_config
-    from specdecode.models.loading import load_model, make_runner
-    from specdecode.server.app import Server, Settings, create_app
-    from specdecode.server.memory import SharedMemory
+    from specdecode.server.app import Settings
 
     settings = Settings(
         model_id=args.served_model_name or served_name(args.model),
@@ -104,8 +100,24 @@ def build(args: argparse.Namespace):
         raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
     suffix = registry.get("suffix").make_config(
         settings.config if settings.method == "suffix" else {})
+    return settings, suffix
+
+
+def build(args: argparse.Namespace):
+    """The app for parsed ``serve`` arguments: loads the model, checks everything else
+    first so bad flags fail in a second, not after the model load."""
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import load_model, make_runner
+    from specdecode.server.app import Server, create_app
+    from specdecode.server.memory import SharedMemory
+
+    settings, suffix = settings_of(args)
     if args.replicas:
-        return build_replicas(args, settings, suffix)
+        from specdecode.server import ray_serve
+
+        config = replica_config(args, suffix)
+        ray_serve.start_ray(args.replicas, config.threads, args.ray_address)
+        return create_app(ray_serve.deploy(config, args.replicas, settings))
     memory = SharedMemory(args.suffix_cache, suffix)
     loaded = load_model(args.model)
     first = make_runner(loaded, args.runner, args.weights)
@@ -117,14 +129,14 @@ def build(args: argparse.Namespace):
     return create_app(server)
 
 
-def build_replicas(args: argparse.Namespace, settings, suffix):
-    """The app over ``--replicas`` engine replicas on Ray Serve (:mod:`.ray_serve`)."""
+def replica_config(args: argparse.Namespace, suffix):
+    """The engine replicas' :class:`~.ray_serve.ReplicaConfig` for ``--replicas``, checked
+    (Ray Serve installed, a loadable ``--suffix-cache``) before any replica starts."""
     import os
 
-    from specdecode.server.app import create_app
-
-    if args.replicas < 0:
-        raise SpecDecodeError(f"--replicas must be >= 0, got {args.replicas}")
+    if args.replicas < 1:
+        raise SpecDecodeError(f"--replicas must be a positive number (0, the default: one "
+                              f"process without Ray), got {args.replicas}")
     if args.sync_interval < 0:
         raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
@@ -139,11 +151,10 @@ def build_replicas(args: argparse.Namespace, settings, suffix):
         from specdecode.server.memory import SharedMemory
 
         SharedMemory(args.suffix_cache, suffix)
-    config = ray_serve.ReplicaConfig(
+    return ray_serve.ReplicaConfig(
         ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
-        threads, args.max_queue, args.sync_interval, args.shared_memory)
-    ray_serve.start_ray(args.replicas, threads, args.ray_address)
-    return create_app(ray_serve.deploy(config, args.replicas, settings, args.suffix_cache))
+        threads, args.max_queue, args.sync_interval, args.shared_memory,
+        None if args.suffix_cache is None else str(args.suffix_cache))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -99,23 +99,24 @@ class ReplicaConfig:
     sync_interval: float = 0.5
     #: False: each replica learns only from its own responses (measures what sharing gains)
     shared_memory: bool = True
+    #: the shared memory's file (``--suffix-cache``): loaded at start, saved on shutdown
+    suffix_cache: str | None = None
 
 
 class EngineReplica:
     """One Serve replica: a model, its slots and scheduler, and its synced memory."""
 
     def __init__(self, config: ReplicaConfig):
-        import ray
         import torch
 
         from specdecode.api import encode_prompt
         from specdecode.server.memory import SharedMemory
-        from specdecode.server.shared_memory import MEMORY_ACTOR
+        from specdecode.server.shared_memory import memory_actor
 
         torch.set_num_threads(config.threads)
         runners, tokenizer, eos = config.loader.load(config.slots)
-        if config.shared_memory:
-            actor = ray.get_actor(MEMORY_ACTOR, namespace=NAMESPACE)
+        if config.shared_memory:  # the first of the replicas and the ingress creates it
+            actor = memory_actor(config.suffix_cache, config.suffix, NAMESPACE)
             self.memory = SyncedMemory(actor, config.suffix, config.sync_interval)
         else:
             self.memory = SharedMemory(None, config.suffix)
@@ -404,29 +405,95 @@ def start_ray(replicas: int, threads: int, address: str | None) -> None:
     serve.start(proxy_location="Disabled")
 
 
-def deploy(config: ReplicaConfig, replicas: int, settings: Settings,
-           suffix_cache: Path | None) -> Frontend:
-    """Start the memory actor and ``replicas`` engine replicas (Ray must be initialised), and
-    return the routes' state over them. Blocks until every replica has loaded its model."""
+def engine_deployment(config: ReplicaConfig, replicas: int):
+    """The engine replicas as a Serve deployment (one CPU reservation per torch thread)."""
     from ray import serve
 
-    from specdecode.server.memory import SharedMemory
-    from specdecode.server.shared_memory import RemoteMemory, memory_actor
-
-    if config.shared_memory:
-        memory = RemoteMemory(memory_actor(suffix_cache, config.suffix, NAMESPACE), suffix_cache)
-    else:
-        memory = SharedMemory()  # nothing shared, nothing saved
-    deployment = serve.deployment(
+    return serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": config.threads},
         max_ongoing_requests=config.slots + config.max_queue,
         health_check_period_s=1, graceful_shutdown_timeout_s=5)
-    handle = serve.run(deployment.bind(config), name=APP_NAME, route_prefix=None)
-    model, tokenizer = handle.describe.remote().result()
+
+
+def frontend(handle, model: ModelInfo, tokenizer, config: ReplicaConfig, replicas: int,
+             settings: Settings) -> Frontend:
+    """The routes' state over a handle to the engine replicas."""
+    from specdecode.server.memory import SharedMemory
+    from specdecode.server.shared_memory import RemoteMemory, memory_actor
+
+    if config.shared_memory:
+        memory = RemoteMemory(memory_actor(config.suffix_cache, config.suffix, NAMESPACE),
+                              config.suffix_cache)
+    else:
+        memory = SharedMemory()  # nothing shared, nothing saved
     metrics = Metrics()
     pool = ReplicaPool(handle, replicas, config.slots, settings.max_queue, metrics)
     return Frontend(pool, model, tokenizer, settings, metrics, memory)
+
+
+def deploy(config: ReplicaConfig, replicas: int, settings: Settings) -> Frontend:
+    """Start ``replicas`` engine replicas (Ray must be initialised) and return the routes'
+    state over them, for an ingress in this process. Blocks until every replica is up."""
+    from ray import serve
+
+    handle = serve.run(engine_deployment(config, replicas).bind(config), name=APP_NAME,
+                       route_prefix=None)
+    model, tokenizer = handle.describe.remote().result()
+    return frontend(handle, model, tokenizer, config, replicas, settings)
+
+
+class ServeIngress:
+    """The routes as a Serve deployment, for ``serve run`` / a Serve config file: Serve's HTTP
+    proxy in front, the engine replicas behind ``engine`` (a deployment handle)."""
+
+    def __init__(self, engine, config: ReplicaConfig, replicas: int, settings: Settings):
+        self.engine = engine
+        self.config = config
+        self.replicas = replicas
+        self.settings = settings
+
+    async def __serve_build_asgi_app__(self):
+        from specdecode.server.app import create_app
+
+        model, tokenizer = await self.engine.describe.remote()
+        return create_app(frontend(self.engine, model, tokenizer, self.config, self.replicas,
+                                   self.settings))
+
+
+def ingress_deployment():
+    from ray import serve
+
+    return serve.deployment(serve.ingress()(ServeIngress), name="Ingress",
+                            ray_actor_options={"num_cpus": 0})
+
+
+def app(args: dict[str, str]):
+    """The whole server as one Serve application, for Ray's own tools::
+
+        serve run specdecode.server.ray_serve:app replicas=2 model=smollm2 suffix_cache=/path
+
+    Every ``specdecode serve`` option is a ``key=value`` (dashes or underscores;
+    ``no_shared_memory=true`` for the flag); ``host``/``port`` are Serve's (its HTTP proxy,
+    port 8000 by default), ``ray_address`` is ``serve run``'s ``--address``."""
+    import argparse
+
+    from specdecode.server import add_arguments, replica_config, settings_of
+
+    parser = argparse.ArgumentParser(prog="specdecode.server.ray_serve:app")
+    add_arguments(parser)
+    argv = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if flag == "--no-shared-memory":
+            argv += [flag] if str(value).lower() in ("1", "true", "yes") else []
+        else:
+            argv.append(f"{flag}={value}")
+    parsed = parser.parse_args(argv)
+    settings, suffix = settings_of(parsed)
+    config = replica_config(parsed, suffix)
+    engine = engine_deployment(config, parsed.replicas).bind(config)
+    return ingress_deployment().bind(engine, config, parsed.replicas, settings)
 
 
 def shutdown() -> None:
