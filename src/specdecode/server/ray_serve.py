@@ -3,6 +3,7 @@ replicas on Ray Serve, with one speculation memory (:mod:`.shared_memory`).
 
     specdecode serve --replicas 2                      # a local Ray cluster on this machine
     specdecode serve --replicas 8 --ray-address auto   # an existing cluster (`ray start`)
+    serve run specdecode.server.ray_serve:app replicas=2   # all of it as one Serve app
 
 Pieces:
 
@@ -19,8 +20,10 @@ Pieces:
   diverges from what was sent (an unseeded sampled request) or a third failure ends that
   choice with a 503 ``replica_failed`` error.
 
-The ingress (HTTP, tokenizer, validation) runs in the ``specdecode serve`` process; it loads no
-model: the tokenizer and the model's limits come from a replica (:meth:`EngineReplica.describe`).
+The ingress (HTTP, tokenizer, validation) runs in the ``specdecode serve`` process, or with
+``serve run`` as a Serve deployment (:class:`ServeIngress`) behind Serve's HTTP proxy; it loads
+no model: the tokenizer and the model's limits come from a replica
+(:meth:`EngineReplica.describe`).
 """
 
 from __future__ import annotations
@@ -170,8 +173,10 @@ class EngineReplica:
         costs = getattr(self.memory, "costs", {})
         return dict(costs, cached_responses=len(self.memory.global_cache.cached_requests))
 
-    def __del__(self):
-        self.scheduler.stop(timeout=5)
+    def __del__(self):  # Serve's graceful shutdown: every proposer sees ``finish``
+        scheduler = getattr(self, "scheduler", None)  # None: the constructor failed
+        if scheduler is not None:
+            scheduler.stop(timeout=5)
 
 
 def _error_fields(exc: ApiError) -> dict:
