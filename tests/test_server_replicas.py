@@ -295,6 +295,7 @@ def test_a_replica_killed_under_load_loses_no_request(cluster):
 
 def test_replicas_without_ray_fail_with_one_clear_line():
     code = ("import sys; sys.modules['ray'] = None; sys.modules['ray.serve'] = None\n"
+            "import specdecode.server.app, specdecode.server.scheduler  # one process: no Ray\n"
             "from specdecode.cli import main\n"
             "sys.exit(main(['serve', '--replicas', '2']))")
     env = dict(os.environ)

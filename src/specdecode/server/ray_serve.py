@@ -162,7 +162,7 @@ class EngineReplica:
                     left -= 1
                     payload = _error_fields(payload) if kind == "error" else payload
                 elif kind == "start":
-                    payload = os.getpid()  # which replica process serves it (fault tests)
+                    payload = os.getpid()  # which replica serves it: ReplicaPool.serving
                 yield kind, index, payload
         finally:
             job.cancel()
