@@ -72,6 +72,32 @@ def split_options(options: dict[str, Any]) -> tuple[SamplingParams, dict[str, An
     return SamplingParams(**sampling), config
 
 
+def encode_prompt(tokenizer, prompt, chat: bool = True) -> list[int]:
+    """Token ids of a prompt: text (chat-templated when ``chat`` and the tokenizer has a
+    template), chat messages, or ids as they are. Needs no model, so a server front end that
+    only routes requests (``specdecode serve --replicas``) encodes with it too."""
+    if isinstance(prompt, str):
+        require(prompt.strip() != "", "the prompt is empty; give some text")
+        require(tokenizer is not None, "a text prompt needs a tokenizer")
+        if chat and getattr(tokenizer, "chat_template", None):
+            return _template(tokenizer, [{"role": "user", "content": prompt}])
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        require(tokenizer is not None, "chat messages need a tokenizer")
+        return _template(tokenizer, list(prompt))
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise SpecDecodeError("prompt must be text, a list of chat messages or a list of token ids")
+
+
+def _template(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # jinja errors: malformed messages
+        raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 class Decoder:
     """A target, a tokenizer and one method's proposer, reused across requests (so proposers
     that learn across requests, such as the suffix tree, keep what they learnt)."""
@@ -87,25 +113,7 @@ class Decoder:
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """Text (chat-templated when the tokenizer has a template), chat messages, or ids."""
-        if isinstance(prompt, str):
-            require(prompt.strip() != "", "the prompt is empty; give some text")
-            require(self.tokenizer is not None, "a text prompt needs a tokenizer")
-            if chat and getattr(self.tokenizer, "chat_template", None):
-                return self._template([{"role": "user", "content": prompt}])
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            require(self.tokenizer is not None, "chat messages need a tokenizer")
-            return self._template(list(prompt))
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise SpecDecodeError("prompt must be text, a list of chat messages or a list of token ids")
-
-    def _template(self, messages: list[dict]) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # jinja errors: malformed messages
-            raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
               **sampling) -> Generation:

@@ -648,6 +648,15 @@ class SuffixCache:
                 ids = request.tree.sequence(0, request.prompt_len)
             self._cache_response(req_id, ids)
 
+    def add_cached(self, req_id: int | str, response: Sequence[int]) -> None:
+        """Put a finished response straight into the global tree (one generated elsewhere,
+        e.g. by another server replica), evicting the oldest ones beyond the bound."""
+        _check_id(req_id)
+        ids = _token_ids(response, "response")
+        with self._lock:
+            require(req_id not in self._requests, f"request {req_id!r} is active; stop it instead")
+            self._cache_response(req_id, ids)
+
     def evict(self, req_id: int | str) -> None:
         """Drop a cached response from the global tree."""
         with self._lock:

@@ -11,7 +11,8 @@ its method with the model alias ``smollm2+ngram`` or ``"specdecode": {"method": 
 Layout: :mod:`.protocol` (OpenAI schemas and errors), :mod:`.scheduler` (runner slots, bounded
 queue, round-robin stepping), :mod:`.app` (routes, streaming), :mod:`.metrics`,
 :mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
-:mod:`.loadtest`.
+:mod:`.loadtest`. With ``--replicas N`` (Ray Serve): :mod:`.ray_serve` (engine replicas behind
+the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
+    group = parser.add_argument_group(
+        "replicas (Ray Serve; needs pip install 'specdecode[ray]', see docs/server.md)")
+    group.add_argument("--replicas", type=int, default=0,
+                       help="serve from N engine replicas on Ray Serve, each with its own model "
+                            "and --parallel slots, sharing one suffix memory (0: one process, "
+                            "no Ray)")
+    group.add_argument("--threads-per-replica", type=int, default=None,
+                       help="torch threads of each replica (default: CPU cores / replicas)")
+    group.add_argument("--sync-interval", type=float, default=0.5,
+                       help="seconds a replica may draft without the other replicas' newest "
+                            "responses (it pulls them before a request when older; 0: always)")
+    group.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                       help="each replica learns only from its own responses (to measure what "
+                            "the shared memory gains)")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. 'auto' after `ray start --head`) "
+                            "instead of starting a local one")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_model_arguments(parser)
@@ -63,15 +81,11 @@ def served_name(model: str) -> str:
     return Path(model).stem or model
 
 
-def build(args: argparse.Namespace):
-    """The app for parsed ``serve`` arguments: loads the model, checks everything else
-    first so bad flags fail in a second, not after the model load."""
+def settings_of(args: argparse.Namespace):
+    """(Settings, the server's ``suffix`` config) for parsed ``serve`` arguments, checked."""
     from specdecode import registry
-    from specdecode.api import eos_ids
     from specdecode.cli import parse_config
-    from specdecode.models.loading import load_model, make_runner
-    from specdecode.server.app import Server, Settings, create_app
-    from specdecode.server.memory import SharedMemory
+    from specdecode.server.app import Settings
 
     settings = Settings(
         model_id=args.served_model_name or served_name(args.model),
@@ -86,6 +100,24 @@ def build(args: argparse.Namespace):
         raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
     suffix = registry.get("suffix").make_config(
         settings.config if settings.method == "suffix" else {})
+    return settings, suffix
+
+
+def build(args: argparse.Namespace):
+    """The app for parsed ``serve`` arguments: loads the model, checks everything else
+    first so bad flags fail in a second, not after the model load."""
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import load_model, make_runner
+    from specdecode.server.app import Server, create_app
+    from specdecode.server.memory import SharedMemory
+
+    settings, suffix = settings_of(args)
+    if args.replicas:
+        from specdecode.server import ray_serve
+
+        config = replica_config(args, suffix)
+        ray_serve.start_ray(args.replicas, config.threads, args.ray_address)
+        return create_app(ray_serve.deploy(config, args.replicas, settings))
     memory = SharedMemory(args.suffix_cache, suffix)
     loaded = load_model(args.model)
     first = make_runner(loaded, args.runner, args.weights)
@@ -97,6 +129,34 @@ def build(args: argparse.Namespace):
     return create_app(server)
 
 
+def replica_config(args: argparse.Namespace, suffix):
+    """The engine replicas' :class:`~.ray_serve.ReplicaConfig` for ``--replicas``, checked
+    (Ray Serve installed, a loadable ``--suffix-cache``) before any replica starts."""
+    import os
+
+    if args.replicas < 1:
+        raise SpecDecodeError(f"--replicas must be a positive number (0, the default: one "
+                              f"process without Ray), got {args.replicas}")
+    if args.sync_interval < 0:
+        raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+    if threads < 1:
+        raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
+    from specdecode.server import ray_serve
+
+    ray_serve.require_ray()
+    if args.suffix_cache is not None and not args.shared_memory:
+        raise SpecDecodeError("--suffix-cache saves the shared memory; drop --no-shared-memory")
+    if args.suffix_cache is not None:  # a bad file fails here, not in a replica
+        from specdecode.server.memory import SharedMemory
+
+        SharedMemory(args.suffix_cache, suffix)
+    return ray_serve.ReplicaConfig(
+        ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
+        threads, args.max_queue, args.sync_interval, args.shared_memory,
+        None if args.suffix_cache is None else str(args.suffix_cache))
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -105,9 +165,16 @@ def run(args: argparse.Namespace) -> int:
     server = app.state.server
     print(f"specdecode serve: http://{args.host}:{args.port}/v1 (model "
           f"'{server.settings.model_id}', method '{server.settings.method}')"
+          + (f", {args.replicas} replicas" if args.replicas else "")
           + (f", suffix cache {server.memory.path}" if server.memory.path else ""), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if args.replicas:
+            from specdecode.server import ray_serve
+
+            ray_serve.shutdown()
     return 0
 
 

@@ -1,10 +1,11 @@
-"""The FastAPI application: OpenAI's chat and completion endpoints over the scheduler.
+"""The FastAPI application: OpenAI's chat and completion endpoints over a backend.
 
 A request is checked completely on the event loop (body size, JSON, schema, method, prompt
 length against the context) before it takes a place in the queue, so bad input costs no model
-time and gets OpenAI's error object with a 4xx. Generation runs on the scheduler thread; its
-events come back through an ``asyncio.Queue`` and leave as one JSON body or as server-sent
-events (``data: {...}`` ... ``data: [DONE]``).
+time and gets OpenAI's error object with a 4xx. Generation runs on the backend: the local
+scheduler thread (:class:`Server`), or Ray Serve engine replicas (:mod:`.ray_serve`, the same
+routes in front of them); its events come back through an ``asyncio.Queue`` and leave as one
+JSON body or as server-sent events (``data: {...}`` ... ``data: [DONE]``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import registry
-from specdecode.api import Decoder, GenerationResult
+from specdecode.api import GenerationResult, encode_prompt
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
@@ -61,27 +62,49 @@ class Settings:
     default_max_tokens: int = 256
 
 
-class Server:
-    """The state behind the routes: settings, tokenizer, scheduler, metrics."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the routes need to know of the model without running it: the limits every request
+    is checked against before it queues (``check_request`` reads these two fields of a runner)
+    and the fingerprint clients see."""
 
-    def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
-                 settings: Settings, memory: SharedMemory | None = None):
+    max_context: int
+    vocab_size: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, runner: Runner) -> ModelInfo:
+        return cls(runner.max_context, runner.vocab_size, runner.fingerprint())
+
+
+class Frontend:
+    """The state behind the routes, whatever generates the tokens: settings, the tokenizer
+    (encoding only), metrics, and a backend that takes jobs (:class:`Job`).
+
+    The backend is the local :class:`Scheduler` (:class:`Server`) or a pool of Ray Serve engine
+    replicas (:mod:`.ray_serve`); both offer ``start()``, ``submit(job)`` (raising a 429/503
+    :class:`ApiError` when it cannot take the job), ``stop()``, ``alive``, ``parallel`` (sequences
+    generated at once) and ``load()``, and post the same events to the job. ``memory`` is the
+    cross-request memory, saved on shutdown (``save()``; ``path`` is where).
+    """
+
+    def __init__(self, backend, model: ModelInfo, tokenizer, settings: Settings,
+                 metrics: Metrics, memory):
         self.settings = settings
         method = registry.get(settings.method)
         method.make_config(settings.config)  # reject a bad default before serving
-        self.memory = memory or SharedMemory()
-        self.runner_info = runners[0]
-        self.max_context = runners[0].max_context
-        self.metrics = Metrics()
-        # requests are encoded on the event loop's worker threads and decoded on the scheduler
-        # thread; a fast tokenizer used from two threads at once can fail ("Already borrowed"),
-        # so the encoding side has its own copy and a lock. The encoder's runner is never run.
-        self.encoder = Decoder(runners[0], copy.deepcopy(tokenizer), "ar", eos_token_ids)
+        self.backend = backend
+        self.memory = memory
+        self.metrics = metrics
+        self.runner_info = model
+        self.max_context = model.max_context
+        # requests are encoded on the event loop's worker threads and (locally) decoded on the
+        # scheduler thread; a fast tokenizer used from two threads at once can fail ("Already
+        # borrowed"), so the encoding side has its own copy and a lock
+        self.tokenizer = copy.deepcopy(tokenizer)
         self._encode_lock = threading.Lock()
-        self.scheduler = Scheduler(runners, tokenizer, eos_token_ids, self.memory.make_proposer,
-                                   settings.max_queue, self.metrics)
         self.started = now()
-        self.fingerprint = runners[0].fingerprint()
+        self.fingerprint = model.fingerprint
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
@@ -163,10 +186,24 @@ class Server:
     def encode(self, prompt, chat: bool) -> list[int]:
         try:
             with self._encode_lock:
-                return self.encoder.encode(prompt, chat)
+                return encode_prompt(self.tokenizer, prompt, chat)
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
 
+
+
+class Server(Frontend):
+    """The single-process server: ``len(runners)`` slots over the same weights, stepped in
+    turn by one :class:`Scheduler` thread, all sharing one suffix global tree."""
+
+    def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
+                 settings: Settings, memory: SharedMemory | None = None):
+        memory = memory or SharedMemory()
+        metrics = Metrics()
+        scheduler = Scheduler(runners, tokenizer, eos_token_ids, memory.make_proposer,
+                              settings.max_queue, metrics)
+        super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
+                         memory)
 
 # ---- responses ------------------------------------------------------------------------------
 
@@ -217,7 +254,7 @@ def sse(data: Any) -> str:
 class Endpoint:
     """One completion-style endpoint: how its chunks and final body look."""
 
-    def __init__(self, server: Server, chat: bool):
+    def __init__(self, server: Frontend, chat: bool):
         self.server = server
         self.chat = chat
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -256,12 +293,12 @@ class Endpoint:
             prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
             requested, param = req.max_tokens, "prompt"
         specs = server.specs(req, prompts, requested, param)
-        capacity = server.scheduler.parallel + server.settings.max_queue
+        capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
             raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "
                                 f"this server takes at most {capacity} at once", param="n")
         job = Job(specs, asyncio.get_running_loop())
-        server.scheduler.submit(job)
+        server.backend.submit(job)
         prompt_tokens = sum(len(ids) for ids in prompts)
         server.metrics.prompt_tokens.inc(prompt_tokens)
         if req.stream:
@@ -399,18 +436,18 @@ class CountRequests:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Frontend) -> FastAPI:
     """The ASGI app. On shutdown the scheduler stops first (every proposer sees ``finish``),
     then the suffix global tree is saved (with ``--suffix-cache``)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
-        server.scheduler.start()
+        server.backend.start()
         try:
             yield
         finally:
-            await run_in_threadpool(server.scheduler.stop)
+            await run_in_threadpool(server.backend.stop)
             await run_in_threadpool(server.memory.save)
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -450,10 +487,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = server.scheduler.alive
+        alive = server.backend.alive
         body = {"status": "ok" if alive else "error", "model": server.settings.model_id,
                 "method": server.settings.method, "max_context": server.max_context,
-                **server.scheduler.load()}
+                **server.backend.load()}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
