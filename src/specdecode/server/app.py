@@ -191,7 +191,6 @@ class Frontend:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
 
 
-
 class Server(Frontend):
     """The single-process server: ``len(runners)`` slots over the same weights, stepped in
     turn by one :class:`Scheduler` thread, all sharing one suffix global tree."""
@@ -204,6 +203,7 @@ class Server(Frontend):
                               settings.max_queue, metrics)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
                          memory)
+
 
 # ---- responses ------------------------------------------------------------------------------
 
