@@ -100,13 +100,69 @@ def test_geglu_and_softcap(ext):
     assert outs[0].abs().max() <= 30
 
 
+def caches(kv: int, d: int, cap: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random keys [KV, D, cap] and values [KV, cap, D] (float32, exactly representable in
+    ``dtype``) and the cache tensors holding them in ``dtype``: keys in blocks of 16 slots."""
+    keys = torch.randn(kv, d, cap, generator=gen).to(dtype).float()
+    values = torch.randn(kv, cap, d, generator=gen).to(dtype).float()
+    blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()
+    return keys, values, blocked.to(dtype), values.to(dtype)
+
+
+def test_bfloat16_cache_reads_exactly_what_float32_holds(ext):
+    """A bfloat16 cache gives the bits of a float32 cache holding the same (rounded) values:
+    reading is exact, so only the write rounds."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv, d, cap, past = 9, 3, 64, 304, 70
+    _, _, k16, v16 = caches(kv, d, cap, torch.bfloat16, gen)
+    k32, v32 = k16.float(), v16.float()
+    q = torch.randn(ROWS, heads, d, generator=gen)
+    # tree rows: row r sees the slots of rows r % 3, r % 3 + 3, .. r (odd and even slots gathered)
+    width = ROWS // 3 + 1
+    table = torch.zeros(ROWS, width, dtype=torch.int32)
+    lens = torch.zeros(ROWS, dtype=torch.int32)
+    for r in range(ROWS):
+        path = list(range(r % 3, r + 1, 3))
+        table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
+        lens[r] = len(path)
+    for isa in ISAS:
+        for window in (0, 9):
+            assert torch.equal(ext.attention(q, k16, v16, past, table, lens, window, isa),
+                               ext.attention(q, k32, v32, past, table, lens, window, isa)), (isa, window)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        ext.attention(q, k16, v32, past, table, lens, 0, 2)
+
+
+def test_rope_store_rounds_the_cache_to_nearest_even(ext):
+    """Writing a bfloat16 cache rounds as torch does (to nearest, ties to even), the same bits
+    as a float32 cache rounded afterwards; q stays float32."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv, d, m, cap = 3, 1, 64, 40, 64
+    qkv = torch.randn(m, (heads + 2 * kv) * d, generator=gen)
+    qkv[0, -d:] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -9] * (d // 4))  # ties
+    angles = torch.rand(m, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    slots = torch.randperm(cap, generator=gen)[:m]
+    stored = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        k_cache = torch.zeros(kv, cap // 16, d, 16, dtype=dtype)
+        v_cache = torch.zeros(kv, cap, d, dtype=dtype)
+        q = ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots)
+        stored[dtype] = (q, k_cache, v_cache)
+    q32, k32, v32 = stored[torch.float32]
+    q16, k16, v16 = stored[torch.bfloat16]
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16, k32.to(torch.bfloat16)) and torch.equal(v16, v32.to(torch.bfloat16))
+    assert v16[0, slots[0], :4].tolist() == [1.0, 1 + 2 ** -6, -1.0, 1.0]
+
+
 # window 0: no window, tree rows whose ancestors are not contiguous slots
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 1, 7, 20, 70])
-def test_sliding_window_attention(ext, window):
+def test_sliding_window_attention(ext, window, dtype):
     gen = torch.Generator().manual_seed(window)
     heads, kv, d, cap, past = 4, 2, 32, 304, 90
-    keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
-    blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()
+    keys, values, blocked, cached_values = caches(kv, d, cap, dtype, gen)
     q = torch.randn(ROWS, heads, d, generator=gen)
     # rows in tree order: row r's keys are the cached ones, then the slots of rows 0, 2, 4 ..
     # up to r (every other row), so a row's window covers slots that are not contiguous
@@ -117,10 +173,10 @@ def test_sliding_window_attention(ext, window):
         path = list(range(r % 2, r + 1, 2))
         table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
         lens[r] = len(path)
-    outs = [ext.attention(q, blocked, values, past, table, lens, window, isa) for isa in ISAS]
+    outs = [ext.attention(q, blocked, cached_values, past, table, lens, window, isa) for isa in ISAS]
     assert all(torch.equal(o, outs[0]) for o in outs)
     for r in (0, 1, 33, ROWS - 1):
-        alone = ext.attention(q[r:r + 1].contiguous(), blocked, values, past, table[r:r + 1].contiguous(),
+        alone = ext.attention(q[r:r + 1].contiguous(), blocked, cached_values, past, table[r:r + 1].contiguous(),
                               lens[r:r + 1], window, 2)
         assert torch.equal(alone[0], outs[0][r]), r
         slots = list(range(past)) + table[r, :lens[r]].tolist()
@@ -133,25 +189,26 @@ def test_sliding_window_attention(ext, window):
 
 # head sizes: 16, 64 and one the AVX-512 blocks do not fit; groups of query heads per key/value
 # head: 2, SmolLM2's 3 (blocks of 4 rows) and 6 (4 + 2 heads; blocks of 3 rows)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,heads,kv", [(16, 4, 2), (64, 4, 2), (24, 4, 2), (64, 9, 3), (32, 6, 1)])
-def test_attention_rows_see_their_keys_in_order(ext, d, heads, kv):
+def test_attention_rows_see_their_keys_in_order(ext, d, heads, kv, dtype):
     gen = torch.Generator().manual_seed(d + heads)
     group, cap = heads // kv, 304
-    keys, values = torch.randn(kv, d, cap, generator=gen), torch.randn(kv, cap, d, generator=gen)
-    blocked = keys.view(kv, d, cap // 16, 16).transpose(1, 2).contiguous()  # the cache's layout
+    keys, values, blocked, cached_values = caches(kv, d, cap, dtype, gen)
     for past in (0, 5, 64, 130):
         q = torch.randn(ROWS, heads, d, generator=gen)
 
         def chain(rows, isa):  # row r of a block sees past..past+r, as in a chain forward
             m = len(rows)
             table = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
-            return ext.attention(rows, blocked, values, past, table, torch.arange(1, m + 1, dtype=torch.int32), 0, isa)
+            return ext.attention(rows, blocked, cached_values, past, table,
+                                 torch.arange(1, m + 1, dtype=torch.int32), 0, isa)
 
         outs = [chain(q, isa) for isa in ISAS]
         assert all(torch.equal(o, outs[0]) for o in outs), past
         for r in (0, 17, ROWS - 1):
             # the same row alone, its earlier rows committed: the same keys, the same bits
-            alone = ext.attention(q[r:r + 1].contiguous(), blocked, values, past + r,
+            alone = ext.attention(q[r:r + 1].contiguous(), blocked, cached_values, past + r,
                                   torch.tensor([[past + r]], dtype=torch.int32),
                                   torch.tensor([1], dtype=torch.int32), 0, 2)
             assert torch.equal(alone[0], outs[0][r]), (past, r)

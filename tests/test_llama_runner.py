@@ -140,6 +140,31 @@ def test_int8_prefills_in_bf16_and_int4_in_its_own_kernel():
     assert torch.equal(prefilled, stepped)
 
 
+def test_int4_layers_in_one_call_equal_the_python_loop():
+    """Plain int4 layers run as one kernel call (Q4Stack): prompt, tree, captured layers and a
+    cut-short exit pass all give the bits of the layer-by-layer loop (bfloat16 cache)."""
+    model = tiny(seed=8, layers=4)
+    stacked, looped = (LlamaRunner.from_transformers(model, "int4") for _ in range(2))
+    assert stacked._stack is not None and stacked.k_cache.dtype == torch.bfloat16
+    looped._stack = None
+    prompt = repetitive_prompts()[0]
+    for runner in (stacked, looped):
+        runner.capture_hidden([1, 3])
+    for step in range(3):
+        outs = []
+        for runner in (stacked, looped):
+            first = runner.prefill(prompt) if step == 0 else None
+            logits, captured = runner.forward(3 + step, TREE), dict(runner.captured)
+            runner.commit([0, 1])
+            outs.append((first, logits, captured, runner.exit_forward([5], 2) if step == 2 else None))
+        (a, b, c, d), (e, f, g, h) = outs
+        assert (a is None or torch.equal(a, e)) and torch.equal(b, f), step
+        assert c.keys() == g.keys() == {1, 3} and all(torch.equal(c[k], g[k]) for k in c)
+        assert d is None or torch.equal(d, h)
+    # other formats, and architectures with extra pieces, keep the loop
+    assert LlamaRunner.from_transformers(model, "int8")._stack is None
+
+
 # ---- early exit -------------------------------------------------------------------------------
 
 def test_exit_forward_is_the_full_forward_cut_short():

@@ -121,17 +121,17 @@ static inline int64_t slot_of(const RowKeys& row, int64_t j) {
 
 // scores of slots j0 .. j0 + 16 B for every row and head of the block (a row's scores past
 // its `cached` positions are overwritten by gathered_scores)
-template <int NH, int R, int B>
-static void score_blocks(const RowKeys* rows, const float* kt, int64_t d, int64_t j0,
+template <int NH, int R, int B, typename KV>
+static void score_blocks(const RowKeys* rows, const KV* kt, int64_t d, int64_t j0,
                          float* scores, int64_t stride) {
   __m512 acc[B][R][NH];
   for (int b = 0; b < B; b++)
     for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) acc[b][r][h] = _mm512_setzero_ps();
-  const float* blk = kt + (j0 / 16) * d * 16;
+  const KV* blk = kt + (j0 / 16) * d * 16;
   for (int64_t i = 0; i < d; i++) {
     __m512 k[B];
-    for (int b = 0; b < B; b++) k[b] = _mm512_loadu_ps(blk + (b * d + i) * 16);
+    for (int b = 0; b < B; b++) k[b] = load16(blk + (b * d + i) * 16);
     for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) {
         const __m512 qi = _mm512_set1_ps(rows[r].q[h * d + i]);
@@ -144,9 +144,23 @@ static void score_blocks(const RowKeys* rows, const float* kt, int64_t d, int64_
         _mm512_storeu_ps(scores + (r * NH + h) * stride + j0 + 16 * b, acc[b][r][h]);
 }
 
+// 16 keys' element i, gathered from the cache at elements at[l] + 16 i
+static inline __m512 gather16(const float* kt, __m512i at, int64_t i) {
+  return _mm512_i32gather_ps(at, kt + i * 16, 4);
+}
+// bfloat16 cache: the 32-bit words holding the elements (a word never reaches past the cache),
+// each element moved to the high half of its lane (an even element is its word's low half)
+static inline __m512 gather16(const uint16_t* kt, __m512i at, int64_t i) {
+  const __m512i words = _mm512_i32gather_epi32(_mm512_srli_epi32(at, 1), kt + i * 16, 4);
+  const __m512i odd = _mm512_and_si512(at, _mm512_set1_epi32(1));
+  const __m512i shift = _mm512_slli_epi32(_mm512_xor_si512(odd, _mm512_set1_epi32(1)), 4);
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_sllv_epi32(words, shift),
+                                              _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 // one row's scores of positions row.cached .. len, 16 keys a register gathered from their slots
-template <int NH>
-static void gathered_scores(const RowKeys& row, const float* kt, int64_t d, float* scores,
+template <int NH, typename KV>
+static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* scores,
                             int64_t stride) {
   for (int64_t j0 = row.cached; j0 < row.len; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, row.len - j0);
@@ -158,7 +172,7 @@ static void gathered_scores(const RowKeys& row, const float* kt, int64_t d, floa
     __m512 acc[NH];
     for (int h = 0; h < NH; h++) acc[h] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i++) {
-      const __m512 k = _mm512_i32gather_ps(at, kt + i * 16, 4);
+      const __m512 k = gather16(kt, at, i);
       for (int h = 0; h < NH; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(row.q[h * d + i]), k, acc[h]);
     }
     for (int h = 0; h < NH; h++) _mm512_mask_storeu_ps(scores + h * stride + j0, live, acc[h]);
@@ -188,8 +202,8 @@ static float softmax_numerators(float* sc, int64_t len) {
 
 // value columns c0 .. c0 + 16 B of every row and head: positions below `shared` (cached for
 // every row of the block) once for all rows, then each row's others
-template <int NH, int R, int B>
-static void value_blocks(const RowKeys* rows, const float* vc, int64_t d, int64_t shared,
+template <int NH, int R, int B, typename KV>
+static void value_blocks(const RowKeys* rows, const KV* vc, int64_t d, int64_t shared,
                          int64_t c0, const float* scores, int64_t stride, const float* denom) {
   __m512 acc[R][NH][B];
   for (int r = 0; r < R; r++)
@@ -197,7 +211,7 @@ static void value_blocks(const RowKeys* rows, const float* vc, int64_t d, int64_
       for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_setzero_ps();
   for (int64_t j = 0; j < shared; j++) {
     __m512 v[B];
-    for (int b = 0; b < B; b++) v[b] = _mm512_loadu_ps(vc + j * d + c0 + 16 * b);
+    for (int b = 0; b < B; b++) v[b] = load16(vc + j * d + c0 + 16 * b);
     for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) {
         const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
@@ -206,11 +220,11 @@ static void value_blocks(const RowKeys* rows, const float* vc, int64_t d, int64_
   }
   for (int r = 0; r < R; r++) {
     for (int64_t j = shared; j < rows[r].len; j++) {
-      const float* v = vc + slot_of(rows[r], j) * d + c0;
+      const KV* v = vc + slot_of(rows[r], j) * d + c0;
       for (int h = 0; h < NH; h++) {
         const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
         for (int b = 0; b < B; b++)
-          acc[r][h][b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * b), acc[r][h][b]);
+          acc[r][h][b] = _mm512_fmadd_ps(p, load16(v + 16 * b), acc[r][h][b]);
       }
     }
     for (int h = 0; h < NH; h++)
@@ -221,8 +235,8 @@ static void value_blocks(const RowKeys* rows, const float* vc, int64_t d, int64_
 }
 
 // scores: R x NH x stride floats, stride a multiple of 16 at least every row's len
-template <int NH, int R>
-static void attend_block_avx512(const RowKeys* rows, const float* kt, const float* vc, int64_t d,
+template <int NH, int R, typename KV>
+static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc, int64_t d,
                                 float* scores, int64_t stride) {
   static_assert(R * NH <= 12, "a pass holds 2 x R x NH accumulators");
   int64_t shared = rows[0].cached, blocked = rows[0].cached;
@@ -232,47 +246,48 @@ static void attend_block_avx512(const RowKeys* rows, const float* kt, const floa
   }
   blocked = (blocked + 15) / 16 * 16;
   int64_t j0 = 0;
-  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2>(rows, kt, d, j0, scores, stride);
-  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1>(rows, kt, d, j0, scores, stride);
+  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2, KV>(rows, kt, d, j0, scores, stride);
+  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1, KV>(rows, kt, d, j0, scores, stride);
   float denom[R * NH];
   for (int r = 0; r < R; r++) {
     float* sc = scores + r * NH * stride;
-    gathered_scores<NH>(rows[r], kt, d, sc, stride);
+    gathered_scores<NH, KV>(rows[r], kt, d, sc, stride);
     for (int h = 0; h < NH; h++) denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len);
   }
   int64_t c0 = 0;
-  for (; c0 + 32 <= d; c0 += 32) value_blocks<NH, R, 2>(rows, vc, d, shared, c0, scores, stride, denom);
-  for (; c0 < d; c0 += 16) value_blocks<NH, R, 1>(rows, vc, d, shared, c0, scores, stride, denom);
+  for (; c0 + 32 <= d; c0 += 32) value_blocks<NH, R, 2, KV>(rows, vc, d, shared, c0, scores, stride, denom);
+  for (; c0 < d; c0 += 16) value_blocks<NH, R, 1, KV>(rows, vc, d, shared, c0, scores, stride, denom);
 }
 
 // rows of a block per key/value head: as many as keep R x NH <= 12 (at most 4)
 static inline int64_t block_rows(int64_t nh) { return std::min<int64_t>(4, 12 / std::min<int64_t>(4, nh)); }
 
-template <int NH>
-static void attend_block_rows(const RowKeys* rows, int64_t count, const float* kt,
-                              const float* vc, int64_t d, float* scores, int64_t stride) {
+template <int NH, typename KV>
+static void attend_block_rows(const RowKeys* rows, int64_t count, const KV* kt,
+                              const KV* vc, int64_t d, float* scores, int64_t stride) {
   switch (count) {
-    case 1: attend_block_avx512<NH, 1>(rows, kt, vc, d, scores, stride); break;
-    case 2: attend_block_avx512<NH, 2>(rows, kt, vc, d, scores, stride); break;
-    case 3: attend_block_avx512<NH, 3>(rows, kt, vc, d, scores, stride); break;
-    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3)>(rows, kt, vc, d, scores, stride); break;
+    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride); break;
+    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride); break;
+    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride); break;
+    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride); break;
   }
 }
 
 // `count` rows (at most block_rows(nh)) for the nh heads that share a key/value head, 4 heads
 // at a time; a row's q and out point at its first head of the group. scores: block_rows(nh)
 // x 4 x stride floats.
-static void attend_rows(const RowKeys* rows, int64_t count, const float* kt, const float* vc,
+template <typename KV>
+static void attend_rows(const RowKeys* rows, int64_t count, const KV* kt, const KV* vc,
                         int64_t d, float* scores, int64_t stride, int64_t nh) {
   RowKeys part[4];
   for (int64_t h = 0; h < nh; h += 4) {
     for (int64_t r = 0; r < count; r++)
       part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};
     switch (std::min<int64_t>(4, nh - h)) {
-      case 4: attend_block_rows<4>(part, count, kt, vc, d, scores, stride); break;
-      case 3: attend_block_rows<3>(part, count, kt, vc, d, scores, stride); break;
-      case 2: attend_block_rows<2>(part, count, kt, vc, d, scores, stride); break;
-      default: attend_block_rows<1>(part, count, kt, vc, d, scores, stride); break;
+      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride); break;
+      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride); break;
+      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride); break;
+      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride); break;
     }
   }
 }
@@ -598,66 +613,83 @@ at::Tensor softcap(const at::Tensor& x, double cap, int64_t isa) {
   return y;
 }
 
-// Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
-// into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
-// [KH, capacity, D], at ``slots``; returns q [m, H, D].
-// cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
-at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
-                      const at::Tensor& slots) {
-  const int64_t m = qkv.size(0), d = cos.size(1), half = d / 2, cap = v_cache.size(1);
-  check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
-  check_rows(cos, d, "rope cos");
-  check_rows(sin, d, "rope sin");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-              k_cache.size(1) * 16 == cap && k_cache.size(2) == d && v_cache.size(2) == d,
-              "caches must be contiguous [KH, capacity / 16, D, 16] (keys) and [KH, capacity, D] (values)");
-  auto q = at::empty({m, heads, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+// float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN): the same bits on every CPU
+static inline uint16_t to_bfloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline void put(float* cache, int64_t at, float x) { cache[at] = x; }
+static inline void put(uint16_t* cache, int64_t at, float x) { cache[at] = to_bfloat16(x); }
+
+template <typename KV>
+static void rope_store_rows(const float* src, const float* cos, const float* sin, int64_t m,
+                            int64_t d, int64_t heads, int64_t kv_heads, int64_t cap,
+                            const int64_t* slot, float* qp, KV* kp, KV* vp) {
+  const int64_t half = d / 2;
   for (int64_t r = 0; r < m; r++) {
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
     const float* row = src + r * (heads + 2 * kv_heads) * d;
-    const float *c = cos.data_ptr<float>() + r * d, *s = sin.data_ptr<float>() + r * d;
+    const float *c = cos + r * d, *s = sin + r * d;
     for (int64_t h = 0; h < heads + kv_heads; h++) {
       const float* x = row + h * d;
       for (int64_t i = 0; i < d; i++) {
         const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
         if (h < heads) qp[(r * heads + h) * d + i] = a + b;
-        else kp[(h - heads) * cap * d + (slot[r] / 16) * d * 16 + i * 16 + slot[r] % 16] = a + b;
+        else put(kp, (h - heads) * cap * d + (slot[r] / 16) * d * 16 + i * 16 + slot[r] % 16, a + b);
       }
     }
     for (int64_t h = 0; h < kv_heads; h++)
-      std::memcpy(vp + (h * cap + slot[r]) * d, row + (heads + kv_heads + h) * d, d * sizeof(float));
+      for (int64_t i = 0; i < d; i++)
+        put(vp, (h * cap + slot[r]) * d + i, row[(heads + kv_heads + h) * d + i]);
   }
+}
+
+static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              v_cache.dim() == 3 && k_cache.size(1) * 16 == v_cache.size(1) &&
+              k_cache.size(2) == d && v_cache.size(2) == d,
+              "caches must be contiguous [KH, capacity / 16, D, 16] (keys) and [KH, capacity, D] (values)");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "the key and value caches must both be float32 or both bfloat16");
+}
+
+// Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
+// into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
+// [KH, capacity, D], at ``slots``; returns q [m, H, D]. Caches float32 or bfloat16 (rounded to
+// nearest even).
+// cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots) {
+  const int64_t m = qkv.size(0), d = cos.size(1), cap = v_cache.size(1);
+  check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
+  check_rows(cos, d, "rope cos");
+  check_rows(sin, d, "rope sin");
+  check_caches(k_cache, v_cache, d);
+  auto q = at::empty({m, heads, d}, qkv.options());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; r++)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
+  if (k_cache.scalar_type() == at::kFloat)
+    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), m, d,
+                    heads, kv_heads, cap, slot, q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                    v_cache.data_ptr<float>());
+  else
+    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), m, d,
+                    heads, kv_heads, cap, slot, q.data_ptr<float>(),
+                    reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
   return q;
 }
 
-// q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values); row r
-// sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]]; with a sliding
-// ``window`` > 0 only its last ``window`` positions. Returns [m, H * D].
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
-                     int64_t isa) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
-  const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
-  const int64_t cap = v_cache.size(1), width = slots.size(1);
-  TORCH_CHECK(heads % kv == 0 && k_cache.dim() == 4 && k_cache.size(1) * 16 == cap &&
-              k_cache.size(2) == d && v_cache.size(2) == d && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "q and cache shapes disagree");
-  TORCH_CHECK(slots.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
-              slots.is_contiguous() && slots.size(0) == m && lens.numel() == m, "bad slot table");
-  const int32_t* sp = slots.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < m; r++) {
-    TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
-    for (int64_t i = 0; i < lp[r]; i++)
-      TORCH_CHECK(sp[r * width + i] >= 0 && sp[r * width + i] < cap, "slot out of range");
-  }
-  auto out = at::empty({m, heads * d}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename KV>
+static void attend_all(const float* qp, const KV* kp, const KV* vp, float* op, int64_t m,
+                       int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t past,
+                       const int32_t* sp, const int32_t* lp, int64_t width, int64_t window,
+                       int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
   const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
@@ -668,7 +700,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     std::vector<int32_t> window_slots(per_block * std::max<int64_t>(window, 0));
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / kv, kvh = i % kv, r0 = b * per_block, r1 = std::min(m, r0 + per_block);
-      const float *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
+      const KV *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
       k_avx512::RowKeys rows[4];
       for (int64_t r = r0; r < r1; r++) {
         const int64_t first = r * heads + kvh * group, len = past + lp[r];
@@ -694,8 +726,83 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       if (blocked) k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group);
     }
   });
+}
+
+// q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values), float32
+// or bfloat16; row r sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]];
+// with a sliding ``window`` > 0 only its last ``window`` positions. Returns [m, H * D].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
+                     int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
+  const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
+  const int64_t cap = v_cache.size(1), width = slots.size(1);
+  check_caches(k_cache, v_cache, d);
+  TORCH_CHECK(heads % kv == 0, "q's heads are not a multiple of the cache's key/value heads");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
+              slots.is_contiguous() && slots.size(0) == m && lens.numel() == m, "bad slot table");
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < m; r++) {
+    TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
+    for (int64_t i = 0; i < lp[r]; i++)
+      TORCH_CHECK(sp[r * width + i] >= 0 && sp[r * width + i] < cap, "slot out of range");
+  }
+  auto out = at::empty({m, heads * d}, q.options());
+  if (k_cache.scalar_type() == at::kFloat)
+    attend_all(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+               out.data_ptr<float>(), m, heads, d, kv, cap, past, sp, lp, width, window, isa);
+  else
+    attend_all(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+               out.data_ptr<float>(), m, heads, d, kv, cap, past, sp, lp, width, window, isa);
   return out;
 }
+
+// The decoder layers of a plain Llama forward with int4 weights (RMSNorm, fused QKV, rotary
+// embedding with the cache write, attention, o + residual, RMSNorm, fused gate/up, SwiGLU,
+// down + residual), layers first .. last - 1 in one call: the kernels the runner's Python loop
+// calls, in the same order on the same tensors (so the same bits), without ten Python calls
+// and their dispatch a layer. Weights are held once; caches [L, ...] come with each call.
+struct Q4Stack {
+  std::vector<at::Tensor> attn_norm, qkv, o, mlp_norm, gate_up, down;
+  std::vector<int64_t> window;
+  int64_t heads, kv_heads, qkv_n, hidden, gate_up_n;
+  double eps;
+
+  Q4Stack(std::vector<at::Tensor> attn_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+          std::vector<at::Tensor> mlp_norm, std::vector<at::Tensor> gate_up,
+          std::vector<at::Tensor> down, std::vector<int64_t> window, int64_t heads,
+          int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps)
+      : attn_norm(std::move(attn_norm)), qkv(std::move(qkv)), o(std::move(o)),
+        mlp_norm(std::move(mlp_norm)), gate_up(std::move(gate_up)), down(std::move(down)),
+        window(std::move(window)), heads(heads), kv_heads(kv_heads),
+        qkv_n((heads + 2 * kv_heads) * head_dim), hidden(hidden), gate_up_n(2 * intermediate),
+        eps(eps) {
+    const size_t layers = this->attn_norm.size();
+    TORCH_CHECK(this->qkv.size() == layers && this->o.size() == layers &&
+                this->mlp_norm.size() == layers && this->gate_up.size() == layers &&
+                this->down.size() == layers && this->window.size() == layers,
+                "every per-layer list must have one entry a layer");
+  }
+
+  at::Tensor forward(at::Tensor x, int64_t first, int64_t last, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& slots, int64_t past, const at::Tensor& keys,
+                     const at::Tensor& lens, int64_t isa) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= (int64_t)attn_norm.size() &&
+                k_cache.size(0) >= last && v_cache.size(0) >= last, "bad layer range");
+    for (int64_t i = first; i < last; i++) {
+      const at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+      const at::Tensor mixed = q4_linear(rms_norm(x, attn_norm[i], eps, isa), qkv[i], c10::nullopt, qkv_n, isa);
+      const at::Tensor q = rope_store(mixed, cos, sin, heads, kv_heads, kc, vc, slots);
+      x = q4_linear(attention(q, kc, vc, past, keys, lens, window[i], isa), o[i], x, hidden, isa);
+      const at::Tensor up = q4_linear(rms_norm(x, mlp_norm[i], eps, isa), gate_up[i], c10::nullopt, gate_up_n, isa);
+      x = q4_linear(swiglu(up, isa), down[i], x, hidden, isa);
+    }
+    return x;
+  }
+};
 
 }  // namespace
 
@@ -733,4 +840,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention);
   m.def("parallel_threads", &parallel_threads);
   m.def("int8_peak_macs", &int8_peak_macs);
+  py::class_<Q4Stack>(m, "Q4Stack")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("forward", &Q4Stack::forward);
 }

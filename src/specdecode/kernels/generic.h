@@ -196,27 +196,29 @@ static void q4_columns_generic(const int8_t* xq, const float* dx, const float* s
 // cached in blocks of 16 slots, kt [capacity / 16][D][16], so that a score is one fma chain
 // over d in order whether it is computed 16 keys at a time (slots before the forward) or alone
 // (its own rows). Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]),
-// then / sum p.
+// then / sum p. KV: float, or uint16_t for a bfloat16 cache (read exactly as float32).
 static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
   return (slot / 16) * d * 16 + i * 16 + slot % 16;
 }
 
-static void attend_one(const float* q, const float* kt, const float* vc, int64_t d,
+template <typename KV>
+static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
                        int64_t past, const int32_t* slots, int64_t len, float* scores,
                        float* out) {
   int64_t j0 = 0;
   for (; j0 + 16 <= past; j0 += 16) {
     float acc[16] = {};
     for (int64_t i = 0; i < d; i++) {
-      const float qi = q[i], *row = kt + key_at(j0, i, d);
-      for (int l = 0; l < 16; l++) acc[l] = FMA(qi, row[l], acc[l]);
+      const float qi = q[i];
+      const KV* row = kt + key_at(j0, i, d);
+      for (int l = 0; l < 16; l++) acc[l] = FMA(qi, load_weight(row[l]), acc[l]);
     }
     for (int l = 0; l < 16; l++) scores[j0 + l] = acc[l];
   }
   for (int64_t j = j0; j < len; j++) {
     const int64_t s = j < past ? j : slots[j - past];
     float acc = 0.0f;
-    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], kt[key_at(s, i, d)], acc);
+    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], load_weight(kt[key_at(s, i, d)]), acc);
     scores[j] = acc;
   }
   float mx = -INFINITY;
@@ -231,15 +233,16 @@ static void attend_one(const float* q, const float* kt, const float* vc, int64_t
   for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
   for (int64_t jj = 0; jj < len; jj++) {
     const int64_t s = jj < past ? jj : slots[jj - past];
-    const float* v = vc + s * d;
+    const KV* v = vc + s * d;
     const float p = scores[jj];
-    for (int64_t i = 0; i < d; i++) out[i] = FMA(p, v[i], out[i]);
+    for (int64_t i = 0; i < d; i++) out[i] = FMA(p, load_weight(v[i]), out[i]);
   }
   for (int64_t i = 0; i < d; i++) out[i] = out[i] / denom;
 }
 
 // attend_one for the nh query heads (q and out: nh rows of D) that share one key/value head
-static void attend_group(const float* q, const float* kt, const float* vc, int64_t d,
+template <typename KV>
+static void attend_group(const float* q, const KV* kt, const KV* vc, int64_t d,
                          int64_t past, const int32_t* slots, int64_t len, float* scores,
                          float* out, int64_t nh) {
   for (int64_t h = 0; h < nh; h++)

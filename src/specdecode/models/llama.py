@@ -62,6 +62,11 @@ DEFAULT_WEIGHTS = "int4"
 #: GEMMs since its passes overlap memory and arithmetic (a 512-token prompt on one Zen 5 core:
 #: 229 ms against 354; docs/native-runner.md)
 PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": None}
+#: the KV cache's precision per weight format: fp32 keeps transformers' float32 cache; the
+#: others store bfloat16 (rounded once when written, read exactly), which halves what attention
+#: reads: past ~1,600 positions a float32 cache is more bytes a token than the int4 weights
+KV_CACHE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
+            "int4": torch.bfloat16}
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -284,7 +289,26 @@ class LlamaRunner(Runner):
         # rotary tables per kind of layer: False the global ones, True the sliding layers' own
         self.rope = {local: self._rope_tables(config, local)
                      for local in {layer.local_rope for layer in self.layers}}
+        self._stack = self._q4_stack()
         self._new_cache()
+
+    def _q4_stack(self):
+        """The decode layers as one kernel call (``Q4Stack``) where they are plain Llama layers
+        with int4 weights (SmolLM2 and the like): the same kernels in the same order, without
+        Python between them. None for other formats and architectures' extra pieces."""
+        s, layers = self.shape, self.layers
+        plain = all(isinstance(getattr(layer, name), Int4Linear) and layer.qkv_bias is None
+                    and layer.q_norm is None and layer.post_attn_norm is None
+                    and layer.post_mlp_norm is None and not layer.local_rope
+                    for layer in layers for name in ("qkv", "o", "gate_up", "down"))
+        if not plain or s.activation != "silu" or not kernels.available():
+            return None
+        return kernels.load().Q4Stack(
+            [layer.attn_norm for layer in layers], [layer.qkv.packed for layer in layers],
+            [layer.o.packed for layer in layers], [layer.mlp_norm for layer in layers],
+            [layer.gate_up.packed for layer in layers], [layer.down.packed for layer in layers],
+            [layer.window for layer in layers], s.num_heads, s.num_kv_heads, s.head_dim,
+            s.hidden_size, layers[0].gate_up.out_features // 2, s.rms_eps)
 
     def _rope_tables(self, config, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [capacity, D] of every position."""
@@ -318,8 +342,9 @@ class LlamaRunner(Runner):
         # fma chain over D, 16 slots a register), values [layer, kv head, slot, D]; empty, not
         # zeros: attention reads only slots that were written
         kh, d = shape.num_kv_heads, shape.head_dim
-        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity // 16, d, 16)
-        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d)
+        dtype = KV_CACHE[self.weights]
+        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity // 16, d, 16, dtype=dtype)
+        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d, dtype=dtype)
         self._len = 0
         self._pending = 0
 
@@ -589,6 +614,9 @@ class LlamaRunner(Runner):
         activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
         if capture:
             self.captured = {}
+        if self._stack is not None and layers is self.layers:
+            return self._stacked(x, len(layers) if stop is None else stop, capture, rope[False],
+                                 slots, past, keys, lengths)
         for i, layer in enumerate(layers[:stop]):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
@@ -604,6 +632,20 @@ class LlamaRunner(Runner):
             x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
             if i + 1 in capture:
                 self.captured[i + 1] = x.clone()
+        return x
+
+
+    def _stacked(self, x: torch.Tensor, stop: int, capture: tuple[int, ...], rope, slots, past: int,
+                 keys, lengths) -> torch.Tensor:
+        """_forward's layer loop through the Q4Stack: one call, or one a captured layer."""
+        cos, sin = rope
+        start = 0
+        for end in sorted({c for c in capture if 0 < c < stop} | {stop}):
+            x = self._stack.forward(x, start, end, self.k_cache, self.v_cache, cos, sin, slots,
+                                    past, keys, lengths, kernels.isa())
+            if end in capture:
+                self.captured[end] = x.clone()
+            start = end
         return x
 
 

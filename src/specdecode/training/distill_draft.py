@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest share of the budget spent generating data")
     parser.add_argument("--head-share", type=float, default=0.08,
                         help="share of the budget for the SpecDec++ acceptance head (0 = none)")
-    parser.add_argument("--batch", type=int, default=16,
+    parser.add_argument("--batch", type=int, default=64,
                         help="conversations generated at once (batched decoding is several "
                              "times cheaper per token on CPU)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="longest user turn written")

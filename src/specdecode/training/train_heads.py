@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock budget of this run, all phases together")
     parser.add_argument("--conversations", type=int, default=320,
                         help="target-written conversations to train on (shared with `train draft`)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="conversations written at once (the cache is per batch size)")
     parser.add_argument("--data-share", type=float, default=0.5,
                         help="largest share of the budget spent writing conversations not cached yet")
     parser.add_argument("--shortlist", type=int, default=8192,
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
     require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
+    require(args.batch >= 1, f"--batch must be >= 1, got {args.batch}")
     require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
     depth = args.depth or DEPTHS[args.kind]
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
@@ -161,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
     # 1-2. data and features (the draft trainer's defaults: one cache serves both)
     sequences = target_conversations(target, tokenizer, fingerprint, args.conversations,
-                                     prompt_tokens=64, answer_tokens=160, batch=16, seed=0,
+                                     prompt_tokens=64, answer_tokens=160, batch=args.batch, seed=0,
                                      seconds=args.data_share * budget, show=show)
     show("features")
     features = read_features(target, sequences, workdir / f"features-{len(sequences)}.pt",
