@@ -3,7 +3,10 @@
 1. data: the conversations the target writes itself (:mod:`specdecode.training.self_data`, the
    same cache as ``train draft``: made once, read by every trainer). A tenth is held out.
 2. features: the target reads each conversation once; its final hidden states (what its LM head
-   reads) are cached in float16 in ``--workdir``.
+   reads) are cached in float16 in ``--workdir``. They come from the runner the heads will draft
+   for (``--runner``, the default one: native int4 for SmolLM2), so training sees the features
+   drafting will read; a prompt is one prefill there, several times cheaper than transformers'
+   float32 forward.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
    training conversations; its coverage of the held-out answers is measured and stored.
 4. training, teacher forcing over whole conversations: at every position t and depth k the
@@ -68,21 +71,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="artifact path (default: the user cache, where the method finds it)")
     parser.add_argument("--workdir", default=None,
                         help="features and checkpoint (default: under the user cache)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
+                        help="the runner whose final hidden states the heads learn from: the one "
+                             "they will draft for (auto: the default runner)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 @torch.inference_mode()
-def read_features(model, sequences, path: Path, deadline: float) -> list[torch.Tensor]:
-    """The target's final hidden states of every conversation [T, H] float16, cached in
-    ``path`` (extended when more conversations come)."""
+def read_features(runner, sequences, path: Path, deadline: float) -> list[torch.Tensor]:
+    """The runner's final hidden states (normed: what its LM head reads) of every conversation
+    [T, H] float16, cached in ``path`` (extended when more conversations come)."""
     cached: list[torch.Tensor] = torch.load(path) if path.is_file() else []
-    for ids, _ in sequences[len(cached):]:
+    known = len(cached)
+    runner.keep_final_hidden(True)
+    for ids, _ in sequences[known:]:
         if time.monotonic() > deadline and cached:
             break
-        out = model.model(input_ids=torch.tensor([ids]))
-        cached.append(out.last_hidden_state[0].half())
+        runner.prefill(ids)
+        cached.append(runner.final_hidden.half())
+    if len(cached) == known:
+        return cached
     tmp = path.with_name(path.name + ".tmp")
     torch.save(cached, tmp)
     tmp.replace(path)
@@ -131,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import load_model
+    from specdecode.models.loading import load_model, make_runner
 
     require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
     require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
@@ -167,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
                                      prompt_tokens=64, answer_tokens=160, batch=args.batch, seed=0,
                                      seconds=args.data_share * budget, show=show)
     show("features")
-    features = read_features(target, sequences, workdir / f"features-{len(sequences)}.pt",
+    runner = make_runner(loaded, args.runner)
+    reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
+    features = read_features(runner, sequences, workdir / f"features-{reader}-{len(sequences)}.pt",
                              began + 0.7 * budget)
     sequences = sequences[:len(features)]
     held = max(2, len(sequences) // 10)
@@ -237,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         net.load_state_dict(state)
     show("evaluation")
     accuracy = evaluate(net.eval(), evaluation, eval_features, head_ids, full_head, depth)
-    info = {"kind": args.kind, "depth_trained": depth, "shortlist": args.shortlist,
+    info = {"kind": args.kind, "depth_trained": depth, "features": reader, "shortlist": args.shortlist,
             "shortlist_coverage": round(coverage, 4), "conversations": len(sequences),
             "held_out": held, "steps": step, "lr": args.lr, "loss_log": log,
             "top1_agreement_per_depth": accuracy, "parameters": parameter_count(net),
