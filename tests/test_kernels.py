@@ -109,6 +109,18 @@ def caches(kv: int, d: int, cap: int, dtype: torch.dtype, gen: torch.Generator):
     return keys, values, blocked.to(dtype), values.to(dtype)
 
 
+def strided_paths(past: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree rows whose ancestors are not contiguous: row r's path is the draft slots r % stride,
+    r % stride + stride, .. r after the ``past`` cached ones; the slot table and lengths."""
+    table = torch.zeros(ROWS, ROWS // stride + 1, dtype=torch.int32)
+    lens = torch.zeros(ROWS, dtype=torch.int32)
+    for r in range(ROWS):
+        path = list(range(r % stride, r + 1, stride))
+        table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
+        lens[r] = len(path)
+    return table, lens
+
+
 def test_bfloat16_cache_reads_exactly_what_float32_holds(ext):
     """A bfloat16 cache gives the bits of a float32 cache holding the same (rounded) values:
     reading is exact, so only the write rounds."""
@@ -118,13 +130,7 @@ def test_bfloat16_cache_reads_exactly_what_float32_holds(ext):
     k32, v32 = k16.float(), v16.float()
     q = torch.randn(ROWS, heads, d, generator=gen)
     # tree rows: row r sees the slots of rows r % 3, r % 3 + 3, .. r (odd and even slots gathered)
-    width = ROWS // 3 + 1
-    table = torch.zeros(ROWS, width, dtype=torch.int32)
-    lens = torch.zeros(ROWS, dtype=torch.int32)
-    for r in range(ROWS):
-        path = list(range(r % 3, r + 1, 3))
-        table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
-        lens[r] = len(path)
+    table, lens = strided_paths(past, 3)
     for isa in ISAS:
         for window in (0, 9):
             assert torch.equal(ext.attention(q, k16, v16, past, table, lens, window, isa),
@@ -166,13 +172,7 @@ def test_sliding_window_attention(ext, window, dtype):
     q = torch.randn(ROWS, heads, d, generator=gen)
     # rows in tree order: row r's keys are the cached ones, then the slots of rows 0, 2, 4 ..
     # up to r (every other row), so a row's window covers slots that are not contiguous
-    width = ROWS // 2 + 1
-    table = torch.zeros(ROWS, width, dtype=torch.int32)
-    lens = torch.zeros(ROWS, dtype=torch.int32)
-    for r in range(ROWS):
-        path = list(range(r % 2, r + 1, 2))
-        table[r, :len(path)] = past + torch.tensor(path, dtype=torch.int32)
-        lens[r] = len(path)
+    table, lens = strided_paths(past, 2)
     outs = [ext.attention(q, blocked, cached_values, past, table, lens, window, isa) for isa in ISAS]
     assert all(torch.equal(o, outs[0]) for o in outs)
     for r in (0, 1, 33, ROWS - 1):
