@@ -80,16 +80,18 @@ def test_chain_greedy_identical_to_ar(target, drafts, which, controller):
         assert accepted > 0  # the aligned-cache path was exercised, not only rejections
 
 
+@pytest.mark.parametrize("draft_runner", ["hf", "native"])
 @pytest.mark.parametrize("which", ["other", "close"])
-def test_tree_greedy_identical_to_ar(target, drafts, which):
-    dec = decoder(target, "dyspec", drafts[which], tree_nodes=10, max_depth=5, expand_width=3)
+def test_tree_greedy_identical_to_ar(target, drafts, which, draft_runner):
+    dec = decoder(target, "dyspec", drafts[which], tree_nodes=10, max_depth=5, expand_width=3,
+                  min_path_prob=0.0, draft_runner=draft_runner)
     for prompt in repetitive_prompts()[:3]:
         ar = Decoder(target, None, "ar", eos_token_ids=[]).start(prompt, 32).run()
         assert dec.start(prompt, 32).run() == ar, (which, prompt)
 
 
 @pytest.mark.parametrize("method,config", [("draft_model", {"controller": "confidence"}),
-                                           ("dyspec", {"tree_nodes": 8})])
+                                           ("dyspec", {"tree_nodes": 8, "min_path_prob": 0.0})])
 def test_seeded_sampling_repeats(target, drafts, method, config):
     dec = decoder(target, method, drafts["close"], **config)
     prompt = repetitive_prompts()[1]
@@ -128,13 +130,15 @@ def _check_draft_probs(proposer, model, context, draft, sampling, prompt_len):
         torch.testing.assert_close(draft.probs[i], q / q.sum(), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,draft_runner", [("draft_model", "hf"), ("draft_model", "native"),
-                                                  ("dyspec", None)])
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
+@pytest.mark.parametrize("draft_runner", ["hf", "native"])
 def test_drafts_carry_their_sampling_distribution(target, drafts, method, draft_runner):
     # the native draft in fp32: its logits are transformers' within 1e-4 (test_llama_runner)
-    dec = decoder(target, method, drafts["close"], tree_nodes=8) if method == "dyspec" else \
-        decoder(target, method, drafts["close"], num_speculative_tokens=4,
-                draft_runner=draft_runner, draft_weights="fp32")
+    # dyspec: full trees (the default stops at path probability 0.2, which a random tiny
+    # draft at T = 0.8 rarely passes)
+    shape = {"tree_nodes": 8, "min_path_prob": 0.0} if method == "dyspec" else {"num_speculative_tokens": 4}
+    dec = decoder(target, method, drafts["close"], draft_runner=draft_runner, draft_weights="fp32",
+                  **shape)
     draft_model = AutoModelForCausalLM.from_pretrained(drafts["close"], dtype=torch.float32).eval()
     sampling = SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.2, seed=3)
     gen = dec.start(repetitive_prompts()[2], 40, **vars(sampling))
@@ -155,11 +159,14 @@ def test_drafts_carry_their_sampling_distribution(target, drafts, method, draft_
     assert checked >= 3
 
 
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
 @pytest.mark.parametrize("draft_runner", ["hf", "native"])
-def test_cache_holds_the_committed_tokens(target, drafts, draft_runner):
+def test_cache_holds_the_committed_tokens(target, drafts, draft_runner, method):
     """After each verify step the draft's cache holds a prefix of the committed tokens and no
-    tree rows, and it kept accepted tokens it drafted itself instead of feeding them again."""
-    dec = decoder(target, "draft_model", drafts["close"], draft_runner=draft_runner)
+    tree rows, and it kept accepted tokens it drafted itself instead of feeding them again
+    (for a tree, the accepted path's rows, wherever they lay)."""
+    full_trees = {"min_path_prob": 0.0} if method == "dyspec" else {}
+    dec = decoder(target, method, drafts["close"], draft_runner=draft_runner, **full_trees)
     lm = dec.proposer.lm
     gen = dec.start(repetitive_prompts()[0], 40)
     reused, before = 0, None

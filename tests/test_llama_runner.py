@@ -165,6 +165,30 @@ def test_int4_layers_in_one_call_equal_the_python_loop():
     assert LlamaRunner.from_transformers(model, "int8")._stack is None
 
 
+def test_tree_read_in_parts_is_the_verify_pass_and_keeps_its_path():
+    """A drafting runner's tree (read_tree, a few nodes a call, after the cache) scores its
+    nodes as the verify pass scores the same tree; keep_tree leaves the cache holding the
+    kept path, as if it had been read as a chain."""
+    model = tiny(seed=9, layers=2)
+    prompt = repetitive_prompts()[0]
+    drafting, verifying, chain = (LlamaRunner.from_transformers(model) for _ in range(3))
+    drafting.prefill(prompt)
+    verifying.prefill(prompt[:-1])
+    paths = [list(TREE.path_to(i))[:-1] for i in range(len(TREE))]
+    hidden = torch.cat([drafting.read_tree(TREE.tokens[:3], paths[:3], 0),
+                        drafting.read_tree(TREE.tokens[3:], paths[3:], 3)])
+    expected = verifying.forward(prompt[-1], TREE)[1:]
+    torch.testing.assert_close(drafting.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
+    kept = list(TREE.path_to(len(TREE) - 1))  # the last node's path: rows not first in the tree
+    drafting.keep_tree(kept)
+    assert drafting.cache_len == len(prompt) + len(kept)
+    chain.prefill(prompt + [TREE.tokens[r] for r in kept])
+    torch.testing.assert_close(drafting.lm_head(drafting.extend([7])), chain.lm_head(chain.extend([7])),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(SpecDecodeError, match="ancestors must be earlier rows"):
+        drafting.read_tree([1, 2], [[], [1]], 0)
+
+
 # ---- early exit -------------------------------------------------------------------------------
 
 def test_exit_forward_is_the_full_forward_cut_short():

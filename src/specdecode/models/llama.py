@@ -560,6 +560,46 @@ class LlamaRunner(Runner):
             self._len += len(block)
         return hidden
 
+    @torch.inference_mode()
+    def read_tree(self, tokens: Sequence[int], paths: Sequence[Sequence[int]], start: int) -> torch.Tensor:
+        """Read draft-tree rows after the cache without keeping them (a drafting runner's tree,
+        grown a few nodes a call): row ``start + j`` holds ``tokens[j]``, whose ancestors are
+        the tree rows ``paths[j]`` (root to parent, all below ``start + j``; empty: a child of
+        the last cached token). A row attends to every cached token, its ancestors and itself.
+        Their hidden states after the final norm [n, H]; :meth:`keep_tree` keeps a path."""
+        tokens = list(tokens)
+        require(self._pending == 0 and self._exit_rows == 0,
+                "read_tree called between forward and commit")
+        require(self._len + start + len(tokens) <= self.capacity,
+                f"the cache holds {self.capacity} rows; {self._len} are used and a tree of "
+                f"{start + len(tokens)} rows does not fit")
+        base = self._len + start
+        slots = torch.arange(base, base + len(tokens))
+        positions = self._len - 1 + torch.tensor([len(path) + 1 for path in paths])
+        keys = torch.zeros(len(tokens), max(len(path) for path in paths) + 1, dtype=torch.int32)
+        for j, path in enumerate(paths):
+            require(all(0 <= row < start + j for row in path),
+                    f"tree row {start + j}'s ancestors must be earlier rows, got {list(path)}")
+            keys[j, :len(path) + 1] = torch.tensor([self._len + row for row in path] + [base + j],
+                                                   dtype=torch.int32)
+        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
+        hidden = self._forward(tokens, (), None, self._len, rows=(positions, slots, keys, lengths))
+        return self._norm(hidden, self.final_norm)
+
+    @torch.inference_mode()
+    def keep_tree(self, rows: Sequence[int]) -> None:
+        """Keep the tree rows ``rows`` (a root-to-node path, in order) as cached tokens after
+        the cache; the other tree rows are forgotten."""
+        keep = len(rows)
+        require(self._len + keep <= self.capacity, "keep_tree: the rows lie past the cache")
+        if list(rows) != list(range(keep)):
+            src = self._len + torch.tensor(list(rows))
+            dst = torch.arange(self._len, self._len + keep)
+            k = self.k_cache
+            k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
+            self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+        self._len += keep
+
     def rewind(self, length: int) -> None:
         """Forget every cached token from position ``length`` on."""
         require(self._pending == 0 and 0 <= length <= self._len,
@@ -595,18 +635,21 @@ class LlamaRunner(Runner):
 
     def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
                  past: int, stop: int | None = None, capture: tuple[int, ...] = (),
-                 prefill: bool = False) -> torch.Tensor:
+                 prefill: bool = False, rows=None) -> torch.Tensor:
         """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
         layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
         draft when the rows are not a chain; layers in ``capture`` keep their output in
-        :attr:`captured`; ``prefill`` runs the prompt layers. Returns the last layer's hidden
-        states [n, hidden], float32."""
+        :attr:`captured`; ``prefill`` runs the prompt layers. ``rows``: (positions, slots, key
+        slots, key counts) given instead of being derived from ``depths`` and ``tree``. Returns
+        the last layer's hidden states [n, hidden], float32."""
         s = self.shape
-        n = len(tokens)
         layers = self.prefill_layers if prefill else self.layers
-        positions = past + torch.tensor(depths, dtype=torch.long)
-        slots = torch.arange(past, past + n)
-        keys, lengths = _key_slots(past, depths, tree)
+        if rows is None:
+            positions = past + torch.tensor(depths, dtype=torch.long)
+            slots = torch.arange(past, past + len(tokens))
+            keys, lengths = _key_slots(past, depths, tree)
+        else:
+            positions, slots, keys, lengths = rows
         x = self.embed[torch.tensor(tokens)]  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale

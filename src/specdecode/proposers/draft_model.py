@@ -17,8 +17,8 @@ one forward; the KV rows of drafted tokens that were accepted are kept, the rest
 
 The draft runs on the native runner (``draft_runner=native``, int4 where its sizes allow:
 ``draft_weights=auto``), whose one-token forward costs a fraction of ``transformers``'; its
-static cache is extended and rewound. ``draft_runner=hf`` runs it through ``transformers``
-(any causal LM; trees, which ``dyspec`` needs).
+static cache is extended and rewound, and reads trees (``dyspec``) a few nodes a call.
+``draft_runner=hf`` runs it through ``transformers`` (any causal LM).
 
 Length controllers (``controller``; see :mod:`specdecode.control`): ``fixed`` (always
 ``num_speculative_tokens``), ``heuristic`` (transformers' +2/-1 schedule), ``confidence`` (stop
@@ -59,15 +59,12 @@ DRAFT_SEED_OFFSET = 0x5DEECE66D
 
 
 @dataclass(frozen=True)
-class DraftModelConfig:
+class DraftSource:
+    """Which draft and what runs it: the settings of ``draft_model`` and ``dyspec``."""
+
     draft: str = param("distilled", "the draft: 'distilled' (the artifact `specdecode train draft` "
                                     "made for this target), an artifact .safetensors path, or a "
                                     "local Hugging Face checkpoint folder with the same vocabulary")
-    num_speculative_tokens: int = param(5, "draft length of the fixed controller and the "
-                                           "heuristic's starting length (transformers' heuristic "
-                                           "schedule starts at 5)")
-    controller: str = param("fixed", "draft length controller: fixed | heuristic | confidence | "
-                                     "specdecpp")
     draft_runner: str = param("native", "what runs the draft: native (the native runner, see "
                                         "draft_weights; Llama-family drafts) or hf (transformers, "
                                         "float32)")
@@ -75,6 +72,21 @@ class DraftModelConfig:
                                        "int4, or auto: int4 (the cheapest one-token forward) "
                                        "where the draft's sizes allow it, else fp32; the draft's "
                                        "numbers never change the output")
+
+    def __post_init__(self):
+        require(self.draft_runner in ("native", "hf"),
+                f"unknown draft_runner {self.draft_runner!r}; known: native, hf")
+        if self.draft_weights != "auto":
+            check_format(self.draft_weights)
+
+
+@dataclass(frozen=True)
+class DraftModelConfig(DraftSource):
+    num_speculative_tokens: int = param(5, "draft length of the fixed controller and the "
+                                           "heuristic's starting length (transformers' heuristic "
+                                           "schedule starts at 5)")
+    controller: str = param("fixed", "draft length controller: fixed | heuristic | confidence | "
+                                     "specdecpp")
     max_speculative_tokens: int = param(12, "longest draft the adaptive controllers allow "
                                             "(SpecDec++ uses 20 for 7B drafts; 12 bounds the "
                                             "wasted draft steps on CPU)")
@@ -85,6 +97,7 @@ class DraftModelConfig:
                                        "drafted token is rejected) exceeds this (paper: 0.3)")
 
     def __post_init__(self):
+        super().__post_init__()
         require(self.num_speculative_tokens >= 1,
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens} (a draft "
                 "length of 0 drafts nothing: use method 'ar' for plain decoding)")
@@ -93,10 +106,6 @@ class DraftModelConfig:
                 f"num_speculative_tokens ({self.num_speculative_tokens})")
         require(self.controller in CONTROLLERS,
                 f"unknown controller {self.controller!r}; known: {', '.join(CONTROLLERS)}")
-        require(self.draft_runner in ("native", "hf"),
-                f"unknown draft_runner {self.draft_runner!r}; known: native, hf")
-        if self.draft_weights != "auto":
-            check_format(self.draft_weights)
         require(0.0 <= self.confidence_threshold <= 1.0,
                 f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         require(0.0 < self.stop_threshold < 1.0,
@@ -352,9 +361,10 @@ class DraftLM(_DraftCache):
 
 class NativeDraftLM(_DraftCache):
     """The draft on the native runner (models/llama.py; int4 by default, whose one-token
-    forward is several times cheaper than ``transformers``'). Drafts chains: the runner's cache
-    holds the committed tokens and, while drafting, this step's chain; :meth:`prune` rewinds
-    past the rejected part, so accepted draft tokens are not computed again."""
+    forward is several times cheaper than ``transformers'``). The runner's cache holds the
+    committed tokens; this step's draft rows (a chain or a tree, read a few nodes a call) lie
+    after them (:meth:`LlamaRunner.read_tree`), and :meth:`prune` keeps the accepted path's
+    rows, so accepted draft tokens are not computed again."""
 
     def __init__(self, runner, head_ids: torch.Tensor | None = None):
         self.runner = runner
@@ -366,7 +376,11 @@ class NativeDraftLM(_DraftCache):
     def reset(self) -> None:
         self.runner.rewind(0)
         self.tokens: list[int] = []
+        self._clear_tree()
+
+    def _clear_tree(self) -> None:
         self.tree_tokens: list[int] = []
+        self.tree_paths: list[list[int]] = []  # each row's ancestors, root to parent
 
     def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DraftLM.catch_up`."""
@@ -379,20 +393,19 @@ class NativeDraftLM(_DraftCache):
         return self.runner.lm_head(hidden)[0], hidden[0]
 
     def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`DraftLM.feed`, for a chain: one token, the child of the last row."""
-        require(len(tokens) == 1 and list(parents) == [len(self.tree_tokens) - 1],
-                "the native draft drafts chains; a tree draft needs draft_runner=hf")
+        """As :meth:`DraftLM.feed`."""
+        paths = [[] if p < 0 else self.tree_paths[p] + [p] for p in parents]
+        hidden = self.runner.read_tree(tokens, paths, len(self.tree_tokens))
         self.tree_tokens.extend(tokens)
-        hidden = self.runner.extend(tokens)
+        self.tree_paths.extend(paths)
         return self.runner.lm_head(hidden), hidden
 
     def prune(self, path_rows: Sequence[int]) -> None:
-        """As :meth:`DraftLM.prune`; a chain's accepted rows are its first ones."""
-        keep = len(path_rows)
-        require(list(path_rows) == list(range(keep)), "the native draft keeps a chain's first rows")
-        self.tokens.extend(self.tree_tokens[:keep])
-        self.runner.rewind(len(self.tokens))
-        self.tree_tokens = []
+        """As :meth:`DraftLM.prune`."""
+        if self.tree_tokens:
+            self.runner.keep_tree(path_rows)
+            self.tokens.extend(self.tree_tokens[r] for r in path_rows)
+        self._clear_tree()
 
 
 # ---- the proposer --------------------------------------------------------------------------
