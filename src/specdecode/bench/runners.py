@@ -12,9 +12,12 @@ Two measurements, on the same machine in the same run:
   how many answers of each native format equal the fp32 native runner's token for token
   (exactness is always against the same runner; this says how far the formats drift);
 - the roofline of the native int4 runner: the machine's int8 multiply-add peak (VPDPBUSD
-  chains on every thread, nothing else) beside the rate each forward size reaches (the
-  multiply-adds of its linear layers over the whole forward's time), which bounds what an int8
-  kernel without AMX could make of a row on this machine.
+  chains on every thread, nothing else); the ceiling of the Q4 kernel's own instruction mix
+  (its VPDPBUSD with the nibble unpacking and the per-group float fold, on registers: the fold
+  shares VPDPBUSD's ports); the rate each forward size reaches (the multiply-adds of its linear
+  layers over the whole forward's time); and the rate of one layer's linear layers with their
+  weights in cache, which separates the kernel from the memory stream and the rest of the
+  forward.
 
 Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median).
 """
@@ -36,6 +39,10 @@ FORWARD_SIZES = (1, 8, 16, 64)
 TIMED_FORWARDS = 9
 #: VPDPBUSD rounds per thread for the peak (12 chains each: about 0.2 s)
 PEAK_ITERATIONS = 30_000_000
+#: rounds of the Q4 kernel's instruction mix per thread (64 VPDPBUSD each: about 0.2 s)
+MIX_ITERATIONS = 5_000_000
+#: timed calls of one layer's linear layers with their weights in cache (median)
+CACHED_CALLS = 41
 
 
 def linear_macs_per_row(runner) -> int:
@@ -43,6 +50,24 @@ def linear_macs_per_row(runner) -> int:
     linears = [runner.head] + [getattr(layer, name) for layer in runner.layers
                                for name in ("qkv", "o", "gate_up", "down")]
     return sum(lin.out_features * lin.packed.shape[1] * 32 for lin in linears)
+
+
+def cached_layer_gmacs(runner, size: int) -> float:
+    """Multiply-adds per second of the first layer's four linear layers on ``size`` rows, called
+    again and again so that their weights stay in cache."""
+    import torch
+
+    layer = runner.layers[0]
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    inputs = [torch.randn(size, lin.packed.shape[1] * 32) for lin in linears]
+    macs = sum(size * lin.out_features * lin.packed.shape[1] * 32 for lin in linears)
+    times = []
+    for _ in range(CACHED_CALLS + 1):
+        start = time.perf_counter()
+        for lin, x in zip(linears, inputs):
+            lin(x)
+        times.append(time.perf_counter() - start)
+    return macs / statistics.median(times[1:]) / 1e9
 
 
 def first_turns(tokenizer, questions: list[Question]) -> list[list[int]]:
@@ -123,8 +148,12 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
     ar = registry.get("ar")
     roofline = None
     if "native int4" in runners and kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
+        int4 = runners["native int4"]
         roofline = {"peak_gmacs": kernels.load().int8_peak_macs(PEAK_ITERATIONS) / 1e9,
-                    "macs_per_row": linear_macs_per_row(runners["native int4"])}
+                    "q4_mix_gmacs": kernels.load().q4_mix_peak_macs(MIX_ITERATIONS) / 1e9,
+                    "macs_per_row": linear_macs_per_row(int4),
+                    "cached_layer_gmacs": {str(size): cached_layer_gmacs(int4, size)
+                                           for size in FORWARD_SIZES}}
     contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
                   for name, runner in runners.items()}
     contenders["transformers generate"] = HFGenerate(loaded.model, eos, prompt_lookup=False)
@@ -183,15 +212,22 @@ def runners_markdown(result: dict, meta: dict) -> str:
     if roofline:
         int4 = result["forward_ms"]["native int4"]
         peak = roofline["peak_gmacs"]
+        mix, per_row = roofline["q4_mix_gmacs"], roofline["macs_per_row"]
         lines += ["", "## Roofline of native int4", "",
                   f"The machine's int8 multiply-add peak (VPDPBUSD alone, every thread): "
-                  f"**{peak:.0f} GMAC/s**. A row's linear layers are "
-                  f"{roofline['macs_per_row'] / 1e6:.1f} M multiply-adds, so no int8 kernel "
-                  f"short of AMX can run {sizes[-2]} rows' linear layers in less than "
-                  f"{sizes[-2] * roofline['macs_per_row'] / peak / 1e6:.1f} ms here.", "",
-                  "| rows | forward ms | linear GMAC/s over the forward | share of the peak |",
-                  "|---:|---:|---:|---:|"]
+                  f"**{peak:.0f} GMAC/s**. The Q4 kernel's own instruction mix on registers "
+                  f"(VPDPBUSD with its nibble unpacking and per-group float fold, no memory): "
+                  f"**{mix:.0f} GMAC/s** ({mix / peak:.0%} of the peak), the ceiling of GGUF "
+                  f"Q4_1 blocks short of AMX. A row's linear layers are "
+                  f"{per_row / 1e6:.1f} M multiply-adds.", "",
+                  "| rows | forward ms | linear ms at the peak | linear ms at the Q4 ceiling "
+                  "| linear GMAC/s over the forward | share of the peak "
+                  "| one layer's linears, weights in cache: GMAC/s | share of the peak |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for size in sizes:
-            rate = size * roofline["macs_per_row"] / (int4[str(size)] / 1000) / 1e9
-            lines.append(f"| {size} | {int4[str(size)]:.1f} | {rate:.0f} | {rate / peak:.0%} |")
+            rate = size * per_row / (int4[str(size)] / 1000) / 1e9
+            cached = roofline["cached_layer_gmacs"][str(size)]
+            lines.append(f"| {size} | {int4[str(size)]:.1f} | {size * per_row / peak / 1e6:.1f} "
+                         f"| {size * per_row / mix / 1e6:.1f} | {rate:.0f} | {rate / peak:.0%} "
+                         f"| {cached:.0f} | {cached / peak:.0%} |")
     return "\n".join(lines) + "\n"
