@@ -245,8 +245,9 @@ def test_runner_measurement_on_a_tiny_model(tmp_path):
         assert result["roofline"]["macs_per_row"] == expected
         roofline = result["roofline"]
         assert roofline["peak_gmacs"] > 1
-        # the kernel's mix runs the same VPDPBUSD with more work on its ports (10% for noise)
-        assert 1 < roofline["q4_mix_gmacs"] < 1.1 * roofline["peak_gmacs"]
+        # the kernel's mix runs the same VPDPBUSD with more work beside them, so it cannot pass
+        # the peak (a quarter more allowed: the two are timed apart on a shared machine)
+        assert 1 < roofline["q4_mix_gmacs"] < 1.25 * roofline["peak_gmacs"]
         assert [int(k) for k in roofline["cached_layer_gmacs"]] == list(FORWARD_SIZES)
         assert all(rate > 0 for rate in roofline["cached_layer_gmacs"].values())
         assert "## Roofline of native int4" in report and "at the Q4 ceiling" in report

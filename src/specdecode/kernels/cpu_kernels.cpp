@@ -853,35 +853,31 @@ struct Q4Stack {
 
 }  // namespace
 
-// int8 multiply-adds per second on all of torch's threads at once, with VPDPBUSD (0 without)
-double int8_peak_macs(int64_t iterations) {
+// int8 multiply-adds per second of `rounds` (a k_avx512 loop of `vpdpbusd_a_round` VPDPBUSD
+// a round) on all of torch's threads at once, counting its VPDPBUSD alone (0 without VNNI)
+static double vnni_macs_per_second(int64_t (*rounds)(int64_t), int64_t vpdpbusd_a_round,
+                                   int64_t iterations) {
   if (detect_isa() < AVX512) return 0.0;
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> sums(threads);
   const auto start = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) sums[t] = k_avx512::vnni_chains(iterations);
+    for (int64_t t = t0; t < t1; t++) sums[t] = rounds(iterations);
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   static volatile int64_t sink;
   for (int64_t sum : sums) sink = sink + sum;  // the chains' results are used
-  return (double)threads * iterations * 12 * 64 / seconds;
+  return (double)threads * iterations * vpdpbusd_a_round * 64 / seconds;
 }
 
-// int8 multiply-adds per second of the Q4 kernel's instruction mix (q4_mix_chains) on all of
-// torch's threads at once, counting its VPDPBUSD alone (0 without VNNI)
+// the int8 multiply-add peak: VPDPBUSD and nothing else
+double int8_peak_macs(int64_t iterations) {
+  return vnni_macs_per_second(k_avx512::vnni_chains, 12, iterations);
+}
+
+// the Q4 kernel's instruction mix (q4_mix_chains): the ceiling of Q4_1 blocks
 double q4_mix_peak_macs(int64_t iterations) {
-  if (detect_isa() < AVX512) return 0.0;
-  const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> sums(threads);
-  const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) sums[t] = k_avx512::q4_mix_chains(iterations);
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  static volatile int64_t sink;
-  for (int64_t sum : sums) sink = sink + sum;
-  return (double)threads * iterations * 64 * 64 / seconds;  // 64 VPDPBUSD a round
+  return vnni_macs_per_second(k_avx512::q4_mix_chains, 64, iterations);
 }
 
 // the threads a kernel's parallel_for runs on (1 where the extension was built without OpenMP)
