@@ -4,6 +4,7 @@ bad input rejected before any model loads."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import pytest
@@ -214,6 +215,25 @@ def test_bad_recording(tmp_path):
         simulate.load_recording(path)
 
 
+def layer_macs(c) -> int:
+    """Multiply-adds of one row through a Llama layer's linear maps, from its config."""
+    d = c.hidden_size // c.num_attention_heads
+    return (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * d
+            + c.num_attention_heads * d * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+
+
+def test_cached_layer_rate_is_the_layers_multiply_adds_over_the_median_time(monkeypatch):
+    from specdecode.bench import runners
+    from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
+
+    model = tiny_llama(hidden_size=64, seed=0)
+    runner = make_runner(LoadedModel(model, ToyTokenizer(), "tiny"), "native", "int4")
+    clock = itertools.count()  # every timed call of the four layers takes one tick, 1 ms
+    monkeypatch.setattr(runners.time, "perf_counter", lambda: next(clock) * 1e-3)
+    rate = runners.cached_layer_gmacs(runner, 16)
+    assert rate == pytest.approx(16 * layer_macs(model.config) / 1e-3 / 1e9)
+
+
 def test_runner_measurement_on_a_tiny_model(tmp_path):
     from specdecode.bench.runners import FORWARD_SIZES, measure_runners, runners_markdown
     from specdecode.models.loading import LoadedModel
@@ -237,19 +257,16 @@ def test_runner_measurement_on_a_tiny_model(tmp_path):
     assert "| native int4 |" in report and "| transformers generate |" in report
     if kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
         c = loaded.model.config
-        d = c.hidden_size // c.num_attention_heads
-        per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * d
-                     + c.num_attention_heads * d * c.hidden_size
-                     + 3 * c.hidden_size * c.intermediate_size)
-        expected = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+        expected = c.num_hidden_layers * layer_macs(c) + c.vocab_size * c.hidden_size
         assert result["roofline"]["macs_per_row"] == expected
         roofline = result["roofline"]
         assert roofline["peak_gmacs"] > 1
-        # the kernel's mix runs the same VPDPBUSD with more work beside them, so it cannot pass
-        # the peak (a quarter more allowed: the two are timed apart on a shared machine)
+        # the kernel's mix, and the kernel itself, run the same VPDPBUSD with more work beside
+        # them, so neither can pass the peak (a quarter more allowed: each is timed apart on a
+        # shared machine)
         assert 1 < roofline["q4_mix_gmacs"] < 1.25 * roofline["peak_gmacs"]
-        assert [int(k) for k in roofline["cached_layer_gmacs"]] == list(FORWARD_SIZES)
-        assert all(rate > 0 for rate in roofline["cached_layer_gmacs"].values())
+        for size in FORWARD_SIZES:
+            assert roofline["cached_layer_gmacs"][str(size)] < 1.25 * roofline["peak_gmacs"]
         assert "## Roofline of native int4" in report and "at the Q4 ceiling" in report
     else:
         assert result["roofline"] is None

@@ -45,11 +45,19 @@ MIX_ITERATIONS = 5_000_000
 CACHED_CALLS = 41
 
 
+def layer_linears(layer) -> list:
+    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+
+
+def row_macs(linear) -> int:
+    """Multiply-adds of one row through an int4 linear layer (inputs: 32 per packed group)."""
+    return linear.out_features * linear.packed.shape[1] * 32
+
+
 def linear_macs_per_row(runner) -> int:
     """Multiply-adds of one row through the layers' and the head's linear maps (int4 runner)."""
-    linears = [runner.head] + [getattr(layer, name) for layer in runner.layers
-                               for name in ("qkv", "o", "gate_up", "down")]
-    return sum(lin.out_features * lin.packed.shape[1] * 32 for lin in linears)
+    linears = [runner.head] + [lin for layer in runner.layers for lin in layer_linears(layer)]
+    return sum(map(row_macs, linears))
 
 
 def cached_layer_gmacs(runner, size: int) -> float:
@@ -57,10 +65,9 @@ def cached_layer_gmacs(runner, size: int) -> float:
     again and again so that their weights stay in cache."""
     import torch
 
-    layer = runner.layers[0]
-    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    linears = layer_linears(runner.layers[0])
     inputs = [torch.randn(size, lin.packed.shape[1] * 32) for lin in linears]
-    macs = sum(size * lin.out_features * lin.packed.shape[1] * 32 for lin in linears)
+    macs = size * sum(map(row_macs, linears))
     times = []
     for _ in range(CACHED_CALLS + 1):
         start = time.perf_counter()
@@ -148,9 +155,9 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
     ar = registry.get("ar")
     roofline = None
     if "native int4" in runners and kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
-        int4 = runners["native int4"]
-        roofline = {"peak_gmacs": kernels.load().int8_peak_macs(PEAK_ITERATIONS) / 1e9,
-                    "q4_mix_gmacs": kernels.load().q4_mix_peak_macs(MIX_ITERATIONS) / 1e9,
+        int4, ext = runners["native int4"], kernels.load()
+        roofline = {"peak_gmacs": ext.int8_peak_macs(PEAK_ITERATIONS) / 1e9,
+                    "q4_mix_gmacs": ext.q4_mix_peak_macs(MIX_ITERATIONS) / 1e9,
                     "macs_per_row": linear_macs_per_row(int4),
                     "cached_layer_gmacs": {str(size): cached_layer_gmacs(int4, size)
                                            for size in FORWARD_SIZES}}

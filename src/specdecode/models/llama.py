@@ -490,11 +490,7 @@ class LlamaRunner(Runner):
                 f"commit of {keep} rows after a forward of {self._pending}")
         if list(accepted) != list(range(len(accepted))):
             # the accepted path is not the first rows: move its rows next to the root's
-            src = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
-            dst = torch.arange(self._len, self._len + keep)
-            k = self.k_cache
-            k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
-            self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+            self._move_after_cache(torch.tensor([self._len] + [self._len + 1 + i for i in accepted]))
         self._len += keep
         self._pending = 0
 
@@ -575,14 +571,15 @@ class LlamaRunner(Runner):
                 f"{start + len(tokens)} rows does not fit")
         base = self._len + start
         slots = torch.arange(base, base + len(tokens))
-        positions = self._len - 1 + torch.tensor([len(path) + 1 for path in paths])
-        keys = torch.zeros(len(tokens), max(len(path) for path in paths) + 1, dtype=torch.int32)
+        # a row sees the cache, its ancestors and itself; the root is the last cached token
+        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
+        positions = self._len - 1 + lengths.long()
+        keys = torch.zeros(len(tokens), int(lengths.max()), dtype=torch.int32)
         for j, path in enumerate(paths):
             require(all(0 <= row < start + j for row in path),
                     f"tree row {start + j}'s ancestors must be earlier rows, got {list(path)}")
             keys[j, :len(path) + 1] = torch.tensor([self._len + row for row in path] + [base + j],
                                                    dtype=torch.int32)
-        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
         hidden = self._forward(tokens, (), None, self._len, rows=(positions, slots, keys, lengths))
         return self._norm(hidden, self.final_norm)
 
@@ -593,12 +590,16 @@ class LlamaRunner(Runner):
         keep = len(rows)
         require(self._len + keep <= self.capacity, "keep_tree: the rows lie past the cache")
         if list(rows) != list(range(keep)):
-            src = self._len + torch.tensor(list(rows))
-            dst = torch.arange(self._len, self._len + keep)
-            k = self.k_cache
-            k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
-            self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+            self._move_after_cache(self._len + torch.tensor(list(rows)))
         self._len += keep
+
+    def _move_after_cache(self, src: torch.Tensor) -> None:
+        """Copy the KV rows at slots ``src`` (in order) to the slots right after the cached
+        tokens; keys lie in blocks of 16 positions."""
+        dst = torch.arange(self._len, self._len + len(src))
+        k = self.k_cache
+        k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
+        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
 
     def rewind(self, length: int) -> None:
         """Forget every cached token from position ``length`` on."""
