@@ -312,9 +312,11 @@ def with_(**changes):
     ("/v1/chat/completions", with_(specdecode={"method": "ngram", "config": {"bogus": 1}}), 400,
      "specdecode.config", "has no config field 'bogus'"),
     ("/v1/chat/completions", with_(specdecode={"method": "ngram", "config": {
-        "num_speculative_tokens": 0}}), 400, "specdecode.config", "must be >= 1"),
+        "num_speculative_tokens": 0}}), 400, "specdecode.config.num_speculative_tokens",
+     "must be in 1..64"),
     ("/v1/chat/completions", with_(specdecode={"method": "suffix", "config": {
-        "max_tree_depth": 8}}), 400, None, "max_tree_depth"),
+        "max_tree_depth": 8}}), 400, "specdecode.config.max_tree_depth",
+     "is set when the server starts"),
     ("/v1/chat/completions", b'{"pad": "' + b"x" * (BODY_LIMIT + 10) + b'"}', 413, None,
      "at most 65536"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt",
@@ -345,7 +347,8 @@ def test_wrong_http_method_and_chunked_oversized_body(served):
         for _ in range(BODY_LIMIT // 1024 + 2):
             yield b" " * 1024
 
-    r = httpx.post(served.url + "/v1/chat/completions", content=chunks())
+    r = httpx.post(served.url + "/v1/chat/completions", content=chunks(),
+                   headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     still_serving(served)
 

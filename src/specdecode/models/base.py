@@ -35,6 +35,18 @@ class Runner(ABC):
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """Reset the cache, run ``ids`` and return the float32 logits [V] after the last one."""
 
+    #: prompt rows per :meth:`prefill_part` (parts start at multiples of it); 0 = this runner
+    #: prefills a prompt in one call only
+    prefill_granule: int = 0
+
+    def prefill_part(self, ids: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
+        """Prefill ``ids`` one part at a time, so a server can step other sequences between the
+        parts: run rows ``start:stop`` (``start`` 0 resets the cache; a later part starts where
+        the previous one stopped, at a multiple of :attr:`prefill_granule`). The last part
+        (``stop == len(ids)``) returns what ``prefill(ids)`` returns, bitwise, and leaves the
+        runner as it would; earlier parts return None."""
+        raise SpecDecodeError(f"the {self.name} runner prefills a prompt in one call only")
+
     @abstractmethod
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
         """Run the root token and every draft node in one pass with tree attention.

@@ -466,6 +466,33 @@ class LlamaRunner(Runner):
             self.final_hidden = self._norm(torch.cat(blocks), self.final_norm)
         return self._logits(blocks[-1][-1:], self.prefill_head)[0]
 
+    #: parts on block boundaries run the very blocks one prefill runs
+    prefill_granule = PREFILL_BLOCK
+
+    @torch.inference_mode()
+    def prefill_part(self, ids: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
+        ids = list(ids)
+        require(0 < len(ids) <= self.max_context,
+                f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
+        require(start % PREFILL_BLOCK == 0 and start < stop <= len(ids)
+                and (start == 0 or start == self._len),
+                f"prefill part {start}:{stop} of {len(ids)} rows must start at 0 or where the "
+                f"last part stopped ({self._len}), at a multiple of {PREFILL_BLOCK}")
+        if start == 0:
+            self._len = 0
+            self._pending = 0
+            self._exit_rows = 0
+            self._prefill_rows = []
+        blocks = self._append(ids[start:stop], bulk_rows=1)
+        if self._keep_final:
+            self._prefill_rows += blocks
+        if stop < len(ids):
+            return None
+        if self._keep_final:
+            self.final_hidden = self._norm(torch.cat(self._prefill_rows), self.final_norm)
+        self._prefill_rows = []
+        return self._logits(blocks[-1][-1:], self.prefill_head)[0]
+
     @torch.inference_mode()
     def forward(self, root: int, draft: Draft) -> torch.Tensor:
         require(self._pending == 0, "runner.forward called twice without commit")

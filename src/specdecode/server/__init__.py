@@ -9,7 +9,9 @@ its method with the model alias ``smollm2+ngram`` or ``"specdecode": {"method": 
 "config": {...}}``; ``usage`` carries its speculation statistics.
 
 Layout: :mod:`.protocol` (OpenAI schemas and errors), :mod:`.scheduler` (runner slots, bounded
-queue, round-robin stepping), :mod:`.app` (routes, streaming), :mod:`.metrics`,
+queue, round-robin stepping, long prompts prefilled in parts), :mod:`.app` (routes, streaming,
+Host and content-type checks), :mod:`.limits` (what a request's method config may ask for),
+:mod:`.artifacts` (the trained artifacts requests pick by name), :mod:`.metrics`,
 :mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
 :mod:`.loadtest`. With ``--replicas N`` (Ray Serve): :mod:`.ray_serve` (engine replicas behind
 the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
@@ -48,6 +50,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted (413 beyond)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens of requests that give none")
+    parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                        help="comma-separated Host header names to answer, '*' for any (default: "
+                             "localhost, 127.0.0.1 and ::1 when --host is a loopback address, "
+                             "else any); other names get 421, so a web page cannot reach the "
+                             "server through DNS rebinding")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the "
+                             "API (repeatable; default: no CORS, browsers keep pages out)")
+    parser.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
+                        help="offer a trained artifact (heads, exit adapters, a draft model "
+                             "file or checkpoint folder) to requests under NAME (repeatable); "
+                             "requests pick artifacts by name only, among these and those "
+                             "found for the model in the package and the user cache")
+    parser.add_argument("--proposer-memory-mb", type=int, default=128,
+                        help="proposer memory each slot keeps for per-request method configs "
+                             "(least recently used dropped first); a request whose config "
+                             "needs more gets 400")
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
@@ -91,9 +110,12 @@ def settings_of(args: argparse.Namespace):
         model_id=args.served_model_name or served_name(args.model),
         method=args.method or registry.DEFAULT_METHOD, config=parse_config(args.config),
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens)
+        default_max_tokens=args.default_max_tokens,
+        allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
+        cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
+        proposer_memory_bytes=args.proposer_memory_mb * 2**20)
     registry.get(settings.method).make_config(settings.config)
-    for flag in ("parallel", "max_body_bytes", "default_max_tokens"):
+    for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
         if getattr(args, flag) < 1:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_queue < 0:
@@ -101,6 +123,39 @@ def settings_of(args: argparse.Namespace):
     suffix = registry.get("suffix").make_config(
         settings.config if settings.method == "suffix" else {})
     return settings, suffix
+
+
+def allowed_hosts(names: str | None, host: str) -> tuple[str, ...] | None:
+    """``--allowed-hosts`` -> the Host names answered (None: any)."""
+    import ipaddress
+
+    from specdecode.server.app import LOOPBACK_HOSTS
+
+    if names is None:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name other than localhost
+            loopback = False
+        return LOOPBACK_HOSTS if loopback else None
+    listed = tuple(n.strip().lower() for n in names.split(",") if n.strip())
+    if "*" in listed:
+        return None
+    if not listed:
+        raise SpecDecodeError("--allowed-hosts needs at least one name (or '*' for any)")
+    return listed
+
+
+def artifact_paths(pairs: list[str]) -> dict[str, str]:
+    """``--artifact NAME=PATH`` flags -> {name: path}, each path checked to exist."""
+    out = {}
+    for pair in pairs:
+        name, eq, path = pair.partition("=")
+        if not eq or not name or not path:
+            raise SpecDecodeError(f"--artifact takes NAME=PATH, got {pair!r}")
+        if not Path(path).expanduser().exists():
+            raise SpecDecodeError(f"--artifact {pair}: no such file or folder")
+        out[name] = path
+    return out
 
 
 def build(args: argparse.Namespace):

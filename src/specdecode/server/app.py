@@ -1,8 +1,10 @@
 """The FastAPI application: OpenAI's chat and completion endpoints over a backend.
 
-A request is checked completely on the event loop (body size, JSON, schema, method, prompt
-length against the context) before it takes a place in the queue, so bad input costs no model
-time and gets OpenAI's error object with a 4xx. Generation runs on the backend: the local
+A request is checked completely before it takes a place in the queue (Host header, content
+type, body size, JSON, schema, method and config against the server's limits, prompt length
+against the context: first from its size, then from its tokens), so bad input costs no model
+time and gets OpenAI's error object with a 4xx; docs/server.md lists what a hostile client
+meets. Generation runs on the backend: the local
 scheduler thread (:class:`Server`), or Ray Serve engine replicas (:mod:`.ray_serve`, the same
 routes in front of them); its events come back through an ``asyncio.Queue`` and leave as one
 JSON body or as server-sent events (``data: {...}`` ... ``data: [DONE]``).
@@ -14,7 +16,7 @@ import asyncio
 import copy
 import json
 import logging
-import threading
+import queue
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,8 +34,10 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
+from specdecode.server import limits
+from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, SamplingFields,
-                                        error_body, new_id, now, parse)
+                                        decode_json, error_body, new_id, now, parse)
 from specdecode.server.memory import SharedMemory
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
 
@@ -42,6 +46,13 @@ log = logging.getLogger("specdecode.server")
 #: seconds between checks that a waiting (non-streaming) client is still connected
 DISCONNECT_POLL_S = 0.25
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+#: Host header names a server bound to loopback answers by default (DNS rebinding: a web page's
+#: own name that resolves to 127.0.0.1 must not reach it)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: tokenizer copies, so one long prompt being encoded holds no other request up
+TOKENIZER_COPIES = 4
+#: largest seed + 1 (SamplingParams); choice i of a seeded request uses seed + i, wrapped
+SEED_END = 2**64
 
 
 @dataclass
@@ -60,6 +71,17 @@ class Settings:
     max_n: int = 8
     #: max_tokens when the request gives none (capped by the context left)
     default_max_tokens: int = 256
+    #: Host header names answered (others get 421); None = any (a server on a public address
+    #: behind its own names)
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS
+    #: origins whose web pages may call the API (CORS); empty = none, no CORS headers at all
+    cors_origins: tuple[str, ...] = ()
+    #: proposer memory each slot may keep (its cache of per-config proposers); a request whose
+    #: config alone needs more gets a 400
+    proposer_memory_bytes: int = 128 * 2**20
+    #: artifacts offered to requests by name (``--artifact NAME=PATH``), besides those found
+    #: for the model in the package and the user cache
+    artifacts: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,10 +93,13 @@ class ModelInfo:
     max_context: int
     vocab_size: int
     fingerprint: str
+    #: prompt rows the runner prefills per part between other sequences' steps (0: in one call)
+    prefill_granule: int = 0
 
     @classmethod
     def of(cls, runner: Runner) -> ModelInfo:
-        return cls(runner.max_context, runner.vocab_size, runner.fingerprint())
+        return cls(runner.max_context, runner.vocab_size, runner.fingerprint(),
+                   runner.prefill_granule)
 
 
 class Frontend:
@@ -89,7 +114,7 @@ class Frontend:
     """
 
     def __init__(self, backend, model: ModelInfo, tokenizer, settings: Settings,
-                 metrics: Metrics, memory):
+                 metrics: Metrics, memory, catalogue: Catalogue | None = None):
         self.settings = settings
         method = registry.get(settings.method)
         method.make_config(settings.config)  # reject a bad default before serving
@@ -98,17 +123,27 @@ class Frontend:
         self.metrics = metrics
         self.runner_info = model
         self.max_context = model.max_context
+        self.catalogue = catalogue or Catalogue.for_target(model.fingerprint, settings.artifacts)
         # requests are encoded on the event loop's worker threads and (locally) decoded on the
         # scheduler thread; a fast tokenizer used from two threads at once can fail ("Already
-        # borrowed"), so the encoding side has its own copy and a lock
-        self.tokenizer = copy.deepcopy(tokenizer)
-        self._encode_lock = threading.Lock()
+        # borrowed"), so each encoding thread borrows a copy of its own from this pool
+        self._tokenizers: queue.Queue = queue.Queue()
+        for _ in range(TOKENIZER_COPIES):
+            self._tokenizers.put(copy.deepcopy(tokenizer))
+        self.tokenizer = self._tokenizers.queue[0]
+        #: the most characters one token stands for: a text of n characters has at least
+        #: n / this many tokens, so an over-long prompt is refused before it is tokenized
+        self.chars_per_token = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1)
+                                   if tokenizer is not None else 1)
         self.started = now()
         self.fingerprint = model.fingerprint
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
-    def resolve_method(self, req: SamplingFields) -> tuple[str, Any]:
+    def resolve_method(self, req: SamplingFields) -> tuple[str, Any, int]:
+        """(method name, its config, its proposer's estimated bytes) for a request; a request's
+        config fields are checked against the server's limits (:mod:`.limits`) and its artifact
+        names looked up in the catalogue (:mod:`.artifacts`) before the config is built."""
         base, plus, alias = req.model.partition("+")
         if base not in (self.settings.model_id, "default"):
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
@@ -127,11 +162,26 @@ class Frontend:
             raise ApiError(400, str(exc), param="specdecode.method" if chosen else "model",
                            code="unknown_method") from None
         overrides = dict(self.settings.config) if name == self.settings.method else {}
-        overrides.update(req.specdecode.config if req.specdecode else {})
+        asked = dict(req.specdecode.config) if req.specdecode else {}
+        limits.check_overrides(name, asked)
+        artifact_bytes = 0
+        for field in ARTIFACT_FIELDS:
+            if field in asked:
+                asked[field], cost = self.catalogue.resolve(method, field, asked[field])
+                artifact_bytes += cost
+        overrides.update(asked)
         try:
-            return name, method.make_config(overrides)
+            config = method.make_config(overrides)
         except (SpecDecodeError, TypeError) as exc:
             raise ApiError(400, str(exc), param="specdecode.config") from None
+        needed = limits.proposer_bytes(name, config, self.runner_info.vocab_size, artifact_bytes)
+        budget = self.settings.proposer_memory_bytes
+        if needed > budget:
+            raise ApiError(400, f"this config of method '{name}' needs about {needed / 2**20:.0f} "
+                                f"MiB of proposer memory; this server allows {budget / 2**20:.0f} "
+                                "MiB per slot (--proposer-memory-mb): ask for a smaller one",
+                           param="specdecode.config")
+        return name, config, needed
 
     def sampling(self, req: SamplingFields) -> dict[str, Any]:
         options = req.sampling()
@@ -166,7 +216,7 @@ class Frontend:
         if not 1 <= req.n <= self.settings.max_n:
             raise ApiError(400, f"n must be between 1 and {self.settings.max_n}, got {req.n}",
                            param="n")
-        method, config = self.resolve_method(req)
+        method, config, proposer_bytes = self.resolve_method(req)
         sampling = self.sampling(req)
         stop = tuple(req.stop_list())
         specs = []
@@ -179,16 +229,44 @@ class Frontend:
             for i in range(req.n):
                 options = dict(sampling)
                 if options.get("seed") is not None:
-                    options["seed"] += i  # n seeded choices: distinct, and each repeatable
-                specs.append(SequenceSpec(ids, limit, stop, options, method, config))
+                    # n seeded choices: distinct, each repeatable, each a valid seed
+                    seed = options["seed"] + i
+                    options["seed"] = seed - SEED_END if seed >= SEED_END else seed
+                specs.append(SequenceSpec(ids, limit, stop, options, method, config,
+                                          proposer_bytes))
         return specs
 
+    def check_size(self, prompt, chat: bool) -> None:
+        """Refuse a text prompt whose length in characters already proves it longer than the
+        context, before any tokenizing: a 2 MB prompt costs nothing."""
+        if chat:
+            texts = [m["content"] for m in prompt]
+        else:
+            texts = [prompt] if isinstance(prompt, str) else []
+        chars = sum(len(t) for t in texts)
+        at_least = -(-chars // self.chars_per_token)
+        if at_least >= self.max_context:
+            raise ApiError(400, f"This model's maximum context length is {self.max_context} "
+                                f"tokens, but the prompt has at least {at_least} ({chars} "
+                                f"characters, at most {self.chars_per_token} per token); shorten "
+                                "the prompt", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+
     def encode(self, prompt, chat: bool) -> list[int]:
+        """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own); every
+        failure is a 400."""
+        self.check_size(prompt, chat)
+        tokenizer = self._tokenizers.get()
         try:
-            with self._encode_lock:
-                return encode_prompt(self.tokenizer, prompt, chat)
+            return encode_prompt(tokenizer, prompt, chat)
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+        except Exception as exc:  # the tokenizer's own errors: what it could not encode
+            raise ApiError(400, f"cannot tokenize the {'messages' if chat else 'prompt'}: "
+                                f"{type(exc).__name__}: {exc}"[:300],
+                           param="messages" if chat else "prompt") from None
+        finally:
+            self._tokenizers.put(tokenizer)
 
 
 class Server(Frontend):
@@ -196,13 +274,14 @@ class Server(Frontend):
     turn by one :class:`Scheduler` thread, all sharing one suffix global tree."""
 
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
-                 settings: Settings, memory: SharedMemory | None = None):
+                 settings: Settings, memory: SharedMemory | None = None,
+                 catalogue: Catalogue | None = None):
         memory = memory or SharedMemory()
         metrics = Metrics()
         scheduler = Scheduler(runners, tokenizer, eos_token_ids, memory.make_proposer,
-                              settings.max_queue, metrics)
+                              settings.max_queue, metrics, settings.proposer_memory_bytes)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
-                         memory)
+                         memory, catalogue)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -393,6 +472,14 @@ class Endpoint:
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    """The body's JSON value: ``Content-Type: application/json`` only (415 otherwise: a web
+    page can send text/plain across origins without asking, never JSON), at most ``limit``
+    bytes (413), valid, shallow and encodable (400, :func:`~.protocol.decode_json`)."""
+    kind = request.headers.get("content-type", "")
+    if kind.partition(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
+                            f"{ascii(kind[:60]) if kind else 'none'})",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body has {declared} bytes; this server accepts at most "
@@ -405,10 +492,37 @@ async def read_json(request: Request, limit: int) -> Any:
                            code="request_too_large")
     if not body:
         raise ApiError(400, "the request body is empty; send a JSON object")
-    try:
-        return json.loads(body)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    return decode_json(bytes(body))
+
+
+class CheckHost:
+    """ASGI middleware: answer only requests whose Host header names this server (421
+    otherwise), so a web page whose own name an attacker points at 127.0.0.1 (DNS rebinding)
+    cannot reach a server on loopback."""
+
+    def __init__(self, app, allowed: tuple[str, ...]):
+        self.app = app
+        self.allowed = {h.lower() for h in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if host_name(host) not in self.allowed:
+            response = JSONResponse(error_body(
+                f"this server does not answer for host {ascii(host[:100])}; it answers "
+                f"{', '.join(sorted(self.allowed))} (start it with --allowed-hosts to add names)",
+                code="misdirected_request"), status_code=421)
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """'name:port' or '[v6]:port' -> the name, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 class CountRequests:
@@ -497,5 +611,14 @@ def create_app(server: Frontend) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(CountRequests, metrics=server.metrics)
+    settings = server.settings
+    if settings.cors_origins:  # off by default: browsers then keep other origins' pages out
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
+    if settings.allowed_hosts is not None:
+        app.add_middleware(CheckHost, allowed=settings.allowed_hosts)
+    app.add_middleware(CountRequests, metrics=server.metrics)  # outermost: counts every answer
     return app

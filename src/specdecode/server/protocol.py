@@ -13,6 +13,7 @@ decoding method per request.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -21,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
+#: deepest nesting of arrays and objects in a request body (OpenAI's schemas need 5)
+MAX_JSON_DEPTH = 32
 
 
 class ApiError(Exception):
@@ -43,6 +46,10 @@ class ApiError(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    """OpenAI's error object; text that cannot be encoded (a lone surrogate quoted from a
+    request) is escaped, so an error can always be sent."""
+    message, param = (None if t is None else t.encode("utf-8", "backslashreplace").decode()
+                      for t in (message, param))
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -127,10 +134,14 @@ class Message(Strict):
     def as_template_input(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for i, part in enumerate(content):
+                if part.type != "text":
                     raise ApiError(400, f"content parts of type {part.type!r} are not supported "
                                         "(this is a text model); send text parts or a string",
+                                   param="messages")
+                if part.text is None:
+                    raise ApiError(400, f"content part {i} is of type 'text' but has no 'text' "
+                                        "field; send {\"type\": \"text\", \"text\": \"...\"}",
                                    param="messages")
             content = "".join(part.text for part in content)
         return {"role": self.role, "content": content or ""}
@@ -172,6 +183,63 @@ class CompletionRequest(SamplingFields):
         if prompt and all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body -> its JSON value, checked by :func:`check_json`; every way it can fail
+    (bad syntax or encoding, ``NaN``, nesting too deep for the parser) is a 400."""
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests arrays and objects too deeply (at most "
+                            f"{MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    check_json(value)
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json(value: Any) -> None:
+    """Refuse nesting deeper than ``MAX_JSON_DEPTH`` and strings (keys too) holding a lone
+    UTF-16 surrogate (``"\\ud800"`` is valid JSON but no character: it cannot be tokenized,
+    nor encoded back into an answer). Iterative, so no input can exhaust the stack."""
+    stack = [(value, 1, ())]
+    while stack:
+        item, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests arrays and objects more than "
+                                f"{MAX_JSON_DEPTH} levels deep", param=_param(where))
+        if isinstance(item, str):
+            _check_text(item, where)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _check_text(key, where)
+                stack.append((child, depth + 1, where + (key,)))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1, where + (i,)) for i, child in enumerate(item)
+                         if isinstance(child, (str, dict, list)))
+
+
+def _check_text(text: str, where: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ascii(text[exc.start:exc.end])
+        raise ApiError(400, f"the request holds a lone UTF-16 surrogate ({bad}) in "
+                            f"'{_path(where) or 'a key'}'; send valid Unicode text",
+                       param=_param(where)) from None
+
+
+def _path(where: tuple) -> str:
+    return ".".join(str(p) if isinstance(p, int) else ascii(p)[1:-1] for p in where)
+
+
+def _param(where: tuple) -> str | None:
+    return ascii(where[0])[1:-1] if where else None
 
 
 def parse(schema: type[Strict], payload: Any) -> Strict:

@@ -3,9 +3,13 @@
 A runner holds one KV cache, so two generations must never share one at the same time. The
 scheduler owns ``parallel`` slots, each a runner over the *same* model weights with its own
 cache and its own proposers (one per method and config, reused across requests so per-slot
-learning such as token recycling carries over). One thread admits waiting sequences into free
-slots and advances every active generation by one verify step in turn (round robin), so a short
-request is not stuck behind a long one and a slow client never blocks the model.
+learning such as token recycling carries over; at most ``DECODERS_PER_SLOT`` of them and the
+server's proposer memory per slot, least recently used dropped first). One thread admits waiting
+sequences into free slots and advances every active generation by one verify step in turn
+(round robin), so a short request is not stuck behind a long one and a slow client never blocks
+the model. A long prompt takes turns too: where the runner can (``prefill_granule``), it is
+prefilled one part per turn, so a short request admitted meanwhile waits for one part, not for
+the whole prompt; the parts give bitwise the logits of one prefill.
 
 Speculation stays exact: each generation sees only its own runner, proposer and random
 generator; interleaving changes the order of work, never its result.
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -26,9 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.api import Decoder, GenerationResult
+from specdecode import registry
+from specdecode.api import GenerationResult, TextStream
+from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
+from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 
@@ -40,6 +46,9 @@ ProposerFactory = Callable[[str, Any, Runner], Any]
 
 #: proposers kept per slot; older (method, config) pairs are dropped first
 DECODERS_PER_SLOT = 8
+#: prompt rows prefilled per turn (rounded down to a multiple of the runner's granule): a
+#: short request beside a long prompt waits for one such part per step of its own
+PREFILL_PART_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class SequenceSpec:
     method: str
     #: the method's frozen config dataclass
     config: Any
+    #: upper estimate of the proposer's memory (:func:`.limits.proposer_bytes`)
+    proposer_bytes: int = 0
 
 
 class Job:
@@ -84,19 +95,61 @@ class _Sequence:
     job: Job
     index: int
     slot: _Slot | None = None
+    decoder: _Decoder | None = None
+    #: prompt rows in the slot's cache while the prompt is prefilled in parts
+    prefilled: int = 0
     stream: Any = None
+    #: one verify step per ``next``; None while the prompt is still being prefilled in parts
     iterator: Any = None
+
+
+@dataclass
+class _Decoder:
+    """A slot's proposer for one (method, config), with what a :class:`TextStream` reads of
+    its decoder."""
+
+    method: registry.Method
+    proposer: Any
+    tokenizer: Any
+    #: the estimate it counts against the slot's proposer memory
+    bytes: int
 
 
 @dataclass
 class _Slot:
     runner: Runner
+    #: (method, config) -> _Decoder, least recently used first
     decoders: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    def make_room(self, needed: int, budget: int) -> None:
+        """Drop the least recently used proposers until one more of ``needed`` bytes fits
+        both bounds (before it is built, so old and new never coexist over the budget)."""
+        while self.decoders and (len(self.decoders) >= DECODERS_PER_SLOT or
+                                 sum(d.bytes for d in self.decoders.values()) + needed > budget):
+            self.decoders.popitem(last=False)
+
+
+class _PrefilledRunner:
+    """The slot's runner as the engine sees it once the scheduler has prefilled the first
+    ``done`` prompt rows in parts: its ``prefill`` runs the last part (so the proposer's
+    ``start`` still comes before the prefill ends, as in the engine's loop); everything else
+    is the runner's own."""
+
+    def __init__(self, runner: Runner, done: int):
+        self._runner = runner
+        self._done = done
+
+    def prefill(self, ids):
+        return self._runner.prefill_part(ids, self._done, len(ids))
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
 
 
 class Scheduler:
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
-                 make_proposer: ProposerFactory, max_queue: int, metrics: Metrics):
+                 make_proposer: ProposerFactory, max_queue: int, metrics: Metrics,
+                 proposer_budget: int = 128 * 2**20):
         if not runners:
             raise SpecDecodeError("the scheduler needs at least one runner")
         if max_queue < 0:
@@ -106,6 +159,8 @@ class Scheduler:
         self.make_proposer = make_proposer
         self.max_queue = max_queue
         self.metrics = metrics
+        #: proposer memory each slot may keep (bytes, by the specs' estimates)
+        self.proposer_budget = proposer_budget
         self._free = [_Slot(runner) for runner in runners]
         self.parallel = len(self._free)
         self._pending: collections.deque[_Sequence] = collections.deque()
@@ -183,44 +238,78 @@ class Scheduler:
                 self._step(seq)
         self._drain()
 
-    def _decoder(self, slot: _Slot, spec: SequenceSpec) -> Decoder:
+    def _decoder(self, slot: _Slot, spec: SequenceSpec) -> _Decoder:
         key = (spec.method, repr(spec.config))
-        decoder = slot.decoders.get(key)
+        decoder = slot.decoders.pop(key, None)
         if decoder is None:
-            decoder = Decoder(slot.runner, self.tokenizer, spec.method, self.eos_token_ids,
-                              **dataclasses.asdict(spec.config))
-            decoder.proposer = self.make_proposer(spec.method, decoder.config, slot.runner)
-            slot.decoders[key] = decoder
-            if len(slot.decoders) > DECODERS_PER_SLOT:
-                slot.decoders.popitem(last=False)
-        slot.decoders.move_to_end(key)
+            slot.make_room(spec.proposer_bytes, self.proposer_budget)
+            proposer = self.make_proposer(spec.method, spec.config, slot.runner)
+            decoder = _Decoder(registry.get(spec.method), proposer, self.tokenizer,
+                               spec.proposer_bytes)
+        slot.decoders[key] = decoder  # the most recently used, last
         return decoder
+
+    def _part_rows(self, runner: Runner) -> int:
+        granule = runner.prefill_granule
+        return max(granule, PREFILL_PART_ROWS // granule * granule) if granule else 0
 
     def _begin(self, seq: _Sequence) -> None:
         spec = seq.job.specs[seq.index]
         self.metrics.queue_wait.observe(time.perf_counter() - seq.job.arrived)
-        try:
-            decoder = self._decoder(seq.slot, spec)
-            seq.stream = decoder.stream(spec.prompt_ids, spec.max_tokens, False, spec.stop,
-                                        **spec.sampling)
-        except SpecDecodeError as exc:
-            self._release(seq, "error", None)
-            seq.job.post("error", seq.index, ApiError(400, str(exc)))
+        if not self._guard(seq, "could not start a sequence",
+                           lambda: setattr(seq, "decoder", self._decoder(seq.slot, spec))):
             return
-        except Exception as exc:  # keep serving: report it to this request only
-            log.exception("could not start a sequence")
-            self._release(seq, "error", None)
-            seq.job.post("error", seq.index, ApiError(500, f"internal error: {exc}",
-                                                      kind="server_error"))
-            return
+        part = self._part_rows(seq.slot.runner)
+        if not part or len(spec.prompt_ids) <= part:
+            if not self._guard(seq, "could not start a sequence", lambda: self._start(seq)):
+                return
+        self._active.append(seq)  # a long prompt: one part per turn (_step) before it starts
+
+    def _start(self, seq: _Sequence) -> None:
+        """Begin generating: the engine prefills the prompt (or its last part)."""
+        spec = seq.job.specs[seq.index]
+        runner = seq.slot.runner
+        if seq.prefilled:
+            runner = _PrefilledRunner(runner, seq.prefilled)
+        generation = Generation(runner, seq.decoder.proposer, spec.prompt_ids, spec.max_tokens,
+                                SamplingParams(**spec.sampling), self.eos_token_ids)
+        seq.stream = TextStream(seq.decoder, generation, spec.stop)
         seq.iterator = seq.stream.steps()  # one verify step per call, so stepping is fair
-        self._active.append(seq)
         seq.job.post("start", seq.index)
+
+    def _prefill_part(self, seq: _Sequence) -> None:
+        """One part of a long prompt; the stream starts once what is left fits one part."""
+        ids = seq.job.specs[seq.index].prompt_ids
+        stop = seq.prefilled + self._part_rows(seq.slot.runner)
+        seq.slot.runner.prefill_part(ids, seq.prefilled, stop)
+        seq.prefilled = stop
+        if len(ids) - stop <= self._part_rows(seq.slot.runner):
+            self._start(seq)
+
+    def _guard(self, seq: _Sequence, what: str, action) -> bool:
+        """Run ``action``; on failure end the sequence with an error for its request only
+        (the config's problem, a 400, or ours, a 500) and keep serving."""
+        try:
+            action()
+            return True
+        except SpecDecodeError as exc:
+            error = ApiError(400, str(exc), param="specdecode.config")
+        except Exception as exc:
+            log.exception(what)
+            error = ApiError(500, f"internal error: {exc}", kind="server_error")
+        if seq in self._active:
+            self._active.remove(seq)
+        self._release(seq, "error", None)
+        seq.job.post("error", seq.index, error)
+        return False
 
     def _step(self, seq: _Sequence) -> None:
         if seq.job.cancelled.is_set():
-            seq.iterator.close()  # runs the engine's finally: proposer.finish
-            self._release(seq, "cancelled", seq.stream.generation.stats)
+            self._close(seq)
+            self._release(seq, "cancelled", seq.stream.generation.stats if seq.stream else None)
+            return
+        if seq.iterator is None:
+            self._guard(seq, "prefill failed", lambda: self._prefill_part(seq))
             return
         try:
             piece = next(seq.iterator)
@@ -238,6 +327,11 @@ class Scheduler:
         if piece:
             seq.job.post("text", seq.index, piece)
 
+    @staticmethod
+    def _close(seq: _Sequence) -> None:
+        if seq.iterator is not None:
+            seq.iterator.close()  # runs the engine's finally: proposer.finish
+
     def _release(self, seq: _Sequence, outcome: str, stats) -> None:
         if seq in self._active:
             self._active.remove(seq)
@@ -253,8 +347,8 @@ class Scheduler:
         error = ApiError(503, "the server is shutting down", kind="server_error",
                          code="shutting_down")
         for seq in list(self._active):
-            seq.iterator.close()
-            self._release(seq, "cancelled", seq.stream.generation.stats)
+            self._close(seq)
+            self._release(seq, "cancelled", seq.stream.generation.stats if seq.stream else None)
             seq.job.post("error", seq.index, error)
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
