@@ -209,7 +209,8 @@ def replica_config(args: argparse.Namespace, suffix):
     return ray_serve.ReplicaConfig(
         ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
         threads, args.max_queue, args.sync_interval, args.shared_memory,
-        None if args.suffix_cache is None else str(args.suffix_cache))
+        None if args.suffix_cache is None else str(args.suffix_cache),
+        args.proposer_memory_mb * 2**20)
 
 
 def run(args: argparse.Namespace) -> int:

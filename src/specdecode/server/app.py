@@ -130,7 +130,6 @@ class Frontend:
         self._tokenizers: queue.Queue = queue.Queue()
         for _ in range(TOKENIZER_COPIES):
             self._tokenizers.put(copy.deepcopy(tokenizer))
-        self.tokenizer = self._tokenizers.queue[0]
         #: the most characters one token stands for: a text of n characters has at least
         #: n / this many tokens, so an over-long prompt is refused before it is tokenized
         self.chars_per_token = max(1, max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -239,10 +238,10 @@ class Frontend:
     def check_size(self, prompt, chat: bool) -> None:
         """Refuse a text prompt whose length in characters already proves it longer than the
         context, before any tokenizing: a 2 MB prompt costs nothing."""
-        if chat:
-            texts = [m["content"] for m in prompt]
-        else:
-            texts = [prompt] if isinstance(prompt, str) else []
+        if isinstance(prompt, str):
+            texts = [prompt]
+        else:  # chat messages, or token ids (counted exactly later, without tokenizing)
+            texts = [m.get("content") or "" for m in prompt if isinstance(m, dict)]
         chars = sum(len(t) for t in texts)
         at_least = -(-chars // self.chars_per_token)
         if at_least >= self.max_context:

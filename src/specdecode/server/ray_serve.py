@@ -104,6 +104,8 @@ class ReplicaConfig:
     shared_memory: bool = True
     #: the shared memory's file (``--suffix-cache``): loaded at start, saved on shutdown
     suffix_cache: str | None = None
+    #: proposer memory each slot keeps (``--proposer-memory-mb``, in bytes)
+    proposer_budget: int = 128 * 2**20
 
 
 class EngineReplica:
@@ -124,7 +126,7 @@ class EngineReplica:
         else:
             self.memory = SharedMemory(None, config.suffix)
         self.scheduler = Scheduler(runners, tokenizer, eos, self.memory.make_proposer,
-                                   config.max_queue, Metrics())
+                                   config.max_queue, Metrics(), config.proposer_budget)
         self.tokenizer = tokenizer
         self.model = ModelInfo.of(runners[0])
         # the first forward of a process pays one-off costs; keep them out of the first request
