@@ -375,7 +375,10 @@ def test_a_request_picks_a_catalogued_artifact_by_name_and_only_of_its_kind(tmp_
     catalogue = Catalogue.for_target(runner.fingerprint(), {"mine": path})
     assert catalogue.entries["mine"].kind == "hydra_heads"
     hydra, eagle = registry.get("hydra"), registry.get("eagle")
-    assert catalogue.resolve(hydra, "heads", "mine")[0] == path
+    assert catalogue.resolve(hydra, "heads", "mine") == path
+    size = catalogue.entries["mine"].loaded_bytes
+    assert size > 0 and catalogue.loaded_bytes(hydra, "heads", path) == size
+    assert catalogue.loaded_bytes(hydra, "heads", "auto") == size  # the largest it could pick
     with pytest.raises(ApiError, match="requests pick artifacts by name"):
         catalogue.resolve(eagle, "heads", "mine")  # hydra heads are no eagle heads
     with pytest.raises(ApiError, match="'auto', 'mine'"):

@@ -163,16 +163,16 @@ class Frontend:
         overrides = dict(self.settings.config) if name == self.settings.method else {}
         asked = dict(req.specdecode.config) if req.specdecode else {}
         limits.check_overrides(name, asked)
-        artifact_bytes = 0
         for field in ARTIFACT_FIELDS:
             if field in asked:
-                asked[field], cost = self.catalogue.resolve(method, field, asked[field])
-                artifact_bytes += cost
+                asked[field] = self.catalogue.resolve(method, field, asked[field])
         overrides.update(asked)
         try:
             config = method.make_config(overrides)
         except (SpecDecodeError, TypeError) as exc:
             raise ApiError(400, str(exc), param="specdecode.config") from None
+        artifact_bytes = sum(self.catalogue.loaded_bytes(method, f, getattr(config, f))
+                             for f in ARTIFACT_FIELDS if hasattr(config, f))
         needed = limits.proposer_bytes(name, config, self.runner_info.vocab_size, artifact_bytes)
         budget = self.settings.proposer_memory_bytes
         if needed > budget:

@@ -106,16 +106,14 @@ class Catalogue:
     def names(self, kinds: tuple[str, ...]) -> list[str]:
         return sorted(e.name for e in self.entries.values() if e.kind in kinds)
 
-    def resolve(self, method, field: str, value) -> tuple[object, int]:
-        """(the value the config gets, the loaded bytes it costs) for a request's ``field``;
-        a 400 unless ``value`` is a keyword of the field or a catalogued artifact of its kind.
-        The answer never depends on the disk, only on the catalogue."""
+    def resolve(self, method, field: str, value) -> str:
+        """The value the config gets for a request's ``field``: a keyword of the field as it
+        is, a catalogued artifact's name as its path; a 400 for anything else. The answer never
+        depends on the disk, only on the catalogue."""
         kinds = field_kinds(method, field)
         keywords = ARTIFACT_FIELDS[field]
         if value in keywords:
-            # the method resolves it among the catalogued folders: at most the largest one
-            return value, max((e.loaded_bytes for e in self.entries.values() if e.kind in kinds),
-                              default=0)
+            return value
         entry = self.entries.get(value) if isinstance(value, str) else None
         if entry is None or entry.kind not in kinds:
             offered = ", ".join(map(repr, list(keywords) + self.names(kinds)))
@@ -123,7 +121,23 @@ class Catalogue:
                                 f"{offered}: requests pick artifacts by name, never by path (the "
                                 "server's operator offers more with `specdecode serve "
                                 "--artifact NAME=PATH`)", param=f"specdecode.config.{field}")
-        return str(entry.path), entry.loaded_bytes
+        return str(entry.path)
+
+    def loaded_bytes(self, method, field: str, value: str) -> int:
+        """Upper estimate of what a config's (resolved) ``field`` loads: a keyword, at most the
+        largest artifact of its kind the method could pick ('none': nothing); a path, its
+        catalogue entry's size, or the file's (a path the operator set with ``-c``)."""
+        if value == "none":
+            return 0
+        kinds = field_kinds(method, field)
+        if value in ARTIFACT_FIELDS[field]:
+            return max((e.loaded_bytes for e in self.entries.values() if e.kind in kinds),
+                       default=0)
+        for entry in self.entries.values():
+            if str(entry.path) == value:
+                return entry.loaded_bytes
+        path = Path(value)
+        return _loaded_bytes(path) if path.exists() else 0
 
 
 def _loaded_bytes(path: Path) -> int:
