@@ -403,3 +403,16 @@ def test_the_catalogue_refuses_a_bad_artifact_at_start(tmp_path):
         Catalogue.for_target("fp", {"junk": str(tmp_path / "junk.safetensors")})
     with pytest.raises(SpecDecodeError, match="two artifacts are named"):
         Catalogue([Entry("a", tmp_path, "x", 1), Entry("a", tmp_path, "y", 1)])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--artifact", "no-equals-sign"], "--artifact takes NAME=PATH"),
+    (["--artifact", "x=/no/such/file.safetensors"], "no such file or folder"),
+    (["--allowed-hosts", " , "], "--allowed-hosts needs at least one name"),
+    (["--proposer-memory-mb", "0"], "--proposer-memory-mb must be >= 1"),
+])
+def test_serve_rejects_bad_security_flags_before_loading_the_model(args, message, capsys):
+    from specdecode.cli import main
+
+    assert main(["serve", *args]) == 2
+    assert message in capsys.readouterr().err
