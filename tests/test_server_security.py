@@ -416,3 +416,41 @@ def test_serve_rejects_bad_security_flags_before_loading_the_model(args, message
 
     assert main(["serve", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_model_long_prompt_in_parts_equals_one_prefill_for_every_shipped_method(real_model):
+    """SmolLM2 on the native runner: a prompt of several parts, served beside a short one, gives
+    the tokens plain decoding gives after one prefill, for ar, the model-free methods and the
+    methods drafting from the shipped artifacts (eagle reads the prompt's hidden states)."""
+    import threading
+
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import make_runner
+
+    eos = eos_ids(real_model.model, real_model.tokenizer)
+    first = make_runner(real_model, "native")
+    runners = [first, first.replica()]
+    text = " ".join(f"Item {i}: the {i % 7}th colour of the list is {['red', 'blue'][i % 2]}."
+                    for i in range(60))
+    prompt = f"{text}\nWhich colour is item 41?"
+    reference = Decoder(make_runner(real_model, "native"), real_model.tokenizer, "ar", eos)
+    expected = reference.generate(prompt, 24).token_ids
+    assert len(reference.encode(prompt)) > 3 * PREFILL_BLOCK
+    server = Server(runners, real_model.tokenizer, eos, Settings(model_id="smollm2"))
+    with BackgroundServer(create_app(server)) as served:
+        for method in ("ar", "suffix", "recycling", "eagle", "hydra"):
+            answers = {}
+
+            def send(name, content, tokens):
+                answers[name] = post(served, CHAT, json.dumps({
+                    "model": "smollm2", "max_tokens": tokens,
+                    "messages": [{"role": "user", "content": content}],
+                    "specdecode": {"method": method, "return_token_ids": True}}).encode())
+
+            long = threading.Thread(target=send, args=("long", prompt, 24))
+            long.start()
+            send("short", "Hi", 4)
+            long.join(600)
+            assert answers["short"].status_code == 200, answers["short"].text
+            assert answers["long"].json()["choices"][0]["token_ids"] == expected, method
