@@ -171,6 +171,7 @@ class Frontend:
             config = method.make_config(overrides)
         except (SpecDecodeError, TypeError) as exc:
             raise ApiError(400, str(exc), param="specdecode.config") from None
+        limits.check_ranges(name, config, asked)
         artifact_bytes = sum(self.catalogue.loaded_bytes(method, f, getattr(config, f))
                              for f in ARTIFACT_FIELDS if hasattr(config, f))
         needed = limits.proposer_bytes(name, config, self.runner_info.vocab_size, artifact_bytes)

@@ -73,9 +73,8 @@ def is_numeric(field: dataclasses.Field) -> bool:
 
 
 def check_overrides(method: str, overrides: dict[str, Any]) -> None:
-    """Refuse a request's config overrides that are out of range or only for start-up, with
-    a 400 naming the field (before the config is built, so nothing is allocated)."""
-    ranges = RANGES.get(method, {})
+    """Refuse a request's config fields that only the operator sets, and over-long text, with a
+    400 naming the field (before the config is built)."""
     for name, value in overrides.items():
         if name in STARTUP_ONLY.get(method, ()):
             raise ApiError(400, f"config field '{name}' of method '{method}' is set when the "
@@ -84,8 +83,18 @@ def check_overrides(method: str, overrides: dict[str, Any]) -> None:
         if isinstance(value, str) and len(value) > MAX_TEXT_FIELD:
             raise ApiError(400, f"config field '{name}' is longer than {MAX_TEXT_FIELD} "
                                 "characters", param=f"specdecode.config.{name}")
-        if name not in ranges or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue  # the config's own type check names a value of the wrong type
+
+
+def check_ranges(method: str, config, asked) -> None:
+    """Refuse a built config whose fields the request ``asked`` for are outside the server's
+    ranges, with a 400 naming the field. It reads the config, not the request, so a number
+    sent as a string (which the config coerces, as from the command line) is checked too;
+    building a config allocates nothing, its proposer does."""
+    ranges = RANGES.get(method, {})
+    for name in asked:
+        if name not in ranges:
+            continue
+        value = getattr(config, name)
         low, high = ranges[name]
         if not (math.isfinite(value) and low <= value <= high):
             raise ApiError(400, f"config field '{name}' of method '{method}' must be in "
