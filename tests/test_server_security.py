@@ -455,3 +455,13 @@ def test_real_model_long_prompt_in_parts_equals_one_prefill_for_every_shipped_me
             long.join(600)
             assert answers["short"].status_code == 200, answers["short"].text
             assert answers["long"].json()["choices"][0]["token_ids"] == expected, method
+
+
+@pytest.mark.parametrize("header,name", [
+    ("127.0.0.1:8000", "127.0.0.1"), ("[::1]:8000", "::1"), ("[::1]", "::1"), ("::1", "::1"),
+    ("LocalHost", "localhost"), ("evil.example:80", "evil.example"), ("", ""),
+])
+def test_host_names_are_read_without_their_port(header, name):
+    from specdecode.server.app import host_name
+
+    assert host_name(header) == name
