@@ -188,8 +188,7 @@ class Scheduler:
         decoder = slot.decoders.get(key)
         if decoder is None:
             decoder = Decoder(slot.runner, self.tokenizer, spec.method, self.eos_token_ids,
-                              **dataclasses.asdict(spec.config))
-            decoder.proposer = self.make_proposer(spec.method, decoder.config, slot.runner)
+                              make_proposer=self.make_proposer, **dataclasses.asdict(spec.config))
             slot.decoders[key] = decoder
             if len(slot.decoders) > DECODERS_PER_SLOT:
                 slot.decoders.popitem(last=False)
