@@ -108,55 +108,79 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         session.nodes = ([], [], [])
         return Draft.empty()
     logits, _ = session.lm.catch_up(context)
-    tokens: list[int] = []
-    parents: list[int] = []
-    probs: list[torch.Tensor] = []
-    values: list[float] = []
-    rows: list[int | None] = []
-    paths: list[list[int]] = []
-    children = {-1: rank_children(session, logits, list(context), budget_nodes)}
-    tie = itertools.count()
+    tree = _Growth(session, context, max_depth)
+    tree.children[-1] = rank_children(session, logits, list(context), budget_nodes)
     # entries: (-value, tie, node, read): read = node's children are ranked (take the next
-    # one); unread = the node must be fed to the draft model first (value: an upper bound)
-    heap = [(-children[-1].next_weight(), next(tie), -1, True)]
+    # one); unread = the node must be fed to the drafter first (value: an upper bound)
+    tree.push(-tree.children[-1].next_weight(), -1, True)
     forwards = 0
-    while heap and len(tokens) < budget_nodes:
-        value, _, node, read = heap[0]
+    while tree.heap and len(tree.tokens) < budget_nodes:
+        value, _, node, read = tree.heap[0]
         if -value <= 0 or -value < settings.min_path_prob:
             break
         if read:
-            heapq.heappop(heap)
-            ranked = children[node]
-            parent_value = 1.0 if node < 0 else values[node]
-            token, drawn_from = ranked.take()
-            tokens.append(token)
-            parents.append(node)
-            values.append(parent_value * float(ranked.q[token]))
-            rows.append(None)
-            paths.append(([] if node < 0 else paths[node]) + [token])
-            if drawn_from is not None:
-                probs.append(drawn_from)
-            new = len(tokens) - 1
-            heapq.heappush(heap, (-parent_value * ranked.next_weight(), next(tie), node, True))
-            depth = len(paths[new])
-            if depth < max_depth:
-                heapq.heappush(heap, (-values[new], next(tie), new, False))
+            heapq.heappop(tree.heap)
+            tree.place_child(node)
             continue
         if forwards == settings.max_forwards:
             break
         forwards += 1
-        # read the most valuable unread nodes that could still join, in one forward
-        room = budget_nodes - len(tokens)
-        unread = [e for e in heapq.nsmallest(room, heap) if not e[3]][: settings.expand_width]
+        tree.read_best(budget_nodes - len(tree.tokens), settings.expand_width)
+    session.nodes = (tree.tokens, tree.parents, tree.rows)
+    probs = torch.stack(tree.probs) if tree.probs else None
+    return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
+
+
+class _Growth:
+    """A tree while it grows: its nodes, their values and tree rows, the candidates' heap."""
+
+    def __init__(self, session: DraftSession, context: Sequence[int], max_depth: int):
+        self.session = session
+        self.context = list(context)
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.values: list[float] = []
+        self.rows: list[int | None] = []  # each node's tree row in the drafter (None: unread)
+        self.paths: list[list[int]] = []
+        self.children: dict[int, _Children] = {}
+        self.heap: list[tuple[float, int, int, bool]] = []
+        self._tie = itertools.count()
+
+    def push(self, neg_value: float, node: int, read: bool) -> None:
+        heapq.heappush(self.heap, (neg_value, next(self._tie), node, read))
+
+    def place_child(self, node: int) -> None:
+        """Place the next ranked child of ``node`` (-1: the root)."""
+        ranked = self.children[node]
+        parent_value = 1.0 if node < 0 else self.values[node]
+        token, drawn_from = ranked.take()
+        self.tokens.append(token)
+        self.parents.append(node)
+        self.values.append(parent_value * float(ranked.q[token]))
+        self.rows.append(None)
+        self.paths.append(([] if node < 0 else self.paths[node]) + [token])
+        if drawn_from is not None:
+            self.probs.append(drawn_from)
+        new = len(self.tokens) - 1
+        self.push(-parent_value * ranked.next_weight(), node, True)
+        if len(self.paths[new]) < self.max_depth:
+            self.push(-self.values[new], new, False)
+
+    def read_best(self, room: int, width: int) -> None:
+        """Read the most valuable unread nodes that could still join (at most ``width``) in
+        one drafter call, and rank their children."""
+        unread = [e for e in heapq.nsmallest(room, self.heap) if not e[3]][:width]
         feed = [e[2] for e in unread]
-        heap = [e for e in heap if e[3] or e[2] not in feed]
-        heapq.heapify(heap)
-        first_row = len(session.lm.tree_tokens)
-        out, _ = session.lm.feed([tokens[n] for n in feed],
-                                 [-1 if parents[n] < 0 else rows[parents[n]] for n in feed])
+        self.heap = [e for e in self.heap if e[3] or e[2] not in feed]
+        heapq.heapify(self.heap)
+        lm = self.session.lm
+        first_row = len(lm.tree_tokens)
+        out, _ = lm.feed([self.tokens[n] for n in feed],
+                         [-1 if self.parents[n] < 0 else self.rows[self.parents[n]] for n in feed])
         for j, n in enumerate(feed):
-            rows[n] = first_row + j
-            children[n] = rank_children(session, out[j], list(context) + paths[n], room)
-            heapq.heappush(heap, (-values[n] * children[n].next_weight(), next(tie), n, True))
-    session.nodes = (tokens, parents, rows)
-    return Draft(tuple(tokens), tuple(parents), torch.stack(probs) if probs else None)
+            self.rows[n] = first_row + j
+            self.children[n] = rank_children(self.session, out[j], self.context + self.paths[n],
+                                             room)
+            self.push(-self.values[n] * self.children[n].next_weight(), n, True)
