@@ -89,7 +89,7 @@ def alone_logits(runner, prompt, tokens):
     runner.prefill(prompt)
     rows = []
     for token in tokens:
-        rows.append(runner.forward(token, Draft.empty())[0])
+        rows.append(runner.forward(token, Draft.empty()).logits[0])
         runner.commit([])
     return rows
 
@@ -106,7 +106,7 @@ def tiny_heads(kind: str, target) -> str:
     from specdecode.api import Decoder, as_runner
     from specdecode.heads.artifact import save_heads
     from specdecode.heads.networks import make_network
-    from specdecode.proposers.draft_model import target_embeddings
+    from specdecode.models.base import Needs
     from specdecode.training.train_heads import DEPTHS, depth_losses
 
     runner = as_runner(target)
@@ -114,16 +114,13 @@ def tiny_heads(kind: str, target) -> str:
     if key in _TINY_HEADS:
         return _TINY_HEADS[key]
     torch.manual_seed(0)
-    embed = target_embeddings(runner)
+    embed = runner.input_embeddings()
     head = runner.output_embeddings().float()
     data = []
     for prompt in repetitive_prompts():
         prompt = [t % runner.vocab_size for t in prompt]
         ids = prompt + Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
-        runner.keep_final_hidden(True)
-        runner.prefill(ids)
-        data.append((torch.tensor(ids), runner.final_hidden.clone()))
-        runner.keep_final_hidden(False)
+        data.append((torch.tensor(ids), runner.prefill(ids, Needs(final_hidden=True)).final_hidden.clone()))
     net = make_network(kind, embed.shape[1], embed)
     optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
     for step in range(60):

@@ -66,10 +66,10 @@ def test_logits_of_chains_and_trees_match_transformers(name):
     native = LlamaRunner.from_transformers(model)
     rng = random.Random(0)
     prompt = [rng.randrange(96) for _ in range(3 * WINDOW)]
-    assert_close(native.prefill(prompt), reference(model, prompt))
+    assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
     context = list(prompt)
     for root, draft in ((5, TREE), (6, Draft.chain([7, 8, 9])), (11, TREE)):
-        logits = native.forward(root, draft)
+        logits = native.forward(root, draft).logits
         for node in range(-1, len(draft)):
             path = draft.path_to(node) if node >= 0 else []
             expected = reference(model, context + [root] + [draft.tokens[i] for i in path])
@@ -103,7 +103,7 @@ def test_position_alone_equals_position_in_tree_bitwise(name, weights):
     prompt = [rng.randrange(96) for _ in range(WINDOW - 3)]
     draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
     runner.prefill(prompt)
-    together = runner.forward(7, draft)
+    together = runner.forward(7, draft).logits
     runner.commit([])
     for node in [i for i in range(len(draft)) if not draft.children(i)]:
         path = draft.path_to(node)
@@ -210,7 +210,7 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
             assert torch.equal(w.dequantize() if isinstance(w, Q4Weight) else w, state[key]), key
     native, prompt = LlamaRunner.from_gguf(path), repetitive_prompts()[2]
     # the fp32 runner dequantises through our Q4_K scales: equal to transformers up to them
-    assert (native.prefill(prompt) - reference(model, prompt)).abs().max() < 1e-2
+    assert (native.prefill(prompt).logits[0] - reference(model, prompt)).abs().max() < 1e-2
     runner = LlamaRunner.from_gguf(path, "int4")
     for prompt in repetitive_prompts()[:3]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
@@ -258,10 +258,10 @@ def test_real_gemma_matches_transformers(gemma_model):
     long = decoder.encode(" ".join(dev_prompts(2)))  # past the 512-position window
     assert len(long) > 700
     for ids in (decoder.encode(dev_prompts()[0]), long):
-        assert_close(native.prefill(ids), reference(model, ids))
+        assert_close(native.prefill(ids).logits[0], reference(model, ids))
     short = decoder.encode(dev_prompts()[0])
     native.prefill(short)
-    logits = native.forward(100, TREE)
+    logits = native.forward(100, TREE).logits
     for node in (-1, 2, 6):  # the root, a depth-3 node, a depth-4 node
         path = TREE.path_to(node) if node >= 0 else []
         assert_close(logits[node + 1], reference(model, short + [100] + [TREE.tokens[i] for i in path]))

@@ -14,6 +14,7 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
 from specdecode.heads.networks import NETWORKS, make_network
+from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.loading import tiny_llama
 from specdecode.registry import get
@@ -21,7 +22,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.training.artifacts import float_rows, int8_rows
 from specdecode.training.self_data import frequency_shortlist, shortlist_coverage
 
-from conftest import tiny_heads
+from conftest import repetitive_prompts, tiny_heads
 from test_sampling_stats import (ALPHA, ENGINE_NEW, ENGINE_OPTIONS, ENGINE_PROMPT, ENGINE_VOCAB,
                                  chi_square, enumerate_sequences, reference_probs)
 
@@ -153,15 +154,43 @@ def test_runners_keep_the_features_their_logits_come_from(tiny, native):
     from specdecode.models.llama import LlamaRunner
 
     runner = LlamaRunner.from_transformers(tiny, "fp32") if native else HFRunner(tiny)
-    runner.keep_final_hidden(True)
+    needs = Needs(final_hidden=True)
     prompt = [5, 6, 7, 8, 9]
-    last = runner.prefill(prompt)
-    assert runner.final_hidden.shape == (len(prompt), 32)
-    torch.testing.assert_close(runner.lm_head(runner.final_hidden[-1:])[0], last)
-    logits = runner.forward(3, Draft((4, 5, 6), (-1, 0, -1)))
-    assert runner.final_hidden.shape == (4, 32)
-    assert torch.equal(runner.lm_head(runner.final_hidden), logits) or not native
-    torch.testing.assert_close(runner.lm_head(runner.final_hidden), logits)
+    assert runner.prefill(prompt).final_hidden is None  # only what was asked for
+    out = runner.prefill(prompt, needs)
+    assert out.final_hidden.shape == (len(prompt), 32)
+    torch.testing.assert_close(runner.lm_head(out.final_hidden[-1:]), out.logits)
+    out = runner.forward(3, Draft((4, 5, 6), (-1, 0, -1)), needs)
+    assert out.final_hidden.shape == (4, 32)
+    assert torch.equal(runner.lm_head(out.final_hidden), out.logits) or not native
+    torch.testing.assert_close(runner.lm_head(out.final_hidden), out.logits)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_read_the_targets_features_at_the_committed_positions(tiny, kind, native):
+    """Every feature row a head proposer hands its drafter is the target's final hidden state
+    at the position it stands for: the prompt's after the prefill, then each verify step's
+    root and accepted nodes, in order. A row from a neighbouring position (or a rejected
+    node's) still gives exact output, so only this check catches it."""
+    from specdecode.models.llama import LlamaRunner
+
+    runner = LlamaRunner.from_transformers(tiny, "fp32") if native else HFRunner(tiny)
+    # min_path_prob 0: full trees, so accepted nodes are often not the first rows
+    config = get(kind).make_config({"heads": tiny_heads(kind, tiny), "min_path_prob": 0.0})
+    proposer = get(kind).proposer(config, runner)
+    handed: list[torch.Tensor] = []
+    add_features = proposer.lm.add_features
+    proposer.lm.add_features = lambda rows: (handed.append(rows.clone()), add_features(rows))
+    prompt = [t % runner.vocab_size for t in repetitive_prompts()[0]]
+    gen = Generation(runner, proposer, prompt, 24, eos_token_ids=())
+    output = gen.run()
+    assert gen.stats.accepted_tokens > 0  # the trees were used, so accepted paths moved rows
+    given = torch.cat(handed)
+    # every committed position but the last token's (the pending root)
+    assert len(given) == len(prompt) + len(output) - 1
+    truth = runner.prefill(prompt + output[:-1], Needs(final_hidden=True)).final_hidden
+    torch.testing.assert_close(given, truth, rtol=1e-4, atol=1e-4)
 
 
 def test_the_default_model_ships_every_trained_artifact():

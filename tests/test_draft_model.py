@@ -18,7 +18,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
 from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Feedback
-from specdecode.proposers.draft_model import DraftModelProposer, load_draft
+from specdecode.drafting.artifacts import load_draft
+from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.sampling import NodeDistributions, SamplingParams
 from transformers import AutoModelForCausalLM
 from specdecode.training import distill_draft
@@ -175,7 +176,7 @@ def test_cache_holds_the_committed_tokens(target, drafts, draft_runner, method):
         if gen.finish_reason is None:  # a cut at the token limit leaves accepted rows past it
             assert lm.tokens == context[:len(lm.tokens)] and not lm.tree_tokens
             if draft_runner == "native":
-                assert lm.runner.cache_len == len(lm.tokens)
+                assert lm.runner.cache.length == len(lm.tokens)
         if before is not None and len(lm.tokens) > before:
             reused += 1
         before = len(context)

@@ -8,9 +8,10 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.loading import tiny_llama
-from specdecode.proposers.dynamic_exit import tokens_per_layer
+from specdecode.drafting.exits import tokens_per_layer
 from specdecode.training.adapters import ExitAdapters
 
 from conftest import repetitive_prompts
@@ -45,8 +46,9 @@ def decode(model, method, prompt, max_new=40, **config):
 def test_exit_forward_matches_full_forward_and_manual_head(model):
     runner = HFRunner(model)
     runner.prefill(PROMPT)
-    h1 = runner.exit_forward([12], 2)
-    h2 = runner.exit_forward([13, 14], 2)  # a chain of two in one call
+    with runner.exit_chain(2) as chain:
+        h1 = chain.extend([12])
+        h2 = chain.extend([13, 14])  # a chain of two in one call
     hidden = torch.cat([h1, h2])
     with torch.no_grad():
         full = model(torch.tensor([PROMPT + [12, 13, 14]]), output_hidden_states=True)
@@ -68,14 +70,17 @@ def test_draft_rows_are_dropped_before_the_full_verify_pass(model):
     plain, shared = HFRunner(model), HFRunner(model)
     plain.prefill(PROMPT)
     shared.prefill(PROMPT)
-    for token in (12, 13, 14):
-        shared.exit_forward([token], 3)
+    with shared.exit_chain(3) as chain:
+        for token in (12, 13, 14):
+            chain.extend([token])
+        assert all(layer.keys.shape[2] == len(PROMPT) + 3 for layer in shared.cache.layers[:3])
+    # closing the chain leaves the cache as the prefill left it
+    assert all(layer.keys.shape[2] == len(PROMPT) for layer in shared.cache.layers)
     draft = Draft.chain([13, 14, 15])
-    shared.capture_hidden([1, 3])
-    expected = plain.forward(12, draft)
-    got = shared.forward(12, draft)
-    assert torch.equal(got, expected)  # the same full forward over the same cache, bit for bit
-    assert set(shared.captured) == {1, 3} and shared.captured[1].shape == (4, 32)
+    expected = plain.forward(12, draft).logits
+    out = shared.forward(12, draft, Needs(layers=(1, 3)))
+    assert torch.equal(out.logits, expected)  # the same full forward over the same cache, bit for bit
+    assert set(out.layers) == {1, 3} and out.layers[1].shape == (4, 32)
     shared.commit([0, 1])
     assert all(layer.keys.shape[2] == len(PROMPT) + 3 for layer in shared.cache.layers)
 
@@ -85,10 +90,12 @@ def test_exit_layer_errors(model):
     runner.prefill(PROMPT)
     for bad in (0, 4, 9):
         with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
-            runner.exit_forward([12], bad)
-    runner.exit_forward([12], 2)
-    with pytest.raises(SpecDecodeError, match="exit layer changed from 2 to 3"):
-        runner.exit_forward([13], 3)
+            runner.exit_chain(bad)
+        with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
+            runner.forward(12, Draft.empty(), Needs(layers=(bad,)))
+    runner.forward(12, Draft.chain([13]))
+    with pytest.raises(SpecDecodeError, match="opened between forward and commit"):
+        runner.exit_chain(2)
 
 
 # ---- exactness ---------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_runner_commit_keeps_only_accepted_rows(runner):
     runner.commit([2, 3])
     assert runner.cache_len == len(prompt) + 3
     # the next plain step must see exactly prompt + truth[:3]
-    logits = runner.forward(truth[3], Draft.empty())
+    logits = runner.forward(truth[3], Draft.empty()).logits
     assert int(logits[0].argmax()) == truth[4]
 
 

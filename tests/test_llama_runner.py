@@ -12,8 +12,10 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner, Q4Weight
+from specdecode.models.llama_drafter import LlamaDrafter
 from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
@@ -45,11 +47,11 @@ def test_logits_match_transformers(tie):
     rng = random.Random(0)
     for plen in (1, 9, CHUNK + 3):
         prompt = [rng.randrange(96) for _ in range(plen)]
-        assert (hf.prefill(prompt) - native.prefill(prompt)).abs().max() < 1e-4
+        assert (hf.prefill(prompt).logits[0] - native.prefill(prompt).logits[0]).abs().max() < 1e-4
         root = rng.randrange(96)
         for step in range(6):
             draft = [TREE, Draft.chain([5, 6, 7]), Draft.empty(), random_tree(rng, 12)][step % 4]
-            a, b = hf.forward(root, draft), native.forward(root, draft)
+            a, b = hf.forward(root, draft).logits, native.forward(root, draft).logits
             assert a.shape == b.shape
             assert (a - b).abs().max() < 1e-4, (plen, step)
             # accept the path to a leaf, as a verifier would, then continue after it
@@ -80,7 +82,7 @@ def test_position_alone_equals_position_in_tree_bitwise(weights):
         prompt = [rng.randrange(96) for _ in range(plen)]
         for draft in (random_tree(rng, 15), Draft.chain([rng.randrange(96) for _ in range(15)])):
             runner.prefill(prompt)
-            together = runner.forward(7, draft)  # 16 rows: root + 15 nodes
+            together = runner.forward(7, draft).logits  # 16 rows: root + 15 nodes
             runner.commit([])
             for node in [-1] + [i for i in range(len(draft)) if not draft.children(i)]:
                 path = draft.path_to(node) if node >= 0 else []
@@ -106,8 +108,8 @@ def test_quantised_formats_stay_close_to_fp32():
     prompt = repetitive_prompts()[1]
 
     def prefill_then_step(runner):
-        first = runner.prefill(prompt[:-1])
-        return first, runner.forward(prompt[-1], Draft.chain(prompt[:3]))
+        first = runner.prefill(prompt[:-1]).logits[0]
+        return first, runner.forward(prompt[-1], Draft.chain(prompt[:3])).logits
 
     ref = prefill_then_step(LlamaRunner.from_transformers(model))
     for weights, tolerance in (("bf16", 0.05), ("int8", 0.1), ("int4", 0.5)):
@@ -122,20 +124,20 @@ def test_int8_prefills_in_bf16_and_int4_in_its_own_kernel():
     model = tiny(seed=7)
     prompt = repetitive_prompts()[1]
     bf16 = LlamaRunner.from_transformers(model, "bf16")
-    expected = bf16.prefill(prompt), bf16.forward(3, Draft.chain([4, 5]))
+    expected = bf16.prefill(prompt).logits[0], bf16.forward(3, Draft.chain([4, 5])).logits
     int8 = LlamaRunner.from_transformers(model, "int8")
     assert int8.prefill_weights == "bf16"
-    assert torch.equal(int8.prefill(prompt), expected[0])
-    assert not torch.equal(int8.forward(3, Draft.chain([4, 5])), expected[1])
+    assert torch.equal(int8.prefill(prompt).logits[0], expected[0])
+    assert not torch.equal(int8.forward(3, Draft.chain([4, 5])).logits, expected[1])
     # int4 prompts run through the int4 kernel's layers: a prompt's logits are bitwise those of
     # reading it one token at a time
     int4 = LlamaRunner.from_transformers(model, "int4")
     assert int4.prefill_weights is None and int4.prefill_layers is int4.layers
-    prefilled = int4.prefill(prompt)
+    prefilled = int4.prefill(prompt).logits[0]
     assert not torch.equal(prefilled, expected[0])
     int4.prefill(prompt[:1])
     for token in prompt[1:]:
-        stepped = int4.forward(token, Draft.empty())[0]
+        stepped = int4.forward(token, Draft.empty()).logits[0]
         int4.commit([])
     assert torch.equal(prefilled, stepped)
 
@@ -145,20 +147,23 @@ def test_int4_layers_in_one_call_equal_the_python_loop():
     cut-short exit pass all give the bits of the layer-by-layer loop (bfloat16 cache)."""
     model = tiny(seed=8, layers=4)
     stacked, looped = (LlamaRunner.from_transformers(model, "int4") for _ in range(2))
-    assert stacked._stack is not None and stacked.k_cache.dtype == torch.bfloat16
+    assert stacked._stack is not None and stacked.cache.keys.dtype == torch.bfloat16
     looped._stack = None
     prompt = repetitive_prompts()[0]
-    for runner in (stacked, looped):
-        runner.capture_hidden([1, 3])
+    needs = Needs(layers=(1, 3))
     for step in range(3):
         outs = []
         for runner in (stacked, looped):
-            first = runner.prefill(prompt) if step == 0 else None
-            logits, captured = runner.forward(3 + step, TREE), dict(runner.captured)
+            first = runner.prefill(prompt, needs) if step == 0 else None
+            out = runner.forward(3 + step, TREE, needs)
             runner.commit([0, 1])
-            outs.append((first, logits, captured, runner.exit_forward([5], 2) if step == 2 else None))
+            with runner.exit_chain(2) as chain:
+                exit_hidden = chain.extend([5]) if step == 2 else None
+            outs.append((first, out.logits, dict(out.layers), exit_hidden))
         (a, b, c, d), (e, f, g, h) = outs
-        assert (a is None or torch.equal(a, e)) and torch.equal(b, f), step
+        assert a is None or (torch.equal(a.logits, e.logits) and a.layers.keys() == {1, 3}
+                             and all(torch.equal(a.layers[k], e.layers[k]) for k in a.layers))
+        assert torch.equal(b, f), step
         assert c.keys() == g.keys() == {1, 3} and all(torch.equal(c[k], g[k]) for k in c)
         assert d is None or torch.equal(d, h)
     # other formats, and architectures with extra pieces, keep the loop
@@ -171,18 +176,19 @@ def test_tree_read_in_parts_is_the_verify_pass_and_keeps_its_path():
     kept path, as if it had been read as a chain."""
     model = tiny(seed=9, layers=2)
     prompt = repetitive_prompts()[0]
-    drafting, verifying, chain = (LlamaRunner.from_transformers(model) for _ in range(3))
-    drafting.prefill(prompt)
+    drafting, chain = (LlamaDrafter(LlamaRunner.from_transformers(model)) for _ in range(2))
+    verifying = LlamaRunner.from_transformers(model)
+    drafting.runner.prefill(prompt)
     verifying.prefill(prompt[:-1])
     paths = [list(TREE.path_to(i))[:-1] for i in range(len(TREE))]
     hidden = torch.cat([drafting.read_tree(TREE.tokens[:3], paths[:3], 0),
                         drafting.read_tree(TREE.tokens[3:], paths[3:], 3)])
-    expected = verifying.forward(prompt[-1], TREE)[1:]
+    expected = verifying.forward(prompt[-1], TREE).logits[1:]
     torch.testing.assert_close(drafting.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
     kept = list(TREE.path_to(len(TREE) - 1))  # the last node's path: rows not first in the tree
     drafting.keep_tree(kept)
-    assert drafting.cache_len == len(prompt) + len(kept)
-    chain.prefill(prompt + [TREE.tokens[r] for r in kept])
+    assert drafting.cache.length == len(prompt) + len(kept)
+    chain.runner.prefill(prompt + [TREE.tokens[r] for r in kept])
     torch.testing.assert_close(drafting.lm_head(drafting.extend([7])), chain.lm_head(chain.extend([7])),
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(SpecDecodeError, match="ancestors must be earlier rows"):
@@ -197,19 +203,23 @@ def test_exit_forward_is_the_full_forward_cut_short():
     prompt = repetitive_prompts()[0]
     native.prefill(prompt)
     hf.prefill(prompt)
-    hidden = torch.cat([native.exit_forward([12], 2), native.exit_forward([13, 14], 2)])
-    assert (hidden - torch.cat([hf.exit_forward([12], 2), hf.exit_forward([13, 14], 2)])).abs().max() < 1e-5
+    hidden, hf_hidden = ([], [])
+    with native.exit_chain(2) as chain, hf.exit_chain(2) as hf_chain:
+        for tokens in ([12], [13, 14]):
+            hidden.append(chain.extend(tokens))
+            hf_hidden.append(hf_chain.extend(tokens))
+    hidden = torch.cat(hidden)
+    assert (hidden - torch.cat(hf_hidden)).abs().max() < 1e-5
     assert (native.exit_logits(hidden) - hf.exit_logits(hidden)).abs().max() < 1e-5
     # the verify pass overwrites the draft rows; its root row is the exit pass's, bit for bit
-    native.capture_hidden([2, 3])
-    logits = native.forward(12, Draft.chain([13, 14]))
-    assert torch.equal(native.captured[2][:3], hidden)
+    out = native.forward(12, Draft.chain([13, 14]), Needs(layers=(2, 3)))
+    assert torch.equal(out.layers[2][:3], hidden)
     native.commit([0, 1])
     plain = LlamaRunner.from_transformers(model)
     plain.prefill(prompt)
-    assert torch.equal(plain.forward(12, Draft.chain([13, 14])), logits)
+    assert torch.equal(plain.forward(12, Draft.chain([13, 14])).logits, out.logits)
     with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
-        native.exit_forward([1], 4)
+        native.exit_chain(4)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int4"])
@@ -235,7 +245,7 @@ def test_safetensors_checkpoint(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     native = LlamaRunner.from_safetensors(tmp_path)
     prompt = repetitive_prompts()[0]
-    assert (native.prefill(prompt) - HFRunner(model).prefill(prompt)).abs().max() < 1e-4
+    assert (native.prefill(prompt).logits[0] - HFRunner(model).prefill(prompt).logits[0]).abs().max() < 1e-4
     assert native.fingerprint() == HFRunner(model).fingerprint()
 
 
@@ -299,8 +309,8 @@ def test_gguf_file_matches_transformers(gguf_model):
     native = LlamaRunner.from_gguf(path)
     hf = HFRunner(model)
     prompt = repetitive_prompts()[2]
-    assert (native.prefill(prompt) - hf.prefill(prompt)).abs().max() < 1e-4
-    assert (native.forward(4, TREE) - hf.forward(4, TREE)).abs().max() < 1e-4
+    assert (native.prefill(prompt).logits[0] - hf.prefill(prompt).logits[0]).abs().max() < 1e-4
+    assert (native.forward(4, TREE).logits - hf.forward(4, TREE).logits).abs().max() < 1e-4
 
 
 def test_gguf_q4_1_blocks_are_read_exactly(gguf_model):
@@ -411,8 +421,8 @@ def test_real_model_matches_transformers(real_model):
     eos = eos_ids(model, tokenizer)
     for prompt in dev_prompts()[:2]:
         ids = Decoder(model, tokenizer, "ar").encode(prompt)
-        assert_same_model(native.prefill(ids), hf.prefill(ids))
-        assert_same_model(native.forward(ids[-1], TREE), hf.forward(ids[-1], TREE))
+        assert_same_model(native.prefill(ids).logits[0], hf.prefill(ids).logits[0])
+        assert_same_model(native.forward(ids[-1], TREE).logits, hf.forward(ids[-1], TREE).logits)
         expected = Decoder(model, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
         got = Decoder(native, tokenizer, "ar", eos_token_ids=eos).generate(prompt, 32)
         assert got.token_ids == expected.token_ids
@@ -426,7 +436,7 @@ def test_real_model_position_alone_equals_position_in_tree(real_model, weights):
     prompt = [rng.randrange(1000, 20000) for _ in range(CHUNK * 2 - 5)]
     draft = random_tree(rng, 15, vocab=20000)
     runner.prefill(prompt)
-    together = runner.forward(7, draft)
+    together = runner.forward(7, draft).logits
     runner.commit([])
     path = draft.path_to(max(range(len(draft)), key=lambda i: draft.depths[i]))
     rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
@@ -459,4 +469,4 @@ def test_replicas_share_weights_and_keep_their_own_cache(kind):
         pass
     assert [a.tokens, b.tokens] == expected
     if kind == "native":
-        assert twin.layers is runner.layers and twin.k_cache is not runner.k_cache
+        assert twin.layers is runner.layers and twin.cache.keys is not runner.cache.keys

@@ -34,7 +34,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
 import specdecode.verify as verify_module
 from specdecode.draft import Draft
 from specdecode.engine import Generation
-from specdecode.models.base import Runner
+from specdecode.models.base import NOTHING, ForwardOutput, Runner
 from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Proposer
 from specdecode.sampling import NodeDistributions, SamplingParams, apply_penalties, sample
@@ -314,21 +314,27 @@ class TableRunner(Runner):
         self.committed: list[int] = []
         self.pending: list[list[int]] = []
 
-    def prefill(self, ids):
+    def prefill(self, ids, needs=NOTHING):
         self.committed = list(ids)
-        return self.table[tuple(ids)]
+        return ForwardOutput(self.table[tuple(ids)][None])
 
-    def forward(self, root, draft):
+    def forward(self, root, draft, needs=NOTHING):
         self.pending = [[root]] + [[root] + [draft.tokens[j] for j in draft.path_to(i)]
                                    for i in range(len(draft))]
-        return torch.stack([self.table[tuple(self.committed + path)] for path in self.pending])
+        return ForwardOutput(torch.stack([self.table[tuple(self.committed + path)]
+                                          for path in self.pending]))
 
     def commit(self, accepted):
         self.committed += self.pending[accepted[-1] + 1 if accepted else 0]
+        self.pending = []
 
     @property
     def cache_len(self):
         return len(self.committed)
+
+    @property
+    def pending_rows(self):
+        return len(self.pending)
 
 
 class RandomTreeProposer(Proposer):
@@ -407,6 +413,6 @@ def test_hf_runner_matches_the_table(engine_runner):
     hf = HFRunner(engine_runner.model)
     hf.prefill(ENGINE_PROMPT)
     draft = Draft((0, 5, 2, 3), (-1, -1, 0, 1))
-    got = hf.forward(1, draft)
+    got = hf.forward(1, draft).logits
     engine_runner.prefill(ENGINE_PROMPT)
-    torch.testing.assert_close(got, engine_runner.forward(1, draft), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, engine_runner.forward(1, draft).logits, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ import pytest
 
 from specdecode import registry
 from specdecode.api import Decoder
+from specdecode.models.base import NOTHING
 from specdecode.models.hf import HFRunner
 from specdecode.models.loading import tiny_llama
 from specdecode.server import BackgroundServer
@@ -370,16 +371,16 @@ class GatedRunner(HFRunner):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def prefill(self, ids):
+    def prefill(self, ids, needs=NOTHING):
         self.entered.set()
         assert self.gate.wait(30)
-        return super().prefill(ids)
+        return super().prefill(ids, needs)
 
 
 class SlowRunner(HFRunner):
-    def forward(self, root, draft):
+    def forward(self, root, draft, needs=NOTHING):
         time.sleep(0.02)
-        return super().forward(root, draft)
+        return super().forward(root, draft, needs)
 
 
 def test_full_queue_answers_429_then_everything_completes(model, tokenizer):

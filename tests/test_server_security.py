@@ -22,6 +22,7 @@ import torch
 
 from specdecode import registry
 from specdecode.api import Decoder
+from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
 from specdecode.models.loading import tiny_llama
@@ -322,14 +323,16 @@ def test_a_prompt_too_long_by_its_size_is_never_tokenized(model, tokenizer):
 def test_prefill_in_parts_gives_the_logits_and_hidden_states_of_one_prefill(long_model):
     runner = LlamaRunner.from_transformers(long_model)
     ids = [(7 * i) % 220 + 5 for i in range(2 * PREFILL_BLOCK + 37)]
-    runner.keep_final_hidden(True)
-    whole = runner.prefill(ids)
-    hidden = runner.final_hidden.clone()
+    needs = Needs(final_hidden=True, layers=(1,))
+    whole = runner.prefill(ids, needs)
     length = runner.cache_len
-    assert runner.prefill_part(ids, 0, PREFILL_BLOCK) is None
-    assert runner.prefill_part(ids, PREFILL_BLOCK, 2 * PREFILL_BLOCK) is None
-    parts = runner.prefill_part(ids, 2 * PREFILL_BLOCK, len(ids))
-    assert torch.equal(parts, whole) and torch.equal(runner.final_hidden, hidden)
+    assert runner.prefill_part(ids, 0, PREFILL_BLOCK, needs) is None
+    assert runner.prefill_part(ids, PREFILL_BLOCK, 2 * PREFILL_BLOCK, needs) is None
+    parts = runner.prefill_part(ids, 2 * PREFILL_BLOCK, len(ids), needs)
+    assert torch.equal(parts.logits, whole.logits)
+    assert torch.equal(parts.final_hidden, whole.final_hidden)
+    assert len(parts.final_hidden) == len(ids)
+    assert torch.equal(parts.layers[1], whole.layers[1])
     assert runner.cache_len == length
     with pytest.raises(Exception, match="must start at 0 or where the last part stopped"):
         runner.prefill_part(ids, PREFILL_BLOCK, len(ids))

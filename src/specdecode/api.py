@@ -103,12 +103,18 @@ class Decoder:
     that learn across requests, such as the suffix tree, keep what they learnt)."""
 
     def __init__(self, model, tokenizer=None, method: str | None = None,
-                 eos_token_ids: Sequence[int] | None = None, **config):
+                 eos_token_ids: Sequence[int] | None = None, *, make_proposer=None, **config):
+        """``make_proposer(method name, config, runner)``: builds the proposer instead of the
+        method's class (the server hands shared state, such as the global suffix tree, this
+        way)."""
         self.runner = as_runner(model)
         self.tokenizer = tokenizer
         self.method = registry.get(method or registry.DEFAULT_METHOD)
         self.config = self.method.make_config(config)
-        self.proposer = self.method.proposer(self.config, self.runner)
+        if make_proposer is None:
+            self.proposer = self.method.proposer(self.config, self.runner)
+        else:
+            self.proposer = make_proposer(self.method.name, self.config, self.runner)
         self.eos_token_ids = list(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
 
     def encode(self, prompt, chat: bool = True) -> list[int]:

@@ -1,13 +1,14 @@
 """The decode loop: draft, one target forward, verify, commit, emit.
 
-    logits = runner.prefill(prompt)                      # the first token comes from here
+    out = runner.prefill(prompt, proposer.needs)         # the first token comes from here
+    proposer.observe(...)                                # the prefill is fed back too
     while not done:
         budget = controller.budget()                     # capped by the tokens left
         draft  = proposer.propose(context, budget)       # a Draft tree (a chain is a tree)
-        logits = runner.forward(root, draft)             # ONE target pass over every node
-        result = verify(draft, logits, sampling, ...)    # accepted path + bonus/recovered token
+        out    = runner.forward(root, draft, needs)      # ONE target pass over every node
+        result = verify(draft, out.logits, sampling, ...)  # accepted path + bonus/recovered
         runner.commit(result.accepted)                   # keep the accepted KV rows only
-        proposer.observe(...); controller.observe(...)
+        proposer.observe(...); controller.observe(...)   # logits and declared features
         emit(result.tokens)                              # cut at end-of-sequence / the limit
 
 A :class:`Generation` is an iterator over the committed token chunks; its ``tokens`` and
@@ -130,13 +131,18 @@ class Generation:
         generator = self.sampling.generator()
         context = list(self.prompt_ids)
         prompt_len = len(context)
+        needs = proposer.needs
         proposer.set_sampling(self.sampling)
         proposer.start(self.prompt_ids)
         try:
-            logits = runner.prefill(context)
+            out = runner.prefill(context, needs)
             stats.target_forwards += 1
             stats.prefill_s = time.perf_counter() - start
-            first = verify(Draft.empty(), logits[None], self.sampling, context, prompt_len, generator)
+            first = verify(Draft.empty(), out.logits, self.sampling, context, prompt_len, generator)
+            t0 = time.perf_counter()
+            proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
+                                      first.tokens, out, prefill=True))
+            stats.propose_s += time.perf_counter() - t0
             chunk = self._emit(first.tokens, context)
             yield chunk
             while self.finish_reason is None:
@@ -145,15 +151,16 @@ class Generation:
                 budget = self.controller.budget().capped(left - 1)
                 draft = proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
                 t1 = time.perf_counter()
-                logits = runner.forward(context[-1], draft)
-                result = verify(draft, logits, self.sampling, context, prompt_len, generator)
+                out = runner.forward(context[-1], draft, needs)
+                result = verify(draft, out.logits, self.sampling, context, prompt_len, generator)
                 runner.commit(result.accepted)
                 t2 = time.perf_counter()
                 stats.propose_s += t1 - t0
                 stats.verify_s += t2 - t1
                 stats.target_forwards += 1
                 stats.draft_tokens += len(draft)
-                feedback = Feedback(tuple(context), draft, logits, result.accepted, result.tokens)
+                feedback = Feedback(tuple(context), draft, out.logits, result.accepted,
+                                    result.tokens, out)
                 proposer.observe(feedback)
                 self.controller.observe(len(draft), len(result.accepted))
                 stats.propose_s += time.perf_counter() - t2

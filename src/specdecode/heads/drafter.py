@@ -1,7 +1,7 @@
 """The draft cache of the head proposers: a head network fed with the target's own features.
 
 It has the interface of the draft model's caches (``catch_up`` / ``feed`` / ``prune``, see
-proposers/draft_model.py), so the dynamic tree of DySpec / EAGLE-2 grows head drafts unchanged.
+drafting/caches.py), so the dynamic tree of DySpec / EAGLE-2 grows head drafts unchanged.
 Its "context" is the target's: the proposer hands over the final hidden states of every
 committed position (the prompt's from the prefill, then each verify pass's root and accepted
 rows), and :meth:`catch_up` runs the network over the positions it has not read yet.
@@ -20,7 +20,7 @@ import torch
 from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.networks import HeadNetwork
-from specdecode.proposers.draft_model import _DraftCache
+from specdecode.drafting.caches import DraftCache
 
 
 def scoring_layer(weight: torch.Tensor, fmt: str = "int8"):
@@ -61,7 +61,7 @@ def on_kernels(net: HeadNetwork) -> HeadNetwork:
     return net
 
 
-class HeadDraftLM(_DraftCache):
+class HeadDraftLM(DraftCache):
     def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner):
         self.net = on_kernels(net) if kernels.available() else net
         self.head_ids = head_ids

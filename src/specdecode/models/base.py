@@ -3,23 +3,57 @@
 The KV cache holds every committed token except the last one, the *root* (pending token). One
 verify step feeds the root plus every draft node in one forward:
 
-    logits = runner.forward(root, draft)   # [1 + n, V]: row 0 = next-token logits after the
-                                           # root, row 1 + i = after draft node i
-    runner.commit(accepted)                # keep the root's and the accepted nodes' KV rows
+    out = runner.forward(root, draft, needs)   # out.logits [1 + n, V]: row 0 = next-token
+                                               # logits after the root, row 1 + i = after node i
+    runner.commit(accepted)                    # keep the root's and the accepted nodes' KV rows
 
 Plain autoregressive decoding is the same call with an empty draft, so the reference decoder
 and every speculative method compute each token through the same code path.
+
+What a proposer reads from the target's pass besides the logits (the final hidden states for
+draft heads, chosen layers' outputs for DEL) it declares as :class:`Needs`; the runner returns
+exactly that in the :class:`ForwardOutput` and keeps nothing of it (vLLM's
+``target_hidden_states``, transformers' ``requires_model_outputs``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a proposer reads from the target's forward besides the logits."""
+
+    #: the hidden states after the final norm (what the LM head reads), one row per fed token
+    final_hidden: bool = False
+    #: layers (1 .. num_layers - 1) whose output hidden states it reads, one row per fed token
+    layers: tuple[int, ...] = ()
+
+
+#: the logits only
+NOTHING = Needs()
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one target pass computed: the logits, and the features asked for by :class:`Needs`."""
+
+    #: float32 logits: [1 + n, V] after a forward (row 0 after the root, 1 + i after draft
+    #: node i); [1, V] after a prefill (after the prompt's last token)
+    logits: torch.Tensor
+    #: float32 [fed, H] after the final norm, one row per token the pass read (the prompt's
+    #: every token after a prefill); None unless asked for
+    final_hidden: torch.Tensor | None = None
+    #: {layer: that layer's output hidden states [fed, H]} for the layers asked for
+    layers: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Runner(ABC):
@@ -32,27 +66,30 @@ class Runner(ABC):
     num_layers: int
 
     @abstractmethod
-    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """Reset the cache, run ``ids`` and return the float32 logits [V] after the last one."""
+    def prefill(self, ids: Sequence[int], needs: Needs = NOTHING) -> ForwardOutput:
+        """Reset the cache and run ``ids``: logits [1, V] after the last one, features of every
+        one of them."""
 
     #: prompt rows per :meth:`prefill_part` (parts start at multiples of it); 0 = this runner
     #: prefills a prompt in one call only
     prefill_granule: int = 0
 
-    def prefill_part(self, ids: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
+    def prefill_part(self, ids: Sequence[int], start: int, stop: int,
+                     needs: Needs = NOTHING) -> ForwardOutput | None:
         """Prefill ``ids`` one part at a time, so a server can step other sequences between the
         parts: run rows ``start:stop`` (``start`` 0 resets the cache; a later part starts where
         the previous one stopped, at a multiple of :attr:`prefill_granule`). The last part
-        (``stop == len(ids)``) returns what ``prefill(ids)`` returns, bitwise, and leaves the
-        runner as it would; earlier parts return None."""
+        (``stop == len(ids)``) returns what ``prefill(ids, needs)`` returns, bitwise, and leaves
+        the runner as it would; earlier parts return None. Every part is given the same
+        ``needs``."""
         raise SpecDecodeError(f"the {self.name} runner prefills a prompt in one call only")
 
     @abstractmethod
-    def forward(self, root: int, draft: Draft) -> torch.Tensor:
+    def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
         """Run the root token and every draft node in one pass with tree attention.
 
-        Returns float32 logits [1 + len(draft), V]. The cache is left holding the new rows
-        until :meth:`commit` decides which to keep.
+        Returns float32 logits [1 + len(draft), V] and the features of those rows asked for. The
+        cache is left holding the new rows until :meth:`commit` decides which to keep.
         """
 
     @abstractmethod
@@ -64,6 +101,11 @@ class Runner(ABC):
     @abstractmethod
     def cache_len(self) -> int:
         """Number of committed tokens whose KV entries are in the cache."""
+
+    @property
+    @abstractmethod
+    def pending_rows(self) -> int:
+        """Rows the last :meth:`forward` left in the cache for :meth:`commit` (0 after it)."""
 
     def replica(self) -> Runner:
         """A runner over the same weights with a cache and decoding state of its own (server
@@ -77,22 +119,14 @@ class Runner(ABC):
     # ---- optional: early exit, for self-speculative proposers (LayerSkip, DEL) -------------
     # Runners that implement these set ``supports_early_exit``; proposers check it up front.
 
-    #: True where :meth:`exit_forward`, :meth:`exit_norm`, :meth:`lm_head` and
-    #: :meth:`capture_hidden` work
+    #: True where :meth:`exit_chain`, :meth:`exit_norm`, :meth:`lm_head` and features of
+    #: intermediate layers (``Needs.layers``) work
     supports_early_exit: bool = False
-    #: after a :meth:`forward` with :meth:`capture_hidden` on: {layer: hidden [1 + n, H]}
-    captured: dict[int, torch.Tensor]
 
-    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
-        """Run ``tokens`` through the first ``exit_layer`` layers only and return that layer's
-        output hidden states [n, H] (before any norm).
-
-        The first call of a step feeds the root; later calls continue the chain. Their KV rows
-        go into layers < ``exit_layer`` of the target's own cache (shared KV: the committed
-        tokens' entries there are exactly what a draft pass computes) and are dropped before
-        the next :meth:`forward`, which stays the normal full pass over root and draft.
-        """
-        raise self._no_early_exit()
+    def exit_chain(self, exit_layer: int) -> ExitChain:
+        """A draft chain through the first ``exit_layer`` layers, used as a context manager:
+        ``with runner.exit_chain(layer) as chain: hidden = chain.extend([token])``."""
+        return ExitChain(self, exit_layer)
 
     def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
         """Normed states [n, H] for the LM head from an exit layer's hidden states [n, H]: the
@@ -108,23 +142,20 @@ class Runner(ABC):
         """float32 logits [n, V] at an exit: :meth:`exit_norm` then :meth:`lm_head`."""
         return self.lm_head(self.exit_norm(hidden, adapter))
 
-    def capture_hidden(self, layers: Sequence[int]) -> None:
-        """From now on, every :meth:`forward` keeps the output hidden states of ``layers``
-        (1 .. num_layers - 1) for its rows in :attr:`captured`; ``()`` stops capturing."""
+    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
+        """Run ``tokens`` as a chain through the first ``exit_layer`` layers, their KV rows at
+        ``offset`` rows past the cache; that layer's output hidden states [n, H]."""
         raise self._no_early_exit()
 
-    # ---- optional: the target's own features, for draft heads (Hydra, Clover, EAGLE) --------
+    def _drop_exit_rows(self) -> None:
+        """Forget the KV rows an :class:`ExitChain` wrote past the cache."""
 
-    #: after :meth:`prefill` or :meth:`forward` with :meth:`keep_final_hidden` on: the final
-    #: normed hidden state of every row (what the LM head reads) [rows, H], float32
-    final_hidden: torch.Tensor | None = None
+    # ---- optional: the target's own tables, for draft heads and distilled drafts ------------
 
-    def keep_final_hidden(self, on: bool) -> None:
-        """From now on (``on``), every :meth:`prefill` (one row per prompt token) and
-        :meth:`forward` (one row per fed token) keeps its final normed hidden states in
-        :attr:`final_hidden`."""
-        raise SpecDecodeError(f"the {self.name} runner does not expose its hidden states, which "
-                              "draft heads read; use the native or the hf runner")
+    def input_embeddings(self) -> torch.Tensor:
+        """The input embedding table [V, H] (distilled drafts and draft heads share it)."""
+        raise SpecDecodeError(f"the {self.name} runner exposes no embedding table, which the "
+                              "distilled draft and draft heads share; use --runner hf")
 
     def output_embeddings(self) -> torch.Tensor:
         """The LM head's weight [V, H] in float (draft heads score a shortlist of its rows)."""
@@ -136,16 +167,38 @@ class Runner(ABC):
                 f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
                 f"an exit layer must be in 1..{self.num_layers - 1}")
 
-    def _check_exit_pass(self, exit_layer: int) -> None:
-        """Before a draft pass: the layer is inside the model, no verify pass is pending, and
-        the chain keeps one exit layer within a step (runners keep ``_pending``,
-        ``_exit_rows`` and ``_exit_layer``)."""
-        self._check_exit_layer(exit_layer)
-        require(self._pending == 0, "exit_forward called between forward and commit")
-        require(self._exit_rows == 0 or exit_layer == self._exit_layer,
-                f"exit layer changed from {self._exit_layer} to {exit_layer} within one step; "
-                "the deeper layers would lack the earlier draft tokens")
+    def _check_needs(self, needs: Needs) -> None:
+        for layer in needs.layers:
+            self._check_exit_layer(layer)
 
     def _no_early_exit(self) -> SpecDecodeError:
         return SpecDecodeError(f"the {self.name} runner does not support early exit; "
                                "use the hf runner (--runner hf)")
+
+
+class ExitChain:
+    """Draft tokens run through the target's first ``layer`` layers after the cache (LayerSkip,
+    Elhoushi et al., 2024: the committed tokens' KV entries in those layers are exactly what a
+    draft pass computes, so the chain shares the target's cache). Its rows lie past the
+    committed ones and are dropped when the ``with`` block ends: nothing of it reaches the next
+    :meth:`Runner.forward`, which stays the plain full pass."""
+
+    def __init__(self, runner: Runner, layer: int):
+        runner._check_exit_layer(layer)
+        require(runner.pending_rows == 0, "an early-exit chain was opened between forward and commit")
+        self.runner = runner
+        self.layer = layer
+        self.rows = 0
+
+    def __enter__(self) -> ExitChain:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner._drop_exit_rows()
+
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Run ``tokens`` as the chain's next rows (the first call's first token is the root);
+        the exit layer's output hidden states [n, H] (before any norm)."""
+        hidden = self.runner._exit_pass(list(tokens), self.layer, self.rows)
+        self.rows += len(tokens)
+        return hidden

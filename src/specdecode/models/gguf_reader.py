@@ -129,7 +129,7 @@ def read_gguf(path, blocks_only: bool = False):
     import gguf
     import transformers
 
-    from specdecode.models.llama import Q4Weight
+    from specdecode.models.quant import Q4Weight
 
     path = Path(path)
     require(path.is_file(), f"GGUF file {path} does not exist")

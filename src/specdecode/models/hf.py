@@ -5,9 +5,10 @@ prefix, the root, its ancestors and itself) with depth-based position ids. ``com
 accepted path's KV rows into place in the ``DynamicCache`` and crops the rest, so rejected
 branches cost nothing after the step.
 
-Early exit (Llama-layout models): ``exit_forward`` runs draft tokens through the first layers
-with the model's own modules, writing their KV rows into those layers of the same cache; the
-next ``forward`` crops them first, so verification is always the plain full forward.
+Early exit (Llama-layout models): an :class:`~specdecode.models.base.ExitChain` runs draft
+tokens through the first layers with the model's own modules, writing their KV rows into those
+layers of the same cache; closing the chain crops them, so verification is always the plain full
+forward.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
-
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.models.base import Runner
+from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.models.kv_cache import DynamicKVCache
 
 
 class HFRunner(Runner):
@@ -34,25 +34,26 @@ class HFRunner(Runner):
         self.max_context = int(getattr(config, "max_position_embeddings", 2048))
         self.num_layers = int(getattr(config, "num_hidden_layers", 0))
         self.dtype = next(model.parameters()).dtype
-        self.cache = DynamicCache()
-        self._len = 0
-        self._pending = 0  # rows appended by the last forward, not yet committed
+        self.kv = DynamicKVCache()
         self.supports_early_exit = config.model_type in _EARLY_EXIT_TYPES and all(
             hasattr(getattr(model, "model", None), a) for a in ("embed_tokens", "layers", "norm",
                                                                  "rotary_emb"))
-        self.captured = {}
-        self._capture: tuple[int, ...] = ()
-        self._keep_final = False
-        self.final_hidden = None
-        self._exit_rows = 0  # rows appended to the first layers by exit_forward this step
-        self._exit_layer = 0
 
     def replica(self) -> HFRunner:
         return HFRunner(self.model)
 
     @property
     def cache_len(self) -> int:
-        return self._len
+        return self.kv.length
+
+    @property
+    def pending_rows(self) -> int:
+        return self.kv.pending
+
+    @property
+    def cache(self):
+        """The model's ``DynamicCache`` (what its layers read and append to)."""
+        return self.kv.model_cache
 
     def fingerprint(self) -> str:
         embed = self.model.get_input_embeddings().weight
@@ -60,24 +61,21 @@ class HFRunner(Runner):
         return f"hf:{self.model.config.model_type}:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        self.cache = DynamicCache()
+    def prefill(self, ids: Sequence[int], needs: Needs = NOTHING) -> ForwardOutput:
+        self._check_needs(needs)
+        self.kv.reset()
         input_ids = torch.tensor([list(ids)], dtype=torch.long)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1, output_hidden_states=self._keep_final)
-        if self._keep_final:  # transformers' last hidden state is after the final norm
-            self.final_hidden = out.hidden_states[-1][0].float()
-        self._len = len(ids)
-        self._pending = 0
-        self._exit_rows = 0
-        return out.logits[0, -1].float()
+                         logits_to_keep=1, output_hidden_states=_wants_hidden(needs))
+        self.kv.append(len(ids))
+        return _output(out, needs)
 
     @torch.inference_mode()
-    def forward(self, root: int, draft: Draft) -> torch.Tensor:
-        require(self._pending == 0, "runner.forward called twice without commit")
-        self._drop_exit_rows()
+    def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
+        self._check_needs(needs)
         n = len(draft) + 1
-        past = self._len
+        self.kv.begin_forward(n)
+        past = self.kv.length
         input_ids = torch.tensor([(root,) + draft.tokens], dtype=torch.long)
         position_ids = (past + draft.position_offsets()).unsqueeze(0)
         allowed = torch.ones(n, past + n, dtype=torch.bool)
@@ -86,27 +84,12 @@ class HFRunner(Runner):
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                          past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=bool(self._capture) or self._keep_final)
-        self._pending = n
-        if self._keep_final:
-            self.final_hidden = out.hidden_states[-1][0].float()
-        if self._capture:
-            # hidden_states[l] is layer l's output (index 0: the embeddings)
-            self.captured = {layer: out.hidden_states[layer][0] for layer in self._capture}
-        return out.logits[0].float()
+                         output_hidden_states=_wants_hidden(needs))
+        self.kv.pending = n
+        return _output(out, needs)
 
-    @torch.inference_mode()  # the cache tensors were made in inference mode
     def commit(self, accepted: Sequence[int]) -> None:
-        keep = len(accepted) + 1
-        if list(accepted) != list(range(len(accepted))):
-            # the accepted path is not the first rows: move its rows next to the root's
-            rows = torch.tensor([self._len] + [self._len + 1 + i for i in accepted])
-            for layer in self.cache.layers:
-                layer.keys[:, :, self._len:self._len + keep] = layer.keys[:, :, rows]
-                layer.values[:, :, self._len:self._len + keep] = layer.values[:, :, rows]
-        self._len += keep
-        self._pending = 0
-        self.cache.crop(self._len)
+        self.kv.commit(accepted)
 
     # ---- early exit ------------------------------------------------------------------------
 
@@ -117,16 +100,13 @@ class HFRunner(Runner):
         super()._check_exit_layer(layer)
 
     def _drop_exit_rows(self) -> None:
-        if self._exit_rows:
-            self.cache.crop(self._len)
-            self._exit_rows = 0
+        self.kv.drop_uncommitted()
 
     @torch.inference_mode()
-    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
-        self._check_exit_pass(exit_layer)
+    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
         inner = self.model.model
         n = len(tokens)
-        start = self._len + self._exit_rows
+        start = self.kv.length + offset
         hidden = inner.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n, H]
         positions = torch.arange(start, start + n)
         rope = inner.rotary_emb(hidden, positions.unsqueeze(0))
@@ -140,8 +120,6 @@ class HFRunner(Runner):
                            position_embeddings=rope)
             if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
                 hidden = hidden[0]
-        self._exit_rows += n
-        self._exit_layer = exit_layer
         return hidden[0]
 
     @torch.inference_mode()
@@ -152,15 +130,8 @@ class HFRunner(Runner):
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(normed).float()
 
-    def capture_hidden(self, layers: Sequence[int]) -> None:
-        for layer in layers:
-            self._check_exit_layer(layer)
-        self._capture = tuple(layers)
-        self.captured = {}
-
-    def keep_final_hidden(self, on: bool) -> None:
-        self._keep_final = on
-        self.final_hidden = None
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach()
 
     def output_embeddings(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach()
@@ -168,3 +139,15 @@ class HFRunner(Runner):
 
 #: model types whose decoder stack is embed_tokens -> layers(position_embeddings=rope) -> norm
 _EARLY_EXIT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _wants_hidden(needs: Needs) -> bool:
+    return needs.final_hidden or bool(needs.layers)
+
+
+def _output(out, needs: Needs) -> ForwardOutput:
+    """A ForwardOutput from a transformers output: ``hidden_states[l]`` is layer l's output
+    (index 0: the embeddings; the last one is after the final norm)."""
+    final = out.hidden_states[-1][0].float() if needs.final_hidden else None
+    layers = {layer: out.hidden_states[layer][0] for layer in needs.layers}
+    return ForwardOutput(out.logits[0].float(), final, layers)

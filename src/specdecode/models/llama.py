@@ -44,14 +44,13 @@ from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
-from specdecode.models.base import Runner
-from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, check_format,
-                                     make_linear)
+from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
+from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight,
+                                     check_format, make_linear)
 
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
-#: ``extend`` (drafting) runs blocks of at least this many rows through the prefill layers
-BULK_ROWS = 16
 #: architectures (transformers ``model_type``) this runner runs
 SUPPORTED = tuple(ARCHITECTURES)
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
@@ -170,26 +169,6 @@ def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_scaling)
 
 
-@dataclass(frozen=True)
-class Q4Weight:
-    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
-    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        # the same float32 operations as gguf's dequantisation (product, then sum)
-        q = self.codes.float().reshape(*self.scale.shape, -1)
-        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
-
-    @staticmethod
-    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
-                          for f in ("codes", "scale", "minimum")))
-
-
 def _float(value) -> torch.Tensor:
     """A float32 tensor, or a 4-bit GGUF tensor dequantised."""
     return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
@@ -285,7 +264,7 @@ class LlamaRunner(Runner):
             self.prefill_head, self.prefill_layers = self._linears(
                 tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
-        self.capacity = -(-(shape.max_context + max_draft) // 16) * 16  # whole key blocks
+        self.capacity = -(-(shape.max_context + max_draft) // KEY_BLOCK) * KEY_BLOCK
         # rotary tables per kind of layer: False the global ones, True the sliding layers' own
         self.rope = {local: self._rope_tables(config, local)
                      for local in {layer.local_rope for layer in self.layers}}
@@ -330,23 +309,10 @@ class LlamaRunner(Runner):
         return w if factor == 1.0 else w * factor
 
     def _new_cache(self) -> None:
-        """An empty KV cache and decoding state of this runner's own."""
+        """An empty KV cache of this runner's own."""
         shape = self.shape
-        self.captured = {}
-        self._capture: tuple[int, ...] = ()
-        self._keep_final = False
-        self.final_hidden = None
-        self._exit_rows = 0  # rows exit_forward wrote into the first layers this step
-        self._exit_layer = 0
-        # keys in blocks of 16 slots, [layer, kv head, slot / 16, D, slot % 16] (a score is one
-        # fma chain over D, 16 slots a register), values [layer, kv head, slot, D]; empty, not
-        # zeros: attention reads only slots that were written
-        kh, d = shape.num_kv_heads, shape.head_dim
-        dtype = KV_CACHE[self.weights]
-        self.k_cache = torch.empty(shape.num_layers, kh, self.capacity // 16, d, 16, dtype=dtype)
-        self.v_cache = torch.empty(shape.num_layers, kh, self.capacity, d, dtype=dtype)
-        self._len = 0
-        self._pending = 0
+        self.cache = BlockedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                    self.capacity, KV_CACHE[self.weights])
 
     def _linears(self, tensors: dict, head: str, linear) -> tuple[object, list[_Layer]]:
         """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
@@ -444,7 +410,7 @@ class LlamaRunner(Runner):
 
     @property
     def cache_len(self) -> int:
-        return self._len
+        return self.cache.length
 
     def fingerprint(self) -> str:
         # The same string the hf runner gives for the same weights: artifacts trained against
@@ -453,87 +419,90 @@ class LlamaRunner(Runner):
         sample = embed[:: max(1, embed.shape[0] // 64), :8].double().sum().item()
         return f"hf:{self.shape.arch.model_type}:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
 
+    @property
+    def pending_rows(self) -> int:
+        return self.cache.pending
+
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        ids = list(ids)
-        require(0 < len(ids) <= self.max_context,
-                f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
-        self._len = 0
-        self._pending = 0
-        self._exit_rows = 0
-        blocks = self._append(ids, bulk_rows=1)
-        if self._keep_final:
-            self.final_hidden = self._norm(torch.cat(blocks), self.final_norm)
-        return self._logits(blocks[-1][-1:], self.prefill_head)[0]
+    def prefill(self, ids: Sequence[int], needs: Needs = NOTHING) -> ForwardOutput:
+        return self.prefill_part(ids, 0, len(ids), needs)
 
     #: parts on block boundaries run the very blocks one prefill runs
     prefill_granule = PREFILL_BLOCK
 
     @torch.inference_mode()
-    def prefill_part(self, ids: Sequence[int], start: int, stop: int) -> torch.Tensor | None:
+    def prefill_part(self, ids: Sequence[int], start: int, stop: int,
+                     needs: Needs = NOTHING) -> ForwardOutput | None:
         ids = list(ids)
         require(0 < len(ids) <= self.max_context,
                 f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
         require(start % PREFILL_BLOCK == 0 and start < stop <= len(ids)
-                and (start == 0 or start == self._len),
+                and (start == 0 or start == self.cache.length),
                 f"prefill part {start}:{stop} of {len(ids)} rows must start at 0 or where the "
-                f"last part stopped ({self._len}), at a multiple of {PREFILL_BLOCK}")
+                f"last part stopped ({self.cache.length}), at a multiple of {PREFILL_BLOCK}")
+        self._check_needs(needs)
         if start == 0:
-            self._len = 0
-            self._pending = 0
-            self._exit_rows = 0
-            self._prefill_rows = []
-        blocks = self._append(ids[start:stop], bulk_rows=1)
-        if self._keep_final:
-            self._prefill_rows += blocks
+            self.cache.reset()
+            self._prefill_blocks = []
+        # the earlier parts' blocks are kept only where the features of every prompt row are
+        # asked for; the logits need the last block alone
+        keep = needs.final_hidden or bool(needs.layers)
+        blocks = self.append(ids[start:stop], bulk_rows=1, capture=needs.layers)
+        self._prefill_blocks = (self._prefill_blocks + blocks) if keep else blocks[-1:]
         if stop < len(ids):
             return None
-        if self._keep_final:
-            self.final_hidden = self._norm(torch.cat(self._prefill_rows), self.final_norm)
-        self._prefill_rows = []
-        return self._logits(blocks[-1][-1:], self.prefill_head)[0]
+        blocks, self._prefill_blocks = self._prefill_blocks, []
+        hidden = [block for block, _ in blocks]
+        logits = self._logits(hidden[-1][-1:], self.prefill_head)
+        final = self._norm(torch.cat(hidden), self.final_norm) if needs.final_hidden else None
+        layers = {layer: torch.cat([captured[layer] for _, captured in blocks])
+                  for layer in needs.layers}
+        return ForwardOutput(logits, final, layers)
 
     @torch.inference_mode()
-    def forward(self, root: int, draft: Draft) -> torch.Tensor:
-        require(self._pending == 0, "runner.forward called twice without commit")
+    def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
+        self._check_needs(needs)
         n = len(draft) + 1
-        require(self._len + n <= self.capacity,
-                f"the cache holds {self.capacity} rows; {self._len} are used and this draft "
-                f"needs {n}: give a smaller draft or a larger max_draft")
-        depths = (0,) + draft.depths
-        self._exit_rows = 0  # the full pass overwrites the draft pass's rows
-        hidden = self._forward((root,) + draft.tokens, depths, None if draft.is_chain else draft,
-                               self._len, capture=self._capture)
-        self._pending = n
+        self.cache.begin_forward(n)
+        plan = AttentionPlan.verify(self.cache.length, draft)
+        hidden, layers = self.run((root,) + draft.tokens, plan, capture=needs.layers)
+        self.cache.pending = n
         normed = self._norm(hidden, self.final_norm)
-        if self._keep_final:
-            self.final_hidden = normed
-        return self._capped(self.head(normed))
+        return ForwardOutput(self._capped(self.head(normed)),
+                             normed if needs.final_hidden else None, layers)
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
-        keep = len(accepted) + 1
-        require(0 < keep <= self._pending,
-                f"commit of {keep} rows after a forward of {self._pending}")
-        if list(accepted) != list(range(len(accepted))):
-            # the accepted path is not the first rows: move its rows next to the root's
-            self._move_after_cache(torch.tensor([self._len] + [self._len + 1 + i for i in accepted]))
-        self._len += keep
-        self._pending = 0
+        self.cache.commit(accepted)
 
-    # ---- early exit: shared KV, the draft pass's rows are overwritten by the verify pass ----
+    def append(self, tokens: Sequence[int], bulk_rows: int, capture: tuple[int, ...] = ()
+               ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Run ``tokens`` as a chain after the cache, in blocks of ``PREFILL_BLOCK``, and keep
+        them; blocks of ``bulk_rows`` rows or more take the prefill layers. Each block's last
+        layer hidden states and those of the ``capture`` layers."""
+        tokens = list(tokens)
+        require(self.cache.pending == 0, "tokens appended between forward and commit")
+        self.cache.check_room(len(tokens), f"{len(tokens)} more tokens")
+        out = []
+        for start in range(0, len(tokens), PREFILL_BLOCK):
+            block = tokens[start:start + PREFILL_BLOCK]
+            plan = AttentionPlan.chain(self.cache.length, len(block))
+            out.append(self.run(block, plan, capture=capture, prefill=len(block) >= bulk_rows))
+            self.cache.append(len(block))
+        return out
+
+    # ---- early exit: shared KV, the chain's rows lie past the cache (the verify pass
+    # overwrites them) ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def exit_forward(self, tokens: Sequence[int], exit_layer: int) -> torch.Tensor:
-        self._check_exit_pass(exit_layer)
-        start = self._len + self._exit_rows
-        require(start + len(tokens) <= self.capacity,
-                f"the cache holds {self.capacity} rows; the draft pass would need more")
-        hidden = self._forward(list(tokens), tuple(range(len(tokens))), None, start,
-                               stop=exit_layer)
-        self._exit_rows += len(tokens)
-        self._exit_layer = exit_layer
+    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
+        self.cache.check_room(offset + len(tokens), "the draft pass")
+        plan = AttentionPlan.chain(self.cache.length + offset, len(tokens))
+        hidden, _ = self.run(tokens, plan, stop=exit_layer)
         return hidden
+
+    def _drop_exit_rows(self) -> None:
+        self.cache.drop_uncommitted()
 
     def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
         return self._norm(hidden.float(), self.final_norm) if adapter is None else adapter(hidden)
@@ -542,98 +511,11 @@ class LlamaRunner(Runner):
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         return self._capped(self.head(normed.float().contiguous()))
 
-    def capture_hidden(self, layers: Sequence[int]) -> None:
-        for layer in layers:
-            self._check_exit_layer(layer)
-        self._capture = tuple(layers)
-        self.captured = {}
-
-    def keep_final_hidden(self, on: bool) -> None:
-        self._keep_final = on
-        self.final_hidden = None
+    def input_embeddings(self) -> torch.Tensor:
+        return self.embed
 
     def output_embeddings(self) -> torch.Tensor:
         return self._head_weight
-
-    # ---- drafting for another runner (draft_model): the cache holds every token read -------
-
-    @torch.inference_mode()
-    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append ``tokens`` to the cache as read tokens and return their hidden states after
-        the final norm [n, H], float32. For a runner that drafts: nothing it computes needs to
-        match another pass bit for bit, so blocks of ``BULK_ROWS`` or more (a prompt) take the
-        prefill layers."""
-        tokens = list(tokens)
-        require(self._pending == 0 and self._exit_rows == 0,
-                "extend called between forward and commit")
-        require(self._len + len(tokens) <= self.capacity,
-                f"the cache holds {self.capacity} rows; {self._len} are used and "
-                f"{len(tokens)} more do not fit")
-        return self._norm(torch.cat(self._append(tokens, BULK_ROWS)), self.final_norm)
-
-    def _append(self, tokens: list[int], bulk_rows: int) -> list[torch.Tensor]:
-        """Run ``tokens`` as a chain after the cache, in blocks of ``PREFILL_BLOCK``, and keep
-        them; blocks of ``bulk_rows`` rows or more take the prefill layers. Each block's last
-        layer hidden states."""
-        hidden = []
-        for start in range(0, len(tokens), PREFILL_BLOCK):
-            block = tokens[start:start + PREFILL_BLOCK]
-            hidden.append(self._forward(block, tuple(range(len(block))), None, self._len,
-                                        prefill=len(block) >= bulk_rows))
-            self._len += len(block)
-        return hidden
-
-    @torch.inference_mode()
-    def read_tree(self, tokens: Sequence[int], paths: Sequence[Sequence[int]], start: int) -> torch.Tensor:
-        """Read draft-tree rows after the cache without keeping them (a drafting runner's tree,
-        grown a few nodes a call): row ``start + j`` holds ``tokens[j]``, whose ancestors are
-        the tree rows ``paths[j]`` (root to parent, all below ``start + j``; empty: a child of
-        the last cached token). A row attends to every cached token, its ancestors and itself.
-        Their hidden states after the final norm [n, H]; :meth:`keep_tree` keeps a path."""
-        tokens = list(tokens)
-        require(self._pending == 0 and self._exit_rows == 0,
-                "read_tree called between forward and commit")
-        require(self._len + start + len(tokens) <= self.capacity,
-                f"the cache holds {self.capacity} rows; {self._len} are used and a tree of "
-                f"{start + len(tokens)} rows does not fit")
-        base = self._len + start
-        slots = torch.arange(base, base + len(tokens))
-        # a row sees the cache, its ancestors and itself; the root is the last cached token
-        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
-        positions = self._len - 1 + lengths.long()
-        keys = torch.zeros(len(tokens), int(lengths.max()), dtype=torch.int32)
-        for j, path in enumerate(paths):
-            require(all(0 <= row < start + j for row in path),
-                    f"tree row {start + j}'s ancestors must be earlier rows, got {list(path)}")
-            keys[j, :len(path) + 1] = torch.tensor([self._len + row for row in path] + [base + j],
-                                                   dtype=torch.int32)
-        hidden = self._forward(tokens, (), None, self._len, rows=(positions, slots, keys, lengths))
-        return self._norm(hidden, self.final_norm)
-
-    @torch.inference_mode()
-    def keep_tree(self, rows: Sequence[int]) -> None:
-        """Keep the tree rows ``rows`` (a root-to-node path, in order) as cached tokens after
-        the cache; the other tree rows are forgotten."""
-        keep = len(rows)
-        require(self._len + keep <= self.capacity, "keep_tree: the rows lie past the cache")
-        if list(rows) != list(range(keep)):
-            self._move_after_cache(self._len + torch.tensor(list(rows)))
-        self._len += keep
-
-    def _move_after_cache(self, src: torch.Tensor) -> None:
-        """Copy the KV rows at slots ``src`` (in order) to the slots right after the cached
-        tokens; keys lie in blocks of 16 positions."""
-        dst = torch.arange(self._len, self._len + len(src))
-        k = self.k_cache
-        k[:, :, dst // 16, :, dst % 16] = k[:, :, src // 16, :, src % 16]
-        self.v_cache[:, :, dst] = self.v_cache[:, :, src]
-
-    def rewind(self, length: int) -> None:
-        """Forget every cached token from position ``length`` on."""
-        require(self._pending == 0 and 0 <= length <= self._len,
-                f"cannot rewind a cache of {self._len} tokens to {length}")
-        self._len = length
-        self._exit_rows = 0
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -661,76 +543,53 @@ class LlamaRunner(Runner):
         is folded into the linear layer's kernel otherwise)."""
         return linear(h, x) if post_norm is None else x + self._norm(linear(h), post_norm)
 
-    def _forward(self, tokens: Sequence[int], depths: Sequence[int], tree: Draft | None,
-                 past: int, stop: int | None = None, capture: tuple[int, ...] = (),
-                 prefill: bool = False, rows=None) -> torch.Tensor:
-        """Run ``tokens`` (row i at position ``past + depths[i]``) through the first ``stop``
-        layers (all by default), writing their KV rows at slots ``past + i``. ``tree`` is the
-        draft when the rows are not a chain; layers in ``capture`` keep their output in
-        :attr:`captured`; ``prefill`` runs the prompt layers. ``rows``: (positions, slots, key
-        slots, key counts) given instead of being derived from ``depths`` and ``tree``. Returns
-        the last layer's hidden states [n, hidden], float32."""
+    def run(self, tokens: Sequence[int], plan: AttentionPlan, *, stop: int | None = None,
+            capture: tuple[int, ...] = (), prefill: bool = False
+            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run ``tokens`` where ``plan`` puts them (positions, cache slots written, slots
+        attended to) through the first ``stop`` layers (all by default); ``prefill``: the prompt
+        layers. The last layer's hidden states [n, hidden], float32, and {layer: its output
+        [n, hidden]} for the layers in ``capture``. The cache's books are the caller's."""
         s = self.shape
         layers = self.prefill_layers if prefill else self.layers
-        if rows is None:
-            positions = past + torch.tensor(depths, dtype=torch.long)
-            slots = torch.arange(past, past + len(tokens))
-            keys, lengths = _key_slots(past, depths, tree)
-        else:
-            positions, slots, keys, lengths = rows
         x = self.embed[torch.tensor(tokens)]  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
-        activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
-        if capture:
-            self.captured = {}
+        rope = {local: (cos[plan.positions], sin[plan.positions])
+                for local, (cos, sin) in self.rope.items()}
         if self._stack is not None and layers is self.layers:
-            return self._stacked(x, len(layers) if stop is None else stop, capture, rope[False],
-                                 slots, past, keys, lengths)
+            return self._stacked(x, plan, len(layers) if stop is None else stop, capture, rope[False])
+        activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers[:stop]):
-            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             if layer.q_norm is not None:
                 qkv = self._head_norms(qkv, layer)
             cos, sin = rope[layer.local_rope]  # [n, D]
-            q = kernels.rope_store(qkv, cos, sin, s.num_heads, s.num_kv_heads, k_cache, v_cache, slots)
-            attended = kernels.attention(q, k_cache, v_cache, past, keys, lengths, layer.window)
+            q = kernels.rope_store(qkv, cos, sin, s.num_heads, s.num_kv_heads, k_cache, v_cache,
+                                   plan.slots)
+            attended = kernels.attention(q, k_cache, v_cache, plan.past, plan.keys, plan.lengths,
+                                         layer.window)
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
             hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
             x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
             if i + 1 in capture:
-                self.captured[i + 1] = x.clone()
-        return x
+                captured[i + 1] = x.clone()
+        return x, captured
 
-
-    def _stacked(self, x: torch.Tensor, stop: int, capture: tuple[int, ...], rope, slots, past: int,
-                 keys, lengths) -> torch.Tensor:
-        """_forward's layer loop through the Q4Stack: one call, or one a captured layer."""
+    def _stacked(self, x: torch.Tensor, plan: AttentionPlan, stop: int, capture: tuple[int, ...],
+                 rope) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """run's layer loop through the Q4Stack: one call, or one a captured layer."""
         cos, sin = rope
         start = 0
+        captured = {}
         for end in sorted({c for c in capture if 0 < c < stop} | {stop}):
-            x = self._stack.forward(x, start, end, self.k_cache, self.v_cache, cos, sin, slots,
-                                    past, keys, lengths, kernels.isa())
+            x = self._stack.forward(x, start, end, self.cache.keys, self.cache.values, cos, sin,
+                                    plan.slots, plan.past, plan.keys, plan.lengths, kernels.isa())
             if end in capture:
-                self.captured[end] = x.clone()
+                captured[end] = x.clone()
             start = end
-        return x
-
-
-def _key_slots(past: int, depths: Sequence[int], tree: Draft | None):
-    """The cache slots each new row attends to after the ``past`` committed ones, in position
-    order: [n, max depth + 1] int32 and the count per row. A chain row i sees slots past..past+i;
-    a tree node sees the root's slot, its ancestors' and its own."""
-    n = len(depths)
-    if tree is None:
-        table = (past + torch.arange(n, dtype=torch.int32)).expand(n, n).contiguous()
-        return table, torch.arange(1, n + 1, dtype=torch.int32)
-    width = max(depths) + 1
-    table = torch.full((n, width), past, dtype=torch.int32)
-    for row in range(1, n):
-        path = tree.path_to(row - 1)
-        table[row, 1:1 + len(path)] = past + 1 + torch.tensor(path, dtype=torch.int32)
-    return table, torch.tensor(depths, dtype=torch.int32) + 1
+        return x, captured

@@ -30,6 +30,9 @@ determinism.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -134,3 +137,23 @@ def make_linear(weight: torch.Tensor, weights: str):
     """A linear layer holding ``weight`` [out, in] (float) in format ``weights``."""
     check_format(weights)
     return Int4Linear.quantize(weight) if weights == "int4" else DenseLinear(weight, weights)
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
+    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        # the same float32 operations as gguf's dequantisation (product, then sum)
+        q = self.codes.float().reshape(*self.scale.shape, -1)
+        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                          for f in ("codes", "scale", "minimum")))

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer
-from specdecode.proposers.jacobi import target_argmax
+from specdecode.proposers.base import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
 
 
@@ -178,6 +177,8 @@ class ADEDProposer(Proposer):
                       min(config.max_depth, budget.max_depth), budget.max_nodes)
 
     def observe(self, feedback: Feedback) -> None:
+        if feedback.prefill:  # learns from verify steps only
+            return
         context, draft = feedback.context, feedback.draft
         if self.config.learn_from_target and len(context) >= 2:
             # the pair before each row: (token before the node, the node's token); row 0 = root

@@ -1,8 +1,10 @@
 """The proposer interface: where draft tokens come from.
 
 A proposer only proposes; it never decides what is accepted. Its lifecycle per request:
-``set_sampling(params)`` -> ``start(prompt)`` -> (``propose(context, budget)`` ->
-``observe(feedback)``)* -> ``finish(output)``.
+``set_sampling(params)`` -> ``start(prompt)`` -> ``observe(prefill feedback)`` ->
+(``propose(context, budget)`` -> ``observe(feedback)``)* -> ``finish(output)``.
+What it reads from the target's passes besides the logits it declares in ``needs``; the engine
+asks the runner for it and hands it over in :class:`Feedback`.
 State that outlives a request (a global suffix tree, a token-recycling matrix) stays on the
 instance, so one proposer serving many requests learns across them.
 """
@@ -17,13 +19,17 @@ import torch
 
 from specdecode.control import Budget, Controller
 from specdecode.draft import Draft
-from specdecode.models.base import Runner
-from specdecode.sampling import GREEDY, SamplingParams
+from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams
 
 
 @dataclass(frozen=True)
 class Feedback:
-    """What one verify step saw: the draft, the target's logits over it, what was accepted."""
+    """What one verify step saw: the draft, the target's logits over it, what was accepted.
+
+    The prefill is fed back too, as a step with an empty draft whose context is the prompt
+    (``prefill`` True): the target read every prompt token, and its logits row is the one
+    after the last."""
 
     #: committed tokens before this step (prompt + output so far; the last one is the root)
     context: Sequence[int]
@@ -34,12 +40,40 @@ class Feedback:
     accepted: Sequence[int]
     #: tokens committed by this step: the accepted draft tokens and one bonus/recovered token
     tokens: Sequence[int]
+    #: the target's pass, with the features the proposer's ``needs`` asked for
+    target: ForwardOutput | None = None
+    #: whether this is the prefill (nothing was drafted)
+    prefill: bool = False
+
+    @property
+    def committed_rows(self) -> list[int]:
+        """Rows of the target's features (one per token it read) whose tokens are now in the
+        cache: every prompt token's after the prefill; the root's and the accepted nodes' after
+        a verify step."""
+        if self.prefill:
+            return list(range(len(self.context)))
+        return [0] + [1 + i for i in self.accepted]
+
+
+def target_argmax(feedback: Feedback, rows: Sequence[int], sampling: SamplingParams,
+                  prompt_len: int) -> list[int]:
+    """The target's greedy prediction at each logits row in ``rows`` (row 0 = after the root),
+    with the request's penalties applied along each node's own path, as the verifier does."""
+    if not rows:
+        return []
+    if not sampling.has_penalties:
+        return feedback.logits[list(rows)].argmax(-1).tolist()
+    nodes = NodeDistributions(feedback.logits, sampling, feedback.context, prompt_len,
+                              feedback.draft)
+    return [nodes.argmax(row) for row in rows]
 
 
 class Proposer(ABC):
     """Base class; subclasses set ``method_name`` through the registry decorator."""
 
     method_name: str = "?"
+    #: what :meth:`observe` reads from the target's passes besides the logits
+    needs: Needs = NOTHING
 
     def __init__(self, config, runner: Runner):
         self.config = config
@@ -64,7 +98,7 @@ class Proposer(ABC):
         """Draft continuations of ``context`` (whose last token is the root)."""
 
     def observe(self, feedback: Feedback) -> None:
-        """Learn from one verify step."""
+        """Learn from one verify step, or from the prefill (``feedback.prefill``)."""
 
     def finish(self, output: Sequence[int]) -> None:
         """The request ended with ``output`` (the new tokens)."""

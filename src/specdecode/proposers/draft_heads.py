@@ -4,24 +4,24 @@ probabilities, best-first by path probability under a node budget (EAGLE-2, Li e
 the same growth rule as DySpec, with the same sampling: siblings drawn without replacement,
 ``Draft.probs`` recorded, so the recursive rejection rule keeps the target's distribution).
 
-The proposer turns the runner's :meth:`keep_final_hidden` on and hands the draft cache
-(heads/drafter.py) the features of every committed position: the prompt's after the prefill,
-then the root's and the accepted nodes' rows of each verify pass. Heads are trained by
-``specdecode train heads --kind KIND``; the default model's ship inside the package.
+The proposer declares that it needs the target's final hidden states and hands the draft cache
+(heads/drafter.py) those of every committed position (``Feedback.committed_rows``): the
+prompt's after the prefill, then the root's and the accepted nodes' rows of each verify pass.
+The tree grows as drafting/tree.py grows it. Heads are trained by ``specdecode train heads
+--kind KIND``; the default model's ship inside the package.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from specdecode.control import Controller
+from specdecode.drafting.session import DraftSession
+from specdecode.drafting.tree import check_tree, grow_tree
 from specdecode.heads.artifact import load_heads
 from specdecode.heads.drafter import HeadDraftLM
+from specdecode.models.base import Needs
 from specdecode.proposers.base import Feedback, Proposer
-from specdecode.proposers.draft_model import target_embeddings
-from specdecode.proposers.dyspec import DySpecProposer, check_tree
 from specdecode.registry import param
 
 
@@ -45,24 +45,24 @@ class HeadTreeConfig:
         check_tree(self)
 
 
-class HeadProposer(DySpecProposer):
+class HeadProposer(Proposer):
     """Subclasses set ``head_kind`` (a network of heads/networks.py) and register."""
 
     head_kind = "?"
+    needs = Needs(final_hidden=True)
 
     def __init__(self, config, runner):
-        Proposer.__init__(self, config, runner)
+        super().__init__(config, runner)
         net, head_ids, source, self.artifact_config = load_heads(
-            config.heads, runner, self.head_kind, target_embeddings(runner))
-        self.lm = HeadDraftLM(net, head_ids, runner)
+            config.heads, runner, self.head_kind, runner.input_embeddings())
+        self.session = DraftSession(HeadDraftLM(net, head_ids, runner))
         self.depth_limit = net.max_depth
-        runner.keep_final_hidden(True)
-        self.acceptance_head = None
         self.draft_source = source
-        self.generator = torch.Generator()
-        self._prompt_len = 0
-        self._nodes = ([], [], [])
-        self._prompt_features_pending = False
+
+    @property
+    def lm(self) -> HeadDraftLM:
+        """The draft cache: the head network and the features it has read."""
+        return self.session.lm
 
     def make_controller(self) -> Controller:
         depth = self.config.max_depth
@@ -71,17 +71,12 @@ class HeadProposer(DySpecProposer):
         return Controller(depth, self.config.tree_nodes)
 
     def start(self, prompt) -> None:
-        super().start(prompt)
+        self.session.start(prompt, self.sampling)
         self.lm.reset()
-        self._prompt_features_pending = True
 
     def propose(self, context, budget):
-        if self._prompt_features_pending:  # the prefill ran since start(): its rows
-            self.lm.add_features(self.runner.final_hidden)
-            self._prompt_features_pending = False
-        return super().propose(context, budget)
+        return grow_tree(self.session, context, budget, self.config)
 
     def observe(self, feedback: Feedback) -> None:
-        rows = [0] + [1 + i for i in feedback.accepted]
-        self.lm.add_features(self.runner.final_hidden[rows])
-        super().observe(feedback)
+        self.lm.add_features(feedback.target.final_hidden[feedback.committed_rows])
+        self.session.keep_accepted(feedback.accepted, feedback.draft)

@@ -6,7 +6,7 @@ Early-exit drafting (see ``early_exit``) with the exit layer and the draft lengt
 every round:
 
 1. *Shadow tokens.* The verify pass already computes every layer's hidden state for the
-   committed rows, so the runner keeps those of the candidate exit layers; the exit head of each
+   committed rows, so the proposer asks for those of the candidate exit layers; the exit head of each
    layer l turns them into the token l would have drafted there. Row i's shadow token is accepted
    exactly when it equals the committed token after row i (the context up to row i is the
    target's own), so each round gives every candidate layer a few acceptance trials for free.
@@ -40,43 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.draft import Draft
+from specdecode.drafting.exits import (HEAD_COST, VERIFY_TOKEN_COST, check_exit_layer,
+                                       require_early_exit, tokens_per_layer)
 from specdecode.errors import require
+from specdecode.models.base import Needs
 from specdecode.proposers.base import Feedback, Proposer
-from specdecode.proposers.early_exit import check_exit_layer, require_early_exit
 from specdecode.registry import param, register
 from specdecode.training.adapters import resolve_adapters
-
-#: cost model constants for SmolLM2-135M on a 2-core CPU, hf runner (docs/self-speculation.md):
-#: its tied 49152 x 576 head reads as many weights as ~6 of its 30 layers (a one-token forward
-#: is memory-bound), and a verify pass grows ~12% of a one-token forward per extra token
-#: (37 ms for 1 token, 67 ms for 8, DESIGN.md)
-HEAD_COST = 6.0
-VERIFY_TOKEN_COST = 0.12
-
-
-def expected_tokens(alpha: float, depth: int) -> float:
-    """Tokens one verify step commits for a chain of ``depth`` drafts each accepted with
-    probability ``alpha``: 1 + alpha + ... + alpha^depth."""
-    return float(sum(alpha ** i for i in range(depth + 1)))
-
-
-def tokens_per_layer(alpha: float, layer: int, depth: int, num_layers: int,
-                     head_cost: float = 0.0, verify_token_cost: float = 0.0,
-                     round_cost: float = 0.0) -> float:
-    """DEL's TPL with the CPU terms: the LM head, the verify pass's width and a fixed cost per
-    round (the shadow tokens' head call); all 0 gives the paper's formula."""
-    draft = depth * (layer + head_cost)
-    verify = (num_layers + head_cost) * (1.0 + verify_token_cost * depth)
-    return expected_tokens(alpha, depth) / (draft + verify + round_cost)
-
-
-def best_fixed_layer(agreement: dict[int, float], num_layers: int, depth: int,
-                     head_cost: float = HEAD_COST,
-                     verify_token_cost: float = VERIFY_TOKEN_COST) -> int:
-    """The exit layer with the highest TPL at a fixed draft length (``early_exit``'s auto)."""
-    return max(agreement, key=lambda layer: tokens_per_layer(
-        agreement[layer], layer, depth, num_layers, head_cost, verify_token_cost))
-
 
 @dataclass(frozen=True)
 class DelConfig:
@@ -137,6 +107,7 @@ class DynamicExitProposer(Proposer):
         for layer in layers:
             check_exit_layer(runner, layer, "candidate layer")
         self.layers = tuple(layers)
+        self.needs = Needs(layers=self.layers)
         self.heads = {layer: self.adapters[layer] if self.adapters is not None
                       and layer in self.adapters else None for layer in self.layers}
         measured = self.adapters.agreement() if self.adapters is not None else {}
@@ -169,36 +140,35 @@ class DynamicExitProposer(Proposer):
         return best
 
     def start(self, prompt):
-        self.runner.capture_hidden(self.layers)
         self.hits = dict.fromkeys(self.layers, 0.0)
         self.trials = dict.fromkeys(self.layers, 0.0)
         self.choices = []
         self.idle_rounds = 0
-
-    def finish(self, output):
-        self.runner.capture_hidden(())
 
     def propose(self, context, budget):
         layer, depth = self.choose(min(self.config.max_speculative_tokens, budget.max_depth))
         self.choices.append((layer, depth))
         tokens: list[int] = []
         token = context[-1]
-        for _ in range(depth):
-            hidden = self.runner.exit_forward([token], layer)  # [1, H]
-            probs = torch.softmax(self.runner.exit_logits(hidden, self.heads[layer])[0], -1)
-            confidence, best = probs.max(-1)
-            token = int(best)
-            tokens.append(token)
-            if float(confidence) < self.config.confidence_threshold:
-                break
+        with self.runner.exit_chain(layer) as chain:
+            for _ in range(depth):
+                hidden = chain.extend([token])  # [1, H]
+                probs = torch.softmax(self.runner.exit_logits(hidden, self.heads[layer])[0], -1)
+                confidence, best = probs.max(-1)
+                token = int(best)
+                tokens.append(token)
+                if float(confidence) < self.config.confidence_threshold:
+                    break
         return Draft.chain(tokens)
 
     def observe(self, feedback: Feedback) -> None:
-        captured = self.runner.captured
+        if feedback.prefill:  # learns from verify steps only
+            return
+        captured = feedback.target.layers
         self.idle_rounds = 0 if len(feedback.draft) else self.idle_rounds + 1
         if not captured or self.idle_rounds % self.config.idle_shadow_every:
             return
-        rows = [0] + [1 + i for i in feedback.accepted]  # rows whose next token is committed
+        rows = feedback.committed_rows  # rows whose next token is committed
         target = torch.tensor(feedback.tokens[: len(rows)])
         # every layer's rows through the head in one call: it costs what one row does
         normed = torch.cat([self.runner.exit_norm(captured[layer][rows], self.heads[layer])

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdecode.draft import Draft
+from specdecode.drafting.exits import best_fixed_layer, check_exit_layer, require_early_exit
 from specdecode.errors import require
 from specdecode.proposers.base import Proposer
 from specdecode.registry import param, register
@@ -48,18 +49,6 @@ class EarlyExitConfig:
                                       f"got {self.exit_layer}")
 
 
-def check_exit_layer(runner, layer: int, what: str = "exit_layer") -> None:
-    require(1 <= layer < runner.num_layers,
-            f"{what} {layer} is outside the model: it has {runner.num_layers} layers, so an exit "
-            f"layer must be in 1..{runner.num_layers - 1}")
-
-
-def require_early_exit(runner, method: str) -> None:
-    require(runner.supports_early_exit,
-            f"method '{method}' drafts with the target's early layers, which the {runner.name} "
-            "runner does not support; use the hf runner with a Llama-family model")
-
-
 @register("early_exit", EarlyExitConfig,
           paper="LayerSkip: Early Exit Inference and Self-Speculative Decoding (Elhoushi et al., 2024)",
           summary="the target's first layers draft a chain (shared KV cache, trained exit adapters)")
@@ -71,8 +60,6 @@ class EarlyExitProposer(Proposer):
         if config.exit_layer:
             self.exit_layer = config.exit_layer
         elif self.adapters is not None and self.adapters.agreement():
-            from specdecode.proposers.dynamic_exit import best_fixed_layer
-
             self.exit_layer = best_fixed_layer(self.adapters.agreement(), runner.num_layers,
                                                config.num_speculative_tokens)
         else:
@@ -88,8 +75,9 @@ class EarlyExitProposer(Proposer):
     def propose(self, context, budget):
         tokens: list[int] = []
         token = context[-1]
-        for _ in range(min(self.config.num_speculative_tokens, budget.max_depth)):
-            hidden = self.runner.exit_forward([token], self.exit_layer)  # [1, H]
-            token = int(self.runner.exit_logits(hidden, self.head)[0].argmax())
-            tokens.append(token)
+        with self.runner.exit_chain(self.exit_layer) as chain:
+            for _ in range(min(self.config.num_speculative_tokens, budget.max_depth)):
+                hidden = chain.extend([token])  # [1, H]
+                token = int(self.runner.exit_logits(hidden, self.head)[0].argmax())
+                tokens.append(token)
         return Draft.chain(tokens)

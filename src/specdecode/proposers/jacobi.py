@@ -28,30 +28,15 @@ tokens. ``sjd`` is this window with speculative sampling's probabilistic accepta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposers.base import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
-from specdecode.sampling import NodeDistributions, SamplingParams
 
 #: longest window accepted; a window is one chain of verify rows, and rows cost target work
 MAX_WINDOW = 64
-
-
-def target_argmax(feedback: Feedback, rows: Sequence[int], sampling: SamplingParams,
-                  prompt_len: int) -> list[int]:
-    """The target's greedy prediction at each logits row in ``rows`` (row 0 = after the root),
-    with the request's penalties applied along each node's own path, as the verifier does."""
-    if not rows:
-        return []
-    if not sampling.has_penalties:
-        return feedback.logits[list(rows)].argmax(-1).tolist()
-    nodes = NodeDistributions(feedback.logits, sampling, feedback.context, prompt_len,
-                              feedback.draft)
-    return [nodes.argmax(row) for row in rows]
 
 
 def check_window(window: int) -> None:

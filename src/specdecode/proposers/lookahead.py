@@ -49,8 +49,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer
-from specdecode.proposers.jacobi import target_argmax
+from specdecode.proposers.base import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
 
 #: bounds on the window and n-gram size: the window alone costs (W - 1) + W (N - 2) rows
@@ -189,6 +188,8 @@ class LookaheadProposer(Proposer):
         return trie.draft()
 
     def observe(self, feedback: Feedback) -> None:
+        if feedback.prefill:  # learns from verify steps only
+            return
         config = self.config
         if config.pool_from_context and feedback.tokens:
             # the n-grams that end in the newly committed tokens

@@ -221,6 +221,8 @@ class RecyclingProposer(Proposer):
                           budget.max_nodes, seen)
 
     def observe(self, feedback: Feedback) -> None:
+        if feedback.prefill:  # learns from verify steps only
+            return
         # rows: the root, then every draft node; the accepted path goes last so that where a
         # token occurs at several nodes, its row comes from the node whose context was right
         accepted = torch.tensor([0] + [1 + i for i in feedback.accepted], dtype=torch.long)

@@ -33,7 +33,7 @@ from specdecode import registry
 from specdecode.api import GenerationResult, TextStream
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import Runner
+from specdecode.models.base import NOTHING, Needs, Runner
 from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
@@ -139,8 +139,8 @@ class _PrefilledRunner:
         self._runner = runner
         self._done = done
 
-    def prefill(self, ids):
-        return self._runner.prefill_part(ids, self._done, len(ids))
+    def prefill(self, ids, needs: Needs = NOTHING):
+        return self._runner.prefill_part(ids, self._done, len(ids), needs)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -281,7 +281,7 @@ class Scheduler:
         """One part of a long prompt; the stream starts once what is left fits one part."""
         ids = seq.job.specs[seq.index].prompt_ids
         stop = seq.prefilled + self._part_rows(seq.slot.runner)
-        seq.slot.runner.prefill_part(ids, seq.prefilled, stop)
+        seq.slot.runner.prefill_part(ids, seq.prefilled, stop, seq.decoder.proposer.needs)
         seq.prefilled = stop
         if len(ids) - stop <= self._part_rows(seq.slot.runner):
             self._start(seq)

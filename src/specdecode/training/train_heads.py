@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import require
+from specdecode.models.base import Needs
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.networks import NETWORKS, make_network, parameter_count
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
@@ -85,12 +86,10 @@ def read_features(runner, sequences, path: Path, deadline: float) -> list[torch.
     [T, H] float16, cached in ``path`` (extended when more conversations come)."""
     cached: list[torch.Tensor] = torch.load(path) if path.is_file() else []
     known = len(cached)
-    runner.keep_final_hidden(True)
     for ids, _ in sequences[known:]:
         if time.monotonic() > deadline and cached:
             break
-        runner.prefill(ids)
-        cached.append(runner.final_hidden.half())
+        cached.append(runner.prefill(ids, Needs(final_hidden=True)).final_hidden.half())
     if len(cached) == known:
         return cached
     tmp = path.with_name(path.name + ".tmp")

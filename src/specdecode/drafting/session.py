@@ -1,0 +1,80 @@
+"""A draft cache with what a drafting proposer keeps between its steps: the request's sampling,
+a random generator of its own, and the last draft's nodes, so that :meth:`keep_accepted` keeps
+the draft's KV rows of the accepted tokens it computed itself (nothing accepted is computed
+twice).
+
+Sampled drafting draws each token from the draft distribution processed exactly like the
+target's (penalties, temperature, top-k, top-p, min-p, each node with its own context) and
+records that distribution in ``Draft.probs``, so the verifier's rejection rule keeps the
+target's distribution. The draws come from the session's generator, seeded from the request
+seed plus ``DRAFT_SEED_OFFSET``: seeded runs repeat, and drafting never reuses the verifier's
+uniforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams, sample
+
+#: added to the request seed for the draft's generator: its draws must not repeat the
+#: verifier's uniforms (the same stream would correlate drafting and acceptance)
+DRAFT_SEED_OFFSET = 0x5DEECE66D
+
+
+class DraftSession:
+    """``lm``: a draft cache (drafting/caches.py, heads/drafter.py)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        self.sampling: SamplingParams = GREEDY
+        self.generator = torch.Generator()
+        self.prompt_len = 0
+        # the last draft: node tokens, parents, and each node's tree row (None: not fed)
+        self.nodes: tuple[list[int], list[int], list[int | None]] = ([], [], [])
+
+    def start(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """A request begins: its sampling options, and the generator seeded from its seed."""
+        self.sampling = sampling
+        self.prompt_len = len(prompt)
+        if sampling.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed((sampling.seed + DRAFT_SEED_OFFSET) % 2**63)
+
+    def node(self, logits: torch.Tensor, context: Sequence[int]) -> NodeDistributions:
+        """The processed distributions of a node with shortlist logits [V'] whose committed
+        context plus path is ``context``."""
+        full = self.lm.full_logits(logits[None])
+        return NodeDistributions(full, self.sampling, context, self.prompt_len, Draft.empty())
+
+    def draw(self, logits: torch.Tensor, context: Sequence[int]) -> tuple[int, torch.Tensor | None, float]:
+        """One draft token from shortlist logits [V'] at a node whose committed context plus
+        path is ``context``: (token, the distribution it was drawn from or None when greedy,
+        the draft's probability of it)."""
+        node = self.node(logits, context)
+        if self.sampling.greedy:
+            token = node.argmax(0)
+            return token, None, float(node.logits[0].softmax(-1)[token])
+        q = node.probs(0)
+        token = sample(q, self.generator)
+        return token, q, float(q[token])
+
+    def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
+        """Keep the draft's KV rows of the accepted tokens it computed itself. Matched by token
+        along the path, so a draft the engine truncated still lines up."""
+        tokens, parents, rows = self.nodes
+        children: dict[int, dict[int, int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, {}).setdefault(tokens[i], i)
+        node, path_rows = -1, []
+        for index in accepted:
+            node = children.get(node, {}).get(draft.tokens[index], -2)
+            if node < 0 or rows[node] is None:
+                break
+            path_rows.append(rows[node])
+        self.lm.prune(path_rows)
+        self.nodes = ([], [], [])

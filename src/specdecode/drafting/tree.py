@@ -1,0 +1,186 @@
+"""Best-first growth of a draft tree from a draft cache's probabilities (DySpec, Xiong et al.,
+2024; EAGLE-2's dynamic tree, Li et al., 2024), for ``dyspec`` and the head proposers.
+
+Every candidate node is valued by the product of draft probabilities along its path, and the
+most valuable candidate joins the tree until the node budget is placed (or the depth limit is
+reached). A node's children are known only after the drafter has read the node, so growth runs
+in rounds: place candidates while the best one has a read parent; when the best one needs a
+draft forward, read the (up to ``expand_width``) most valuable unread nodes in one batched
+forward, which is what bounds the draft's cost at a few forwards per step on CPU. Growth stops
+when the best candidate's value falls below ``min_path_prob`` (draft confidence predicts
+acceptance: an uncertain step sends a small tree or none).
+
+Siblings are drawn *without replacement* (RSD, Jeon et al., 2024): greedy decoding takes them
+in order of draft probability; sampled decoding draws them by Gumbel-top-k from the draft
+distribution processed like the target's, and ``Draft.probs[i]`` is the distribution node i was
+actually drawn from (the draft distribution with its earlier siblings removed, renormalised), so
+the verifier's recursive rejection sampling keeps the target's distribution exactly. For that,
+whether a sampled sibling joins the tree must not depend on the token it turns out to be: a
+sibling candidate is valued before it is drawn, by its parent's value times the expected draft
+probability of the next draw (sum of q(x)^2 over the undrawn tokens, over their mass). Greedy
+values use the actual draft probabilities (nothing random to bias).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from specdecode.control import Budget
+from specdecode.draft import Draft
+from specdecode.drafting.session import DraftSession
+from specdecode.errors import require
+
+
+def check_tree(config) -> None:
+    """The tree-growth settings every dynamic-tree config shares, checked with the fix named."""
+    require(config.tree_nodes >= 1, f"tree_nodes must be >= 1, got {config.tree_nodes} (a draft "
+                                    "of 0 nodes drafts nothing: use method 'ar')")
+    require(config.max_depth >= 1, f"max_depth must be >= 1, got {config.max_depth}")
+    require(config.expand_width >= 1, f"expand_width must be >= 1, got {config.expand_width}")
+    require(config.max_forwards >= 0, f"max_forwards must be >= 0, got {config.max_forwards}")
+    require(0 <= config.min_path_prob < 1,
+            f"min_path_prob must be in [0, 1), got {config.min_path_prob}")
+
+
+class _Children:
+    """The ranked candidate children of a node the draft model has read."""
+
+    def __init__(self, order: torch.Tensor, q: torch.Tensor, sampled: bool):
+        self.order = order.tolist()  # tokens, in the order siblings are drawn
+        self.q = q  # [V] the node's draft distribution (values; the draws when sampled)
+        self.sampled = sampled
+        self.taken = 0
+        self.drawn: list[int] = []
+
+    def next_weight(self) -> float:
+        """How likely the next sibling is to be the target's token, known before it is drawn."""
+        if self.taken >= len(self.order):
+            return 0.0
+        if not self.sampled:
+            return float(self.q[self.order[self.taken]])
+        rest = self.q.clone()
+        rest[self.drawn] = 0.0
+        mass = float(rest.sum())
+        return float((rest * rest).sum()) / mass if mass > 0 else 0.0
+
+    def take(self) -> tuple[int, torch.Tensor | None]:
+        """The next sibling and the distribution it was drawn from (None when greedy)."""
+        token = self.order[self.taken]
+        self.taken += 1
+        drawn_from = None
+        if self.sampled:
+            drawn_from = self.q.clone()
+            drawn_from[self.drawn] = 0.0
+            drawn_from /= drawn_from.sum()
+        self.drawn.append(token)
+        return token, drawn_from
+
+
+def rank_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int], limit: int) -> _Children:
+    """The ranked candidate children (at most ``limit``) of a node the drafter has read, from
+    its shortlist logits [V']; ``path``: the committed context plus the node's path."""
+    node = session.node(logits, path)
+    if session.sampling.greedy:
+        q = node.penalised(0).softmax(-1)
+        order = q.topk(min(limit, int((q > 0).sum()))).indices
+        return _Children(order, q, False)
+    q = node.probs(0)
+    # Gumbel-top-k: sorting log q + Gumbel noise draws without replacement from q
+    noise = -torch.log(-torch.log(torch.rand(q.shape, generator=session.generator,
+                                             dtype=torch.float64).clamp_min(1e-300)))
+    keys = torch.where(q > 0, q.double().log() + noise, float("-inf"))
+    order = keys.topk(min(limit, int((q > 0).sum()))).indices
+    return _Children(order, q, True)
+
+
+def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, settings) -> Draft:
+    """A draft tree after ``context`` from ``session``'s drafter, best-first under the node
+    and depth budget; ``settings``: a config with ``tree_nodes``, ``max_depth``,
+    ``expand_width``, ``max_forwards`` and ``min_path_prob`` (see :func:`check_tree`). The
+    session records each node's tree row, for :meth:`DraftSession.keep_accepted`."""
+    budget_nodes = min(settings.tree_nodes, budget.max_nodes)
+    max_depth = min(settings.max_depth, budget.max_depth)
+    if budget_nodes <= 0 or max_depth <= 0:
+        session.nodes = ([], [], [])
+        return Draft.empty()
+    logits, _ = session.lm.catch_up(context)
+    tree = _Growth(session, context, max_depth)
+    tree.children[-1] = rank_children(session, logits, list(context), budget_nodes)
+    # entries: (-value, tie, node, read): read = node's children are ranked (take the next
+    # one); unread = the node must be fed to the drafter first (value: an upper bound)
+    tree.push(-tree.children[-1].next_weight(), -1, True)
+    forwards = 0
+    while tree.heap and len(tree.tokens) < budget_nodes:
+        value, _, node, read = tree.heap[0]
+        if -value <= 0 or -value < settings.min_path_prob:
+            break
+        if read:
+            heapq.heappop(tree.heap)
+            tree.place_child(node)
+            continue
+        if forwards == settings.max_forwards:
+            break
+        forwards += 1
+        tree.read_best(budget_nodes - len(tree.tokens), settings.expand_width)
+    session.nodes = (tree.tokens, tree.parents, tree.rows)
+    probs = torch.stack(tree.probs) if tree.probs else None
+    return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
+
+
+class _Growth:
+    """A tree while it grows: its nodes, their values and tree rows, the candidates' heap."""
+
+    def __init__(self, session: DraftSession, context: Sequence[int], max_depth: int):
+        self.session = session
+        self.context = list(context)
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.values: list[float] = []
+        self.rows: list[int | None] = []  # each node's tree row in the drafter (None: unread)
+        self.paths: list[list[int]] = []
+        self.children: dict[int, _Children] = {}
+        self.heap: list[tuple[float, int, int, bool]] = []
+        self._tie = itertools.count()
+
+    def push(self, neg_value: float, node: int, read: bool) -> None:
+        heapq.heappush(self.heap, (neg_value, next(self._tie), node, read))
+
+    def place_child(self, node: int) -> None:
+        """Place the next ranked child of ``node`` (-1: the root)."""
+        ranked = self.children[node]
+        parent_value = 1.0 if node < 0 else self.values[node]
+        token, drawn_from = ranked.take()
+        self.tokens.append(token)
+        self.parents.append(node)
+        self.values.append(parent_value * float(ranked.q[token]))
+        self.rows.append(None)
+        self.paths.append(([] if node < 0 else self.paths[node]) + [token])
+        if drawn_from is not None:
+            self.probs.append(drawn_from)
+        new = len(self.tokens) - 1
+        self.push(-parent_value * ranked.next_weight(), node, True)
+        if len(self.paths[new]) < self.max_depth:
+            self.push(-self.values[new], new, False)
+
+    def read_best(self, room: int, width: int) -> None:
+        """Read the most valuable unread nodes that could still join (at most ``width``) in
+        one drafter call, and rank their children."""
+        unread = [e for e in heapq.nsmallest(room, self.heap) if not e[3]][:width]
+        feed = [e[2] for e in unread]
+        self.heap = [e for e in self.heap if e[3] or e[2] not in feed]
+        heapq.heapify(self.heap)
+        lm = self.session.lm
+        first_row = len(lm.tree_tokens)
+        out, _ = lm.feed([self.tokens[n] for n in feed],
+                         [-1 if self.parents[n] < 0 else self.rows[self.parents[n]] for n in feed])
+        for j, n in enumerate(feed):
+            self.rows[n] = first_row + j
+            self.children[n] = rank_children(self.session, out[j], self.context + self.paths[n],
+                                             room)
+            self.push(-self.values[n] * self.children[n].next_weight(), n, True)

@@ -1,0 +1,200 @@
+"""The KV cache as an object: its tensors, how many rows are committed, and its row moves.
+
+Rows are written at explicit slots (gpt-fast's static cache, pytorch-labs/gpt-fast model.py),
+so forgetting rows costs nothing: a rewind or a rejected draft just moves the length back, and
+the next tokens are written over the same slots. One verify step writes the root and every draft
+node after the committed rows (``pending``); :meth:`KVCache.commit` moves the accepted path's
+rows next to the root's and keeps them. A drafting cache does the same with a tree it reads a
+few nodes a call (:meth:`KVCache.keep_tree`).
+
+:class:`BlockedKVCache` is the native runner's layout (keys in blocks of 16 slots, what its
+attention kernel reads); :class:`DynamicKVCache` keeps the same books over a ``transformers``
+``DynamicCache``. :class:`AttentionPlan` says, for one forward, where each row goes and which
+cache slots it attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.errors import require
+
+#: slots per key block of :class:`BlockedKVCache` (16 slots fill a 512-bit register in float32)
+KEY_BLOCK = 16
+
+
+class KVCache:
+    """The books of a cache: ``length`` committed rows, ``pending`` rows written by the last
+    forward for :meth:`commit` to decide on. Subclasses own the tensors and move rows."""
+
+    def __init__(self, capacity: int | None):
+        #: rows the cache can hold (None: it grows)
+        self.capacity = capacity
+        self.length = 0
+        self.pending = 0
+
+    def reset(self) -> None:
+        """Forget every row."""
+        self.length = 0
+        self.pending = 0
+
+    def check_room(self, rows: int, what: str = "this draft") -> None:
+        """Before writing ``rows`` rows after the committed ones."""
+        require(self.capacity is None or self.length + rows <= self.capacity,
+                f"the cache holds {self.capacity} rows; {self.length} are used and {what} "
+                f"needs {rows}: give a smaller draft or a larger max_draft")
+
+    def begin_forward(self, rows: int) -> None:
+        """A verify pass will write ``rows`` rows after the committed ones."""
+        require(self.pending == 0, "runner.forward called twice without commit")
+        self.check_room(rows)
+
+    def append(self, rows: int) -> None:
+        """``rows`` rows written after the committed ones are kept (a prompt, read tokens)."""
+        self.length += rows
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the root's row and the accepted draft nodes' (a root-to-leaf path, in order)
+        of the pending rows; drop the rest."""
+        keep = len(accepted) + 1
+        require(0 < keep <= self.pending, f"commit of {keep} rows after a forward of {self.pending}")
+        self.pending = 0
+        self.keep_tree([0] + [1 + i for i in accepted])
+
+    def keep_tree(self, rows: Sequence[int]) -> None:
+        """Keep the rows ``rows`` after the committed ones (offsets, in order; a root-to-node
+        path of a tree) as committed rows; the other rows there are forgotten."""
+        keep = len(rows)
+        self.check_room(keep, "the kept path")
+        if list(rows) != list(range(keep)):
+            # the path is not the first rows: move its rows next to the committed ones
+            self._move_after(self.length + torch.tensor(list(rows)))
+        self.length += keep
+        self._truncate(self.length)
+
+    def rewind(self, length: int) -> None:
+        """Forget every committed row from ``length`` on."""
+        require(self.pending == 0 and 0 <= length <= self.length,
+                f"cannot rewind a cache of {self.length} tokens to {length}")
+        self.length = length
+        self._truncate(length)
+
+    def drop_uncommitted(self) -> None:
+        """Forget rows written past the committed ones that no commit will keep (an early-exit
+        chain's)."""
+        self._truncate(self.length)
+
+    # storage: what each layout does
+    def _move_after(self, src: torch.Tensor) -> None:
+        """Copy the rows at slots ``src`` (in order) to the slots right after the committed
+        ones."""
+        raise NotImplementedError
+
+    def _truncate(self, length: int) -> None:
+        """Free storage past ``length`` rows, where the layout holds any (a static cache
+        keeps its slots, to be written over)."""
+
+
+class BlockedKVCache(KVCache):
+    """The native runner's static cache: keys [layer, kv head, slot / 16, D, slot % 16] (a score
+    is one fma chain over D, 16 slots a register), values [layer, kv head, slot, D]. Empty, not
+    zeros: attention reads only slots that were written."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype):
+        require(capacity % KEY_BLOCK == 0, f"capacity {capacity} is not whole key blocks")
+        super().__init__(capacity)
+        self.keys = torch.empty(layers, kv_heads, capacity // KEY_BLOCK, head_dim, KEY_BLOCK,
+                                dtype=dtype)
+        self.values = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype)
+
+    def _move_after(self, src: torch.Tensor) -> None:
+        dst = torch.arange(self.length, self.length + len(src))
+        k = self.keys
+        k[:, :, dst // KEY_BLOCK, :, dst % KEY_BLOCK] = k[:, :, src // KEY_BLOCK, :, src % KEY_BLOCK]
+        self.values[:, :, dst] = self.values[:, :, src]
+
+
+class DynamicKVCache(KVCache):
+    """The same books over a ``transformers`` ``DynamicCache`` (keys and values [1, kv heads,
+    slot, D] per layer), which grows as the model writes and is cropped to what is kept."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers.cache_utils import DynamicCache
+
+        #: what the model reads and appends to (``past_key_values``)
+        self.model_cache = DynamicCache()
+        super().reset()
+
+    @torch.inference_mode()  # the cache tensors were made in inference mode
+    def _move_after(self, src: torch.Tensor) -> None:
+        end = self.length + len(src)
+        for layer in self.model_cache.layers:
+            layer.keys[:, :, self.length:end] = layer.keys[:, :, src]
+            layer.values[:, :, self.length:end] = layer.values[:, :, src]
+
+    @torch.inference_mode()
+    def _truncate(self, length: int) -> None:
+        self.model_cache.crop(length)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Where one forward's rows go and what they see. Row i is at position ``positions[i]``,
+    writes its KV at slot ``slots[i]`` and attends to every slot before ``past`` and then to
+    ``keys[i, :lengths[i]]`` (slots in position order, itself last)."""
+
+    past: int
+    positions: torch.Tensor  # [n] int64
+    slots: torch.Tensor  # [n] int64
+    keys: torch.Tensor  # [n, K] int32
+    lengths: torch.Tensor  # [n] int32
+
+    @classmethod
+    def chain(cls, past: int, n: int) -> AttentionPlan:
+        """``n`` rows after ``past`` slots, each seeing the ones before it."""
+        keys = (past + torch.arange(n, dtype=torch.int32)).expand(n, n).contiguous()
+        return cls(past, torch.arange(past, past + n), torch.arange(past, past + n), keys,
+                   torch.arange(1, n + 1, dtype=torch.int32))
+
+    @classmethod
+    def verify(cls, past: int, draft: Draft) -> AttentionPlan:
+        """The root at slot ``past`` and every draft node after it: a node sees the root's
+        slot, its ancestors' and its own (a chain draft is the plain chain)."""
+        if draft.is_chain:
+            return cls.chain(past, len(draft) + 1)
+        depths = (0,) + draft.depths
+        n = len(depths)
+        table = torch.full((n, max(depths) + 1), past, dtype=torch.int32)
+        for row in range(1, n):
+            path = draft.path_to(row - 1)
+            table[row, 1:1 + len(path)] = past + 1 + torch.tensor(path, dtype=torch.int32)
+        return cls(past, past + torch.tensor(depths, dtype=torch.long),
+                   torch.arange(past, past + n), table,
+                   torch.tensor(depths, dtype=torch.int32) + 1)
+
+    @classmethod
+    def tree_rows(cls, cached: int, start: int, paths: Sequence[Sequence[int]]) -> AttentionPlan:
+        """Tree rows read a few a call after ``cached`` committed slots: row j sits at slot
+        ``cached + start + j`` and its ancestors are the tree rows ``paths[j]`` (root to parent,
+        offsets after the cache, all below ``start + j``; empty: a child of the last cached
+        token). A row sees every cached slot, its ancestors and itself."""
+        n = len(paths)
+        base = cached + start
+        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
+        keys = torch.zeros(n, int(lengths.max()), dtype=torch.int32)
+        for j, path in enumerate(paths):
+            require(all(0 <= row < start + j for row in path),
+                    f"tree row {start + j}'s ancestors must be earlier rows, got {list(path)}")
+            keys[j, :len(path) + 1] = torch.tensor([cached + row for row in path] + [base + j],
+                                                   dtype=torch.int32)
+        return cls(cached, cached - 1 + lengths.long(), torch.arange(base, base + n), keys,
+                   lengths)
