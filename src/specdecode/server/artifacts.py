@@ -55,7 +55,7 @@ def field_kinds(method, field: str) -> tuple[str, ...]:
 
         return (KIND,)
     if field == "draft":
-        from specdecode.proposers.draft_model import ARTIFACT_KIND
+        from specdecode.drafting.artifacts import ARTIFACT_KIND
 
         return (ARTIFACT_KIND, CHECKPOINT)
     return ()
