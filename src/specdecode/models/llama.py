@@ -45,8 +45,8 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import Runner
-from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, check_format,
-                                     make_linear)
+from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight,
+                                     check_format, make_linear)
 
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
@@ -168,26 +168,6 @@ def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
             f"{', '.join(_STATIC_ROPE)}: use --runner hf")
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv_freq.float(), float(attention_scaling)
-
-
-@dataclass(frozen=True)
-class Q4Weight:
-    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
-    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        # the same float32 operations as gguf's dequantisation (product, then sum)
-        q = self.codes.float().reshape(*self.scale.shape, -1)
-        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
-
-    @staticmethod
-    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
-                          for f in ("codes", "scale", "minimum")))
 
 
 def _float(value) -> torch.Tensor:

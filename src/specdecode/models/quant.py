@@ -30,6 +30,9 @@ determinism.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +43,26 @@ from specdecode.errors import require
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 #: weights per int4 group: GGUF's Q4_0/Q4_1 block size
 INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
+    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        # the same float32 operations as gguf's dequantisation (product, then sum)
+        q = self.codes.float().reshape(*self.scale.shape, -1)
+        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                          for f in ("codes", "scale", "minimum")))
 
 
 def check_format(weights: str) -> None:
