@@ -67,7 +67,7 @@ SHAPES = {
     # tiny shapes for tests: widths a multiple of 256 (a K-quant super-block)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, context=512),
     "tiny-qwen2": Shape("qwen2", 2, 256, 512, 4, 2, context=512),
-    "tiny-qwen3": Shape("qwen3", 2, 256, 512, 4, 2, context=512),
+    "tiny-qwen3": Shape("qwen3", 2, 256, 512, 4, 2, head_dim=128, context=512),  # as Qwen3: 128
     "tiny-gemma3": Shape("gemma3", 6, 256, 512, 4, 2, head_dim=64, context=512, sliding_window=32),
 }
 MIXES = ("Q4_1", "Q4_0", "Q4_K_M", "Q8_0")
