@@ -218,3 +218,18 @@ def test_unknown_architecture_names_it_and_the_fallback(tmp_path):
     with pytest.raises(SpecDecodeError, match=r"'phi3'.*--runner hf"):
         LlamaRunner.from_gguf(path, "int4")
     assert load_gguf(path).config is None  # the hf runner's to try (transformers knows phi3)
+
+
+@pytest.mark.parametrize("qtype,rows", [("Q4_0", 48), ("Q4_1", 40), ("Q4_K", 16), ("Q4_K", 7)])
+def test_blocks_repack_to_the_bytes_of_pack_q4(qtype, rows):
+    from specdecode import kernels
+    from specdecode.bench.shapes import random_blocks
+    from specdecode.models.gguf_reader import q4_blocks, q4_nibbles, q4k_blocks
+    from specdecode.models.weights import pack_blocks
+
+    raw = random_blocks(qtype, rows, 512, np.random.default_rng(3))
+    codes, scale, minimum = q4k_blocks(raw)[:3] if qtype == "Q4_K" else q4_blocks(raw, qtype)
+    blocks = q4_nibbles(raw, qtype)
+    assert torch.equal(blocks.codes().codes, codes)
+    assert torch.equal(blocks.scale, scale) and torch.equal(blocks.minimum, minimum)
+    assert torch.equal(pack_blocks(blocks), kernels.pack_q4(codes, scale, minimum))

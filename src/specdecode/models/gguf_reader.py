@@ -107,7 +107,7 @@ def _half(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def q4k_blocks(raw: np.ndarray):
+def q4k_blocks(raw: np.ndarray, codes: bool = True):
     """(codes [rows, cols] uint8, scale [rows, cols / 32], minimum [rows, cols / 32], inexact)
     of Q4_K data: each sub-block of 32 as a Q4_1 block, scale d * sc and minimum -(dmin * m)
     rounded to float16 (``inexact``: how many of them that rounding moved)."""
@@ -126,9 +126,10 @@ def q4k_blocks(raw: np.ndarray):
     inexact = int((scale != exact_scale).sum() + (minimum != exact_min).sum())
     # 64 weights per 32 bytes: sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in the high
     qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1)
-    return (torch.from_numpy(codes), torch.from_numpy(scale.reshape(rows, -1)),
-            torch.from_numpy(minimum.reshape(rows, -1)), inexact)
+    unpacked = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1) if codes else None
+    return (None if unpacked is None else torch.from_numpy(unpacked),
+            torch.from_numpy(scale.reshape(rows, -1)), torch.from_numpy(minimum.reshape(rows, -1)),
+            inexact)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,53 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """4-bit blocks as the file's bytes hold them, for repacking without unpacking the codes:
+    ``nibbles`` uint8 [rows, in / 32, 16], byte k of a group holding its weight k in the low
+    nibble and weight k + 16 in the high one (Q4_0's and Q4_1's own layout); ``scale`` and
+    ``minimum`` float32 [rows, in / 32] (float16 values): w = scale * q + minimum."""
+
+    nibbles: np.ndarray
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def codes(self) -> Q4Weight:
+        n = torch.from_numpy(self.nibbles)
+        codes = torch.cat([n & 15, n >> 4], -1).reshape(n.shape[0], -1)
+        return Q4Weight(codes, self.scale, self.minimum)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes().dequantize()
+
+    def rows(self, index) -> Q4Blocks:
+        return Q4Blocks(self.nibbles[index], self.scale[index], self.minimum[index])
+
+    def scaled(self, factor: float) -> Q4Blocks:
+        return Q4Blocks(self.nibbles, self.scale * factor, self.minimum * factor)
+
+
+def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
+    """:class:`Q4Blocks` of Q4_0, Q4_1 or Q4_K data [rows, bytes]: the same weights as
+    :func:`q4_blocks` and :func:`q4k_blocks` (Q4_K's scale products rounded to float16 there
+    too), the codes left in bytes."""
+    rows = raw.shape[0]
+    if qtype == "Q4_K":
+        qs = raw.reshape(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 32)
+        a, b = qs[..., :16], qs[..., 16:]
+        # sub-block 2j: low nibbles of bytes 32j..32j+31; 2j + 1: their high nibbles
+        even = (a & 15) | (b << 4)
+        odd = (a >> 4) | (b & 0xF0)
+        nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
+        _, scale, minimum, _ = q4k_blocks(raw, codes=False)
+        return Q4Blocks(nibbles, scale, minimum)
+    header = 4 if qtype == "Q4_1" else 2
+    blocks = raw.reshape(rows, -1, header + 16)
+    d = torch.from_numpy(_half(blocks[..., 0:2]))
+    m = torch.from_numpy(_half(blocks[..., 2:4])) if qtype == "Q4_1" else -8 * d
+    return Q4Blocks(np.ascontiguousarray(blocks[..., header:]), d, m)
 
 
 #: GGUF metadata value types (gguf's GGUFValueType) -> struct format of a scalar
@@ -353,6 +401,19 @@ class GGUFFile:
             value = (Q4Weight(*(unpermute_rows(x, heads) for x in (value.codes, value.scale, value.minimum)))
                      if isinstance(value, Q4Weight) else unpermute_rows(value, heads))
         return value
+
+    def read_blocks(self, name: str):
+        """Tensor ``name`` for the int4 runner: :class:`Q4Blocks` for 4-bit block types (their
+        bytes as they are, q/k rows unpermuted), else float32 as :meth:`read` gives it."""
+        e = self.entries[name]
+        if e.qtype not in Q4_TYPES:
+            return self.read(name, blocks=False)
+        blocks = q4_nibbles(self.raw(name), e.qtype)
+        heads = self._permuted_heads(name)
+        if heads:
+            order = unpermute_rows(torch.arange(e.shape[0]), heads)
+            blocks = blocks.rows(order.numpy())
+        return blocks
 
     def _permuted_heads(self, name: str) -> int:
         """Heads of a q/k projection whose rows llama.cpp permuted (0: not permuted)."""

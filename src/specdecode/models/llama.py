@@ -45,6 +45,7 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import Runner
+from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.quant import INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight, check_format
 from specdecode.models.weights import FileTensors, _linear_for, as_float, check_fits, resident_bytes
 
@@ -185,6 +186,8 @@ def _scaled(weight, factor: float):
     """``weight`` times ``factor`` (exact for a power of two, such as 1/sqrt(64))."""
     if isinstance(weight, Q4Weight):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
+    if isinstance(weight, Q4Blocks):
+        return weight.scaled(factor)
     return weight.float() * factor
 
 

@@ -114,17 +114,14 @@ class Int4Linear:
         return cls(*quantize_int4(weight))
 
     @classmethod
-    def stacked(cls, parts: Sequence[Q4Weight]) -> Int4Linear:
-        """One layer of several weights sharing an input, each packed on its own and the
-        packed tiles concatenated (the same bytes as packing their concatenation when each
-        has whole tiles of rows; no concatenated copy of the codes)."""
-        if any(p.codes.shape[0] % kernels.TILE for p in parts[:-1]):
-            return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum")))
-        layers = [cls(p.codes, p.scale, p.minimum) for p in parts]
-        layer = layers[0]
-        if len(layers) > 1:
-            layer.packed = torch.cat([x.packed for x in layers])
-            layer.out_features = sum(x.out_features for x in layers)
+    def from_packed(cls, packed: torch.Tensor, out_features: int) -> Int4Linear:
+        """A layer over weights already in ``kernels.pack_q4``'s layout (models/weights.py
+        repacks a GGUF file's blocks into it without unpacking the codes)."""
+        require(packed.dtype == torch.uint8 and packed.dim() == 3 and packed.shape[-1] == 320
+                and packed.shape[0] * kernels.TILE >= out_features,
+                f"not pack_q4's layout: {packed.dtype} {tuple(packed.shape)}")
+        layer = cls.__new__(cls)
+        layer.packed, layer.out_features = packed, out_features
         return layer
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,9 +26,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from specdecode import kernels
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_reader import Q4_TYPES, GGUFFile
-from specdecode.models.quant import (INT4_GROUP, Int4Linear, Q4Weight, check_format, make_linear,
+from specdecode.models.gguf_reader import GGUFFile, Q4Blocks
+from specdecode.models.quant import (Int4Linear, Q4Weight, check_format, make_linear,
                                      quantize_int4)
 
 #: memory kept free beyond the weights and the KV cache (Python, torch, the tokenizer, one
@@ -44,8 +45,8 @@ BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1 + 2, "bf16": 2 + 2, "fp32": 4 + 4}
 
 class FileTensors(Mapping):
     """A GGUF file's tensors under Hugging Face names, read from the file at each lookup.
-    ``blocks``: 4-bit block types come as :class:`Q4Weight` (for int4), else every tensor is
-    dequantised to float32 as ``transformers`` dequantises it."""
+    ``blocks``: 4-bit block types come as :class:`Q4Blocks` (their bytes, for int4), else
+    every tensor is dequantised to float32 as ``transformers`` dequantises it."""
 
     def __init__(self, file: GGUFFile, blocks: bool):
         self.file = file
@@ -54,7 +55,7 @@ class FileTensors(Mapping):
     def __getitem__(self, name: str):
         if name not in self.file.entries:
             raise KeyError(name)
-        return self.file.read(name, self.blocks)
+        return self.file.read_blocks(name) if self.blocks else self.file.read(name, blocks=False)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.file.entries)
@@ -65,7 +66,7 @@ class FileTensors(Mapping):
 
 def as_float(value) -> torch.Tensor:
     """A float32 tensor, or a 4-bit GGUF tensor dequantised."""
-    return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
+    return (value.dequantize() if isinstance(value, (Q4Weight, Q4Blocks)) else value).float()
 
 
 def as_q4(value) -> Q4Weight:
@@ -73,6 +74,8 @@ def as_q4(value) -> Q4Weight:
     scheme (``quant.quantize_int4``) ``_CHUNK_ROWS`` rows at a time, codes as uint8."""
     if isinstance(value, Q4Weight):
         return value
+    if isinstance(value, Q4Blocks):
+        return value.codes()
     parts = []
     for rows in value.split(_CHUNK_ROWS):
         codes, scale, minimum = quantize_int4(rows)
@@ -80,11 +83,49 @@ def as_q4(value) -> Q4Weight:
     return parts[0] if len(parts) == 1 else Q4Weight.cat(parts)
 
 
+def pack_blocks(blocks: Q4Blocks) -> torch.Tensor:
+    """``kernels.pack_q4``'s layout of a file's 4-bit blocks, moved byte for byte: the kernel
+    pairs input 4j + i with input 16 + 4j + i in one byte, as Q4_0 and Q4_1 do, so packing is a
+    transpose of tiles of 16 rows (no code is unpacked). Rows padded with zeros to whole tiles,
+    scales and minimums as float16, as ``pack_q4`` does: the same bytes."""
+    tile = kernels.TILE
+    nibbles = torch.from_numpy(blocks.nibbles)
+    scale, minimum = blocks.scale.to(torch.float16), blocks.minimum.to(torch.float16)
+    rows, groups = scale.shape
+    pad = -rows % tile
+    if pad:
+        nibbles = torch.cat([nibbles, nibbles.new_zeros(pad, groups, 16)])
+        scale = torch.cat([scale, scale.new_zeros(pad, groups)])
+        minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
+    t = (rows + pad) // tile
+    out = torch.empty(t, groups, 320, dtype=torch.uint8)
+    # [T, c, g, j, i] -> [T, g, j, c, i]: byte 4c + i of slice j is byte 4j + i of column c
+    out[..., :256].unflatten(-1, (4, tile, 4)).copy_(
+        nibbles.view(t, tile, groups, 4, 4).permute(0, 2, 3, 1, 4))
+    for start, half in ((256, scale), (288, minimum)):  # [T, c, g] -> [T, g, c] float16 bytes
+        out[..., start:start + 32].unflatten(-1, (tile, 2)).copy_(
+            half.view(torch.uint8).view(t, tile, groups, 2).transpose(1, 2))
+    return out
+
+
+def _packed(part) -> torch.Tensor:
+    if isinstance(part, Q4Blocks):
+        return pack_blocks(part)
+    q4 = as_q4(part)
+    return kernels.pack_q4(q4.codes, q4.scale, q4.minimum)
+
+
 def _linear_for(parts: Sequence, weights: str):
-    """One layer for matrices sharing an input (each float32 or Q4Weight), in ``weights``."""
+    """One layer for matrices sharing an input (each float32, Q4Weight or Q4Blocks), in
+    ``weights``. int4: each part packed on its own and the tiles concatenated (the bytes of
+    packing the concatenation, as every part but the last fills whole tiles of 16 rows)."""
     check_format(weights)
     if weights == "int4":
-        return Int4Linear.stacked([as_q4(p) for p in parts])
+        rows = [p.scale.shape[0] if isinstance(p, (Q4Weight, Q4Blocks)) else p.shape[0] for p in parts]
+        if any(n % kernels.TILE for n in rows[:-1]):
+            q4 = Q4Weight.cat([as_q4(p) for p in parts])
+            return Int4Linear(q4.codes, q4.scale, q4.minimum)
+        return Int4Linear.from_packed(torch.cat([_packed(p) for p in parts]), sum(rows))
     return make_linear(torch.cat([as_float(p) for p in parts]), weights)
 
 
@@ -104,20 +145,6 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
         else:
             total += int(entry.numel * BYTES_PER_WEIGHT[weights])
     return total
-
-
-def fits_int4(file: GGUFFile) -> bool:
-    """Whether every matrix's rows are whole int4 groups."""
-    return all(len(e.shape) == 1 or e.shape[-1] % INT4_GROUP == 0 for e in file.entries.values())
-
-
-def file_blocks(file: GGUFFile) -> dict[str, int]:
-    """How many matrices of each GGUF type the file holds (for reports)."""
-    counts: dict[str, int] = {}
-    for entry in file.entries.values():
-        if len(entry.shape) > 1:
-            counts[entry.qtype] = counts.get(entry.qtype, 0) + 1
-    return counts
 
 
 def available_memory() -> int:
@@ -151,5 +178,3 @@ def check_fits(what: str, parts: dict[str, int], available: int | None = None,
             f"{gb(available)} of memory is available{'; ' + hint if hint else ''}")
 
 
-__all__ = ["FileTensors", "Q4_TYPES", "as_float", "as_q4", "available_memory", "check_fits",
-           "file_blocks", "fits_int4", "resident_bytes"]
