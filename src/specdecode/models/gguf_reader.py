@@ -155,7 +155,7 @@ class Q4Blocks:
     """4-bit blocks as the file's bytes hold them, for repacking without unpacking the codes:
     ``nibbles`` uint8 [rows, in / 32, 16], byte k of a group holding its weight k in the low
     nibble and weight k + 16 in the high one (Q4_0's and Q4_1's own layout); ``scale`` and
-    ``minimum`` float32 [rows, in / 32] (float16 values): w = scale * q + minimum."""
+    ``minimum`` float16 [rows, in / 32]: w = scale * q + minimum."""
 
     nibbles: np.ndarray
     scale: torch.Tensor
@@ -164,7 +164,7 @@ class Q4Blocks:
     def codes(self) -> Q4Weight:
         n = torch.from_numpy(self.nibbles)
         codes = torch.cat([n & 15, n >> 4], -1).reshape(n.shape[0], -1)
-        return Q4Weight(codes, self.scale, self.minimum)
+        return Q4Weight(codes, self.scale.float(), self.minimum.float())
 
     def dequantize(self) -> torch.Tensor:
         return self.codes().dequantize()
@@ -173,7 +173,10 @@ class Q4Blocks:
         return Q4Blocks(self.nibbles[index], self.scale[index], self.minimum[index])
 
     def scaled(self, factor: float) -> Q4Blocks:
-        return Q4Blocks(self.nibbles, self.scale * factor, self.minimum * factor)
+        """Scales and minimums times ``factor`` in float32, rounded to float16 (as the int4
+        layer rounds a scaled :class:`Q4Weight`'s)."""
+        return Q4Blocks(self.nibbles, (self.scale.float() * factor).half(),
+                        (self.minimum.float() * factor).half())
 
 
 def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
@@ -189,11 +192,15 @@ def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
         odd = (a >> 4) | (b & 0xF0)
         nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
         _, scale, minimum, _ = q4k_blocks(raw, codes=False)
-        return Q4Blocks(nibbles, scale, minimum)
+        return Q4Blocks(nibbles, scale.half(), minimum.half())
     header = 4 if qtype == "Q4_1" else 2
     blocks = raw.reshape(rows, -1, header + 16)
-    d = torch.from_numpy(_half(blocks[..., 0:2]))
-    m = torch.from_numpy(_half(blocks[..., 2:4])) if qtype == "Q4_1" else -8 * d
+
+    def half(at: int) -> torch.Tensor:
+        return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0])
+
+    d = half(0)
+    m = half(2) if qtype == "Q4_1" else -8 * d  # exact in float16, as in float32
     return Q4Blocks(np.ascontiguousarray(blocks[..., header:]), d, m)
 
 

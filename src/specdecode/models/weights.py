@@ -89,23 +89,23 @@ def pack_blocks(blocks: Q4Blocks) -> torch.Tensor:
     transpose of tiles of 16 rows (no code is unpacked). Rows padded with zeros to whole tiles,
     scales and minimums as float16, as ``pack_q4`` does: the same bytes."""
     tile = kernels.TILE
-    nibbles = torch.from_numpy(blocks.nibbles)
-    scale, minimum = blocks.scale.to(torch.float16), blocks.minimum.to(torch.float16)
+    # 4 bytes at a time: a group's 16 bytes are 4 words, word j = bytes 4j..4j + 3
+    words = torch.from_numpy(blocks.nibbles).view(torch.int32)  # [rows, groups, 4]
+    scale, minimum = blocks.scale.view(torch.int16), blocks.minimum.view(torch.int16)
     rows, groups = scale.shape
     pad = -rows % tile
     if pad:
-        nibbles = torch.cat([nibbles, nibbles.new_zeros(pad, groups, 16)])
+        words = torch.cat([words, words.new_zeros(pad, groups, 4)])
         scale = torch.cat([scale, scale.new_zeros(pad, groups)])
         minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
     t = (rows + pad) // tile
-    out = torch.empty(t, groups, 320, dtype=torch.uint8)
-    # [T, c, g, j, i] -> [T, g, j, c, i]: byte 4c + i of slice j is byte 4j + i of column c
-    out[..., :256].unflatten(-1, (4, tile, 4)).copy_(
-        nibbles.view(t, tile, groups, 4, 4).permute(0, 2, 3, 1, 4))
-    for start, half in ((256, scale), (288, minimum)):  # [T, c, g] -> [T, g, c] float16 bytes
-        out[..., start:start + 32].unflatten(-1, (tile, 2)).copy_(
-            half.view(torch.uint8).view(t, tile, groups, 2).transpose(1, 2))
-    return out
+    out = torch.empty(t, groups, 80, dtype=torch.int32)  # 320 bytes per tile and group
+    # [T, c, g, j] -> [T, g, j, c]: bytes 4c..4c + 3 of slice j are word j of column c
+    out[..., :64].unflatten(-1, (4, tile)).copy_(words.view(t, tile, groups, 4).permute(0, 2, 3, 1))
+    halves = out.view(torch.int16)  # [T, g, 160]: scales at 128..143, minimums at 144..159
+    for start, h in ((128, scale), (144, minimum)):
+        halves[..., start:start + tile].copy_(h.view(t, tile, groups).transpose(1, 2))
+    return out.view(torch.uint8)
 
 
 def _packed(part) -> torch.Tensor:
