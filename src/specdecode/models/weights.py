@@ -65,8 +65,15 @@ class FileTensors(Mapping):
 
 
 def as_float(value) -> torch.Tensor:
-    """A float32 tensor, or a 4-bit GGUF tensor dequantised."""
-    return (value.dequantize() if isinstance(value, (Q4Weight, Q4Blocks)) else value).float()
+    """A float32 tensor, or a 4-bit GGUF tensor dequantised (file blocks ``_CHUNK_ROWS`` rows
+    at a time: the embedding table is the largest tensor the runner keeps as float32)."""
+    if isinstance(value, Q4Blocks):
+        rows = value.scale.shape[0]
+        out = torch.empty(rows, value.scale.shape[1] * 32)
+        for start in range(0, rows, _CHUNK_ROWS):
+            out[start:start + _CHUNK_ROWS] = value.rows(slice(start, start + _CHUNK_ROWS)).dequantize()
+        return out
+    return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
 
 
 def as_q4(value) -> Q4Weight:
