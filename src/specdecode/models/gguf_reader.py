@@ -65,6 +65,8 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: rows of a 4-bit tensor unpacked at a time (:meth:`GGUFFile.read_blocks`)
+_READ_ROWS = 512
 #: GGUF types kept as 4-bit blocks
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: transformers config class per architecture
@@ -415,7 +417,18 @@ class GGUFFile:
         e = self.entries[name]
         if e.qtype not in Q4_TYPES:
             return self.read(name, blocks=False)
-        blocks = q4_nibbles(self.raw(name), e.qtype)
+        # in chunks of rows into the result's arrays: the temporaries of unpacking stay small
+        # (and are reused), not several copies of the tensor each faulted in afresh
+        rows, groups = e.shape[0], e.shape[1] // 32
+        blocks = Q4Blocks(np.empty((rows, groups, 16), np.uint8),
+                          torch.empty(rows, groups, dtype=torch.float16),
+                          torch.empty(rows, groups, dtype=torch.float16))
+        for start in range(0, rows, _READ_ROWS):
+            part = q4_nibbles(self.raw(name, slice(start, start + _READ_ROWS)), e.qtype)
+            stop = start + part.scale.shape[0]
+            blocks.nibbles[start:stop] = part.nibbles
+            blocks.scale[start:stop] = part.scale
+            blocks.minimum[start:stop] = part.minimum
         heads = self._permuted_heads(name)
         if heads:
             order = unpermute_rows(torch.arange(e.shape[0]), heads)
