@@ -90,11 +90,12 @@ def as_q4(value) -> Q4Weight:
     return parts[0] if len(parts) == 1 else Q4Weight.cat(parts)
 
 
-def pack_blocks(blocks: Q4Blocks) -> torch.Tensor:
+def pack_blocks(blocks: Q4Blocks, out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.pack_q4``'s layout of a file's 4-bit blocks, moved byte for byte: the kernel
     pairs input 4j + i with input 16 + 4j + i in one byte, as Q4_0 and Q4_1 do, so packing is a
     transpose of tiles of 16 rows (no code is unpacked). Rows padded with zeros to whole tiles,
-    scales and minimums as float16, as ``pack_q4`` does: the same bytes."""
+    scales and minimums as float16, as ``pack_q4`` does: the same bytes. ``out``: where to
+    write them (uint8 [tiles, groups, 320], e.g. a fused layer's slice)."""
     tile = kernels.TILE
     # 4 bytes at a time: a group's 16 bytes are 4 words, word j = bytes 4j..4j + 3
     words = torch.from_numpy(blocks.nibbles).view(torch.int32)  # [rows, groups, 4]
@@ -106,7 +107,7 @@ def pack_blocks(blocks: Q4Blocks) -> torch.Tensor:
         scale = torch.cat([scale, scale.new_zeros(pad, groups)])
         minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
     t = (rows + pad) // tile
-    out = torch.empty(t, groups, 80, dtype=torch.int32)  # 320 bytes per tile and group
+    out = (torch.empty(t, groups, 320, dtype=torch.uint8) if out is None else out).view(torch.int32)
     # [T, c, g, j] -> [T, g, j, c]: bytes 4c..4c + 3 of slice j are word j of column c
     out[..., :64].unflatten(-1, (4, tile)).copy_(words.view(t, tile, groups, 4).permute(0, 2, 3, 1))
     halves = out.view(torch.int16)  # [T, g, 160]: scales at 128..143, minimums at 144..159
@@ -115,11 +116,12 @@ def pack_blocks(blocks: Q4Blocks) -> torch.Tensor:
     return out.view(torch.uint8)
 
 
-def _packed(part) -> torch.Tensor:
+def _pack_into(part, out: torch.Tensor) -> None:
     if isinstance(part, Q4Blocks):
-        return pack_blocks(part)
-    q4 = as_q4(part)
-    return kernels.pack_q4(q4.codes, q4.scale, q4.minimum)
+        pack_blocks(part, out)
+    else:
+        q4 = as_q4(part)
+        out.copy_(kernels.pack_q4(q4.codes, q4.scale, q4.minimum))
 
 
 def _linear_for(parts: Sequence, weights: str):
@@ -132,7 +134,16 @@ def _linear_for(parts: Sequence, weights: str):
         if any(n % kernels.TILE for n in rows[:-1]):
             q4 = Q4Weight.cat([as_q4(p) for p in parts])
             return Int4Linear(q4.codes, q4.scale, q4.minimum)
-        return Int4Linear.from_packed(torch.cat([_packed(p) for p in parts]), sum(rows))
+        first = parts[0]
+        groups = (first.scale.shape[1] if isinstance(first, (Q4Weight, Q4Blocks))
+                  else first.shape[1] // 32)
+        tiles = [-(-n // kernels.TILE) for n in rows]
+        packed = torch.empty(sum(tiles), groups, 320, dtype=torch.uint8)
+        start = 0
+        for part, n in zip(parts, tiles):  # each part into its own tiles: no concatenated copy
+            _pack_into(part, packed[start:start + n])
+            start += n
+        return Int4Linear.from_packed(packed, sum(rows))
     return make_linear(torch.cat([as_float(p) for p in parts]), weights)
 
 
