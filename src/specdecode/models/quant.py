@@ -45,6 +45,26 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32
 
 
+@dataclass(frozen=True)
+class Q4Weight:
+    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
+    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        # the same float32 operations as gguf's dequantisation (product, then sum)
+        q = self.codes.float().reshape(*self.scale.shape, -1)
+        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                          for f in ("codes", "scale", "minimum")))
+
+
 def check_format(weights: str) -> None:
     require(weights in WEIGHT_FORMATS,
             f"unknown weight format {weights!r}; known formats: {', '.join(WEIGHT_FORMATS)}")
@@ -93,6 +113,17 @@ class Int4Linear:
     def quantize(cls, weight: torch.Tensor) -> Int4Linear:
         return cls(*quantize_int4(weight))
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int) -> Int4Linear:
+        """A layer over weights already in ``kernels.pack_q4``'s layout (models/weights.py
+        repacks a GGUF file's blocks into it without unpacking the codes)."""
+        require(packed.dtype == torch.uint8 and packed.dim() == 3 and packed.shape[-1] == 320
+                and packed.shape[0] * kernels.TILE >= out_features,
+                f"not pack_q4's layout: {packed.dtype} {tuple(packed.shape)}")
+        layer = cls.__new__(cls)
+        layer.packed, layer.out_features = packed, out_features
+        return layer
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.q4_linear(x, self.packed, self.out_features, residual)
 
@@ -137,23 +168,3 @@ def make_linear(weight: torch.Tensor, weights: str):
     """A linear layer holding ``weight`` [out, in] (float) in format ``weights``."""
     check_format(weights)
     return Int4Linear.quantize(weight) if weights == "int4" else DenseLinear(weight, weights)
-
-
-@dataclass(frozen=True)
-class Q4Weight:
-    """A 4-bit weight as a GGUF file holds it (Q4_0/Q4_1): w = scale * codes + minimum, with
-    ``codes`` [out, in] in 0..15 and ``scale``, ``minimum`` [out, in / 32]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        # the same float32 operations as gguf's dequantisation (product, then sum)
-        q = self.codes.float().reshape(*self.scale.shape, -1)
-        return (self.scale[..., None] * q + self.minimum[..., None]).reshape(self.codes.shape)
-
-    @staticmethod
-    def cat(parts: Sequence[Q4Weight]) -> Q4Weight:
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts])
-                          for f in ("codes", "scale", "minimum")))

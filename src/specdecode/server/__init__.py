@@ -175,9 +175,9 @@ def build(args: argparse.Namespace):
         return create_app(ray_serve.deploy(config, args.replicas, settings))
     memory = SharedMemory(args.suffix_cache, suffix)
     loaded = load_model(args.model)
-    first = make_runner(loaded, args.runner, args.weights)
+    first = make_runner(loaded, args.runner, args.weights, args.max_context)
     runners = [first] + [first.replica() for _ in range(args.parallel - 1)]
-    eos = eos_ids(loaded.model, loaded.tokenizer)
+    eos = eos_ids(loaded, loaded.tokenizer)
     server = Server(runners, loaded.tokenizer, eos, settings, memory)
     # the first forward of a process pays one-off costs; keep them out of the first request
     runners[0].prefill(server.encode("Hello", chat=True))

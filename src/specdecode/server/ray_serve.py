@@ -67,7 +67,7 @@ class NamedModel:
         loaded = load_model(self.model)
         first = make_runner(loaded, self.runner, self.weights)
         return ([first] + [first.replica() for _ in range(slots - 1)], loaded.tokenizer,
-                eos_ids(loaded.model, loaded.tokenizer))
+                eos_ids(loaded, loaded.tokenizer))
 
 
 @dataclass(frozen=True)

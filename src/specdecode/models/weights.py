@@ -1,0 +1,198 @@
+"""Weights for the native runner: tensors from files, repacked for the kernels one at a time.
+
+The runner (``models/llama.py``) builds its layers from a mapping of Hugging Face parameter
+names to tensors and never knows a file format. For a GGUF file that mapping is
+:class:`FileTensors`: each lookup reads one tensor from the file (``GGUFFile.read``: a ``pread``
+into a buffer of its own, not the map, so the file's pages never count as the process's
+memory), and the runner repacks it into its layer and drops it. Nothing holds a float copy of
+the model: resident memory is the packed weights, the float32 embedding table (looked up by
+row), the KV cache and one tensor in flight.
+
+:func:`_linear_for` makes one layer of the matrices that share an input (q/k/v, gate/up). For
+int4 each part becomes 4-bit blocks on its own: GGUF's Q4_0, Q4_1 and Q4_K blocks as the file
+holds them (``gguf_reader``), any other type (Q8_0, Q5_0, Q5_K, Q6_K, float) dequantised and
+re-quantised in Q4_1's scheme, a few thousand rows at a time; the parts' blocks are then
+concatenated, so a Q4_K_M file's q/k/v (q, k in Q4_K, v in Q6_K) keep q's and k's blocks.
+Blocks are per row, so this is the same layer as re-quantising the concatenation.
+
+:func:`resident_bytes` says what the runner will hold of a file in a weight format, before
+anything is read, so that a file which cannot fit is refused naming the sizes
+(:func:`check_fits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from specdecode import kernels
+from specdecode.errors import SpecDecodeError
+from specdecode.models.gguf_reader import GGUFFile, Q4Blocks
+from specdecode.models.quant import (Int4Linear, Q4Weight, check_format, make_linear,
+                                     quantize_int4)
+
+#: memory kept free beyond the weights and the KV cache (Python, torch, the tokenizer, one
+#: tensor in flight)
+MARGIN_BYTES = 512 * 2 ** 20
+#: rows re-quantised at a time (bounds the float32 temporaries of a large output matrix)
+_CHUNK_ROWS = 2048
+#: bytes per weight the runner holds, per format: int4's 16 four-bit codes with float16 scale
+#: and minimum per 32 weights; int8, bf16 and fp32 keep their decode layer plus the prefill
+#: layer ATen's GEMM reads (bf16 for int8 and bf16, fp32 for fp32: llama.PREFILL_WEIGHTS)
+BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1 + 2, "bf16": 2 + 2, "fp32": 4 + 4}
+
+
+class FileTensors(Mapping):
+    """A GGUF file's tensors under Hugging Face names, read from the file at each lookup.
+    ``blocks``: 4-bit block types come as :class:`Q4Blocks` (their bytes, for int4), else
+    every tensor is dequantised to float32 as ``transformers`` dequantises it."""
+
+    def __init__(self, file: GGUFFile, blocks: bool):
+        self.file = file
+        self.blocks = blocks
+
+    def __getitem__(self, name: str):
+        if name not in self.file.entries:
+            raise KeyError(name)
+        return self.file.read_blocks(name) if self.blocks else self.file.read(name, blocks=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file.entries)
+
+    def __len__(self) -> int:
+        return len(self.file.entries)
+
+
+def as_float(value) -> torch.Tensor:
+    """A float32 tensor, or a 4-bit GGUF tensor dequantised (file blocks ``_CHUNK_ROWS`` rows
+    at a time: the embedding table is the largest tensor the runner keeps as float32)."""
+    if isinstance(value, Q4Blocks):
+        rows = value.scale.shape[0]
+        out = torch.empty(rows, value.scale.shape[1] * 32)
+        for start in range(0, rows, _CHUNK_ROWS):
+            out[start:start + _CHUNK_ROWS] = value.rows(slice(start, start + _CHUNK_ROWS)).dequantize()
+        return out
+    return (value.dequantize() if isinstance(value, Q4Weight) else value).float()
+
+
+def as_q4(value) -> Q4Weight:
+    """4-bit blocks of a weight: a Q4Weight as it is, a float matrix re-quantised in Q4_1's
+    scheme (``quant.quantize_int4``) ``_CHUNK_ROWS`` rows at a time, codes as uint8."""
+    if isinstance(value, Q4Weight):
+        return value
+    if isinstance(value, Q4Blocks):
+        return value.codes()
+    parts = []
+    for rows in value.split(_CHUNK_ROWS):
+        codes, scale, minimum = quantize_int4(rows)
+        parts.append(Q4Weight(codes.to(torch.uint8), scale, minimum))
+    return parts[0] if len(parts) == 1 else Q4Weight.cat(parts)
+
+
+def pack_blocks(blocks: Q4Blocks, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernels.pack_q4``'s layout of a file's 4-bit blocks, moved byte for byte: the kernel
+    pairs input 4j + i with input 16 + 4j + i in one byte, as Q4_0 and Q4_1 do, so packing is a
+    transpose of tiles of 16 rows (no code is unpacked). Rows padded with zeros to whole tiles,
+    scales and minimums as float16, as ``pack_q4`` does: the same bytes. ``out``: where to
+    write them (uint8 [tiles, groups, 320], e.g. a fused layer's slice)."""
+    tile = kernels.TILE
+    # 4 bytes at a time: a group's 16 bytes are 4 words, word j = bytes 4j..4j + 3
+    words = torch.from_numpy(blocks.nibbles).view(torch.int32)  # [rows, groups, 4]
+    scale, minimum = blocks.scale.view(torch.int16), blocks.minimum.view(torch.int16)
+    rows, groups = scale.shape
+    pad = -rows % tile
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad, groups, 4)])
+        scale = torch.cat([scale, scale.new_zeros(pad, groups)])
+        minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
+    t = (rows + pad) // tile
+    out = (torch.empty(t, groups, 320, dtype=torch.uint8) if out is None else out).view(torch.int32)
+    # [T, c, g, j] -> [T, g, j, c]: bytes 4c..4c + 3 of slice j are word j of column c
+    out[..., :64].unflatten(-1, (4, tile)).copy_(words.view(t, tile, groups, 4).permute(0, 2, 3, 1))
+    halves = out.view(torch.int16)  # [T, g, 160]: scales at 128..143, minimums at 144..159
+    for start, h in ((128, scale), (144, minimum)):
+        halves[..., start:start + tile].copy_(h.view(t, tile, groups).transpose(1, 2))
+    return out.view(torch.uint8)
+
+
+def _pack_into(part, out: torch.Tensor) -> None:
+    if isinstance(part, Q4Blocks):
+        pack_blocks(part, out)
+    else:
+        q4 = as_q4(part)
+        out.copy_(kernels.pack_q4(q4.codes, q4.scale, q4.minimum))
+
+
+def _linear_for(parts: Sequence, weights: str):
+    """One layer for matrices sharing an input (each float32, Q4Weight or Q4Blocks), in
+    ``weights``. int4: each part packed on its own and the tiles concatenated (the bytes of
+    packing the concatenation, as every part but the last fills whole tiles of 16 rows)."""
+    check_format(weights)
+    if weights == "int4":
+        rows = [p.scale.shape[0] if isinstance(p, (Q4Weight, Q4Blocks)) else p.shape[0] for p in parts]
+        if any(n % kernels.TILE for n in rows[:-1]):
+            q4 = Q4Weight.cat([as_q4(p) for p in parts])
+            return Int4Linear(q4.codes, q4.scale, q4.minimum)
+        first = parts[0]
+        groups = (first.scale.shape[1] if isinstance(first, (Q4Weight, Q4Blocks))
+                  else first.shape[1] // 32)
+        tiles = [-(-n // kernels.TILE) for n in rows]
+        packed = torch.empty(sum(tiles), groups, 320, dtype=torch.uint8)
+        start = 0
+        for part, n in zip(parts, tiles):  # each part into its own tiles: no concatenated copy
+            _pack_into(part, packed[start:start + n])
+            start += n
+        return Int4Linear.from_packed(packed, sum(rows))
+    return make_linear(torch.cat([as_float(p) for p in parts]), weights)
+
+
+def resident_bytes(file: GGUFFile, weights: str) -> int:
+    """Bytes the native runner holds of ``file``'s weights in format ``weights``: its layers
+    (``BYTES_PER_WEIGHT``), the float32 embedding table and norms (a tied LM head counts
+    twice: as the table and as a layer)."""
+    check_format(weights)
+    total = 0
+    for name, entry in file.entries.items():
+        if name == "model.embed_tokens.weight":
+            total += entry.numel * 4
+            if "lm_head.weight" not in file.entries:
+                total += int(entry.numel * BYTES_PER_WEIGHT[weights])
+        elif len(entry.shape) == 1:
+            total += entry.numel * 4
+        else:
+            total += int(entry.numel * BYTES_PER_WEIGHT[weights])
+    return total
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new allocation can take without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_fits(what: str, parts: dict[str, int], available: int | None = None,
+               hint: str = "") -> None:
+    """Refuse (naming every size) when ``parts`` (label -> bytes) plus ``MARGIN_BYTES`` exceed
+    the available memory (``available``: default :func:`available_memory`)."""
+    available = available_memory() if available is None else available
+    need = sum(parts.values()) + MARGIN_BYTES
+    if need > available:
+        items = ", ".join(f"{label} {gb(size)}" for label, size in parts.items())
+        raise SpecDecodeError(
+            f"{what} needs about {gb(need)} ({items}, margin {gb(MARGIN_BYTES)}) but only "
+            f"{gb(available)} of memory is available{'; ' + hint if hint else ''}")
+
+
