@@ -50,11 +50,11 @@ def old_path(path, weights="int4"):
 def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
     path = files(shape, mix)
     new, old = LlamaRunner.from_gguf(path, "int4"), old_path(path)
-    assert torch.equal(new.prefill(PROMPT), old.prefill(PROMPT))
+    assert torch.equal(new.prefill(PROMPT).logits, old.prefill(PROMPT).logits)
     for token in (3, 77, 500):
         from specdecode.draft import Draft
 
-        a, b = new.forward(token, Draft.empty()), old.forward(token, Draft.empty())
+        a, b = new.forward(token, Draft.empty()).logits, old.forward(token, Draft.empty()).logits
         assert torch.equal(a, b)
         new.commit([])
         old.commit([])
@@ -109,7 +109,7 @@ def test_the_cache_holds_the_default_context_not_the_files(tmp_path):
     assert runner.max_context == DEFAULT_MAX_CONTEXT
     assert runner.capacity == cache_rows(DEFAULT_MAX_CONTEXT, 256)
     wide = LlamaRunner.from_gguf(path, "int4", max_context=10000)
-    assert wide.max_context == 10000 and wide.k_cache.shape[2] * 16 == cache_rows(10000, 256)
+    assert wide.max_context == 10000 and wide.cache.keys.shape[2] * 16 == cache_rows(10000, 256)
     with pytest.raises(SpecDecodeError, match=r"max_context must be 1\.\.131072"):
         LlamaRunner.from_gguf(path, "int4", max_context=200000)
     small = LlamaRunner.from_gguf(path, "int4", max_context=8)
@@ -145,7 +145,7 @@ def test_the_transformers_model_is_built_only_when_asked_for(files, monkeypatch,
         _gguf_transformers_model(path, loaded.config, available=10 ** 6)
     hf = make_runner(loaded, "hf")  # now it is built (and cached)
     assert loaded._model is not None and type(hf).__name__ == "HFRunner"
-    assert (hf.prefill(PROMPT) - runner.prefill(PROMPT)).abs().max() < 0.5  # int4 vs fp32
+    assert (hf.prefill(PROMPT).logits - runner.prefill(PROMPT).logits).abs().max() < 0.5  # int4 vs fp32
 
 
 @pytest.mark.slow
