@@ -31,7 +31,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h")
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering)
 ISA_LEVELS = ("generic", "avx2", "avx512")
 # -fopenmp: at::parallel_for is a template compiled into this extension, and runs its loop on
@@ -120,6 +120,37 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
         return _tiles(t.to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([nibbles, halves(scale), halves(minimum)], -1).contiguous()
+
+
+def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                   group: int) -> torch.Tensor:
+    """Block int8 weights (w = scale * codes (+ minimum) per ``group`` = 16 or 32 inputs; codes
+    int8 [N, K], scale and minimum float32 [N, K / group]) -> uint8 [N / 16, K' / group, B]: per
+    tile and group, byte 4c + i of slice j (64 bytes) holds code + 128 of input 4j + i of
+    column c, then 16 float32 scales, then (with minimums) 16 float32 minimums; B = 16 group +
+    64 (+ 64). K' is K padded with zero codes to a multiple of 32 (the activations' group)."""
+    n, k = codes.shape
+    extra = -k % 32
+    if extra:
+        codes = torch.nn.functional.pad(codes, (0, extra))
+        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, extra // group))  # noqa: E731
+        scale, minimum = pad(scale), pad(minimum)
+    groups = codes.shape[1] // group
+    out = []
+    for first in range(0, n, 256 * TILE):  # a few tiles at a time: bounded temporaries
+        rows = slice(first, first + 256 * TILE)
+        c = _tiles(codes[rows].view(torch.uint8) ^ 0x80)  # [T, c, K]: code + 128
+        c = c.view(-1, TILE, groups, group // 4, 4).permute(0, 2, 3, 1, 4)  # [T, g, j, c, i]
+        parts = [c.reshape(-1, groups, TILE * group)]
+        for t in (scale, minimum):
+            if t is not None:
+                parts.append(_tiles(t[rows].float()).transpose(1, 2).contiguous().view(torch.uint8))
+        out.append(torch.cat(parts, -1))
+    return torch.cat(out).contiguous()
+
+
+def q8_linear(x, packed, group, minimum, n, residual=None):
+    return load().q8_linear(x, packed, group, minimum, residual, n, isa())
 
 
 def dense_linear(x, packed, n, scale=None, residual=None):
