@@ -113,24 +113,41 @@ def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
     return together
 
 
-@pytest.mark.parametrize("group,with_minimum", [(32, False), (32, True), (16, False), (16, True)])
-def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum):
-    gen = torch.Generator().manual_seed(group + with_minimum)
+@pytest.mark.parametrize("group,with_minimum,half", [(32, False, False), (32, True, False),
+                                                     (16, False, False), (16, True, False),
+                                                     (32, False, True), (32, True, True)])
+def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, half):
+    gen = torch.Generator().manual_seed(group + with_minimum + 2 * half)
     n, k = 72, 96  # a last, partial tile of columns; an odd number of groups of 32
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = torch.rand(n, k // group, generator=gen) * 0.01
-    minimum = torch.randn(n, k // group, generator=gen) * 0.1 if with_minimum else None
-    packed = kernels.pack_q8_blocks(codes, scale, minimum, group)
+    numbers = lambda: torch.randn(n, k // group, generator=gen).half().float() * 0.01  # noqa: E731
+    scale, minimum = numbers(), numbers() if with_minimum else None
+    packed = kernels.pack_q8_blocks(codes, scale, minimum, group, half)
     x = torch.randn(ROWS, k, generator=gen)
     outs = [assert_row_invariant(lambda rows: ext.q8_linear(rows, packed, group, with_minimum,
-                                                            None, n, isa), x)
+                                                            half, None, n, isa), x)
             for isa in isas(ext)]
     assert all(torch.equal(o, outs[0]) for o in outs)
     w = Int8BlockWeight(codes, scale, minimum, group).dequantize()
     error = (outs[0].double() - x.double() @ w.double().T).abs()
     assert (error <= activation_bound(x, w) * 1.0001 + 1e-4).all()
-    assert torch.equal(ext.q8_linear(torch.zeros(3, k), packed, group, with_minimum, None, n, 0),
+    zeros = torch.zeros(3, k)
+    assert torch.equal(ext.q8_linear(zeros, packed, group, with_minimum, half, None, n, 0),
                        torch.zeros(3, n))
+
+
+def test_float16_scales_where_they_are_float16_numbers(ext):
+    # the same numbers in fewer bytes: Q8_0's scales are float16, Q4_K's products d * sc not
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(7))
+    for qtype, half in (("Q8_0", True), ("Q4_1", True), ("Q4_K", False), ("Q6_K", False)):
+        weight = decode_gguf_blocks(gguf_blocks(qtype, 32, 512), qtype)
+        layer = Int8BlockLinear(weight)
+        assert layer.half == half, qtype
+        if half:
+            wide = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, 32, False)
+            assert layer.packed.shape[2] < wide.shape[2]
+            assert torch.equal(layer(x), ext.q8_linear(x, wide, 32, weight.minimum is not None,
+                                                       False, None, 32, kernels.isa()))
 
 
 def test_residual_is_added_once_at_the_end(ext):
@@ -147,10 +164,11 @@ def test_float_weights_quantised_per_32_and_padded(ext):
     assert q.codes.shape == (24, 64) and q.group == 32 and q.minimum is None
     deq = q.dequantize()
     assert torch.equal(deq[:, 40:], torch.zeros(24, 24))
-    step = w.abs().amax(1, keepdim=True) / 127  # at least every group's scale in the row
-    assert ((deq[:, :40] - w).abs() <= step / 2 * 1.0001).all()
+    assert torch.equal(q.scale.half().float(), q.scale)  # float16 numbers, rounded up
+    step = w.abs().amax(1, keepdim=True) / 127 * (1 + 2 ** -10)  # at least every group's scale
+    assert ((deq[:, :40] - w).abs() <= step / 2).all()
     layer = make_linear(w, "int8")
-    assert isinstance(layer, Int8BlockLinear) and layer.in_features == 40
+    assert isinstance(layer, Int8BlockLinear) and layer.in_features == 40 and layer.half
     x = torch.randn(3, 40, generator=gen)
     exact = x.double() @ deq[:, :40].double().T
     assert ((layer(x).double() - exact).abs() <= activation_bound(

@@ -123,12 +123,13 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 
 
 def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                   group: int) -> torch.Tensor:
+                   group: int, half: bool = False) -> torch.Tensor:
     """Block int8 weights (w = scale * codes (+ minimum) per ``group`` = 16 or 32 inputs; codes
     int8 [N, K], scale and minimum float32 [N, K / group]) -> uint8 [N / 16, K' / group, B]: per
     tile and group, byte 4c + i of slice j (64 bytes) holds code + 128 of input 4j + i of
-    column c, then 16 float32 scales, then (with minimums) 16 float32 minimums; B = 16 group +
-    64 (+ 64). K' is K padded with zero codes to a multiple of 32 (the activations' group)."""
+    column c, then 16 scales, then (with minimums) 16 minimums, float32 or (``half``: every
+    one of them a float16 number) float16; B = 16 group + 64 (+ 64), or + 32 (+ 32) in float16.
+    K' is K padded with zero codes to a multiple of 32 (the activations' group)."""
     n, k = codes.shape
     extra = -k % 32
     if extra:
@@ -144,13 +145,14 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
         parts = [c.reshape(-1, groups, TILE * group)]
         for t in (scale, minimum):
             if t is not None:
-                parts.append(_tiles(t[rows].float()).transpose(1, 2).contiguous().view(torch.uint8))
+                t = t[rows].to(torch.float16 if half else torch.float32)
+                parts.append(_tiles(t).transpose(1, 2).contiguous().view(torch.uint8))
         out.append(torch.cat(parts, -1))
     return torch.cat(out).contiguous()
 
 
-def q8_linear(x, packed, group, minimum, n, residual=None):
-    return load().q8_linear(x, packed, group, minimum, residual, n, isa())
+def q8_linear(x, packed, group, minimum, half, n, residual=None):
+    return load().q8_linear(x, packed, group, minimum, half, residual, n, isa())
 
 
 def dense_linear(x, packed, n, scale=None, residual=None):

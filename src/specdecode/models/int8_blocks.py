@@ -26,7 +26,7 @@ finely as llama.cpp's own Q8_0/Q8_1 activations, finer than the per-256 Q8_K it 
 K-quants), each group's integer dot product is exact, and one or two fused multiply-adds per
 group fold it in, in group order: row invariant by construction, the same bits on every
 instruction set. ``quantize_int8_blocks`` makes the format from float weights (``--weights
-int8``: symmetric, group 32, scale max|w| / 127).
+int8``): GGUF Q8_0's scheme, symmetric per 32 inputs with a float16 scale.
 """
 
 from __future__ import annotations
@@ -117,9 +117,11 @@ class Int8BlockWeight:
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
-    """Symmetric block int8 of float ``weight`` [out, in]: per ``group`` inputs scale =
-    max|w| / 127 (float32, not rounded) and code = round(w / scale) in -127..127. ``in`` is
-    padded with zero weights to a whole number of groups."""
+    """Symmetric block int8 of float ``weight`` [out, in], GGUF Q8_0's scheme: per ``group``
+    inputs a scale of max|w| / 127 rounded up to a float16 number (up: no code passes 127; the
+    kernel reads float16 scales in half the bytes), code = round(w / scale) in -127..127 (from
+    the rounded scale, so each weight is within half a step). Scales beyond float16's range stay
+    float32. ``in`` is padded with zero weights to a whole number of groups."""
     require(weight.dim() == 2, f"a weight matrix is [out, in], got {tuple(weight.shape)}")
     w = weight.float()
     extra = -w.shape[1] % group
@@ -128,6 +130,10 @@ def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8B
     out, inp = w.shape
     blocks = w.view(out, inp // group, group)
     scale = blocks.abs().amax(-1) / 127
+    half = scale.half()
+    up = torch.where(half.float() < scale, (half.view(torch.int16) + 1).view(torch.float16), half)
+    if up.isfinite().all():
+        scale = up.float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (blocks / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
     return Int8BlockWeight(codes.view(out, inp), scale, None, group)
@@ -243,7 +249,12 @@ class Int8BlockLinear:
         self.out_features = out
         self.group = weight.group
         self.has_minimum = weight.minimum is not None
-        self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, weight.group)
+        # float16 scales where they are float16 numbers (Q8_0, Q4_0/1, Q5_0/1, --weights int8):
+        # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
+        numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
+        self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
+        self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
+                                             weight.group, self.half)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8BlockLinear:
@@ -251,7 +262,7 @@ class Int8BlockLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         try:
-            return kernels.q8_linear(x, self.packed, self.group, self.has_minimum,
+            return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
             reason = str(exc).splitlines()[0]
