@@ -4,8 +4,8 @@
     PYTHONPATH=src python scripts/int8_rows.py --shapes 2048x8192 --rows 1 16 --rotate-mb 1200
 
 Formats: int4 (GGUF Q4_1 blocks, ``quant.Int4Linear``), int8-channel (int8 with one scale per
-output channel in the dense fp32-fma kernel, ``quant.DenseLinear``: --weights int8 until block
-int8 replaced it) and int8-block (``int8_blocks.Int8BlockLinear``, group 32). Each timing is
+output channel in the dense fp32-fma kernel: --weights int8 until block int8 replaced it) and
+int8-block (``int8_blocks.Int8BlockLinear`` of float weights: group 32, float16 scales). Each timing is
 the fastest of ``--repeat`` calls (other processes only ever slow a call down), in ms, with the
 weight bytes a millisecond streams. ``--rotate-mb``: cycle through copies of the layer holding
 at least that many MB, so that the weights come from memory rather than cache (this machine's
@@ -22,12 +22,32 @@ import time
 
 import torch
 
+from specdecode import kernels
 from specdecode.models.int8_blocks import Int8BlockLinear
-from specdecode.models.quant import DenseLinear, Int4Linear
+from specdecode.models.quant import Int4Linear
+
+
+class ChannelInt8:
+    """--weights int8 before block int8: int8 weights with one float32 scale per output channel,
+    s = max|w| / 127, in the dense kernel (one float fma per weight and row)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.scale = (weight.abs().amax(1) / 127).clamp_min(1e-12)
+        codes = (weight / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.packed = kernels.pack_dense(codes)
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.dense_linear(x, self.packed, self.out_features, self.scale, residual)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * 4
+
 
 FORMATS = {
     "int4": Int4Linear.quantize,
-    "int8-channel": lambda w: DenseLinear(w, "int8"),
+    "int8-channel": ChannelInt8,
     "int8-block": Int8BlockLinear.quantize,
 }
 
