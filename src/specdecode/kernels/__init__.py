@@ -1,8 +1,8 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h``) holds every operation of a decode or verify forward
-that adds numbers up: the linear layers of each weight format (fp32, bf16, int8 and the 4-bit
-GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
+``cpu_kernels.cpp`` (with ``generic.h`` and ``q8_blocks.h``) holds every operation of a decode
+or verify forward that adds numbers up: the linear layers of each weight format (fp32, bf16,
+and block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
 with the cache write, tree attention (optionally over a sliding window), GeGLU and logit
 soft-capping. Each output element is computed by one thread in an
 order of additions fixed by the model's sizes alone, so a row's result never depends on the
@@ -131,24 +131,25 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     one of them a float16 number) float16; B = 16 group + 64 (+ 64), or + 32 (+ 32) in float16.
     K' is K padded with zero codes to a multiple of 32 (the activations' group)."""
     n, k = codes.shape
+    codes = codes.contiguous()
     extra = -k % 32
     if extra:
         codes = torch.nn.functional.pad(codes, (0, extra))
         pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, extra // group))  # noqa: E731
         scale, minimum = pad(scale), pad(minimum)
     groups = codes.shape[1] // group
-    out = []
-    for first in range(0, n, 256 * TILE):  # a few tiles at a time: bounded temporaries
-        rows = slice(first, first + 256 * TILE)
+    numbers = [t.to(torch.float16 if half else torch.float32) for t in (scale, minimum) if t is not None]
+    width = TILE * group + TILE * numbers[0].element_size() * len(numbers)
+    packed = torch.empty(-(-n // TILE), groups, width, dtype=torch.uint8)
+    step = 256  # tiles at a time: bounded temporaries for large matrices
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
         c = _tiles(codes[rows].view(torch.uint8) ^ 0x80)  # [T, c, K]: code + 128
         c = c.view(-1, TILE, groups, group // 4, 4).permute(0, 2, 3, 1, 4)  # [T, g, j, c, i]
         parts = [c.reshape(-1, groups, TILE * group)]
-        for t in (scale, minimum):
-            if t is not None:
-                t = t[rows].to(torch.float16 if half else torch.float32)
-                parts.append(_tiles(t).transpose(1, 2).contiguous().view(torch.uint8))
-        out.append(torch.cat(parts, -1))
-    return torch.cat(out).contiguous()
+        parts += [_tiles(t[rows]).transpose(1, 2).contiguous().view(torch.uint8) for t in numbers]
+        torch.cat(parts, -1, out=packed[first:first + step])
+    return packed
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):

@@ -1,5 +1,6 @@
 // Block int8 weights times int8 activations (models/int8_blocks.py): w = scale * code
-// (+ minimum) per group of G = 16 or 32 inputs, codes -128..127, scales and minimums float32.
+// (+ minimum) per group of G = 16 or 32 inputs, codes -128..127, scales and minimums float32
+// (or float16).
 // Included once by cpu_kernels.cpp, after its activation quantisers (quantise_rows and the
 // AVX-512 quantise_rows_avx512, per row and per 32 inputs: x ~ dx * xq).
 //
@@ -19,8 +20,9 @@
 // row's output is the same in a call of any size and position, and the portable and AVX-512
 // VNNI variants give the same bits.
 
-// how far ahead of the block in use the first row pass asks for a tile's weights (bytes):
-// the hardware prefetcher alone leaves one row waiting on memory (measured, as for Q4_PREFETCH)
+// how far ahead of the block in use the first row pass asks for a tile's weights (bytes), as
+// the Q4 kernel does with Q4_PREFETCH (where the hardware prefetcher alone was measured to leave
+// one row waiting on memory); about the Q4 kernel's distance, not tuned for these blocks
 #define Q8_PREFETCH 4096
 
 namespace q8blocks {

@@ -74,20 +74,20 @@ class Int8BlockWeight:
         require(inp % self.group == 0,
                 f"codes have {inp} inputs, not a whole number of groups of {self.group}")
         expected = (out, inp // self.group)
-        for name in ("scale", "minimum"):
-            t = getattr(self, name)
-            require(t is None and name == "minimum"
-                    or t is not None and t.dtype == torch.float32 and tuple(t.shape) == expected,
+        for name, t in (("scale", self.scale), ("minimum", self.minimum)):
+            if t is None and name == "minimum":
+                continue
+            require(t is not None and t.dtype == torch.float32 and tuple(t.shape) == expected,
                     f"{name} must be float32 {list(expected)}, got "
                     f"{None if t is None else (t.dtype, tuple(t.shape))}")
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: scale * code, then + minimum (gguf's float32 operations)."""
         out, inp = self.codes.shape
-        w = self.scale[..., None] * self.codes.float().view(out, -1, self.group)
+        w = self.scale[..., None] * self.codes.float().reshape(out, -1, self.group)
         if self.minimum is not None:
             w = w + self.minimum[..., None]
-        return w.view(out, inp)
+        return w.reshape(out, inp)
 
     def regroup(self, group: int) -> Int8BlockWeight:
         """The same weights in groups of ``group`` (a divisor of this one's): scales and

@@ -6,9 +6,9 @@ residual [m, out], added once at the end). What differs is how the weight is hel
 
     fp32  the weight as given
     bf16  bfloat16 weights (widened to float32 exactly, float32 products and sums)
-    int8  int8 codes q with a float32 scale s (and minimum m) per 16 or 32 inputs, w = s * q
-          (+ m): GGUF's 8, 6, 5 and 4-bit blocks as the file holds them, or float weights
-          quantised symmetrically per 32 (``int8_blocks``); activations quantised as for int4
+    int8  int8 codes q with a float32 or float16 scale s (and minimum m) per 16 or 32 inputs,
+          w = s * q (+ m): GGUF's 8, 6, 5 and 4-bit blocks as the file holds them, or float
+          weights in Q8_0's scheme (``int8_blocks``); activations quantised as for int4
     int4  4-bit codes q in 0..15 in groups of 32 along the input dimension with a float16 scale
           d and minimum m per group, w = d * q + m: GGUF's Q4_1 block, held as the file holds
           it; the activations are quantised to int8 per row and per 32 inputs inside the
@@ -24,8 +24,9 @@ fixed order: for fp32 and bf16 one fused multiply-add per input, in input order;
 int4 an exact integer sum per group, then one or two fused multiply-adds per group, in group
 order. The instruction set changes only the speed.
 
-Prompts are the exception: ``LibraryLinear`` runs them through ATen's GEMM (fp32, or bf16 for
-the narrower formats), many rows at a time. A prompt is the same computation for every method
+Prompts of the fp32 and bf16 formats are the exception: ``LibraryLinear`` runs them through
+ATen's GEMM in their own precision, many rows at a time (int8 and int4 prompts go through
+their own kernels, which are faster there). A prompt is the same computation for every method
 (the same blocks of rows, in the same calls), so prefill needs no row invariance, only
 determinism.
 """
