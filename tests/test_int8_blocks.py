@@ -194,3 +194,27 @@ def test_bad_input_gets_clear_errors(ext):
         Int8BlockWeight(codes, torch.zeros(4, 4), None, 32)
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
+
+
+@pytest.mark.slow  # gguf's reader parses the file's 49,152-token vocabulary first (15-20 s)
+def test_the_default_models_own_blocks_decode_exactly():
+    """The real Q8_0 embedding and a Q4_1 projection of SmolLM2's GGUF file, memory-mapped
+    (their first 512 rows: rows are independent)."""
+    from specdecode.models.loading import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except SpecDecodeError as exc:
+        pytest.skip(str(exc))
+    reader = gguf.GGUFReader(path)
+    picked = {}
+    for t in reader.tensors:
+        picked.setdefault(t.tensor_type.name, t)
+    for qtype in ("Q8_0", "Q4_1"):
+        t = picked[qtype]
+        rows = np.asarray(t.data)[:512]
+        weight = decode_gguf_blocks(rows, qtype)
+        expected = gguf.quants.dequantize(rows, t.tensor_type)
+        assert np.array_equal(weight.dequantize().numpy().view(np.uint32),
+                              expected.view(np.uint32)), t.name
+        assert Int8BlockLinear(weight).half  # the file's float16 scales, kept in float16
