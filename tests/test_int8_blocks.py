@@ -150,6 +150,25 @@ def test_float16_scales_where_they_are_float16_numbers(ext):
                                                        False, None, 32, kernels.isa()))
 
 
+def test_thread_count_changes_no_bit(ext):
+    # threads split column tiles, never a sum (the tests run on one thread otherwise)
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the kernel's threads cannot be tested here")
+    gen = torch.Generator().manual_seed(8)
+    weight = decode_gguf_blocks(gguf_blocks("Q6_K", 200, 512), "Q6_K")
+    layer, x = Int8BlockLinear(weight), torch.randn(ROWS, 512, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = layer(x)
+        torch.set_num_threads(1)
+        assert torch.equal(together, layer(x))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_residual_is_added_once_at_the_end(ext):
     gen = torch.Generator().manual_seed(5)
     layer = Int8BlockLinear.quantize(torch.randn(40, 64, generator=gen))
