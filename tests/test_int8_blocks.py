@@ -42,7 +42,10 @@ def gguf_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     if qtype in QUANTISED:
         return gguf.quants.quantize(rng.normal(0, 0.02, (rows, cols)).astype(np.float32), kind)
     blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    halves = lambda count: rng.uniform(-3e-3, 3e-3, (rows, cols // 256, count)).astype(np.float16).view(np.uint8)  # noqa: E731
+    def halves(count: int) -> np.ndarray:
+        values = rng.uniform(-3e-3, 3e-3, (rows, cols // 256, count))
+        return values.astype(np.float16).view(np.uint8)
+
     if qtype == "Q6_K":
         blocks[..., 208:210] = halves(1)  # d last
     else:

@@ -2,10 +2,10 @@
 
 ``cpu_kernels.cpp`` (with ``generic.h`` and ``q8_blocks.h``) holds every operation of a decode
 or verify forward that adds numbers up: the linear layers of each weight format (fp32, bf16,
-and block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
-with the cache write, tree attention (optionally over a sliding window), GeGLU and logit
-soft-capping. Each output element is computed by one thread in an
-order of additions fixed by the model's sizes alone, so a row's result never depends on the
+and block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI),
+RMSNorm, SwiGLU, rotary embedding with the cache write, tree attention (optionally over a
+sliding window), GeGLU and logit soft-capping. Each output element is computed by one thread
+in an order of additions fixed by the model's sizes alone, so a row's result never depends on the
 rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
 give the same bits).
 
@@ -135,10 +135,11 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     extra = -k % 32
     if extra:
         codes = torch.nn.functional.pad(codes, (0, extra))
-        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, extra // group))  # noqa: E731
-        scale, minimum = pad(scale), pad(minimum)
+        scale, minimum = (None if t is None else torch.nn.functional.pad(t, (0, extra // group))
+                          for t in (scale, minimum))
     groups = codes.shape[1] // group
-    numbers = [t.to(torch.float16 if half else torch.float32) for t in (scale, minimum) if t is not None]
+    dtype = torch.float16 if half else torch.float32
+    numbers = [t.to(dtype) for t in (scale, minimum) if t is not None]
     width = TILE * group + TILE * numbers[0].element_size() * len(numbers)
     packed = torch.empty(-(-n // TILE), groups, width, dtype=torch.uint8)
     step = 256  # tiles at a time: bounded temporaries for large matrices

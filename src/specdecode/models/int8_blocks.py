@@ -229,7 +229,8 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
                 minimum = np.empty_like(scale)
             minimum[part] = m.reshape(-1, groups)
     as_torch = lambda a: None if a is None else torch.from_numpy(a.reshape(rows, -1))  # noqa: E731
-    return Int8BlockWeight(as_torch(codes).view(rows, inp), as_torch(scale), as_torch(minimum), group)
+    return Int8BlockWeight(as_torch(codes).view(rows, inp), as_torch(scale), as_torch(minimum),
+                           group)
 
 
 # ---- the linear layer -----------------------------------------------------------------------

@@ -58,7 +58,8 @@ class DenseLinear:
         require(fmt in ("fp32", "bf16"), f"dense layers hold fp32 or bf16 weights, not {fmt}")
         self.fmt = fmt
         self.out_features = weight.shape[0]
-        self.packed = kernels.pack_dense(weight.float().to(torch.bfloat16 if fmt == "bf16" else torch.float32))
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        self.packed = kernels.pack_dense(weight.float().to(dtype))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.dense_linear(x, self.packed, self.out_features, None, residual)
