@@ -1,11 +1,11 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h``) holds every operation of a decode or verify forward
-that adds numbers up: the linear layers of each weight format (fp32, bf16, int8 and the 4-bit
-GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI), RMSNorm, SwiGLU, rotary embedding
-with the cache write, tree attention (optionally over a sliding window), GeGLU and logit
-soft-capping. Each output element is computed by one thread in an
-order of additions fixed by the model's sizes alone, so a row's result never depends on the
+``cpu_kernels.cpp`` (with ``generic.h`` and ``q8_blocks.h``) holds every operation of a decode
+or verify forward that adds numbers up: the linear layers of each weight format (fp32, bf16,
+and block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI),
+RMSNorm, SwiGLU, rotary embedding with the cache write, tree attention (optionally over a
+sliding window), GeGLU and logit soft-capping. Each output element is computed by one thread
+in an order of additions fixed by the model's sizes alone, so a row's result never depends on the
 rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
 give the same bits).
 
@@ -31,7 +31,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h")
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering)
 ISA_LEVELS = ("generic", "avx2", "avx512")
 # -fopenmp: at::parallel_for is a template compiled into this extension, and runs its loop on
@@ -120,6 +120,41 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
         return _tiles(t.to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([nibbles, halves(scale), halves(minimum)], -1).contiguous()
+
+
+def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                   group: int, half: bool = False) -> torch.Tensor:
+    """Block int8 weights (w = scale * codes (+ minimum) per ``group`` = 16 or 32 inputs; codes
+    int8 [N, K], scale and minimum float32 [N, K / group]) -> uint8 [N / 16, K' / group, B]: per
+    tile and group, byte 4c + i of slice j (64 bytes) holds code + 128 of input 4j + i of
+    column c, then 16 scales, then (with minimums) 16 minimums, float32 or (``half``: every
+    one of them a float16 number) float16; B = 16 group + 64 (+ 64), or + 32 (+ 32) in float16.
+    K' is K padded with zero codes to a multiple of 32 (the activations' group)."""
+    n, k = codes.shape
+    codes = codes.contiguous()
+    extra = -k % 32
+    if extra:
+        codes = torch.nn.functional.pad(codes, (0, extra))
+        scale, minimum = (None if t is None else torch.nn.functional.pad(t, (0, extra // group))
+                          for t in (scale, minimum))
+    groups = codes.shape[1] // group
+    dtype = torch.float16 if half else torch.float32
+    numbers = [t.to(dtype) for t in (scale, minimum) if t is not None]
+    width = TILE * group + TILE * numbers[0].element_size() * len(numbers)
+    packed = torch.empty(-(-n // TILE), groups, width, dtype=torch.uint8)
+    step = 256  # tiles at a time: bounded temporaries for large matrices
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
+        c = _tiles(codes[rows].view(torch.uint8) ^ 0x80)  # [T, c, K]: code + 128
+        c = c.view(-1, TILE, groups, group // 4, 4).permute(0, 2, 3, 1, 4)  # [T, g, j, c, i]
+        parts = [c.reshape(-1, groups, TILE * group)]
+        parts += [_tiles(t[rows]).transpose(1, 2).contiguous().view(torch.uint8) for t in numbers]
+        torch.cat(parts, -1, out=packed[first:first + step])
+    return packed
+
+
+def q8_linear(x, packed, group, minimum, half, n, residual=None):
+    return load().q8_linear(x, packed, group, minimum, half, residual, n, isa())
 
 
 def dense_linear(x, packed, n, scale=None, residual=None):

@@ -887,10 +887,13 @@ int64_t parallel_threads(int64_t items) {
   return std::count(used.begin(), used.end(), 1);
 }
 
+#include "q8_blocks.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_level", &detect_isa, "2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
   m.def("dense_linear", &dense_linear);
   m.def("q4_linear", &q4_linear);
+  m.def("q8_linear", &q8_linear);
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
   m.def("geglu", &geglu);

@@ -6,7 +6,9 @@ residual [m, out], added once at the end). What differs is how the weight is hel
 
     fp32  the weight as given
     bf16  bfloat16 weights (widened to float32 exactly, float32 products and sums)
-    int8  int8 weights with one float32 scale per output channel: w = s[n] * q
+    int8  int8 codes q with a float32 or float16 scale s (and minimum m) per 16 or 32 inputs,
+          w = s * q (+ m): GGUF's 8, 6, 5 and 4-bit blocks as the file holds them, or float
+          weights in Q8_0's scheme (``int8_blocks``); activations quantised as for int4
     int4  4-bit codes q in 0..15 in groups of 32 along the input dimension with a float16 scale
           d and minimum m per group, w = d * q + m: GGUF's Q4_1 block, held as the file holds
           it; the activations are quantised to int8 per row and per 32 inputs inside the
@@ -18,12 +20,13 @@ the products that build a decode or verify row are never issued to a library who
 choice depends on the call's shape (MKL, oneDNN and ATen pick other kernels, with other
 orders of addition, for other row counts and on other CPUs). They run in our own kernels
 (``specdecode/kernels``), where each output element is one thread's sum over the inputs in a
-fixed order: for fp32, bf16 and int8 one fused multiply-add per input, in input order; for int4
-an exact integer sum per group, then two fused multiply-adds per group, in group order. The
-instruction set changes only the speed.
+fixed order: for fp32 and bf16 one fused multiply-add per input, in input order; for int8 and
+int4 an exact integer sum per group, then one or two fused multiply-adds per group, in group
+order. The instruction set changes only the speed.
 
-Prompts are the exception: ``LibraryLinear`` runs them through ATen's GEMM (fp32, or bf16 for
-the narrower formats), many rows at a time. A prompt is the same computation for every method
+Prompts of the fp32 and bf16 formats are the exception: ``LibraryLinear`` runs them through
+ATen's GEMM in their own precision, many rows at a time (int8 and int4 prompts go through
+their own kernels, which are faster there). A prompt is the same computation for every method
 (the same blocks of rows, in the same calls), so prefill needs no row invariance, only
 determinism.
 """
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 
 from specdecode import kernels
 from specdecode.errors import require
+from specdecode.models.int8_blocks import Int8BlockLinear
 
 #: weight formats the native runner accepts
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -71,27 +75,21 @@ def check_format(weights: str) -> None:
 
 
 class DenseLinear:
-    """fp32, bf16 or int8 weights, packed once in 16-column tiles for the kernel."""
+    """fp32 or bf16 weights, packed once in 16-column tiles for the kernel."""
 
     def __init__(self, weight: torch.Tensor, fmt: str):
+        require(fmt in ("fp32", "bf16"), f"dense layers hold fp32 or bf16 weights, not {fmt}")
         self.fmt = fmt
         self.out_features = weight.shape[0]
-        w = weight.float()
-        self.scale = None
-        if fmt == "bf16":
-            w = w.to(torch.bfloat16)
-        elif fmt == "int8":  # symmetric per channel: s[n] = max|w[n]| / 127, q = round(w / s)
-            self.scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-            w = (w / self.scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.packed = kernels.pack_dense(w)
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        self.packed = kernels.pack_dense(weight.float().to(dtype))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.dense_linear(x, self.packed, self.out_features, self.scale, residual)
+        return kernels.dense_linear(x, self.packed, self.out_features, None, residual)
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.scale is None else self.scale.numel() * 4
-        return self.packed.numel() * self.packed.element_size() + scales
+        return self.packed.numel() * self.packed.element_size()
 
 
 class Int4Linear:
@@ -167,4 +165,8 @@ def int4_weights(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 def make_linear(weight: torch.Tensor, weights: str):
     """A linear layer holding ``weight`` [out, in] (float) in format ``weights``."""
     check_format(weights)
-    return Int4Linear.quantize(weight) if weights == "int4" else DenseLinear(weight, weights)
+    if weights == "int4":
+        return Int4Linear.quantize(weight)
+    if weights == "int8":
+        return Int8BlockLinear.quantize(weight)
+    return DenseLinear(weight, weights)

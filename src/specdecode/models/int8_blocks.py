@@ -1,0 +1,275 @@
+"""Block int8 weights: int8 codes with a float32 scale (and optionally a minimum) per group of
+16 or 32 inputs, w = scale * code (+ minimum). The one format that holds every GGUF block type
+of 4 to 8 bits with the file's own values (ggml-quants.c's block layouts; ``gguf.quants``
+dequantises them in numpy with the float32 operations reproduced here):
+
+    type   weights a block  codes      scale (float32)   minimum      group
+    Q8_0   32               -128..127  d                 -            32
+    Q4_0   32               -8..7      d                 -            32
+    Q4_1   32               0..15      d                 m            32
+    Q5_0   32               -16..15    d                 -            32
+    Q5_1   32               0..31      d                 m            32
+    Q4_K   256 (8 x 32)     0..15      d * sc            -(dmin * m)  32
+    Q5_K   256 (8 x 32)     0..31      d * sc            -(dmin * m)  32
+    Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
+
+d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
+sub-block integers. Every product d * sc has at most 11 + 7 significant bits and every
+scale * code at most 23, so float32 holds them exactly: ``Int8BlockWeight.dequantize`` gives
+gguf's float32 weights bit for bit (gguf rounds only where it adds the minimum, and so does
+it). The int4 format (``quant.Int4Linear``) keeps float16 scales, which Q4_K's products do not
+always fit; this one does not round them.
+
+``Int8BlockLinear`` multiplies by them in the native kernels (``kernels/q8_blocks.h``):
+activations are quantised to int8 per row and per 32 inputs (as in the int4 kernel, and as
+finely as llama.cpp's own Q8_0/Q8_1 activations, finer than the per-256 Q8_K it pairs with
+K-quants), each group's integer dot product is exact, and one or two fused multiply-adds per
+group fold it in, in group order: row invariant by construction, the same bits on every
+instruction set. ``quantize_int8_blocks`` makes the format from float weights (``--weights
+int8``): GGUF Q8_0's scheme, symmetric per 32 inputs with a float16 scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdecode import kernels
+from specdecode.errors import SpecDecodeError, require
+
+#: inputs per group that the kernel accepts; activations are quantised per 32 in any case
+GROUPS = (16, 32)
+#: input group of ``quantize_int8_blocks`` (a Q8_0 block)
+INT8_GROUP = 32
+#: bytes of one block, per GGUF type this module decodes
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+#: weights of one block, per GGUF type
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
+                 "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+#: decode this many blocks at a time (bounds numpy's temporaries on large tensors)
+_CHUNK_BLOCKS = 1 << 15
+
+
+@dataclass(frozen=True)
+class Int8BlockWeight:
+    """w[o, i] = scale[o, i // group] * codes[o, i] (+ minimum[o, i // group]).
+
+    ``codes`` int8 [out, in]; ``scale`` and ``minimum`` (or None) float32 [out, in / group];
+    ``group`` 16 or 32."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    group: int
+
+    def __post_init__(self):
+        require(self.group in GROUPS, f"block int8 groups are {GROUPS}, not {self.group}")
+        require(self.codes.dtype == torch.int8 and self.codes.dim() == 2,
+                f"codes must be int8 [out, in], got {self.codes.dtype} {tuple(self.codes.shape)}")
+        out, inp = self.codes.shape
+        require(inp % self.group == 0,
+                f"codes have {inp} inputs, not a whole number of groups of {self.group}")
+        expected = (out, inp // self.group)
+        for name, t in (("scale", self.scale), ("minimum", self.minimum)):
+            if t is None and name == "minimum":
+                continue
+            require(t is not None and t.dtype == torch.float32 and tuple(t.shape) == expected,
+                    f"{name} must be float32 {list(expected)}, got "
+                    f"{None if t is None else (t.dtype, tuple(t.shape))}")
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: scale * code, then + minimum (gguf's float32 operations)."""
+        out, inp = self.codes.shape
+        w = self.scale[..., None] * self.codes.float().reshape(out, -1, self.group)
+        if self.minimum is not None:
+            w = w + self.minimum[..., None]
+        return w.reshape(out, inp)
+
+    def regroup(self, group: int) -> Int8BlockWeight:
+        """The same weights in groups of ``group`` (a divisor of this one's): scales and
+        minimums repeated, so every weight is unchanged."""
+        require(self.group % group == 0, f"cannot regroup groups of {self.group} into {group}")
+        factor = self.group // group
+        if factor == 1:
+            return self
+        spread = lambda t: None if t is None else t.repeat_interleave(factor, 1)  # noqa: E731
+        return Int8BlockWeight(self.codes, spread(self.scale), spread(self.minimum), group)
+
+    @staticmethod
+    def cat(parts: Sequence[Int8BlockWeight]) -> Int8BlockWeight:
+        """``parts`` stacked along ``out`` (fused q/k/v or gate/up), in the finest group among
+        them; where some have minimums and others not, the others get -0.0 (w + -0.0 == w for
+        every float w, -0.0 included): every weight is unchanged."""
+        require(len(parts) > 0 and len({p.codes.shape[1] for p in parts}) == 1,
+                "block int8 parts must share their input size")
+        group = min(p.group for p in parts)
+        parts = [p.regroup(group) for p in parts]
+        minimum = None
+        if any(p.minimum is not None for p in parts):
+            minimum = torch.cat([torch.full_like(p.scale, -0.0) if p.minimum is None else p.minimum
+                                 for p in parts])
+        return Int8BlockWeight(torch.cat([p.codes for p in parts]),
+                               torch.cat([p.scale for p in parts]), minimum, group)
+
+
+def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
+    """Symmetric block int8 of float ``weight`` [out, in], GGUF Q8_0's scheme: per ``group``
+    inputs a scale of max|w| / 127 rounded up to a float16 number (up: no code passes 127; the
+    kernel reads float16 scales in half the bytes), code = round(w / scale) in -127..127 (from
+    the rounded scale, so each weight is within half a step). Scales beyond float16's range stay
+    float32. ``in`` is padded with zero weights to a whole number of groups."""
+    require(weight.dim() == 2, f"a weight matrix is [out, in], got {tuple(weight.shape)}")
+    w = weight.float()
+    extra = -w.shape[1] % group
+    if extra:
+        w = torch.nn.functional.pad(w, (0, extra))
+    out, inp = w.shape
+    blocks = w.view(out, inp // group, group)
+    scale = blocks.abs().amax(-1) / 127
+    half = scale.half()
+    up = torch.where(half.float() < scale, (half.view(torch.int16) + 1).view(torch.float16), half)
+    if up.isfinite().all():
+        scale = up.float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (blocks / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8BlockWeight(codes.view(out, inp), scale, None, group)
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """float16 numbers stored in the last axis's bytes (2 each), as float32 [..., count]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16 bytes] -> [..., 32 codes]: low nibbles are inputs 0..15, high ones 16..31."""
+    return np.concatenate([qs & 15, qs >> 4], -1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's fifth bits: [..., 4 bytes] little-endian, bit i for input i -> [..., 32]."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit minimums (ggml's
+    get_scale_min_k4): sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, sub-blocks 4-7
+    in the nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes 0-7."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _decode(b: np.ndarray, qtype: str):
+    """Blocks [n, block bytes] -> (codes int8 [n, weights], scale, minimum or None [n, groups])."""
+    n = b.shape[0]
+    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"):
+        d = _f16(b[:, 0:2])
+        m = _f16(b[:, 2:4]) if qtype in ("Q4_1", "Q5_1") else None
+        if qtype == "Q8_0":
+            return b[:, 2:].view(np.int8), d, None
+        at = 2 if m is None else 4
+        codes = _nibbles(b[:, at + 4 * qtype.startswith("Q5"):])
+        if qtype.startswith("Q5"):
+            codes |= _high_bits(b[:, at:at + 4]) << 4
+        offset = {"Q4_0": 8, "Q5_0": 16}.get(qtype, 0)  # Q4_0/Q5_0: w = d (q - offset)
+        return (codes.astype(np.int8) - np.int8(offset)), d, m
+    if qtype in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        # 64 weights per 32 bytes of qs: sub-block 2j in the low nibbles of bytes 32j..32j+31,
+        # sub-block 2j + 1 in their high nibbles
+        qs = b[:, -128:].reshape(n, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], 2).reshape(n, 8, 32)
+        if qtype == "Q5_K":  # sub-block s's fifth bits: bit s of qh[i] for its input i
+            qh = b[:, 16:48].reshape(n, 1, 32)
+            codes |= ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
+        return codes.reshape(n, 256).view(np.int8), d * sc, -(dmin * mn)
+    if qtype == "Q6_K":
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b[:, 208:210])
+        # each half of 128 weights: 64 bytes of low nibbles (weights 0..63 low, 64..127 high)
+        # and 32 bytes of 2-bit high parts (weights 32 s + i in bits 2 s of byte i)
+        low = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
+        high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+        codes = (low & 15).reshape(n, 8, 32) | ((high & 3).reshape(n, 8, 32) << 4)
+        return codes.reshape(n, 256).astype(np.int8) - np.int8(32), d * sc, None
+    raise SpecDecodeError(f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
+
+
+def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
+    """A GGUF tensor's block data (uint8 [rows, bytes a row], as ``gguf.GGUFReader`` maps it)
+    of type ``qtype`` (a ``GGMLQuantizationType`` name) as block int8, every weight exact."""
+    require(qtype in BLOCK_BYTES, f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
+    raw = np.asarray(raw)
+    require(raw.dtype == np.uint8 and raw.ndim == 2 and raw.shape[1] % BLOCK_BYTES[qtype] == 0,
+            f"{qtype} data must be uint8 [rows, a multiple of {BLOCK_BYTES[qtype]} bytes], got "
+            f"{raw.dtype} {raw.shape}")
+    rows = raw.shape[0]
+    per_row = raw.shape[1] // BLOCK_BYTES[qtype]
+    inp = per_row * BLOCK_WEIGHTS[qtype]
+    group = 16 if qtype == "Q6_K" else 32
+    blocks = raw.reshape(rows * per_row, BLOCK_BYTES[qtype])
+    codes = np.empty((rows * per_row, BLOCK_WEIGHTS[qtype]), np.int8)
+    groups = BLOCK_WEIGHTS[qtype] // group
+    scale = np.empty((rows * per_row, groups), np.float32)
+    minimum = None
+    for start in range(0, len(blocks), _CHUNK_BLOCKS):
+        part = slice(start, start + _CHUNK_BLOCKS)
+        c, s, m = _decode(blocks[part], qtype)
+        codes[part], scale[part] = c, s.reshape(-1, groups)
+        if m is not None:
+            if minimum is None:
+                minimum = np.empty_like(scale)
+            minimum[part] = m.reshape(-1, groups)
+    as_torch = lambda a: None if a is None else torch.from_numpy(a.reshape(rows, -1))  # noqa: E731
+    return Int8BlockWeight(as_torch(codes).view(rows, inp), as_torch(scale), as_torch(minimum),
+                           group)
+
+
+# ---- the linear layer -----------------------------------------------------------------------
+
+class Int8BlockLinear:
+    """A linear layer of block int8 weights in the native kernels (see the module docstring)."""
+
+    fmt = "int8"
+
+    def __init__(self, weight: Int8BlockWeight, in_features: int | None = None):
+        """``in_features``: the inputs a call gives, when ``weight`` has zero weights padded
+        after them (``quantize_int8_blocks`` of an odd width); default all of its inputs."""
+        out, inp = weight.codes.shape
+        self.in_features = inp if in_features is None else in_features
+        require(inp - INT8_GROUP < self.in_features <= inp,
+                f"in_features {self.in_features} does not fit a weight of {inp} inputs")
+        self.out_features = out
+        self.group = weight.group
+        self.has_minimum = weight.minimum is not None
+        # float16 scales where they are float16 numbers (Q8_0, Q4_0/1, Q5_0/1, --weights int8):
+        # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
+        numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
+        self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
+        self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
+                                             weight.group, self.half)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8BlockLinear:
+        return cls(quantize_int8_blocks(weight), in_features=weight.shape[1])
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        try:
+            return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
+                                     self.out_features, residual)
+        except RuntimeError as exc:
+            reason = str(exc).splitlines()[0]
+            raise SpecDecodeError(f"block int8 linear [{self.out_features} x {self.in_features}]: "
+                                  f"{reason}") from None
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()

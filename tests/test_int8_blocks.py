@@ -1,0 +1,242 @@
+"""Block int8 weights (models/int8_blocks.py, kernels/q8_blocks.h): every GGUF block type
+decoded to gguf's own float32 weights bit for bit; the kernel within the bound of its int8
+activations, row invariant, and the same bits from every instruction-set variant."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import kernels
+from specdecode.errors import SpecDecodeError
+from specdecode.models.int8_blocks import (BLOCK_BYTES, Int8BlockLinear, Int8BlockWeight,
+                                           decode_gguf_blocks, quantize_int8_blocks)
+from specdecode.models.quant import make_linear
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's reader) is not installed")
+
+ROWS = 64
+#: types gguf can quantise (the K-quants it only dequantises: random blocks for those)
+QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here (x86-64 Linux with g++ needed)")
+    return kernels.load()
+
+
+def isas(ext) -> range:
+    """Every instruction-set variant this CPU runs (all three where it has AVX-512 VNNI)."""
+    return range(ext.isa_level() + 1)
+
+
+def gguf_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes] of ``qtype``: gguf's own quantisation of random weights where it has
+    one, else random bytes with float16 scales of a plausible size (every byte pattern of the
+    codes and sub-block scales is valid)."""
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype in QUANTISED:
+        return gguf.quants.quantize(rng.normal(0, 0.02, (rows, cols)).astype(np.float32), kind)
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    def halves(count: int) -> np.ndarray:
+        values = rng.uniform(-3e-3, 3e-3, (rows, cols // 256, count))
+        return values.astype(np.float16).view(np.uint8)
+
+    if qtype == "Q6_K":
+        blocks[..., 208:210] = halves(1)  # d last
+    else:
+        blocks[..., 0:4] = halves(2)  # d, dmin first
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_BYTES))
+def test_decode_equals_gguf_dequantize_bitwise(qtype):
+    raw = gguf_blocks(qtype, 6, 512)
+    weight = decode_gguf_blocks(raw, qtype)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    got = weight.dequantize().numpy()
+    assert got.shape == expected.shape == (6, 512)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qtype
+    assert weight.group == (16 if qtype == "Q6_K" else 32)
+    assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(qtype, 4)
+    signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K")
+    low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if signed else (0, (1 << bits) - 1)
+    assert low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
+
+
+def test_cat_regroups_exactly():
+    # a Q4_K_M layer's q/k (Q4_K: groups of 32, minimums) fused with its v (Q6_K: groups of
+    # 16, none): the finer group, -0.0 minimums, every weight unchanged
+    parts = [decode_gguf_blocks(gguf_blocks(t, 3, 256, seed), t)
+             for seed, t in enumerate(("Q4_K", "Q6_K", "Q8_0"))]
+    fused = Int8BlockWeight.cat(parts)
+    assert fused.group == 16 and fused.minimum is not None
+    expected = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(fused.dequantize().view(torch.int32), expected.view(torch.int32))
+    same = Int8BlockWeight.cat(parts[2:] * 2)
+    assert same.group == 32 and same.minimum is None
+    with pytest.raises(SpecDecodeError, match="share their input size"):
+        Int8BlockWeight.cat([parts[0], quantize_int8_blocks(torch.randn(2, 64))])
+
+
+def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[m, n]: how far int8 activations per row and per 32 inputs (x ~ dx * round(x / dx),
+    dx = max|x| / 127, so within dx / 2) can move x @ weight.T."""
+    m, k = x.shape
+    half_step = (x.abs().view(m, -1, 32).amax(-1) / 254).repeat_interleave(32, 1)  # [m, k]
+    return half_step.double() @ weight.abs().double().T
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q5_1"])
+def test_linear_within_the_activation_bound(ext, qtype):
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 40, 512, seed=3), qtype)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    w = weight.dequantize()
+    exact = x.double() @ w.double().T
+    bound = activation_bound(x, w) * 1.0001 + 1e-6 * (x.abs().double() @ w.abs().double().T)
+    got = Int8BlockLinear(weight)(x).double()
+    error = (got - exact).abs()
+    assert (error <= bound).all(), float((error / bound).max())
+    assert error.max() > 0  # the activations were quantised: not the float product
+
+
+def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
+    """``call`` on all rows of ``x`` equals it on every block of 1..len(x) rows, at the start,
+    middle and end."""
+    together = call(x)
+    for m in range(1, len(x) + 1):
+        for start in {0, (len(x) - m) // 2, len(x) - m}:
+            part = call(x[start:start + m].contiguous())
+            assert torch.equal(part, together[start:start + m]), (m, start)
+    return together
+
+
+@pytest.mark.parametrize("group,with_minimum,half", [(32, False, False), (32, True, False),
+                                                     (16, False, False), (16, True, False),
+                                                     (32, False, True), (32, True, True)])
+def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, half):
+    gen = torch.Generator().manual_seed(group + with_minimum + 2 * half)
+    n, k = 72, 96  # a last, partial tile of columns; an odd number of groups of 32
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    numbers = lambda: torch.randn(n, k // group, generator=gen).half().float() * 0.01  # noqa: E731
+    scale, minimum = numbers(), numbers() if with_minimum else None
+    packed = kernels.pack_q8_blocks(codes, scale, minimum, group, half)
+    x = torch.randn(ROWS, k, generator=gen)
+    outs = [assert_row_invariant(lambda rows: ext.q8_linear(rows, packed, group, with_minimum,
+                                                            half, None, n, isa), x)
+            for isa in isas(ext)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    w = Int8BlockWeight(codes, scale, minimum, group).dequantize()
+    error = (outs[0].double() - x.double() @ w.double().T).abs()
+    assert (error <= activation_bound(x, w) * 1.0001 + 1e-4).all()
+    zeros = torch.zeros(3, k)
+    assert torch.equal(ext.q8_linear(zeros, packed, group, with_minimum, half, None, n, 0),
+                       torch.zeros(3, n))
+
+
+def test_float16_scales_where_they_are_float16_numbers(ext):
+    # the same numbers in fewer bytes: Q8_0's scales are float16, Q4_K's products d * sc not
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(7))
+    for qtype, half in (("Q8_0", True), ("Q4_1", True), ("Q4_K", False), ("Q6_K", False)):
+        weight = decode_gguf_blocks(gguf_blocks(qtype, 32, 512), qtype)
+        layer = Int8BlockLinear(weight)
+        assert layer.half == half, qtype
+        if half:
+            wide = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, 32, False)
+            assert layer.packed.shape[2] < wide.shape[2]
+            assert torch.equal(layer(x), ext.q8_linear(x, wide, 32, weight.minimum is not None,
+                                                       False, None, 32, kernels.isa()))
+
+
+def test_thread_count_changes_no_bit(ext):
+    # threads split column tiles, never a sum (the tests run on one thread otherwise)
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the kernel's threads cannot be tested here")
+    gen = torch.Generator().manual_seed(8)
+    weight = decode_gguf_blocks(gguf_blocks("Q6_K", 200, 512), "Q6_K")
+    layer, x = Int8BlockLinear(weight), torch.randn(ROWS, 512, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = layer(x)
+        torch.set_num_threads(1)
+        assert torch.equal(together, layer(x))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_residual_is_added_once_at_the_end(ext):
+    gen = torch.Generator().manual_seed(5)
+    layer = Int8BlockLinear.quantize(torch.randn(40, 64, generator=gen))
+    x, residual = torch.randn(7, 64, generator=gen), torch.randn(7, 40, generator=gen)
+    assert torch.equal(layer(x, residual), residual + layer(x))
+
+
+def test_float_weights_quantised_per_32_and_padded(ext):
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(24, 40, generator=gen)  # 40 inputs: padded to 64 with zero weights
+    q = quantize_int8_blocks(w)
+    assert q.codes.shape == (24, 64) and q.group == 32 and q.minimum is None
+    deq = q.dequantize()
+    assert torch.equal(deq[:, 40:], torch.zeros(24, 24))
+    assert torch.equal(q.scale.half().float(), q.scale)  # float16 numbers, rounded up
+    step = w.abs().amax(1, keepdim=True) / 127 * (1 + 2 ** -10)  # at least every group's scale
+    assert ((deq[:, :40] - w).abs() <= step / 2).all()
+    layer = make_linear(w, "int8")
+    assert isinstance(layer, Int8BlockLinear) and layer.in_features == 40 and layer.half
+    x = torch.randn(3, 40, generator=gen)
+    exact = x.double() @ deq[:, :40].double().T
+    assert ((layer(x).double() - exact).abs() <= activation_bound(
+        torch.nn.functional.pad(x, (0, 24)), deq) * 1.0001 + 1e-5).all()
+
+
+def test_bad_input_gets_clear_errors(ext):
+    layer = Int8BlockLinear.quantize(torch.randn(16, 64))
+    with pytest.raises(SpecDecodeError, match=r"\[16 x 64\].*float32 \[rows, 64\]"):
+        layer(torch.randn(2, 96))
+    with pytest.raises(SpecDecodeError, match="float32"):
+        layer(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(SpecDecodeError, match="residual"):
+        layer(torch.randn(2, 64), torch.randn(3, 16))
+    with pytest.raises(SpecDecodeError, match="not Q2_K"):
+        decode_gguf_blocks(np.zeros((2, 84), np.uint8), "Q2_K")
+    with pytest.raises(SpecDecodeError, match="multiple of 34 bytes"):
+        decode_gguf_blocks(np.zeros((2, 35), np.uint8), "Q8_0")
+    codes = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(SpecDecodeError, match="groups are"):
+        Int8BlockWeight(codes, torch.zeros(4, 8), None, 8)
+    with pytest.raises(SpecDecodeError, match=r"scale must be float32 \[4, 2\]"):
+        Int8BlockWeight(codes, torch.zeros(4, 4), None, 32)
+    with pytest.raises(SpecDecodeError, match="codes must be int8"):
+        Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
+
+
+@pytest.mark.slow  # gguf's reader parses the file's 49,152-token vocabulary first (15-20 s)
+def test_the_default_models_own_blocks_decode_exactly():
+    """The real Q8_0 embedding and a Q4_1 projection of SmolLM2's GGUF file, memory-mapped
+    (their first 512 rows: rows are independent)."""
+    from specdecode.models.loading import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except SpecDecodeError as exc:
+        pytest.skip(str(exc))
+    reader = gguf.GGUFReader(path)
+    picked = {}
+    for t in reader.tensors:
+        picked.setdefault(t.tensor_type.name, t)
+    for qtype in ("Q8_0", "Q4_1"):
+        t = picked[qtype]
+        rows = np.asarray(t.data)[:512]
+        weight = decode_gguf_blocks(rows, qtype)
+        expected = gguf.quants.dequantize(rows, t.tensor_type)
+        assert np.array_equal(weight.dequantize().numpy().view(np.uint32),
+                              expected.view(np.uint32)), t.name
+        assert Int8BlockLinear(weight).half  # the file's float16 scales, kept in float16
