@@ -27,6 +27,8 @@ namespace k_amx {
 
 // bytes of one unpacked (column tile, group): 8 rows of 16 columns x 4 inputs
 constexpr int64_t UNPACKED_BLOCK = 512;
+// groups between the one the unpacking pass writes and the one it multiplies
+constexpr int64_t UNPACK_AHEAD = 4;
 
 // CPUID.(7, 0):EDX bits 24 (AMX-TILE) and 25 (AMX-INT8), then the kernel's permission to use
 // the tile data (Linux 5.16+: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per
@@ -60,8 +62,16 @@ static void configure_tiles(int rows) {
     cfg.rows[2 + i] = (uint8_t)rows, cfg.colsb[2 + i] = 32;
     cfg.rows[4 + i] = 8, cfg.colsb[4 + i] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // ldtilecfg by hand: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the
+  // stores of the shapes above may be dropped or moved past it
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
+
+// tileloadd with the memory it reads declared (GCC 12's _tile_loadd declares none, so the
+// stores of an unpacked block could be moved past the load that reads them)
+#define TILE_LOAD(tmm, base, stride)                                         \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((int64_t)(stride)) \
+                   : "memory")
 
 // a Q4_1 block's codes as a weight tile: rows 0-3 the slices' low nibbles, rows 4-7 the high
 static inline void unpack_block(const uint8_t* blk, uint8_t* out) {
@@ -91,8 +101,8 @@ static inline void fold_group(const int32_t* sums, const uint8_t* blk, const flo
 // (tile numbers are immediates, hence a macro)
 #define AMX_GROUP(C, A, B, x, w, k_dim, sums)      \
   do {                                             \
-    _tile_loadd(A, x, k_dim);                      \
-    _tile_loadd(B, w, 64);                         \
+    TILE_LOAD(A, x, k_dim);                        \
+    TILE_LOAD(B, w, 64);                           \
     _tile_zero(C);                                 \
     _tile_dpbsud(C, A, B);                         \
     _tile_stored(C, sums, 64);                     \
@@ -108,16 +118,21 @@ static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int6
   const int64_t groups = k_dim / 32;
   alignas(64) int32_t sums[2][16 * 16];
   for (int r = 0; r < R; r++) acc[r][0] = _mm512_setzero_ps();
-  auto weights = [&](int64_t g) {
-    uint8_t* w = unpacked + g * UNPACKED_BLOCK;
-    if (UNPACK) {
-      const uint8_t* blk = tile + g * Q4_BLOCK;
-      for (int line = 0; line < Q4_BLOCK; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + line), _MM_HINT_T0);
-      unpack_block(blk, w);
-    }
-    return w;
+  // the unpacking pass writes group g + UNPACK_AHEAD's weight tile while group g multiplies:
+  // a tile load of bytes just stored waits for the stores to reach the cache (measured: about
+  // twice the time of a group where each block is unpacked right before its multiply)
+  auto unpack = [&](int64_t g) {
+    if (!UNPACK || g >= groups) return;
+    const uint8_t* blk = tile + g * Q4_BLOCK;
+    for (int line = 0; line < Q4_BLOCK; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + line), _MM_HINT_T0);
+    unpack_block(blk, unpacked + g * UNPACKED_BLOCK);
   };
+  auto weights = [&](int64_t g) {
+    unpack(g + UNPACK_AHEAD);
+    return unpacked + g * UNPACKED_BLOCK;
+  };
+  for (int64_t g = 0; g < UNPACK_AHEAD; g++) unpack(g);
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
     AMX_GROUP(0, 2, 4, xq + g * 32, weights(g), k_dim, sums[0]);
@@ -134,6 +149,7 @@ static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int6
   }
 }
 #undef AMX_GROUP
+#undef TILE_LOAD
 
 // a per-thread buffer for one column tile's weight tiles, grown as needed (kept between calls:
 // a fresh allocation of this size would be a fresh mapping, page faults included, every call)
