@@ -599,6 +599,13 @@ void quantise_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq
     }
 }
 
+// whether q4_linear takes the AMX tiles for m rows: from AMX_MIN_ROWS (fewer are bound by the
+// weights' memory traffic, or by the tile operations' fixed cost, where VNNI is as fast); the
+// isa level may be passed in by hand, so the tiles' permission is checked here as well
+bool q4_uses_amx(int64_t m, int64_t isa) {
+  return isa >= AMX && m >= AMX_MIN_ROWS && k_amx::amx_usable();
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == Q4_BLOCK && packed.scalar_type() == at::kByte &&
@@ -619,9 +626,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  // AMX for several rows (one row is bound by memory, where VNNI is as fast); the isa level
-  // may be passed in by hand, so the tiles are asked for here as well
-  const bool tiles_pay = isa >= AMX && m >= AMX_MIN_ROWS && k_amx::amx_usable();
+  const bool tiles_pay = q4_uses_amx(m, isa);
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (tiles_pay)
       k_amx::q4_columns_amx(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
@@ -901,6 +906,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "3: AMX tiles (granted by the OS), 2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
   m.def("dense_linear", &dense_linear);
   m.def("q4_linear", &q4_linear);
+  m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
   m.def("geglu", &geglu);
