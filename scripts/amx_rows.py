@@ -6,8 +6,8 @@ Q4_1 weights), the whole default-model forward (native int4 runner, ``--context`
 cached, a chain of ``rows`` new tokens), and torch's bfloat16 linear of the 2048 x 8192 layer
 for reference (oneDNN, AMX where it has it). The instruction sets take turns in short bursts
 (``--rounds`` of them, each the median of ``--calls`` calls) so that a shared machine's load
-falls on both alike; the table has the median of the bursts and the load average at the start
-and the end. Needs a CPU with AMX for the AMX column (``SPECDECODE_KERNEL_ISA`` picks the
+falls on both alike; the table (printed after every round) has the median of the bursts so far
+and the load average. Needs a CPU with AMX for the AMX column (``SPECDECODE_KERNEL_ISA`` picks the
 variant for the forward; the linears get the level directly).
 
     PYTHONPATH=src python scripts/amx_rows.py --threads 2
@@ -80,14 +80,18 @@ def forward_calls(rows: list[int], context: int):
     return {("forward", variant, m): (lambda m=m: forward(m)) for variant in VARIANTS for m in rows}
 
 
-def measure(calls: dict, rounds: int, per_burst: int) -> dict:
-    """The median over ``rounds`` bursts of each call's median time; variants alternate."""
+def measure(calls: dict, rounds: int, per_burst: int, rows: list[int]) -> dict:
+    """The median over ``rounds`` bursts of each call's median time; variants alternate. The
+    table so far is printed after every round (a shared machine can make a round slow)."""
     times: dict = {key: [] for key in calls}
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         for key, call in calls.items():
             set_variant(key[1] if key[1] in VARIANTS else "amx")
             times[key].append(median_ms(call, per_burst))
-    return {key: statistics.median(ts) for key, ts in times.items()}
+        result = {key: statistics.median(ts) for key, ts in times.items()}
+        print(f"after {done} of {rounds} bursts, load average {os.getloadavg()[0]:.2f}:\n"
+              f"{table(result, rows)}", flush=True)
+    return result
 
 
 def table(result: dict, rows: list[int]) -> str:
@@ -108,8 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--rounds", type=int, default=7, help="bursts per call (median)")
-    parser.add_argument("--calls", type=int, default=21, help="timed calls per burst (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="bursts per call (median)")
+    parser.add_argument("--calls", type=int, default=11, help="timed calls per burst (median)")
     parser.add_argument("--context", type=int, default=256, help="cached tokens before a forward")
     parser.add_argument("--no-forward", action="store_true", help="the linear layers only")
     args = parser.parse_args()
@@ -120,12 +124,9 @@ def main() -> None:
     calls = linear_calls(args.rows, torch.Generator().manual_seed(0))
     if not args.no_forward:
         calls.update(forward_calls(args.rows, args.context))
-    load_before = os.getloadavg()
-    result = measure(calls, args.rounds, args.calls)
-    load_after = os.getloadavg()
     print(f"threads {args.threads}, {args.rounds} bursts of {args.calls} calls (medians); "
-          f"load average {load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end")
-    print(table(result, args.rows))
+          f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    measure(calls, args.rounds, args.calls, args.rows)
 
 
 if __name__ == "__main__":
