@@ -1,13 +1,13 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h``) holds every operation of a decode or verify forward
-that adds numbers up: the linear layers of each weight format (fp32, bf16, int8 and the 4-bit
-GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI, or AMX tiles in ``amx.h``), RMSNorm, SwiGLU, rotary embedding
-with the cache write, tree attention (optionally over a sliding window), GeGLU and logit
-soft-capping. Each output element is computed by one thread in an
-order of additions fixed by the model's sizes alone, so a row's result never depends on the
-rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
-give the same bits).
+``cpu_kernels.cpp`` (with ``generic.h`` and ``amx.h``) holds every operation of a decode or
+verify forward that adds numbers up: the linear layers of each weight format (fp32, bf16, int8
+and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI, or AMX tiles for
+several rows), RMSNorm, SwiGLU, rotary embedding with the cache write, tree attention
+(optionally over a sliding window), GeGLU and logit soft-capping. Each output element is
+computed by one thread in an order of additions fixed by the model's sizes alone, so a row's
+result never depends on the rows beside it, on any x86-64 CPU; the instruction set only
+changes the speed (the variants give the same bits).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into

@@ -1,9 +1,9 @@
 // CPU kernels of the native runner (specdecode.kernels builds and loads this file).
 //
 // Every kernel is row-invariant by construction: see generic.h for the rule. The instruction
-// set is chosen at run time (AVX-512 with VNNI, AVX2 + FMA, or baseline x86-64); the integer
-// dot products are exact and the float operations are the same sequence in every variant, so
-// the variants agree bit for bit as well. Threads split output columns (or attention rows and
+// set is chosen at run time (AMX tiles for the int4 linears of several rows, amx.h; AVX-512
+// with VNNI; AVX2 + FMA; or baseline x86-64); the integer dot products are exact and the float
+// operations are the same sequence in every variant, so the variants agree bit for bit as well. Threads split output columns (or attention rows and
 // heads), never a sum.
 
 #include <torch/extension.h>
