@@ -85,15 +85,17 @@ static inline void unpack_block(const uint8_t* blk, uint8_t* out) {
 
 // q4_tiles_vnni's fold of group g for R rows: sums [R][16] int32 of the group
 template <int R>
-static inline void fold_group(const int32_t* sums, const uint8_t* blk, const float* dx,
-                              const float* sx, int64_t groups, int64_t g, __m512 (&acc)[R][1]) {
+__attribute__((always_inline)) static inline void fold_group(const int32_t* sums, const uint8_t* blk,
+                                                             const float* dx, const float* sx,
+                                                             int64_t groups, int64_t g, __m512 (&acc)[R]) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
   const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+#pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * groups + g]));
     const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
-    acc[r][0] = _mm512_fmadd_ps(sum, scale, acc[r][0]);
-    acc[r][0] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * groups + g]), acc[r][0]);
+    acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+    acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
   }
 }
 
@@ -111,13 +113,17 @@ static inline void fold_group(const int32_t* sums, const uint8_t* blk, const flo
 // R rows (the tiles configured for R) of one column tile: group sums on the tile unit, each
 // folded while the next group multiplies. UNPACK: this pass streams the packed weights and
 // writes their weight tiles to `unpacked` (the first pass over the column tile); otherwise it
-// reads them back from there.
+// reads them back from there. The sums stay in a local array (registers): the tile loads and
+// stores tell the compiler they touch memory, so an array passed in would be stored and
+// reloaded around each of them.
 template <int R, bool UNPACK>
 static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int64_t k_dim,
-                        const uint8_t* tile, uint8_t* unpacked, __m512 (&acc)[R][1]) {
+                        const uint8_t* tile, uint8_t* unpacked, __m512 (&out)[R][1]) {
   const int64_t groups = k_dim / 32;
   alignas(64) int32_t sums[2][16 * 16];
-  for (int r = 0; r < R; r++) acc[r][0] = _mm512_setzero_ps();
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   // the unpacking pass writes group g + UNPACK_AHEAD's weight tile while group g multiplies:
   // a tile load of bytes just stored waits for the stores to reach the cache (measured: about
   // twice the time of a group where each block is unpacked right before its multiply)
@@ -147,6 +153,8 @@ static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int6
   } else {
     fold_group<R>(sums[1], tile + (groups - 1) * Q4_BLOCK, dx, sx, groups, groups - 1, acc);
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) out[r][0] = acc[r];
 }
 #undef AMX_GROUP
 #undef TILE_LOAD
