@@ -23,7 +23,7 @@
 // streams them from memory, and the hardware prefetcher alone leaves it waiting (measured)
 #define Q4_PREFETCH (12 * Q4_BLOCK)
 // the fewest rows for which the Q4 kernel takes the AMX tiles (measured: scripts/amx_rows.py)
-#define AMX_MIN_ROWS 9
+#define AMX_MIN_ROWS 7
 
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
