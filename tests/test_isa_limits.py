@@ -26,6 +26,7 @@ LIMITS = [
     ("SPECDECODE_KERNEL_ISA", "generic", None),
     ("SPECDECODE_KERNEL_ISA", "avx2", "avx2"),
     ("SPECDECODE_KERNEL_ISA", "avx512", "avx512_vnni"),
+    ("SPECDECODE_KERNEL_ISA", "amx", "amx_int8"),
 ]
 FAST = "position_alone_equals_position_in_tree_bitwise or speculative_equals_own_ar"
 #: the real model under the limits that change what a decode row runs (our kernels) and what
@@ -46,6 +47,9 @@ def cpu_flags() -> set[str]:
 def run_limited(variable: str, value: str, flag: str | None, select: str, marker: str) -> str:
     if flag and flag not in cpu_flags():
         pytest.skip(f"this CPU has no {flag}: the {variable}={value} path cannot run here")
+    if variable == "SPECDECODE_KERNEL_ISA" and kernels.ISA_LEVELS.index(value) > kernels.load().isa_level():
+        pytest.skip(f"the OS did not grant this process the {value} state: the "
+                    f"{variable}={value} path cannot run here")
     env = {**os.environ, variable: value}
     check = ("from specdecode import kernels; import torch; "
              "print('isa', kernels.ISA_LEVELS[kernels.isa()], torch.backends.cpu.get_cpu_capability())")

@@ -1,19 +1,19 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h`` and ``q8_blocks.h``) holds every operation of a decode
-or verify forward that adds numbers up: the linear layers of each weight format (fp32, bf16,
-and block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512 VNNI),
-RMSNorm, SwiGLU, rotary embedding with the cache write, tree attention (optionally over a
-sliding window), GeGLU and logit soft-capping. Each output element is computed by one thread
-in an order of additions fixed by the model's sizes alone, so a row's result never depends on the
-rows beside it, on any x86-64 CPU; the instruction set only changes the speed (the variants
-give the same bits).
+``cpu_kernels.cpp`` (with ``generic.h``, ``q8_blocks.h`` and ``amx.h``) holds every operation
+of a decode or verify forward that adds numbers up: the linear layers of each weight format
+(fp32, bf16, block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512
+VNNI, or AMX tiles for several int4 rows), RMSNorm, SwiGLU, rotary embedding with the cache
+write, tree attention (optionally over a sliding window), GeGLU and logit soft-capping. Each
+output element is computed by one thread in an order of additions fixed by the model's sizes
+alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
+instruction set only changes the speed (the variants give the same bits).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
 ``~/.cache/specdecode/kernels/<hash of the sources and torch version>``.
 
-``SPECDECODE_KERNEL_ISA`` (avx512 | avx2 | generic) caps the instruction set, as
+``SPECDECODE_KERNEL_ISA`` (amx | avx512 | avx2 | generic) caps the instruction set, as
 ``ATEN_CPU_CAPABILITY`` does for ATen: a diagnostic for testing other CPUs' code paths on this
 one, never needed in use.
 """
@@ -31,9 +31,11 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h")
-#: instruction-set levels, lowest first (the extension's isa_level() numbering)
-ISA_LEVELS = ("generic", "avx2", "avx512")
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h", _HERE / "amx.h")
+#: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
+#: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
+#: the OS grants the tile state)
+ISA_LEVELS = ("generic", "avx2", "avx512", "amx")
 # -fopenmp: at::parallel_for is a template compiled into this extension, and runs its loop on
 # one thread unless _OPENMP is defined here; the extension then uses the libgomp that torch
 # has already loaded (the same soname), so torch.set_num_threads governs both
@@ -79,7 +81,7 @@ def isa() -> int:
     """The instruction-set level the kernels run: the CPU's best, capped by
     ``SPECDECODE_KERNEL_ISA``."""
     best = load().isa_level()
-    cap = os.environ.get("SPECDECODE_KERNEL_ISA", "avx512")
+    cap = os.environ.get("SPECDECODE_KERNEL_ISA", ISA_LEVELS[-1])
     if cap not in ISA_LEVELS:
         raise SpecDecodeError(f"SPECDECODE_KERNEL_ISA={cap!r}; known: {', '.join(ISA_LEVELS)}")
     return min(best, ISA_LEVELS.index(cap))

@@ -1,9 +1,9 @@
 // CPU kernels of the native runner (specdecode.kernels builds and loads this file).
 //
 // Every kernel is row-invariant by construction: see generic.h for the rule. The instruction
-// set is chosen at run time (AVX-512 with VNNI, AVX2 + FMA, or baseline x86-64); the integer
-// dot products are exact and the float operations are the same sequence in every variant, so
-// the variants agree bit for bit as well. Threads split output columns (or attention rows and
+// set is chosen at run time (AMX tiles for the int4 linears of several rows, amx.h; AVX-512
+// with VNNI; AVX2 + FMA; or baseline x86-64); the integer dot products are exact and the float
+// operations are the same sequence in every variant, so the variants agree bit for bit as well. Threads split output columns (or attention rows and
 // heads), never a sum.
 
 #include <torch/extension.h>
@@ -22,6 +22,8 @@
 // how far ahead of the block in use the Q4 kernel asks for weights: a tile's first row block
 // streams them from memory, and the hardware prefetcher alone leaves it waiting (measured)
 #define Q4_PREFETCH (12 * Q4_BLOCK)
+// the fewest rows for which the Q4 kernel takes the AMX tiles (measured: scripts/amx_rows.py)
+#define AMX_MIN_ROWS 7
 
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
@@ -502,16 +504,18 @@ static int64_t q4_mix_chains(int64_t iterations) {
 #pragma GCC pop_options
 #undef DENSE_TILE
 
+#include "amx.h"
+
 namespace {
 
-enum Isa { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
+enum Isa { GENERIC = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };
 
 int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vnni"))
-    return AVX512;
+    return k_amx::amx_usable() ? AMX : AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
   return GENERIC;
 }
@@ -595,6 +599,13 @@ void quantise_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq
     }
 }
 
+// whether q4_linear takes the AMX tiles for m rows: from AMX_MIN_ROWS (fewer are bound by the
+// weights' memory traffic, or by the tile operations' fixed cost, where VNNI is as fast); the
+// isa level may be passed in by hand, so the tiles' permission is checked here as well
+bool q4_uses_amx(int64_t m, int64_t isa) {
+  return isa >= AMX && m >= AMX_MIN_ROWS && k_amx::amx_usable();
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == Q4_BLOCK && packed.scalar_type() == at::kByte &&
@@ -615,8 +626,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  const bool tiles_pay = q4_uses_amx(m, isa);
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-    if (isa >= AVX512)
+    if (tiles_pay)
+      k_amx::q4_columns_amx(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
+    else if (isa >= AVX512)
       k_avx512::q4_columns_vnni(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
     else if (isa == AVX2)
       k_avx2::q4_columns_generic(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
@@ -890,10 +904,12 @@ int64_t parallel_threads(int64_t items) {
 #include "q8_blocks.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa_level", &detect_isa, "2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
+  m.def("isa_level", &detect_isa,
+        "3: AMX tiles (granted by the OS), 2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
   m.def("dense_linear", &dense_linear);
   m.def("q4_linear", &q4_linear);
   m.def("q8_linear", &q8_linear);
+  m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm);
   m.def("swiglu", &swiglu);
   m.def("geglu", &geglu);
