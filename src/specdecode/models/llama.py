@@ -27,7 +27,8 @@ same blocks, so prefill needs determinism, not row invariance.
 Defaults: int4 weights (``DEFAULT_WEIGHTS``: GGUF Q4_1 blocks times int8 activations, the
 fastest forward of the four formats; docs/native-runner.md), prompts prefilled through the
 same int4 layers (int8 and bf16 through ATen's GEMMs on bf16 copies of the weights, fp32 on
-fp32 ones: ``PREFILL_WEIGHTS``); the cache holds ``max_context`` plus ``max_draft`` = 256 rows.
+fp32 ones: ``PREFILL_WEIGHTS``); the cache holds ``max_context`` (default min(the model's context,
+DEFAULT_MAX_CONTEXT = 4096)) plus ``max_draft`` = 256 rows.
 """
 
 from __future__ import annotations
