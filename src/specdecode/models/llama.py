@@ -59,8 +59,7 @@ DEFAULT_WEIGHTS = "int4"
 #: the layers prompts go through, per decode format: ATen's GEMMs in fp32 or bf16, which
 #: amortise their weights over many rows better than our dense kernels (fp32 keeps its exact
 #: weights), or (None) the decode layers themselves: the int4 kernel prefills faster than bf16
-#: GEMMs since its passes overlap memory and arithmetic (a 512-token prompt on one Zen 5 core:
-#: 229 ms against 354; docs/native-runner.md)
+#: GEMMs since its passes overlap memory and arithmetic (measured in docs/native-runner.md)
 PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16", "int4": None}
 #: the KV cache's precision per weight format: fp32 keeps transformers' float32 cache; the
 #: others store bfloat16 (rounded once when written, read exactly), which halves what attention
