@@ -79,10 +79,25 @@ def test_every_method_has_drafts_accepted_on_the_tiny_models(method):
 # ---- the real default model ------------------------------------------------------------------
 
 #: mean accepted length (tokens per verify step) each method reaches at least on the default
-#: runner, 3 Spec-Bench dev prompts, 48 new tokens, greedy; set below the values measured when
-#: this test was written (in the comment) with margin, so a proposer that drafts from the wrong
-#: context, or stops drafting, fails. Speed is the benchmark's business, not this test's.
+#: runner (native int4), 3 Spec-Bench dev prompts, 48 new tokens, greedy: 1 + 0.6 x the gain
+#: measured when this test was written (in the comment; the runner is row-invariant on every
+#: x86-64 CPU, so the measurement repeats exactly), so a proposer that stops drafting, or drafts
+#: from the wrong context, fails. Speed is the benchmark's business, not this test's.
 REAL_FLOORS = {
+    "aded": 1.08,         # 1.146
+    "clover": 1.15,       # 1.259
+    "del": 1.01,          # 1.022 with REAL_CONFIG's costs
+    "draft_model": 1.25,  # 1.424
+    "dyspec": 1.21,       # 1.356
+    "eagle": 1.12,        # 1.216
+    "early_exit": 1.45,   # 1.762
+    "hydra": 1.18,        # 1.306
+    "jacobi": 1.03,       # 1.060
+    "lookahead": 1.14,    # 1.248
+    "ngram": 1.11,        # 1.195
+    "recycling": 1.05,    # 1.085
+    "sjd": 1.03,          # 1.060
+    "suffix": 1.09,       # 1.156
 }
 
 #: config for the real-model check where the defaults do not draft, with the reason
