@@ -17,10 +17,28 @@ def test_generate_returns_tokens_and_stats(tiny_model):
     result = specdecode.generate(tiny_model, None, prompt, method="ngram", max_new_tokens=20)
     assert len(result.token_ids) == 20 and result.method == "ngram"
     assert result.stats.new_tokens == 20 and result.finish_reason == "length"
-    assert result.stats.target_forwards <= 20
-    data = result.stats.as_dict()
-    assert set(data) >= {"new_tokens", "target_forwards", "mean_accepted", "tokens_per_s",
-                         "accepted_histogram", "accepted_per_depth", "propose_s", "verify_s"}
+    assert result.token_ids == specdecode.generate(tiny_model, None, prompt, method="ar",
+                                                   max_new_tokens=20).token_ids
+    stats = result.stats
+    # the prefill makes the first token, each verify step the rest; on this repetitive prompt
+    # ngram's drafts are accepted, so it needs fewer forwards than ar's 20
+    assert stats.target_forwards == 1 + len(stats.accepted_lengths)
+    assert sum(stats.accepted_lengths) == 19
+    assert stats.accepted_tokens == 19 - len(stats.accepted_lengths) > 0
+    assert stats.target_forwards < 20
+    assert stats.draft_tokens >= stats.accepted_tokens
+    data = stats.as_dict()
+    steps = len(stats.accepted_lengths)
+    assert data["new_tokens"] == 20 and data["target_forwards"] == 1 + steps
+    assert data["mean_accepted"] == round(19 / steps, 4)
+    assert data["accepted_tokens"] == stats.accepted_tokens
+    assert data["draft_tokens"] == stats.draft_tokens
+    histogram = {int(k): v for k, v in data["accepted_histogram"].items()}
+    assert sum(histogram.values()) == steps and sum(k * v for k, v in histogram.items()) == 19
+    assert data["accepted_per_depth"] == [sum(1 for n in stats.accepted_lengths if n > d)
+                                          for d in range(1, max(histogram))]
+    assert data["tokens_per_s"] == round(20 / stats.total_s, 3)
+    assert stats.total_s >= stats.prefill_s + stats.propose_s + stats.verify_s  # parts of a whole
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -85,7 +85,19 @@ def test_bench_end_to_end(tmp_path, tiny_model):
         for cell in [entry["overall"], *entry["tasks"].values()]:
             assert set(FIELDS) <= set(cell)
             assert cell["identical_fraction"] == 1.0, name
-            assert cell["speedup_vs_hf"] is not None and cell["tokens_per_s"] > 0
+    # the overall figures are those of the records (the rules themselves are checked on
+    # hand-made records in test_summary_figures_follow_their_definitions)
+    for name in names:
+        rows = [r for r in records if r["method"] == name]
+        cell = summary["methods"][name]["overall"]
+        assert cell["new_tokens"] == sum(r["new_tokens"] for r in rows)
+        assert cell["tokens_per_s"] == round(cell["new_tokens"] / sum(r["wall_s"] for r in rows), 4)
+        speed = {n: summary["methods"][n]["overall"]["tokens_per_s"] for n in ("ar", "hf")}
+        assert cell["speedup_vs_ar"] == pytest.approx(cell["tokens_per_s"] / speed["ar"], abs=2e-3)
+        assert cell["speedup_vs_hf"] == pytest.approx(cell["tokens_per_s"] / speed["hf"], abs=2e-3)
+        if rows[0]["kind"] == "method":
+            steps = [n for r in rows for n in r["accepted_lengths"]]
+            assert cell["mean_accepted"] == round(sum(steps) / len(steps), 4)
     assert summary["methods"]["ar"]["overall"]["speedup_vs_ar"] == 1.0
     assert summary["methods"]["ar"]["overall"]["mean_accepted"] == 1.0
     # greedy transformers generate reproduces ar on this runner (fp32, CPU)
@@ -104,6 +116,51 @@ def test_bench_end_to_end(tmp_path, tiny_model):
     # matplotlib is part of the base install: the README's set-up command gives plots
     assert (out / "speedup.png").stat().st_size > 1000
     assert (out / "accepted_hist.png").stat().st_size > 1000
+
+
+def record(method, kind, task, qid, tokens, wall, steps, identical, forwards=None,
+           drafted=None, propose_s=None):
+    return {"method": method, "kind": kind, "task": task, "question_id": qid, "turn": 0,
+            "new_tokens": tokens, "wall_s": wall, "accepted_lengths": steps,
+            "target_forwards": forwards if forwards is not None else 1 + len(steps),
+            "identical_to_ar": identical, "draft_tokens": drafted, "propose_s": propose_s}
+
+
+def test_summary_figures_follow_their_definitions():
+    """Hand-made records whose every figure is worked out below (bench/metrics.py's rules)."""
+    from specdecode.bench.metrics import summarize
+
+    records = [
+        record("ar", "method", "mt_bench", 1, 10, 1.0, [1] * 9, True, drafted=0, propose_s=0.0),
+        record("ar", "method", "qa", 2, 20, 1.0, [1] * 19, True, drafted=0, propose_s=0.0),
+        record("m", "method", "mt_bench", 1, 10, 0.5, [2, 2, 2, 2, 1], True, drafted=8,
+               propose_s=0.1),
+        record("m", "method", "qa", 2, 20, 2.0, [3, 3, 3, 3, 3, 3, 1], False, drafted=16,
+               propose_s=0.3),
+        record("hf", "peer", "mt_bench", 1, 10, 2.0, None, True, forwards=10),
+        record("hf", "peer", "qa", 2, 20, 4.0, None, False, forwards=15),
+    ]
+    summary = summarize(records)
+    assert summary["tasks"] == ["mt_bench", "qa"]
+    m = summary["methods"]["m"]
+    # pooled: 30 tokens in 2.5 s = 12/s; ar 30 in 2 s = 15/s; hf 30 in 6 s = 5/s
+    assert m["overall"]["tokens_per_s"] == 12.0
+    assert m["overall"]["speedup_vs_ar"] == 0.8 and m["overall"]["speedup_vs_hf"] == 2.4
+    assert summary["methods"]["ar"]["overall"]["speedup_vs_hf"] == 3.0
+    # per task: mt_bench 20/s against ar's 10/s, qa 10/s against 20/s
+    assert (m["tasks"]["mt_bench"]["speedup_vs_ar"], m["tasks"]["qa"]["speedup_vs_ar"]) == (2.0, 0.5)
+    # the median of the per-prompt ratios 2.0 and 0.5
+    assert m["overall"]["median_speedup_vs_ar"] == 1.25
+    # tau: 28 committed tokens over 12 verify steps; per task 9/5 and 19/7
+    assert m["overall"]["mean_accepted"] == round(28 / 12, 4)
+    assert (m["tasks"]["mt_bench"]["mean_accepted"], m["tasks"]["qa"]["mean_accepted"]) == (1.8, round(19 / 7, 4))
+    # a peer's tau: (tokens - 1) / (forwards - 1), pooled: 28 / 23
+    assert summary["methods"]["hf"]["overall"]["mean_accepted"] == round(28 / 23, 4)
+    assert m["overall"]["identical_fraction"] == 0.5 and m["tasks"]["qa"]["identical_fraction"] == 0.0
+    # 0.4 s of proposing over 24 draft nodes, and over 2.5 s of wall time
+    assert m["overall"]["draft_ms_per_token"] == round(1000 * 0.4 / 24, 4)
+    assert m["overall"]["propose_share"] == 0.16
+    assert summary["methods"]["hf"]["overall"]["draft_ms_per_token"] is None
 
 
 @pytest.fixture(scope="module", params=["greedy", "sampled"])

@@ -110,7 +110,7 @@ def test_speculation_score_equals_brute_force():
     definition: per match length m, the best sum of the top-budget probabilities."""
 
     def reference(context, trees, depth, budget_tokens, factor, offset, min_prob, max_depth):
-        best = (0.0, 0, 0)
+        best = (0.0, 0, 0, [])
         for rank, counts in trees:
             for m in range(1, min(depth - 1, len(context)) + 1):
                 key = tuple(context[-m:])
@@ -123,8 +123,8 @@ def test_speculation_score_equals_brute_force():
                                 if len(s) > m and s[:m] == key and len(s) - m <= levels
                                 and c / total >= min_prob), reverse=True)
                 score = sum(probs[:nodes])  # exact: equal scores must tie
-                if score > 0 and (score, rank, m) > best:
-                    best = (score, rank, m)
+                if score > 0 and (score, rank, m) > best[:3]:
+                    best = (score, rank, m, probs[:nodes])
         return best
 
     rng = random.Random(1)
@@ -145,11 +145,23 @@ def test_speculation_score_equals_brute_force():
             trees = [(2, substring_counts([context], depth))]
             if cached:
                 trees.append((1, substring_counts(cached, depth)))
-            score, rank, m = reference(context, trees, depth, *args, max_depth)
+            score, rank, m, probs = reference(context, trees, depth, *args, max_depth)
             assert draft.score == pytest.approx(float(score), abs=1e-12), trial
             assert (draft.match_len, {"request": 2, "global": 1, "": 0}[draft.source]) == (m, rank)
             assert all(-1 <= p < i for i, p in enumerate(draft.parents))
-            assert sum(draft.probs) == pytest.approx(draft.score)
+            # the draft's nodes are the best `nodes` continuations, each with its own probability
+            assert sorted(draft.probs, reverse=True) == pytest.approx([float(p) for p in probs],
+                                                                     abs=1e-12), trial
+            if draft.token_ids:
+                counts = dict(trees)[rank]
+                key = tuple(context[-m:])
+                for i, prob in enumerate(draft.probs):
+                    path, j = [], i
+                    while j >= 0:
+                        path.append(draft.token_ids[j])
+                        j = draft.parents[j]
+                    continuation = key + tuple(reversed(path))
+                    assert prob == pytest.approx(counts[continuation] / counts[key]), (trial, i)
             new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
             cache.add_response("x", new)
             context += new

@@ -12,8 +12,8 @@ of positions where ``s`` occurs (suffixes passing through or ending at it), so
 **Compressed edges.** A plain trie of every suffix costs up to 64 nodes per token. Here an edge
 carries a run of tokens (read from one of the sequences) over which the count does not change,
 and a *leaf* holds one occurrence and reads the rest of its sequence, so a whole response costs
-at most two nodes per token however much it repeats earlier ones (measured: about 260 bytes per
-token of natural text, 215 when every response is repeated once). A leaf grows for free with its
+at most two nodes per token however much it repeats earlier ones (the bytes per token measured
+are in docs/suffix.md). A leaf grows for free with its
 sequence; appending a token to a request's tree touches only the suffixes that end on a real node
 (ArcticInference's "active nodes": the places where the sequence is repeating itself).
 
@@ -548,9 +548,9 @@ class SuffixCache:
         cache.evict(rid)                                 # drop a cached response early
 
     The global tree keeps at most ``max_cached_requests`` responses and evicts the oldest first
-    (FIFO). A stored token costs about 0.26 KB in this pure-Python tree (at most two nodes per
-    token, however repetitive), so the default of 1000 responses bounds it to roughly 80-260 MB
-    for responses of 300-1000 tokens; ArcticInference's C++ tree affords 100000. 0 disables the
+    (FIFO). A stored token costs at most two nodes in this pure-Python tree, however
+    repetitive, so the default of 1000 responses bounds it to a few hundred MB (bytes per token
+    measured in docs/suffix.md); ArcticInference's C++ tree affords 100000. 0 disables the
     global tree. One lock guards every method, so threads serving different requests may share a
     cache.
     :meth:`save` / :meth:`load` keep the cached responses in a versioned JSON file.

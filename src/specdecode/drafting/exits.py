@@ -24,7 +24,7 @@ def require_early_exit(runner, method: str) -> None:
 #: cost model constants for SmolLM2-135M on a 2-core CPU, hf runner (docs/self-speculation.md):
 #: its tied 49152 x 576 head reads as many weights as ~6 of its 30 layers (a one-token forward
 #: is memory-bound), and a verify pass grows ~12% of a one-token forward per extra token
-#: (37 ms for 1 token, 67 ms for 8, DESIGN.md)
+#: (measured: docs/self-speculation.md)
 HEAD_COST = 6.0
 VERIFY_TOKEN_COST = 0.12
 

@@ -61,7 +61,7 @@ DEFAULT_WEIGHTS = "int4"
 #: amortise their weights over many rows better than our dense kernels (fp32 keeps its exact
 #: weights), or (None) the decode layers themselves: the int4 and int8 kernels prefill faster
 #: than bf16 GEMMs since their passes overlap memory and arithmetic, and need no bf16 copy of
-#: the weights (docs/native-runner.md)
+#: the weights (measured in docs/native-runner.md)
 PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": None, "int4": None}
 #: the KV cache's precision per weight format: fp32 keeps transformers' float32 cache; the
 #: others store bfloat16 (rounded once when written, read exactly), which halves what attention

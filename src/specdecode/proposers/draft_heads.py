@@ -38,8 +38,8 @@ class HeadTreeConfig:
     max_forwards: int = param(2, "most network calls per step after the first")
     min_path_prob: float = param(0.35, "stop growing when the best candidate's path probability "
                                        "(its expected acceptance) is below this: an uncertain "
-                                       "step sends a small tree or none (a row costs a fifth of "
-                                       "a one-token forward here)")
+                                       "step sends a small tree or none (verify rows are not "
+                                       "free on a CPU, docs/draft-heads.md)")
 
     def __post_init__(self):
         check_tree(self)

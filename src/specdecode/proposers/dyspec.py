@@ -12,11 +12,12 @@ through the same slot tables as the target's verify pass; ``draft_runner=hf`` ru
 A node is worth its verify row only if it is likely to be accepted: ``min_path_prob`` stops the
 growth when the best candidate's value falls below it (EAGLE-2's observation that draft
 confidence predicts acceptance), so an uncertain step sends a small tree or none.
-Defaults: 16 nodes (on this CPU a 17-row target forward costs about 15% more than a 9-row
-one, DESIGN.md), depth 8, 4 nodes read per draft forward (a small draft's forward costs nearly
-the same for 1 or 4 rows), at most 6 such forwards a step (a weak draft's flat distributions
-otherwise take up to one forward per node), and growth stops below a path probability of 0.2
-(1.6x as fast as full trees on the dev half with the native int4 draft).
+Defaults: 16 nodes (on a CPU each verify row costs a share of a one-token forward, so the
+tree stays small; docs/native-runner.md has the row costs), depth 8, 4 nodes read per draft
+forward (a small draft's forward costs nearly the same for 1 or 4 rows), at most 6 such forwards
+a step (a weak draft's flat distributions otherwise take up to one forward per node), and growth
+stops below a path probability of 0.2 (much faster than full trees on the dev half with the
+native int4 draft, and as fast as higher floors; docs/draft-model.md#measured has the sweep).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class DySpecConfig(DraftSource):
                                  "sent when they run out)")
     min_path_prob: float = param(0.2, "stop growing when the best candidate's path probability "
                                       "(its expected acceptance) is below this (0: fill the "
-                                      "node budget; 0.2 was 1.6x as fast as 0 on the dev half, "
-                                      "docs/draft-model.md)")
+                                      "node budget; 0.2 is much faster than 0 on the dev "
+                                      "half, docs/draft-model.md)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -12,9 +12,9 @@ train heads --kind eagle`.
 
 Defaults: a dynamic tree of at most 8 nodes grown best-first by path probability, depth 6, 8
 nodes read per layer call, at most 2 calls a step after the first, and growth stops below a path
-probability of 0.35 (EAGLE-2 uses 60 nodes on a GPU, where rows are nearly free; on this CPU a
-verify row costs about a fifth of a one-token forward and a layer call about a third: measured
-in docs/draft-heads.md).
+probability of 0.35 (EAGLE-2 uses 60 nodes on a GPU, where rows are nearly free; on a CPU
+every verify row and every layer call costs a share of a one-token forward: the figures are in
+docs/draft-heads.md).
 """
 
 from __future__ import annotations

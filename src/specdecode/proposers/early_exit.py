@@ -8,12 +8,12 @@ token and no second cache. The draft tokens' rows are cropped before verificatio
 the normal full forward (LayerSkip also reuses them in verification; on this runner that saves
 little, since the last draft token would still need its own pass through the early layers).
 
-The default model was never trained for early exit (the raw LM head on SmolLM2's layer 15
-agrees with the final prediction about 10% of the time), so the exit goes through a trained
-adapter when one is found for the target (``specdecode train exit-adapters``).
+The default model was never trained for early exit (the raw LM head on SmolLM2's middle layers
+rarely agrees with the final prediction, docs/self-speculation.md), so the exit goes through a
+trained adapter when one is found for the target (``specdecode train exit-adapters``).
 
-Defaults: ``num_speculative_tokens`` 2 (measured on the kernel runner: 0.76x ``ar`` against
-0.57x for 4); ``exit_layer`` 0 = auto (the adapter layer with the
+Defaults: ``num_speculative_tokens`` 2 (faster than 4 on the kernel runner, docs/bench.md);
+``exit_layer`` 0 = auto (the adapter layer with the
 highest expected tokens per layer computed, from its measured agreement; half the model without
 adapters); ``adapters`` auto. Drafts are deterministic (no probabilities), so sampled
 verification stays exact.

@@ -48,9 +48,9 @@ def check_window(window: int) -> None:
 @dataclass(frozen=True)
 class JacobiConfig:
     window: int = param(2, "W, tokens guessed and refined per step (one chain of verify rows); "
-                           "on text Jacobi accepts ~1.05 tokens per step whatever W (dev: 1.05 "
-                           "to 1.07 for W = 1..8), so the smallest real window is the fastest "
-                           "(docs/parallel-decoding.md)")
+                           "on text Jacobi accepts barely more than one token per step "
+                           "whatever W, so the smallest real window is the fastest "
+                           "(docs/parallel-decoding.md has the sweep)")
 
     def __post_init__(self):
         check_window(self.window)

@@ -27,9 +27,9 @@ class NgramConfig:
     max_ngram: int = param(3, "longest n-gram matched (transformers' default is 2; 3 finds "
                               "fewer but better matches on Spec-Bench)")
     min_ngram: int = param(1, "shortest n-gram matched")
-    num_speculative_tokens: int = param(3, "draft length (transformers' default is 10; 3 measured "
-                                           "fastest on the kernel runner: 1.08x ar against 0.81x "
-                                           "for 10, docs/bench.md)")
+    num_speculative_tokens: int = param(3, "draft length (transformers' default is 10; 3 was "
+                                           "the fastest on the CPU kernel runner, "
+                                           "docs/bench.md)")
 
     def __post_init__(self):
         require(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")

@@ -4,9 +4,9 @@ Language Models with Token Recycling", ACL 2025, arXiv 2408.08696).
 
 Defaults: ``candidates=8`` (the paper's k) per token; tree ``chain2``, not the paper's "2.2.2"
 template (80 nodes, 6 levels): on a CPU every draft row costs a share of a forward, and on the
-kernel runner the 2-node chain measured fastest of the templates (0.97x ``ar`` on the
-Spec-Bench dev half against 0.95x for chain3, 0.76x for best8 and 0.2-0.3x for 2.2.2, which
-accepts the most tokens per step; docs/bench.md). ``tree="2.2.2"`` gives the paper's.
+kernel runner the 2-node chain was the fastest of the templates on the Spec-Bench dev half,
+while 2.2.2 accepts the most tokens per step (docs/bench.md has the sweep). ``tree="2.2.2"``
+gives the paper's.
 
 State: ``M`` [V, k] int64, zero-initialised, kept on the proposer across requests. Row ``t``
 holds the k most likely next tokens the target predicted the last time it saw ``t``.

@@ -53,7 +53,7 @@ class SuffixConfig:
                               "follow the most frequent child (a chain)")
     max_cached_requests: int = param(DEFAULT_MAX_CACHED_REQUESTS,
                                      "earlier responses kept in the global tree, oldest evicted "
-                                     "first; 0 disables it (bounds memory: ~0.26 KB per token)")
+                                     "first; 0 disables it (bounds memory, docs/suffix.md)")
 
     def __post_init__(self):
         require(self.max_tree_depth >= 2,
