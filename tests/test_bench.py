@@ -316,6 +316,10 @@ def test_projection_arithmetic_on_fixed_inputs(tmp_path, capsys):
     chain = steps["chain"]
     assert (chain["tau"], chain["rows"], chain["draft_ms"], chain["steps"]) == (3, 8, 1.0, 8)
     assert chain["measured_speedup"] == pytest.approx((25 / 0.1) / (22 / 0.22))
+    assert chain["measured_decode_speedup"] is None  # recorded without prefill_s
+    timed = [dict(r, prefill_s=0.01) for r in records]
+    decode = projection.method_steps(timed)["chain"]["measured_decode_speedup"]
+    assert decode == pytest.approx((24 / 0.09) / (20 / 0.2))
     assert steps["ar"]["draft_ms"] == pytest.approx(0.1)
     # c(r): 10 ms at 1 row, 12 at 8, 16 at 16, 40 at 64: linear between, the last slope beyond
     costs = {1: 10.0, 8: 12.0, 16: 16.0, 64: 40.0}
@@ -337,7 +341,7 @@ def test_projection_arithmetic_on_fixed_inputs(tmp_path, capsys):
     assert main(["bench", "--project-from", str(run), "--row-costs",
                  str(tmp_path / "runners.json"), "--out", str(tmp_path / "o")]) == 0
     table = (tmp_path / "o" / "projection.md").read_text()
-    assert "| chain | 3.00 | 8.00 | 1.000 | 2.50x | 2.33x |" in table
+    assert "| chain | 3.00 | 8.00 | 1.000 | 2.50x | - | 2.33x |" in table
     assert "projected, native int4" in table and "llama-bench" not in table
     capsys.readouterr()
 

@@ -58,6 +58,8 @@ class Outcome:
     #: draft nodes sent to the target, and the time spent making them (our methods only)
     draft_tokens: int | None = None
     propose_s: float | None = None
+    #: the prompt's prefill (the first token's time; our methods only)
+    prefill_s: float | None = None
 
 
 def cut(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
@@ -97,7 +99,7 @@ class MethodContender:
         wall = time.perf_counter() - start
         s = gen.stats
         return Outcome(list(gen.tokens), wall, s.target_forwards, list(s.accepted_lengths),
-                       s.draft_tokens, s.propose_s)
+                       s.draft_tokens, s.propose_s, s.prefill_s)
 
 
 class _CallCounter:

@@ -34,31 +34,43 @@ from specdecode.errors import SpecDecodeError, require
 
 def method_steps(records: Iterable[dict]) -> dict[str, dict]:
     """Per method of a bench run: ``tau`` (tokens per verify step), ``rows`` (target rows per
-    step: 1 + draft nodes), ``draft_ms`` (proposer time per step), ``steps``, and
-    ``measured_speedup`` (its pooled tokens/s over ar's in that run). Peers (no per-step data)
-    are skipped."""
+    step: 1 + draft nodes), ``draft_ms`` (proposer time per step), ``steps``,
+    ``measured_speedup`` (its pooled tokens/s over ar's in that run, prefill included) and
+    ``measured_decode_speedup`` (the same after the prefill, which the projection leaves out;
+    None for runs recorded without ``prefill_s``). Peers (no per-step data) are skipped."""
     cells: dict[str, dict] = {}
     for r in records:
         if r.get("kind", "method") != "method" or r.get("accepted_lengths") is None:
             continue
         cell = cells.setdefault(r["method"], {"steps": 0, "tokens": 0, "drafted": 0,
-                                              "propose_s": 0.0, "new_tokens": 0, "wall_s": 0.0})
+                                              "propose_s": 0.0, "new_tokens": 0, "wall_s": 0.0,
+                                              "prefill_s": 0.0, "prefilled": True})
         cell["steps"] += len(r["accepted_lengths"])
         cell["tokens"] += sum(r["accepted_lengths"])
         cell["drafted"] += r.get("draft_tokens") or 0
         cell["propose_s"] += r.get("propose_s") or 0.0
         cell["new_tokens"] += r["new_tokens"]
         cell["wall_s"] += r["wall_s"]
+        # runs recorded before prefill_s was: no decode-only speed
+        cell["prefilled"] &= r.get("prefill_s") is not None
+        cell["prefill_s"] += r.get("prefill_s") or 0.0
     require("ar" in cells, "the run has no 'ar' records: the projection needs ar as its "
                            "reference (every `specdecode bench` run has them)")
-    ar_speed = cells["ar"]["new_tokens"] / cells["ar"]["wall_s"]
+    ar = cells["ar"]
     out = {}
     for name, c in cells.items():
         if c["steps"] == 0:
             continue
+        decode = None
+        if c["prefilled"] and ar["prefilled"]:
+            # the tokens after the prefill's first one, over the time after the prefill
+            decode = (c["tokens"] / (c["wall_s"] - c["prefill_s"])) / \
+                     (ar["tokens"] / (ar["wall_s"] - ar["prefill_s"]))
         out[name] = {"tau": c["tokens"] / c["steps"], "rows": 1 + c["drafted"] / c["steps"],
                      "draft_ms": 1000 * c["propose_s"] / c["steps"], "steps": c["steps"],
-                     "measured_speedup": c["new_tokens"] / c["wall_s"] / ar_speed}
+                     "measured_speedup": (c["new_tokens"] / c["wall_s"])
+                     / (ar["new_tokens"] / ar["wall_s"]),
+                     "measured_decode_speedup": decode}
     return out
 
 
@@ -137,10 +149,14 @@ def projection_markdown(steps: Mapping[str, dict], costs: Mapping[str, Mapping[i
              "for drafters that run the target's layers or a network sized by it: early_exit, "
              "heads, draft models); see docs/bench.md.", "",
              "| method | tau | rows / step | draft ms / step | measured speedup (that run) | "
+             "measured, after the prefill | "
              + " | ".join(f"projected, {runner}" for runner in costs) + " |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(costs)]
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(costs)]
     for name, s in steps.items():
         cells = [f"{projected[runner][name]:.2f}x" for runner in costs]
+        decode = s["measured_decode_speedup"]
         lines.append(f"| {name} | {s['tau']:.2f} | {s['rows']:.2f} | {s['draft_ms']:.3f} | "
-                     f"{s['measured_speedup']:.2f}x | " + " | ".join(cells) + " |")
+                     f"{s['measured_speedup']:.2f}x | "
+                     f"{'-' if decode is None else f'{decode:.2f}x'} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -194,6 +194,7 @@ def _record(c, q: Question, turn: int, prompt_ids: list[int], o, walls: list[flo
         "accepted_lengths": o.accepted_lengths,
         "draft_tokens": o.draft_tokens,
         "propose_s": o.propose_s,
+        "prefill_s": o.prefill_s,
         "identical_to_ar": o.tokens == ar_tokens,
         "token_ids": o.tokens,
     }
