@@ -360,3 +360,55 @@ def test_bad_runner_options_fail_before_the_model_loads(tmp_path, capsys, monkey
     assert main(["bench", "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+FAKE_LLAMA_BENCH = """#!/bin/sh
+cat <<'JSON'
+[{"n_prompt": 1, "n_gen": 0, "samples_ns": [2000000]}, {"n_prompt": 8, "n_gen": 0, "samples_ns": [4000000]},
+ {"n_prompt": 16, "n_gen": 0, "samples_ns": [6000000]}, {"n_prompt": 64, "n_gen": 0, "samples_ns": [20000000]},
+ {"n_prompt": 0, "n_gen": 32, "samples_ns": [64000000]}]
+JSON
+"""
+
+
+def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
+    """Past FLOAT_COPY_LIMIT nothing goes through transformers: the native runner reads the
+    file, only the default format is built unless asked, and llama-bench runs beside it."""
+    from specdecode.bench import runner_set
+    from specdecode.bench import runners as runners_module
+    from specdecode.models.loading import tiny_llama
+    from test_llama_runner import write_gguf
+
+    path = write_gguf(tiny_llama(hidden_size=64, seed=0), tmp_path / "m.gguf")
+    monkeypatch.setattr(runner_set, "FLOAT_COPY_LIMIT", 0)
+    monkeypatch.setattr(runner_set, "gguf_tokenizer", lambda p: ToyTokenizer())
+    monkeypatch.setattr("specdecode.models.loading.load_model", _no_model)
+    built = runner_set.build(str(path), "auto", path)
+    assert list(built.runners) == ["native int4"] and built.hf_model is None
+    assert built.notes[0].startswith("hf runner and transformers generate: left out")
+    assert "ask for them with --weights int4,fp32,bf16,int8" in built.notes[1]
+    said = []
+    built = runner_set.build(str(path), "int4,int8", path, say=said.append)
+    assert list(built.runners) == ["native int4", "native int8"]
+    assert said[0].startswith("native int8: building it may hold a float32 copy")
+
+    tool = tmp_path / "llama-bench"
+    tool.write_text(FAKE_LLAMA_BENCH)
+    tool.chmod(0o755)
+    monkeypatch.setattr(runners_module, "STREAM_MIB", 8)
+    monkeypatch.setattr(runners_module, "llama_cpp_available", lambda: False)
+    questions = load_questions(write_questions(tmp_path / "q.jsonl"))
+    result = runners_module.measure_runners(
+        built.runners, built.tokenizer, [2], questions, context=24, max_new_tokens=4,
+        gguf_path=path, llama_cpp_dir=str(tmp_path), progress=lambda _: None)
+    bench_row = result["forward_ms"]["llama.cpp (llama-bench)"]
+    assert bench_row == {"1": 2.0, "8": 4.0, "16": 6.0, "64": 20.0}
+    assert result["ar"]["llama.cpp (llama-bench) tg"]["tokens_per_s"] == pytest.approx(500.0)
+    # llama.cpp streams the file's tensors but the embedding (this file has its own head)
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    streamed = sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
+    assert result["memory"]["bytes"]["llama.cpp (llama-bench)"] == streamed
+    report = runners_module.runners_markdown(result, {"machine": "test"})
+    assert "| llama.cpp (llama-bench) | 2.0 | 4.0 | 6.0 | 20.0 | 3.00x |" in report

@@ -51,8 +51,9 @@ def parse_formats(spec: str) -> list[str] | None:
 
 
 def gguf_facts(path: Path) -> dict:
-    """Parameter count and BOS rule of a GGUF file, from its header (memory-mapped, no tensor
-    is read)."""
+    """Parameter count, BOS rule and end-of-sequence ids of a GGUF file, from its header
+    (memory-mapped, no tensor is read). The ids come from the file itself: ``transformers``'
+    GGUF tokenizer conversion can name another token its eos (SmolLM2's file: <|im_start|>)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -62,8 +63,12 @@ def gguf_facts(path: Path) -> dict:
         return None if f is None else f.contents()
 
     bos = value("tokenizer.ggml.bos_token_id")
+    # end of sequence as llama.cpp reads it: eos, and eot where the file has another one
+    eos = [int(t) for t in (value("tokenizer.ggml.eos_token_id"),
+                            value("tokenizer.ggml.eot_token_id")) if t is not None]
     return {"parameters": sum(int(t.n_elements) for t in reader.tensors),
-            "bos": int(bos) if value("tokenizer.ggml.add_bos_token") and bos is not None else None}
+            "bos": int(bos) if value("tokenizer.ggml.add_bos_token") and bos is not None else None,
+            "eos": list(dict.fromkeys(eos))}
 
 
 def gguf_tokenizer(path: Path):
@@ -118,5 +123,4 @@ def build(model: str, weights: str, gguf_path: Path | None, with_hf: bool = True
             say(f"native {fmt}: building it may hold a float32 copy of the weights ({gb:.1f} GB)")
     tokenizer = gguf_tokenizer(gguf_path)
     runners = {f"native {fmt}": LlamaRunner.from_gguf(gguf_path, fmt) for fmt in formats}
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return RunnerSet(runners, tokenizer, eos, None, gguf_path, facts["bos"], notes)
+    return RunnerSet(runners, tokenizer, facts["eos"], None, gguf_path, facts["bos"], notes)
