@@ -3,9 +3,16 @@
     datasets.py   Spec-Bench question files: reading, checking, tasks, per-task samples
     contenders.py what is timed: our methods through the engine, and the peers
                   (transformers generate / prompt lookup, llama.cpp plain / prompt lookup)
+    peer_process.py  each llama.cpp peer in a process of its own: a crash fails the peer only
+    llama_tools.py   llama.cpp's llama-bench and llama-perplexity as peers
     runner.py     the timed loop: warm-up, contenders interleaved prompt by prompt, repeats
     metrics.py    records -> summary.json (per method, per task and overall)
     report.py     summary -> report.md and PNG plots
+    runner_set.py the runners ``--runners`` / ``--perplexity`` build, without a float32 copy
+                  of a large GGUF file
+    runners.py    ``--runners``: forward cost per row count, memory bound, ar end to end
+    projection.py each method's speedup projected onto another file's row costs
+    perplexity.py ``--perplexity``: llama-perplexity's rule on the native runner
     simulate.py   replays recorded ``ar`` outputs through model-free proposers
     cli.py        the ``specdecode bench`` command
 """

@@ -17,13 +17,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.bench.contenders import (PEERS, HFGenerate, LlamaCpp, MethodContender,
-                                         llama_cpp_available)
+from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, MethodContender,
+                                         llama_cpp_available, llama_cpp_unsupported)
 from specdecode.bench.datasets import Question, load_questions, sample_per_task
+from specdecode.bench.llama_tools import TOOLS_ENV
 from specdecode.bench.metrics import accepted_histograms, summarize
+from specdecode.bench.peer_process import PeerFailed
 from specdecode.bench.report import fmt, markdown, plots
 from specdecode.bench.runner import BenchOptions, Target, encode_messages, jsonl_writer, run_bench
+from specdecode.bench.perplexity import PPL_CONTEXT
 from specdecode.errors import SpecDecodeError, require
+
+#: context tokens before each timed forward of --runners
+RUNNERS_CONTEXT = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +58,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--runners", action="store_true",
                         help="measure the runners instead of the methods: per-forward latency "
-                             "(1, 8, 16, 64 tokens) and greedy ar tokens/s of the hf runner and "
-                             "every native weight format, beside transformers and llama.cpp")
-    parser.add_argument("--context", type=int, default=256, metavar="N",
-                        help="with --runners: context tokens before each timed forward")
+                             "(1, 8, 16, 64 tokens), one row against its memory bound, greedy "
+                             "ar tokens/s of the native runner in each format (--weights: auto "
+                             "or a list such as int4,int8) and the hf runner where the model "
+                             "fits in float32, beside transformers and llama.cpp (llama-cpp-"
+                             "python and llama-bench) on the same file")
+    parser.add_argument("--perplexity", action="store_true",
+                        help="the native runner's perplexity on a text (each format of "
+                             "--weights) as llama-perplexity computes it, beside "
+                             "llama-perplexity on the same file and text")
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="context tokens: before each timed forward with --runners "
+                             f"(default {RUNNERS_CONTEXT}); the window with --perplexity "
+                             f"(default {PPL_CONTEXT}, llama-perplexity's -c)")
+    parser.add_argument("--chunks", type=int, default=None, metavar="N",
+                        help="with --perplexity: the first N windows only (llama-perplexity's "
+                             "--chunks; default: all)")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="with --perplexity: the text (default: the summarization articles "
+                             "of --data, the Spec-Bench dev half)")
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR",
+                        help="the folder of llama.cpp's llama-bench and llama-perplexity "
+                             f"(default: ${TOOLS_ENV}, then PATH; docs/bench.md builds them)")
+    parser.add_argument("--project-from", default=None, metavar="RUN",
+                        help="a bench run (its --out folder or records.jsonl): project each "
+                             "method's speedup on the row costs measured with --runners, or on "
+                             "those of --row-costs")
+    parser.add_argument("--row-costs", default=None, metavar="RUNNERS",
+                        help="with --project-from and without --runners: a --runners run's "
+                             "folder or runners.json to project on (nothing is measured)")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
 
@@ -187,8 +218,19 @@ def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> t
                 notes.append(f"{peer}: " + ("llama-cpp-python is not installed"
                                             if not llama_cpp_available() else "no GGUF file"))
                 continue
-            contender = LlamaCpp(target.gguf_path, target.eos_token_ids, peer == "llama.cpp-pld",
-                                 llama_n_ctx(target, questions, plan.options.max_new_tokens))
+            reason = llama_cpp_unsupported(plan.options.sampling)
+            if reason:
+                require(not explicit, f"peer {peer!r} cannot run these sampling options: {reason}")
+                notes.append(f"{peer}: skipped, {reason}")
+                continue
+            try:
+                contender = IsolatedLlamaCpp(target.gguf_path, target.eos_token_ids,
+                                             peer == "llama.cpp-pld",
+                                             llama_n_ctx(target, questions,
+                                                         plan.options.max_new_tokens))
+            except PeerFailed as exc:
+                notes.append(f"{peer}: {exc} (loading the model)")
+                continue
         reason = contender.unsupported(plan.options.sampling)
         if reason:
             require(not explicit, f"peer {peer!r} cannot run these sampling options: {reason}")
@@ -228,10 +270,20 @@ def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None =
     contenders, notes = build_contenders(target, plan, plan.questions)
     write, close = jsonl_writer(plan.out / "records.jsonl")
     started = time.time()
+    failed: dict[str, str] = {}
     try:
-        records = run_bench(target, plan.questions, contenders, plan.options, write, progress)
+        records = run_bench(target, plan.questions, contenders, plan.options, write, progress,
+                            failed)
     finally:
         close()
+        for c in contenders:
+            if hasattr(c, "close"):
+                c.close()
+    # a peer that failed part-way keeps its records in records.jsonl, not in the tables
+    records = [r for r in records if r["method"] not in failed]
+    notes += [f"{reason}; its records are in records.jsonl, not in the tables"
+              for reason in failed.values()]
+    contenders = [c for c in contenders if c.name not in failed]
     summary = summarize(records)
     s = plan.options.sampling
     info = {
@@ -265,8 +317,20 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.models.hf import HFRunner
 
     checked = plan(args)
+    modes = [flag for flag in ("runners", "perplexity") if getattr(args, flag)]
+    require(len(modes) <= 1, "--runners and --perplexity are separate runs; give one")
+    require(args.row_costs is None or (args.project_from and not modes),
+            "--row-costs goes with --project-from, without --runners (which measures the costs)")
+    require(args.project_from is None or not args.perplexity,
+            "--project-from goes with --runners or --row-costs, not --perplexity")
+    if args.project_from and args.row_costs:
+        return run_projection(args, checked)
     if args.runners:
         return run_runners(args, checked)
+    if args.perplexity:
+        return run_perplexity(args, checked)
+    require(args.project_from is None, "--project-from needs row costs: add --runners (measure "
+                                       "them on --model) or --row-costs RUNNERS_JSON")
     runner, tokenizer, eos = load_target(args)
     hf_model = runner.model if isinstance(runner, HFRunner) else None
     if hf_model is None and (checked.peers is None or any(p.startswith("hf") for p in checked.peers)):
@@ -286,26 +350,124 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_runners(args: argparse.Namespace, checked: Plan) -> int:
-    from specdecode.api import eos_ids
-    from specdecode.bench.runners import measure_runners, runners_markdown
-    from specdecode.models.loading import load_model
+def _meta(args: argparse.Namespace, started: float) -> dict:
+    import torch
 
-    require(args.context > 0, f"--context must be positive, got {args.context}")
-    loaded = load_model(args.model)
+    return {"command": "specdecode bench " + " ".join(_argv()), "model": args.model,
+            "machine": machine(), "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+            "duration_s": round(time.time() - started, 1)}
+
+
+def _load_steps(args: argparse.Namespace):
+    """The projection's source run, read before any model loads (a bad path fails first)."""
+    from specdecode.bench.projection import load_steps
+
+    return load_steps(args.project_from) if args.project_from else None
+
+
+def run_runners(args: argparse.Namespace, checked: Plan) -> int:
+    import torch
+
+    from specdecode.bench import runner_set
+    from specdecode.bench.projection import native_costs, projection_markdown
+    from specdecode.bench.runners import measure_runners, runners_markdown
+
+    context = RUNNERS_CONTEXT if args.context is None else args.context
+    require(context > 0, f"--context must be positive, got {context}")
+    runner_set.parse_formats(args.weights)
+    steps = _load_steps(args)
     started = time.time()
     say = (lambda _: None) if args.no_progress else print
-    result = measure_runners(loaded, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer),
-                             checked.questions, gguf_path_for(args.model), args.context,
-                             checked.options.max_new_tokens, say)
-    meta = {"command": "specdecode bench " + " ".join(_argv()), "model": args.model,
-            "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
-            "duration_s": round(time.time() - started, 1)}
-    (checked.out / "runners.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
+    built = runner_set.build(args.model, args.weights, gguf_path_for(args.model), say=say)
+    result = measure_runners(built.runners, built.tokenizer, built.eos, checked.questions,
+                             context, checked.options.max_new_tokens, built.gguf_path,
+                             built.hf_model, args.llama_cpp, torch.get_num_threads(), say)
+    meta = {**_meta(args, started), "left out": "; ".join(built.notes) or "none"}
     report = runners_markdown(result, meta)
+    if steps is not None:
+        report += "\n" + projection_markdown(steps[0], native_costs(result["forward_ms"]),
+                                             steps[1], "this run")
+    (checked.out / "runners.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
     (checked.out / "runners.md").write_text(report)
     print(report)
     return 0
+
+
+def run_projection(args: argparse.Namespace, checked: Plan) -> int:
+    from specdecode.bench.projection import load_costs, projection_markdown
+
+    steps, steps_from = _load_steps(args)
+    costs, costs_from = load_costs(args.row_costs)
+    report = projection_markdown(steps, costs, steps_from, costs_from)
+    (checked.out / "projection.md").write_text(report)
+    print(report)
+    return 0
+
+
+def run_perplexity(args: argparse.Namespace, checked: Plan) -> int:
+    import torch
+
+    from specdecode.bench import runner_set
+    from specdecode.bench.llama_tools import find_tool, llama_perplexity
+    from specdecode.bench.peer_process import PeerFailed
+    from specdecode.bench.perplexity import articles, perplexity, tokenize, windows
+
+    context = PPL_CONTEXT if args.context is None else args.context
+    runner_set.parse_formats(args.weights)
+    if args.text is not None:
+        require(Path(args.text).is_file(), f"--text {args.text} does not exist")
+        text = Path(args.text).read_text(encoding="utf-8")
+    else:
+        text = articles(load_questions(args.data))
+    started = time.time()
+    say = (lambda _: None) if args.no_progress else print
+    built = runner_set.build(args.model, args.weights, gguf_path_for(args.model), with_hf=False,
+                             say=say)
+    tokens = tokenize(built.tokenizer, text, built.bos)
+    windows(tokens, context, args.chunks)  # too short a text fails before any forward
+    text_file = checked.out / "perplexity-text.txt"
+    text_file.write_text(text, encoding="utf-8")
+    results: dict[str, dict] = {}
+    for name, runner in built.runners.items():
+        results[name] = perplexity(runner, tokens, context, built.bos, args.chunks, say)
+        say(f"{name}: perplexity {results[name]['perplexity']:.4f}")
+    failed: dict[str, str] = {}
+    tool = find_tool("llama-perplexity", args.llama_cpp) if built.gguf_path else None
+    if tool is not None:
+        try:
+            results["llama-perplexity"] = llama_perplexity(
+                tool, built.gguf_path, text_file, context, torch.get_num_threads(), args.chunks)
+        except PeerFailed as exc:
+            failed["llama-perplexity"] = str(exc)
+    elif built.gguf_path is not None:
+        built.notes.append(f"llama-perplexity: not found (--llama-cpp DIR, ${TOOLS_ENV} or "
+                           "PATH; docs/bench.md builds it)")
+    meta = {**_meta(args, started),
+            "text": args.text or "the summarization articles of "
+                                 + (args.data or "the Spec-Bench dev half"),
+            "text tokens": len(tokens), "context": context,
+            "left out": "; ".join(built.notes + list(failed.values())) or "none"}
+    (checked.out / "perplexity.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    report = perplexity_markdown(results, meta)
+    (checked.out / "perplexity.md").write_text(report)
+    print(report)
+    return 0
+
+
+def perplexity_markdown(results: dict[str, dict], meta: dict) -> str:
+    reference = results.get("llama-perplexity", {}).get("perplexity")
+    lines = ["# specdecode bench --perplexity", ""] + [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| runner | perplexity | windows | vs llama-perplexity |",
+              "|---|---:|---:|---:|"]
+    for name, r in results.items():
+        ratio = f"{r['perplexity'] / reference:.4f}" if reference else "-"
+        lines.append(f"| {name} | {r['perplexity']:.4f} | "
+                     f"{fmt(r.get('windows', r.get('chunks')), 'd')} | {ratio} |")
+    if "command" in results.get("llama-perplexity", {}):
+        lines += ["", f"llama-perplexity: `{results['llama-perplexity']['command']}`"]
+    return "\n".join(lines) + "\n"
 
 
 def _argv() -> list[str]:

@@ -14,7 +14,8 @@ Peers (measured in the same run, on the same weights):
   documented value; ``max_matching_ngram_size`` left at its default, 2);
 - ``llama.cpp`` / ``llama.cpp-pld``: ``llama-cpp-python`` on the same GGUF file, plain and with
   ``LlamaPromptLookupDecoding`` (its default ``num_pred_tokens=10``, which needs
-  ``logits_all=True``), 2 threads, fed token ids so it sees the same chat-template tokens.
+  ``logits_all=True``), 2 threads, fed token ids so it sees the same chat-template tokens;
+  each in a process of its own (``peer_process``: a crash there fails the peer, not the run).
   Its weights stay Q4_1; the native runner's int4 format (its default) re-quantises the
   dequantised weights in the same scheme (float16 scale and minimum per 32; a runner read with
   ``from_gguf`` keeps the file's blocks) and, like llama.cpp, multiplies them by int8
@@ -26,6 +27,7 @@ Target forwards of a peer are counted by a hook on the model call (transformers)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +58,8 @@ class Outcome:
     #: draft nodes sent to the target, and the time spent making them (our methods only)
     draft_tokens: int | None = None
     propose_s: float | None = None
+    #: the prompt's prefill (the first token's time; our methods only)
+    prefill_s: float | None = None
 
 
 def cut(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
@@ -95,7 +99,7 @@ class MethodContender:
         wall = time.perf_counter() - start
         s = gen.stats
         return Outcome(list(gen.tokens), wall, s.target_forwards, list(s.accepted_lengths),
-                       s.draft_tokens, s.propose_s)
+                       s.draft_tokens, s.propose_s, s.prefill_s)
 
 
 class _CallCounter:
@@ -174,16 +178,61 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-class LlamaCpp:
-    """``llama-cpp-python`` on the GGUF file, plain or with its prompt-lookup draft."""
+def llama_cpp_unsupported(sampling: SamplingParams) -> str | None:
+    if sampling.repetition_penalty != 1.0:
+        return ("llama.cpp's repeat penalty looks at the last 64 tokens only, not the whole "
+                "context")
+    return None
+
+
+class IsolatedLlamaCpp:
+    """The llama.cpp contender as the bench sees it: :class:`LlamaCpp` in a process of its own
+    (``peer_process``), so a crash in llama.cpp fails this peer, not the run."""
 
     kind = "peer"
+
+    def __init__(self, gguf_path: Path, eos: Sequence[int], prompt_lookup: bool, n_ctx: int):
+        from specdecode.bench.peer_process import PeerProcess
+
+        self.name = "llama.cpp-pld" if prompt_lookup else "llama.cpp"
+        self.process = PeerProcess(self.name, "specdecode.bench.contenders:LlamaCppServed",
+                                   gguf_path=str(gguf_path), eos=list(eos),
+                                   prompt_lookup=prompt_lookup, n_ctx=n_ctx)
+
+    def unsupported(self, sampling: SamplingParams) -> str | None:
+        return llama_cpp_unsupported(sampling)
+
+    def fresh(self):
+        return self
+
+    def run(self, prompt_ids, max_new_tokens, sampling) -> Outcome:
+        answer = self.process.call("run", list(prompt_ids), max_new_tokens,
+                                   dataclasses.asdict(sampling))
+        return Outcome(**answer)
+
+    def close(self) -> None:
+        self.process.close()
+
+
+class LlamaCppServed:
+    """What the peer's child process holds: :class:`LlamaCpp`, JSON in and out."""
+
+    def __init__(self, gguf_path: str, eos: list[int], prompt_lookup: bool, n_ctx: int):
+        self.peer = LlamaCpp(Path(gguf_path), eos, prompt_lookup, n_ctx)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, sampling: dict) -> dict:
+        outcome = self.peer.run(prompt_ids, max_new_tokens, SamplingParams(**sampling))
+        return dataclasses.asdict(outcome)
+
+
+class LlamaCpp:
+    """``llama-cpp-python`` on the GGUF file, plain or with its prompt-lookup draft (in the
+    peer's own process: see :class:`IsolatedLlamaCpp`)."""
 
     def __init__(self, gguf_path: Path, eos: Sequence[int], prompt_lookup: bool, n_ctx: int):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.name = "llama.cpp-pld" if prompt_lookup else "llama.cpp"
         self.eos = frozenset(eos)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS) if prompt_lookup else None
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=LLAMA_CPP_THREADS,
@@ -198,15 +247,6 @@ class LlamaCpp:
 
         # generate() calls self.eval once per step (prefill included)
         self.llm.eval = counted_eval
-
-    def unsupported(self, sampling: SamplingParams) -> str | None:
-        if sampling.repetition_penalty != 1.0:
-            return ("llama.cpp's repeat penalty looks at the last 64 tokens only, not the whole "
-                    "context")
-        return None
-
-    def fresh(self):
-        return self
 
     def run(self, prompt_ids, max_new_tokens, sampling) -> Outcome:
         llm = self.llm

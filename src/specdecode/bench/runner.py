@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdecode.bench.datasets import Question
+from specdecode.bench.peer_process import PeerFailed
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
@@ -90,30 +91,39 @@ def check_prompts(target: Target, questions: Sequence[Question], max_new_tokens:
 
 def run_bench(target: Target, questions: Sequence[Question], contenders: list,
               options: BenchOptions, write: Callable[[dict], None],
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, failed: dict[str, str] | None = None) -> list[dict]:
     """Run every contender over every question turn; ``write`` gets each record as it is
     finished (records are also returned). The first contender must be ``ar``.
 
     Repeats are whole passes over the questions, each with new proposers, so a proposer that
     learns across requests sees the same history in every pass (and is never timed on a prompt
-    it has just answered); records come from the last pass, with the median wall time."""
+    it has just answered); records come from the last pass, with the median wall time.
+
+    A peer that fails (``PeerFailed``: its process crashed, raised or hung) is dropped from the
+    rest of the run and ``failed[name]`` says why and when; the others go on."""
     require(contenders and contenders[0].name == "ar", "the first contender must be 'ar'")
     check_prompts(target, questions, options.max_new_tokens)
+    failed = {} if failed is None else failed
+    live = list(contenders)
     if options.warmup:
         ids = encode_messages(target.tokenizer,
                               [{"role": "user", "content": questions[0].turns[0]}])
         for c in contenders:
-            c.fresh().run(ids, min(WARMUP_TOKENS, options.max_new_tokens),
-                          _seeded(options.sampling, options.seed, "warmup", 0))
-    total = sum(len(q.turns) for q in questions) * len(contenders) * options.repeats
+            try:
+                c.fresh().run(ids, min(WARMUP_TOKENS, options.max_new_tokens),
+                              _seeded(options.sampling, options.seed, "warmup", 0))
+            except PeerFailed as exc:
+                failed[c.name] = f"{exc} (in the warm-up)"
+                live.remove(c)
+    total = sum(len(q.turns) for q in questions) * len(live) * options.repeats
     bar = _progress(total, progress)
     walls: dict[tuple, list[float]] = {}
     records: list[dict] = []
     try:
         for rep in range(options.repeats):
             last = rep == options.repeats - 1
-            fresh = contenders if rep == 0 else [c.fresh() for c in contenders]
-            for record in _one_pass(target, questions, fresh, options, walls, bar):
+            live = live if rep == 0 else [c.fresh() for c in live]
+            for record in _one_pass(target, questions, live, options, walls, bar, failed):
                 if last:
                     records.append(record)
                     write(record)
@@ -123,9 +133,12 @@ def run_bench(target: Target, questions: Sequence[Question], contenders: list,
 
 
 def _one_pass(target: Target, questions: Sequence[Question], contenders: list,
-              options: BenchOptions, walls: dict[tuple, list[float]], bar):
-    """Yield the records of one pass; ``walls`` collects wall times across passes."""
+              options: BenchOptions, walls: dict[tuple, list[float]], bar,
+              failed: dict[str, str]):
+    """Yield the records of one pass; ``walls`` collects wall times across passes. A peer that
+    fails is removed from ``contenders`` (the caller's list) and named in ``failed``."""
     tokenizer, eos = target.tokenizer, frozenset(target.eos_token_ids)
+    done = 0
     for index, q in enumerate(questions):
         histories: dict[str, list[dict]] = {c.name: [] for c in contenders}
         for turn, text in enumerate(q.turns):
@@ -136,9 +149,15 @@ def _one_pass(target: Target, questions: Sequence[Question], contenders: list,
                 bar.set_description(f"{q.task} q{q.question_id} t{turn} {c.name}")
                 messages = histories[c.name] + [{"role": "user", "content": text}]
                 prompts[c.name] = encode_messages(tokenizer, messages)
-                outcomes[c.name] = c.run(prompts[c.name], options.max_new_tokens, seeded)
+                try:
+                    outcomes[c.name] = c.run(prompts[c.name], options.max_new_tokens, seeded)
+                except PeerFailed as exc:
+                    failed[c.name] = f"{exc} (after {done} question turns)"
+                    contenders.remove(c)
+                    continue
                 walls.setdefault((c.name, q.question_id, turn), []).append(outcomes[c.name].wall_s)
                 bar.update(1)
+            done += 1
             ar_tokens = outcomes["ar"].tokens
             for c in contenders:
                 o = outcomes[c.name]
@@ -175,6 +194,7 @@ def _record(c, q: Question, turn: int, prompt_ids: list[int], o, walls: list[flo
         "accepted_lengths": o.accepted_lengths,
         "draft_tokens": o.draft_tokens,
         "propose_s": o.propose_s,
+        "prefill_s": o.prefill_s,
         "identical_to_ar": o.tokens == ar_tokens,
         "token_ids": o.tokens,
     }

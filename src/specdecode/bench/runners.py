@@ -1,12 +1,18 @@
 """``specdecode bench --runners``: what each runner and weight format costs, beside the peers.
 
-Two measurements, on the same machine in the same run:
+Measured on the same machine in the same run, with the same threads:
 
 - per-forward latency: the median time of one target forward over 1, 8, 16 and 64 new tokens
   (a root plus a chain draft) after a ``--context``-token prefill of real Spec-Bench text, for
-  the ``hf`` runner and the native runner in every weight format, and for llama.cpp on the
-  GGUF file (``Llama.eval`` of the same tokens with ``logits_all``, since a verify pass needs
-  every row's logits);
+  the ``hf`` runner (where the model is small enough to hold in float32) and the native runner
+  in each weight format asked for, and for llama.cpp on the GGUF file: llama-cpp-python's
+  ``Llama.eval`` of the same tokens with ``logits_all`` (a verify pass needs every row's
+  logits) and llama.cpp's own ``llama-bench`` at the same depth (``llama_tools``), each in a
+  process of its own (``peer_process``: a peer that crashes is named, the rest is kept);
+- the memory bound of one row: the bytes of weights a decode row streams (the native runner's
+  linear layers and LM head in its format; the GGUF file's tensors for llama.cpp) over the
+  machine's read bandwidth, measured here (``stream_read_gbs``), and each one-row forward's
+  ratio to it;
 - end-to-end ``ar`` decoding (greedy, ``--max-new-tokens``) over the first turn of each
   question: tokens/s of every runner, of ``transformers`` ``generate`` and of llama.cpp, and
   how many answers of each native format equal the fp32 native runner's token for token
@@ -19,7 +25,8 @@ Two measurements, on the same machine in the same run:
   weights in cache, which separates the kernel from the memory stream and the rest of the
   forward.
 
-Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median).
+Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median); the
+bandwidth is the best of 7 reads of a 512 MiB buffer.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import time
 from pathlib import Path
 
 from specdecode import kernels
-from specdecode.bench.contenders import HFGenerate, LlamaCpp, MethodContender, llama_cpp_available
+from specdecode.bench.contenders import (LLAMA_CPP_THREADS, HFGenerate, IsolatedLlamaCpp,
+                                         MethodContender, llama_cpp_available)
 from specdecode.bench.datasets import Question
 from specdecode.bench.runner import encode_messages
 from specdecode.draft import Draft
@@ -43,6 +51,12 @@ PEAK_ITERATIONS = 30_000_000
 MIX_ITERATIONS = 5_000_000
 #: timed calls of one layer's linear layers with their weights in cache (median)
 CACHED_CALLS = 41
+#: the stream-bandwidth buffer (MiB) and how many times it is read (the best counts)
+STREAM_MIB = 512
+STREAM_RUNS = 7
+#: the llama.cpp rows: llama-cpp-python's Llama.eval (every row's logits), llama.cpp's llama-bench
+LLAMA_CPP_PYTHON = "llama.cpp (llama-cpp-python)"
+LLAMA_BENCH = "llama.cpp (llama-bench)"
 
 
 def layer_linears(layer) -> list:
@@ -107,50 +121,118 @@ def runner_forward_ms(runner, context: list[int], tokens: list[int], size: int) 
     return statistics.median(times[1:]) * 1000
 
 
-def llama_cpp_forward_ms(gguf_path: Path, context: list[int], tokens: list[int],
-                         sizes: tuple[int, ...]) -> dict[int, float]:
-    from llama_cpp import Llama
+class LlamaCppLatency:
+    """llama-cpp-python's per-forward latency, held in the peer's own process
+    (``peer_process``): ``Llama.eval`` of the same tokens with ``logits_all``, since a verify
+    pass needs every row's logits."""
 
-    from specdecode.bench.contenders import LLAMA_CPP_THREADS
+    def __init__(self, gguf_path: str, n_ctx: int, threads: int):
+        from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf_path), n_ctx=len(context) + max(sizes) + 16,
-                n_threads=LLAMA_CPP_THREADS, n_threads_batch=LLAMA_CPP_THREADS,
-                logits_all=True, verbose=False)
-    llm.eval(context)
-    result = {}
-    for size in sizes:
-        times = []
-        for _ in range(TIMED_FORWARDS + 1):
-            llm.n_tokens = len(context)  # eval drops the KV rows past n_tokens first
-            start = time.perf_counter()
-            llm.eval(tokens[:size])
-            times.append(time.perf_counter() - start)
-        result[size] = statistics.median(times[1:]) * 1000
-    return result
+        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, logits_all=True, verbose=False)
+
+    def forward_ms(self, context: list[int], tokens: list[int], sizes: list[int]) -> dict:
+        llm = self.llm
+        llm.eval(context)
+        result = {}
+        for size in sizes:
+            times = []
+            for _ in range(TIMED_FORWARDS + 1):
+                llm.n_tokens = len(context)  # eval drops the KV rows past n_tokens first
+                start = time.perf_counter()
+                llm.eval(tokens[:size])
+                times.append(time.perf_counter() - start)
+            result[str(size)] = statistics.median(times[1:]) * 1000
+        return result
 
 
-def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path: Path | None,
-                    context: int, max_new_tokens: int, progress=print) -> dict:
+def stream_read_gbs(mib: int = STREAM_MIB, runs: int = STREAM_RUNS) -> float:
+    """The machine's memory read bandwidth, GB/s: the best of ``runs`` sums of a float32
+    buffer of ``mib`` MiB (far larger than any cache), on torch's threads - the rate at which
+    a forward can stream its weights at best."""
+    import torch
+
+    buffer = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def weight_bytes(runner) -> int | None:
+    """Bytes of weights one decode row of a native runner streams: its LM head and every
+    layer's linear layers (the embedding is read one row a token, the norms are tiny)."""
+    head = getattr(runner, "head", None)
+    if head is None:
+        return None
+    linears = [head] + [lin for layer in runner.layers for lin in layer_linears(layer)]
+    return sum(lin.nbytes for lin in linears)
+
+
+def _native_ar_identical(answers: dict[str, list[list[int]]], name: str) -> int | None:
+    reference = answers.get("native fp32")
+    if reference is None or not name.startswith("native"):
+        return None
+    return sum(a == b for a, b in zip(answers[name], reference))
+
+
+def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], context: int,
+                    max_new_tokens: int, gguf_path: Path | None = None, hf_model=None,
+                    llama_cpp_dir: str | None = None, threads: int = LLAMA_CPP_THREADS,
+                    progress=print) -> dict:
+    """Time ``runners`` (name -> runner) and, on ``gguf_path``, llama.cpp: per-forward latency,
+    the memory bound of one row, greedy ``ar`` end to end; peers in processes of their own
+    (a peer that fails is named in ``peers_failed``, the rest is kept)."""
     from specdecode import registry
-    from specdecode.models.llama import runs
-    from specdecode.models.loading import make_runner
-    from specdecode.models.quant import WEIGHT_FORMATS
+    from specdecode.bench.llama_tools import find_tool, llama_bench
+    from specdecode.bench.peer_process import PeerFailed, PeerProcess
 
     prompts = first_turns(tokenizer, questions)
     ids = context_ids(prompts, context + max(FORWARD_SIZES))
     ctx, tokens = ids[:context], ids[context:]
-    runners = {"hf (fp32)": make_runner(loaded, "hf")}
-    if runs(loaded.config):
-        runners.update({f"native {fmt}": make_runner(loaded, "native", fmt)
-                        for fmt in WEIGHT_FORMATS})
+    failed: dict[str, str] = {}
     latency: dict[str, dict[int, float]] = {}
     for name, runner in runners.items():
         latency[name] = {size: runner_forward_ms(runner, ctx, tokens, size)
                          for size in FORWARD_SIZES}
         progress(f"forward latency {name}: {latency[name]}")
+    llama_decode = None
     if gguf_path is not None and llama_cpp_available():
-        latency["llama.cpp (Q4_1)"] = llama_cpp_forward_ms(gguf_path, ctx, tokens, FORWARD_SIZES)
-        progress(f"forward latency llama.cpp: {latency['llama.cpp (Q4_1)']}")
+        try:
+            peer = PeerProcess(LLAMA_CPP_PYTHON, "specdecode.bench.runners:LlamaCppLatency",
+                               gguf_path=str(gguf_path), threads=threads,
+                               n_ctx=len(ctx) + max(FORWARD_SIZES) + 16)
+            try:
+                row = peer.call("forward_ms", ctx, tokens, list(FORWARD_SIZES))
+            finally:
+                peer.close()
+            latency[LLAMA_CPP_PYTHON] = {int(k): v for k, v in row.items()}
+            progress(f"forward latency {LLAMA_CPP_PYTHON}: {row}")
+        except PeerFailed as exc:
+            failed[LLAMA_CPP_PYTHON] = str(exc)
+    bench_tool = find_tool("llama-bench", llama_cpp_dir) if gguf_path is not None else None
+    if bench_tool is not None:
+        try:
+            found = llama_bench(bench_tool, gguf_path, FORWARD_SIZES, context, threads)
+            latency[LLAMA_BENCH] = found["forward_ms"]
+            llama_decode = {"tokens_per_s": found["decode_tokens_per_s"],
+                            "command": found["command"]}
+            progress(f"forward latency {LLAMA_BENCH}: {found['forward_ms']}")
+        except PeerFailed as exc:
+            failed[LLAMA_BENCH] = str(exc)
+
+    bandwidth = stream_read_gbs()
+    memory = {"stream_gbs": bandwidth, "bytes": {}}
+    for name, runner in runners.items():
+        memory["bytes"][name] = weight_bytes(runner)
+    if gguf_path is not None:
+        streamed = gguf_streamed_bytes(gguf_path)
+        for name in (LLAMA_CPP_PYTHON, LLAMA_BENCH):
+            if name in latency:
+                memory["bytes"][name] = streamed
 
     ar = registry.get("ar")
     roofline = None
@@ -163,33 +245,73 @@ def measure_runners(loaded, tokenizer, eos, questions: list[Question], gguf_path
                                            for size in FORWARD_SIZES}}
     contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
                   for name, runner in runners.items()}
-    contenders["transformers generate"] = HFGenerate(loaded.model, eos, prompt_lookup=False)
-    if gguf_path is not None and llama_cpp_available():
+    if hf_model is not None:
+        contenders["transformers generate"] = HFGenerate(hf_model, eos, prompt_lookup=False)
+    if gguf_path is not None and llama_cpp_available() and LLAMA_CPP_PYTHON not in failed:
         need = max(map(len, prompts)) + max_new_tokens + 32
-        contenders["llama.cpp"] = LlamaCpp(gguf_path, eos, False, -(-need // 256) * 256)
-    greedy = SamplingParams()
-    for contender in contenders.values():  # warm-up
-        contender.run(prompts[0], 8, greedy)
-    totals = {name: [0, 0.0] for name in contenders}
-    answers: dict[str, list[list[int]]] = {name: [] for name in contenders}
-    for i, prompt in enumerate(prompts):  # interleaved, prompt by prompt
-        for name, contender in contenders.items():
-            outcome = contender.run(prompt, max_new_tokens, greedy)
-            totals[name][0] += len(outcome.tokens)
-            totals[name][1] += outcome.wall_s
-            answers[name].append(outcome.tokens)
-        progress(f"ar prompt {i + 1}/{len(prompts)}")
-    reference = answers.get("native fp32")
-    ar_rows = {}
-    for name, (new_tokens, wall) in totals.items():
-        same = (sum(a == b for a, b in zip(answers[name], reference))
-                if reference is not None and name.startswith("native") else None)
-        ar_rows[name] = {"tokens_per_s": new_tokens / wall, "new_tokens": new_tokens,
-                         "identical_to_native_fp32": same}
+        try:
+            contenders["llama.cpp"] = IsolatedLlamaCpp(gguf_path, eos, False, -(-need // 256) * 256)
+        except PeerFailed as exc:
+            failed["llama.cpp"] = str(exc)
+    answers, totals = _ar_end_to_end(contenders, prompts, max_new_tokens, failed, progress)
+    ar_rows = {name: {"tokens_per_s": new_tokens / wall, "new_tokens": new_tokens,
+                      "identical_to_native_fp32": _native_ar_identical(answers, name)}
+               for name, (new_tokens, wall) in totals.items()}
+    if llama_decode is not None:
+        ar_rows[f"{LLAMA_BENCH} tg"] = {"tokens_per_s": llama_decode["tokens_per_s"],
+                                        "new_tokens": None, "identical_to_native_fp32": None}
     return {"context_tokens": context, "sizes": list(FORWARD_SIZES),
             "forward_ms": {name: {str(k): v for k, v in row.items()} for name, row in latency.items()},
-            "ar": ar_rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "roofline": roofline}
+            "memory": memory, "ar": ar_rows, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "roofline": roofline, "peers_failed": failed,
+            "llama_bench_command": llama_decode["command"] if llama_decode else None}
+
+
+def _ar_end_to_end(contenders: dict, prompts: list[list[int]], max_new_tokens: int,
+                   failed: dict[str, str], progress) -> tuple[dict, dict]:
+    """Greedy decoding of every prompt by every contender, interleaved prompt by prompt after
+    one warm-up each; a peer that fails is dropped (named in ``failed``)."""
+    from specdecode.bench.peer_process import PeerFailed
+
+    greedy = SamplingParams()
+    live = dict(contenders)
+    for name, contender in contenders.items():  # warm-up
+        try:
+            contender.run(prompts[0], 8, greedy)
+        except PeerFailed as exc:
+            failed[name] = f"{exc} (in the warm-up)"
+            del live[name]
+    totals = {name: [0, 0.0] for name in live}
+    answers: dict[str, list[list[int]]] = {name: [] for name in live}
+    try:
+        for i, prompt in enumerate(prompts):
+            for name, contender in list(live.items()):
+                try:
+                    outcome = contender.run(prompt, max_new_tokens, greedy)
+                except PeerFailed as exc:
+                    failed[name] = f"{exc} (after {i} prompts)"
+                    del live[name], totals[name], answers[name]
+                    continue
+                totals[name][0] += len(outcome.tokens)
+                totals[name][1] += outcome.wall_s
+                answers[name].append(outcome.tokens)
+            progress(f"ar prompt {i + 1}/{len(prompts)}")
+    finally:
+        for contender in contenders.values():
+            if hasattr(contender, "close"):
+                contender.close()
+    return answers, totals
+
+
+def gguf_streamed_bytes(path: Path) -> int:
+    """Bytes of a GGUF file's tensors that llama.cpp reads for one token: all of them but the
+    token embedding, of which it reads one row (unless the file has no ``output.weight``: then
+    the embedding is the LM head too)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
 
 
 def runners_markdown(result: dict, meta: dict) -> str:
@@ -205,6 +327,24 @@ def runners_markdown(result: dict, meta: dict) -> str:
         cells = [f"{row[str(s)]:.1f}" for s in sizes]
         lines.append(f"| {name} | " + " | ".join(cells)
                      + f" | {row[str(sizes[-2])] / row['1']:.2f}x |")
+    memory = result.get("memory")
+    if memory:
+        gbs = memory["stream_gbs"]
+        lines += ["", f"## One row against its memory bound (read bandwidth {gbs:.1f} GB/s, "
+                      "measured in this run)", "",
+                  "| runner | weights streamed per token (MB) | bound (ms) | 1 token (ms) "
+                  "| 1 token / bound |", "|---|---:|---:|---:|---:|"]
+        for name, row in result["forward_ms"].items():
+            size = memory["bytes"].get(name)
+            if size:
+                bound = size / (gbs * 1e9) * 1000
+                lines.append(f"| {name} | {size / 1e6:.0f} | {bound:.2f} | {row['1']:.2f} "
+                             f"| {row['1'] / bound:.2f}x |")
+    if result.get("llama_bench_command"):
+        lines += ["", f"llama-bench: `{result['llama_bench_command']}` (its pp rows ask for the "
+                      "last row's logits only)."]
+    for name, reason in (result.get("peers_failed") or {}).items():
+        lines += ["", f"**{reason}**"]
     hf = result["ar"].get("transformers generate", {}).get("tokens_per_s")
     lines += ["", f"## Greedy `ar` end to end ({result['prompts']} first turns, "
                   f"{result['max_new_tokens']} new tokens at most)", "",
@@ -213,10 +353,12 @@ def runners_markdown(result: dict, meta: dict) -> str:
     for name, row in result["ar"].items():
         same = row["identical_to_native_fp32"]
         same_cell = "" if same is None else f"{same}/{result['prompts']}"
+        if row["new_tokens"] is None:  # llama-bench tg: its own random tokens, not the prompts
+            same_cell = "(tg at the same depth, random tokens)"
         ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio} | {same_cell} |")
     roofline = result.get("roofline")
-    if roofline:
+    if roofline and "native int4" in result["forward_ms"]:
         int4 = result["forward_ms"]["native int4"]
         peak = roofline["peak_gmacs"]
         mix, per_row = roofline["q4_mix_gmacs"], roofline["macs_per_row"]
