@@ -16,7 +16,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import GGUFFile
 from specdecode.models.llama import DEFAULT_MAX_CONTEXT, LlamaRunner, cache_rows, kv_cache_bytes
 from specdecode.models.loading import default_gguf_path, load_gguf, make_runner
-from specdecode.models.quant import Int4Linear
 from specdecode.models.weights import resident_bytes
 
 PROMPT = [1, 5, 9, 200, 300, 41, 7, 88, 5, 9, 200]
@@ -44,9 +43,8 @@ def old_path(path, weights="int4"):
     return LlamaRunner.from_transformers(model.eval(), weights, gguf_path=path)
 
 
-@pytest.mark.parametrize("shape,mix", [("tiny", "Q4_1"), ("tiny", "Q4_0"), ("tiny", "Q4_K_M"),
-                                       ("tiny-qwen2", "Q4_K_M"), ("tiny-qwen3", "Q4_1"),
-                                       ("tiny-gemma3", "Q4_K_M")])
+@pytest.mark.parametrize("shape,mix", [("tiny", "Q4_1"), ("tiny", "Q4_0"), ("tiny-qwen2", "Q4_1"),
+                                       ("tiny-qwen3", "Q4_1"), ("tiny-gemma3", "Q4_0")])
 def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
     path = files(shape, mix)
     new, old = LlamaRunner.from_gguf(path, "int4"), old_path(path)
@@ -60,21 +58,38 @@ def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
         old.commit([])
 
 
-def test_mixed_fused_group_keeps_the_q4_blocks(files):
-    """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): q and k keep the file's blocks,
-    v alone is re-quantised, so the layer's q rows are those of q alone."""
-    path = files("tiny", "Q4_K_M")
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-gemma3"])
+def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
+    """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): the fused q/k/v layer runs as block
+    int8 holding v's own values (gguf's dequantisation, bitwise) and q's and k's 4-bit blocks
+    widened exactly, so its v rows and q rows are those of each matrix alone."""
+    import gguf
+
+    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight
+    from specdecode.models.weights import as_int8_blocks
+
+    path = files(shape, "Q4_K_M")
     f = GGUFFile(path)
-    layer = next(i for i in range(2) if tensor_type("attn_v", i, 2, "Q4_K_M") == "Q6_K")
+    layers = f.config.num_hidden_layers
+    layer = next(i for i in range(layers) if tensor_type("attn_v", i, layers, "Q4_K_M") == "Q6_K")
     p = f"model.layers.{layer}.self_attn."
     assert f.entries[p + "v_proj.weight"].qtype == "Q6_K"
     assert f.entries[p + "q_proj.weight"].qtype == "Q4_K"
+    v = f.read_blocks(p + "v_proj.weight")
+    assert isinstance(v, Int8BlockWeight)
+    exact = gguf.quants.dequantize(f.raw(p + "v_proj.weight"), gguf.GGMLQuantizationType.Q6_K)
+    assert torch.equal(v.dequantize(), torch.from_numpy(np.asarray(exact, np.float32)))
     runner = LlamaRunner.from_gguf(path, "int4")
-    q = f.read(p + "q_proj.weight")
-    scale = runner.shape.query_scale  # folded into q's blocks (1/8: exact)
-    alone = Int4Linear(q.codes, q.scale * scale, q.minimum * scale)
-    x = torch.randn(3, 256)
-    assert torch.equal(runner.layers[layer].qkv(x)[:, :256], alone(x))
+    qkv = runner.layers[layer].qkv
+    assert isinstance(qkv, Int8BlockLinear)
+    x = torch.randn(3, f.config.hidden_size)
+    out = qkv(x)
+    assert torch.equal(out[:, -v.codes.shape[0]:], Int8BlockLinear(v)(x))
+    if runner.shape.arch.qk_norm:
+        return  # the query scale goes into the head norm: q's rows are not q alone's
+    q = f.read_blocks(p + "q_proj.weight").scaled(runner.shape.query_scale)
+    alone = Int8BlockLinear(as_int8_blocks(q).regroup(v.group))(x)  # the group's finest group
+    assert torch.equal(out[:, :alone.shape[1]], alone)
 
 
 @pytest.mark.parametrize("method", ["suffix", "recycling"])

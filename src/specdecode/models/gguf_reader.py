@@ -44,6 +44,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
+from specdecode.models.int8_blocks import Int8BlockWeight, decode_gguf_blocks
 from specdecode.models.quant import Q4Weight
 
 _NAMES = {
@@ -69,6 +70,8 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _READ_ROWS = 512
 #: GGUF types kept as 4-bit blocks
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
+INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 #: transformers config class per architecture
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
             "gemma3_text": "Gemma3TextConfig"}
@@ -412,9 +415,20 @@ class GGUFFile:
         return value
 
     def read_blocks(self, name: str):
-        """Tensor ``name`` for the int4 runner: :class:`Q4Blocks` for 4-bit block types (their
-        bytes as they are, q/k rows unpermuted), else float32 as :meth:`read` gives it."""
+        """Tensor ``name`` for the int4 and int8 runners: :class:`Q4Blocks` for 4-bit block
+        types (their bytes as they are), :class:`Int8BlockWeight` for the other block types
+        (``INT8_BLOCK_TYPES``: their own values, exactly), else float32 as :meth:`read` gives
+        it; q/k rows unpermuted."""
         e = self.entries[name]
+        if e.qtype in INT8_BLOCK_TYPES:
+            weight = decode_gguf_blocks(self.raw(name), e.qtype)
+            heads = self._permuted_heads(name)
+            if heads:
+                order = unpermute_rows(torch.arange(e.shape[0]), heads)
+                weight = Int8BlockWeight(weight.codes[order], weight.scale[order],
+                                         None if weight.minimum is None else weight.minimum[order],
+                                         weight.group)
+            return weight
         if e.qtype not in Q4_TYPES:
             return self.read(name, blocks=False)
         # in chunks of rows into the result's arrays: the temporaries of unpacking stay small

@@ -47,6 +47,7 @@ from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
 from specdecode.models.gguf_reader import Q4Blocks
+from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
 from specdecode.models.quant import INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight, check_format
 from specdecode.models.weights import FileTensors, _linear_for, as_float, check_fits, resident_bytes
@@ -188,6 +189,10 @@ def _scaled(weight, factor: float):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
     if isinstance(weight, Q4Blocks):
         return weight.scaled(factor)
+    if isinstance(weight, Int8BlockWeight):
+        return Int8BlockWeight(weight.codes, weight.scale * factor,
+                               None if weight.minimum is None else weight.minimum * factor,
+                               weight.group)
     return weight.float() * factor
 
 
@@ -435,7 +440,7 @@ class LlamaRunner(Runner):
                     f"KV cache of {context} positions": kv}, available,
                    hint="use a smaller --max-context, the int4 format (--weights int4) or a "
                         "machine with more memory")
-        return cls(file.config, FileTensors(file, blocks=weights == "int4"), weights,
+        return cls(file.config, FileTensors(file, blocks=weights in ("int4", "int8")), weights,
                    source=str(path), max_context=context, max_draft=max_draft, **kwargs)
 
     def replica(self) -> LlamaRunner:

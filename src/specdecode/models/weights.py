@@ -8,12 +8,14 @@ memory), and the runner repacks it into its layer and drops it. Nothing holds a 
 the model: resident memory is the packed weights, the float32 embedding table (looked up by
 row), the KV cache and one tensor in flight.
 
-:func:`_linear_for` makes one layer of the matrices that share an input (q/k/v, gate/up). For
-int4 each part becomes 4-bit blocks on its own: GGUF's Q4_0, Q4_1 and Q4_K blocks as the file
-holds them (``gguf_reader``), any other type (Q8_0, Q5_0, Q5_K, Q6_K, float) dequantised and
-re-quantised in Q4_1's scheme, a few thousand rows at a time; the parts' blocks are then
-concatenated, so a Q4_K_M file's q/k/v (q, k in Q4_K, v in Q6_K) keep q's and k's blocks.
-Blocks are per row, so this is the same layer as re-quantising the concatenation.
+:func:`_linear_for` makes one layer of the matrices that share an input (q/k/v, gate/up),
+keeping the file's own values wherever a kernel can: GGUF's Q4_0, Q4_1 and Q4_K blocks stay
+4-bit blocks for int4 (``gguf_reader``); the other block types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K)
+run as block int8 (``models/int8_blocks``) with their own scales, and so does every part of a
+group that holds one (a Q4_K_M file's q/k/v with v in Q6_K: q's and k's 4-bit values widened
+exactly), so a Q4_K_M file computes llama.cpp's weights. Float matrices are quantised (int4:
+Q4_1's scheme, int8: Q8_0's), a few thousand rows at a time. The int8 format takes 4-bit
+blocks as block int8 too, exactly.
 
 :func:`resident_bytes` says what the runner will hold of a file in a weight format, before
 anything is read, so that a file which cannot fit is refused naming the sizes
@@ -28,7 +30,8 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_reader import GGUFFile, Q4Blocks
+from specdecode.models.gguf_reader import INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks
+from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, quantize_int8_blocks
 from specdecode.models.quant import (Int4Linear, Q4Weight, check_format, make_linear,
                                      quantize_int4)
 
@@ -38,9 +41,13 @@ MARGIN_BYTES = 512 * 2 ** 20
 #: rows re-quantised at a time (bounds the float32 temporaries of a large output matrix)
 _CHUNK_ROWS = 2048
 #: bytes per weight the runner holds, per format: int4's 16 four-bit codes with float16 scale
-#: and minimum per 32 weights; int8, bf16 and fp32 keep their decode layer plus the prefill
-#: layer ATen's GEMM reads (bf16 for int8 and bf16, fp32 for fp32: llama.PREFILL_WEIGHTS)
-BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1 + 2, "bf16": 2 + 2, "fp32": 4 + 4}
+#: and minimum per 32 weights; int8's code with a float16 scale per 32 (Q8_0's scheme); bf16
+#: and fp32 keep their decode layer plus the prefill layer ATen's GEMM reads
+#: (llama.PREFILL_WEIGHTS)
+BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2 + 2, "fp32": 4 + 4}
+#: at most what block int8 holds of a file's block types (a code, a float32 scale and minimum
+#: per 16 weights: Q6_K's groups; fewer bytes where the group is 32 or the scales float16)
+BLOCK_INT8_BYTES = 1.5
 
 
 class FileTensors(Mapping):
@@ -67,6 +74,8 @@ class FileTensors(Mapping):
 def as_float(value) -> torch.Tensor:
     """A float32 tensor, or a 4-bit GGUF tensor dequantised (file blocks ``_CHUNK_ROWS`` rows
     at a time: the embedding table is the largest tensor the runner keeps as float32)."""
+    if isinstance(value, Int8BlockWeight):
+        return value.dequantize()
     if isinstance(value, Q4Blocks):
         rows = value.scale.shape[0]
         out = torch.empty(rows, value.scale.shape[1] * 32)
@@ -88,6 +97,17 @@ def as_q4(value) -> Q4Weight:
         codes, scale, minimum = quantize_int4(rows)
         parts.append(Q4Weight(codes.to(torch.uint8), scale, minimum))
     return parts[0] if len(parts) == 1 else Q4Weight.cat(parts)
+
+
+def as_int8_blocks(value) -> Int8BlockWeight:
+    """Block int8 of a weight: a file's block int8 as it is, 4-bit blocks widened exactly (their
+    codes, float16 scales and minimums), a float matrix quantised in Q8_0's scheme."""
+    if isinstance(value, Int8BlockWeight):
+        return value
+    if isinstance(value, (Q4Blocks, Q4Weight)):
+        q4 = value.codes() if isinstance(value, Q4Blocks) else value
+        return Int8BlockWeight(q4.codes.to(torch.int8), q4.scale.float(), q4.minimum.float(), 32)
+    return Int8BlockWeight.cat([quantize_int8_blocks(rows) for rows in value.float().split(_CHUNK_ROWS)])
 
 
 def pack_blocks(blocks: Q4Blocks, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,6 +149,8 @@ def _linear_for(parts: Sequence, weights: str):
     ``weights``. int4: each part packed on its own and the tiles concatenated (the bytes of
     packing the concatenation, as every part but the last fills whole tiles of 16 rows)."""
     check_format(weights)
+    if weights == "int8" or (weights == "int4" and any(isinstance(p, Int8BlockWeight) for p in parts)):
+        return Int8BlockLinear(Int8BlockWeight.cat([as_int8_blocks(p) for p in parts]))
     if weights == "int4":
         rows = [p.scale.shape[0] if isinstance(p, (Q4Weight, Q4Blocks)) else p.shape[0] for p in parts]
         if any(n % kernels.TILE for n in rows[:-1]):
@@ -149,19 +171,26 @@ def _linear_for(parts: Sequence, weights: str):
 
 def resident_bytes(file: GGUFFile, weights: str) -> int:
     """Bytes the native runner holds of ``file``'s weights in format ``weights``: its layers
-    (``BYTES_PER_WEIGHT``), the float32 embedding table and norms (a tied LM head counts
-    twice: as the table and as a layer)."""
+    (``BYTES_PER_WEIGHT``; at most ``BLOCK_INT8_BYTES`` for the block types int4 and int8 keep
+    as block int8), the float32 embedding table and norms (a tied LM head counts twice: as the
+    table and as a layer)."""
     check_format(weights)
+
+    def layer(entry) -> int:
+        kept_as_blocks = (entry.qtype in INT8_BLOCK_TYPES and weights in ("int4", "int8")
+                          or entry.qtype in Q4_TYPES and weights == "int8")
+        return int(entry.numel * (BLOCK_INT8_BYTES if kept_as_blocks else BYTES_PER_WEIGHT[weights]))
+
     total = 0
     for name, entry in file.entries.items():
         if name == "model.embed_tokens.weight":
             total += entry.numel * 4
             if "lm_head.weight" not in file.entries:
-                total += int(entry.numel * BYTES_PER_WEIGHT[weights])
+                total += layer(entry)
         elif len(entry.shape) == 1:
             total += entry.numel * 4
         else:
-            total += int(entry.numel * BYTES_PER_WEIGHT[weights])
+            total += layer(entry)
     return total
 
 
