@@ -314,6 +314,9 @@ def test_runner_measurement_on_a_tiny_model(tmp_path, monkeypatch):
     assert list(result["ar"]) == runners + ["transformers generate"]
     assert result["ar"]["native fp32"]["identical_to_native_fp32"] == len(questions)
     assert all(row["new_tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["ar"].values())
+    # decode speed after the prefill: our runners report their prefill, transformers does not
+    assert result["ar"]["native int4"]["decode_tokens_per_s"] > 0
+    assert result["ar"]["transformers generate"]["decode_tokens_per_s"] is None
     # a row streams the linear layers and the head: 4 bytes a weight in fp32, 2 in bf16, 1 in
     # int8 (plus a float scale per output), 20 bytes per 32 weights in int4 (Q4_1 blocks)
     c = loaded.model.config
@@ -460,7 +463,7 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
         gguf_path=path, llama_cpp_dir=str(tmp_path), progress=lambda _: None)
     bench_row = result["forward_ms"]["llama.cpp (llama-bench)"]
     assert bench_row == {"1": 2.0, "8": 4.0, "16": 6.0, "64": 20.0}
-    assert result["ar"]["llama.cpp (llama-bench) tg"]["tokens_per_s"] == pytest.approx(500.0)
+    assert result["ar"]["llama.cpp (llama-bench) tg"]["decode_tokens_per_s"] == pytest.approx(500.0)
     # llama.cpp streams the file's tensors but the embedding (this file has its own head)
     import gguf
 

@@ -39,6 +39,7 @@ from specdecode import kernels
 from specdecode.bench.contenders import (LLAMA_CPP_THREADS, HFGenerate, IsolatedLlamaCpp,
                                          MethodContender, llama_cpp_available)
 from specdecode.bench.datasets import Question
+from specdecode.bench.report import fmt
 from specdecode.bench.runner import encode_messages
 from specdecode.draft import Draft
 from specdecode.sampling import SamplingParams
@@ -255,11 +256,14 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
             failed["llama.cpp"] = str(exc)
     answers, totals = _ar_end_to_end(contenders, prompts, max_new_tokens, failed, progress)
     ar_rows = {name: {"tokens_per_s": new_tokens / wall, "new_tokens": new_tokens,
+                      "decode_tokens_per_s": (new_tokens - len(answers[name])) / (wall - prefill)
+                      if prefill is not None else None,
                       "identical_to_native_fp32": _native_ar_identical(answers, name)}
-               for name, (new_tokens, wall) in totals.items()}
+               for name, (new_tokens, wall, prefill) in totals.items()}
     if llama_decode is not None:
-        ar_rows[f"{LLAMA_BENCH} tg"] = {"tokens_per_s": llama_decode["tokens_per_s"],
-                                        "new_tokens": None, "identical_to_native_fp32": None}
+        ar_rows[f"{LLAMA_BENCH} tg"] = {"tokens_per_s": None, "new_tokens": None,
+                                        "decode_tokens_per_s": llama_decode["tokens_per_s"],
+                                        "identical_to_native_fp32": None}
     return {"context_tokens": context, "sizes": list(FORWARD_SIZES),
             "forward_ms": {name: {str(k): v for k, v in row.items()} for name, row in latency.items()},
             "memory": memory, "ar": ar_rows, "prompts": len(prompts),
@@ -281,7 +285,8 @@ def _ar_end_to_end(contenders: dict, prompts: list[list[int]], max_new_tokens: i
         except PeerFailed as exc:
             failed[name] = f"{exc} (in the warm-up)"
             del live[name]
-    totals = {name: [0, 0.0] for name in live}
+    # new tokens, wall time, prefill time (None where a contender does not report it)
+    totals: dict[str, list] = {name: [0, 0.0, 0.0] for name in live}
     answers: dict[str, list[list[int]]] = {name: [] for name in live}
     try:
         for i, prompt in enumerate(prompts):
@@ -294,6 +299,10 @@ def _ar_end_to_end(contenders: dict, prompts: list[list[int]], max_new_tokens: i
                     continue
                 totals[name][0] += len(outcome.tokens)
                 totals[name][1] += outcome.wall_s
+                if totals[name][2] is not None and outcome.prefill_s is not None:
+                    totals[name][2] += outcome.prefill_s
+                else:
+                    totals[name][2] = None
                 answers[name].append(outcome.tokens)
             progress(f"ar prompt {i + 1}/{len(prompts)}")
     finally:
@@ -348,15 +357,17 @@ def runners_markdown(result: dict, meta: dict) -> str:
     hf = result["ar"].get("transformers generate", {}).get("tokens_per_s")
     lines += ["", f"## Greedy `ar` end to end ({result['prompts']} first turns, "
                   f"{result['max_new_tokens']} new tokens at most)", "",
-              "| decoder | tokens/s | vs transformers generate | answers identical to native fp32 |",
-              "|---|---:|---:|---:|"]
+              "| decoder | tokens/s | vs transformers generate | tokens/s after the prefill "
+              "| answers identical to native fp32 |",
+              "|---|---:|---:|---:|---:|"]
     for name, row in result["ar"].items():
         same = row["identical_to_native_fp32"]
         same_cell = "" if same is None else f"{same}/{result['prompts']}"
         if row["new_tokens"] is None:  # llama-bench tg: its own random tokens, not the prompts
             same_cell = "(tg at the same depth, random tokens)"
-        ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf else ""
-        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {ratio} | {same_cell} |")
+        ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf and row["tokens_per_s"] else ""
+        lines.append(f"| {name} | {fmt(row['tokens_per_s'], '.1f')} | {ratio} "
+                     f"| {fmt(row.get('decode_tokens_per_s'), '.1f')} | {same_cell} |")
     roofline = result.get("roofline")
     if roofline and "native int4" in result["forward_ms"]:
         int4 = result["forward_ms"]["native int4"]
