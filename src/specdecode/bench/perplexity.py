@@ -87,7 +87,7 @@ def window_nll(runner, window: Sequence[int], bos: int | None) -> tuple[float, i
     while pos < n - 1:
         rows = min(FORWARD_ROWS, n - 1 - pos)
         # rows for positions pos .. pos + rows - 1, predicting the tokens one further on
-        logits = runner.forward(w[pos], Draft.chain(w[pos + 1:pos + rows]))  # [rows, V]
+        logits = runner.forward(w[pos], Draft.chain(w[pos + 1:pos + rows])).logits  # [rows, V]
         targets = torch.tensor(w[pos + 1:pos + rows + 1])
         logp = torch.log_softmax(logits.double(), dim=-1)
         nll -= logp[torch.arange(rows), targets].sum().item()
