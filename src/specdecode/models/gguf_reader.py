@@ -283,6 +283,21 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
     return fields, tensors
 
 
+def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
+    """float32 values of ``raw`` (rows of tensor ``e``), dequantised by ``gguf`` as
+    ``transformers`` does, ``_READ_ROWS`` rows at a time into the result (``gguf``'s numpy
+    dequantisers make several temporaries the size of their input)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[e.qtype]
+    if len(e.shape) == 1:
+        return torch.from_numpy(np.array(gguf.quants.dequantize(raw, kind), np.float32).reshape(e.shape))
+    out = np.empty((len(raw), *e.shape[1:]), np.float32)
+    for start in range(0, len(raw), _READ_ROWS):
+        out[start:start + _READ_ROWS] = gguf.quants.dequantize(raw[start:start + _READ_ROWS], kind)
+    return torch.from_numpy(out)
+
+
 class _Skipped:
     def __init__(self, n: int):
         self.n = n
@@ -397,10 +412,7 @@ class GGUFFile:
             elif blocks and e.qtype in Q4_TYPES:
                 value = Q4Weight(*q4_blocks(raw, e.qtype))
             else:
-                data = np.array(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[e.qtype]),
-                                dtype=np.float32)  # a copy: writable
-                value = torch.from_numpy(data.reshape(len(raw), *e.shape[1:]) if len(e.shape) > 1
-                                         else data.reshape(e.shape))
+                value = _dequantized(raw, e)
                 if self.spec.gguf_norm_plus_one and name.endswith("norm.weight"):
                     value -= 1
         except (ValueError, NotImplementedError, KeyError) as exc:
