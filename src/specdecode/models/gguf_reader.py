@@ -194,7 +194,9 @@ def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
         odd = (a >> 4) | (b & 0xF0)
         nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
         _, scale, minimum, _ = q4k_blocks(raw, codes=False)
-        return Q4Blocks(nibbles, scale.half(), minimum.half())
+        # float16 values already: numpy converts them exactly (and faster than torch here)
+        return Q4Blocks(nibbles, torch.from_numpy(scale.numpy().astype(np.float16)),
+                        torch.from_numpy(minimum.numpy().astype(np.float16)))
     header = 4 if qtype == "Q4_1" else 2
     blocks = raw.reshape(rows, -1, header + 16)
 
@@ -432,15 +434,15 @@ class GGUFFile:
         # in chunks of rows into the result's arrays: the temporaries of unpacking stay small
         # (and are reused), not several copies of the tensor each faulted in afresh
         rows, groups = e.shape[0], e.shape[1] // 32
-        blocks = Q4Blocks(np.empty((rows, groups, 16), np.uint8),
-                          torch.empty(rows, groups, dtype=torch.float16),
-                          torch.empty(rows, groups, dtype=torch.float16))
+        nibbles = np.empty((rows, groups, 16), np.uint8)
+        scale, minimum = (np.empty((rows, groups), np.float16) for _ in range(2))
         for start in range(0, rows, _READ_ROWS):
             part = q4_nibbles(self.raw(name, slice(start, start + _READ_ROWS)), e.qtype)
             stop = start + part.scale.shape[0]
-            blocks.nibbles[start:stop] = part.nibbles
-            blocks.scale[start:stop] = part.scale
-            blocks.minimum[start:stop] = part.minimum
+            nibbles[start:stop] = part.nibbles
+            scale[start:stop] = part.scale.numpy()
+            minimum[start:stop] = part.minimum.numpy()
+        blocks = Q4Blocks(nibbles, torch.from_numpy(scale), torch.from_numpy(minimum))
         heads = self._permuted_heads(name)
         if heads:
             order = unpermute_rows(torch.arange(e.shape[0]), heads)
