@@ -197,7 +197,9 @@ def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
         odd = (a >> 4) | (b & 0xF0)
         nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
         _, scale, minimum, _ = q4k_blocks(raw, codes=False)
-        return Q4Blocks(nibbles, scale.half(), minimum.half())
+        # float16 values already: numpy converts them exactly (and faster than torch here)
+        return Q4Blocks(nibbles, torch.from_numpy(scale.numpy().astype(np.float16)),
+                        torch.from_numpy(minimum.numpy().astype(np.float16)))
     header = 4 if qtype == "Q4_1" else 2
     blocks = raw.reshape(rows, -1, header + 16)
 
@@ -284,6 +286,21 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
         tensors.append(TensorEntry(name, qtype.name, shape, start + offset,
                                    int(np.prod(shape)) // block * size))
     return fields, tensors
+
+
+def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
+    """float32 values of ``raw`` (rows of tensor ``e``), dequantised by ``gguf`` as
+    ``transformers`` does, ``_READ_ROWS`` rows at a time into the result (``gguf``'s numpy
+    dequantisers make several temporaries the size of their input)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[e.qtype]
+    if len(e.shape) == 1:
+        return torch.from_numpy(np.array(gguf.quants.dequantize(raw, kind), np.float32).reshape(e.shape))
+    out = np.empty((len(raw), *e.shape[1:]), np.float32)
+    for start in range(0, len(raw), _READ_ROWS):
+        out[start:start + _READ_ROWS] = gguf.quants.dequantize(raw[start:start + _READ_ROWS], kind)
+    return torch.from_numpy(out)
 
 
 class _Skipped:
@@ -400,10 +417,7 @@ class GGUFFile:
             elif blocks and e.qtype in Q4_TYPES:
                 value = Q4Weight(*q4_blocks(raw, e.qtype))
             else:
-                data = np.array(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[e.qtype]),
-                                dtype=np.float32)  # a copy: writable
-                value = torch.from_numpy(data.reshape(len(raw), *e.shape[1:]) if len(e.shape) > 1
-                                         else data.reshape(e.shape))
+                value = _dequantized(raw, e)
                 if self.spec.gguf_norm_plus_one and name.endswith("norm.weight"):
                     value -= 1
         except (ValueError, NotImplementedError, KeyError) as exc:
@@ -434,15 +448,15 @@ class GGUFFile:
         # in chunks of rows into the result's arrays: the temporaries of unpacking stay small
         # (and are reused), not several copies of the tensor each faulted in afresh
         rows, groups = e.shape[0], e.shape[1] // 32
-        blocks = Q4Blocks(np.empty((rows, groups, 16), np.uint8),
-                          torch.empty(rows, groups, dtype=torch.float16),
-                          torch.empty(rows, groups, dtype=torch.float16))
+        nibbles = np.empty((rows, groups, 16), np.uint8)
+        scale, minimum = (np.empty((rows, groups), np.float16) for _ in range(2))
         for start in range(0, rows, _READ_ROWS):
             part = q4_nibbles(self.raw(name, slice(start, start + _READ_ROWS)), e.qtype)
             stop = start + part.scale.shape[0]
-            blocks.nibbles[start:stop] = part.nibbles
-            blocks.scale[start:stop] = part.scale
-            blocks.minimum[start:stop] = part.minimum
+            nibbles[start:stop] = part.nibbles
+            scale[start:stop] = part.scale.numpy()
+            minimum[start:stop] = part.minimum.numpy()
+        blocks = Q4Blocks(nibbles, torch.from_numpy(scale), torch.from_numpy(minimum))
         heads = self._permuted_heads(name)
         if heads:
             order = unpermute_rows(torch.arange(e.shape[0]), heads)

@@ -38,8 +38,9 @@ from specdecode.models.quant import (Int4Linear, Q4Weight, check_format, make_li
 #: memory kept free beyond the weights and the KV cache (Python, torch, the tokenizer, one
 #: tensor in flight)
 MARGIN_BYTES = 512 * 2 ** 20
-#: rows re-quantised at a time (bounds the float32 temporaries of a large output matrix)
-_CHUNK_ROWS = 2048
+#: rows re-quantised or dequantised at a time: float32 temporaries of a few MB, which the
+#: allocator reuses (past 32 MB each would be mapped, faulted in and unmapped every time)
+_CHUNK_ROWS = 512
 #: bytes per weight the runner holds, per format: int4's 16 four-bit codes with float16 scale
 #: and minimum per 32 weights; int8's code with a float16 scale per 32 (Q8_0's scheme); bf16
 #: and fp32 keep their decode layer plus the prefill layer ATen's GEMM reads
