@@ -133,3 +133,23 @@ def tiny_heads(kind: str, target) -> str:
     path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-heads-")) / f"{kind}.safetensors"
     _TINY_HEADS[key] = str(save_heads(path, net.eval(), None, runner.fingerprint(), {}))
     return _TINY_HEADS[key]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
+    """``call`` on all rows of ``x`` at once equals it on every smaller block of rows, for every
+    row count 1..len(x) and every position of a row in the block."""
+    together = call(x)
+    for m in range(1, len(x) + 1):
+        for start in {0, (len(x) - m) // 2, len(x) - m}:
+            part = call(x[start:start + m].contiguous())
+            assert torch.equal(part, together[start:start + m]), (m, start)
+    return together

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, Int8BlockLinear, Int8BlockWeight,
@@ -103,17 +104,6 @@ def test_linear_within_the_activation_bound(ext, qtype):
     error = (got - exact).abs()
     assert (error <= bound).all(), float((error / bound).max())
     assert error.max() > 0  # the activations were quantised: not the float product
-
-
-def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
-    """``call`` on all rows of ``x`` equals it on every block of 1..len(x) rows, at the start,
-    middle and end."""
-    together = call(x)
-    for m in range(1, len(x) + 1):
-        for start in {0, (len(x) - m) // 2, len(x) - m}:
-            part = call(x[start:start + m].contiguous())
-            assert torch.equal(part, together[start:start + m]), (m, start)
-    return together
 
 
 @pytest.mark.parametrize("group,with_minimum,half", [(32, False, False), (32, True, False),

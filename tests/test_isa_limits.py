@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cpu_flags
 from specdecode import kernels
 
 TESTS = Path(__file__).parent
@@ -33,15 +34,6 @@ FAST = "position_alone_equals_position_in_tree_bitwise or speculative_equals_own
 #: a prompt runs (MKL); the baseline variant is left to the tiny model (no FMA instructions:
 #: every fused multiply-add is a library call)
 REAL = [("SPECDECODE_KERNEL_ISA", "avx2", "avx2"), ("MKL_ENABLE_INSTRUCTIONS", "AVX2", "avx2")]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 def run_limited(variable: str, value: str, flag: str | None, select: str, marker: str) -> str:

@@ -6,11 +6,11 @@ the baseline variant's bits, and is skipped, naming the missing CPU flag, for th
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import assert_row_invariant, cpu_flags
 from specdecode import kernels
 from specdecode.models.quant import int4_weights, quantize_int4
 
@@ -20,15 +20,6 @@ GENERIC = 0
 ISA_FLAGS = {"avx2": ("avx2", "fma"),
              "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
              "amx": ("amx_tile", "amx_int8")}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 def require_isa(name: str) -> int:
@@ -55,17 +46,6 @@ def ext():
 def isa(request, ext) -> int:
     """Each instruction-set variant in turn (its level), skipped where this CPU lacks it."""
     return require_isa(request.param)
-
-
-def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
-    """``call`` on all rows of ``x`` at once equals it on every smaller block of rows, for every
-    row count 1..len(x) and every position of a row in the block."""
-    together = call(x)
-    for m in range(1, len(x) + 1):
-        for start in {0, (len(x) - m) // 2, len(x) - m}:
-            part = call(x[start:start + m].contiguous())
-            assert torch.equal(part, together[start:start + m]), (m, start)
-    return together
 
 
 def test_dense_formats(ext, isa):
