@@ -15,6 +15,7 @@ cache slots it attends to.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from specdecode.errors import require
 KEY_BLOCK = 16
 
 
-class KVCache:
+class KVCache(ABC):
     """The books of a cache: ``length`` committed rows, ``pending`` rows written by the last
     forward for :meth:`commit` to decide on. Subclasses own the tensors and move rows."""
 
@@ -89,10 +90,10 @@ class KVCache:
         self._truncate(self.length)
 
     # storage: what each layout does
+    @abstractmethod
     def _move_after(self, src: torch.Tensor) -> None:
         """Copy the rows at slots ``src`` (in order) to the slots right after the committed
         ones."""
-        raise NotImplementedError
 
     def _truncate(self, length: int) -> None:
         """Free storage past ``length`` rows, where the layout holds any (a static cache
