@@ -46,6 +46,11 @@ class Budget:
     def capped(self, max_depth: int) -> Budget:
         return dataclasses.replace(self, max_depth=min(self.max_depth, max_depth))
 
+    def capped_nodes(self, max_nodes: int) -> Budget:
+        """At most ``max_nodes`` draft nodes (so at most that deep too)."""
+        return dataclasses.replace(self, max_depth=min(self.max_depth, max_nodes),
+                                   max_nodes=min(self.max_nodes, max_nodes))
+
 
 class Controller:
     """Fixed budget: the proposer's own limits decide (the default for model-free proposers)."""

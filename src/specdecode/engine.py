@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.models.base import Runner
+from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
 from specdecode.verify import verify
@@ -107,7 +107,14 @@ def check_request(runner: Runner, prompt_ids: Sequence[int], max_new_tokens: int
 
 
 class Generation:
-    """One request. Iterate for token chunks as they are committed."""
+    """One request. Iterate for token chunks as they are committed.
+
+    The loop is also open in steps, for a server that runs many generations' target passes as
+    one (:meth:`Runner.run_packed`): :meth:`begin` gives the prefill call, :meth:`advance` takes
+    a pass's output and returns the committed chunk, :meth:`next_call` drafts and gives the
+    next verify call, :meth:`close` ends it. Iterating is exactly that loop with the
+    generation's own runner running each call.
+    """
 
     def __init__(self, runner: Runner, proposer: Proposer, prompt_ids: Sequence[int],
                  max_new_tokens: int, sampling: SamplingParams = GREEDY,
@@ -124,53 +131,97 @@ class Generation:
         self.stats = GenerationStats()
         #: "stop" (end-of-sequence) or "length" (max_new_tokens); None while running
         self.finish_reason: str | None = None
+        #: most draft nodes the next :meth:`next_call` may send (a server's goodput budget);
+        #: None = the controller's budget alone
+        self.draft_cap: int | None = None
+        self._context = list(self.prompt_ids)
+        self._generator = None
+        self._call: Call | None = None
+        self._started = 0.0
+        self._closed = False
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = time.perf_counter()
-        runner, proposer, stats = self.runner, self.proposer, self.stats
-        generator = self.sampling.generator()
-        context = list(self.prompt_ids)
-        prompt_len = len(context)
-        needs = proposer.needs
-        proposer.set_sampling(self.sampling)
-        proposer.start(self.prompt_ids)
         try:
-            out = runner.prefill(context, needs)
-            stats.target_forwards += 1
-            stats.prefill_s = time.perf_counter() - start
-            first = verify(Draft.empty(), out.logits, self.sampling, context, prompt_len, generator)
-            t0 = time.perf_counter()
-            proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
-                                      first.tokens, out, prefill=True))
-            stats.propose_s += time.perf_counter() - t0
-            chunk = self._emit(first.tokens, context)
-            yield chunk
-            while self.finish_reason is None:
+            call = self.begin()
+            while True:
                 t0 = time.perf_counter()
-                left = self.max_new_tokens - len(self.tokens)
-                budget = self.controller.budget().capped(left - 1)
-                draft = proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
-                t1 = time.perf_counter()
-                out = runner.forward(context[-1], draft, needs)
-                result = verify(draft, out.logits, self.sampling, context, prompt_len, generator)
-                runner.commit(result.accepted)
-                t2 = time.perf_counter()
-                stats.propose_s += t1 - t0
-                stats.verify_s += t2 - t1
-                stats.target_forwards += 1
-                stats.draft_tokens += len(draft)
-                feedback = Feedback(tuple(context), draft, out.logits, result.accepted,
-                                    result.tokens, out)
-                proposer.observe(feedback)
-                self.controller.observe(len(draft), len(result.accepted))
-                stats.propose_s += time.perf_counter() - t2
-                chunk = self._emit(result.tokens, context)
-                # count what was committed: tokens accepted past end-of-sequence are dropped
-                stats.accepted_lengths.append(len(chunk))
-                yield chunk
+                out = call.run(self.runner)
+                if isinstance(call, VerifyCall):  # a prefill's time is prefill_s
+                    self.stats.verify_s += time.perf_counter() - t0
+                yield self.advance(out)
+                if self.finish_reason is not None:
+                    return
+                call = self.next_call()
         finally:
-            proposer.finish(self.tokens)
-            stats.total_s = time.perf_counter() - start
+            self.close()
+
+    def begin(self) -> PrefillCall:
+        """Start the proposer; the prompt's prefill is the first call."""
+        require(self._call is None and not self.tokens, "this generation has already begun")
+        self._started = time.perf_counter()
+        self._generator = self.sampling.generator()
+        self.proposer.set_sampling(self.sampling)
+        self.proposer.start(self.prompt_ids)
+        ids = tuple(self.prompt_ids)
+        self._call = PrefillCall(ids, 0, len(ids), self.proposer.needs)
+        return self._call
+
+    def next_call(self) -> VerifyCall:
+        """Draft within the budget (the controller's, capped by the tokens left and
+        :attr:`draft_cap`) and give the verify call."""
+        require(self.finish_reason is None and self._call is None,
+                "next_call needs a generation whose last call was advanced and that has not finished")
+        t0 = time.perf_counter()
+        left = self.max_new_tokens - len(self.tokens)
+        budget = self.controller.budget().capped(left - 1)
+        if self.draft_cap is not None:
+            budget = budget.capped_nodes(self.draft_cap)
+        context = self._context
+        draft = self.proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
+        self.stats.propose_s += time.perf_counter() - t0
+        self._call = VerifyCall(context[-1], draft, self.proposer.needs)
+        return self._call
+
+    def advance(self, out: ForwardOutput) -> list[int]:
+        """Verify the last call's output, commit, feed back, and return the committed chunk."""
+        call, self._call = self._call, None
+        require(call is not None, "advance needs a call from begin or next_call")
+        context, stats = self._context, self.stats
+        prompt_len = len(self.prompt_ids)
+        t0 = time.perf_counter()
+        if isinstance(call, PrefillCall):
+            stats.target_forwards += 1
+            stats.prefill_s = t0 - self._started
+            first = verify(Draft.empty(), out.logits, self.sampling, context, prompt_len,
+                           self._generator)
+            self.proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
+                                           first.tokens, out, prefill=True))
+            stats.propose_s += time.perf_counter() - t0
+            return self._emit(first.tokens, context)
+        draft = call.draft
+        result = verify(draft, out.logits, self.sampling, context, prompt_len, self._generator)
+        self.runner.commit(result.accepted)
+        t1 = time.perf_counter()
+        stats.verify_s += t1 - t0
+        stats.target_forwards += 1
+        stats.draft_tokens += len(draft)
+        self.proposer.observe(Feedback(tuple(context), draft, out.logits, result.accepted,
+                                       result.tokens, out))
+        self.controller.observe(len(draft), len(result.accepted))
+        stats.propose_s += time.perf_counter() - t1
+        chunk = self._emit(result.tokens, context)
+        # count what was committed: tokens accepted past end-of-sequence are dropped
+        stats.accepted_lengths.append(len(chunk))
+        return chunk
+
+    def close(self) -> None:
+        """End it (finished or not): the proposer's ``finish`` runs once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._generator is not None:  # begun
+            self.proposer.finish(self.tokens)
+            self.stats.total_s = time.perf_counter() - self._started
 
     def _emit(self, tokens: Sequence[int], context: list[int]) -> list[int]:
         """Commit ``tokens``, cut at end-of-sequence or the token limit."""

@@ -56,6 +56,43 @@ class ForwardOutput:
     layers: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PrefillCall:
+    """Rows ``start:stop`` of the prompt ``ids`` (:meth:`Runner.prefill_part`; the whole prompt
+    when ``start`` is 0 and ``stop`` its length): the last part returns the logits after the
+    prompt, earlier parts None."""
+
+    ids: tuple[int, ...]
+    start: int
+    stop: int
+    needs: Needs = NOTHING
+
+    def run(self, runner: Runner) -> ForwardOutput | None:
+        if self.start == 0 and self.stop == len(self.ids):
+            return runner.prefill(self.ids, self.needs)
+        return runner.prefill_part(self.ids, self.start, self.stop, self.needs)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One verify pass: the root and every draft node (:meth:`Runner.forward`)."""
+
+    root: int
+    draft: Draft
+    needs: Needs = NOTHING
+
+    def run(self, runner: Runner) -> ForwardOutput:
+        return runner.forward(self.root, self.draft, self.needs)
+
+    @property
+    def rows(self) -> int:
+        return len(self.draft) + 1
+
+
+#: what one sequence asks of a target pass
+Call = PrefillCall | VerifyCall
+
+
 class Runner(ABC):
     """A target model behind the prefill / forward(draft) / commit protocol."""
 
@@ -111,6 +148,18 @@ class Runner(ABC):
         """A runner over the same weights with a cache and decoding state of its own (server
         slots share one copy of the weights)."""
         raise SpecDecodeError(f"the {self.name} runner cannot share its weights with a replica")
+
+    def run_packed(self, work: Sequence[tuple[Runner, Call]]) -> list[ForwardOutput | None]:
+        """Run every ``(runner, call)`` of ``work`` (``self`` and replicas of it, one call each,
+        each on its own cache) and return the outputs in order, each bitwise what
+        ``call.run(runner)`` alone returns, and each runner left as that call would leave it.
+        Runners whose kernels are row invariant pack the calls' rows into one forward (a server
+        decodes its users together); this default runs them one after another."""
+        return [call.run(runner) for runner, call in work]
+
+    #: True where :meth:`run_packed` shares one forward among the calls (so a scheduler
+    #: should gather every active sequence's call into one ``run_packed``)
+    packs_calls: bool = False
 
     def fingerprint(self) -> str:
         """Identifies the target's weights (for trained artifacts); runners override."""
