@@ -31,6 +31,7 @@ from specdecode.errors import SpecDecodeError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.cli import add_model_arguments
+    from specdecode.server.goodput import DRAFT_BUDGETS, Batching
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
@@ -43,7 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send (default: from --model)")
     parser.add_argument("--parallel", type=int, default=4,
                         help="sequences generated at once, each on its own KV cache over shared "
-                             "weights, stepped in turn (1 = strictly one after another)")
+                             "weights, all in one forward a step on the native runner (in turn "
+                             "on hf; 1 = strictly one after another)")
+    parser.add_argument("--draft-budget", choices=DRAFT_BUDGETS, default="goodput",
+                        help="goodput: each step caps every sequence's draft by expected tokens "
+                             "per second of the whole forward (drafts shrink as the batch "
+                             "grows, down to none); full: drafts as the methods make them")
+    parser.add_argument("--max-draft-rows", type=int, default=Batching.max_draft_rows,
+                        help="most draft rows one sequence sends in one step")
+    parser.add_argument("--prefill-rows", type=int, default=Batching.prefill_rows,
+                        help="most prompt rows one step prefills beside the decoding "
+                             "sequences, all new requests together")
     parser.add_argument("--max-queue", type=int, default=32,
                         help="sequences that may wait for a slot; beyond it requests get 429")
     parser.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
@@ -105,6 +116,7 @@ def settings_of(args: argparse.Namespace):
     from specdecode import registry
     from specdecode.cli import parse_config
     from specdecode.server.app import Settings
+    from specdecode.server.goodput import Batching
 
     settings = Settings(
         model_id=args.served_model_name or served_name(args.model),
@@ -113,7 +125,8 @@ def settings_of(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
-        proposer_memory_bytes=args.proposer_memory_mb * 2**20)
+        proposer_memory_bytes=args.proposer_memory_mb * 2**20,
+        batching=Batching(args.draft_budget, args.max_draft_rows, args.prefill_rows))
     registry.get(settings.method).make_config(settings.config)
     for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
         if getattr(args, flag) < 1:
@@ -198,6 +211,7 @@ def replica_config(args: argparse.Namespace, suffix):
     if threads < 1:
         raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
     from specdecode.server import ray_serve
+    from specdecode.server.goodput import Batching
 
     ray_serve.require_ray()
     if args.suffix_cache is not None and not args.shared_memory:
@@ -210,7 +224,8 @@ def replica_config(args: argparse.Namespace, suffix):
         ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
         threads, args.max_queue, args.sync_interval, args.shared_memory,
         None if args.suffix_cache is None else str(args.suffix_cache),
-        args.proposer_memory_mb * 2**20)
+        args.proposer_memory_mb * 2**20, Batching(args.draft_budget, args.max_draft_rows,
+                                                 args.prefill_rows))
 
 
 def run(args: argparse.Namespace) -> int:

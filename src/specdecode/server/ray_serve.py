@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.server.app import DISCONNECT_POLL_S, Frontend, ModelInfo, Settings
+from specdecode.server.goodput import Batching
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
@@ -106,6 +107,8 @@ class ReplicaConfig:
     suffix_cache: str | None = None
     #: proposer memory each slot keeps (``--proposer-memory-mb``, in bytes)
     proposer_budget: int = 128 * 2**20
+    #: each replica's batching (``--draft-budget``, ``--max-draft-rows``, ``--prefill-rows``)
+    batching: Batching = Batching()
 
 
 class EngineReplica:
@@ -126,7 +129,8 @@ class EngineReplica:
         else:
             self.memory = SharedMemory(None, config.suffix)
         self.scheduler = Scheduler(runners, tokenizer, eos, self.memory.make_proposer,
-                                   config.max_queue, Metrics(), config.proposer_budget)
+                                   config.max_queue, Metrics(), config.proposer_budget,
+                                   config.batching)
         self.tokenizer = tokenizer
         self.model = ModelInfo.of(runners[0])
         # the first forward of a process pays one-off costs; keep them out of the first request
