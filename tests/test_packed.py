@@ -214,3 +214,18 @@ def test_default_run_packed_of_hf_runner_equals_solo():
             for twins in zip(packed, alone):
                 for runner in twins:
                     runner.commit([])
+
+
+def test_row_costs_leave_the_runner_untouched():
+    from specdecode.models.row_costs import measure_row_costs
+
+    runner = runner_for("llama", "int4").replica()
+    runner.prefill([3, 4, 5])
+    runner.forward(6, Draft.chain([7, 8]))  # pending rows too
+    before = committed(runner)
+    costs = measure_row_costs(runner, rows=(1, 4, 16), repeats=2)
+    assert list(costs) == [1, 4, 16] and all(t > 0 for t in costs.values())
+    assert runner.cache_len == 3 and runner.pending_rows == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, committed(runner)))
+    with pytest.raises(SpecDecodeError, match="row counts must be positive"):
+        measure_row_costs(runner, rows=(0, 4))

@@ -633,7 +633,9 @@ class LlamaRunner(Runner):
                   for i, p in enumerate(passes) if p is not None}
         shared = [i for i in normed if passes[i].head is self.head]
         logits = {}
-        if shared:
+        if len(shared) == 1:
+            logits[shared[0]] = self.head(normed[shared[0]])
+        elif shared:
             together = self.head(torch.cat([normed[i] for i in shared]))
             logits.update(zip(shared, together.split([len(normed[i]) for i in shared])))
         for i in normed.keys() - logits.keys():
