@@ -21,10 +21,10 @@ VOCAB = 96
 WINDOW = 8
 
 
-def llama(seed=0):
+def llama(seed=0, heads=4):
     # int4 needs input sizes divisible by 32; 4 heads over 2 kv heads: grouped-query attention
-    return tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=3, heads=4, kv_heads=2, seed=seed,
-                      max_positions=512)
+    return tiny_llama(vocab_size=VOCAB, hidden_size=16 * heads, layers=3, heads=heads, kv_heads=2,
+                      seed=seed, max_positions=512)
 
 
 def gemma(seed=0):
@@ -33,14 +33,15 @@ def gemma(seed=0):
                       max_position_embeddings=512)
 
 
+#: "llama6": 6 heads over 2 kv heads, three a group like SmolLM2's (another attention block)
 CASES = [("llama", "int4"), ("llama", "int8"), ("llama", "fp32"), ("llama", "bf16"),
-         ("gemma", "int4"), ("gemma", "fp32")]
+         ("llama6", "int4"), ("gemma", "int4"), ("gemma", "fp32")]
 _RUNNERS: dict[tuple[str, str], LlamaRunner] = {}
 
 
 def runner_for(model: str, weights: str) -> LlamaRunner:
     if (model, weights) not in _RUNNERS:
-        built = {"llama": llama, "gemma": gemma}[model]()
+        built = {"llama": llama, "llama6": lambda: llama(heads=6), "gemma": gemma}[model]()
         _RUNNERS[model, weights] = LlamaRunner.from_transformers(built, weights)
     return _RUNNERS[model, weights]
 
@@ -229,3 +230,15 @@ def test_row_costs_leave_the_runner_untouched():
     assert all(torch.equal(a, b) for a, b in zip(before, committed(runner)))
     with pytest.raises(SpecDecodeError, match="row counts must be positive"):
         measure_row_costs(runner, rows=(0, 4))
+
+
+@pytest.mark.slow
+def test_default_model_packs_bitwise(real_model):
+    from specdecode.models.loading import make_runner
+
+    base = make_runner(real_model, max_context=512)
+    rng = random.Random(2)
+    seqs = Sequences(base, 4)
+    prompts = [tokens(rng, n) for n in (12, 150, 1, 40)]
+    seqs.step({i: PrefillCall(p, 0, len(p), Needs(final_hidden=i == 1)) for i, p in enumerate(prompts)}, rng)
+    decode_steps(seqs, list(range(4)), rng, 3)
