@@ -182,7 +182,11 @@ class Generation:
         if self.draft_cap is not None:
             budget = budget.capped(self.draft_cap[0]).capped_nodes(self.draft_cap[1])
         context = self._context
-        draft = self.proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
+        if budget.max_depth > 0:
+            draft = self.proposer.propose(context, budget).truncated(budget.max_depth,
+                                                                     budget.max_nodes)
+        else:  # nothing may be drafted (the last token, a loaded server): skip the drafting
+            draft = Draft.empty()
         self.stats.propose_s += time.perf_counter() - t0
         self._call = VerifyCall(context[-1], draft, self.proposer.needs)
         return self._call

@@ -57,6 +57,8 @@ class Batching:
     max_draft_rows: int = 64
     #: most prompt rows one step prefills, all new sequences together (one part at least)
     prefill_rows: int = 256
+    #: the runner's forward seconds by rows, where known (None: measured at start-up)
+    row_curve: Mapping[int, float] | None = None
 
     def __post_init__(self):
         require(self.draft_budget in DRAFT_BUDGETS,
@@ -65,10 +67,12 @@ class Batching:
         require(self.prefill_rows > 0, f"prefill rows must be > 0, got {self.prefill_rows}")
 
     def row_costs(self, runner: Runner) -> RowCosts | None:
-        """The runner's row-cost curve, measured now, where drafts are budgeted by goodput
+        """The runner's row-cost curve (measured now unless given), where drafts are budgeted by goodput
         over packed forwards (None otherwise)."""
         if self.draft_budget != "goodput" or not runner.packs_calls:
             return None
+        if self.row_curve is not None:
+            return RowCosts(self.row_curve)
         from specdecode.models.row_costs import measure_row_costs
 
         return RowCosts(measure_row_costs(runner))

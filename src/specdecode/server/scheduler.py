@@ -313,7 +313,11 @@ class Scheduler:
                 self._fail(seq, exc, "the target's forward failed")
             return
         forward_s = time.perf_counter() - started
-        self.metrics.observe_forward(len(work), sum(_rows(call) for _, call in work))
+        if work[0][0].slot.runner.packs_calls:
+            self.metrics.observe_forward(len(work), sum(_rows(call) for _, call in work))
+        else:  # one forward a call
+            for _, call in work:
+                self.metrics.observe_forward(1, _rows(call))
         for (seq, call), out in zip(work, outs):
             self._after(seq, call, out, forward_s)
         self._draft_all()
