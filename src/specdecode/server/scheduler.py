@@ -313,16 +313,20 @@ class Scheduler:
                 self._fail(seq, exc, "the target's forward failed")
             return
         forward_s = time.perf_counter() - started
+        rows = sum(_rows(call) for _, call in work)
         if work[0][0].slot.runner.packs_calls:
-            self.metrics.observe_forward(len(work), sum(_rows(call) for _, call in work))
+            self.metrics.observe_forward(len(work), rows)
         else:  # one forward a call
             for _, call in work:
                 self.metrics.observe_forward(1, _rows(call))
         for (seq, call), out in zip(work, outs):
             self._after(seq, call, out, forward_s)
-        self._draft_all()
-        step_s = time.perf_counter() - started
-        self._overhead_s += RECENT * (max(0.0, step_s - forward_s) - self._overhead_s)
+        drafting_s = self._draft_all()
+        if self.row_costs is not None:
+            # what neither the row curve nor the drafting explains: verifying, text, each
+            # sequence's share of the packed forward besides its rows
+            unexplained = time.perf_counter() - started - self.row_costs(rows) - drafting_s
+            self._overhead_s += RECENT * (max(0.0, unexplained) - self._overhead_s)
 
     def _after(self, seq: _Sequence, call: Call, out, forward_s: float) -> None:
         """Take the sequence's share of the forward: a prompt part, or a verify step's
@@ -348,10 +352,12 @@ class Scheduler:
         if generation.finish_reason is not None or seq.stream.stopped:
             self._end(seq, None)
 
-    def _draft_all(self) -> None:
-        """Cap every decoding sequence's next draft by goodput, then let each draft."""
+    def _draft_all(self) -> float:
+        """Cap every decoding sequence's next draft by goodput, then let each draft; the
+        seconds spent drafting."""
         drafting = [seq for seq in self._active if not seq.prefilling]
         caps = self._caps(drafting)
+        total = 0.0
         for seq, cap in zip(drafting, caps):
             generation = seq.generation
             generation.draft_cap = cap
@@ -361,13 +367,15 @@ class Scheduler:
             except Exception as exc:
                 self._fail(seq, exc, "drafting failed")
                 continue
-            if cap is None or cap[0] > 0:
+            if cap[0] > 0:
                 key = _key(seq.spec)
                 spent = time.perf_counter() - started
+                total += spent
                 self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
                     spent - self._draft_s.get(key, spent))
+        return total
 
-    def _caps(self, drafting: list[_Sequence]) -> list[tuple[int, int] | None]:
+    def _caps(self, drafting: list[_Sequence]) -> list[tuple[int, int]]:
         """Each sequence's (max depth, max draft rows) for its next step."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
