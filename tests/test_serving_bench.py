@@ -294,3 +294,20 @@ def test_small_sweep_against_our_server_process(tmp_path):
     assert all(c["tokens_per_s"] > 0 and c["peak_rss_mb"] > 0 for c in cells)
     assert "| specdecode ar | code-edit | greedy | 2 |" in (out / "serving.md").read_text()
     assert len((out / "responses.jsonl").read_text().splitlines()) == 4
+
+
+def test_only_our_servers_wrong_answers_fail_the_run():
+    ours_wrong = cell("specdecode ar", 4, 10.0, mism=1)
+    llama_wrong = cell("llama-server", 4, 10.0, mism=3)
+    assert serving.failed([llama_wrong]) == []
+    assert serving.failed([ours_wrong]) == \
+        ["specdecode ar code-edit greedy x4: 1 answers differ from their solo answers"]
+    crashed = {"server": "specdecode ar", "workload": "code-edit", "sampling": "greedy",
+               "concurrency": 4, "skipped": "failed: the server exited with status 1"}
+    late = dict(crashed, skipped="the run's --time-limit was reached")
+    assert serving.failed([crashed, late]) == \
+        ["specdecode ar code-edit greedy x4: failed: the server exited with status 1"]
+    stuck = cell("specdecode ar", 4, 10.0, disconnect={
+        "others": 3, "others_correct": 3, "resent": 1, "resent_correct": 1, "busy_after": 2,
+        "errors": []})
+    assert "the hang-up test failed" in serving.failed([stuck])[0]

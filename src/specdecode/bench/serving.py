@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from specdecode.bench.serving_client import Outcome, run_batch
 from specdecode.bench.serving_report import aims, identical, markdown, summarize
 from specdecode.bench.serving_servers import (LLAMA_SERVER, OURS, ServerProcess, ServerSpec,
@@ -194,6 +196,25 @@ def disconnect_test(url: str, kind: str, model: str, requests: list[Request],
                        if o.error]}
 
 
+def server_side_count(url: str, answered: int) -> list[str]:
+    """Our server's own count of finished sequences (``specdecode_sequences_total``, stop and
+    length) must equal the answers the clients got (the warm-up included): none generated
+    twice, none lost between the scheduler and the client."""
+    deadline = time.monotonic() + 5  # a scheduler may count a sequence just after answering
+    while True:
+        counts = sequence_outcomes(url)
+        finished = counts.get("stop", 0) + counts.get("length", 0)
+        if finished == answered or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not counts:
+        return ["could not read the server's specdecode_sequences_total"]
+    if finished != answered:
+        return [f"the server finished {finished:.0f} sequences for {answered} answers "
+                f"({counts})"]
+    return []
+
+
 class Sweep:
     """The run: every cell in order, each written to responses.jsonl as it ends."""
 
@@ -240,7 +261,8 @@ class Sweep:
                     and workload == next(iter(self.workloads)))
             try:
                 outcomes = self.cell(cell, spec, requests, sampling, clients, references, test)
-            except (SpecDecodeError, RuntimeError, OSError) as exc:
+            except (SpecDecodeError, RuntimeError, OSError, ValueError, KeyError,
+                    httpx.HTTPError) as exc:  # a server that fails fails its cell, not the run
                 cell["skipped"] = f"failed: {exc}"
                 self.say(f"  {spec.label} {workload} {sampling.name} x{clients}: {exc}")
                 continue
@@ -268,12 +290,13 @@ class Sweep:
                               limit)
             cell.update(summarize(batch, references if clients > 1 else None))
             cell["peak_rss_mb"] = server.peak_rss_mb()
+            if spec.kind == OURS:
+                cell["problems"] += server_side_count(server.url, cell["completed"] + 1)
             if test:
                 cell["disconnect"] = disconnect_test(
                     server.url, spec.kind, model, requests,
                     {o.index: o for o in batch.outcomes} if references is None else references,
                     args.max_tokens, clients, limit)
-                cell["peak_rss_mb"] = server.peak_rss_mb()
         self.say(f"  {spec.label} {cell['workload']} {sampling.name} x{clients}: "
                  f"{cell['tokens_per_s']:.1f} tok/s, p50 {cell['p50_latency_s']} s, "
                  f"mismatches {cell['mismatches']}, errors {cell['errors']}")
@@ -297,6 +320,9 @@ def failed(cells: list[dict]) -> list[str]:
     """Why our servers' answers are wrong (llama-server's mismatches are not failures)."""
     out = []
     for c in cells:
+        if c["server"].startswith(OURS) and c.get("skipped", "").startswith("failed"):
+            out.append(f"{c['server']} {c['workload']} {c['sampling']} x{c['concurrency']}: "
+                       f"{c['skipped']}")
         if c["server"].startswith(OURS) and "skipped" not in c:
             where = f"{c['server']} {c['workload']} {c['sampling']} x{c['concurrency']}"
             if c["mismatches"]:
