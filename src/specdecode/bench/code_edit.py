@@ -48,12 +48,14 @@ FUNCTIONS = [
     "def repeat(text, times):\n    return text * times",
     "def evens(numbers):\n    return [n for n in numbers if n % 2 == 0]",
     "def key_of_max(scores):\n    return max(scores, key=scores.get)",
-    "def capitalize_words(text):\n    return ' '.join(w.capitalize() for w in text.split())",
+    "def capitalize_words(text):\n"
+    "    return ' '.join(w.capitalize() for w in text.split())",
     "def hypotenuse(a, b):\n    return (a * a + b * b) ** 0.5",
     "def contains(items, value):\n    return value in items",
     "def pairs(items):\n    return list(zip(items, items[1:]))",
     "def strip_all(lines):\n    return [line.strip() for line in lines]",
-    "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result",
+    "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n"
+    "    return result",
     "def sum_of_squares(numbers):\n    return sum(n * n for n in numbers)",
     "def is_leap_year(year):\n    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)",
     "def chunk(items, size):\n    return [items[i:i + size] for i in range(0, len(items), size)]",
@@ -64,7 +66,8 @@ FUNCTIONS = [
     "def bmi(weight, height):\n    return weight / height ** 2",
     "def remove_none(items):\n    return [x for x in items if x is not None]",
     "def count_lines(text):\n    return text.count('\\n') + 1",
-    "def median(values):\n    s = sorted(values)\n    mid = len(s) // 2\n    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2",
+    "def median(values):\n    s = sorted(values)\n    mid = len(s) // 2\n"
+    "    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2",
     "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
     "def title_case(text):\n    return text.title()",
     "def positive(numbers):\n    return [n for n in numbers if n > 0]",
@@ -74,5 +77,6 @@ FUNCTIONS = [
     "def sum_dict(values):\n    return sum(values.values())",
     "def swap(pair):\n    a, b = pair\n    return b, a",
     "def is_sorted(values):\n    return all(a <= b for a, b in zip(values, values[1:]))",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a",
 ]

@@ -99,7 +99,8 @@ def parse_counts(text: str) -> list[int]:
     try:
         counts = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SpecDecodeError(f"--concurrency takes comma-separated integers, got {text!r}") from None
+        raise SpecDecodeError(f"--concurrency takes comma-separated integers, got {text!r}") \
+            from None
     require(counts and counts[0] >= 1, f"--concurrency values must be >= 1, got {text!r}")
     return sorted(set(counts) | {1})
 
@@ -151,7 +152,8 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": model, "cores": os.cpu_count(),
-            "isa": " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + ", ".join(ISA_FLAGS)}
+            "isa": " ".join(f for f in ISA_FLAGS if f in flags)
+                   or "none of " + ", ".join(ISA_FLAGS)}
 
 
 def git_commit() -> str | None:

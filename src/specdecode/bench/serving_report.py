@@ -130,7 +130,8 @@ def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
                   "are sent again, whole, and must too. Busy after: sequences still running or "
                   "queued once the clients are gone (0: nothing stuck).", "",
                   "| server | workload | clients | hung up | others correct | busy after | "
-                  "resent correct | server-side outcomes |", "|---|---|---:|---:|---:|---:|---:|---|"]
+                  "resent correct | server-side outcomes |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
         for c in tests:
             d = c["disconnect"]
             lines.append(f"| {c['server']} | {c['workload']} | {c['concurrency']} | "
