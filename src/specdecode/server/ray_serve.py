@@ -34,10 +34,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from specdecode.errors import SpecDecodeError
 from specdecode.server.app import DISCONNECT_POLL_S, Frontend, ModelInfo, Settings
+from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
@@ -115,7 +116,6 @@ class EngineReplica:
         import torch
 
         from specdecode.api import encode_prompt
-        from specdecode.server.memory import SharedMemory
         from specdecode.server.shared_memory import memory_actor
 
         torch.set_num_threads(config.threads)
@@ -388,8 +388,6 @@ def _replica_died(exc: BaseException) -> bool:
 
 def require_ray() -> None:
     """A clear one-line error (exit status 2) when Ray Serve is not installed."""
-    from specdecode.errors import SpecDecodeError
-
     try:
         import ray.serve  # noqa: F401
     except ImportError:
@@ -426,7 +424,6 @@ def engine_deployment(config: ReplicaConfig, replicas: int):
 def frontend(handle, model: ModelInfo, tokenizer, config: ReplicaConfig, replicas: int,
              settings: Settings) -> Frontend:
     """The routes' state over a handle to the engine replicas."""
-    from specdecode.server.memory import SharedMemory
     from specdecode.server.shared_memory import RemoteMemory, memory_actor
 
     if config.shared_memory:
@@ -475,6 +472,29 @@ def ingress_deployment():
                             ray_actor_options={"num_cpus": 0})
 
 
+def replica_config(args, suffix) -> ReplicaConfig:
+    """The engine replicas' :class:`ReplicaConfig` for ``serve --replicas``, checked
+    (Ray Serve installed, a loadable ``--suffix-cache``) before any replica starts."""
+    if args.replicas < 1:
+        raise SpecDecodeError(f"--replicas must be a positive number (0, the default: one "
+                              f"process without Ray), got {args.replicas}")
+    if args.sync_interval < 0:
+        raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+    if threads < 1:
+        raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
+    require_ray()
+    if args.suffix_cache is not None and not args.shared_memory:
+        raise SpecDecodeError("--suffix-cache saves the shared memory; drop --no-shared-memory")
+    if args.suffix_cache is not None:  # a bad file fails here, not in a replica
+        SharedMemory(args.suffix_cache, suffix)
+    return ReplicaConfig(
+        NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
+        threads, args.max_queue, args.sync_interval, args.shared_memory,
+        None if args.suffix_cache is None else str(args.suffix_cache),
+        args.proposer_memory_mb * 2**20)
+
+
 def app(args: dict[str, str]):
     """The whole server as one Serve application, for Ray's own tools::
 
@@ -485,7 +505,7 @@ def app(args: dict[str, str]):
     port 8000 by default), ``ray_address`` is ``serve run``'s ``--address``."""
     import argparse
 
-    from specdecode.server import add_arguments, replica_config, settings_of
+    from specdecode.server.options import add_arguments, settings_of
 
     parser = argparse.ArgumentParser(prog="specdecode.server.ray_serve:app")
     add_arguments(parser)
