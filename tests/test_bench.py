@@ -280,14 +280,14 @@ def layer_macs(c) -> int:
 
 
 def test_cached_layer_rate_is_the_layers_multiply_adds_over_the_median_time(monkeypatch):
-    from specdecode.bench import runners
+    from specdecode.bench import roofline
     from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
 
     model = tiny_llama(hidden_size=64, seed=0)
     runner = make_runner(LoadedModel(model, ToyTokenizer(), "tiny"), "native", "int4")
     clock = itertools.count()  # every timed call of the four layers takes one tick, 1 ms
-    monkeypatch.setattr(runners.time, "perf_counter", lambda: next(clock) * 1e-3)
-    rate = runners.cached_layer_gmacs(runner, 16)
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock) * 1e-3)
+    rate = roofline.cached_layer_gmacs(runner, 16)
     assert rate == pytest.approx(16 * layer_macs(model.config) / 1e-3 / 1e9)
 
 
