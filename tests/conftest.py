@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.models.loading import tiny_llama
+from tiny_models import tiny_llama
 
 
 

@@ -281,7 +281,8 @@ def layer_macs(c) -> int:
 
 def test_cached_layer_rate_is_the_layers_multiply_adds_over_the_median_time(monkeypatch):
     from specdecode.bench import roofline
-    from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
+    from specdecode.models.loading import LoadedModel, make_runner
+    from tiny_models import tiny_llama
 
     model = tiny_llama(hidden_size=64, seed=0)
     runner = make_runner(LoadedModel(model, ToyTokenizer(), "tiny"), "native", "int4")
@@ -298,7 +299,8 @@ def test_runner_measurement_on_a_tiny_model(tmp_path, monkeypatch):
     from specdecode.models.quant import WEIGHT_FORMATS
 
     questions = load_questions(write_questions(tmp_path / "q.jsonl"))
-    from specdecode.models.loading import make_runner, tiny_llama
+    from specdecode.models.loading import make_runner
+    from tiny_models import tiny_llama
 
     # int4 groups need input sizes divisible by 32
     loaded = LoadedModel(tiny_llama(hidden_size=64, seed=0), ToyTokenizer(), "tiny")
@@ -436,7 +438,7 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     file, only the default format is built unless asked, and llama-bench runs beside it."""
     from specdecode.bench import runner_set
     from specdecode.bench import runners as runners_module
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
     from test_llama_runner import write_gguf
 
     path = write_gguf(tiny_llama(hidden_size=64, seed=0), tmp_path / "m.gguf")

@@ -16,7 +16,6 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Feedback
 from specdecode.drafting.artifacts import load_draft
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from specdecode.training import distill_draft
 
 from conftest import repetitive_prompts
+from tiny_models import tiny_llama
 
 CONTROLLERS = ["fixed", "heuristic", "confidence", "specdecpp"]
 
