@@ -3,6 +3,8 @@ helpers, not shipped: ``from tiny_models import tiny_llama``)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -49,3 +51,14 @@ def tiny_model(model_type: str, vocab_size: int = 96, hidden_size: int = 64, lay
         if not model.config.tie_word_embeddings:
             model.lm_head.weight.mul_(8.0)
     return model.eval()
+
+
+def noisy_copy(model, scale: float = 0.3, seed: int = 1) -> torch.nn.Module:
+    """A draft model that agrees with ``model`` often but not always: a copy with noise of
+    ``scale`` times each parameter's standard deviation."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return draft.eval()
