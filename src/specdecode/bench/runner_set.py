@@ -122,7 +122,8 @@ def build(model: str, weights: str, gguf_path: Path | None, with_hf: bool = True
 #: how the native runner builds each format from a GGUF file (models/weights.py)
 _HOW_BUILT = {"int4": "the file's 4-bit blocks kept, no float copy",
               "int8": "block int8 from the file's blocks, no float copy",
-              "bf16": "dequantised one tensor at a time", "fp32": "dequantised one tensor at a time"}
+              "bf16": "dequantised one tensor at a time",
+              "fp32": "dequantised one tensor at a time"}
 
 
 def _holds(path: Path, formats: list[str]) -> str:
