@@ -21,8 +21,6 @@ ALLOWED: dict[str, str] = {
     "specdecode.training.train_heads:run": "TODO",
     "specdecode.training.exit_adapters:train": "TODO",
     "specdecode.training.distill_draft:run": "TODO",
-    "specdecode.models.gguf_reader:read_header": "TODO",
-    "specdecode.server.loadtest:run_load": "TODO",
 }
 
 
