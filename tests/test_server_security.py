@@ -25,10 +25,11 @@ from specdecode.api import Decoder
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
-from specdecode.server import BackgroundServer, allowed_hosts
+from specdecode.server import BackgroundServer
 from specdecode.server import limits
 from specdecode.server.app import LOOPBACK_HOSTS, Server, Settings, create_app
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue, Entry
+from specdecode.server.options import allowed_hosts
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import DECODERS_PER_SLOT, _Decoder, _Slot
 

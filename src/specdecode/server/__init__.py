@@ -25,8 +25,8 @@ import socket
 import threading
 import time
 
-from specdecode.server.options import (  # noqa: F401 (the command's flags, and for callers)
-    add_arguments, allowed_hosts, settings_of)
+# add_arguments: the ``serve`` command's flags (cli.EXTERNAL_COMMANDS reads them here)
+from specdecode.server.options import add_arguments, settings_of  # noqa: F401
 
 
 def build(args: argparse.Namespace):
