@@ -15,7 +15,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Needs, PrefillCall, VerifyCall
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
-from specdecode.models.loading import tiny_llama, tiny_model
+from tiny_models import tiny_llama, tiny_model
 
 VOCAB = 96
 WINDOW = 8

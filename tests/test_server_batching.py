@@ -16,7 +16,7 @@ from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
 from specdecode.server.goodput import Batching
 from test_server import EOS, MODEL, build_tokenizer, wait_idle
-from specdecode.models.loading import tiny_llama
+from tiny_models import tiny_llama
 
 PROMPTS = ["Hello world! How are", "def add(a, b):\n    return", "The quick brown fox",
            "Speculative decoding drafts tokens and", "How are you today? I am",

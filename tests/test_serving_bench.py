@@ -223,7 +223,7 @@ def test_slot_context_fits_the_longest_prompt_and_the_answer():
 @pytest.fixture(scope="module")
 def served():
     from test_server import make_server, build_tokenizer
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
 
     tokenizer = build_tokenizer()
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=256, seed=1)
@@ -256,7 +256,7 @@ def test_a_batch_mixes_streams_and_equals_its_solo_answers(served):
 
 def test_clients_that_hang_up_leave_nothing_stuck():
     from test_server import MODEL, SlowRunner, build_tokenizer, make_server
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
 
     tokenizer = build_tokenizer()
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=256, seed=1)
