@@ -541,15 +541,19 @@ class LlamaRunner(Runner):
         """Refuse, before anything runs, what some call of ``work`` would refuse."""
         seen = set()
         for i, (runner, call) in enumerate(work):
-            require(isinstance(runner, LlamaRunner) and runner.layers is self.layers,
+            # (messages formatted only on failure: this runs for every sequence every pass)
+            if not (isinstance(runner, LlamaRunner) and runner.layers is self.layers):
+                raise SpecDecodeError(
                     f"run_packed: runner {i} ({getattr(runner, 'name', type(runner).__name__)}) "
                     "does not share this runner's weights; pack only replicas of one model "
                     "(runner.replica())")
-            require(id(runner) not in seen, f"run_packed: runner {i} has two calls in one pass; "
-                                            "give each runner one call")
+            if id(runner) in seen:
+                raise SpecDecodeError(f"run_packed: runner {i} has two calls in one pass; give "
+                                      "each runner one call")
             seen.add(id(runner))
-            require(isinstance(call, (PrefillCall, VerifyCall)),
-                    f"run_packed: call {i} is a {type(call).__name__}, not a PrefillCall or VerifyCall")
+            if not isinstance(call, (PrefillCall, VerifyCall)):
+                raise SpecDecodeError(f"run_packed: call {i} is a {type(call).__name__}, not a "
+                                      "PrefillCall or VerifyCall")
             runner._check_call(call)
 
     def _check_call(self, call: Call) -> None:
@@ -789,22 +793,11 @@ class LlamaRunner(Runner):
 
 def _packed_plan(items: Sequence[_Item]) -> tuple[torch.Tensor, object]:
     """The items' plans as one forward's: every row's position [n], and the kernels'
-    ``PackedPlan`` (each item's rows, cache, slots and keys; key tables padded to the widest)."""
+    ``PackedPlan`` (each item's cache, slots and keys, its rows after the items before it)."""
     plans = [item.plan for item in items]
-    if len(plans) == 1:
-        (p,) = plans
-        positions, slots, keys, lens = p.positions, p.slots, p.keys, p.lengths
-    else:
-        width = max(p.keys.shape[1] for p in plans)
-        positions = torch.cat([p.positions for p in plans])
-        slots = torch.cat([p.slots for p in plans])
-        keys = torch.cat([torch.nn.functional.pad(p.keys, (0, width - p.keys.shape[1]))
-                          for p in plans])
-        lens = torch.cat([p.lengths for p in plans])
-    bounds = [0]
-    for p in plans:
-        bounds.append(bounds[-1] + len(p.slots))
+    positions = plans[0].positions if len(plans) == 1 else torch.cat([p.positions for p in plans])
     plan = kernels.packed_plan([item.cache.keys for item in items],
-                               [item.cache.values for item in items], bounds,
-                               [p.past for p in plans], slots, keys, lens)
+                               [item.cache.values for item in items], [p.past for p in plans],
+                               [p.slots for p in plans], [p.keys for p in plans],
+                               [p.lengths for p in plans])
     return positions, plan
