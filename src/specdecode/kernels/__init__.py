@@ -192,11 +192,12 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0):
     return load().attention(q, k_cache, v_cache, past, slots, lens, window, isa())
 
 
-def packed_plan(k_caches, v_caches, bounds, pasts, slots, keys, lens):
+
+def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     """Where the rows of one forward of several sequences go (cpu_kernels.cpp's ``PackedPlan``):
-    sequence s owns rows ``bounds[s]:bounds[s + 1]``, the caches ``k_caches[s]`` and
-    ``v_caches[s]`` (every layer's) and sees their slots before ``pasts[s]``; row r writes slot
-    ``slots[r]`` and then sees ``keys[r, :lens[r]]``. Checked once; its ``rope_store(layer,
-    qkv, cos, sin, heads, kv_heads)`` and ``attention(layer, q, window, isa)`` run every
-    sequence's rows on its own cache of that layer."""
-    return load().PackedPlan(k_caches, v_caches, bounds, pasts, slots, keys, lens)
+    sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's
+    next ``len(slots[s])`` rows; its row i writes slot ``slots[s][i]`` and sees the slots before
+    ``pasts[s]``, then ``keys[s][i, :lens[s][i]]``. Checked once; its ``rope_store(layer, qkv,
+    cos, sin, heads, kv_heads)`` and ``attention(layer, q, window, isa)`` run every sequence's
+    rows on its own cache of that layer."""
+    return load().PackedPlan(k_caches, v_caches, pasts, slots, keys, lens)

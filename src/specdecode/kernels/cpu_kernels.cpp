@@ -719,13 +719,18 @@ static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, i
               "the key and value caches must both be float32 or both bfloat16");
 }
 
-// One sequence's share of a forward: rows r0 .. r1 - 1 of the call, the layer's caches of its
-// own (k, v: its key/value head 0), and `past`: its rows see slots 0 .. past - 1 first.
+// One sequence's share of a forward: rows r0 .. r1 - 1 of the call and the layer's caches of
+// its own (k, v: at its key/value head 0). Its row r0 + i writes slot[i] and sees slots
+// 0 .. past - 1, then keys[i * width .. i * width + lens[i] - 1].
 template <typename KV>
 struct Segment {
   KV* k;
   KV* v;
   int64_t r0, r1, past;
+  const int64_t* slot;
+  const int32_t* keys;
+  const int32_t* lens;
+  int64_t width;
 };
 
 template <typename KV>
@@ -734,12 +739,12 @@ static KV* cache_data(const at::Tensor& cache) {
   else return reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
 }
 
-// rows r0 .. r1 - 1 of a slot table: each row writes a slot below `cap` and sees past +
-// lens[r] <= cap positions, named by slots below `cap`
-static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp, int64_t r0,
-                       int64_t r1, int64_t width, int64_t past, int64_t cap) {
+// the m rows of a slot table: each row writes a slot below `cap` and sees past + lens[r] <= cap
+// positions, named by slots below `cap`
+static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp, int64_t m,
+                       int64_t width, int64_t past, int64_t cap) {
   TORCH_CHECK(past >= 0, "negative past");
-  for (int64_t r = r0; r < r1; r++) {
+  for (int64_t r = 0; r < m; r++) {
     TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
     TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
     for (int64_t i = 0; i < lp[r]; i++)
@@ -750,12 +755,12 @@ static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp
 // Rotary embedding of every segment's rows; k and v go into the segment's own caches
 template <typename KV>
 static void rope_store_segments(const float* src, const float* cos, const float* sin, int64_t d,
-                                int64_t heads, int64_t kv_heads, int64_t cap, const int64_t* slot,
-                                float* qp, const std::vector<Segment<KV>>& segs) {
+                                int64_t heads, int64_t kv_heads, int64_t cap, float* qp,
+                                const std::vector<Segment<KV>>& segs) {
   const int64_t width = (heads + 2 * kv_heads) * d;
   for (const Segment<KV>& s : segs)
     rope_store_rows(src + s.r0 * width, cos + s.r0 * d, sin + s.r0 * d, s.r1 - s.r0, d, heads,
-                    kv_heads, cap, slot + s.r0, qp + s.r0 * heads * d, s.k, s.v);
+                    kv_heads, cap, s.slot, qp + s.r0 * heads * d, s.k, s.v);
 }
 
 // Attention of every segment's rows on its own cache, in one parallel region: one work item is
@@ -764,8 +769,8 @@ static void rope_store_segments(const float* src, const float* cos, const float*
 // attend_block_avx512), so how the rows of a call fall into segments and blocks changes no bit.
 template <typename KV>
 static void attend_segments(const float* qp, float* op, const std::vector<Segment<KV>>& segs,
-                            int64_t heads, int64_t d, int64_t kv, int64_t cap, const int32_t* sp,
-                            const int32_t* lp, int64_t width, int64_t window, int64_t isa) {
+                            int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t window,
+                            int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
   const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
@@ -773,7 +778,7 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
   int64_t stride = 16;
   for (size_t s = 0; s < segs.size(); s++) {
     for (int64_t r = segs[s].r0; r < segs[s].r1; r += per_block) blocks.emplace_back(s, r);
-    stride = std::max(stride, (segs[s].past + width + 15) / 16 * 16);
+    stride = std::max(stride, (segs[s].past + segs[s].width + 15) / 16 * 16);
   }
   at::parallel_for(0, (int64_t)blocks.size() * kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(per_block * std::min<int64_t>(4, group) * stride);
@@ -785,8 +790,8 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
       const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
       k_avx512::RowKeys rows[4];
       for (int64_t r = r0; r < r1; r++) {
-        const int64_t first = r * heads + kvh * group, len = past + lp[r];
-        const int32_t* own = sp + r * width;
+        const int64_t first = r * heads + kvh * group, len = past + seg.lens[r - seg.r0];
+        const int32_t* own = seg.keys + (r - seg.r0) * seg.width;
         k_avx512::RowKeys& row = rows[r - r0];
         if (window > 0 && len > window) {
           // a sliding window: the row's last `window` positions, every one named by its slot
@@ -830,12 +835,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
   if (k_cache.scalar_type() == at::kFloat)
     rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                               d, heads, kv_heads, cap, slot, q.data_ptr<float>(),
-                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0}});
+                               d, heads, kv_heads, cap, q.data_ptr<float>(),
+                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0, slot}});
   else
     rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                  d, heads, kv_heads, cap, slot, q.data_ptr<float>(),
-                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0}});
+                                  d, heads, kv_heads, cap, q.data_ptr<float>(),
+                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0, slot}});
   return q;
 }
 
@@ -856,40 +861,40 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int32_t* sp = slots.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const std::vector<int64_t> writes(m, 0);  // attention writes nothing: slot 0 passes the check
-  check_keys(writes.data(), sp, lp, 0, m, width, past, cap);
+  check_keys(writes.data(), sp, lp, m, width, past, cap);
   auto out = at::empty({m, heads * d}, q.options());
   if (k_cache.scalar_type() == at::kFloat)
     attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(),
-                           {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past}},
-                           heads, d, kv, cap, sp, lp, width, window, isa);
+                           {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past,
+                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, isa);
   else
     attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(),
-                              {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, past}},
-                              heads, d, kv, cap, sp, lp, width, window, isa);
+                              {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m,
+                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, isa);
   return out;
 }
 
 // Where the rows of one packed forward go, checked once and read by every layer: sequence s
-// owns rows bounds[s] .. bounds[s + 1] - 1 of the call and a cache of its own (every
-// layer's: keys [L, KH, capacity / 16, D, 16], values [L, KH, capacity, D], all caches of one
-// shape and type); its row r writes its key and value at slots[r] of that cache and sees slots
-// 0 .. pasts[s] - 1, then keys[r, :lens[r]] (slots in position order, itself last).
+// has a cache of its own (every layer's: keys [L, KH, capacity / 16, D, 16], values
+// [L, KH, capacity, D]; all caches of one shape and type) and the next slots[s].numel() rows
+// of the call; its i-th row writes its key and value at slots[s][i] of that cache and sees
+// slots 0 .. pasts[s] - 1, then keys[s][i, :lens[s][i]] (slots in position order, itself last).
 struct PackedPlan {
   std::vector<at::Tensor> k_caches, v_caches;
-  std::vector<int64_t> bounds, pasts;
-  at::Tensor slots, keys, lens;
-  int64_t rows, layers, kv, cap, d, width;
+  std::vector<int64_t> pasts;
+  std::vector<at::Tensor> slots, keys, lens;
+  int64_t rows = 0, layers, kv, cap, d;
   bool bf16;
 
   PackedPlan(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-             std::vector<int64_t> bounds, std::vector<int64_t> pasts, at::Tensor slots,
-             at::Tensor keys, at::Tensor lens)
-      : k_caches(std::move(k_caches)), v_caches(std::move(v_caches)), bounds(std::move(bounds)),
-        pasts(std::move(pasts)), slots(std::move(slots)), keys(std::move(keys)), lens(std::move(lens)) {
+             std::vector<int64_t> pasts, std::vector<at::Tensor> slots,
+             std::vector<at::Tensor> keys, std::vector<at::Tensor> lens)
+      : k_caches(std::move(k_caches)), v_caches(std::move(v_caches)), pasts(std::move(pasts)),
+        slots(std::move(slots)), keys(std::move(keys)), lens(std::move(lens)) {
     const size_t n = this->pasts.size();
     TORCH_CHECK(n > 0 && this->k_caches.size() == n && this->v_caches.size() == n &&
-                this->bounds.size() == n + 1 && this->bounds[0] == 0,
-                "a packed plan needs, per sequence, a key cache, a value cache, a past and its rows");
+                this->slots.size() == n && this->keys.size() == n && this->lens.size() == n,
+                "a packed plan needs, per sequence, its caches, past, slots, keys and lens");
     const at::Tensor &k0 = this->k_caches[0], &v0 = this->v_caches[0];
     TORCH_CHECK(k0.dim() == 5 && v0.dim() == 4, "caches must be [L, KH, capacity / 16, D, 16] and [L, KH, capacity, D]");
     layers = k0.size(0), kv = k0.size(1), cap = v0.size(2), d = v0.size(3);
@@ -900,19 +905,17 @@ struct PackedPlan {
                   k.scalar_type() == k0.scalar_type() && v.scalar_type() == k0.scalar_type(),
                   "every sequence's cache must have the shape and type of the first");
       check_caches(k.select(0, 0), v.select(0, 0), d);
-      TORCH_CHECK(this->bounds[s] < this->bounds[s + 1], "a sequence without rows");
+      const at::Tensor &slot = this->slots[s], &key = this->keys[s], &len = this->lens[s];
+      const int64_t m = slot.numel();
+      TORCH_CHECK(m > 0 && slot.scalar_type() == at::kLong && slot.is_contiguous(),
+                  "a sequence's slots: one int64 a row, at least one row");
+      TORCH_CHECK(key.scalar_type() == at::kInt && len.scalar_type() == at::kInt &&
+                  key.dim() == 2 && key.is_contiguous() && key.size(0) == m &&
+                  len.is_contiguous() && len.numel() == m, "bad slot table");
+      check_keys(slot.data_ptr<int64_t>(), key.data_ptr<int32_t>(), len.data_ptr<int32_t>(), m,
+                 key.size(1), this->pasts[s], cap);
+      rows += m;
     }
-    rows = this->bounds[n];
-    TORCH_CHECK(this->slots.scalar_type() == at::kLong && this->slots.is_contiguous() &&
-                this->slots.numel() == rows, "one int64 slot a row");
-    TORCH_CHECK(this->keys.scalar_type() == at::kInt && this->lens.scalar_type() == at::kInt &&
-                this->keys.dim() == 2 && this->keys.is_contiguous() && this->keys.size(0) == rows &&
-                this->lens.is_contiguous() && this->lens.numel() == rows, "bad slot table");
-    width = this->keys.size(1);
-    for (size_t s = 0; s < n; s++)
-      check_keys(this->slots.data_ptr<int64_t>(), this->keys.data_ptr<int32_t>(),
-                 this->lens.data_ptr<int32_t>(), this->bounds[s], this->bounds[s + 1], width,
-                 this->pasts[s], cap);
   }
 
   // every sequence's rows and its caches of layer `layer`
@@ -922,9 +925,15 @@ struct PackedPlan {
     const int64_t per_layer = kv * cap * d;
     std::vector<Segment<KV>> segs;
     segs.reserve(pasts.size());
-    for (size_t s = 0; s < pasts.size(); s++)
+    int64_t r0 = 0;
+    for (size_t s = 0; s < pasts.size(); s++) {
+      const int64_t r1 = r0 + slots[s].numel();
       segs.push_back({cache_data<KV>(k_caches[s]) + layer * per_layer,
-                      cache_data<KV>(v_caches[s]) + layer * per_layer, bounds[s], bounds[s + 1], pasts[s]});
+                      cache_data<KV>(v_caches[s]) + layer * per_layer, r0, r1, pasts[s],
+                      slots[s].data_ptr<int64_t>(), keys[s].data_ptr<int32_t>(),
+                      lens[s].data_ptr<int32_t>(), keys[s].size(1)});
+      r0 = r1;
+    }
     return segs;
   }
 
@@ -937,13 +946,12 @@ struct PackedPlan {
     check_rows(cos, d, "rope cos");
     check_rows(sin, d, "rope sin");
     auto q = at::empty({rows, heads, d}, qkv.options());
-    const int64_t* slot = slots.data_ptr<int64_t>();
     if (bf16)
       rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    d, heads, kv, cap, slot, q.data_ptr<float>(), segments<uint16_t>(layer));
+                                    d, heads, kv, cap, q.data_ptr<float>(), segments<uint16_t>(layer));
     else
       rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                 d, heads, kv, cap, slot, q.data_ptr<float>(), segments<float>(layer));
+                                 d, heads, kv, cap, q.data_ptr<float>(), segments<float>(layer));
     return q;
   }
 
@@ -954,13 +962,12 @@ struct PackedPlan {
                 "q must be [rows, H, D], H a multiple of the caches' key/value heads");
     const int64_t heads = q.size(1);
     auto out = at::empty({rows, heads * d}, q.options());
-    const int32_t *sp = keys.data_ptr<int32_t>(), *lp = lens.data_ptr<int32_t>();
     if (bf16)
       attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(), segments<uint16_t>(layer),
-                                heads, d, kv, cap, sp, lp, width, window, isa);
+                                heads, d, kv, cap, window, isa);
     else
       attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(), segments<float>(layer),
-                             heads, d, kv, cap, sp, lp, width, window, isa);
+                             heads, d, kv, cap, window, isa);
     return out;
   }
 };
@@ -1070,7 +1077,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Q4Stack::forward);
   py::class_<PackedPlan>(m, "PackedPlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
-                    std::vector<int64_t>, at::Tensor, at::Tensor, at::Tensor>())
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("rope_store", &PackedPlan::rope_store)
       .def("attention", &PackedPlan::attention);
 }

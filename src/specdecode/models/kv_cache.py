@@ -15,6 +15,7 @@ cache slots it attends to.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,9 +163,9 @@ class AttentionPlan:
     @classmethod
     def chain(cls, past: int, n: int) -> AttentionPlan:
         """``n`` rows after ``past`` slots, each seeing the ones before it."""
-        keys = (past + torch.arange(n, dtype=torch.int32)).expand(n, n).contiguous()
-        return cls(past, torch.arange(past, past + n), torch.arange(past, past + n), keys,
-                   torch.arange(1, n + 1, dtype=torch.int32))
+        steps, lengths, table = _chain_offsets(n)
+        positions = past + steps
+        return cls(past, positions, positions, past + table, lengths)
 
     @classmethod
     def verify(cls, past: int, draft: Draft) -> AttentionPlan:
@@ -173,14 +174,14 @@ class AttentionPlan:
         if draft.is_chain:
             return cls.chain(past, len(draft) + 1)
         depths = (0,) + draft.depths
-        n = len(depths)
-        table = torch.full((n, max(depths) + 1), past, dtype=torch.int32)
-        for row in range(1, n):
-            path = draft.path_to(row - 1)
-            table[row, 1:1 + len(path)] = past + 1 + torch.tensor(path, dtype=torch.int32)
-        return cls(past, past + torch.tensor(depths, dtype=torch.long),
-                   torch.arange(past, past + n), table,
-                   torch.tensor(depths, dtype=torch.int32) + 1)
+        n, width = len(depths), max(depths) + 1
+        table = [[past] * width]  # a row's slots: the root's, its ancestors', its own; past after
+        for node in range(n - 1):
+            seen = [past] + [past + 1 + i for i in draft.path_to(node)]
+            table.append(seen + [past] * (width - len(seen)))
+        return cls(past, past + torch.tensor(depths), torch.arange(past, past + n),
+                   torch.tensor(table, dtype=torch.int32),
+                   torch.tensor([depth + 1 for depth in depths], dtype=torch.int32))
 
     @classmethod
     def tree_rows(cls, cached: int, start: int, paths: Sequence[Sequence[int]]) -> AttentionPlan:
@@ -199,3 +200,12 @@ class AttentionPlan:
                                                    dtype=torch.int32)
         return cls(cached, cached - 1 + lengths.long(), torch.arange(base, base + n), keys,
                    lengths)
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_offsets(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain of ``n`` rows after no past: its steps 0 .. n - 1 (int64), lengths 1 .. n and
+    key table [n, n] (int32); a chain plan adds its past (these are shared: read only). One
+    verify plan a sequence and forward is made from them, so the few tensor operations count."""
+    steps = torch.arange(n)
+    return steps, torch.arange(1, n + 1, dtype=torch.int32), steps.to(torch.int32).expand(n, n).contiguous()

@@ -24,6 +24,12 @@ same order. Prompts of the int4 runner go through the same kernels; those of the
 through ATen's GEMMs (``quant.LibraryLinear``): every method prefills the same prompt in the
 same blocks, so prefill needs determinism, not row invariance.
 
+Row invariance also lets one forward serve many sequences (``run_packed``, as a server decodes
+its users together; continuous batching, Yu et al. 2022, "Orca"): each sequence is a
+``replica()`` with a cache of its own, the linear layers run over every sequence's rows at once
+(their weights read once), and rotary embedding, the cache write and attention run per
+sequence on its cache, so each sequence's logits are bitwise what its own forward gives.
+
 Defaults: int4 weights (``DEFAULT_WEIGHTS``: GGUF Q4_1 blocks times int8 activations, the
 fastest forward of the four formats; docs/native-runner.md), prompts prefilled through the
 same int4 layers (int8 and bf16 through ATen's GEMMs on bf16 copies of the weights, fp32 on
@@ -240,7 +246,7 @@ class _Layer:
 
 
 @dataclass(frozen=True)
-class _Item:
+class SequenceRows:
     """One sequence's rows in a forward: its cache, its tokens, where they go and what they see
     (``plan``), the layers whose outputs it reads, and whether they take the prompt layers."""
 
@@ -541,15 +547,19 @@ class LlamaRunner(Runner):
         """Refuse, before anything runs, what some call of ``work`` would refuse."""
         seen = set()
         for i, (runner, call) in enumerate(work):
-            require(isinstance(runner, LlamaRunner) and runner.layers is self.layers,
+            # (messages formatted only on failure: this runs for every sequence every pass)
+            if not (isinstance(runner, LlamaRunner) and runner.layers is self.layers):
+                raise SpecDecodeError(
                     f"run_packed: runner {i} ({getattr(runner, 'name', type(runner).__name__)}) "
                     "does not share this runner's weights; pack only replicas of one model "
                     "(runner.replica())")
-            require(id(runner) not in seen, f"run_packed: runner {i} has two calls in one pass; "
-                                            "give each runner one call")
+            if id(runner) in seen:
+                raise SpecDecodeError(f"run_packed: runner {i} has two calls in one pass; give "
+                                      "each runner one call")
             seen.add(id(runner))
-            require(isinstance(call, (PrefillCall, VerifyCall)),
-                    f"run_packed: call {i} is a {type(call).__name__}, not a PrefillCall or VerifyCall")
+            if not isinstance(call, (PrefillCall, VerifyCall)):
+                raise SpecDecodeError(f"run_packed: call {i} is a {type(call).__name__}, not a "
+                                      "PrefillCall or VerifyCall")
             runner._check_call(call)
 
     def _check_call(self, call: Call) -> None:
@@ -580,7 +590,7 @@ class LlamaRunner(Runner):
         n = call.rows
         self.cache.begin_forward(n)
         plan = AttentionPlan.verify(self.cache.length, call.draft)
-        hidden, layers = yield _Item(self.cache, (call.root,) + call.draft.tokens, plan,
+        hidden, layers = yield SequenceRows(self.cache, (call.root,) + call.draft.tokens, plan,
                                      call.needs.layers)
         self.cache.pending = n
         return _Pass(hidden, slice(None), self.head, call.needs.final_hidden, layers)
@@ -594,7 +604,7 @@ class LlamaRunner(Runner):
         for first in range(call.start, call.stop, PREFILL_BLOCK):  # append's blocks
             block = ids[first:min(call.stop, first + PREFILL_BLOCK)]
             plan = AttentionPlan.chain(self.cache.length, len(block))
-            blocks.append((yield _Item(self.cache, block, plan, needs.layers, prefill=True)))
+            blocks.append((yield SequenceRows(self.cache, block, plan, needs.layers, prefill=True)))
             self.cache.append(len(block))
         # the earlier parts' blocks are kept only where the features of every prompt row are
         # asked for; the logits need the last block alone
@@ -608,12 +618,12 @@ class LlamaRunner(Runner):
         return _Pass(torch.cat([hidden for hidden, _ in blocks]), slice(-1, None),
                      self.prefill_head, needs.final_hidden, layers)
 
-    def _run_round(self, items: list[_Item]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+    def _run_round(self, items: list[SequenceRows]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """One forward for every item the decode layers run; a prompt block that goes through
         other prompt layers (ATen's GEMMs, not row invariant) runs in a forward of its own."""
         out = [None] * len(items)
-        alone = [i for i, item in enumerate(items)
-                 if item.prefill and self.prefill_layers is not self.layers]
+        alone = {i for i, item in enumerate(items)
+                 if item.prefill and self.prefill_layers is not self.layers}
         shared = [i for i in range(len(items)) if i not in alone]
         if shared:
             for i, result in zip(shared, self.run_items([items[i] for i in shared])):
@@ -722,10 +732,10 @@ class LlamaRunner(Runner):
         attended to) through the first ``stop`` layers (all by default); ``prefill``: the prompt
         layers. The last layer's hidden states [n, hidden], float32, and {layer: its output
         [n, hidden]} for the layers in ``capture``. The cache's books are the caller's."""
-        return self.run_items([_Item(self.cache, tokens, plan, capture)], stop=stop,
+        return self.run_items([SequenceRows(self.cache, tokens, plan, capture)], stop=stop,
                               prefill=prefill)[0]
 
-    def run_items(self, items: Sequence[_Item], *, stop: int | None = None, prefill: bool = False
+    def run_items(self, items: Sequence[SequenceRows], *, stop: int | None = None, prefill: bool = False
                   ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """:meth:`run` for several sequences' rows in one forward, each item on its own cache
         and plan: embeddings, norms and every linear layer over all items' rows at once (the
@@ -787,24 +797,13 @@ class LlamaRunner(Runner):
         return x, captured
 
 
-def _packed_plan(items: Sequence[_Item]) -> tuple[torch.Tensor, object]:
+def _packed_plan(items: Sequence[SequenceRows]) -> tuple[torch.Tensor, object]:
     """The items' plans as one forward's: every row's position [n], and the kernels'
-    ``PackedPlan`` (each item's rows, cache, slots and keys; key tables padded to the widest)."""
+    ``PackedPlan`` (each item's cache, slots and keys, its rows after the items before it)."""
     plans = [item.plan for item in items]
-    if len(plans) == 1:
-        (p,) = plans
-        positions, slots, keys, lens = p.positions, p.slots, p.keys, p.lengths
-    else:
-        width = max(p.keys.shape[1] for p in plans)
-        positions = torch.cat([p.positions for p in plans])
-        slots = torch.cat([p.slots for p in plans])
-        keys = torch.cat([torch.nn.functional.pad(p.keys, (0, width - p.keys.shape[1]))
-                          for p in plans])
-        lens = torch.cat([p.lengths for p in plans])
-    bounds = [0]
-    for p in plans:
-        bounds.append(bounds[-1] + len(p.slots))
+    positions = plans[0].positions if len(plans) == 1 else torch.cat([p.positions for p in plans])
     plan = kernels.packed_plan([item.cache.keys for item in items],
-                               [item.cache.values for item in items], bounds,
-                               [p.past for p in plans], slots, keys, lens)
+                               [item.cache.values for item in items], [p.past for p in plans],
+                               [p.slots for p in plans], [p.keys for p in plans],
+                               [p.lengths for p in plans])
     return positions, plan

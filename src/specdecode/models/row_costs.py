@@ -20,8 +20,8 @@ from specdecode.models.base import Runner
 
 #: row counts measured by default (a forward of the native runner holds at most 256 draft rows)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-#: timed forwards per row count (after one warm-up forward of the most rows); the median is kept, as other processes only
-#: ever slow a forward down
+#: timed forwards per row count (after one warm-up forward of the most rows); the median is
+#: kept, as other processes only ever slow a forward down
 REPEATS = 3
 
 
