@@ -317,3 +317,15 @@ def test_only_our_servers_wrong_answers_fail_the_run():
         "others": 3, "others_correct": 3, "resent": 1, "resent_correct": 1, "busy_after": 2,
         "errors": []})
     assert "the hang-up test failed" in serving.failed([stuck])[0]
+
+
+def test_an_interrupted_run_still_reports_the_cells_it_measured():
+    cells = [cell("specdecode ar", 1, 50.0),
+             {"server": "specdecode ar", "workload": "code-edit", "sampling": "greedy",
+              "concurrency": 4, "skipped": "the run was interrupted here"},
+             {"server": "specdecode ar", "workload": "code-edit", "sampling": "greedy",
+              "concurrency": 16}]  # never reached
+    text = markdown({}, cells, [])
+    assert "| 4 | skipped: the run was interrupted here |" in text
+    assert "| 16 | skipped: not run |" in text
+    assert aims(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER) == []

@@ -268,6 +268,9 @@ class Sweep:
                 cell["skipped"] = f"failed: {exc}"
                 self.say(f"  {spec.label} {workload} {sampling.name} x{clients}: {exc}")
                 continue
+            except BaseException:  # stopped (SIGTERM, Ctrl-C): the report says where
+                cell["skipped"] = "the run was interrupted here"
+                raise
             for o in outcomes:
                 records.write(json.dumps({k: cell[k] for k in ("server", "workload", "sampling",
                                                                "concurrency")}

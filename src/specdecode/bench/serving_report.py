@@ -109,9 +109,10 @@ def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
     solo = {cell_key(c): c["tokens_per_s"] for c in cells
             if c.get("concurrency") == 1 and "tokens_per_s" in c}
     for c in cells:
-        if "skipped" in c:
+        if "tokens_per_s" not in c:
+            why = c.get("skipped", "not run")
             lines.append(f"| {c['server']} | {c['workload']} | {c['sampling']} | "
-                         f"{c['concurrency']} | skipped: {c['skipped']} |" + " - |" * 7)
+                         f"{c['concurrency']} | skipped: {why} |" + " - |" * 7)
             continue
         base = solo.get(cell_key(c))
         ratio = c["tokens_per_s"] / base if base else None
