@@ -200,6 +200,7 @@ def test_bad_sweep_options_fail_before_any_server_starts(tmp_path, capsys):
         (["--samplings", "beam"], "--samplings takes names"),
         (["--requests", "8", "--concurrency", "16"], "fewer than the largest concurrency"),
         (["--max-tokens", "0"], "--max-tokens must be positive"),
+        (["--disconnect-clients", "3"], "is not one of --concurrency"),
     ]:
         assert serving.main(base + extra) == 2
         assert message in capsys.readouterr().err

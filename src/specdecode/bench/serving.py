@@ -358,6 +358,9 @@ def run(args: argparse.Namespace) -> int:
     require(args.requests >= max(levels),
             f"--requests {args.requests} is fewer than the largest concurrency {max(levels)}: "
             "some clients would have nothing to send")
+    require(args.disconnect_clients in (None, 0) or args.disconnect_clients in levels,
+            f"--disconnect-clients {args.disconnect_clients} is not one of --concurrency "
+            f"{args.concurrency} (0: no hang-up test)")
     questions = load_questions(args.data) if "spec-bench" in names else None
     workloads = {n: build_workload(n, args.requests, questions) for n in names}
     gguf = gguf_path_for(args.model)
