@@ -172,7 +172,7 @@ def test_aims_are_checked_where_the_cells_exist():
     assert any("specdecode ar 150.0 vs llama-server 200.0" in a and "NOT met" in a
                for a in found)
     # one client: no llama-server cell, no comparison with it
-    assert not any("1 clients" in a and "llama-server" in a for a in found)
+    assert not any("1 client:" in a and "llama-server" in a for a in found)
 
 
 def test_server_commands_give_both_servers_the_same_slots_threads_and_context(tmp_path):
@@ -200,6 +200,7 @@ def test_bad_sweep_options_fail_before_any_server_starts(tmp_path, capsys):
         (["--samplings", "beam"], "--samplings takes names"),
         (["--requests", "8", "--concurrency", "16"], "fewer than the largest concurrency"),
         (["--max-tokens", "0"], "--max-tokens must be positive"),
+        (["--disconnect-clients", "3"], "is not one of --concurrency"),
     ]:
         assert serving.main(base + extra) == 2
         assert message in capsys.readouterr().err
@@ -317,3 +318,15 @@ def test_only_our_servers_wrong_answers_fail_the_run():
         "others": 3, "others_correct": 3, "resent": 1, "resent_correct": 1, "busy_after": 2,
         "errors": []})
     assert "the hang-up test failed" in serving.failed([stuck])[0]
+
+
+def test_an_interrupted_run_still_reports_the_cells_it_measured():
+    cells = [cell("specdecode ar", 1, 50.0),
+             {"server": "specdecode ar", "workload": "code-edit", "sampling": "greedy",
+              "concurrency": 4, "skipped": "the run was interrupted here"},
+             {"server": "specdecode ar", "workload": "code-edit", "sampling": "greedy",
+              "concurrency": 16}]  # never reached
+    text = markdown({}, cells, [])
+    assert "| 4 | skipped: the run was interrupted here |" in text
+    assert "| 16 | skipped: not run |" in text
+    assert aims(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER) == []

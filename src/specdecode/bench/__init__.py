@@ -15,5 +15,9 @@
     projection.py each method's speedup projected onto another file's row costs
     perplexity.py ``--perplexity``: llama-perplexity's rule on the native runner
     simulate.py   replays recorded ``ar`` outputs through model-free proposers
+    serving.py    scripts/serving_bench.py: our server beside llama-server through the
+                  openai client at several concurrencies (serving_workloads.py,
+                  serving_client.py, serving_servers.py, serving_report.py;
+                  code_edit.py holds the code-edit requests)
     cli.py        the ``specdecode bench`` command
 """

@@ -109,9 +109,10 @@ def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
     solo = {cell_key(c): c["tokens_per_s"] for c in cells
             if c.get("concurrency") == 1 and "tokens_per_s" in c}
     for c in cells:
-        if "skipped" in c:
+        if "tokens_per_s" not in c:
+            why = c.get("skipped", "not run")
             lines.append(f"| {c['server']} | {c['workload']} | {c['sampling']} | "
-                         f"{c['concurrency']} | skipped: {c['skipped']} |" + " - |" * 7)
+                         f"{c['concurrency']} | skipped: {why} |" + " - |" * 7)
             continue
         base = solo.get(cell_key(c))
         ratio = c["tokens_per_s"] / base if base else None
@@ -158,6 +159,7 @@ def aims(cells: list[dict], default_label: str, ar_label: str, llama_label: str)
         if server == llama_label:
             continue
         solo = by.get((server, workload, sampling, 1))
+        where = f"{workload}, {sampling}, {clients} client{'s' * (clients != 1)}"
         if clients == 16 and solo and solo["tokens_per_s"]:
             ratio = c["tokens_per_s"] / solo["tokens_per_s"]
             out.append(f"{server}, {workload}, {sampling}: 16 clients give {ratio:.2f}x one "
@@ -166,13 +168,13 @@ def aims(cells: list[dict], default_label: str, ar_label: str, llama_label: str)
             ar = by.get((ar_label, workload, sampling, clients))
             if ar:
                 ok = c["tokens_per_s"] >= ar["tokens_per_s"]
-                out.append(f"{workload}, {sampling}, {clients} clients: {default_label} "
+                out.append(f"{where}: {default_label} "
                            f"{c['tokens_per_s']:.1f} vs {ar_label} {ar['tokens_per_s']:.1f} tok/s "
                            f"({'met' if ok else 'NOT met'}: never below ar)")
         llama = by.get((llama_label, workload, sampling, clients))
         if llama:
             ok = c["tokens_per_s"] > llama["tokens_per_s"]
-            out.append(f"{workload}, {sampling}, {clients} clients: {server} "
+            out.append(f"{where}: {server} "
                        f"{c['tokens_per_s']:.1f} vs llama-server {llama['tokens_per_s']:.1f} "
                        f"tok/s ({'met' if ok else 'NOT met'}: ahead of llama-server)")
     return out
