@@ -60,15 +60,26 @@ class Vocabulary:
         self.eos_ids = tuple(int(e) for e in eos_ids)
         if isinstance(tokenizer, (list, tuple)):
             self._bytes = [bytes(t) for t in tokenizer]
-            wrapper = _ByteTokens(self._bytes, self.eos_ids[0])
-            self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper),
-                                             n_vocab=vocab_size, eos_token=list(self.eos_ids))
-        else:
-            import llguidance.hf
+            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0]))
+            return
+        import llguidance.hf
 
-            self._bytes = None
+        self._bytes = None
+        try:
             self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                    eos_token=list(self.eos_ids))
+        except ValueError:
+            # a decoder llguidance does not read (Metaspace, ...): each token's text as the
+            # tokenizer decodes it after another token, and the tokenizer's own encoding
+            self._bytes = _decoded_bytes(tokenizer)
+            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0], lambda text: (
+                tokenizer(text.decode("utf-8", "replace"), add_special_tokens=False)["input_ids"])))
+
+    def _from_bytes(self, tokens: _ByteTokens):
+        import llguidance
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokens), n_vocab=self.vocab_size,
+                                      eos_token=list(self.eos_ids))
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
@@ -81,19 +92,34 @@ class Vocabulary:
                 for i in range(self.vocab_size)]
 
 
+def _decoded_bytes(tokenizer) -> list[bytes]:
+    """Each token's bytes as it decodes after another token (so a leading-space marker reads
+    as the space it stands for); special tokens get none."""
+    special = set(tokenizer.all_special_ids)
+    anchor = next(i for i in range(len(tokenizer)) if i not in special)
+    base = tokenizer.decode([anchor])
+    return [b"" if i in special else
+            tokenizer.decode([anchor, i])[len(base):].encode("utf-8")
+            for i in range(len(tokenizer))]
+
+
 class _ByteTokens:
-    """llguidance's tokenizer protocol over a plain list of token bytes (greedy longest match)."""
+    """llguidance's tokenizer protocol over a plain list of token bytes; ``encode`` (bytes ->
+    ids) defaults to greedy longest match."""
 
     bos_token_id = None
 
-    def __init__(self, tokens: list[bytes], eos: int):
+    def __init__(self, tokens: list[bytes], eos: int, encode=None):
         self.tokens = tokens
         self.eos_token_id = eos
         self.special_token_ids = [i for i, t in enumerate(tokens) if not t]
         self._longest = max(len(t) for t in tokens)
         self._ids = {t: i for i, t in reversed(list(enumerate(tokens))) if t}
+        self._encode = encode
 
     def __call__(self, text: bytes) -> list[int]:
+        if self._encode is not None:
+            return list(self._encode(text))
         ids, i = [], 0
         while i < len(text):
             for n in range(min(self._longest, len(text) - i), 0, -1):

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import registry
 from specdecode.api import GenerationResult, encode_prompt
+from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
@@ -53,6 +54,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 TOKENIZER_COPIES = 4
 #: largest seed + 1 (SamplingParams); choice i of a seeded request uses seed + i, wrapped
 SEED_END = 2**64
+#: OpenAI's log-probability for a token that cannot occur (JSON has no -inf)
+OPENAI_UNLIKELY = -9999.0
 
 
 @dataclass
@@ -136,6 +139,19 @@ class Frontend:
                                    if tokenizer is not None else 1)
         self.started = now()
         self.fingerprint = model.fingerprint
+        self.tokenizer = tokenizer
+        #: the ids ending a generation (a finished grammar allows them); the tokenizer's by default
+        self.eos_token_ids: list[int] = (
+            [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else [])
+        self._vocabulary: Vocabulary | None = None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokens as constraints see them, built on the first request that needs them."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.runner_info.vocab_size,
+                                          self.eos_token_ids)
+        return self._vocabulary
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
@@ -190,6 +206,21 @@ class Frontend:
         except SpecDecodeError as exc:
             param = next((k for k in options if str(exc).startswith(k)), None)
             raise ApiError(400, str(exc), param=param) from None
+        top = req.top_logprobs_count()
+        if top is not None:
+            options["logprobs"] = top
+        asked = req.constraint()
+        if asked:
+            if self.tokenizer is None:
+                raise ApiError(400, "this server has no tokenizer, so it cannot constrain the "
+                                    "output", param="response_format")
+            try:
+                options["constraint"] = make_constraint(self.vocabulary, **asked)
+            except SpecDecodeError as exc:  # the grammar engine's own message
+                param = ("specdecode.ban" if set(asked) == {"banned"} else
+                         "response_format" if req.response_format is not None else
+                         f"specdecode.{next(iter(asked))}")
+                raise ApiError(400, str(exc), param=param) from None
         return options
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -282,6 +313,7 @@ class Server(Frontend):
                               settings.max_queue, metrics, settings.proposer_memory_bytes)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
                          memory, catalogue)
+        self.eos_token_ids = list(eos_token_ids)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -339,12 +371,37 @@ class Endpoint:
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
         self.object = "chat.completion" if chat else "text_completion"
 
-    def choice(self, index: int, text: str, finish: str | None, delta: bool) -> dict:
+    def choice(self, index: int, text: str, finish: str | None, delta: bool,
+               logprobs: list | None = None) -> dict:
+        """One choice; ``logprobs``: the :class:`~specdecode.engine.TokenLogprob` of its tokens
+        (None = not asked for)."""
+        lp = None if logprobs is None else self.logprobs(logprobs)
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": index, key: body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, key: body, "logprobs": lp, "finish_reason": finish}
+
+    def logprobs(self, entries: list) -> dict:
+        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists."""
+        vocab = self.server.vocabulary
+        def text(token: int) -> str:
+            return vocab.token_bytes[token].decode("utf-8", "replace")
+
+        def value(logprob: float) -> float:
+            return max(logprob, OPENAI_UNLIKELY)  # -inf (a masked token) is not JSON
+
+        if self.chat:
+            return {"content": [
+                {"token": text(e.token), "logprob": value(e.logprob),
+                 "bytes": list(vocab.token_bytes[e.token]),
+                 "top_logprobs": [{"token": text(t), "logprob": value(v),
+                                   "bytes": list(vocab.token_bytes[t])} for t, v in e.top]}
+                for e in entries], "refusal": None}
+        return {"tokens": [text(e.token) for e in entries],
+                "token_logprobs": [value(e.logprob) for e in entries],
+                "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
+                "text_offset": None}
 
     def envelope(self, rid: str, model: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -403,7 +460,8 @@ class Endpoint:
                 results[index] = payload
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         body = self.envelope(rid, req.model, chunk=False)
-        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False)
+        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
+                                       logprobs=r.logprobs)
                            for i, r in enumerate(results)]
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
@@ -425,9 +483,14 @@ class Endpoint:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
 
-        def chunk(index: int, text: str, finish: str | None, role: bool = False) -> str:
+        sent = [0] * len(job.specs)  # log-probabilities streamed so far, per choice
+
+        def chunk(index: int, text: str, finish: str | None, role: bool = False,
+                  logprobs: list | None = None) -> str:
             body = self.envelope(rid, req.model, chunk=True)
-            choice = self.choice(index, text, finish, delta=True)
+            if logprobs is not None:
+                sent[index] += len(logprobs)
+            choice = self.choice(index, text, finish, delta=True, logprobs=logprobs)
             if role:
                 choice["delta"] = {"role": "assistant", "content": ""}
             body["choices"] = [choice]
@@ -450,10 +513,13 @@ class Endpoint:
                         if first_text:
                             first_text = False
                             metrics.first_token.observe(time.perf_counter() - job.arrived)
-                        yield chunk(index, payload, None)
+                        yield chunk(index, payload, None,
+                                    logprobs=getattr(payload, "logprobs", None))
                     elif kind == "done":
                         results[index] = payload
-                        yield chunk(index, "", payload.finish_reason)
+                        rest = (None if payload.logprobs is None
+                                else payload.logprobs[sent[index]:])
+                        yield chunk(index, "", payload.finish_reason, logprobs=rest)
                         if all(r is not None for r in results):
                             if include_usage:
                                 body = self.envelope(rid, req.model, chunk=True)
