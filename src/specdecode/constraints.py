@@ -70,10 +70,9 @@ class Vocabulary:
                                                    eos_token=list(self.eos_ids))
         except ValueError:
             # a decoder llguidance does not read (Metaspace, ...): each token's text as the
-            # tokenizer decodes it after another token, and the tokenizer's own encoding
+            # tokenizer decodes it after another token (the masks need no more than that)
             self._bytes = _decoded_bytes(tokenizer)
-            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0], lambda text: (
-                tokenizer(text.decode("utf-8", "replace"), add_special_tokens=False)["input_ids"])))
+            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0]))
 
     def _from_bytes(self, tokens: _ByteTokens):
         import llguidance
@@ -95,7 +94,8 @@ class Vocabulary:
 def _decoded_bytes(tokenizer) -> list[bytes]:
     """Each token's bytes as it decodes after another token (so a leading-space marker reads
     as the space it stands for); special tokens get none."""
-    special = set(tokenizer.all_special_ids)
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     anchor = next(i for i in range(len(tokenizer)) if i not in special)
     base = tokenizer.decode([anchor])
     return [b"" if i in special else
@@ -104,22 +104,19 @@ def _decoded_bytes(tokenizer) -> list[bytes]:
 
 
 class _ByteTokens:
-    """llguidance's tokenizer protocol over a plain list of token bytes; ``encode`` (bytes ->
-    ids) defaults to greedy longest match."""
+    """llguidance's tokenizer protocol over a plain list of token bytes, encoding by greedy
+    longest match."""
 
     bos_token_id = None
 
-    def __init__(self, tokens: list[bytes], eos: int, encode=None):
+    def __init__(self, tokens: list[bytes], eos: int):
         self.tokens = tokens
         self.eos_token_id = eos
         self.special_token_ids = [i for i, t in enumerate(tokens) if not t]
         self._longest = max(len(t) for t in tokens)
         self._ids = {t: i for i, t in reversed(list(enumerate(tokens))) if t}
-        self._encode = encode
 
     def __call__(self, text: bytes) -> list[int]:
-        if self._encode is not None:
-            return list(self._encode(text))
         ids, i = [], 0
         while i < len(text):
             for n in range(min(self._longest, len(text) - i), 0, -1):
