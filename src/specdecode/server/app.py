@@ -331,6 +331,8 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
         "draft_tokens": sum(r.stats.draft_tokens for r in results),
         "accepted_tokens": sum(r.stats.accepted_tokens for r in results),
         "target_forwards": sum(r.stats.target_forwards for r in results),
+        "forced_tokens": sum(r.stats.forced_tokens for r in results),
+        "pruned_nodes": sum(r.stats.pruned_nodes for r in results),
         "verify_steps": steps,
         "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
     }
