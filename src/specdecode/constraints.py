@@ -317,15 +317,29 @@ class Constraint:
         if len(draft) == 0:
             return draft
         keep: list[int] = []
-        ok: dict[int, bool] = {-1: True}
-        for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
-            if not ok.get(parent, False):
-                ok[i] = False
+        matcher = self.matcher
+        # depth first, each node's token fed to the grammar once (a path is the stack)
+        stack: list[tuple[int, bool]] = [(c, True) for c in reversed(draft.children(-1))]
+        path: list[int] = []
+        while stack:
+            node, entering = stack.pop()
+            if not entering:  # leaving a kept node: back to its parent's state
+                path.pop()
+                if matcher is not None:
+                    matcher.rollback(1)
                 continue
-            path = [draft.tokens[j] for j in draft.path_to(parent)] if parent >= 0 else []
-            ok[i] = self.permits(path, token)
-            if ok[i] or keep_rejected_leaves:
-                keep.append(i)
+            token = draft.tokens[node]
+            ok = (matcher is None or matcher.validate_tokens([token]) == 1) and \
+                not self._bans(tuple(path), token)
+            if ok or keep_rejected_leaves:
+                keep.append(node)
+            if ok:
+                if matcher is not None:
+                    require(matcher.consume_token(token), matcher.get_error())
+                path.append(token)
+                stack.append((node, False))
+                stack.extend((c, True) for c in reversed(draft.children(node)))
+        keep.sort()
         if len(keep) == len(draft):
             return draft
         index = {-1: -1}
