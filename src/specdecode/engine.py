@@ -285,16 +285,20 @@ class Generation:
             self.stats.total_s = time.perf_counter() - self._started
 
     def _emit_verified(self, result: VerifyResult) -> list[int]:
-        """Commit a verify step's tokens, with their log-probabilities when asked for."""
-        chunk = self._emit(result.tokens, self._context)
+        """Commit a verify step's tokens, with their log-probabilities when asked for (read
+        before the commit moves the constraint past the rows' paths)."""
+        entries = []
         if self.logprobs is not None:
             top = self.sampling.logprobs
-            for token, row in zip(chunk, result.rows):
+            for token, row in zip(result.tokens, result.rows):
                 logprobs = result.target.logprobs(row)
                 values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
                 alternatives = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist())
                                      if v > float("-inf"))  # tokens the processors dropped: none
-                self.logprobs.append(TokenLogprob(token, float(logprobs[token]), alternatives))
+                entries.append(TokenLogprob(token, float(logprobs[token]), alternatives))
+        chunk = self._emit(result.tokens, self._context)
+        if self.logprobs is not None:
+            self.logprobs.extend(entries[:len(chunk)])
         return chunk
 
     def _jump_forward(self) -> list[int]:
@@ -302,7 +306,6 @@ class Generation:
         constraint = self.constraint
         if constraint is None or self.finish_reason is not None:
             return []
-        constraint.commit(self.tokens[len(constraint.output):])
         chunk: list[int] = []
         while self.finish_reason is None and len(self._forced) < MAX_FORCED_RUN:
             if constraint.finished:
@@ -312,7 +315,6 @@ class Generation:
             if token is None:
                 break
             chunk += self._emit([token], self._context)
-            constraint.commit([token])
             self._forced.append(token)
             self.stats.forced_tokens += 1
             if self.logprobs is not None:
@@ -320,9 +322,18 @@ class Generation:
         return chunk
 
     def _emit(self, tokens: Sequence[int], context: list[int]) -> list[int]:
-        """Commit ``tokens``, cut at end-of-sequence or the token limit."""
+        """Commit ``tokens``, cut at end-of-sequence or the token limit. Under a constraint
+        each token is fed to it; a finished grammar ends the generation before any
+        end-of-sequence token (every method stops at the same place: ``ar`` when the grammar
+        finishes, a speculative step where a drafted end-of-sequence follows)."""
         out: list[int] = []
+        constraint = self.constraint
         for token in tokens:
+            if constraint is not None:
+                if constraint.finished:
+                    self.finish_reason = "stop"
+                    break
+                constraint.commit([token])
             out.append(token)
             if token in self.eos_token_ids:
                 self.finish_reason = "stop"
