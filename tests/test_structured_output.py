@@ -314,3 +314,25 @@ def test_logprobs_on_the_default_model_equal_transformers(real_model):
             values, top = expected[j].topk(5)
             assert [t for t, _ in entry.top] == top.tolist(), (method, j)
             assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-3)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--json-schema", "/nonexistent/schema.json"], "cannot read --json-schema file"),
+    (["--grammar", "/nonexistent/g.lark"], "cannot read --grammar file"),
+    (["--logprobs", "50"], "logprobs must be an integer in [0, 20]"),
+])
+def test_cli_bad_constraint_options_fail_before_loading(capsys, argv, message):
+    from specdecode.cli import main
+
+    assert main(["generate", "hi", "--method", "ngram"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_jump_forward_saves_forwards_and_changes_no_token(tiny_models, vocab):
+    model, prompt = tiny_models[1], repetitive_prompts()[1]
+    on = run(model, "ar", prompt, 40, vocab, json_schema=SCHEMA)
+    off = run(model, "ar", prompt, 40, vocab, json_schema=SCHEMA, jump_forward=False)
+    assert on.tokens == off.tokens and off.stats.forced_tokens == 0
+    assert on.stats.forced_tokens > 0
+    assert on.stats.target_forwards == off.stats.target_forwards - on.stats.forced_tokens

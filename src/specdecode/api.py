@@ -31,7 +31,8 @@ from specdecode.sampling import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 #: keyword arguments that build the request's constraint (:func:`make_constraint`)
-CONSTRAINT_FIELDS = frozenset(("json_schema", "regex", "grammar", "json_object", "banned"))
+CONSTRAINT_FIELDS = frozenset(("json_schema", "regex", "grammar", "json_object", "banned",
+                               "jump_forward"))
 
 
 @dataclass
@@ -158,7 +159,7 @@ class Decoder:
         ``sampling``: :class:`SamplingParams` fields and the constraint options
         (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
         asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
-        if any(v not in (None, False, (), []) for v in asked.values()):
+        if any(v not in (None, False, (), []) for k, v in asked.items() if k != "jump_forward"):
             require(sampling.get("constraint") is None,
                     "give constraint options or a built constraint, not both")
             sampling["constraint"] = make_constraint(self.vocabulary, **asked)

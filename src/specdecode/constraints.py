@@ -143,6 +143,9 @@ class ConstraintSpec:
     banned_strings: tuple[bytes, ...] = ()
     #: for messages: what was asked ("json_schema", "regex", "grammar", "json_object", "ban")
     kinds: tuple[str, ...] = ()
+    #: commit forced tokens without a target forward; False sends each through the verifier
+    #: like any other token (the same tokens; for measuring what jump-forward saves)
+    jump_forward: bool = True
     _tables: dict = field(default_factory=dict, repr=False)
 
     def start(self) -> Constraint:
@@ -162,7 +165,8 @@ class ConstraintSpec:
 
 def make_constraint(vocabulary: Vocabulary, *, json_schema: Any = None, regex: str | None = None,
                     grammar: str | None = None, json_object: bool = False,
-                    banned: Sequence[str | Sequence[int]] = ()) -> ConstraintSpec | None:
+                    banned: Sequence[str | Sequence[int]] = (),
+                    jump_forward: bool = True) -> ConstraintSpec | None:
     """A checked :class:`ConstraintSpec` (None when nothing is constrained). At most one of
     ``json_schema`` (a dict or its JSON text), ``regex``, ``grammar`` (Lark, or GBNF/EBNF with
     ``::=`` rules) and ``json_object`` (any JSON object). Raises :class:`SpecDecodeError`
@@ -211,7 +215,7 @@ def make_constraint(vocabulary: Vocabulary, *, json_schema: Any = None, regex: s
     if compiled is None and not strings and not sequences:
         return None
     return ConstraintSpec(vocabulary, compiled, sequences, strings,
-                          tuple(asked) + (("ban",) if banned else ()))
+                          tuple(asked) + (("ban",) if banned else ()), jump_forward=jump_forward)
 
 
 def _split_bans(banned, vocab_size: int) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:

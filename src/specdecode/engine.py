@@ -311,6 +311,8 @@ class Generation:
             if constraint.finished:
                 self.finish_reason = "stop"
                 break
+            if not constraint.spec.jump_forward:
+                break
             token = constraint.forced()
             if token is None:
                 break

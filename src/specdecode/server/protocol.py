@@ -73,6 +73,8 @@ class SpecDecodeOptions(Strict):
     #: constrain the output to this regex / this Lark (or GBNF) grammar
     regex: str | None = None
     grammar: str | None = None
+    #: commit the tokens a grammar forces without a target forward (off: for measurements)
+    jump_forward: bool = True
 
 
 class JsonSchemaFormat(BaseModel):
@@ -154,6 +156,8 @@ class SamplingFields(Strict):
                     out[name] = getattr(ext, name)
             if ext.ban:
                 out["banned"] = list(ext.ban)
+            if out and not ext.jump_forward:
+                out["jump_forward"] = False
         return out
 
     def top_logprobs_count(self) -> int | None:
