@@ -336,3 +336,14 @@ def test_jump_forward_saves_forwards_and_changes_no_token(tiny_models, vocab):
     assert on.tokens == off.tokens and off.stats.forced_tokens == 0
     assert on.stats.forced_tokens > 0
     assert on.stats.target_forwards == off.stats.target_forwards - on.stats.forced_tokens
+
+
+def test_a_constraint_travels_to_another_process(vocab):
+    """Ray replicas receive requests pickled: the vocabulary is rebuilt from its tokens."""
+    import pickle
+
+    spec = make_constraint(vocab, json_schema=SCHEMA, banned=["ab"])
+    copy = pickle.loads(pickle.dumps(spec))
+    assert torch.equal(copy.start().allowed(()), spec.start().allowed(()))
+    small = Vocabulary([b"", b"", b"", b"a", b"b"], 5, [EOS])  # no token spells "test"
+    assert make_constraint(small, regex="ab").start().forced() == 3

@@ -56,6 +56,7 @@ class Vocabulary:
         import llguidance
 
         require(len(eos_ids) > 0, "a constrained generation needs an end-of-sequence token id")
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = tuple(int(e) for e in eos_ids)
         if isinstance(tokenizer, (list, tuple)):
@@ -73,6 +74,11 @@ class Vocabulary:
             # tokenizer decodes it after another token (the masks need no more than that)
             self._bytes = _decoded_bytes(tokenizer)
             self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0]))
+
+    def __reduce__(self):
+        # llguidance's tokenizer does not pickle: a copy in another process (a Ray replica)
+        # is built again from the tokenizer
+        return (Vocabulary, (self._source, self.vocab_size, self.eos_ids))
 
     def _from_bytes(self, tokens: _ByteTokens):
         import llguidance
@@ -116,7 +122,9 @@ class _ByteTokens:
         self._longest = max(len(t) for t in tokens)
         self._ids = {t: i for i, t in reversed(list(enumerate(tokens))) if t}
 
-    def __call__(self, text: bytes) -> list[int]:
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, str):  # llguidance passes text when its bytes probe failed
+            text = text.encode("utf-8")
         ids, i = [], 0
         while i < len(text):
             for n in range(min(self._longest, len(text) - i), 0, -1):
@@ -360,6 +368,8 @@ class Constraint:
         require(matcher.consume_tokens(list(path)) if path else True,
                 f"draft path {list(path)} breaks the grammar; prune the draft first")
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        if matcher.is_error():
+            raise SpecDecodeError(f"the grammar engine failed: {matcher.get_error()[:500]}")
         if path:
             matcher.rollback(len(path))
         allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size]
