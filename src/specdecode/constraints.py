@@ -10,8 +10,9 @@ any draft path below them:
   The verifier masks the target's logits of each node with its own path's mask, so greedy
   takes the argmax of the masked logits and sampling draws from the masked, renormalised
   distribution: exactly what plain decoding under the same constraint does.
-- ``permits(path, token)``: one token's verdict without a whole mask (the greedy walk's fast
-  path: when the unmasked argmax is allowed it is the masked argmax too).
+- ``permits(path, token)``: one token's verdict, read from the grammar's bitmask without
+  building the [V] tensor (the greedy walk's fast path: when the unmasked argmax is allowed it
+  is the masked argmax too).
 - ``prune(draft)``: drops draft nodes the constraint rejects before the target sees them.
 - ``forced()``: the one token allowed after the committed tokens, if only one is (a grammar's
   fixed key or brace): the engine commits it without a target forward (jump-forward). Only a
@@ -265,6 +266,7 @@ class Constraint:
         #: the end of the output's decoded bytes, as long as the longest banned string needs
         self._tail = b""
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._bitmasks: dict[tuple[int, ...], bytes] = {}
 
     # ---- the committed output ---------------------------------------------------------------
 
@@ -274,6 +276,7 @@ class Constraint:
         if not tokens:
             return
         self._masks.clear()
+        self._bitmasks.clear()
         eos = self.spec.vocabulary.eos_ids
         for token in tokens:
             if token in eos:
@@ -315,10 +318,7 @@ class Constraint:
         key = tuple(path)
         if key in self._masks:
             return bool(self._masks[key][token])
-        if self.matcher is not None and self.matcher.validate_tokens(list(key) + [token]) \
-                != len(key) + 1:
-            return False
-        return not self._bans(key, token)
+        return self._grammar_permits(key, token) and not self._bans(key, token)
 
     def prune(self, draft: Draft, keep_rejected_leaves: bool = False) -> Draft:
         """``draft`` without the nodes the constraint rejects and their descendants.
@@ -341,8 +341,8 @@ class Constraint:
                     matcher.rollback(1)
                 continue
             token = draft.tokens[node]
-            ok = (matcher is None or matcher.validate_tokens([token]) == 1) and \
-                not self._bans(tuple(path), token)
+            key = tuple(path)
+            ok = self._grammar_permits(key, token, here=True) and not self._bans(key, token)
             if ok or keep_rejected_leaves:
                 keep.append(node)
             if ok:
@@ -363,15 +363,32 @@ class Constraint:
 
     # ---- the two kinds ----------------------------------------------------------------------
 
+    def _bits(self, path: tuple[int, ...], here: bool = False) -> bytes:
+        """llguidance's token bitmask after committed + ``path`` (bit t of byte t // 8 = token
+        t), cached; ``here``: the matcher already stands there (a depth-first walk)."""
+        bits = self._bitmasks.get(path)
+        if bits is None:
+            matcher = self.matcher
+            move = bool(path) and not here
+            require(matcher.consume_tokens(list(path)) if move else True,
+                    f"draft path {list(path)} breaks the grammar; prune the draft first")
+            bits = matcher.compute_bitmask()
+            if matcher.is_error():
+                raise SpecDecodeError(f"the grammar engine failed: {matcher.get_error()[:500]}")
+            if move:
+                matcher.rollback(len(path))
+            self._bitmasks[path] = bits
+        return bits
+
+    def _grammar_permits(self, path: tuple[int, ...], token: int, here: bool = False) -> bool:
+        # the mask, not llguidance's validate_tokens: that one also passes tokenizations the
+        # mask leaves out (a forced '":"' spelt '":' + '"'), and the mask is what ar follows
+        if self.matcher is None:
+            return True
+        return bool(self._bits(path, here)[token >> 3] >> (token & 7) & 1)
+
     def _grammar_mask(self, path: tuple[int, ...]) -> torch.Tensor:
-        matcher = self.matcher
-        require(matcher.consume_tokens(list(path)) if path else True,
-                f"draft path {list(path)} breaks the grammar; prune the draft first")
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        if matcher.is_error():
-            raise SpecDecodeError(f"the grammar engine failed: {matcher.get_error()[:500]}")
-        if path:
-            matcher.rollback(len(path))
+        bits = np.frombuffer(self._bits(path), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size]
         return torch.from_numpy(allowed.astype(bool))
 
