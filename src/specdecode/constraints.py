@@ -56,53 +56,66 @@ class Vocabulary:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         import llguidance
 
+        require(len(tokenizer) <= vocab_size,
+                f"the tokenizer has {len(tokenizer)} tokens, more than the model's {vocab_size}")
         require(len(eos_ids) > 0, "a constrained generation needs an end-of-sequence token id")
         self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = tuple(int(e) for e in eos_ids)
         if isinstance(tokenizer, (list, tuple)):
             self._bytes = [bytes(t) for t in tokenizer]
-            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0]))
-            return
-        import llguidance.hf
-
-        self._bytes = None
-        try:
-            self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                   eos_token=list(self.eos_ids))
-        except ValueError:
-            # a decoder llguidance does not read (Metaspace, ...): each token's text as the
-            # tokenizer decodes it after another token (the masks need no more than that)
-            self._bytes = _decoded_bytes(tokenizer)
-            self.ll = self._from_bytes(_ByteTokens(self._bytes, self.eos_ids[0]))
+        else:
+            # each token's bytes from the tokenizer itself: llguidance's own reading of a
+            # tokenizer.json misreads some decoders (a GGUF-converted byte-level BPE came out
+            # with its raw "Ċ" for a newline, so a grammar let a raw newline into a JSON string)
+            self._bytes = _token_bytes(tokenizer)
+        self._bytes += [b""] * (vocab_size - len(self._bytes))  # ids the tokenizer never makes
+        self.ll = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_ByteTokens(self._bytes, self.eos_ids[0])),
+            n_vocab=vocab_size, eos_token=list(self.eos_ids))
 
     def __reduce__(self):
         # llguidance's tokenizer does not pickle: a copy in another process (a Ray replica)
         # is built again from the tokenizer
         return (Vocabulary, (self._source, self.vocab_size, self.eos_ids))
 
-    def _from_bytes(self, tokens: _ByteTokens):
-        import llguidance
-
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokens), n_vocab=self.vocab_size,
-                                      eos_token=list(self.eos_ids))
-
-    @cached_property
+    @property
     def token_bytes(self) -> list[bytes]:
         """Bytes each token adds to the decoded text (special tokens add none, as in a
         ``skip_special_tokens`` decode)."""
-        if self._bytes is not None:
-            return self._bytes + [b""] * (self.vocab_size - len(self._bytes))
-        ll = self.ll
-        return [b"" if ll.is_special_token(i) else ll.decode_bytes([i])
-                for i in range(self.vocab_size)]
+        return self._bytes
+
+
+def _token_bytes(tokenizer) -> list[bytes]:
+    """Each token id's bytes: byte-level BPE pieces mapped back through GPT-2's byte alphabet;
+    other tokenizers by decoding each token after another one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteLevel" not in str(backend.pre_tokenizer):
+        return _decoded_bytes(tokenizer)
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    alphabet = {c: b for b, c in bytes_to_unicode().items()}
+    special = _special_ids(tokenizer)
+    out = []
+    for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special or piece is None:
+            out.append(b"")
+        elif all(c in alphabet for c in piece):
+            out.append(bytes(alphabet[c] for c in piece))
+        else:  # an added (non-special) token is stored as its text
+            out.append(piece.encode("utf-8"))
+    return out
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
 def _decoded_bytes(tokenizer) -> list[bytes]:
     """Each token's bytes as it decodes after another token (so a leading-space marker reads
     as the space it stands for); special tokens get none."""
-    special = set(tokenizer.all_special_ids) | {
-        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = _special_ids(tokenizer)
     anchor = next(i for i in range(len(tokenizer)) if i not in special)
     base = tokenizer.decode([anchor])
     return [b"" if i in special else
