@@ -347,3 +347,26 @@ def test_a_constraint_travels_to_another_process(vocab):
     assert torch.equal(copy.start().allowed(()), spec.start().allowed(()))
     small = Vocabulary([b"", b"", b"", b"a", b"b"], 5, [EOS])  # no token spells "test"
     assert make_constraint(small, regex="ab").start().forced() == 3
+
+
+def test_byte_level_tokens_are_read_as_their_bytes():
+    """A byte-level BPE stores a newline as "Ċ" and a space as "Ġ": the grammar must see the
+    bytes, or a JSON string would take a raw newline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat\nsat on the mat", '{"a": "b c"}'] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    vocab = Vocabulary(fast, len(fast), [fast.eos_token_id])
+    newline = fast.convert_tokens_to_ids("Ċ")
+    assert vocab.token_bytes[newline] == b"\n"
+    assert vocab.token_bytes[fast.eos_token_id] == b""
+    state = make_constraint(vocab, json_schema={"type": "string"}).start()
+    state.commit([fast.convert_tokens_to_ids('"')])
+    assert not state.permits([], newline)
+    assert state.permits([], fast.convert_tokens_to_ids("a"))
