@@ -141,8 +141,8 @@ class Frontend:
         self.fingerprint = model.fingerprint
         self.tokenizer = tokenizer
         #: the ids ending a generation (a finished grammar allows them); the tokenizer's by default
-        self.eos_token_ids: list[int] = (
-            [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else [])
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids: list[int] = [] if eos is None else [eos]
         self._vocabulary: Vocabulary | None = None
 
     @property
@@ -364,6 +364,23 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+class StreamedLogprobs:
+    """Per choice of a stream, the log-probabilities sent so far: a text piece carries those of
+    its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left."""
+
+    def __init__(self, choices: int):
+        self.sent = [0] * choices
+
+    def of(self, index: int, piece: str) -> list | None:
+        logprobs = getattr(piece, "logprobs", None)
+        if logprobs is not None:
+            self.sent[index] += len(logprobs)
+        return logprobs
+
+    def rest(self, index: int, result: GenerationResult) -> list | None:
+        return None if result.logprobs is None else result.logprobs[self.sent[index]:]
+
+
 class Endpoint:
     """One completion-style endpoint: how its chunks and final body look."""
 
@@ -484,14 +501,10 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
+        sent = StreamedLogprobs(len(job.specs))
 
-        sent = [0] * len(job.specs)  # log-probabilities streamed so far, per choice
-
-        def chunk(index: int, text: str, finish: str | None, role: bool = False,
-                  logprobs: list | None = None) -> str:
+        def chunk(index: int, text: str, finish: str | None, role=False, logprobs=None) -> str:
             body = self.envelope(rid, req.model, chunk=True)
-            if logprobs is not None:
-                sent[index] += len(logprobs)
             choice = self.choice(index, text, finish, delta=True, logprobs=logprobs)
             if role:
                 choice["delta"] = {"role": "assistant", "content": ""}
@@ -515,12 +528,10 @@ class Endpoint:
                         if first_text:
                             first_text = False
                             metrics.first_token.observe(time.perf_counter() - job.arrived)
-                        yield chunk(index, payload, None,
-                                    logprobs=getattr(payload, "logprobs", None))
+                        yield chunk(index, payload, None, logprobs=sent.of(index, payload))
                     elif kind == "done":
                         results[index] = payload
-                        rest = (None if payload.logprobs is None
-                                else payload.logprobs[sent[index]:])
+                        rest = sent.rest(index, payload)
                         yield chunk(index, "", payload.finish_reason, logprobs=rest)
                         if all(r is not None for r in results):
                             if include_usage:
