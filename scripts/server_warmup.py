@@ -28,37 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
 from specdecode.server.loadtest import start_server, stop_server, wait_healthy
-
-INSTRUCTION = ("Add type hints and a docstring to this Python function. Reply with the "
-               "complete function only.\n\n```python\n{code}\n```")
-
-FUNCTIONS = [
-    "def area(width, height):\n    return width * height",
-    "def greet(name):\n    return 'Hello, ' + name + '!'",
-    "def is_even(n):\n    return n % 2 == 0",
-    "def average(values):\n    return sum(values) / len(values)",
-    "def clamp(x, low, high):\n    return max(low, min(x, high))",
-    "def count_words(text):\n    return len(text.split())",
-    "def reverse(s):\n    return s[::-1]",
-    "def first_or_none(items):\n    return items[0] if items else None",
-    "def to_celsius(fahrenheit):\n    return (fahrenheit - 32) * 5 / 9",
-    "def square_all(numbers):\n    return [n * n for n in numbers]",
-    "def merge(a, b):\n    result = dict(a)\n    result.update(b)\n    return result",
-    "def join_names(names):\n    return ', '.join(sorted(names))",
-    "def max_index(values):\n    return values.index(max(values))",
-    "def is_palindrome(word):\n    word = word.lower()\n    return word == word[::-1]",
-    "def percent(part, whole):\n    return 100 * part / whole",
-    "def unique(items):\n    return list(dict.fromkeys(items))",
-    "def circle_area(radius):\n    return 3.14159 * radius ** 2",
-    "def starts_with_vowel(word):\n    return word[:1].lower() in 'aeiou'",
-    "def total_price(prices, tax):\n    return sum(prices) * (1 + tax)",
-    "def flatten(lists):\n    return [x for sub in lists for x in sub]",
-    "def word_lengths(words):\n    return {w: len(w) for w in words}",
-    "def safe_divide(a, b):\n    if b == 0:\n        return None\n    return a / b",
-    "def last_n(items, n):\n    return items[-n:]",
-    "def count_upper(text):\n    return sum(1 for c in text if c.isupper())",
-]
 
 
 def send(client: httpx.Client, url: str, method: str, code: str, max_tokens: int) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.models.loading import tiny_llama
+from tiny_models import tiny_llama
 
 
 
@@ -59,19 +59,15 @@ def gguf_writer(config, path, arch: str):
     """A GGUF writer for a tiny test model, with the header llama.cpp writes for ``config``."""
     import gguf
 
+    from specdecode.bench.shapes import Shape, add_hyperparameters
+
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    if getattr(config, "head_dim", None):
-        writer.add_key_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if getattr(config, "sliding_window", None):
-        writer.add_sliding_window(config.sliding_window)
+    shape = Shape(arch, config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                  config.num_attention_heads, config.num_key_value_heads,
+                  head_dim=getattr(config, "head_dim", None),
+                  context=config.max_position_embeddings, rope_base=config.rope_theta,
+                  sliding_window=getattr(config, "sliding_window", None) or 0)
+    add_hyperparameters(writer, shape, config.rms_norm_eps)
     return writer
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from specdecode.api import Decoder
-from specdecode.models.loading import tiny_llama
 
 from conftest import repetitive_prompts
+from tiny_models import tiny_llama
 from test_exactness import METHODS, dev_prompts, needs_draft_model, tiny_overrides
 
 NEW_TOKENS = 32

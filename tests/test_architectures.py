@@ -15,10 +15,10 @@ from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner, Q4Weight
-from specdecode.models.loading import tiny_model
 from specdecode.models.quant import WEIGHT_FORMATS
 
 from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+from tiny_models import tiny_model
 
 from test_exactness import METHODS, tiny_overrides
 

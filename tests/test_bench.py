@@ -280,14 +280,15 @@ def layer_macs(c) -> int:
 
 
 def test_cached_layer_rate_is_the_layers_multiply_adds_over_the_median_time(monkeypatch):
-    from specdecode.bench import runners
-    from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
+    from specdecode.bench import roofline
+    from specdecode.models.loading import LoadedModel, make_runner
+    from tiny_models import tiny_llama
 
     model = tiny_llama(hidden_size=64, seed=0)
     runner = make_runner(LoadedModel(model, ToyTokenizer(), "tiny"), "native", "int4")
     clock = itertools.count()  # every timed call of the four layers takes one tick, 1 ms
-    monkeypatch.setattr(runners.time, "perf_counter", lambda: next(clock) * 1e-3)
-    rate = runners.cached_layer_gmacs(runner, 16)
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock) * 1e-3)
+    rate = roofline.cached_layer_gmacs(runner, 16)
     assert rate == pytest.approx(16 * layer_macs(model.config) / 1e-3 / 1e9)
 
 
@@ -298,7 +299,8 @@ def test_runner_measurement_on_a_tiny_model(tmp_path, monkeypatch):
     from specdecode.models.quant import WEIGHT_FORMATS
 
     questions = load_questions(write_questions(tmp_path / "q.jsonl"))
-    from specdecode.models.loading import make_runner, tiny_llama
+    from specdecode.models.loading import make_runner
+    from tiny_models import tiny_llama
 
     # int4 groups need input sizes divisible by 32
     loaded = LoadedModel(tiny_llama(hidden_size=64, seed=0), ToyTokenizer(), "tiny")
@@ -436,13 +438,13 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     file, only the default format is built unless asked, and llama-bench runs beside it."""
     from specdecode.bench import runner_set
     from specdecode.bench import runners as runners_module
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
     from test_llama_runner import write_gguf
 
     path = write_gguf(tiny_llama(hidden_size=64, seed=0), tmp_path / "m.gguf")
     monkeypatch.setattr(runner_set, "FLOAT_COPY_LIMIT", 0)
-    monkeypatch.setattr(runner_set, "gguf_tokenizer", lambda p: ToyTokenizer())
-    monkeypatch.setattr("specdecode.models.loading.load_model", _no_model)
+    monkeypatch.setattr("specdecode.models.loading.gguf_tokenizer", lambda *_: ToyTokenizer())
+    monkeypatch.setattr("specdecode.models.loading._gguf_transformers_model", _no_model)
     built = runner_set.build(str(path), "auto", path)
     assert list(built.runners) == ["native int4"] and built.hf_model is None
     assert built.notes[0].startswith("hf runner and transformers generate: left out")
@@ -450,7 +452,8 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     said = []
     built = runner_set.build(str(path), "int4,int8", path, say=said.append)
     assert list(built.runners) == ["native int4", "native int8"]
-    assert said[0].startswith("native int8: building it may hold a float32 copy")
+    assert len(said) == 1 and said[0].startswith(
+        "native int8: block int8 from the file's blocks, no float copy, holds ")
 
     tool = tmp_path / "llama-bench"
     tool.write_text(FAKE_LLAMA_BENCH)

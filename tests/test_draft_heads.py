@@ -16,13 +16,13 @@ from specdecode.heads.artifact import load_heads, save_heads
 from specdecode.heads.networks import NETWORKS, make_network
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.registry import get
 from specdecode.sampling import SamplingParams
 from specdecode.training.artifacts import float_rows, int8_rows
 from specdecode.training.self_data import frequency_shortlist, shortlist_coverage
 
 from conftest import repetitive_prompts, tiny_heads
+from tiny_models import tiny_llama
 from test_sampling_stats import (ALPHA, ENGINE_NEW, ENGINE_OPTIONS, ENGINE_PROMPT, ENGINE_VOCAB,
                                  chi_square, enumerate_sequences, reference_probs)
 

@@ -16,7 +16,6 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Feedback
 from specdecode.drafting.artifacts import load_draft
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from specdecode.training import distill_draft
 
 from conftest import repetitive_prompts
+from tiny_models import noisy_copy, tiny_llama
 
 CONTROLLERS = ["fixed", "heuristic", "confidence", "specdecpp"]
 
@@ -32,17 +32,6 @@ CONTROLLERS = ["fixed", "heuristic", "confidence", "specdecpp"]
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=0)
-
-
-def noisy_copy(model, scale: float, seed: int):
-    """A draft that agrees with ``model`` often but not always."""
-    draft = tiny_llama(seed=0)
-    draft.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return draft.eval()
 
 
 @pytest.fixture(scope="module")

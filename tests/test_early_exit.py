@@ -10,11 +10,11 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.drafting.exits import tokens_per_layer
 from specdecode.training.adapters import ExitAdapters
 
 from conftest import repetitive_prompts
+from tiny_models import tiny_llama
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

@@ -16,9 +16,9 @@ import torch
 
 from specdecode import registry
 from specdecode.api import Decoder
-from specdecode.models.loading import tiny_llama
 
 from conftest import repetitive_prompts, tiny_heads
+from tiny_models import tiny_llama
 
 DEV = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "data" / "spec_bench_dev.jsonl"
 if not DEV.is_file():

@@ -16,11 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "specdecode"
-#: cycles known and owned elsewhere, each to be removed here when it is broken (the test fails
-#: on a listed cycle that no longer exists, so the list cannot go stale): ``serve``'s options
-#: (server/__init__.py) and the Ray Serve entry point ``ray_serve:app`` that parses them, on the
-#: server branch
-KNOWN = [["specdecode.server", "specdecode.server.ray_serve", "specdecode.server"]]
 
 
 def module_name(path: Path) -> str:
@@ -128,9 +123,5 @@ def test_the_graph_sees_imports_inside_functions(tmp_path, monkeypatch):
 
 def test_no_import_cycles():
     found = cycles(graph())
-    new = [cycle for cycle in found if cycle not in KNOWN]
-    if new:
-        pytest.fail("import cycles (move what both sides share into a module below them):\n"
-                    + "\n".join(" -> ".join(cycle) for cycle in new))
-    gone = [cycle for cycle in KNOWN if cycle not in found]
-    assert not gone, f"these cycles are gone: remove them from KNOWN: {gone}"
+    assert not found, ("import cycles (move what both sides share into a module below them):\n"
+                       + "\n".join(" -> ".join(cycle) for cycle in found))

@@ -163,9 +163,11 @@ def test_q4_stack_amx_equals_vnni_bitwise(ext, amx):
     lens = torch.arange(1, ROWS + 1, dtype=torch.int32)
 
     def chain(m, level):
-        return stack.forward(x[:m].contiguous(), 0, layers, k_cache.clone(), v_cache.clone(),
-                             cos[:m].contiguous(), sin[:m].contiguous(), slots[:m].contiguous(),
-                             past, table[:m, :m].contiguous(), lens[:m].contiguous(), level)
+        plan = kernels.packed_plan([k_cache.clone()], [v_cache.clone()], [0, m], [past],
+                                   slots[:m].contiguous(), table[:m, :m].contiguous(),
+                                   lens[:m].contiguous())
+        return stack.forward(x[:m].contiguous(), 0, layers, plan, cos[:m].contiguous(),
+                             sin[:m].contiguous(), level)
 
     together = chain(ROWS, amx)
     assert torch.equal(together, chain(ROWS, kernels.ISA_LEVELS.index("avx512")))

@@ -16,10 +16,11 @@ from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.llama_drafter import LlamaDrafter
-from specdecode.models.loading import LoadedModel, make_runner, tiny_llama
+from specdecode.models.loading import LoadedModel, make_runner
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
 from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+from tiny_models import tiny_llama
 
 #: a context length that prompts in these tests cross (attention scores 64 cached keys at a
 #: time, then 16 gathered ones a register)

@@ -16,13 +16,14 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.aded import ADEDConfig, ADEDProposer, TrigramMatrix, search
 from specdecode.proposers.base import Feedback
 from specdecode.proposers.jacobi import JacobiConfig, JacobiProposer
 from specdecode.proposers.lookahead import LookaheadConfig, LookaheadProposer, NgramPool
 from specdecode.proposers.sjd import SJDConfig, SJDProposer
 from specdecode.sampling import SamplingParams
+
+from tiny_models import tiny_llama
 
 from test_sampling_stats import ALPHA, WRONG, TableRunner, chi_square, enumerate_sequences, reference_probs
 

@@ -48,7 +48,7 @@ def test_windows_follow_llama_perplexity():
 
 @pytest.mark.parametrize("weights,bos", [("fp32", None), ("fp32", 1), ("int4", None)])
 def test_native_perplexity_matches_the_models_own_logits(tiny_model, monkeypatch, weights, bos):
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
 
     model = tiny_model if weights == "fp32" else tiny_llama(hidden_size=64, seed=0)
     runner = make_runner(LoadedModel(model, ToyTokenizer(), "tiny"), "native", weights)

@@ -10,12 +10,13 @@ import specdecode
 from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Feedback
 from specdecode.proposers.recycling import (RANK_ACCEPT, RecyclingConfig, RecyclingProposer,
                                             best_tree, compile_template, draft_tree,
                                             template_paths)
 from specdecode.registry import get
+
+from tiny_models import tiny_llama
 
 V = 64
 WIDE = Budget(max_depth=64, max_nodes=128)

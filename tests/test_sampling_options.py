@@ -16,14 +16,11 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 import specdecode
 from specdecode import registry
@@ -41,6 +38,7 @@ from specdecode.verify import verify
 from conftest import repetitive_prompts
 from test_exactness import tiny_overrides
 from test_sampling_stats import reference_probs
+from tiny_models import noisy_copy
 
 #: every option at once (the registry-wide and oracle tests)
 ALL_OPTIONS = dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
@@ -48,20 +46,9 @@ ALL_OPTIONS = dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02, repetition_
 
 
 def transformers_probs(logits, ids, params: SamplingParams) -> torch.Tensor:
-    """transformers' processors in generate()'s order (no presence/frequency penalties there)."""
-    scores = logits[None].clone()
-    ids = torch.tensor([list(ids)])
-    processors = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
-                  TemperatureLogitsWarper(params.temperature)]
-    if params.top_k:
-        processors.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1:
-        processors.append(TopPLogitsWarper(params.top_p))
-    if params.min_p:
-        processors.append(MinPLogitsWarper(params.min_p))
-    for processor in processors:
-        scores = processor(ids, scores)
-    return scores[0].softmax(-1)
+    """transformers' processors in generate()'s order: the reference with nothing generated yet,
+    so no presence/frequency penalties (transformers has none)."""
+    return reference_probs(logits, ids, (), params).float()
 
 
 def ours(logits, context, params, prompt_len=None):
@@ -227,16 +214,6 @@ def test_one_generator_per_request(tiny_model):
 
 
 # ---- every registered proposer against ar -----------------------------------------------------
-
-def noisy_copy(model, scale: float = 0.3, seed: int = 1):
-    """A draft model that agrees with ``model`` often but not always."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return draft.eval()
-
 
 @pytest.fixture(scope="module")
 def target(tiny_model):

@@ -35,10 +35,11 @@ import specdecode.verify as verify_module
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.models.base import NOTHING, ForwardOutput, Runner
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.base import Proposer
 from specdecode.sampling import NodeDistributions, SamplingParams, apply_penalties, sample
 from specdecode.verify import VerifyResult, verify
+
+from tiny_models import tiny_llama
 
 #: false-alarm probability of each test on a correct verifier
 ALPHA = 1e-3

@@ -22,11 +22,12 @@ from specdecode import registry
 from specdecode.api import Decoder
 from specdecode.models.base import NOTHING
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
 from specdecode.server.loadtest import run_load
 from specdecode.server.memory import SharedMemory
+
+from tiny_models import tiny_llama
 
 MODEL = "tiny"
 EOS = 2

@@ -25,13 +25,15 @@ from specdecode.api import Decoder
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
-from specdecode.models.loading import tiny_llama
-from specdecode.server import BackgroundServer, allowed_hosts
+from specdecode.server import BackgroundServer
 from specdecode.server import limits
 from specdecode.server.app import LOOPBACK_HOSTS, Server, Settings, create_app
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue, Entry
+from specdecode.server.options import allowed_hosts
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import DECODERS_PER_SLOT, _Decoder, _Slot
+
+from tiny_models import tiny_llama
 from test_server import (CONTEXT, EOS, GOOD, MODEL, chat, make_server, model,  # noqa: F401
                          served, still_serving, tokenizer)
 

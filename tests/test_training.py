@@ -74,7 +74,7 @@ def trainer_args(tmp_path, **overrides):
 def test_trainer_learns_saves_resumes_and_refuses(tmp_path):
     from specdecode.api import Decoder
     from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
     from specdecode.training.adapters import ExitAdapters
     from specdecode.training.exit_adapters import train
 
@@ -110,7 +110,7 @@ def test_trainer_learns_saves_resumes_and_refuses(tmp_path):
 
 
 def test_trainer_bad_input(tmp_path):
-    from specdecode.models.loading import tiny_llama
+    from tiny_models import tiny_llama
     from specdecode.training.exit_adapters import parse_layers, train
 
     with pytest.raises(SpecDecodeError, match=r"--layers: 3 is outside the model.*1\.\.2"):

@@ -192,6 +192,9 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.text = ""
         self.result: GenerationResult | None = None
+        self._stop_found = False
+        #: log-probabilities handed out with pieces so far
+        self._reported = 0
 
     def __iter__(self) -> Iterator[str]:
         steps = self.steps()
@@ -205,34 +208,47 @@ class TextStream:
     def steps(self) -> Iterator[str]:
         """One text piece per committed token chunk, possibly empty (text held back, special
         tokens), so a caller interleaving several generations gets control back every step."""
-        tokenizer = self.decoder.tokenizer
-        finish = None
         chunks = iter(self.generation)
-        reported = 0  # log-probabilities handed out with pieces so far
         try:
             for _ in chunks:
-                if tokenizer is None:
-                    yield ""
-                    continue
-                full = tokenizer.decode(self.generation.tokens, skip_special_tokens=True)
-                cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    full, finish = full[:cut], "stop"
-                elif self.generation.finish_reason is None:
-                    full = full[:len(full) - self._unsettled(full)]
-                piece, self.text = Piece(full[len(self.text):]), full
-                logprobs = self.generation.logprobs
-                if piece and logprobs is not None:
-                    piece.logprobs, reported = logprobs[reported:], len(logprobs)
-                yield piece
-                if finish:
+                yield self.feed()
+                if self.stopped:
                     break
         finally:
             chunks.close()
+        self.finish()
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has appeared: the generation must end here."""
+        return self._stop_found
+
+    def feed(self) -> str:
+        """The new text after the generation committed a chunk (a server stepping the
+        generation itself calls this after each :meth:`Generation.advance`)."""
+        tokenizer = self.decoder.tokenizer
+        if tokenizer is None:
+            return ""
+        full = tokenizer.decode(self.generation.tokens, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            full, self._stop_found = full[:cut], True
+        elif self.generation.finish_reason is None:
+            full = full[:len(full) - self._unsettled(full)]
+        piece, self.text = Piece(full[len(self.text):]), full
+        logprobs = self.generation.logprobs
+        if piece and logprobs is not None:  # the tokens' log-probabilities ride with the text
+            piece.logprobs, self._reported = logprobs[self._reported:], len(logprobs)
+        return piece
+
+    def finish(self) -> GenerationResult:
+        """The result, once the generation has ended (closed or finished)."""
         gen = self.generation
+        finish = "stop" if self._stop_found else gen.finish_reason or "stop"
         self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
-                                       gen.stats, finish or gen.finish_reason or "stop",
+                                       gen.stats, finish,
                                        None if gen.logprobs is None else list(gen.logprobs))
+        return self.result
 
     def _unsettled(self, text: str) -> int:
         """Characters at the end of ``text`` that may still change, held back until they settle:

@@ -170,9 +170,9 @@ class Generation:
         self.stats = GenerationStats()
         #: "stop" (end-of-sequence) or "length" (max_new_tokens); None while running
         self.finish_reason: str | None = None
-        #: most draft nodes the next :meth:`next_call` may send (a server's goodput budget);
-        #: None = the controller's budget alone
-        self.draft_cap: int | None = None
+        #: (deepest node, most nodes) the next :meth:`next_call` may draft (a server's goodput
+        #: budget); None = the controller's budget alone
+        self.draft_cap: tuple[int, int] | None = None
         self._context = list(self.prompt_ids)
         self._generator = None
         self._call: Call | None = None
@@ -195,6 +195,11 @@ class Generation:
                 call = self.next_call()
         finally:
             self.close()
+
+    @property
+    def pending_call(self) -> Call | None:
+        """The call given by :meth:`begin` or :meth:`next_call` and not yet advanced."""
+        return self._call
 
     def begin(self) -> PrefillCall:
         """Start the proposer; the prompt's prefill is the first call."""
@@ -221,8 +226,12 @@ class Generation:
         left = self.max_new_tokens - len(self.tokens)
         budget = self.controller.budget().capped(left - 1)
         if self.draft_cap is not None:
-            budget = budget.capped_nodes(self.draft_cap)
-        draft = self.proposer.propose(context, budget).truncated(budget.max_depth, budget.max_nodes)
+            budget = budget.capped(self.draft_cap[0]).capped_nodes(self.draft_cap[1])
+        if budget.max_depth > 0:
+            draft = self.proposer.propose(context, budget).truncated(budget.max_depth,
+                                                                     budget.max_nodes)
+        else:  # nothing may be drafted (the last token, a loaded server): skip the drafting
+            draft = Draft.empty()
         if self.constraint is not None:
             kept = self.constraint.prune(draft, keep_rejected_leaves=not self.sampling.greedy
                                          and draft.probs is not None)

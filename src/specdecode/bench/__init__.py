@@ -11,6 +11,7 @@
     runner_set.py the runners ``--runners`` / ``--perplexity`` build, without a float32 copy
                   of a large GGUF file
     runners.py    ``--runners``: forward cost per row count, memory bound, ar end to end
+    roofline.py   ``--runners``: the int4 runner's roofline (the extension's micro-kernels)
     projection.py each method's speedup projected onto another file's row costs
     perplexity.py ``--perplexity``: llama-perplexity's rule on the native runner
     simulate.py   replays recorded ``ar`` outputs through model-free proposers

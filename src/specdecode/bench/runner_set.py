@@ -1,14 +1,14 @@
 """The runners ``bench --runners`` and ``bench --perplexity`` measure, built without holding a
 large model in float32.
 
-A GGUF file small enough that its float32 copy fits ``FLOAT_COPY_LIMIT`` (the default model:
-0.5 GB) loads as ``generate`` loads it (``models/loading``: the ``hf`` runner, ``transformers``
-generate, and every native weight format). A larger file (1B-8B: 7-32 GB in float32) never
-goes through ``transformers``: the native runner reads it itself (``LlamaRunner.from_gguf``),
-the tokenizer comes from the file's metadata, and only the formats asked for with
-``--weights`` are built - by default the native default format (int4) alone, since fp32, bf16
-and int8 are made from a float32 copy of the weights; the report says what was left out and
-why.
+Every model loads as ``generate`` loads it (``models/loading``: ``load_model``, which reads a
+GGUF file's header and tokenizer only, then ``make_runner`` per weight format): the native
+runner reads the file itself, one tensor at a time, so no format holds a float32 copy of the
+model (int4 and int8 keep the file's blocks, bf16 and fp32 dequantise tensor by tensor into
+their own layers). What ``FLOAT_COPY_LIMIT`` bounds is the ``transformers`` model: the ``hf``
+runner and ``transformers`` generate build it with every weight in float32, so a GGUF file
+whose float32 copy exceeds it (1B-8B: 7-32 GB) leaves them out, and ``--weights auto`` then
+builds the native default format (int4) alone; the report says what was left out and why.
 """
 
 from __future__ import annotations
@@ -71,13 +71,6 @@ def gguf_facts(path: Path) -> dict:
             "eos": list(dict.fromkeys(eos))}
 
 
-def gguf_tokenizer(path: Path):
-    """The file's tokenizer and chat template (``tokenizer.*`` metadata), without its weights."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 def hf_bos(tokenizer) -> int | None:
     """BOS id if the tokenizer puts one in front of a text."""
     ids = tokenizer("a")["input_ids"]
@@ -90,37 +83,54 @@ def build(model: str, weights: str, gguf_path: Path | None, with_hf: bool = True
     """The runners of ``model`` in the formats ``weights`` names (``auto``: every format where
     the float32 copy fits ``FLOAT_COPY_LIMIT``, else the default format)."""
     from specdecode.api import eos_ids
-    from specdecode.models.llama import DEFAULT_WEIGHTS, LlamaRunner, runs
+    from specdecode.models.llama import DEFAULT_WEIGHTS, runs
     from specdecode.models.loading import load_model, make_runner
     from specdecode.models.quant import WEIGHT_FORMATS
 
     formats = parse_formats(weights)
     facts = gguf_facts(gguf_path) if gguf_path is not None else None
     float_bytes = facts["parameters"] * 4 if facts else 0
-    if facts is None or float_bytes <= FLOAT_COPY_LIMIT:
-        loaded = load_model(model)
-        native = runs(loaded.config)
-        runners = {"hf (fp32)": make_runner(loaded, "hf")} if with_hf else {}
-        if native:
-            runners.update({f"native {fmt}": make_runner(loaded, "native", fmt)
-                            for fmt in formats or WEIGHT_FORMATS})
-        bos = facts["bos"] if facts else hf_bos(loaded.tokenizer)
-        return RunnerSet(runners, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer),
-                         loaded.model if with_hf else None, gguf_path, bos)
-    gb = float_bytes / 1e9
-    notes = []
-    if with_hf:
+    small = facts is None or float_bytes <= FLOAT_COPY_LIMIT
+    loaded = load_model(model)  # a GGUF file: its header and tokenizer, no weights yet
+    runners, notes = {}, []
+    if with_hf and small:
+        runners["hf (fp32)"] = make_runner(loaded, "hf")
+    elif with_hf:
         notes.append(f"hf runner and transformers generate: left out, they hold the model's "
-                     f"{facts['parameters'] / 1e9:.2f} B parameters in float32 ({gb:.1f} GB)")
-    if formats is None:
+                     f"{facts['parameters'] / 1e9:.2f} B parameters in float32 "
+                     f"({float_bytes / 1e9:.1f} GB)")
+    if not (loaded.config is not None and runs(loaded.config)):
+        notes.append("native runner: left out, it does not run this architecture")
+        formats = []
+    elif formats is None and not small:
         formats = [DEFAULT_WEIGHTS]
         others = [f for f in WEIGHT_FORMATS if f != DEFAULT_WEIGHTS]
-        notes.append(f"native {', '.join(others)}: left out, built today from a float32 copy "
-                     f"of the weights ({gb:.1f} GB); ask for them with --weights "
+        notes.append(f"native {', '.join(others)}: left out by --weights auto for a file this "
+                     f"large ({_holds(gguf_path, others)}); ask for them with --weights "
                      f"{DEFAULT_WEIGHTS},{','.join(others)}")
-    for fmt in formats:
-        if fmt != DEFAULT_WEIGHTS:
-            say(f"native {fmt}: building it may hold a float32 copy of the weights ({gb:.1f} GB)")
-    tokenizer = gguf_tokenizer(gguf_path)
-    runners = {f"native {fmt}": LlamaRunner.from_gguf(gguf_path, fmt) for fmt in formats}
-    return RunnerSet(runners, tokenizer, facts["eos"], None, gguf_path, facts["bos"], notes)
+    for fmt in formats or WEIGHT_FORMATS:
+        if not small and fmt != DEFAULT_WEIGHTS:
+            say(f"native {_holds(gguf_path, [fmt])}")
+        runners[f"native {fmt}"] = make_runner(loaded, "native", fmt)
+    bos = facts["bos"] if facts else hf_bos(loaded.tokenizer)
+    # a file's own end-of-sequence ids where transformers generate is left out (see gguf_facts)
+    eos = eos_ids(loaded, loaded.tokenizer) if small else facts["eos"]
+    return RunnerSet(runners, loaded.tokenizer, eos, loaded.model if with_hf and small else None,
+                     gguf_path, bos, notes)
+
+
+#: how the native runner builds each format from a GGUF file (models/weights.py)
+_HOW_BUILT = {"int4": "the file's 4-bit blocks kept, no float copy",
+              "int8": "block int8 from the file's blocks, no float copy",
+              "bf16": "dequantised one tensor at a time",
+              "fp32": "dequantised one tensor at a time"}
+
+
+def _holds(path: Path, formats: list[str]) -> str:
+    """What the native runner holds of ``path`` in each format, and how it gets there."""
+    from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.weights import gb, resident_bytes
+
+    file = GGUFFile(path)
+    return ", ".join(f"{fmt}: {_HOW_BUILT[fmt]}, holds {gb(resident_bytes(file, fmt))}"
+                     for fmt in formats)

@@ -17,13 +17,7 @@ Measured on the same machine in the same run, with the same threads:
   question: tokens/s of every runner, of ``transformers`` ``generate`` and of llama.cpp, and
   how many answers of each native format equal the fp32 native runner's token for token
   (exactness is always against the same runner; this says how far the formats drift);
-- the roofline of the native int4 runner: the machine's int8 multiply-add peak (VPDPBUSD
-  chains on every thread, nothing else); the ceiling of the Q4 kernel's own instruction mix
-  (its VPDPBUSD with the nibble unpacking and the per-group float fold, on registers: the fold
-  shares VPDPBUSD's ports); the rate each forward size reaches (the multiply-adds of its linear
-  layers over the whole forward's time); and the rate of one layer's linear layers with their
-  weights in cache, which separates the kernel from the memory stream and the rest of the
-  forward.
+- the roofline of the native int4 runner (``roofline``), on CPUs with AVX-512 VNNI.
 
 Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median); the
 bandwidth is the best of 7 reads of a 512 MiB buffer.
@@ -35,61 +29,23 @@ import statistics
 import time
 from pathlib import Path
 
-from specdecode import kernels
 from specdecode.bench.contenders import (LLAMA_CPP_THREADS, HFGenerate, IsolatedLlamaCpp,
                                          MethodContender, llama_cpp_available)
 from specdecode.bench.datasets import Question
 from specdecode.bench.report import fmt
+from specdecode.bench.roofline import layer_linears, measure_roofline, roofline_markdown
 from specdecode.bench.runner import encode_messages
 from specdecode.draft import Draft
 from specdecode.sampling import SamplingParams
 
 FORWARD_SIZES = (1, 8, 16, 64)
 TIMED_FORWARDS = 9
-#: VPDPBUSD rounds per thread for the peak (12 chains each: about 0.2 s)
-PEAK_ITERATIONS = 30_000_000
-#: rounds of the Q4 kernel's instruction mix per thread (64 VPDPBUSD each: about 0.2 s)
-MIX_ITERATIONS = 5_000_000
-#: timed calls of one layer's linear layers with their weights in cache (median)
-CACHED_CALLS = 41
 #: the stream-bandwidth buffer (MiB) and how many times it is read (the best counts)
 STREAM_MIB = 512
 STREAM_RUNS = 7
 #: the llama.cpp rows: llama-cpp-python's Llama.eval (every row's logits), llama.cpp's llama-bench
 LLAMA_CPP_PYTHON = "llama.cpp (llama-cpp-python)"
 LLAMA_BENCH = "llama.cpp (llama-bench)"
-
-
-def layer_linears(layer) -> list:
-    return [layer.qkv, layer.o, layer.gate_up, layer.down]
-
-
-def row_macs(linear) -> int:
-    """Multiply-adds of one row through an int4 linear layer (inputs: 32 per packed group)."""
-    return linear.out_features * linear.packed.shape[1] * 32
-
-
-def linear_macs_per_row(runner) -> int:
-    """Multiply-adds of one row through the layers' and the head's linear maps (int4 runner)."""
-    linears = [runner.head] + [lin for layer in runner.layers for lin in layer_linears(layer)]
-    return sum(map(row_macs, linears))
-
-
-def cached_layer_gmacs(runner, size: int) -> float:
-    """Multiply-adds per second of the first layer's four linear layers on ``size`` rows, called
-    again and again so that their weights stay in cache."""
-    import torch
-
-    linears = layer_linears(runner.layers[0])
-    inputs = [torch.randn(size, lin.packed.shape[1] * 32) for lin in linears]
-    macs = size * sum(map(row_macs, linears))
-    times = []
-    for _ in range(CACHED_CALLS + 1):
-        start = time.perf_counter()
-        for lin, x in zip(linears, inputs):
-            lin(x)
-        times.append(time.perf_counter() - start)
-    return macs / statistics.median(times[1:]) / 1e9
 
 
 def first_turns(tokenizer, questions: list[Question]) -> list[list[int]]:
@@ -187,10 +143,6 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
     """Time ``runners`` (name -> runner) and, on ``gguf_path``, llama.cpp: per-forward latency,
     the memory bound of one row, greedy ``ar`` end to end; peers in processes of their own
     (a peer that fails is named in ``peers_failed``, the rest is kept)."""
-    from specdecode import registry
-    from specdecode.bench.llama_tools import find_tool, llama_bench
-    from specdecode.bench.peer_process import PeerFailed, PeerProcess
-
     prompts = first_turns(tokenizer, questions)
     ids = context_ids(prompts, context + max(FORWARD_SIZES))
     ctx, tokens = ids[:context], ids[context:]
@@ -201,59 +153,13 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
                          for size in FORWARD_SIZES}
         progress(f"forward latency {name}: {latency[name]}")
     llama_decode = None
-    if gguf_path is not None and llama_cpp_available():
-        try:
-            peer = PeerProcess(LLAMA_CPP_PYTHON, "specdecode.bench.runners:LlamaCppLatency",
-                               gguf_path=str(gguf_path), threads=threads,
-                               n_ctx=len(ctx) + max(FORWARD_SIZES) + 16)
-            try:
-                row = peer.call("forward_ms", ctx, tokens, list(FORWARD_SIZES))
-            finally:
-                peer.close()
-            latency[LLAMA_CPP_PYTHON] = {int(k): v for k, v in row.items()}
-            progress(f"forward latency {LLAMA_CPP_PYTHON}: {row}")
-        except PeerFailed as exc:
-            failed[LLAMA_CPP_PYTHON] = str(exc)
-    bench_tool = find_tool("llama-bench", llama_cpp_dir) if gguf_path is not None else None
-    if bench_tool is not None:
-        try:
-            found = llama_bench(bench_tool, gguf_path, FORWARD_SIZES, context, threads)
-            latency[LLAMA_BENCH] = found["forward_ms"]
-            llama_decode = {"tokens_per_s": found["decode_tokens_per_s"],
-                            "command": found["command"]}
-            progress(f"forward latency {LLAMA_BENCH}: {found['forward_ms']}")
-        except PeerFailed as exc:
-            failed[LLAMA_BENCH] = str(exc)
-
-    bandwidth = stream_read_gbs()
-    memory = {"stream_gbs": bandwidth, "bytes": {}}
-    for name, runner in runners.items():
-        memory["bytes"][name] = weight_bytes(runner)
     if gguf_path is not None:
-        streamed = gguf_streamed_bytes(gguf_path)
-        for name in (LLAMA_CPP_PYTHON, LLAMA_BENCH):
-            if name in latency:
-                memory["bytes"][name] = streamed
-
-    ar = registry.get("ar")
-    roofline = None
-    if "native int4" in runners and kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
-        int4, ext = runners["native int4"], kernels.load()
-        roofline = {"peak_gmacs": ext.int8_peak_macs(PEAK_ITERATIONS) / 1e9,
-                    "q4_mix_gmacs": ext.q4_mix_peak_macs(MIX_ITERATIONS) / 1e9,
-                    "macs_per_row": linear_macs_per_row(int4),
-                    "cached_layer_gmacs": {str(size): cached_layer_gmacs(int4, size)
-                                           for size in FORWARD_SIZES}}
-    contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
-                  for name, runner in runners.items()}
-    if hf_model is not None:
-        contenders["transformers generate"] = HFGenerate(hf_model, eos, prompt_lookup=False)
-    if gguf_path is not None and llama_cpp_available() and LLAMA_CPP_PYTHON not in failed:
-        need = max(map(len, prompts)) + max_new_tokens + 32
-        try:
-            contenders["llama.cpp"] = IsolatedLlamaCpp(gguf_path, eos, False, -(-need // 256) * 256)
-        except PeerFailed as exc:
-            failed["llama.cpp"] = str(exc)
+        llama_decode = _llama_cpp_latency(gguf_path, ctx, tokens, threads, llama_cpp_dir,
+                                          latency, failed, progress)
+    memory = _memory_bound(runners, latency, gguf_path)
+    roofline = (measure_roofline(runners["native int4"], FORWARD_SIZES)
+                if "native int4" in runners else None)
+    contenders = _ar_contenders(runners, eos, hf_model, gguf_path, prompts, max_new_tokens, failed)
     answers, totals = _ar_end_to_end(contenders, prompts, max_new_tokens, failed, progress)
     ar_rows = {name: {"tokens_per_s": new_tokens / wall, "new_tokens": new_tokens,
                       "decode_tokens_per_s": (new_tokens - len(answers[name])) / (wall - prefill)
@@ -269,6 +175,75 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
             "memory": memory, "ar": ar_rows, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "roofline": roofline, "peers_failed": failed,
             "llama_bench_command": llama_decode["command"] if llama_decode else None}
+
+
+def _llama_cpp_latency(gguf_path: Path, ctx: list[int], tokens: list[int], threads: int,
+                       llama_cpp_dir: str | None, latency: dict, failed: dict,
+                       progress) -> dict | None:
+    """llama.cpp's rows of ``latency`` (llama-cpp-python where installed, llama-bench where
+    found), each peer in a process of its own; returns llama-bench's decode speed and command
+    (None without llama-bench)."""
+    from specdecode.bench.llama_tools import find_tool, llama_bench
+    from specdecode.bench.peer_process import PeerFailed, PeerProcess
+
+    if llama_cpp_available():
+        try:
+            peer = PeerProcess(LLAMA_CPP_PYTHON, "specdecode.bench.runners:LlamaCppLatency",
+                               gguf_path=str(gguf_path), threads=threads,
+                               n_ctx=len(ctx) + max(FORWARD_SIZES) + 16)
+            try:
+                row = peer.call("forward_ms", ctx, tokens, list(FORWARD_SIZES))
+            finally:
+                peer.close()
+            latency[LLAMA_CPP_PYTHON] = {int(k): v for k, v in row.items()}
+            progress(f"forward latency {LLAMA_CPP_PYTHON}: {row}")
+        except PeerFailed as exc:
+            failed[LLAMA_CPP_PYTHON] = str(exc)
+    bench_tool = find_tool("llama-bench", llama_cpp_dir)
+    if bench_tool is None:
+        return None
+    try:
+        found = llama_bench(bench_tool, gguf_path, FORWARD_SIZES, len(ctx), threads)
+    except PeerFailed as exc:
+        failed[LLAMA_BENCH] = str(exc)
+        return None
+    latency[LLAMA_BENCH] = found["forward_ms"]
+    progress(f"forward latency {LLAMA_BENCH}: {found['forward_ms']}")
+    return {"tokens_per_s": found["decode_tokens_per_s"], "command": found["command"]}
+
+
+def _memory_bound(runners: dict, latency: dict, gguf_path: Path | None) -> dict:
+    """The machine's read bandwidth and the weight bytes each row of ``latency`` streams."""
+    memory = {"stream_gbs": stream_read_gbs(), "bytes": {}}
+    for name, runner in runners.items():
+        memory["bytes"][name] = weight_bytes(runner)
+    if gguf_path is not None:
+        streamed = gguf_streamed_bytes(gguf_path)
+        for name in (LLAMA_CPP_PYTHON, LLAMA_BENCH):
+            if name in latency:
+                memory["bytes"][name] = streamed
+    return memory
+
+
+def _ar_contenders(runners: dict, eos, hf_model, gguf_path: Path | None,
+                   prompts: list[list[int]], max_new_tokens: int, failed: dict) -> dict:
+    """Who decodes greedily end to end: every runner with ``ar``, transformers generate where
+    the model is given, llama.cpp where installed (and its latency peer did not crash)."""
+    from specdecode import registry
+    from specdecode.bench.peer_process import PeerFailed
+
+    ar = registry.get("ar")
+    contenders = {name: MethodContender("ar", ar, ar.make_config(), runner, eos)
+                  for name, runner in runners.items()}
+    if hf_model is not None:
+        contenders["transformers generate"] = HFGenerate(hf_model, eos, prompt_lookup=False)
+    if gguf_path is not None and llama_cpp_available() and LLAMA_CPP_PYTHON not in failed:
+        need = max(map(len, prompts)) + max_new_tokens + 32
+        try:
+            contenders["llama.cpp"] = IsolatedLlamaCpp(gguf_path, eos, False, -(-need // 256) * 256)
+        except PeerFailed as exc:
+            failed["llama.cpp"] = str(exc)
+    return contenders
 
 
 def _ar_end_to_end(contenders: dict, prompts: list[list[int]], max_new_tokens: int,
@@ -326,40 +301,58 @@ def gguf_streamed_bytes(path: Path) -> int:
 def runners_markdown(result: dict, meta: dict) -> str:
     lines = ["# specdecode bench --runners", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
-    sizes = result["sizes"]
-    lines += ["", f"## Per-forward latency (ms, median of {TIMED_FORWARDS}; after a "
-                  f"{result['context_tokens']}-token context)", "",
-              "| runner | " + " | ".join(f"{s} token{'s' if s > 1 else ''}" for s in sizes)
-              + f" | {sizes[-2]} / 1 |",
-              "|---|" + "---:|" * (len(sizes) + 1)]
-    for name, row in result["forward_ms"].items():
-        cells = [f"{row[str(s)]:.1f}" for s in sizes]
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | {row[str(sizes[-2])] / row['1']:.2f}x |")
-    memory = result.get("memory")
-    if memory:
-        gbs = memory["stream_gbs"]
-        lines += ["", f"## One row against its memory bound (read bandwidth {gbs:.1f} GB/s, "
-                      "measured in this run)", "",
-                  "| runner | weights streamed per token (MB) | bound (ms) | 1 token (ms) "
-                  "| 1 token / bound |", "|---|---:|---:|---:|---:|"]
-        for name, row in result["forward_ms"].items():
-            size = memory["bytes"].get(name)
-            if size:
-                bound = size / (gbs * 1e9) * 1000
-                lines.append(f"| {name} | {size / 1e6:.0f} | {bound:.2f} | {row['1']:.2f} "
-                             f"| {row['1'] / bound:.2f}x |")
+    lines += _latency_lines(result) + _memory_lines(result)
     if result.get("llama_bench_command"):
         lines += ["", f"llama-bench: `{result['llama_bench_command']}` (its pp rows ask for the "
                       "last row's logits only)."]
     for name, reason in (result.get("peers_failed") or {}).items():
         lines += ["", f"**{reason}**"]
+    lines += _ar_lines(result)
+    roofline = result.get("roofline")
+    if roofline and "native int4" in result["forward_ms"]:
+        lines += roofline_markdown(roofline, result["forward_ms"]["native int4"], result["sizes"])
+    return "\n".join(lines) + "\n"
+
+
+def _latency_lines(result: dict) -> list[str]:
+    sizes = result["sizes"]
+    lines = ["", f"## Per-forward latency (ms, median of {TIMED_FORWARDS}; after a "
+                 f"{result['context_tokens']}-token context)", "",
+             "| runner | " + " | ".join(f"{s} token{'s' if s > 1 else ''}" for s in sizes)
+             + f" | {sizes[-2]} / 1 |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
+    for name, row in result["forward_ms"].items():
+        cells = [f"{row[str(s)]:.1f}" for s in sizes]
+        lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {row[str(sizes[-2])] / row['1']:.2f}x |")
+    return lines
+
+
+def _memory_lines(result: dict) -> list[str]:
+    memory = result.get("memory")
+    if not memory:
+        return []
+    gbs = memory["stream_gbs"]
+    lines = ["", f"## One row against its memory bound (read bandwidth {gbs:.1f} GB/s, "
+                 "measured in this run)", "",
+             "| runner | weights streamed per token (MB) | bound (ms) | 1 token (ms) "
+             "| 1 token / bound |", "|---|---:|---:|---:|---:|"]
+    for name, row in result["forward_ms"].items():
+        size = memory["bytes"].get(name)
+        if size:
+            bound = size / (gbs * 1e9) * 1000
+            lines.append(f"| {name} | {size / 1e6:.0f} | {bound:.2f} | {row['1']:.2f} "
+                         f"| {row['1'] / bound:.2f}x |")
+    return lines
+
+
+def _ar_lines(result: dict) -> list[str]:
     hf = result["ar"].get("transformers generate", {}).get("tokens_per_s")
-    lines += ["", f"## Greedy `ar` end to end ({result['prompts']} first turns, "
-                  f"{result['max_new_tokens']} new tokens at most)", "",
-              "| decoder | tokens/s | vs transformers generate | tokens/s after the prefill "
-              "| answers identical to native fp32 |",
-              "|---|---:|---:|---:|---:|"]
+    lines = ["", f"## Greedy `ar` end to end ({result['prompts']} first turns, "
+                 f"{result['max_new_tokens']} new tokens at most)", "",
+             "| decoder | tokens/s | vs transformers generate | tokens/s after the prefill "
+             "| answers identical to native fp32 |",
+             "|---|---:|---:|---:|---:|"]
     for name, row in result["ar"].items():
         same = row["identical_to_native_fp32"]
         same_cell = "" if same is None else f"{same}/{result['prompts']}"
@@ -368,26 +361,4 @@ def runners_markdown(result: dict, meta: dict) -> str:
         ratio = f"{row['tokens_per_s'] / hf:.2f}x" if hf and row["tokens_per_s"] else ""
         lines.append(f"| {name} | {fmt(row['tokens_per_s'], '.1f')} | {ratio} "
                      f"| {fmt(row.get('decode_tokens_per_s'), '.1f')} | {same_cell} |")
-    roofline = result.get("roofline")
-    if roofline and "native int4" in result["forward_ms"]:
-        int4 = result["forward_ms"]["native int4"]
-        peak = roofline["peak_gmacs"]
-        mix, per_row = roofline["q4_mix_gmacs"], roofline["macs_per_row"]
-        lines += ["", "## Roofline of native int4", "",
-                  f"The machine's int8 multiply-add peak (VPDPBUSD alone, every thread): "
-                  f"**{peak:.0f} GMAC/s**. The Q4 kernel's own instruction mix on registers "
-                  f"(VPDPBUSD with its nibble unpacking and per-group float fold, no memory): "
-                  f"**{mix:.0f} GMAC/s** ({mix / peak:.0%} of the peak), the ceiling of GGUF "
-                  f"Q4_1 blocks short of AMX. A row's linear layers are "
-                  f"{per_row / 1e6:.1f} M multiply-adds.", "",
-                  "| rows | forward ms | linear ms at the peak | linear ms at the Q4 ceiling "
-                  "| linear GMAC/s over the forward | share of the peak "
-                  "| one layer's linears, weights in cache: GMAC/s | share of the peak |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for size in sizes:
-            rate = size * per_row / (int4[str(size)] / 1000) / 1e9
-            cached = roofline["cached_layer_gmacs"][str(size)]
-            lines.append(f"| {size} | {int4[str(size)]:.1f} | {size * per_row / peak / 1e6:.1f} "
-                         f"| {size * per_row / mix / 1e6:.1f} | {rate:.0f} | {rate / peak:.0%} "
-                         f"| {cached:.0f} | {cached / peak:.0%} |")
-    return "\n".join(lines) + "\n"
+    return lines

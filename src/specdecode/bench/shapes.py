@@ -183,6 +183,38 @@ def _byte_size(qtype: str, rows: int, cols: int) -> int:
     return rows * cols // block * size
 
 
+def add_hyperparameters(writer, shape: Shape, rms_eps: float) -> None:
+    """The ``{arch}.*`` hyper-parameters llama.cpp writes for a model of ``shape`` (``writer``:
+    a ``gguf.GGUFWriter``)."""
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+
+
+def _write_tensor_table(writer, plan) -> None:
+    """Each tensor's name, shape and type, before any data (the file's tensor table)."""
+    import gguf
+
+    for name, dims, qtype in plan:
+        if qtype == "F32":
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+        else:
+            nbytes = _byte_size(qtype, *dims)
+            writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+
 def write_shape(path, shape: str | Shape, mix: str = "Q4_1", seed: int = 0,
                 tokenizer_from: Path | None = None, vocab: int | None = None) -> Path:
     """Write a GGUF file of ``shape`` (a name in ``SHAPES`` or a :class:`Shape`) with random
@@ -207,32 +239,13 @@ def write_shape(path, shape: str | Shape, mix: str = "Q4_1", seed: int = 0,
     arch = shape.arch
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"specdecode random {arch} {shape.layers}x{shape.hidden} {mix}")
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.ffn)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    head_dim = shape.head_dim or shape.hidden // shape.heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(shape.rope_base)
-    writer.add_layer_norm_rms_eps(1e-6 if arch != "llama" else 1e-5)
+    add_hyperparameters(writer, shape, 1e-6 if arch != "llama" else 1e-5)
     writer.add_vocab_size(vocab)
-    if shape.sliding_window:
-        writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type({"Q4_1": 3, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}[mix])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, (value, vtype, sub) in tokenizer.items():
         writer.add_key_value(key, value, vtype, sub_type=sub)
-    for name, dims, qtype in plan:
-        if qtype == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:
-            nbytes = _byte_size(qtype, *dims)
-            writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[qtype])
+    _write_tensor_table(writer, plan)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -190,3 +190,13 @@ def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
 def attention(q, k_cache, v_cache, past, slots, lens, window=0):
     """``window`` > 0: each row sees only its last ``window`` positions (sliding-window layers)."""
     return load().attention(q, k_cache, v_cache, past, slots, lens, window, isa())
+
+
+def packed_plan(k_caches, v_caches, bounds, pasts, slots, keys, lens):
+    """Where the rows of one forward of several sequences go (cpu_kernels.cpp's ``PackedPlan``):
+    sequence s owns rows ``bounds[s]:bounds[s + 1]``, the caches ``k_caches[s]`` and
+    ``v_caches[s]`` (every layer's) and sees their slots before ``pasts[s]``; row r writes slot
+    ``slots[r]`` and then sees ``keys[r, :lens[r]]``. Checked once; its ``rope_store(layer,
+    qkv, cos, sin, heads, kv_heads)`` and ``attention(layer, q, window, isa)`` run every
+    sequence's rows on its own cache of that layer."""
+    return load().PackedPlan(k_caches, v_caches, bounds, pasts, slots, keys, lens)

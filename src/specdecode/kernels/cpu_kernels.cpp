@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #define FMA __builtin_fmaf
@@ -717,51 +719,70 @@ static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, i
               "the key and value caches must both be float32 or both bfloat16");
 }
 
-// Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
-// into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
-// [KH, capacity, D], at ``slots``; returns q [m, H, D]. Caches float32 or bfloat16 (rounded to
-// nearest even).
-// cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
-at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
-                      const at::Tensor& slots) {
-  const int64_t m = qkv.size(0), d = cos.size(1), cap = v_cache.size(1);
-  check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
-  check_rows(cos, d, "rope cos");
-  check_rows(sin, d, "rope sin");
-  check_caches(k_cache, v_cache, d);
-  auto q = at::empty({m, heads, d}, qkv.options());
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < m; r++)
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
-  if (k_cache.scalar_type() == at::kFloat)
-    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), m, d,
-                    heads, kv_heads, cap, slot, q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                    v_cache.data_ptr<float>());
-  else
-    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), m, d,
-                    heads, kv_heads, cap, slot, q.data_ptr<float>(),
-                    reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
-  return q;
-}
+// One sequence's share of a forward: rows r0 .. r1 - 1 of the call, the layer's caches of its
+// own (k, v: its key/value head 0), and `past`: its rows see slots 0 .. past - 1 first.
+template <typename KV>
+struct Segment {
+  KV* k;
+  KV* v;
+  int64_t r0, r1, past;
+};
 
 template <typename KV>
-static void attend_all(const float* qp, const KV* kp, const KV* vp, float* op, int64_t m,
-                       int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t past,
-                       const int32_t* sp, const int32_t* lp, int64_t width, int64_t window,
-                       int64_t isa) {
+static KV* cache_data(const at::Tensor& cache) {
+  if constexpr (std::is_same<KV, float>::value) return cache.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
+}
+
+// rows r0 .. r1 - 1 of a slot table: each row writes a slot below `cap` and sees past +
+// lens[r] <= cap positions, named by slots below `cap`
+static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp, int64_t r0,
+                       int64_t r1, int64_t width, int64_t past, int64_t cap) {
+  TORCH_CHECK(past >= 0, "negative past");
+  for (int64_t r = r0; r < r1; r++) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
+    TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
+    for (int64_t i = 0; i < lp[r]; i++)
+      TORCH_CHECK(sp[r * width + i] >= 0 && sp[r * width + i] < cap, "slot out of range");
+  }
+}
+
+// Rotary embedding of every segment's rows; k and v go into the segment's own caches
+template <typename KV>
+static void rope_store_segments(const float* src, const float* cos, const float* sin, int64_t d,
+                                int64_t heads, int64_t kv_heads, int64_t cap, const int64_t* slot,
+                                float* qp, const std::vector<Segment<KV>>& segs) {
+  const int64_t width = (heads + 2 * kv_heads) * d;
+  for (const Segment<KV>& s : segs)
+    rope_store_rows(src + s.r0 * width, cos + s.r0 * d, sin + s.r0 * d, s.r1 - s.r0, d, heads,
+                    kv_heads, cap, slot + s.r0, qp + s.r0 * heads * d, s.k, s.v);
+}
+
+// Attention of every segment's rows on its own cache, in one parallel region: one work item is
+// a block of rows of one segment (a block never mixes two caches) and a key/value head, with the
+// query heads that share it. A row's result depends on its own keys alone (see
+// attend_block_avx512), so how the rows of a call fall into segments and blocks changes no bit.
+template <typename KV>
+static void attend_segments(const float* qp, float* op, const std::vector<Segment<KV>>& segs,
+                            int64_t heads, int64_t d, int64_t kv, int64_t cap, const int32_t* sp,
+                            const int32_t* lp, int64_t width, int64_t window, int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
   const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
-  const int64_t blocks = (m + per_block - 1) / per_block, stride = (past + width + 15) / 16 * 16;
-  // one item: a block of rows and a key/value head, with the query heads that share it
-  at::parallel_for(0, blocks * kv, 1, [&](int64_t i0, int64_t i1) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (segment, its first row)
+  int64_t stride = 16;
+  for (size_t s = 0; s < segs.size(); s++) {
+    for (int64_t r = segs[s].r0; r < segs[s].r1; r += per_block) blocks.emplace_back(s, r);
+    stride = std::max(stride, (segs[s].past + width + 15) / 16 * 16);
+  }
+  at::parallel_for(0, (int64_t)blocks.size() * kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(per_block * std::min<int64_t>(4, group) * stride);
     std::vector<int32_t> window_slots(per_block * std::max<int64_t>(window, 0));
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / kv, kvh = i % kv, r0 = b * per_block, r1 = std::min(m, r0 + per_block);
-      const KV *kt = kp + kvh * cap * d, *vc = vp + kvh * cap * d;
+      const Segment<KV>& seg = segs[blocks[i / kv].first];
+      const int64_t kvh = i % kv, past = seg.past, r0 = blocks[i / kv].second;
+      const int64_t r1 = std::min(seg.r1, r0 + per_block);
+      const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
       k_avx512::RowKeys rows[4];
       for (int64_t r = r0; r < r1; r++) {
         const int64_t first = r * heads + kvh * group, len = past + lp[r];
@@ -789,9 +810,39 @@ static void attend_all(const float* qp, const KV* kp, const KV* vp, float* op, i
   });
 }
 
+// Rotary embedding of the q and k heads of a fused qkv output [m, (H + 2 KH) D]; k is written
+// into the layer's key cache [KH, capacity / 16, D, 16] (blocks of 16 slots), v into its value cache
+// [KH, capacity, D], at ``slots``; returns q [m, H, D]. Caches float32 or bfloat16 (rounded to
+// nearest even).
+// cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
+                      const at::Tensor& slots) {
+  const int64_t m = qkv.size(0), d = cos.size(1), cap = v_cache.size(1);
+  check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
+  check_rows(cos, d, "rope cos");
+  check_rows(sin, d, "rope sin");
+  check_caches(k_cache, v_cache, d);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == m, "one int64 slot a row");
+  auto q = at::empty({m, heads, d}, qkv.options());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; r++)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
+  if (k_cache.scalar_type() == at::kFloat)
+    rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                               d, heads, kv_heads, cap, slot, q.data_ptr<float>(),
+                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0}});
+  else
+    rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                  d, heads, kv_heads, cap, slot, q.data_ptr<float>(),
+                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0}});
+  return q;
+}
+
 // q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values), float32
 // or bfloat16; row r sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]];
-// with a sliding ``window`` > 0 only its last ``window`` positions. Returns [m, H * D].
+// with a sliding ``window`` > 0 only its last ``window`` positions. Returns [m, H * D]. The
+// one-segment case of attend_segments.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
                      int64_t isa) {
@@ -804,27 +855,123 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               slots.is_contiguous() && slots.size(0) == m && lens.numel() == m, "bad slot table");
   const int32_t* sp = slots.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < m; r++) {
-    TORCH_CHECK(lp[r] >= 0 && lp[r] <= width && past + lp[r] <= cap, "bad slot count");
-    for (int64_t i = 0; i < lp[r]; i++)
-      TORCH_CHECK(sp[r * width + i] >= 0 && sp[r * width + i] < cap, "slot out of range");
-  }
+  const std::vector<int64_t> writes(m, 0);  // attention writes nothing: slot 0 passes the check
+  check_keys(writes.data(), sp, lp, 0, m, width, past, cap);
   auto out = at::empty({m, heads * d}, q.options());
   if (k_cache.scalar_type() == at::kFloat)
-    attend_all(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-               out.data_ptr<float>(), m, heads, d, kv, cap, past, sp, lp, width, window, isa);
+    attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(),
+                           {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past}},
+                           heads, d, kv, cap, sp, lp, width, window, isa);
   else
-    attend_all(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
-               out.data_ptr<float>(), m, heads, d, kv, cap, past, sp, lp, width, window, isa);
+    attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(),
+                              {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, past}},
+                              heads, d, kv, cap, sp, lp, width, window, isa);
   return out;
 }
+
+// Where the rows of one packed forward go, checked once and read by every layer: sequence s
+// owns rows bounds[s] .. bounds[s + 1] - 1 of the call and a cache of its own (every
+// layer's: keys [L, KH, capacity / 16, D, 16], values [L, KH, capacity, D], all caches of one
+// shape and type); its row r writes its key and value at slots[r] of that cache and sees slots
+// 0 .. pasts[s] - 1, then keys[r, :lens[r]] (slots in position order, itself last).
+struct PackedPlan {
+  std::vector<at::Tensor> k_caches, v_caches;
+  std::vector<int64_t> bounds, pasts;
+  at::Tensor slots, keys, lens;
+  int64_t rows, layers, kv, cap, d, width;
+  bool bf16;
+
+  PackedPlan(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+             std::vector<int64_t> bounds, std::vector<int64_t> pasts, at::Tensor slots,
+             at::Tensor keys, at::Tensor lens)
+      : k_caches(std::move(k_caches)), v_caches(std::move(v_caches)), bounds(std::move(bounds)),
+        pasts(std::move(pasts)), slots(std::move(slots)), keys(std::move(keys)), lens(std::move(lens)) {
+    const size_t n = this->pasts.size();
+    TORCH_CHECK(n > 0 && this->k_caches.size() == n && this->v_caches.size() == n &&
+                this->bounds.size() == n + 1 && this->bounds[0] == 0,
+                "a packed plan needs, per sequence, a key cache, a value cache, a past and its rows");
+    const at::Tensor &k0 = this->k_caches[0], &v0 = this->v_caches[0];
+    TORCH_CHECK(k0.dim() == 5 && v0.dim() == 4, "caches must be [L, KH, capacity / 16, D, 16] and [L, KH, capacity, D]");
+    layers = k0.size(0), kv = k0.size(1), cap = v0.size(2), d = v0.size(3);
+    bf16 = k0.scalar_type() == at::kBFloat16;
+    for (size_t s = 0; s < n; s++) {
+      const at::Tensor &k = this->k_caches[s], &v = this->v_caches[s];
+      TORCH_CHECK(k.sizes() == k0.sizes() && v.sizes() == v0.sizes() &&
+                  k.scalar_type() == k0.scalar_type() && v.scalar_type() == k0.scalar_type(),
+                  "every sequence's cache must have the shape and type of the first");
+      check_caches(k.select(0, 0), v.select(0, 0), d);
+      TORCH_CHECK(this->bounds[s] < this->bounds[s + 1], "a sequence without rows");
+    }
+    rows = this->bounds[n];
+    TORCH_CHECK(this->slots.scalar_type() == at::kLong && this->slots.is_contiguous() &&
+                this->slots.numel() == rows, "one int64 slot a row");
+    TORCH_CHECK(this->keys.scalar_type() == at::kInt && this->lens.scalar_type() == at::kInt &&
+                this->keys.dim() == 2 && this->keys.is_contiguous() && this->keys.size(0) == rows &&
+                this->lens.is_contiguous() && this->lens.numel() == rows, "bad slot table");
+    width = this->keys.size(1);
+    for (size_t s = 0; s < n; s++)
+      check_keys(this->slots.data_ptr<int64_t>(), this->keys.data_ptr<int32_t>(),
+                 this->lens.data_ptr<int32_t>(), this->bounds[s], this->bounds[s + 1], width,
+                 this->pasts[s], cap);
+  }
+
+  // every sequence's rows and its caches of layer `layer`
+  template <typename KV>
+  std::vector<Segment<KV>> segments(int64_t layer) const {
+    TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is outside the caches");
+    const int64_t per_layer = kv * cap * d;
+    std::vector<Segment<KV>> segs;
+    segs.reserve(pasts.size());
+    for (size_t s = 0; s < pasts.size(); s++)
+      segs.push_back({cache_data<KV>(k_caches[s]) + layer * per_layer,
+                      cache_data<KV>(v_caches[s]) + layer * per_layer, bounds[s], bounds[s + 1], pasts[s]});
+    return segs;
+  }
+
+  // rope_store of every sequence's rows into its own cache of layer `layer`; q [rows, H, D]
+  at::Tensor rope_store(int64_t layer, const at::Tensor& qkv, const at::Tensor& cos,
+                        const at::Tensor& sin, int64_t heads, int64_t kv_heads) const {
+    TORCH_CHECK(kv_heads == kv && qkv.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows,
+                "rope_store: the plan's rows and key/value heads");
+    check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
+    check_rows(cos, d, "rope cos");
+    check_rows(sin, d, "rope sin");
+    auto q = at::empty({rows, heads, d}, qkv.options());
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    if (bf16)
+      rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                    d, heads, kv, cap, slot, q.data_ptr<float>(), segments<uint16_t>(layer));
+    else
+      rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                 d, heads, kv, cap, slot, q.data_ptr<float>(), segments<float>(layer));
+    return q;
+  }
+
+  // attention of every sequence's rows on its own cache of layer `layer`; [rows, H * D]
+  at::Tensor attention(int64_t layer, const at::Tensor& q, int64_t window, int64_t isa) const {
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
+                q.size(0) == rows && q.size(2) == d && q.size(1) % kv == 0,
+                "q must be [rows, H, D], H a multiple of the caches' key/value heads");
+    const int64_t heads = q.size(1);
+    auto out = at::empty({rows, heads * d}, q.options());
+    const int32_t *sp = keys.data_ptr<int32_t>(), *lp = lens.data_ptr<int32_t>();
+    if (bf16)
+      attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(), segments<uint16_t>(layer),
+                                heads, d, kv, cap, sp, lp, width, window, isa);
+    else
+      attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(), segments<float>(layer),
+                             heads, d, kv, cap, sp, lp, width, window, isa);
+    return out;
+  }
+};
 
 // The decoder layers of a plain Llama forward with int4 weights (RMSNorm, fused QKV, rotary
 // embedding with the cache write, attention, o + residual, RMSNorm, fused gate/up, SwiGLU,
 // down + residual), layers first .. last - 1 in one call: the kernels the runner's Python loop
 // calls, in the same order on the same tensors (so the same bits), without ten Python calls
-// and their dispatch a layer. Weights are held once; caches [L, ...] come with each call.
+// and their dispatch a layer. Weights are held once; the rows of one or many sequences come
+// with each call (a PackedPlan): the linear layers run over all of them at once, rotary
+// embedding and attention per sequence on its own cache.
 struct Q4Stack {
   std::vector<at::Tensor> attn_norm, qkv, o, mlp_norm, gate_up, down;
   std::vector<int64_t> window;
@@ -847,17 +994,14 @@ struct Q4Stack {
                 "every per-layer list must have one entry a layer");
   }
 
-  at::Tensor forward(at::Tensor x, int64_t first, int64_t last, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& slots, int64_t past, const at::Tensor& keys,
-                     const at::Tensor& lens, int64_t isa) const {
+  at::Tensor forward(at::Tensor x, int64_t first, int64_t last, const PackedPlan& plan,
+                     const at::Tensor& cos, const at::Tensor& sin, int64_t isa) const {
     TORCH_CHECK(0 <= first && first <= last && last <= (int64_t)attn_norm.size() &&
-                k_cache.size(0) >= last && v_cache.size(0) >= last, "bad layer range");
+                plan.layers >= last, "bad layer range");
     for (int64_t i = first; i < last; i++) {
-      const at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
       const at::Tensor mixed = q4_linear(rms_norm(x, attn_norm[i], eps, isa), qkv[i], c10::nullopt, qkv_n, isa);
-      const at::Tensor q = rope_store(mixed, cos, sin, heads, kv_heads, kc, vc, slots);
-      x = q4_linear(attention(q, kc, vc, past, keys, lens, window[i], isa), o[i], x, hidden, isa);
+      const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads);
+      x = q4_linear(plan.attention(i, q, window[i], isa), o[i], x, hidden, isa);
       const at::Tensor up = q4_linear(rms_norm(x, mlp_norm[i], eps, isa), gate_up[i], c10::nullopt, gate_up_n, isa);
       x = q4_linear(swiglu(up, isa), down[i], x, hidden, isa);
     }
@@ -924,4 +1068,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &Q4Stack::forward);
+  py::class_<PackedPlan>(m, "PackedPlan")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, at::Tensor, at::Tensor, at::Tensor>())
+      .def("rope_store", &PackedPlan::rope_store)
+      .def("attention", &PackedPlan::attention);
 }

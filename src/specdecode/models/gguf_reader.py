@@ -217,6 +217,44 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+class _HeaderCursor:
+    """GGUF header values read one after another from a buffer (little-endian)."""
+
+    def __init__(self, buffer, pos: int = 0):
+        self.buffer = buffer
+        self.pos = pos
+
+    def take(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        n = self.take("Q")
+        self.pos += n
+        return bytes(self.buffer[self.pos - n:self.pos]).decode("utf-8")
+
+    def value(self, vtype: int):
+        """A metadata value of type ``vtype``; an array of strings is skipped (:class:`_Skipped`
+        holds its length)."""
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        require(vtype == _ARRAY, f"unknown metadata type {vtype}")
+        item, n = self.take("IQ")
+        if item == _STRING:  # skipped: only their count is kept
+            for _ in range(n):
+                length = self.take("Q")  # (not `pos += take(...)`: take moves pos first)
+                self.pos += length
+            return _Skipped(n)
+        if item in _SCALARS:
+            out = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", self.buffer, self.pos))
+            self.pos += n * struct.calcsize(_SCALARS[item])
+            return out
+        return [self.value(item) for _ in range(n)]
+
+
 def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
     """(metadata, tensor table) of a GGUF file (version 2 or 3, little-endian), parsed from its
     first bytes: ``gguf.GGUFReader`` makes a numpy view per vocabulary entry, seconds for a
@@ -225,60 +263,26 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
     import gguf
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = 0
-
-        def take(fmt: str):
-            nonlocal pos
-            values = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize("<" + fmt)
-            return values[0] if len(values) == 1 else values
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return bytes(m[pos - n:pos]).decode("utf-8")
-
-        def value(vtype: int):
-            nonlocal pos
-            if vtype in _SCALARS:
-                return take(_SCALARS[vtype])
-            if vtype == _STRING:
-                return string()
-            require(vtype == _ARRAY, f"unknown metadata type {vtype}")
-            item, n = take("IQ")
-            if item == _STRING:  # skipped: only their count is kept
-                for _ in range(n):
-                    length = take("Q")  # (not `pos += take(...)`: take moves pos first)
-                    pos += length
-                return _Skipped(n)
-            if item in _SCALARS:
-                size = struct.calcsize(_SCALARS[item])
-                out = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", m, pos))
-                pos += n * size
-                return out
-            return [value(item) for _ in range(n)]
-
         require(m[:4] == b"GGUF", "no GGUF magic number")
-        pos = 4
-        version, n_tensors, n_fields = take("IQQ")
+        cursor = _HeaderCursor(m, 4)
+        version, n_tensors, n_fields = cursor.take("IQQ")
         require(version in (2, 3), f"GGUF version {version} (big-endian or unknown)")
         fields = {}
         for _ in range(n_fields):
-            key = string()
-            v = value(take("I"))
+            key = cursor.string()
+            v = cursor.value(cursor.take("I"))
             if isinstance(v, _Skipped):
                 fields[key + ".count"] = v.n
             else:
                 fields[key] = v
         infos = []
         for _ in range(n_tensors):
-            name = string()
-            dims = take(f"{take('I')}Q")
+            name = cursor.string()
+            dims = cursor.take(f"{cursor.take('I')}Q")
             dims = (dims,) if isinstance(dims, int) else dims
-            infos.append((name, tuple(reversed(dims)), take("I"), take("Q")))
+            infos.append((name, tuple(reversed(dims)), cursor.take("I"), cursor.take("Q")))
         align = int(fields.get("general.alignment", 32))
-        start = -(-pos // align) * align
+        start = -(-cursor.pos // align) * align
     tensors = []
     for name, shape, kind, offset in infos:
         qtype = gguf.GGMLQuantizationType(kind)

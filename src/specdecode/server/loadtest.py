@@ -141,6 +141,9 @@ def request_once(client: httpx.Client, url: str, body: dict, timeout: float) -> 
 
 def run_load(base_url: str, model: str, prompts: list[str], requests: int, concurrency: int,
              max_tokens: int, time_limit: float, method: str | None = None) -> LoadReport:
+    """Each prompt alone first (the reference answers), then ``requests`` requests from
+    ``concurrency`` clients at once, every other one streamed; each answer is checked against
+    its prompt's reference."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     deadline = time.monotonic() + time_limit
     references = []
@@ -151,7 +154,19 @@ def run_load(base_url: str, model: str, prompts: list[str], requests: int, concu
             if ref.error:
                 raise RuntimeError(f"reference request failed: {ref.error}")
             references.append(ref)
+    start = time.perf_counter()
+    outcomes = _concurrent_requests(url, model, prompts, requests, concurrency, max_tokens,
+                                    deadline, method)
+    report = LoadReport(requests, concurrency, time.perf_counter() - start, outcomes)
+    _check(report, references)
+    return report
 
+
+def _concurrent_requests(url: str, model: str, prompts: list[str], requests: int,
+                         concurrency: int, max_tokens: int, deadline: float,
+                         method: str | None) -> list[Outcome]:
+    """``requests`` requests (prompts in turn, odd ones streamed) from ``concurrency`` client
+    threads; a request not started by ``deadline`` is an error outcome."""
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     next_index = iter(range(requests))
@@ -175,18 +190,22 @@ def run_load(base_url: str, model: str, prompts: list[str], requests: int, concu
                 with lock:
                     outcomes.append(out)
 
-    start = time.perf_counter()
     threads = [threading.Thread(target=client_thread) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    report = LoadReport(requests, concurrency, time.perf_counter() - start, outcomes)
+    return outcomes
 
+
+def _check(report: LoadReport, references: list[Outcome]) -> None:
+    """Problems into ``report``: lost or repeated requests, duplicate ids, errors, answers
+    unlike their prompt's reference; the rest counts as correct."""
+    outcomes = report.outcomes
     seen = sorted(o.index for o in outcomes)
-    if seen != list(range(requests)):
+    if seen != list(range(report.requests)):
         report.problems.append(f"requests lost or repeated: got {len(seen)} outcomes for "
-                               f"{requests} requests")
+                               f"{report.requests} requests")
     ids = [o.response_id for o in outcomes if o.error is None]
     if len(set(ids)) != len(ids):
         report.problems.append("duplicate response ids")
@@ -200,7 +219,6 @@ def run_load(base_url: str, model: str, prompts: list[str], requests: int, concu
                                    f"the single-request output")
         else:
             report.correct += 1
-    return report
 
 
 def wait_healthy(base_url: str, timeout: float, process: subprocess.Popen | None = None) -> None:

@@ -16,6 +16,8 @@ from specdecode.engine import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 ACCEPTED_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -53,6 +55,12 @@ class Metrics:
         self.first_token = Histogram(
             "specdecode_time_to_first_token_seconds", "arrival to the first generated text",
             buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_size = Histogram(
+            "specdecode_batch_sequences", "sequences in one target forward (decode and prompt "
+            "parts together)", buckets=BATCH_BUCKETS, registry=registry)
+        self.forward_rows = Histogram(
+            "specdecode_forward_rows", "rows in one target forward (roots, draft nodes, prompt "
+            "rows)", buckets=ROW_BUCKETS, registry=registry)
         self.queued = Gauge("specdecode_queued_sequences", "sequences waiting for a slot",
                             registry=registry)
         self.active = Gauge("specdecode_active_sequences", "sequences being generated",
@@ -69,6 +77,10 @@ class Metrics:
         histogram = self.accepted_length.labels(method)
         for length in stats.accepted_lengths:
             histogram.observe(length)
+
+    def observe_forward(self, sequences: int, rows: int) -> None:
+        self.batch_size.observe(sequences)
+        self.forward_rows.observe(rows)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,10 +34,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from specdecode.errors import SpecDecodeError
 from specdecode.server.app import DISCONNECT_POLL_S, Frontend, ModelInfo, Settings
+from specdecode.server.goodput import Batching
+from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
@@ -106,6 +108,8 @@ class ReplicaConfig:
     suffix_cache: str | None = None
     #: proposer memory each slot keeps (``--proposer-memory-mb``, in bytes)
     proposer_budget: int = 128 * 2**20
+    #: each replica's batching (``--draft-budget``, ``--max-draft-rows``, ``--prefill-rows``)
+    batching: Batching = Batching()
 
 
 class EngineReplica:
@@ -115,7 +119,6 @@ class EngineReplica:
         import torch
 
         from specdecode.api import encode_prompt
-        from specdecode.server.memory import SharedMemory
         from specdecode.server.shared_memory import memory_actor
 
         torch.set_num_threads(config.threads)
@@ -126,7 +129,8 @@ class EngineReplica:
         else:
             self.memory = SharedMemory(None, config.suffix)
         self.scheduler = Scheduler(runners, tokenizer, eos, self.memory.make_proposer,
-                                   config.max_queue, Metrics(), config.proposer_budget)
+                                   config.max_queue, Metrics(), config.proposer_budget,
+                                   config.batching)
         self.tokenizer = tokenizer
         self.model = ModelInfo.of(runners[0])
         # the first forward of a process pays one-off costs; keep them out of the first request
@@ -184,6 +188,18 @@ class EngineReplica:
 def _error_fields(exc: ApiError) -> dict:
     return {"status": exc.status, "message": exc.message, "param": exc.param, "code": exc.code,
             "kind": exc.kind, "headers": exc.headers}
+
+
+@dataclass
+class _Choice:
+    """One choice of a job, across attempts."""
+
+    #: waiting -> running -> finished
+    state: str = "waiting"
+    #: the text the client has
+    sent: str = ""
+    #: the replica process generating it (0: none)
+    pid: int = 0
 
 
 class ReplicaPool:
@@ -247,108 +263,116 @@ class ReplicaPool:
         self.metrics.active.set(self.running)
 
     async def _serve(self, job: Job) -> None:
-        n = len(job.specs)
-        state = ["waiting"] * n  # -> running -> finished
-        sent = [""] * n  # text the client has, per choice
-        where = [0] * n  # the replica process generating each choice
-
-        def serving(index: int, pid: int) -> None:  # pid 0: none
-            if where[index]:
-                self.serving[where[index]] -= 1
-                if self.serving[where[index]] <= 0:
-                    del self.serving[where[index]]
-            if pid:
-                self.serving[pid] += 1
-            where[index] = pid
-
-        def finish(index: int, kind: str, payload=None) -> None:
-            method = job.specs[index].method
-            if state[index] == "running":
-                self.running -= 1
-            elif state[index] == "waiting":
-                self.waiting -= 1
-            state[index] = "finished"
-            serving(index, 0)
-            self._gauges()
-            if kind == "done":
-                self.metrics.observe_sequence(method, payload.finish_reason, payload.stats)
-                job.post("done", index, payload)
-            elif kind == "error":
-                self.metrics.observe_sequence(method, "error", None)
-                job.post("error", index, payload)
-            else:
-                self.metrics.observe_sequence(method, "cancelled", None)
-
+        choices = [_Choice() for _ in job.specs]
         try:
-            for attempt in range(ATTEMPTS):
-                replayed = [""] * n
-                try:
-                    async for kind, index, payload in self._events(job):
-                        if state[index] == "finished":
-                            continue  # finished in an earlier attempt
-                        if kind == "start":
-                            serving(index, payload)
-                        if kind == "start" and state[index] == "waiting":
-                            state[index] = "running"
-                            self.waiting -= 1
-                            self.running += 1
-                            self._gauges()
-                            self.metrics.queue_wait.observe(time.perf_counter() - job.arrived)
-                            job.post("start", index)
-                        elif kind == "text":
-                            replayed[index] += payload
-                            text, done = replayed[index], sent[index]
-                            if len(text) <= len(done):
-                                continue  # the client has this part from the failed attempt
-                            if not text.startswith(done):
-                                raise _Diverged()
-                            sent[index] = text
-                            job.post("text", index, text[len(done):])
-                        elif kind == "done":
-                            finish(index, "done", payload)
-                        elif kind == "error":
-                            finish(index, "error", ApiError(**payload))
-                    break
-                except _Diverged:
-                    self._fail(finish, state, "the replica serving this request failed and the "
-                                              "retry's output differs from the text already sent "
-                                              "(an unseeded sampled request); send it again")
-                    return
-                except Exception as exc:
-                    if not _replica_died(exc):
-                        raise
-                    for index in range(n):
-                        serving(index, 0)
-                    log.warning("a replica died serving a request (attempt %d of %d): %s",
-                                attempt + 1, ATTEMPTS, type(exc).__name__)
-                    if attempt + 1 < ATTEMPTS:
-                        self.retries += 1
-            else:
-                self._fail(finish, state, f"{ATTEMPTS} replicas failed serving this request; "
-                                          "retry later")
-                return
-            for index in range(n):  # the job was cancelled: the client left
-                if state[index] != "finished":
-                    finish(index, "cancelled")
+            if await self._attempts(job, choices):  # the rest was cancelled: the client left
+                self._finish_rest(job, choices, "cancelled")
         except asyncio.CancelledError:
-            for index in range(n):
-                if state[index] != "finished":
-                    finish(index, "error", ApiError(503, "the server is shutting down",
-                                                    kind="server_error", code="shutting_down"))
+            self._finish_rest(job, choices, "error", ApiError(
+                503, "the server is shutting down", kind="server_error", code="shutting_down"))
             raise
         except Exception as exc:
             log.exception("a replica failed")
-            for index in range(n):
-                if state[index] != "finished":
-                    finish(index, "error", ApiError(500, f"internal error: {exc}",
-                                                    kind="server_error"))
+            self._finish_rest(job, choices, "error",
+                              ApiError(500, f"internal error: {exc}", kind="server_error"))
 
-    def _fail(self, finish, state, message: str) -> None:
-        for index, st in enumerate(state):
-            if st != "finished":
-                self.failures += 1
-                finish(index, "error", ApiError(503, message, kind="server_error",
-                                                code="replica_failed"))
+    async def _attempts(self, job: Job, choices: list[_Choice]) -> bool:
+        """Stream ``job`` from a replica, and again from another when that one dies (up to
+        ``ATTEMPTS`` in all). False where it failed for good: its choices then end with 503."""
+        for attempt in range(ATTEMPTS):
+            replayed = [""] * len(choices)  # this attempt's text, per choice
+            try:
+                async for kind, index, payload in self._events(job):
+                    self._on_event(job, choices, replayed, kind, index, payload)
+                return True
+            except _Diverged:
+                self._fail(job, choices, "the replica serving this request failed and the "
+                                         "retry's output differs from the text already sent "
+                                         "(an unseeded sampled request); send it again")
+                return False
+            except Exception as exc:
+                if not _replica_died(exc):
+                    raise
+                for choice in choices:
+                    self._move(choice, 0)
+                log.warning("a replica died serving a request (attempt %d of %d): %s",
+                            attempt + 1, ATTEMPTS, type(exc).__name__)
+                if attempt + 1 < ATTEMPTS:
+                    self.retries += 1
+        self._fail(job, choices, f"{ATTEMPTS} replicas failed serving this request; retry later")
+        return False
+
+    def _on_event(self, job: Job, choices: list[_Choice], replayed: list[str], kind: str,
+                  index: int, payload) -> None:
+        """One event of a replica's stream, passed on to the job; text the client already has
+        from a failed attempt is not sent again (:class:`_Diverged` where the retry differs)."""
+        choice = choices[index]
+        if choice.state == "finished":
+            return  # finished in an earlier attempt
+        if kind == "start":
+            self._move(choice, payload)
+            if choice.state == "waiting":
+                choice.state = "running"
+                self.waiting -= 1
+                self.running += 1
+                self._gauges()
+                self.metrics.queue_wait.observe(time.perf_counter() - job.arrived)
+                job.post("start", index)
+        elif kind == "text":
+            replayed[index] += payload
+            text, done = replayed[index], choice.sent
+            if len(text) <= len(done):
+                return  # the client has this part from the failed attempt
+            if not text.startswith(done):
+                raise _Diverged()
+            choice.sent = text
+            job.post("text", index, text[len(done):])
+        elif kind == "done":
+            self._finish(job, choices, index, "done", payload)
+        elif kind == "error":
+            self._finish(job, choices, index, "error", ApiError(**payload))
+
+    def _move(self, choice: _Choice, pid: int) -> None:
+        """``choice`` is generated by replica ``pid`` now (0: by none): ``serving`` follows."""
+        if choice.pid:
+            self.serving[choice.pid] -= 1
+            if self.serving[choice.pid] <= 0:
+                del self.serving[choice.pid]
+        if pid:
+            self.serving[pid] += 1
+        choice.pid = pid
+
+    def _finish(self, job: Job, choices: list[_Choice], index: int, kind: str,
+                payload=None) -> None:
+        """Choice ``index`` ends (``kind``: done, error or cancelled): counts, gauges, metrics,
+        and the job's last event for it."""
+        choice = choices[index]
+        method = job.specs[index].method
+        if choice.state == "running":
+            self.running -= 1
+        elif choice.state == "waiting":
+            self.waiting -= 1
+        choice.state = "finished"
+        self._move(choice, 0)
+        self._gauges()
+        if kind == "done":
+            self.metrics.observe_sequence(method, payload.finish_reason, payload.stats)
+            job.post("done", index, payload)
+        elif kind == "error":
+            self.metrics.observe_sequence(method, "error", None)
+            job.post("error", index, payload)
+        else:
+            self.metrics.observe_sequence(method, "cancelled", None)
+
+    def _finish_rest(self, job: Job, choices: list[_Choice], kind: str, payload=None) -> None:
+        for index, choice in enumerate(choices):
+            if choice.state != "finished":
+                self._finish(job, choices, index, kind, payload)
+
+    def _fail(self, job: Job, choices: list[_Choice], message: str) -> None:
+        self.failures += sum(choice.state != "finished" for choice in choices)
+        self._finish_rest(job, choices, "error", ApiError(503, message, kind="server_error",
+                                                          code="replica_failed"))
 
     async def _events(self, job: Job):
         """One streaming call to a replica, as an async iterator of events; stops (and cancels
@@ -388,8 +412,6 @@ def _replica_died(exc: BaseException) -> bool:
 
 def require_ray() -> None:
     """A clear one-line error (exit status 2) when Ray Serve is not installed."""
-    from specdecode.errors import SpecDecodeError
-
     try:
         import ray.serve  # noqa: F401
     except ImportError:
@@ -426,7 +448,6 @@ def engine_deployment(config: ReplicaConfig, replicas: int):
 def frontend(handle, model: ModelInfo, tokenizer, config: ReplicaConfig, replicas: int,
              settings: Settings) -> Frontend:
     """The routes' state over a handle to the engine replicas."""
-    from specdecode.server.memory import SharedMemory
     from specdecode.server.shared_memory import RemoteMemory, memory_actor
 
     if config.shared_memory:
@@ -475,6 +496,31 @@ def ingress_deployment():
                             ray_actor_options={"num_cpus": 0})
 
 
+def replica_config(args, suffix) -> ReplicaConfig:
+    """The engine replicas' :class:`ReplicaConfig` for ``serve --replicas``, checked
+    (Ray Serve installed, a loadable ``--suffix-cache``) before any replica starts."""
+    from specdecode.server.options import batching_of
+
+    if args.replicas < 1:
+        raise SpecDecodeError(f"--replicas must be a positive number (0, the default: one "
+                              f"process without Ray), got {args.replicas}")
+    if args.sync_interval < 0:
+        raise SpecDecodeError(f"--sync-interval must be >= 0, got {args.sync_interval}")
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+    if threads < 1:
+        raise SpecDecodeError(f"--threads-per-replica must be >= 1, got {threads}")
+    require_ray()
+    if args.suffix_cache is not None and not args.shared_memory:
+        raise SpecDecodeError("--suffix-cache saves the shared memory; drop --no-shared-memory")
+    if args.suffix_cache is not None:  # a bad file fails here, not in a replica
+        SharedMemory(args.suffix_cache, suffix)
+    return ReplicaConfig(
+        NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
+        threads, args.max_queue, args.sync_interval, args.shared_memory,
+        None if args.suffix_cache is None else str(args.suffix_cache),
+        args.proposer_memory_mb * 2**20, batching_of(args))
+
+
 def app(args: dict[str, str]):
     """The whole server as one Serve application, for Ray's own tools::
 
@@ -485,7 +531,7 @@ def app(args: dict[str, str]):
     port 8000 by default), ``ray_address`` is ``serve run``'s ``--address``."""
     import argparse
 
-    from specdecode.server import add_arguments, replica_config, settings_of
+    from specdecode.server.options import add_arguments, settings_of
 
     parser = argparse.ArgumentParser(prog="specdecode.server.ray_serve:app")
     add_arguments(parser)

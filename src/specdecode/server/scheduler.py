@@ -1,21 +1,27 @@
-"""The server's decode scheduler: one thread, a few runner slots, a bounded queue.
+"""The server's decode scheduler: one thread, runner slots, a bounded queue, one forward a step.
 
-A runner holds one KV cache, so two generations must never share one at the same time. The
-scheduler owns ``parallel`` slots, each a runner over the *same* model weights with its own
-cache and its own proposers (one per method and config, reused across requests so per-slot
-learning such as token recycling carries over; at most ``DECODERS_PER_SLOT`` of them and the
-server's proposer memory per slot, least recently used dropped first). One thread admits waiting
-sequences into free slots and advances every active generation by one verify step in turn
-(round robin), so a short request is not stuck behind a long one and a slow client never blocks
-the model. A long prompt takes turns too: where the runner can (``prefill_granule``), it is
-prefilled one part per turn, so a short request admitted meanwhile waits for one part, not for
-the whole prompt; the parts give bitwise the logits of one prefill.
+A runner holds one KV cache, so two generations must never share one. The scheduler owns
+``parallel`` slots, each a runner over the *same* model weights with its own cache and its own
+proposers (one per method and config, reused across requests so per-slot learning such as
+token recycling carries over; at most ``DECODERS_PER_SLOT`` of them and the server's proposer
+memory per slot, least recently used dropped first).
+
+Each step gathers every active sequence's next target call (its root and draft tree, or a part
+of its prompt) and runs them as ONE :meth:`Runner.run_packed`: where the runner packs calls
+(the native runner: row-invariant kernels, a cache per sequence) that is one forward whose
+every row is bitwise what the sequence's solo forward computes, so batching changes the speed,
+never a token; other runners (``hf``) run the calls one after another, round robin. New prompts
+are prefilled in parts beside the decode rows (at most ``prefill_rows`` prompt rows a step,
+oldest first), so a long prompt does not stall the others. Before each sequence drafts, the
+scheduler caps its draft by goodput (:mod:`.goodput`): expected committed tokens per second of
+the whole forward, from the runner's measured row-cost curve and the sequence's recent
+acceptance; drafts shrink as the batch grows, down to none.
 
 Speculation stays exact: each generation sees only its own runner, proposer and random
-generator; interleaving changes the order of work, never its result.
+generator; packing and interleaving change the order of work, never its result.
 
-A disconnected client's sequences are cancelled between steps: closing the text stream runs the
-engine's ``finally`` (``proposer.finish``) and frees the slot.
+A disconnected client's sequences are cancelled between steps: closing the generation runs
+``proposer.finish`` and frees the slot.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from specdecode import registry
 from specdecode.api import GenerationResult, TextStream
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import NOTHING, Needs, Runner
+from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
+from specdecode.server.goodput import Acceptance, Batching, Candidate, allocate
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 
@@ -49,6 +56,10 @@ DECODERS_PER_SLOT = 8
 #: prompt rows prefilled per turn (rounded down to a multiple of the runner's granule): a
 #: short request beside a long prompt waits for one such part per step of its own
 PREFILL_PART_ROWS = 128
+#: draft levels past the deepest its method has drafted that a sequence may try
+EXPLORE_LEVELS = 4
+#: weight of the newest step in the decayed means of step overhead and drafting time
+RECENT = 0.1
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,20 @@ class _Sequence:
     index: int
     slot: _Slot | None = None
     decoder: _Decoder | None = None
+    generation: Generation | None = None
+    stream: TextStream | None = None
     #: prompt rows in the slot's cache while the prompt is prefilled in parts
     prefilled: int = 0
-    stream: Any = None
-    #: one verify step per ``next``; None while the prompt is still being prefilled in parts
-    iterator: Any = None
+    #: its recent verify steps, for its draft budget
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    @property
+    def spec(self) -> SequenceSpec:
+        return self.job.specs[self.index]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.spec.prompt_ids)
 
 
 @dataclass
@@ -129,27 +149,10 @@ class _Slot:
             self.decoders.popitem(last=False)
 
 
-class _PrefilledRunner:
-    """The slot's runner as the engine sees it once the scheduler has prefilled the first
-    ``done`` prompt rows in parts: its ``prefill`` runs the last part (so the proposer's
-    ``start`` still comes before the prefill ends, as in the engine's loop); everything else
-    is the runner's own."""
-
-    def __init__(self, runner: Runner, done: int):
-        self._runner = runner
-        self._done = done
-
-    def prefill(self, ids, needs: Needs = NOTHING):
-        return self._runner.prefill_part(ids, self._done, len(ids), needs)
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-
 class Scheduler:
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
                  make_proposer: ProposerFactory, max_queue: int, metrics: Metrics,
-                 proposer_budget: int = 128 * 2**20):
+                 proposer_budget: int = 128 * 2**20, batching: Batching = Batching()):
         if not runners:
             raise SpecDecodeError("the scheduler needs at least one runner")
         if max_queue < 0:
@@ -161,6 +164,16 @@ class Scheduler:
         self.metrics = metrics
         #: proposer memory each slot may keep (bytes, by the specs' estimates)
         self.proposer_budget = proposer_budget
+        self.max_draft_rows = batching.max_draft_rows
+        self.prefill_rows = batching.prefill_rows
+        #: the runner's forward seconds by rows (None: drafts as the proposers make them)
+        self.row_costs = batching.row_costs(runners[0])
+        #: (method, config) -> acceptance of all its sequences, each new sequence's prior
+        self._acceptance: dict[tuple[str, str], Acceptance] = {}
+        #: (method, config) -> seconds its proposer takes to draft one step (decayed mean)
+        self._draft_s: dict[tuple[str, str], float] = {}
+        #: a step's seconds besides the forward (decayed mean)
+        self._overhead_s = 0.0
         self._free = [_Slot(runner) for runner in runners]
         self.parallel = len(self._free)
         self._pending: collections.deque[_Sequence] = collections.deque()
@@ -224,8 +237,7 @@ class Scheduler:
                 while self._pending and self._free:
                     seq = self._pending.popleft()
                     if seq.job.cancelled.is_set():
-                        self.metrics.sequences.labels(seq.job.specs[seq.index].method,
-                                                      "cancelled").inc()
+                        self.metrics.sequences.labels(seq.spec.method, "cancelled").inc()
                         continue
                     seq.slot = self._free.pop()
                     self._busy += 1
@@ -234,8 +246,7 @@ class Scheduler:
                 self.metrics.active.set(self._busy)
             for seq in admitted:
                 self._begin(seq)
-            for seq in list(self._active):
-                self._step(seq)
+            self._step()
         self._drain()
 
     def _decoder(self, slot: _Slot, spec: SequenceSpec) -> _Decoder:
@@ -254,88 +265,163 @@ class Scheduler:
         return max(granule, PREFILL_PART_ROWS // granule * granule) if granule else 0
 
     def _begin(self, seq: _Sequence) -> None:
-        spec = seq.job.specs[seq.index]
+        """Build the sequence's generation; its prompt is prefilled by the coming steps."""
+        spec = seq.spec
         self.metrics.queue_wait.observe(time.perf_counter() - seq.job.arrived)
-        if not self._guard(seq, "could not start a sequence",
-                           lambda: setattr(seq, "decoder", self._decoder(seq.slot, spec))):
+        try:
+            seq.decoder = self._decoder(seq.slot, spec)
+            seq.generation = Generation(seq.slot.runner, seq.decoder.proposer, spec.prompt_ids,
+                                        spec.max_tokens, SamplingParams(**spec.sampling),
+                                        self.eos_token_ids)
+            seq.stream = TextStream(seq.decoder, seq.generation, spec.stop)
+            seq.generation.begin()
+        except Exception as exc:
+            self._fail(seq, exc, "could not start a sequence")
             return
-        part = self._part_rows(seq.slot.runner)
-        if not part or len(spec.prompt_ids) <= part:
-            if not self._guard(seq, "could not start a sequence", lambda: self._start(seq)):
-                return
-        self._active.append(seq)  # a long prompt: one part per turn (_step) before it starts
-
-    def _start(self, seq: _Sequence) -> None:
-        """Begin generating: the engine prefills the prompt (or its last part)."""
-        spec = seq.job.specs[seq.index]
-        runner = seq.slot.runner
-        if seq.prefilled:
-            runner = _PrefilledRunner(runner, seq.prefilled)
-        generation = Generation(runner, seq.decoder.proposer, spec.prompt_ids, spec.max_tokens,
-                                SamplingParams(**spec.sampling), self.eos_token_ids)
-        seq.stream = TextStream(seq.decoder, generation, spec.stop)
-        seq.iterator = seq.stream.steps()  # one verify step per call, so stepping is fair
+        self._active.append(seq)
         seq.job.post("start", seq.index)
 
-    def _prefill_part(self, seq: _Sequence) -> None:
-        """One part of a long prompt; the stream starts once what is left fits one part."""
-        ids = seq.job.specs[seq.index].prompt_ids
-        stop = seq.prefilled + self._part_rows(seq.slot.runner)
-        seq.slot.runner.prefill_part(ids, seq.prefilled, stop, seq.decoder.proposer.needs)
-        seq.prefilled = stop
-        if len(ids) - stop <= self._part_rows(seq.slot.runner):
-            self._start(seq)
+    def _gather(self) -> list[tuple[_Sequence, Call]]:
+        """Every decoding sequence's verify call, and prompt parts oldest first within the
+        step's prompt rows (one part at least)."""
+        work = []
+        prompt_rows = 0
+        for seq in self._active:
+            if not seq.prefilling:
+                work.append((seq, seq.generation.pending_call))
+            elif prompt_rows < self.prefill_rows:
+                ids = tuple(seq.spec.prompt_ids)
+                part = self._part_rows(seq.slot.runner)
+                stop = len(ids) if not part else min(len(ids), seq.prefilled + part)
+                work.append((seq, PrefillCall(ids, seq.prefilled, stop, seq.decoder.proposer.needs)))
+                prompt_rows += stop - seq.prefilled
+        return work
 
-    def _guard(self, seq: _Sequence, what: str, action) -> bool:
-        """Run ``action``; on failure end the sequence with an error for its request only
-        (the config's problem, a 400, or ours, a 500) and keep serving."""
+    def _step(self) -> None:
+        """One packed forward of every active sequence, then each one's verify and draft."""
+        for seq in list(self._active):
+            if seq.job.cancelled.is_set():
+                self._end(seq, "cancelled")
+        work = self._gather()
+        if not work:
+            return
+        started = time.perf_counter()
         try:
-            action()
-            return True
-        except SpecDecodeError as exc:
-            error = ApiError(400, str(exc), param="specdecode.config")
+            outs = work[0][0].slot.runner.run_packed([(seq.slot.runner, call) for seq, call in work])
         except Exception as exc:
-            log.exception(what)
-            error = ApiError(500, f"internal error: {exc}", kind="server_error")
-        if seq in self._active:
-            self._active.remove(seq)
-        self._release(seq, "error", None)
-        seq.job.post("error", seq.index, error)
-        return False
+            for seq, _ in work:
+                self._fail(seq, exc, "the target's forward failed")
+            return
+        forward_s = time.perf_counter() - started
+        rows = sum(_rows(call) for _, call in work)
+        if work[0][0].slot.runner.packs_calls:
+            self.metrics.observe_forward(len(work), rows)
+        else:  # one forward a call
+            for _, call in work:
+                self.metrics.observe_forward(1, _rows(call))
+        for (seq, call), out in zip(work, outs):
+            self._after(seq, call, out, forward_s)
+        drafting_s = self._draft_all()
+        if self.row_costs is not None:
+            # what neither the row curve nor the drafting explains: verifying, text, each
+            # sequence's share of the packed forward besides its rows
+            unexplained = time.perf_counter() - started - self.row_costs(rows) - drafting_s
+            self._overhead_s += RECENT * (max(0.0, unexplained) - self._overhead_s)
 
-    def _step(self, seq: _Sequence) -> None:
-        if seq.job.cancelled.is_set():
-            self._close(seq)
-            self._release(seq, "cancelled", seq.stream.generation.stats if seq.stream else None)
-            return
-        if seq.iterator is None:
-            self._guard(seq, "prefill failed", lambda: self._prefill_part(seq))
-            return
+    def _after(self, seq: _Sequence, call: Call, out, forward_s: float) -> None:
+        """Take the sequence's share of the forward: a prompt part, or a verify step's
+        tokens as text."""
+        if isinstance(call, PrefillCall):
+            seq.prefilled = call.stop
+            if call.stop < len(call.ids):
+                return
+        generation = seq.generation
         try:
-            piece = next(seq.iterator)
-        except StopIteration:
-            result: GenerationResult = seq.stream.result
-            self._release(seq, result.finish_reason, result.stats)
-            seq.job.post("done", seq.index, result)
-            return
+            generation.advance(out)
+            piece = seq.stream.feed()
         except Exception as exc:
-            log.exception("generation failed")
-            self._release(seq, "error", seq.stream.generation.stats)
-            seq.job.post("error", seq.index, ApiError(500, f"internal error: {exc}",
-                                                      kind="server_error"))
+            self._fail(seq, exc, "generation failed")
             return
+        if isinstance(call, VerifyCall):
+            generation.stats.verify_s += forward_s
+            seq.acceptance.observe(call.draft, generation.stats.accepted_lengths[-1] - 1)
+            self._method_acceptance(seq).observe(call.draft,
+                                                 generation.stats.accepted_lengths[-1] - 1)
         if piece:
             seq.job.post("text", seq.index, piece)
+        if generation.finish_reason is not None or seq.stream.stopped:
+            self._end(seq, None)
 
-    @staticmethod
-    def _close(seq: _Sequence) -> None:
-        if seq.iterator is not None:
-            seq.iterator.close()  # runs the engine's finally: proposer.finish
+    def _draft_all(self) -> float:
+        """Cap every decoding sequence's next draft by goodput, then let each draft; the
+        seconds spent drafting."""
+        drafting = [seq for seq in self._active if not seq.prefilling]
+        caps = self._caps(drafting)
+        total = 0.0
+        for seq, cap in zip(drafting, caps):
+            generation = seq.generation
+            generation.draft_cap = cap
+            started = time.perf_counter()
+            try:
+                generation.next_call()
+            except Exception as exc:
+                self._fail(seq, exc, "drafting failed")
+                continue
+            if cap[0] > 0:
+                key = _key(seq.spec)
+                spent = time.perf_counter() - started
+                total += spent
+                self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
+                    spent - self._draft_s.get(key, spent))
+        return total
 
-    def _release(self, seq: _Sequence, outcome: str, stats) -> None:
+    def _caps(self, drafting: list[_Sequence]) -> list[tuple[int, int]]:
+        """Each sequence's (max depth, max draft rows) for its next step."""
+        if self.row_costs is None:
+            return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
+        candidates = []
+        for seq in drafting:
+            prior = self._method_acceptance(seq)
+            generation = seq.generation
+            deepest = min(generation.controller.budget().max_depth, self.max_draft_rows,
+                          generation.max_new_tokens - len(generation.tokens) - 1,
+                          len(prior.offered) + EXPLORE_LEVELS)
+            candidates.append(Candidate(seq.acceptance.levels(max(0, deepest), prior),
+                                        self._draft_s.get(_key(seq.spec), 0.0)))
+        prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
+                              len(seq.spec.prompt_ids) - seq.prefilled)
+                          for seq in self._active if seq.prefilling)
+        caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows, self._overhead_s)
+        return [(depth, min(rows, self.max_draft_rows)) for depth, rows in caps]
+
+    def _method_acceptance(self, seq: _Sequence) -> Acceptance:
+        return self._acceptance.setdefault(_key(seq.spec), Acceptance())
+
+    def _fail(self, seq: _Sequence, exc: Exception, what: str) -> None:
+        """End the sequence with an error for its request only (the config's problem, a 400,
+        or ours, a 500) and keep serving."""
+        if isinstance(exc, SpecDecodeError):
+            error = ApiError(400, str(exc), param="specdecode.config")
+        else:
+            log.error(what, exc_info=exc)
+            error = ApiError(500, f"internal error: {exc}", kind="server_error")
+        self._end(seq, "error")
+        seq.job.post("error", seq.index, error)
+
+    def _end(self, seq: _Sequence, outcome: str | None) -> None:
+        """Close the generation (the proposer's finish) and free the slot; ``outcome`` None:
+        it finished, and its result goes to the request."""
         if seq in self._active:
             self._active.remove(seq)
-        self.metrics.observe_sequence(seq.job.specs[seq.index].method, outcome, stats)
+        stats = None
+        if seq.generation is not None:
+            seq.generation.close()
+            stats = seq.generation.stats
+        if outcome is None:
+            result: GenerationResult = seq.stream.finish()
+            outcome = result.finish_reason
+            seq.job.post("done", seq.index, result)
+        self.metrics.observe_sequence(seq.spec.method, outcome, stats)
         with self._cond:
             self._free.append(seq.slot)
             self._busy -= 1
@@ -347,10 +433,17 @@ class Scheduler:
         error = ApiError(503, "the server is shutting down", kind="server_error",
                          code="shutting_down")
         for seq in list(self._active):
-            self._close(seq)
-            self._release(seq, "cancelled", seq.stream.generation.stats if seq.stream else None)
+            self._end(seq, "cancelled")
             seq.job.post("error", seq.index, error)
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
         for seq in pending:
             seq.job.post("error", seq.index, error)
+
+
+def _key(spec: SequenceSpec) -> tuple[str, str]:
+    return spec.method, repr(spec.config)
+
+
+def _rows(call: Call) -> int:
+    return call.rows if isinstance(call, VerifyCall) else call.stop - call.start

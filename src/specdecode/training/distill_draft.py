@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from specdecode.control import AcceptanceHead
 from specdecode.errors import require
 from specdecode.training.artifacts import int8_rows, save_artifact, user_dir
+from specdecode.training.runs import TimeBar, work_dir
 from specdecode.training.self_data import frequency_shortlist, target_conversations
 
 KIND = "draft_model"
@@ -216,39 +216,25 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
 
-    require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
-    require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
-    require(0 <= args.shortlist, f"--shortlist must be >= 0 (0 = whole vocabulary)")
-    deadline = time.monotonic() + 60 * args.max_minutes
+    _check_args(args)
     budget = 60 * args.max_minutes
+    deadline = time.monotonic() + budget
     loaded = load_model(args.model)
     target, tokenizer = loaded.model, loaded.tokenizer
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target.requires_grad_(False)
     fingerprint = HFRunner(target).fingerprint()
-    workdir = Path(args.workdir) if args.workdir else user_dir() / "draft-work"
-    workdir.mkdir(parents=True, exist_ok=True)
-    state_path = workdir / "state.pt"
+    workdir = work_dir(args.workdir, user_dir() / "draft-work")
     out = Path(args.out) if args.out else user_dir() / f"draft_model-{args.layers}L.safetensors"
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-
-    state = {"step": 0, "fingerprint": fingerprint, "layers": args.layers, "log": []}
-    if args.resume:
-        require(state_path.is_file(), f"no checkpoint to resume in {workdir}; run without --resume")
-        state = torch.load(state_path, weights_only=False)
-        require(state["fingerprint"] == fingerprint and state["layers"] == args.layers,
-                f"the checkpoint in {workdir} is for another target or --layers; start afresh "
-                "without --resume (or pass another --workdir)")
-        rng.setstate(state["rng"])
-
-    progress = None if args.no_progress else _progress(args)
+    state = _resumed_state(args, workdir / "state.pt", fingerprint, rng)
+    bar = TimeBar(budget, "train draft", shown=not args.no_progress)
 
     # 1. data: target-written conversations (cached in the user cache, shared with `train heads`)
     sequences = target_conversations(
         target, tokenizer, fingerprint, args.conversations, prompt_tokens=args.prompt_tokens,
         answer_tokens=args.answer_tokens, batch=args.batch, seed=args.seed,
-        seconds=args.data_share * budget, show=lambda text: _show(progress, text))
+        seconds=args.data_share * budget, show=bar.show)
     held = max(2, len(sequences) // 10)
     evaluation, train = sequences[:held], sequences[held:]
     if "head_ids" not in state:
@@ -257,8 +243,64 @@ def run(args: argparse.Namespace) -> int:
                              if 0 < args.shortlist < vocab else None)
     head_ids = state["head_ids"]
 
-    # 2. distillation
+    # 2. distillation (keeping time for the acceptance head, the evaluation and the save)
     student = make_student(target, args.layers, head_ids)
+    _distil(student, target, train, evaluation, head_ids, state, rng, workdir / "state.pt", args,
+            deadline - args.head_share * budget - 30, bar.show)
+    after = agreement(student, target, evaluation, head_ids)
+    state["log"].append({"steps": state["step"], "agreement": round(after, 4)})
+
+    # 3. SpecDec++ acceptance head
+    acc_head, head_info = None, {}
+    if args.head_share > 0:
+        bar.show("acceptance head")
+        seconds = max(10.0, deadline - time.monotonic() - 15)
+        acc_head, head_info = train_acceptance_head(student, target, train, head_ids, seconds,
+                                                    rng, target.config.hidden_size)
+    info = {"layers_from_target": list(range(args.layers)), "shortlist": args.shortlist,
+            "conversations": len(sequences), "steps": state["step"],
+            "agreement_before": round(state["agreement_before"], 4),
+            "agreement_after": round(after, 4), "acceptance_head_training": head_info,
+            "command": "specdecode train draft " + _argv(args)}
+    path = save_draft(out, student, head_ids, fingerprint, info, acc_head)
+    bar.close()
+    print(f"draft: {args.layers} layers, {state['step']} distillation steps on "
+          f"{len(train)} conversations; greedy agreement with the target on {held} held-out "
+          f"conversations {state['agreement_before']:.3f} -> {after:.3f}")
+    if head_info:
+        print(f"acceptance head: {head_info}")
+    print(f"saved {path}")
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Bad arguments fail before anything loads."""
+    require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
+    require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
+    require(0 <= args.shortlist, "--shortlist must be >= 0 (0 = whole vocabulary)")
+
+
+def _resumed_state(args: argparse.Namespace, path: Path, fingerprint: str,
+                   rng: random.Random) -> dict:
+    """The run's state: a fresh one, or with ``--resume`` the checkpoint's (checked to be for
+    this target and ``--layers``; ``rng`` continues where it stopped)."""
+    state = {"step": 0, "fingerprint": fingerprint, "layers": args.layers, "log": []}
+    if not args.resume:
+        return state
+    require(path.is_file(), f"no checkpoint to resume in {path.parent}; run without --resume")
+    state = torch.load(path, weights_only=False)
+    require(state["fingerprint"] == fingerprint and state["layers"] == args.layers,
+            f"the checkpoint in {path.parent} is for another target or --layers; start afresh "
+            "without --resume (or pass another --workdir)")
+    rng.setstate(state["rng"])
+    return state
+
+
+def _distil(student, target, train, evaluation, head_ids, state: dict, rng: random.Random,
+            path: Path, args: argparse.Namespace, deadline: float, show) -> None:
+    """Phase 2 until ``deadline``: one conversation a step (the order reshuffled each pass),
+    the learning rate warmed up over 10 steps; a checkpoint every two minutes and at the end.
+    A fresh run first measures the untrained draft's agreement."""
     params = [p for p in student.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     if "student" in state:
@@ -266,12 +308,10 @@ def run(args: argparse.Namespace) -> int:
         optim.load_state_dict(state["optim"])
     else:
         state["agreement_before"] = agreement(student, target, evaluation, head_ids)
-    head_seconds = args.head_share * budget
-    train_deadline = deadline - head_seconds - 30  # keep time to evaluate and save
     last_save = time.monotonic()
     losses: list[float] = []
     order = list(range(len(train)))
-    while time.monotonic() < train_deadline:
+    while time.monotonic() < deadline:
         step = state["step"]
         if step % len(order) == 0:
             random.Random(args.seed + step).shuffle(order)
@@ -285,36 +325,11 @@ def run(args: argparse.Namespace) -> int:
         optim.step()
         state["step"] = step + 1
         losses.append(loss.item())
-        _show(progress, f"distil step {step + 1} KL {sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        show(f"distil step {step + 1} KL {sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if time.monotonic() - last_save > 120:
-            _checkpoint(state, student, optim, rng, state_path)
+            _checkpoint(state, student, optim, rng, path)
             last_save = time.monotonic()
-    _checkpoint(state, student, optim, rng, state_path)
-    after = agreement(student, target, evaluation, head_ids)
-    state["log"].append({"steps": state["step"], "agreement": round(after, 4)})
-
-    # 3. SpecDec++ acceptance head
-    acc_head, head_info = None, {}
-    if args.head_share > 0:
-        _show(progress, "acceptance head")
-        seconds = max(10.0, deadline - time.monotonic() - 15)
-        acc_head, head_info = train_acceptance_head(student, target, train, head_ids, seconds,
-                                                    rng, target.config.hidden_size)
-    info = {"layers_from_target": list(range(args.layers)), "shortlist": args.shortlist,
-            "conversations": len(sequences), "steps": state["step"],
-            "agreement_before": round(state["agreement_before"], 4),
-            "agreement_after": round(after, 4), "acceptance_head_training": head_info,
-            "command": "specdecode train draft " + _argv(args)}
-    path = save_draft(out, student, head_ids, fingerprint, info, acc_head)
-    if progress is not None:
-        progress.close()
-    print(f"draft: {args.layers} layers, {state['step']} distillation steps on "
-          f"{len(train)} conversations; greedy agreement with the target on {held} held-out "
-          f"conversations {state['agreement_before']:.3f} -> {after:.3f}")
-    if head_info:
-        print(f"acceptance head: {head_info}")
-    print(f"saved {path}")
-    return 0
+    _checkpoint(state, student, optim, rng, path)
 
 
 def _checkpoint(state, student, optim, rng, path: Path) -> None:
@@ -325,22 +340,6 @@ def _checkpoint(state, student, optim, rng, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
-
-
-def _progress(args):
-    from tqdm import tqdm
-
-    bar = tqdm(total=math.ceil(60 * args.max_minutes), unit="s", desc="train draft",
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}s {postfix}")
-    bar.began = time.monotonic()
-    return bar
-
-
-def _show(progress, text: str) -> None:
-    if progress is None:
-        return
-    progress.n = min(progress.total, time.monotonic() - progress.began)
-    progress.set_postfix_str(text, refresh=True)
 
 
 def _argv(args: argparse.Namespace) -> str:

@@ -21,7 +21,6 @@ several times faster on this CPU); the loss is computed in float32.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -32,6 +31,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError, require
 from specdecode.training.adapters import ExitAdapters
+from specdecode.training.runs import Checkpoint, target_key, work_dir
 
 DEFAULT_LAYERS = "6,9,12,15,18,21,24,27"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -234,8 +234,6 @@ def run(args: argparse.Namespace) -> int:
 
 def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters, Path]:
     """Both phases, the evaluation and the artifact; returns the adapters and their path."""
-    from tqdm import tqdm
-
     from specdecode.api import as_runner
     from specdecode.models.loading import cache_root
 
@@ -249,13 +247,9 @@ def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters
                 f"--layers: {layer} is outside the model: it has {runner.num_layers} layers, so "
                 f"an exit layer must be in 1..{runner.num_layers - 1}")
     fingerprint = runner.fingerprint()
-    key = hashlib.sha1(fingerprint.encode()).hexdigest()[:10]
-    workdir = Path(args.workdir) if args.workdir else cache_root() / "train" / f"exit-adapters-{key}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint = workdir / "checkpoint.pt"
-    require(args.resume or not checkpoint.is_file(),
-            f"a checkpoint exists in {workdir}; pass --resume to continue it, or delete it "
-            "to start over")
+    key = target_key(fingerprint)
+    workdir = work_dir(args.workdir, cache_root() / "train" / f"exit-adapters-{key}")
+    checkpoint = Checkpoint(workdir / "checkpoint.pt", args.resume)
     torch.manual_seed(args.seed)
 
     train_prompts, eval_prompts = split_prompts(Path(args.data) if args.data else default_data(),
@@ -269,37 +263,64 @@ def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters
                           args.gen_tokens // 2)
 
     head = model.get_output_embeddings().weight.detach()
-    head16 = head.to(torch.bfloat16)
     norm = model.model.norm
     eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
     adapters = ExitAdapters(layers, head.shape[1], args.rank, eps, norm.weight)
+    # keep time for the evaluation at the end (about as long as a few dozen steps)
+    step, losses = _fit(adapters, data, head.to(torch.bfloat16), checkpoint, fingerprint, args,
+                        deadline - max(20.0, 0.05 * args.max_minutes * 60))
+
+    with torch.no_grad():  # evaluate what is stored: the artifact keeps fp16 weights
+        for p in adapters.parameters():
+            p.copy_(p.half().float())
+    before = agreement(None, evaluation, head, norm, layers)
+    after = agreement(adapters.eval(), evaluation, head, norm, layers)
+    adapters.config = {
+        "agreement_before": {str(k): v for k, v in before.items()},
+        "agreement_after": {str(k): v for k, v in after.items()},
+        "eval_positions": int(evaluation["generated"].sum()),
+        "eval_prompts": len(eval_prompts), "train_positions": data["final"].shape[0],
+        "steps": step, "batch": args.batch, "lr": args.lr, "gen_tokens": args.gen_tokens,
+        "losses_every_50": losses[::50],
+        "minutes": round((time.monotonic() - began) / 60, 1),
+    }
+    out = Path(args.out) if args.out else (
+        cache_root() / "artifacts" / f"exit-adapters-{runner.name}-{key}.safetensors")
+    return adapters, adapters.save(out, fingerprint)
+
+
+def _fit(adapters: ExitAdapters, data: dict, head16: torch.Tensor, checkpoint: Checkpoint,
+         fingerprint: str, args, deadline: float) -> tuple[int, list[float]]:
+    """The training phase, from the checkpoint with ``--resume``: up to ``--steps`` steps (or
+    ``deadline``) of ``--batch`` random positions, every exit's KL to the final layer's
+    distribution, AdamW with the learning rate falling linearly to a tenth over ``--steps``;
+    a checkpoint every ``--checkpoint-every`` steps and at the end. Returns (steps, losses)."""
+    from tqdm import tqdm
+
+    layers = adapters.layers
     optimizer = torch.optim.AdamW(adapters.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: max(0.1, 1.0 - 0.9 * s / args.steps))
     step, losses = 0, []
-    if args.resume and checkpoint.is_file():
-        state = torch.load(checkpoint)
-        require(state["fingerprint"] == fingerprint and state["layers"] == list(layers)
-                and state["rank"] == args.rank,
-                f"the checkpoint in {workdir} is for other settings (layers {state['layers']}, "
-                f"rank {state['rank']}); delete it to start over")
+    settings = {"fingerprint": fingerprint, "layers": list(layers), "rank": args.rank}
+    state = checkpoint.load(
+        lambda s: all(s[k] == v for k, v in settings.items()),
+        lambda s: f"other settings (layers {s['layers']}, rank {s['rank']}); delete it to start "
+                  "over")
+    if state is not None:
         adapters.load_state_dict(state["adapters"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, losses = state["step"], state["losses"]
 
-    def save_checkpoint():
-        tmp = checkpoint.with_name("checkpoint.pt.tmp")
-        torch.save({"fingerprint": fingerprint, "layers": list(layers), "rank": args.rank,
-                    "adapters": adapters.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "step": step, "losses": losses}, tmp)
-        tmp.replace(checkpoint)
+    def save() -> None:
+        checkpoint.save({**settings, "adapters": adapters.state_dict(),
+                         "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                         "step": step, "losses": losses})
 
     rows = data["final"].shape[0]
-    # keep time for the evaluation at the end (about as long as a few dozen steps)
-    train_deadline = deadline - max(20.0, 0.05 * args.max_minutes * 60)
     bar = tqdm(total=args.steps, initial=step, desc="training", unit="step")
-    while step < args.steps and time.monotonic() < train_deadline:
+    while step < args.steps and time.monotonic() < deadline:
         # the step number seeds the batch, so a resumed run draws the batches it would have
         index = torch.randint(rows, (args.batch,), generator=torch.Generator().manual_seed(
             args.seed * 1_000_003 + step))
@@ -319,24 +340,7 @@ def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters
         bar.update(1)
         bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if step % args.checkpoint_every == 0:
-            save_checkpoint()
+            save()
     bar.close()
-    save_checkpoint()
-
-    with torch.no_grad():  # evaluate what is stored: the artifact keeps fp16 weights
-        for p in adapters.parameters():
-            p.copy_(p.half().float())
-    before = agreement(None, evaluation, head, norm, layers)
-    after = agreement(adapters.eval(), evaluation, head, norm, layers)
-    adapters.config = {
-        "agreement_before": {str(k): v for k, v in before.items()},
-        "agreement_after": {str(k): v for k, v in after.items()},
-        "eval_positions": int(evaluation["generated"].sum()),
-        "eval_prompts": len(eval_prompts), "train_positions": rows, "steps": step,
-        "batch": args.batch, "lr": args.lr, "gen_tokens": args.gen_tokens,
-        "losses_every_50": losses[::50],
-        "minutes": round((time.monotonic() - began) / 60, 1),
-    }
-    out = Path(args.out) if args.out else (
-        cache_root() / "artifacts" / f"exit-adapters-{runner.name}-{key}.safetensors")
-    return adapters, adapters.save(out, fingerprint)
+    save()
+    return step, losses

@@ -28,9 +28,9 @@ fingerprint) stores matrices in int8 with float16 row scales.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from specdecode.models.base import Needs
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.networks import NETWORKS, make_network, parameter_count
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
+from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
                                            target_conversations)
 
@@ -136,91 +137,145 @@ def evaluate(net, sequences, features, head_ids, full_head: torch.Tensor, depth:
     return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
 
 
+@dataclass
+class _Data:
+    """Phases 1-3: the conversations split into training and held-out ones, their features,
+    and the LM head the heads score with (its shortlist rows)."""
+
+    train: list
+    evaluation: list
+    train_features: list[torch.Tensor]
+    eval_features: list[torch.Tensor]
+    #: which runner the features come from ("native-int4", ...)
+    reader: str
+    #: the input embeddings, the whole LM head (float32), the shortlist (None: every token)
+    embed: torch.Tensor
+    full_head: torch.Tensor
+    head_ids: torch.Tensor | None
+    coverage: float
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self.full_head if self.head_ids is None else self.full_head[self.head_ids]
+
+
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import load_model, make_runner
+    from specdecode.models.loading import load_model
 
+    depth = _checked_depth(args)
+    budget = 60 * args.max_minutes
+    bar = TimeBar(budget, f"train {args.kind} heads", shown=not args.no_progress)
+    deadline = bar.began + budget
+    loaded = load_model(args.model)
+    target = loaded.model
+    target.requires_grad_(False)
+    fingerprint = HFRunner(target).fingerprint()
+    key = target_key(fingerprint)
+    workdir = work_dir(args.workdir, user_dir() / f"heads-work-{key}")
+    checkpoint = Checkpoint(workdir / f"{args.kind}-checkpoint.pt", args.resume)
+    torch.manual_seed(args.seed)
+    data = _data(loaded, fingerprint, workdir, args, bar.began + 0.7 * budget,
+                 args.data_share * budget, bar.show)
+
+    # 4. training
+    net = make_network(args.kind, data.embed.shape[1], data.embed)
+    optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+    state = {"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
+             "step": 0, "log": []}
+    saved = checkpoint.load(
+        lambda s: all(s[k] == state[k] for k in ("fingerprint", "kind", "settings")),
+        "another target or network; start afresh without --resume (or pass another --workdir)")
+    if saved is not None:
+        net.load_state_dict(saved["net"])
+        optim.load_state_dict(saved["optim"])
+        state.update(step=saved["step"], log=saved["log"])
+    _train(net, optim, data, depth, state, checkpoint, args,
+           deadline - max(30.0, 0.06 * budget), bar.show)  # time to evaluate and save
+
+    # 5. what is stored is evaluated: int8 round trip of the weights first
+    with torch.no_grad():
+        stored = int8_rows({k: v.half() for k, v in net.state_dict().items()})
+        net.load_state_dict(float_rows(stored))
+    bar.show("evaluation")
+    accuracy = evaluate(net.eval(), data.evaluation, data.eval_features, data.head_ids,
+                        data.full_head, depth)
+    info = {"kind": args.kind, "depth_trained": depth, "features": data.reader,
+            "shortlist": args.shortlist, "shortlist_coverage": round(data.coverage, 4),
+            "conversations": len(data.train) + len(data.evaluation),
+            "held_out": len(data.evaluation), "steps": state["step"], "lr": args.lr,
+            "loss_log": state["log"], "top1_agreement_per_depth": accuracy,
+            "parameters": parameter_count(net),
+            "minutes": round((time.monotonic() - bar.began) / 60, 1)}
+    out = (Path(args.out) if args.out
+           else user_dir() / f"{artifact_kind(args.kind)}-{key}.safetensors")
+    path = save_heads(out, net, data.head_ids, fingerprint, info)
+    bar.close()
+    print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {state['step']} "
+          f"steps on {len(data.train)} conversations in {info['minutes']} min")
+    print(f"shortlist: {args.shortlist} tokens cover {data.coverage:.1%} of the held-out answer "
+          "tokens")
+    print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
+          + ", ".join(f"{a:.1%}" for a in accuracy))
+    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def _checked_depth(args: argparse.Namespace) -> int:
+    """The depth to train, after checking the arguments (before anything loads)."""
     require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
     require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
     require(args.batch >= 1, f"--batch must be >= 1, got {args.batch}")
     require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
     depth = args.depth or DEPTHS[args.kind]
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
-    began = time.monotonic()
-    budget = 60 * args.max_minutes
-    deadline = began + budget
-    loaded = load_model(args.model)
-    target, tokenizer = loaded.model, loaded.tokenizer
-    target.requires_grad_(False)
-    fingerprint = HFRunner(target).fingerprint()
-    key = hashlib.sha1(fingerprint.encode()).hexdigest()[:10]
-    workdir = Path(args.workdir) if args.workdir else user_dir() / f"heads-work-{key}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint = workdir / f"{args.kind}-checkpoint.pt"
-    require(args.resume or not checkpoint.is_file(),
-            f"a checkpoint exists in {workdir}; pass --resume to continue it, or delete it to "
-            "start over")
-    torch.manual_seed(args.seed)
-    bar = None if args.no_progress else tqdm(total=math.ceil(budget), unit="s",
-                                             desc=f"train {args.kind} heads")
+    return depth
 
-    def show(text: str) -> None:
-        if bar is not None:
-            bar.n = min(bar.total, time.monotonic() - began)
-            bar.set_postfix_str(text, refresh=True)
 
-    # 1-2. data and features (the draft trainer's defaults: one cache serves both)
-    sequences = target_conversations(target, tokenizer, fingerprint, args.conversations,
+def _data(loaded, fingerprint: str, workdir: Path, args: argparse.Namespace,
+          features_deadline: float, data_seconds: float, show) -> _Data:
+    """Phases 1-3: conversations (the draft trainer's defaults: one cache serves both), their
+    features from the runner the heads will draft for, a tenth held out, the shortlist."""
+    from specdecode.models.loading import make_runner
+
+    target = loaded.model
+    sequences = target_conversations(target, loaded.tokenizer, fingerprint, args.conversations,
                                      prompt_tokens=64, answer_tokens=160, batch=args.batch, seed=0,
-                                     seconds=args.data_share * budget, show=show)
+                                     seconds=data_seconds, show=show)
     show("features")
     runner = make_runner(loaded, args.runner)
     reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
     features = read_features(runner, sequences, workdir / f"features-{reader}-{len(sequences)}.pt",
-                             began + 0.7 * budget)
+                             features_deadline)
     sequences = sequences[:len(features)]
     held = max(2, len(sequences) // 10)
     evaluation, train = sequences[:held], sequences[held:]
-    eval_features, train_features = features[:held], features[held:]
-    embed = target.get_input_embeddings().weight.detach()
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab = full_head.shape[0]
     head_ids = (frequency_shortlist(train, args.shortlist, vocab)
                 if 0 < args.shortlist < vocab else None)
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
-    head = full_head if head_ids is None else full_head[head_ids]
+    return _Data(train, evaluation, features[held:], features[:held], reader,
+                 target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage)
 
-    # 4. training
-    net = make_network(args.kind, embed.shape[1], embed)
-    optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
-    step, log = 0, []
-    if args.resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        require(state["fingerprint"] == fingerprint and state["kind"] == args.kind
-                and state["settings"] == net.settings(),
-                f"the checkpoint in {workdir} is for another target or network; start afresh "
-                "without --resume (or pass another --workdir)")
-        net.load_state_dict(state["net"])
-        optim.load_state_dict(state["optim"])
-        step, log = state["step"], state["log"]
 
-    def save_checkpoint() -> None:
-        tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-        torch.save({"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
-                    "net": net.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "log": log}, tmp)
-        tmp.replace(checkpoint)
+def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpoint,
+           args: argparse.Namespace, deadline: float, show) -> None:
+    """Phase 4 until ``deadline``: one conversation a step, the learning rate warmed up over
+    20 steps then decaying linearly to a tenth; a checkpoint every two minutes and at the end.
+    ``state`` holds the step and the loss log (every 50 steps)."""
+    def save() -> None:
+        checkpoint.save({**state, "net": net.state_dict(), "optim": optim.state_dict()})
 
-    train_start = time.monotonic()
-    train_deadline = deadline - max(30.0, 0.06 * budget)  # time to evaluate and save
-    last_save, recent = time.monotonic(), []
+    train, head = data.train, data.head
+    start = time.monotonic()
+    last_save, recent = start, []
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
-    while time.monotonic() < train_deadline:
+    while time.monotonic() < deadline:
+        step = state["step"]
         i = int(order[step % len(train)])
-        ids, feats = torch.tensor(train[i][0]), train_features[i].float()
-        elapsed = (time.monotonic() - train_start) / max(train_deadline - train_start, 1.0)
+        ids, feats = torch.tensor(train[i][0]), data.train_features[i].float()
+        elapsed = (time.monotonic() - start) / max(deadline - start, 1.0)
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
@@ -232,35 +287,12 @@ def run(args: argparse.Namespace) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optim.step()
-        step += 1
+        state["step"] = step = step + 1
         recent = (recent + [loss.item()])[-20:]
         if step % 50 == 0:
-            log.append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
+            state["log"].append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
         show(f"step {step} loss {sum(recent) / len(recent):.3f}")
         if time.monotonic() - last_save > 120:
-            save_checkpoint()
+            save()
             last_save = time.monotonic()
-    save_checkpoint()
-
-    # 5. what is stored is evaluated: int8 round trip of the weights first
-    with torch.no_grad():
-        state = float_rows(int8_rows({k: v.half() for k, v in net.state_dict().items()}))
-        net.load_state_dict(state)
-    show("evaluation")
-    accuracy = evaluate(net.eval(), evaluation, eval_features, head_ids, full_head, depth)
-    info = {"kind": args.kind, "depth_trained": depth, "features": reader, "shortlist": args.shortlist,
-            "shortlist_coverage": round(coverage, 4), "conversations": len(sequences),
-            "held_out": held, "steps": step, "lr": args.lr, "loss_log": log,
-            "top1_agreement_per_depth": accuracy, "parameters": parameter_count(net),
-            "minutes": round((time.monotonic() - began) / 60, 1)}
-    out = Path(args.out) if args.out else user_dir() / f"{artifact_kind(args.kind)}-{key}.safetensors"
-    path = save_heads(out, net, head_ids, fingerprint, info)
-    if bar is not None:
-        bar.close()
-    print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {step} steps on "
-          f"{len(train)} conversations in {info['minutes']} min")
-    print(f"shortlist: {args.shortlist} tokens cover {coverage:.1%} of the held-out answer tokens")
-    print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
-          + ", ".join(f"{a:.1%}" for a in accuracy))
-    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
+    save()

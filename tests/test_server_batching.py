@@ -1,0 +1,149 @@
+"""Batched serving: the scheduler runs every active sequence in one packed forward of the
+native runner; each response equals the same request sent alone (greedy and seeded), drafts are
+budgeted by goodput, and a client leaving mid-stream loses nobody else's tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from specdecode.api import Decoder
+from specdecode.models.llama import LlamaRunner
+from specdecode.server import BackgroundServer
+from specdecode.server.app import Server, Settings, create_app
+from specdecode.server.goodput import Batching
+from test_server import EOS, MODEL, build_tokenizer, wait_idle
+from tiny_models import tiny_llama
+
+PROMPTS = ["Hello world! How are", "def add(a, b):\n    return", "The quick brown fox",
+           "Speculative decoding drafts tokens and", "How are you today? I am",
+           "return a + b\n", "jumps over the lazy dog. The quick", "thank you. Hello"]
+#: one row costs as much as a whole step: no draft can pay
+STEEP = {1: 1.0, 2: 2.0}
+#: rows are free: every draft pays
+FLAT = {1: 1.0, 4096: 1.0001}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=256, seed=3)
+
+
+def serve(model, tokenizer, parallel=4, method="suffix", curve=FLAT, **settings):
+    first = LlamaRunner.from_transformers(model, "int4")
+    runners = [first] + [first.replica() for _ in range(parallel - 1)]
+    options = dict(model_id=MODEL, method=method, max_queue=64,
+                   batching=Batching(row_curve=curve))
+    options.update(settings)
+    return BackgroundServer(create_app(Server(runners, tokenizer, [EOS], Settings(**options))))
+
+
+def solo(model, tokenizer, prompt, method, max_tokens, **sampling):
+    decoder = Decoder(LlamaRunner.from_transformers(model, "int4"), tokenizer, method, [EOS])
+    return decoder.generate(prompt, max_tokens, chat=True, **sampling).text
+
+
+def ask_all(url, requests):
+    """Send every (prompt, options) at once, each from its own thread; texts and usages."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    out = [None] * len(requests)
+
+    def one(i, prompt, options):
+        stream = options.pop("stream", False)
+        messages = [{"role": "user", "content": prompt}]
+        if stream:
+            pieces = client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                    **options)
+            out[i] = ("".join(c.choices[0].delta.content or "" for c in pieces if c.choices), None)
+        else:
+            r = client.chat.completions.create(model=MODEL, messages=messages, **options)
+            out[i] = (r.choices[0].message.content, r.usage)
+
+    threads = [threading.Thread(target=one, args=(i, p, dict(o))) for i, (p, o) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(o is not None for o in out), "a request got no response"
+    return out
+
+
+@pytest.fixture
+def packed_sizes(monkeypatch):
+    """Sequences in each packed forward the scheduler runs."""
+    sizes = []
+    run_packed = LlamaRunner.run_packed
+
+    def spy(self, work):
+        sizes.append(len(work))
+        return run_packed(self, work)
+
+    monkeypatch.setattr(LlamaRunner, "run_packed", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix"])
+def test_every_batched_response_equals_its_solo_response(model, tokenizer, packed_sizes, method):
+    requests = [(p, dict(max_tokens=24, temperature=0, stream=i % 2 == 0))
+                for i, p in enumerate(PROMPTS)]
+    requests += [(p, dict(max_tokens=24, temperature=0.9, seed=7 + i))
+                 for i, p in enumerate(PROMPTS[:4])]
+    with serve(model, tokenizer, parallel=6, method=method) as served:
+        got = ask_all(served.url, requests)
+        wait_idle(served)
+    for (prompt, options), (text, _) in zip(requests, got):
+        sampling = ({} if options["temperature"] == 0 else
+                    dict(temperature=options["temperature"], seed=options["seed"]))
+        assert text == solo(model, tokenizer, prompt, method, 24, **sampling), prompt
+    assert max(packed_sizes) >= 4, f"sequences were not packed: {packed_sizes}"
+
+
+def test_goodput_keeps_drafts_where_rows_are_free_and_drops_them_where_not(model, tokenizer):
+    requests = [(p, dict(max_tokens=32, temperature=0)) for p in PROMPTS[:4]] * 2
+    drafted = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        with serve(model, tokenizer, parallel=4, method="suffix", curve=curve) as served:
+            got = ask_all(served.url, requests)
+        drafted[name] = sum(usage.draft_tokens for _, usage in got)
+        texts = [text for text, _ in got]
+        drafted[name + "_texts"] = texts
+    assert drafted["steep"] == 0
+    assert drafted["flat"] > 0
+    assert drafted["flat_texts"] == drafted["steep_texts"]
+
+
+def test_full_budget_ignores_the_curve(model, tokenizer):
+    requests = [(p, dict(max_tokens=32, temperature=0)) for p in PROMPTS[:4]] * 2
+    with serve(model, tokenizer, parallel=4, method="suffix", curve=STEEP,
+               batching=Batching(draft_budget="full", row_curve=STEEP)) as served:
+        got = ask_all(served.url, requests)
+    assert sum(usage.draft_tokens for _, usage in got) > 0
+
+
+def test_a_client_leaving_mid_stream_costs_the_others_nothing(model, tokenizer):
+    with serve(model, tokenizer, parallel=4, method="ar") as served:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                "max_tokens": 200, "stream": True, "temperature": 0}
+        stay = [(p, dict(max_tokens=40, temperature=0)) for p in PROMPTS[1:4]]
+        results = {}
+        thread = threading.Thread(target=lambda: results.setdefault("stay", ask_all(served.url, stay)))
+        with httpx.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+            thread.start()
+            for line in r.iter_lines():
+                if '"content"' in line:
+                    break  # leave once text arrives
+        thread.join(120)
+        wait_idle(served)
+        metrics = httpx.get(served.url + "/metrics").text
+    for (prompt, _), (text, _) in zip(stay, results["stay"]):
+        assert text == solo(model, tokenizer, prompt, "ar", 40)
+    assert 'specdecode_sequences_total{method="ar",outcome="cancelled"} 1.0' in metrics
+    assert "specdecode_batch_sequences_count" in metrics
