@@ -15,6 +15,7 @@ from specdecode.api import Decoder
 from specdecode.models.hf import HFRunner
 
 from test_server import EOS, MODEL, build_tokenizer, make_server
+from tiny_models import tiny_llama
 
 SCHEMA = {"type": "object",
           "properties": {"word": {"type": "string", "maxLength": 8},
@@ -32,8 +33,6 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from specdecode.models.loading import tiny_llama
-
     return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=256, seed=1)
 
 

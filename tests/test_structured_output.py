@@ -21,13 +21,13 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.loading import tiny_llama
 from specdecode.proposers.ar import Autoregressive as ArProposer
 from specdecode.sampling import SamplingParams
 
 from conftest import repetitive_prompts
 from test_exactness import tiny_overrides
 from test_sampling_stats import ALPHA, RandomTreeProposer, TableRunner, chi_square
+from tiny_models import tiny_llama
 
 EOS = 2
 #: a 96-token byte vocabulary for the tiny models: specials 0-2, JSON's characters, a few
