@@ -9,8 +9,10 @@
         print(piece, end="")
 
 ``model`` is a ``transformers`` causal LM or a :class:`specdecode.models.base.Runner`. Keyword
-arguments are split by name: sampling options (temperature, top_k, ...) go to
-:class:`SamplingParams`, everything else to the method's frozen config.
+arguments are split by name: sampling options (temperature, top_k, ..., logprobs) go to
+:class:`SamplingParams`, constraints (``json_schema``, ``regex``, ``grammar``, ``json_object``,
+``banned``; docs/structured-output.md) to :func:`specdecode.constraints.make_constraint`,
+everything else to the method's frozen config.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode import registry
-from specdecode.engine import Generation, GenerationStats
+from specdecode.constraints import Vocabulary, make_constraint
+from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+#: keyword arguments that build the request's constraint (:func:`make_constraint`)
+CONSTRAINT_FIELDS = frozenset(("json_schema", "regex", "grammar", "json_object", "banned",
+                               "jump_forward"))
 
 
 @dataclass
@@ -36,12 +42,24 @@ class GenerationResult:
     token_ids: list[int]
     method: str
     stats: GenerationStats
-    #: "stop" (end-of-sequence or a stop string) or "length"
+    #: "stop" (end-of-sequence, a stop string, a finished grammar) or "length"
     finish_reason: str
+    #: one per new token when the request asked for ``logprobs``
+    logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "method": self.method,
-                "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "method": self.method,
+               "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [dataclasses.asdict(p) for p in self.logprobs]
+        return out
+
+
+class Piece(str):
+    """A streamed text piece; ``logprobs`` holds the log-probabilities of the tokens committed
+    since the last piece (when the request asked for them)."""
+
+    logprobs: list[TokenLogprob] | None = None
 
 
 def as_runner(model) -> Runner:
@@ -65,11 +83,14 @@ def eos_ids(model, tokenizer) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def split_options(options: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
-    """Sampling options -> SamplingParams; the rest is method config."""
-    sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS and v is not None}
-    config = {k: v for k, v in options.items() if k not in SAMPLING_FIELDS}
-    return SamplingParams(**sampling), config
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Sampling and constraint options (given to :meth:`Decoder.start`) apart from the method
+    config; the sampling options are checked here."""
+    request = {k: v for k, v in options.items()
+               if k in SAMPLING_FIELDS | CONSTRAINT_FIELDS and v is not None}
+    config = {k: v for k, v in options.items() if k not in SAMPLING_FIELDS | CONSTRAINT_FIELDS}
+    SamplingParams(**{k: v for k, v in request.items() if k in SAMPLING_FIELDS})
+    return request, config
 
 
 def encode_prompt(tokenizer, prompt, chat: bool = True) -> list[int]:
@@ -103,10 +124,12 @@ class Decoder:
     that learn across requests, such as the suffix tree, keep what they learnt)."""
 
     def __init__(self, model, tokenizer=None, method: str | None = None,
-                 eos_token_ids: Sequence[int] | None = None, *, make_proposer=None, **config):
+                 eos_token_ids: Sequence[int] | None = None, *, make_proposer=None,
+                 vocabulary: Vocabulary | None = None, **config):
         """``make_proposer(method name, config, runner)``: builds the proposer instead of the
         method's class (the server hands shared state, such as the global suffix tree, this
-        way)."""
+        way). ``vocabulary``: the tokens as constraints see them (default: built from
+        ``tokenizer`` on the first constrained request)."""
         self.runner = as_runner(model)
         self.tokenizer = tokenizer
         self.method = registry.get(method or registry.DEFAULT_METHOD)
@@ -116,6 +139,15 @@ class Decoder:
         else:
             self.proposer = make_proposer(self.method.name, self.config, self.runner)
         self.eos_token_ids = list(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self._vocabulary = vocabulary
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        if self._vocabulary is None:
+            require(self.tokenizer is not None, "constraints need a tokenizer (or a vocabulary)")
+            self._vocabulary = Vocabulary(self.tokenizer, self.runner.vocab_size,
+                                          self.eos_token_ids)
+        return self._vocabulary
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """Text (chat-templated when the tokenizer has a template), chat messages, or ids."""
@@ -123,7 +155,14 @@ class Decoder:
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
               **sampling) -> Generation:
-        """A :class:`Generation` over token chunks (the lowest level of streaming)."""
+        """A :class:`Generation` over token chunks (the lowest level of streaming).
+        ``sampling``: :class:`SamplingParams` fields and the constraint options
+        (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
+        asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
+        if any(v not in (None, False, (), []) for k, v in asked.items() if k != "jump_forward"):
+            require(sampling.get("constraint") is None,
+                    "give constraint options or a built constraint, not both")
+            sampling["constraint"] = make_constraint(self.vocabulary, **asked)
         params = SamplingParams(**sampling)
         return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
                           params, self.eos_token_ids)
@@ -154,6 +193,8 @@ class TextStream:
         self.text = ""
         self.result: GenerationResult | None = None
         self._stop_found = False
+        #: log-probabilities handed out with pieces so far
+        self._reported = 0
 
     def __iter__(self) -> Iterator[str]:
         steps = self.steps()
@@ -194,7 +235,10 @@ class TextStream:
             full, self._stop_found = full[:cut], True
         elif self.generation.finish_reason is None:
             full = full[:len(full) - self._unsettled(full)]
-        piece, self.text = full[len(self.text):], full
+        piece, self.text = Piece(full[len(self.text):]), full
+        logprobs = self.generation.logprobs
+        if piece and logprobs is not None:  # the tokens' log-probabilities ride with the text
+            piece.logprobs, self._reported = logprobs[self._reported:], len(logprobs)
         return piece
 
     def finish(self) -> GenerationResult:
@@ -202,7 +246,8 @@ class TextStream:
         gen = self.generation
         finish = "stop" if self._stop_found else gen.finish_reason or "stop"
         self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
-                                       gen.stats, finish)
+                                       gen.stats, finish,
+                                       None if gen.logprobs is None else list(gen.logprobs))
         return self.result
 
     def _unsettled(self, text: str) -> int:
@@ -221,16 +266,18 @@ class TextStream:
 def generate(model, tokenizer=None, prompt="", method: str | None = None,
              max_new_tokens: int = 128, chat: bool = True, stop: Sequence[str] = (),
              **options) -> GenerationResult:
-    """One request: returns the text, the new token ids and the statistics."""
-    sampling, config = split_options(options)
+    """One request: returns the text, the new token ids and the statistics. Options: sampling
+    (``temperature``, ..., ``logprobs``), constraints (``json_schema``, ``regex``, ``grammar``,
+    ``json_object``, ``banned``) and the method's config."""
+    request, config = split_options(options)
     decoder = Decoder(model, tokenizer, method, **config)
-    return decoder.generate(prompt, max_new_tokens, chat, stop, **dataclasses.asdict(sampling))
+    return decoder.generate(prompt, max_new_tokens, chat, stop, **request)
 
 
 def stream(model, tokenizer=None, prompt="", method: str | None = None,
            max_new_tokens: int = 128, chat: bool = True, stop: Sequence[str] = (),
            **options) -> TextStream:
     """Like :func:`generate`, but iterate it for text pieces; ``.result`` holds the rest."""
-    sampling, config = split_options(options)
+    request, config = split_options(options)
     decoder = Decoder(model, tokenizer, method, **config)
-    return decoder.stream(prompt, max_new_tokens, chat, stop, **dataclasses.asdict(sampling))
+    return decoder.stream(prompt, max_new_tokens, chat, stop, **request)

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import sys
+from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 
@@ -55,8 +56,38 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def sampling_options(args: argparse.Namespace) -> dict:
     from specdecode.sampling import SamplingParams
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+               if hasattr(args, f.name)}
     SamplingParams(**options)  # validate before any model loads
+    return options
+
+
+def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output (docs/structured-output.md)")
+    group.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="constrain the output to JSON valid under this JSON Schema file")
+    group.add_argument("--regex", default=None, help="constrain the output to match this regex")
+    group.add_argument("--grammar", metavar="FILE", default=None,
+                       help="constrain the output to this Lark grammar file (or GBNF/EBNF, with "
+                            "'::=' rules)")
+    group.add_argument("--ban", action="append", default=[], metavar="TEXT",
+                       help="a string the output must never contain (repeatable)")
+    group.add_argument("--logprobs", type=int, default=None, metavar="N",
+                       help="report each token's log-probability and its N most likely "
+                            "alternatives (with --json)")
+
+
+def constraint_options(args: argparse.Namespace) -> dict:
+    """The constraint keywords of --json-schema/--regex/--grammar/--ban (files read here, so a
+    missing one fails before any model loads)."""
+    options: dict = {"regex": args.regex, "banned": list(args.ban)}
+    for name, path in (("json_schema", args.json_schema), ("grammar", args.grammar)):
+        if path is not None:
+            try:
+                options[name] = Path(path).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise SpecDecodeError(f"cannot read --{name.replace('_', '-')} file {path}: "
+                                      f"{exc.strerror}") from None
     return options
 
 
@@ -87,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = registry.get(args.method or registry.DEFAULT_METHOD)
     config = method.make_config(parse_config(args.config))
     sampling = sampling_options(args)
+    sampling.update(constraint_options(args))
     if args.max_new_tokens <= 0:
         raise SpecDecodeError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if not args.prompt.strip():
@@ -176,6 +208,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
                      help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
+    add_constraint_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     methods = sub.add_parser("methods", help="list every registered method with its defaults")

@@ -13,6 +13,13 @@
 
 A :class:`Generation` is an iterator over the committed token chunks; its ``tokens`` and
 ``stats`` fill as it runs, so streaming and one-shot generation share the same loop.
+
+Under a constraint (``sampling.constraint``: a grammar, banned outputs) the loop changes in three
+places, none of which changes what is committed: the draft loses the nodes the constraint
+rejects before the target sees it; the verifier masks each node with its own path's allowed
+tokens; and after each commit, while the constraint allows exactly one token, that token is
+committed at once without a target forward (jump-forward). Those forced tokens enter the cache
+with the next forward, as a chain before the root of a step that drafts nothing else.
 """
 
 from __future__ import annotations
@@ -22,13 +29,30 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from specdecode.constraints import Constraint
 from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.verify import verify
+from specdecode.verify import VerifyResult, verify
+
+#: most forced tokens committed in a row before the next target forward (they ride in its
+#: draft as a chain, so this bounds that pass's rows)
+MAX_FORCED_RUN = 32
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token's log-probability under the request's processed target distribution
+    (:meth:`~specdecode.sampling.NodeDistributions.logprobs`) and the ``top`` most likely
+    (token, log-probability) pairs there, most likely first. A forced token (the constraint
+    allowed nothing else) has log-probability 0 and itself as its only alternative."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -42,6 +66,10 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     #: draft nodes sent to the target, all steps together
     draft_tokens: int = 0
+    #: tokens a constraint forced, committed without a target forward (jump-forward)
+    forced_tokens: int = 0
+    #: draft nodes a constraint rejected before the target saw them
+    pruned_nodes: int = 0
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0
@@ -80,6 +108,8 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_tokens": self.forced_tokens,
+            "pruned_nodes": self.pruned_nodes,
             "accepted_histogram": {str(k): v for k, v in self.histogram.items()},
             "accepted_per_depth": self.accepted_per_depth,
             "prefill_s": round(self.prefill_s, 4),
@@ -127,6 +157,15 @@ class Generation:
         self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
         self.controller = controller or proposer.make_controller()
+        self.constraint: Constraint | None = None
+        if sampling.constraint is not None:
+            vocab = sampling.constraint.vocabulary.vocab_size
+            require(vocab == runner.vocab_size,
+                    f"the constraint was built for a vocabulary of {vocab} tokens but the model "
+                    f"has {runner.vocab_size}; build it with the model's vocab_size")
+            self.constraint = sampling.constraint.start()
+        #: one entry per committed token when ``sampling.logprobs`` is set, else None
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         self.tokens: list[int] = []
         self.stats = GenerationStats()
         #: "stop" (end-of-sequence) or "length" (max_new_tokens); None while running
@@ -137,6 +176,8 @@ class Generation:
         self._context = list(self.prompt_ids)
         self._generator = None
         self._call: Call | None = None
+        #: forced tokens committed since the last forward (not yet in the cache)
+        self._forced: list[int] = []
         self._started = 0.0
         self._closed = False
 
@@ -177,16 +218,25 @@ class Generation:
         require(self.finish_reason is None and self._call is None,
                 "next_call needs a generation whose last call was advanced and that has not finished")
         t0 = time.perf_counter()
+        context = self._context
+        if self._forced:  # jump-forward: the forced tokens enter the cache, nothing is drafted
+            root = context[-1 - len(self._forced)]
+            self._call = VerifyCall(root, Draft.chain(self._forced), self.proposer.needs)
+            return self._call
         left = self.max_new_tokens - len(self.tokens)
         budget = self.controller.budget().capped(left - 1)
         if self.draft_cap is not None:
             budget = budget.capped(self.draft_cap[0]).capped_nodes(self.draft_cap[1])
-        context = self._context
         if budget.max_depth > 0:
             draft = self.proposer.propose(context, budget).truncated(budget.max_depth,
                                                                      budget.max_nodes)
         else:  # nothing may be drafted (the last token, a loaded server): skip the drafting
             draft = Draft.empty()
+        if self.constraint is not None:
+            kept = self.constraint.prune(draft, keep_rejected_leaves=not self.sampling.greedy
+                                         and draft.probs is not None)
+            self.stats.pruned_nodes += len(draft) - len(kept)
+            draft = kept
         self.stats.propose_s += time.perf_counter() - t0
         self._call = VerifyCall(context[-1], draft, self.proposer.needs)
         return self._call
@@ -202,26 +252,37 @@ class Generation:
             stats.target_forwards += 1
             stats.prefill_s = t0 - self._started
             first = verify(Draft.empty(), out.logits, self.sampling, context, prompt_len,
-                           self._generator)
+                           self._generator, self.constraint)
             self.proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
                                            first.tokens, out, prefill=True))
             stats.propose_s += time.perf_counter() - t0
-            return self._emit(first.tokens, context)
-        draft = call.draft
-        result = verify(draft, out.logits, self.sampling, context, prompt_len, self._generator)
-        self.runner.commit(result.accepted)
+            return self._emit_verified(first) + self._jump_forward()
+        draft, forced = call.draft, self._forced
+        if forced:
+            # the chain's nodes are committed already: verify only after the last of them
+            self._forced = []
+            k = len(forced)
+            result = verify(Draft.empty(), out.logits[k:k + 1], self.sampling, context,
+                            prompt_len, self._generator, self.constraint)
+            before = context[:len(context) - k]
+            accepted, tokens = tuple(range(k)), tuple(forced) + result.tokens
+        else:
+            result = verify(draft, out.logits, self.sampling, context, prompt_len,
+                            self._generator, self.constraint)
+            before, accepted, tokens = context, result.accepted, result.tokens
+        self.runner.commit(accepted)
         t1 = time.perf_counter()
         stats.verify_s += t1 - t0
         stats.target_forwards += 1
-        stats.draft_tokens += len(draft)
-        self.proposer.observe(Feedback(tuple(context), draft, out.logits, result.accepted,
-                                       result.tokens, out))
-        self.controller.observe(len(draft), len(result.accepted))
+        stats.draft_tokens += 0 if forced else len(draft)
+        self.proposer.observe(Feedback(tuple(before), draft, out.logits, accepted, tokens, out))
+        if not forced:
+            self.controller.observe(len(draft), len(result.accepted))
         stats.propose_s += time.perf_counter() - t1
-        chunk = self._emit(result.tokens, context)
+        chunk = self._emit_verified(result)
         # count what was committed: tokens accepted past end-of-sequence are dropped
         stats.accepted_lengths.append(len(chunk))
-        return chunk
+        return chunk + self._jump_forward()
 
     def close(self) -> None:
         """End it (finished or not): the proposer's ``finish`` runs once."""
@@ -232,10 +293,58 @@ class Generation:
             self.proposer.finish(self.tokens)
             self.stats.total_s = time.perf_counter() - self._started
 
+    def _emit_verified(self, result: VerifyResult) -> list[int]:
+        """Commit a verify step's tokens, with their log-probabilities when asked for (read
+        before the commit moves the constraint past the rows' paths)."""
+        entries = []
+        if self.logprobs is not None:
+            top = self.sampling.logprobs
+            for token, row in zip(result.tokens, result.rows):
+                logprobs = result.target.logprobs(row)
+                values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
+                alternatives = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist())
+                                     if v > float("-inf"))  # tokens the processors dropped: none
+                entries.append(TokenLogprob(token, float(logprobs[token]), alternatives))
+        chunk = self._emit(result.tokens, self._context)
+        if self.logprobs is not None:
+            self.logprobs.extend(entries[:len(chunk)])
+        return chunk
+
+    def _jump_forward(self) -> list[int]:
+        """After a commit: end a finished grammar; commit the tokens the constraint forces."""
+        constraint = self.constraint
+        if constraint is None or self.finish_reason is not None:
+            return []
+        chunk: list[int] = []
+        while self.finish_reason is None and len(self._forced) < MAX_FORCED_RUN:
+            if constraint.finished:
+                self.finish_reason = "stop"
+                break
+            if not constraint.spec.jump_forward:
+                break
+            token = constraint.forced()
+            if token is None:
+                break
+            chunk += self._emit([token], self._context)
+            self._forced.append(token)
+            self.stats.forced_tokens += 1
+            if self.logprobs is not None:
+                self.logprobs.append(TokenLogprob(token, 0.0, ((token, 0.0),)))
+        return chunk
+
     def _emit(self, tokens: Sequence[int], context: list[int]) -> list[int]:
-        """Commit ``tokens``, cut at end-of-sequence or the token limit."""
+        """Commit ``tokens``, cut at end-of-sequence or the token limit. Under a constraint
+        each token is fed to it; a finished grammar ends the generation before any
+        end-of-sequence token (every method stops at the same place: ``ar`` when the grammar
+        finishes, a speculative step where a drafted end-of-sequence follows)."""
         out: list[int] = []
+        constraint = self.constraint
         for token in tokens:
+            if constraint is not None:
+                if constraint.finished:
+                    self.finish_reason = "stop"
+                    break
+                constraint.commit([token])
             out.append(token)
             if token in self.eos_token_ids:
                 self.finish_reason = "stop"

@@ -1,7 +1,8 @@
 """Sampling options, applied to the target's logits at every draft node with that node's context.
 
 The options keep the meanings users know from ``transformers`` and the OpenAI API, applied in
-the order both use: penalties, then temperature, then top-k, top-p and min-p.
+the order both use: penalties, then the constraint's token mask (grammar, banned outputs:
+:mod:`specdecode.constraints`), then temperature, then top-k, top-p and min-p.
 
 - ``repetition_penalty`` (CTRL / transformers): every token present anywhere in the context
   (prompt and output) has its logit divided by the penalty if positive, multiplied if negative.
@@ -30,12 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.draft import Draft
-from specdecode.errors import require
+from specdecode.errors import SpecDecodeError, require
 
 
 #: temperatures below this decode greedily
 GREEDY_BELOW = 1e-5
+#: most alternatives reported per token (OpenAI's limit on top_logprobs)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     #: seeds this request's own random generator; None = nondeterministic
     seed: int | None = None
+    #: report each committed token's log-probability and this many most likely alternatives
+    #: (0..20, OpenAI's top_logprobs); None = no log-probabilities
+    logprobs: int | None = None
+    #: grammar and banned outputs (:func:`specdecode.constraints.make_constraint`); None = none
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -85,6 +94,15 @@ class SamplingParams:
                                       and not isinstance(self.seed, bool)
                                       and -2**63 <= self.seed < 2**64),
                 f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        require(self.logprobs is None or (isinstance(self.logprobs, numbers.Integral)
+                                          and not isinstance(self.logprobs, bool)
+                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                f"reported per token), got {self.logprobs!r}")
+        require(self.constraint is None or isinstance(self.constraint, ConstraintSpec),
+                "constraint must be built by specdecode.constraints.make_constraint")
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         # numpy integers pass the checks above; store plain ints (hashable, JSON-friendly)
         object.__setattr__(self, "top_k", int(self.top_k))
         if self.seed is not None:
@@ -179,33 +197,65 @@ class NodeDistributions:
 
     ``logits`` [1 + n, V] come from the runner; ``context`` is the committed tokens, ending with
     the root; its first ``prompt_len`` are the prompt (penalties treat prompt and output
-    differently).
+    differently). ``constraint`` (the generation's, following the committed output) masks each
+    row with its own path's allowed tokens.
     """
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
-                 prompt_len: int, draft: Draft):
+                 prompt_len: int, draft: Draft, constraint: Constraint | None = None):
         self.logits = logits
         self.params = params
         self.draft = draft
+        self.constraint = constraint
         self._probs: dict[int, torch.Tensor] = {}
         if params.has_penalties:
             self.seen = set(context)
             # the root (committed, its KV not yet cached) counts like any output token
             self.counts = Counter(context[prompt_len:])
 
+    def path(self, row: int) -> list[int]:
+        """The draft tokens from the root down to row ``row``'s node (none for row 0)."""
+        return [self.draft.tokens[i] for i in self.draft.path_to(row - 1)] if row else []
+
     def penalised(self, row: int) -> torch.Tensor:
-        """Row ``row``'s logits [V] after the penalties (greedy decoding takes their argmax)."""
+        """Row ``row``'s logits [V] after the penalties and the constraint's mask (greedy
+        decoding takes their argmax)."""
+        logits = self._penalties(row)
+        if self.constraint is None:
+            return logits
+        allowed = self.constraint.allowed(self.path(row))
+        if not bool(allowed.any()):
+            raise SpecDecodeError("the constraints allow no token here (a banned output leaves "
+                                  "the grammar no way on); loosen the ban or the grammar")
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def _penalties(self, row: int) -> torch.Tensor:
         logits = self.logits[row].float()
         if not self.params.has_penalties:
             return logits
-        if row == 0:
+        path = self.path(row)
+        if not path:
             return apply_penalties(logits, self.params, self.seen, self.counts)
-        path = [self.draft.tokens[i] for i in self.draft.path_to(row - 1)]
         return apply_penalties(logits, self.params, self.seen.union(path),
                                self.counts + Counter(path))
 
     def argmax(self, row: int) -> int:
+        if self.constraint is not None:
+            # the unmasked argmax, when allowed, is the masked one (ties: torch takes the first
+            # maximum either way): one token's check instead of a whole mask
+            best = int(self._penalties(row).argmax())
+            if self.constraint.permits(self.path(row), best):
+                return best
         return int(self.penalised(row).argmax())
+
+    def logprobs(self, row: int) -> torch.Tensor:
+        """Row ``row``'s log-probabilities [V] after the request's processors: the penalties,
+        the constraint, and at temperature > 0 temperature, top-k, top-p and min-p (OpenAI's
+        logprobs of the distribution sampled from); at temperature 0, log_softmax of the
+        processed logits. Tokens the processors drop are -inf."""
+        if self.params.greedy:
+            return self.penalised(row).log_softmax(-1)
+        return self.probs(row).log()
 
     def probs(self, row: int) -> torch.Tensor:
         """Row ``row``'s sampling distribution [V] (temperature > 0)."""
@@ -215,9 +265,10 @@ class NodeDistributions:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
-                 prompt_len: int, draft: Draft) -> torch.Tensor:
+                 prompt_len: int, draft: Draft, constraint: Constraint | None = None
+                 ) -> torch.Tensor:
     """Every row's sampling distribution at once [1 + n, V] (the verifier asks row by row)."""
-    nodes = NodeDistributions(logits, params, context, prompt_len, draft)
+    nodes = NodeDistributions(logits, params, context, prompt_len, draft, constraint)
     return torch.stack([nodes.probs(row) for row in range(len(draft) + 1)])
 
 

@@ -31,6 +31,10 @@ earlier siblings did not take. The tests sample every rule against exactly enume
 distributions, and show that wrong rules (accepting with p(x), skipping the residual update,
 recording i.i.d. q for without-replacement siblings, Medusa's typical acceptance) fail them.
 
+A constraint (grammar, banned outputs) masks every node's target distribution with that node's
+own path's allowed tokens before any rule runs (:class:`~specdecode.sampling.NodeDistributions`),
+so each rule is exact for the constrained distribution plain decoding samples from.
+
 Random numbers: the deterministic walk draws one uniform per committed token, as ``ar`` does,
 whatever was drafted. The rejection rule draws one for each sibling whose test is uncertain
 (0 < p(x) < q(x)) and one for the bonus/recovered token; so a draft whose tokens the target
@@ -40,10 +44,11 @@ never produces, and whose q lies off the target's support, leaves the tokens of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.constraints import Constraint
 from specdecode.draft import Draft
 from specdecode.sampling import NodeDistributions, SamplingParams, sample, uniform
 
@@ -54,24 +59,37 @@ class VerifyResult:
     accepted: tuple[int, ...]
     #: committed tokens: the accepted draft tokens then the bonus or recovered token
     tokens: tuple[int, ...]
+    #: the target's processed distributions the tokens came from (log-probabilities are read
+    #: from its rows: row 0, then 1 + each accepted node)
+    target: NodeDistributions | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def rows(self) -> list[int]:
+        """The logits row each committed token was chosen at."""
+        return [0] + [1 + i for i in self.accepted]
 
 
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, context: Sequence[int],
-           prompt_len: int, generator: torch.Generator) -> VerifyResult:
+           prompt_len: int, generator: torch.Generator,
+           constraint: Constraint | None = None) -> VerifyResult:
     """Verify ``draft`` against target ``logits`` [1 + n, V] (row 0 = after the root).
 
     ``context`` is the committed tokens, ending with the root; the first ``prompt_len`` are the
-    prompt (penalties treat prompt and output differently).
+    prompt (penalties treat prompt and output differently). ``constraint`` masks each node's
+    distribution with its own path's allowed tokens.
     """
-    target = NodeDistributions(logits, params, context, prompt_len, draft)
+    target = NodeDistributions(logits, params, context, prompt_len, draft, constraint)
     if params.greedy:
-        return _walk(draft, target.argmax)
-    if draft.probs is None or len(draft) == 0:
-        return _walk(draft, lambda row: sample(target.probs(row), generator))
-    if draft.probs.shape[-1] != logits.shape[-1]:
-        raise ValueError(f"draft probs cover {draft.probs.shape[-1]} tokens but the target's "
-                         f"vocabulary has {logits.shape[-1]}; give q over the target's vocabulary")
-    return _recursive_rejection(draft, target, generator)
+        result = _walk(draft, target.argmax)
+    elif draft.probs is None or len(draft) == 0:
+        result = _walk(draft, lambda row: sample(target.probs(row), generator))
+    else:
+        if draft.probs.shape[-1] != logits.shape[-1]:
+            raise ValueError(f"draft probs cover {draft.probs.shape[-1]} tokens but the target's "
+                             f"vocabulary has {logits.shape[-1]}; give q over the target's "
+                             "vocabulary")
+        result = _recursive_rejection(draft, target, generator)
+    return VerifyResult(result.accepted, result.tokens, target)
 
 
 def _walk(draft: Draft, choose) -> VerifyResult:

@@ -185,7 +185,8 @@ class LookaheadProposer(Proposer):
         self._root = root
         self._top_rows = [0 if i == 0 and not self.levels else None if node is None else node + 1
                           for i, node in enumerate(top)]
-        return trie.draft()
+        self._draft = trie.draft()
+        return self._draft
 
     def observe(self, feedback: Feedback) -> None:
         if feedback.prefill:  # learns from verify steps only
@@ -197,7 +198,12 @@ class LookaheadProposer(Proposer):
             self.pool.add_text(text, config.ngram)
         if not self._top_rows or int(feedback.context[-1]) != self._root:
             return  # not the draft we made: nothing to learn about the window
-        rows = self._top_rows
+        n = len(feedback.draft)
+        if feedback.draft.tokens != self._draft.tokens[:n] or \
+                feedback.draft.parents != self._draft.parents[:n]:
+            return  # the engine changed it (a constraint pruned it): its rows are not ours
+        # rows the engine cut off the end (a node cap) keep their old tokens, as budget cuts do
+        rows = [None if r is not None and r > n else r for r in self._top_rows]
         predicted = iter(target_argmax(feedback, [r for r in rows if r is not None],
                                        self.sampling, self._prompt_len))
         # a top cell the budget cut keeps its old token: a stale but harmless guess

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import registry
 from specdecode.api import GenerationResult, encode_prompt
+from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
@@ -54,6 +55,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 TOKENIZER_COPIES = 4
 #: largest seed + 1 (SamplingParams); choice i of a seeded request uses seed + i, wrapped
 SEED_END = 2**64
+#: OpenAI's log-probability for a token that cannot occur (JSON has no -inf)
+OPENAI_UNLIKELY = -9999.0
 
 
 @dataclass
@@ -139,6 +142,19 @@ class Frontend:
                                    if tokenizer is not None else 1)
         self.started = now()
         self.fingerprint = model.fingerprint
+        self.tokenizer = tokenizer
+        #: the ids ending a generation (a finished grammar allows them); the tokenizer's by default
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids: list[int] = [] if eos is None else [eos]
+        self._vocabulary: Vocabulary | None = None
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokens as constraints see them, built on the first request that needs them."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.runner_info.vocab_size,
+                                          self.eos_token_ids)
+        return self._vocabulary
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
@@ -193,6 +209,21 @@ class Frontend:
         except SpecDecodeError as exc:
             param = next((k for k in options if str(exc).startswith(k)), None)
             raise ApiError(400, str(exc), param=param) from None
+        top = req.top_logprobs_count()
+        if top is not None:
+            options["logprobs"] = top
+        asked = req.constraint()
+        if asked:
+            if self.tokenizer is None:
+                raise ApiError(400, "this server has no tokenizer, so it cannot constrain the "
+                                    "output", param="response_format")
+            try:
+                options["constraint"] = make_constraint(self.vocabulary, **asked)
+            except SpecDecodeError as exc:  # the grammar engine's own message
+                param = ("specdecode.ban" if set(asked) == {"banned"} else
+                         "response_format" if req.response_format is not None else
+                         f"specdecode.{next(iter(asked))}")
+                raise ApiError(400, str(exc), param=param) from None
         return options
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -287,6 +318,7 @@ class Server(Frontend):
                               settings.batching)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
                          memory, catalogue)
+        self.eos_token_ids = list(eos_token_ids)
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -304,6 +336,8 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
         "draft_tokens": sum(r.stats.draft_tokens for r in results),
         "accepted_tokens": sum(r.stats.accepted_tokens for r in results),
         "target_forwards": sum(r.stats.target_forwards for r in results),
+        "forced_tokens": sum(r.stats.forced_tokens for r in results),
+        "pruned_nodes": sum(r.stats.pruned_nodes for r in results),
         "verify_steps": steps,
         "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
     }
@@ -335,6 +369,23 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+class StreamedLogprobs:
+    """Per choice of a stream, the log-probabilities sent so far: a text piece carries those of
+    its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left."""
+
+    def __init__(self, choices: int):
+        self.sent = [0] * choices
+
+    def of(self, index: int, piece: str) -> list | None:
+        logprobs = getattr(piece, "logprobs", None)
+        if logprobs is not None:
+            self.sent[index] += len(logprobs)
+        return logprobs
+
+    def rest(self, index: int, result: GenerationResult) -> list | None:
+        return None if result.logprobs is None else result.logprobs[self.sent[index]:]
+
+
 class Endpoint:
     """One completion-style endpoint: how its chunks and final body look."""
 
@@ -344,12 +395,37 @@ class Endpoint:
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
         self.object = "chat.completion" if chat else "text_completion"
 
-    def choice(self, index: int, text: str, finish: str | None, delta: bool) -> dict:
+    def choice(self, index: int, text: str, finish: str | None, delta: bool,
+               logprobs: list | None = None) -> dict:
+        """One choice; ``logprobs``: the :class:`~specdecode.engine.TokenLogprob` of its tokens
+        (None = not asked for)."""
+        lp = None if logprobs is None else self.logprobs(logprobs)
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": index, key: body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, key: body, "logprobs": lp, "finish_reason": finish}
+
+    def logprobs(self, entries: list) -> dict:
+        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists."""
+        vocab = self.server.vocabulary
+        def text(token: int) -> str:
+            return vocab.token_bytes[token].decode("utf-8", "replace")
+
+        def value(logprob: float) -> float:
+            return max(logprob, OPENAI_UNLIKELY)  # -inf (a masked token) is not JSON
+
+        if self.chat:
+            return {"content": [
+                {"token": text(e.token), "logprob": value(e.logprob),
+                 "bytes": list(vocab.token_bytes[e.token]),
+                 "top_logprobs": [{"token": text(t), "logprob": value(v),
+                                   "bytes": list(vocab.token_bytes[t])} for t, v in e.top]}
+                for e in entries], "refusal": None}
+        return {"tokens": [text(e.token) for e in entries],
+                "token_logprobs": [value(e.logprob) for e in entries],
+                "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
+                "text_offset": None}
 
     def envelope(self, rid: str, model: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -408,7 +484,8 @@ class Endpoint:
                 results[index] = payload
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         body = self.envelope(rid, req.model, chunk=False)
-        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False)
+        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
+                                       logprobs=r.logprobs)
                            for i, r in enumerate(results)]
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
@@ -429,10 +506,11 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
+        sent = StreamedLogprobs(len(job.specs))
 
-        def chunk(index: int, text: str, finish: str | None, role: bool = False) -> str:
+        def chunk(index: int, text: str, finish: str | None, role=False, logprobs=None) -> str:
             body = self.envelope(rid, req.model, chunk=True)
-            choice = self.choice(index, text, finish, delta=True)
+            choice = self.choice(index, text, finish, delta=True, logprobs=logprobs)
             if role:
                 choice["delta"] = {"role": "assistant", "content": ""}
             body["choices"] = [choice]
@@ -455,10 +533,11 @@ class Endpoint:
                         if first_text:
                             first_text = False
                             metrics.first_token.observe(time.perf_counter() - job.arrived)
-                        yield chunk(index, payload, None)
+                        yield chunk(index, payload, None, logprobs=sent.of(index, payload))
                     elif kind == "done":
                         results[index] = payload
-                        yield chunk(index, "", payload.finish_reason)
+                        rest = sent.rest(index, payload)
+                        yield chunk(index, "", payload.finish_reason, logprobs=rest)
                         if all(r is not None for r in results):
                             if include_usage:
                                 body = self.envelope(rid, req.model, chunk=True)

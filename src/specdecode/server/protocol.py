@@ -8,7 +8,8 @@ being ignored. Every failure becomes OpenAI's error object::
 
 Beyond OpenAI's fields the server accepts vLLM's sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty``) and ``"specdecode": {"method": ..., "config": {...}}`` to choose the
-decoding method per request.
+decoding method per request; its ``ban``, ``regex`` and ``grammar`` constrain the output
+(docs/structured-output.md), as ``response_format`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_STOP = 4
 #: deepest nesting of arrays and objects in a request body (OpenAI's schemas need 5)
 MAX_JSON_DEPTH = 32
+#: most alternatives per token (OpenAI's top_logprobs limit; its completions allow 5)
+MAX_TOP_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -65,6 +68,28 @@ class SpecDecodeOptions(Strict):
     #: add each choice's generated token ids (``choices[i].token_ids``; non-streaming only),
     #: for exactness checks that must not compare text
     return_token_ids: bool = False
+    #: strings (and token-id lists) the output must never contain
+    ban: list[str | list[int]] = Field(default_factory=list)
+    #: constrain the output to this regex / this Lark (or GBNF) grammar
+    regex: str | None = None
+    grammar: str | None = None
+    #: commit the tokens a grammar forces without a target forward (off: for measurements)
+    jump_forward: bool = True
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` as OpenAI defines it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(Strict):
@@ -90,8 +115,9 @@ class SamplingFields(Strict):
     seed: int | None = None
     user: str | None = None
     specdecode: SpecDecodeOptions | None = None
-    # accepted for compatibility, only in their "off" setting (checked by ``unsupported``)
+    response_format: ResponseFormat | None = None
     logprobs: bool | int | None = None
+    # accepted for compatibility, only in its "off" setting (checked by ``unsupported``)
     logit_bias: dict[str, float] | None = None
 
     def stop_list(self) -> list[str]:
@@ -107,10 +133,45 @@ class SamplingFields(Strict):
                  "frequency_penalty", "repetition_penalty", "seed")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
-    def unsupported(self) -> None:
-        if self.logprobs:
-            raise ApiError(400, "logprobs are not supported by this server; leave 'logprobs' unset",
+    def constraint(self) -> dict[str, Any]:
+        """The keyword arguments of ``make_constraint`` this request sets."""
+        out: dict[str, Any] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            out["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(400, "response_format of type 'json_schema' needs "
+                                    "'json_schema': {'name': ..., 'schema': {...}}",
+                               param="response_format")
+            out["json_schema"] = fmt.json_schema.schema_
+        ext = self.specdecode
+        if ext is not None:
+            for name in ("regex", "grammar"):
+                if getattr(ext, name) is not None:
+                    if out:
+                        raise ApiError(400, f"specdecode.{name} and response_format both "
+                                            "constrain the output; give one",
+                                       param=f"specdecode.{name}")
+                    out[name] = getattr(ext, name)
+            if ext.ban:
+                out["banned"] = list(ext.ban)
+            if out and not ext.jump_forward:
+                out["jump_forward"] = False
+        return out
+
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives reported per token; None = no log-probabilities."""
+        value = self.logprobs
+        if value is None or value is False:
+            return None
+        if value is True or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the "
+                                f"alternatives reported per token), got {value!r}",
                            param="logprobs")
+        return value
+
+    def unsupported(self) -> None:
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by this server (it would change the "
                                 "target distribution speculation preserves); leave it unset",
@@ -152,11 +213,19 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        if self.top_logprobs:
-            raise ApiError(400, "logprobs are not supported by this server; leave 'top_logprobs' "
-                                "unset", param="top_logprobs")
+    def top_logprobs_count(self) -> int | None:
+        """OpenAI's chat form: ``logprobs`` true, ``top_logprobs`` alternatives (0..20)."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ApiError(400, "chat 'logprobs' is true or false; the alternatives go in "
+                                "'top_logprobs'", param="logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true",
+                               param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                    f"{self.top_logprobs}", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
