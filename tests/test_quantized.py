@@ -9,6 +9,7 @@ registered method)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode.api import Decoder
 from specdecode.bench.shapes import write_shape
@@ -87,3 +88,18 @@ def test_a_transformers_target_gets_an_int4_copy_of_its_weights(tiny_model):
     gen.run()
     assert gen.stats.accepted_tokens > 0
     assert decoder.proposer.drafter.session.lm.runner.runner.weights == "int4"
+
+
+@pytest.mark.parametrize("verifier", ["specinfer", "spectr"])
+def test_k_iid_chains_under_either_verifier(fp32_target, verifier):
+    decoder = Decoder(fp32_target, None, "quantized", eos_token_ids=[], drafts=3, verifier=verifier)
+    runs = [decoder.start(PROMPTS[1], 30, temperature=0.7, seed=5).run() for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+    draft = decoder.proposer.propose(list(PROMPTS[1]), decoder.proposer.make_controller().budget())
+    rule = {"specinfer": "recursive", "spectr": "spectr"}[verifier]
+    assert draft.sibling_rule == rule and len(draft.children(-1)) == 3
+    # the three depth-1 siblings were drawn from one q
+    assert torch.equal(draft.probs[0], draft.probs[1]) and torch.equal(draft.probs[0], draft.probs[2])
+    # greedy drafts one chain whatever k is
+    decoder.start(PROMPTS[0], 2).run()
+    assert decoder.proposer.propose(list(PROMPTS[0]), decoder.proposer.make_controller().budget()).is_chain

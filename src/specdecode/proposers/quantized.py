@@ -21,7 +21,11 @@ Length controllers (``controller``, :mod:`specdecode.control`): ``confidence`` (
 after a token whose int4 probability is below ``confidence_threshold``; the copy's own
 confidence predicts where the precise model disagrees), ``heuristic`` (transformers' +2/-1
 schedule) and ``fixed``. SpecDec++'s trained acceptance head needs a trained head, which the
-int4 copy has none of. Measurements: docs/quantized.md.
+int4 copy has none of.
+
+Sampled, ``drafts=k`` drafts k i.i.d. chains side by side (SpecTr's k draft sequences, Sun et
+al., 2023), verified by recursive rejection (``verifier=specinfer``) or SpecTr's K-SEQ
+(``verifier=spectr``; :mod:`specdecode.verify`). Measurements: docs/quantized.md.
 """
 
 from __future__ import annotations
@@ -91,7 +95,15 @@ class QuantizedConfig:
                                              "int4 probability is below this (transformers' "
                                              "0.4 is for a weaker separate draft)")
 
+    drafts: int = param(1, "k: i.i.d. chains drafted side by side when sampling (SpecTr's k "
+                           "draft sequences); greedy drafts one")
+    verifier: str = param("specinfer", "sampled acceptance rule for k > 1 chains: specinfer "
+                                       "(recursive rejection) or spectr (SpecTr's K-SEQ)")
+
     def __post_init__(self):
+        require(self.drafts >= 1, f"drafts must be >= 1, got {self.drafts}")
+        require(self.verifier in VERIFIERS,
+                f"unknown verifier {self.verifier!r}; known: {', '.join(VERIFIERS)}")
         require(self.controller in CONTROLLERS,
                 f"unknown controller {self.controller!r}; known: {', '.join(CONTROLLERS)}")
         require(self.num_speculative_tokens >= 1,
@@ -102,6 +114,9 @@ class QuantizedConfig:
         require(0.0 <= self.confidence_threshold <= 1.0,
                 f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
 
+
+#: verifier name -> the Draft's sibling rule (verify.py)
+VERIFIERS = {"specinfer": "recursive", "spectr": "spectr"}
 
 #: controller name -> factory(config)
 CONTROLLERS: dict[str, Callable[[QuantizedConfig], Controller]] = {
@@ -157,6 +172,40 @@ class ChainDrafter:
         self.session.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
+    def chains(self, context: Sequence[int], length: int, k: int, rule: str,
+               keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
+        """``k`` i.i.d. chains of up to ``length`` tokens, drafted in lockstep (one forward of
+        k rows per depth), kept apart as SpecTr's k sequences: node ``d * k + j`` is chain j's
+        token at depth d + 1. Stops early where ``keep_drafting`` says so for the most
+        confident chain. ``rule``: the Draft's sibling rule."""
+        lm = self.session.lm
+        if length <= 0:
+            self.session.nodes = ([], [], [])
+            return Draft.empty()
+        logits, hidden = lm.catch_up(context)
+        rows, hiddens = [logits] * k, [hidden] * k
+        paths = [list(context) for _ in range(k)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        for depth in range(1, length + 1):
+            confidence = 0.0
+            for j in range(k):
+                token, q, prob = self.session.draw(rows[j], paths[j])
+                tokens.append(token)
+                parents.append(-1 if depth == 1 else len(tokens) - 1 - k)
+                probs.append(q)
+                paths[j].append(token)
+                confidence = max(confidence, prob)
+            if depth == length or (keep_drafting is not None and not keep_drafting(
+                    DraftSignal(depth, confidence, hiddens[0]))):
+                break
+            step, step_hidden = lm.feed(tokens[-k:], parents[-k:])
+            rows, hiddens = list(step), list(step_hidden)
+        fed = len(tokens) - k
+        self.session.nodes = (tokens, parents, list(range(fed)) + [None] * k)
+        return Draft(tuple(tokens), tuple(parents), torch.stack(probs), sibling_rule=rule)
+
     def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
         self.session.keep_accepted(accepted, draft)
 
@@ -177,8 +226,12 @@ class QuantizedProposer(Proposer):
         self.drafter.start(prompt, self.sampling)
 
     def propose(self, context, budget):
-        return self.drafter.chain(context, min(budget.max_depth, budget.max_nodes),
-                                  budget.keep_drafting)
+        k = 1 if self.sampling.greedy else self.config.drafts
+        if k == 1:
+            return self.drafter.chain(context, min(budget.max_depth, budget.max_nodes),
+                                      budget.keep_drafting)
+        return self.drafter.chains(context, min(budget.max_depth, budget.max_nodes // k), k,
+                                   VERIFIERS[self.config.verifier], budget.keep_drafting)
 
     def observe(self, feedback: Feedback) -> None:
         self.drafter.keep_accepted(feedback.accepted, feedback.draft)
