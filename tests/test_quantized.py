@@ -103,3 +103,22 @@ def test_k_iid_chains_under_either_verifier(fp32_target, verifier):
     # greedy drafts one chain whatever k is
     decoder.start(PROMPTS[0], 2).run()
     assert decoder.proposer.propose(list(PROMPTS[0]), decoder.proposer.make_controller().budget()).is_chain
+
+
+@pytest.fixture(scope="module")
+def default_fp32(real_model):
+    from specdecode.models.loading import make_runner
+
+    return make_runner(real_model, "native", "fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_the_default_models_fp32_output_exactly(real_model, default_fp32, method):
+    """On SmolLM2's GGUF read as fp32, with the int4 copy read from the same file."""
+    from test_exactness import dev_prompts
+
+    ar = Decoder(default_fp32, real_model.tokenizer, "ar")
+    decoder = Decoder(default_fp32, real_model.tokenizer, method)
+    for prompt in dev_prompts()[:3]:
+        assert decoder.generate(prompt, 48).token_ids == ar.generate(prompt, 48).token_ids

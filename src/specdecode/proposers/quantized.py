@@ -17,11 +17,11 @@ argmax decides; sampled, the int4 copy samples each token from its own processed
 and records it in ``Draft.probs``, and the verifier's rejection rule keeps the target's
 distribution (:mod:`specdecode.drafting.session`).
 
-Length controllers (``controller``, :mod:`specdecode.control`): ``confidence`` (default: stop
-after a token whose int4 probability is below ``confidence_threshold``; the copy's own
-confidence predicts where the precise model disagrees), ``heuristic`` (transformers' +2/-1
-schedule) and ``fixed``. SpecDec++'s trained acceptance head needs a trained head, which the
-int4 copy has none of.
+Length controllers (``controller``, :mod:`specdecode.control`): ``heuristic`` (default:
+transformers' +2/-1 schedule, up to ``max_speculative_tokens``; the copy agrees with the
+precise model often enough that long chains pay), ``confidence`` (stop after a token whose int4
+probability is below ``confidence_threshold``) and ``fixed``. SpecDec++'s stopping rule needs
+a trained acceptance head, which the int4 copy has none of.
 
 Sampled, ``drafts=k`` drafts k i.i.d. chains side by side (SpecTr's k draft sequences, Sun et
 al., 2023), verified by recursive rejection (``verifier=specinfer``) or SpecTr's K-SEQ
@@ -86,8 +86,8 @@ def int4_copy(runner: Runner):
 
 @dataclass(frozen=True)
 class QuantizedConfig:
-    controller: str = param("confidence", "draft length controller: confidence | heuristic | "
-                                          "fixed (docs/quantized.md compares them)")
+    controller: str = param("heuristic", "draft length controller: heuristic | confidence | "
+                                         "fixed (docs/quantized.md compares them)")
     num_speculative_tokens: int = param(6, "draft length of the fixed controller and the "
                                            "heuristic's starting length")
     max_speculative_tokens: int = param(16, "longest chain any controller drafts")
