@@ -92,11 +92,10 @@ class QuantizedConfig:
                                            "heuristic's starting length")
     max_speculative_tokens: int = param(16, "longest chain any controller drafts")
     confidence_threshold: float = param(0.5, "confidence controller: stop after a token whose "
-                                             "int4 probability is below this (transformers' "
-                                             "0.4 is for a weaker separate draft)")
-
+                                             "int4 probability is below this")
     drafts: int = param(1, "k: i.i.d. chains drafted side by side when sampling (SpecTr's k "
-                           "draft sequences); greedy drafts one")
+                           "draft sequences), each num_speculative_tokens long (the adaptive "
+                           "controllers read one chain's acceptance); greedy drafts one")
     verifier: str = param("specinfer", "sampled acceptance rule for k > 1 chains: specinfer "
                                        "(recursive rejection) or spectr (SpecTr's K-SEQ)")
 
@@ -220,7 +219,10 @@ class QuantizedProposer(Proposer):
         self.drafter = ChainDrafter(int4_session(runner))
 
     def make_controller(self) -> Controller:
-        return CONTROLLERS[self.config.controller](self.config)
+        c = self.config
+        if c.drafts > 1:
+            return Controller(c.num_speculative_tokens, c.drafts * c.num_speculative_tokens)
+        return CONTROLLERS[c.controller](c)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.drafter.start(prompt, self.sampling)
