@@ -22,6 +22,9 @@ from functools import cached_property
 
 import torch
 
+#: sampled acceptance rules for siblings with probabilities (see verify.py)
+SIBLING_RULES = ("recursive", "spectr")
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -31,6 +34,9 @@ class Draft:
     # How good the proposer thinks this draft is (expected accepted tokens); lets drafts from
     # several sources compete (SuffixDecoding's per-request vs global tree).
     score: float = 0.0
+    # The sampled acceptance rule for siblings with probabilities (verify.py): "recursive"
+    # (SpecInfer / RSD recursive rejection) or "spectr" (SpecTr's K-SEQ; i.i.d. siblings only).
+    sibling_rule: str = "recursive"
     _children_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -47,6 +53,9 @@ class Draft:
                     f"Draft node {i} has parent {p}; parents must satisfy -1 <= parents[i] < i "
                     "(nodes in topological order)"
                 )
+        if self.sibling_rule not in SIBLING_RULES:
+            raise ValueError(f"unknown sibling_rule {self.sibling_rule!r}; known: "
+                             f"{', '.join(SIBLING_RULES)}")
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(
                 f"Draft probs has {self.probs.shape[0]} rows for {len(self.tokens)} nodes"
@@ -153,4 +162,5 @@ class Draft:
             tuple(new_index[self.parents[i]] for i in keep),
             probs,
             self.score,
+            self.sibling_rule,
         )

@@ -22,6 +22,16 @@ carries; the verifier knows nothing of how the draft was made:
   (Leviathan et al. 2023; Chen et al. 2023). With i.i.d. siblings (SpecInfer) every q_i is the
   same q; with siblings drawn without replacement (RSD) q_i excludes the earlier siblings - the
   proposer records whichever it used, and the same rule is exact for both.
+- sampled, i.i.d. siblings marked ``sibling_rule="spectr"``: SpecTr's k-sequential selection
+  K-SEQ (Sun et al., NeurIPS 2023, "SpecTr: Fast Speculative Decoding via Optimal Transport",
+  Algorithm 2), a (1 - 1/e)-optimal transport plan for k i.i.d. drafts from q. With
+  ``beta(g) = sum_x min(q(x), p(x) / g)``, candidate i is accepted with probability
+  min(1, p(x_i) / (g q(x_i))), the first accepted wins; if none is, the token is drawn from
+  ``p_res ∝ p - min(q, p / g) (1 - (1 - beta)^k) / beta``. ``g`` in [1, k] is the smallest
+  value keeping ``p_res >= 0`` (bisection; g = k always does). k = 1, g = 1 is speculative
+  sampling. The candidates at a level are the children of *every* node holding the accepted
+  prefix (SpecTr's sequences consistent with it: given that prefix, their next tokens are
+  i.i.d. draws from q), so k separate i.i.d. chains are verified as SpecTr verifies k sequences.
 
 Exactness of the last rule needs exactly this of the proposer: given everything drafted before
 it (its ancestors and its earlier siblings), node i's token was drawn from ``probs[i]``. So i.i.d.
@@ -88,7 +98,10 @@ def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams, context: 
             raise ValueError(f"draft probs cover {draft.probs.shape[-1]} tokens but the target's "
                              f"vocabulary has {logits.shape[-1]}; give q over the target's "
                              "vocabulary")
-        result = _recursive_rejection(draft, target, generator)
+        if draft.sibling_rule == "spectr":
+            result = _k_sequential(draft, target, generator)
+        else:
+            result = _recursive_rejection(draft, target, generator)
     return VerifyResult(result.accepted, result.tokens, target)
 
 
@@ -149,3 +162,74 @@ def _recursive_rejection(draft: Draft, target: NodeDistributions,
             tokens = [draft.tokens[i] for i in accepted]
             tokens.append(sample(p, generator))
             return VerifyResult(tuple(accepted), tuple(tokens))
+
+
+#: bisection steps for SpecTr's gamma (the interval [1, k] shrinks below 1e-6 of k)
+GAMMA_STEPS = 24
+
+
+def kseq_gamma(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[float, torch.Tensor]:
+    """SpecTr's smallest feasible gamma in [1, k] for k i.i.d. drafts from ``q`` against ``p``
+    (float64 [V]), and the accepted mass per token ``min(q, p / gamma) * (1 - (1 - beta)^k) /
+    beta`` it gives. Bisection only ever moves the upper end to a feasible value, so the result
+    is feasible (p_res >= 0) even where feasibility is not monotone in gamma."""
+
+    def accepted_mass(gamma: float) -> torch.Tensor:
+        part = torch.minimum(q, p / gamma)
+        beta = float(part.sum())
+        if beta <= 0:
+            return part  # q and p are disjoint: nothing can be accepted
+        return part * ((1 - (1 - beta) ** k) / beta)
+
+    def feasible(gamma: float) -> bool:
+        return bool((p - accepted_mass(gamma) >= -1e-12).all())
+
+    lo, hi = 1.0, float(k)
+    if feasible(lo):
+        return lo, accepted_mass(lo)
+    for _ in range(GAMMA_STEPS):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, accepted_mass(hi)
+
+
+def _k_sequential(draft: Draft, target: NodeDistributions,
+                  generator: torch.Generator) -> VerifyResult:
+    accepted_tokens: list[int] = []
+    holders, last = [-1], -1  # the nodes holding the accepted prefix; the one whose path is kept
+    while True:
+        p = target.probs(last + 1).double()
+        candidates = [c for node in holders for c in draft.children(node)]
+        if not candidates:
+            break
+        q = draft.probs[candidates[0]].double()
+        for c in candidates[1:]:
+            if not torch.equal(draft.probs[c], draft.probs[candidates[0]]):
+                raise ValueError(f"draft nodes {candidates[0]} and {c} hold the same prefix's "
+                                 "next token with different q; SpecTr's rule needs i.i.d. "
+                                 "siblings (use sibling_rule='recursive' for others)")
+        gamma, mass = kseq_gamma(p, q, len(candidates))
+        chosen = None
+        for c in candidates:
+            token = draft.tokens[c]
+            if q[token] <= 0:
+                raise ValueError(f"draft node {c} holds token {token} with zero proposer "
+                                 "probability; probs[i] must be the distribution tokens[i] was "
+                                 "drawn from")
+            if accepts(float(p[token]) / gamma, float(q[token]), generator):
+                chosen = c
+                break
+        if chosen is None:
+            p = residual(p, mass)
+            break
+        token = draft.tokens[chosen]
+        accepted_tokens.append(token)
+        holders = [c for c in candidates if draft.tokens[c] == token]
+        last = chosen
+    # every holder of the accepted prefix has the same tokens at the same positions, so the
+    # last accepted node's path commits the same cache rows as any other
+    path = tuple(draft.path_to(last)) if last >= 0 else ()
+    return VerifyResult(path, tuple(accepted_tokens) + (sample(p, generator),))

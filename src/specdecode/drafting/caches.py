@@ -178,8 +178,12 @@ class NativeDraftLM(DraftCache):
         return self.runner.lm_head(hidden)[0], hidden[0]
 
     def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`DraftLM.feed`."""
-        paths = [[] if p < 0 else self.tree_paths[p] + [p] for p in parents]
+        """As :meth:`DraftLM.feed`; a parent may also be a row of this same call (a whole
+        tree in one forward)."""
+        paths = list(self.tree_paths)
+        for p in parents:
+            paths.append([] if p < 0 else paths[p] + [p])
+        paths = paths[len(self.tree_paths):]
         hidden = self.runner.read_tree(tokens, paths, len(self.tree_tokens))
         self.tree_tokens.extend(tokens)
         self.tree_paths.extend(paths)

@@ -25,6 +25,9 @@ from specdecode.server.protocol import ApiError
 _HEAD_TREE = {"tree_nodes": (1, 128), "max_depth": (1, 32), "expand_width": (1, 64),
               "max_forwards": (1, 32), "min_path_prob": (0.0, 1.0)}
 
+_QUANTIZED = {"num_speculative_tokens": (1, 32), "max_speculative_tokens": (1, 64),
+              "confidence_threshold": (0.0, 1.0), "drafts": (1, 8)}
+
 #: method -> numeric config field -> (lowest, highest) a request may ask for, inclusive
 RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "ar": {},
@@ -40,6 +43,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
                     "confidence_threshold": (0.0, 1.0), "stop_threshold": (0.0, 1.0)},
     "dyspec": {"tree_nodes": (1, 128), "max_depth": (1, 32), "expand_width": (1, 64),
                "max_forwards": (1, 32), "min_path_prob": (0.0, 1.0)},
+    "quantized": _QUANTIZED,
+    "hierspec": {**_QUANTIZED, "tree_nodes": (1, 128)},
     "early_exit": {"exit_layer": (0, 1024), "num_speculative_tokens": (1, 32)},
     "jacobi": {"window": (1, 64)},
     "sjd": {"window": (1, 64)},

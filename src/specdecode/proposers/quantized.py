@@ -1,0 +1,239 @@
+"""Quantized self-drafting: the target's own int4 copy drafts chains for the precise target
+(Zhang et al., 2025, "Speculative Decoding Meets Quantization: Compatibility Evaluation and
+Hierarchical Framework Design", arXiv 2505.22179 - its baseline of a quantised model drafting
+for its full-precision self; the three-level hierarchy is ``hierspec``).
+
+The target is the runner the user picked (``--weights fp32`` or ``bf16`` on the native runner,
+or any ``transformers`` Llama-family model on the hf runner); the drafter is the same weights
+in the native runner's int4 format, with a KV cache of its own. Where the target was read from
+a GGUF file the drafter reads the same file, taking its 4-bit blocks as they are
+(memory-mapped, nothing re-quantised) and sharing the target's float embedding table; a
+``transformers`` target is quantised from its float weights. A target whose int4 copy cannot
+be made (no native kernels, sizes that are not whole int4 groups, a native runner built from a
+folder it no longer has) is refused with the reason and the fix.
+
+The output is the target's, exactly: greedy, the int4 copy proposes its argmax and the target's
+argmax decides; sampled, the int4 copy samples each token from its own processed distribution
+and records it in ``Draft.probs``, and the verifier's rejection rule keeps the target's
+distribution (:mod:`specdecode.drafting.session`).
+
+Length controllers (``controller``, :mod:`specdecode.control`): ``heuristic`` (default:
+transformers' +2/-1 schedule, up to ``max_speculative_tokens``; the copy agrees with the
+precise model often enough that long chains pay), ``confidence`` (stop after a token whose int4
+probability is below ``confidence_threshold``) and ``fixed``. SpecDec++'s stopping rule needs
+a trained acceptance head, which the int4 copy has none of.
+
+Sampled, ``drafts=k`` drafts k i.i.d. chains side by side (SpecTr's k draft sequences, Sun et
+al., 2023), verified by recursive rejection (``verifier=specinfer``) or SpecTr's K-SEQ
+(``verifier=spectr``; :mod:`specdecode.verify`). Measurements: docs/quantized.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.control import ConfidenceStop, Controller, DraftSignal, HeuristicLength
+from specdecode.draft import Draft
+from specdecode.drafting.caches import NativeDraftLM
+from specdecode.drafting.session import DraftSession
+from specdecode.errors import SpecDecodeError, require
+from specdecode.models.base import Runner
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.registry import param, register
+
+
+def int4_copy(runner: Runner):
+    """The target's weights as a native int4 :class:`LlamaRunner` with its own KV cache, or a
+    :class:`SpecDecodeError` saying why there can be none."""
+    from specdecode import kernels
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.llama import LlamaRunner, LlamaShape
+
+    require(kernels.available(), "the int4 drafter needs the native kernels, which did not "
+                                 "build on this machine (see `python -m specdecode.kernels`)")
+    if isinstance(runner, LlamaRunner):
+        require(runner.weights != "int4",
+                "the target already runs in int4: its int4 copy would be itself. Pick a "
+                "precise target with --weights fp32 (or bf16)")
+        require(runner.shape.fits_int4, "the model's sizes are not whole int4 groups of 32; "
+                                        "it has no int4 copy")
+        source = runner.source
+        if not source.endswith(".gguf"):
+            raise SpecDecodeError(
+                f"the native target was built from {source or 'tensors in memory'}, not a GGUF "
+                "file, so there is nothing to read its int4 copy from; load the model from its "
+                "GGUF file, or run the target on the hf runner (--runner hf)")
+        copy = LlamaRunner.from_gguf(source, "int4", max_context=runner.max_context)
+        if copy.embed.shape == runner.embed.shape and torch.equal(copy.embed, runner.embed):
+            copy.embed = runner.embed  # one float table for both (the lookup only reads it)
+        return copy
+    if isinstance(runner, HFRunner):
+        config = runner.model.config
+        try:
+            shape = LlamaShape.from_config(config)
+        except SpecDecodeError as exc:
+            raise SpecDecodeError(f"no int4 copy of this target: {exc}") from None
+        require(shape.fits_int4, "the model's sizes are not whole int4 groups of 32; it has no "
+                                 "int4 copy")
+        return LlamaRunner.from_transformers(runner.model, "int4",
+                                             max_context=runner.max_context)
+    raise SpecDecodeError(f"no int4 copy of a {type(runner).__name__} target; use the native "
+                          "runner (--runner native --weights fp32)")
+
+
+@dataclass(frozen=True)
+class QuantizedConfig:
+    controller: str = param("heuristic", "draft length controller: heuristic | confidence | "
+                                         "fixed (docs/quantized.md compares them)")
+    num_speculative_tokens: int = param(6, "draft length of the fixed controller and the "
+                                           "heuristic's starting length")
+    max_speculative_tokens: int = param(16, "longest chain any controller drafts")
+    confidence_threshold: float = param(0.5, "confidence controller: stop after a token whose "
+                                             "int4 probability is below this")
+    drafts: int = param(1, "k: i.i.d. chains drafted side by side when sampling (SpecTr's k "
+                           "draft sequences), each num_speculative_tokens long (the adaptive "
+                           "controllers read one chain's acceptance); greedy drafts one")
+    verifier: str = param("specinfer", "sampled acceptance rule for k > 1 chains: specinfer "
+                                       "(recursive rejection) or spectr (SpecTr's K-SEQ)")
+
+    def __post_init__(self):
+        require(self.drafts >= 1, f"drafts must be >= 1, got {self.drafts}")
+        require(self.verifier in VERIFIERS,
+                f"unknown verifier {self.verifier!r}; known: {', '.join(VERIFIERS)}")
+        require(self.controller in CONTROLLERS,
+                f"unknown controller {self.controller!r}; known: {', '.join(CONTROLLERS)}")
+        require(self.num_speculative_tokens >= 1,
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        require(self.max_speculative_tokens >= self.num_speculative_tokens,
+                f"max_speculative_tokens ({self.max_speculative_tokens}) must be >= "
+                f"num_speculative_tokens ({self.num_speculative_tokens})")
+        require(0.0 <= self.confidence_threshold <= 1.0,
+                f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+
+
+#: verifier name -> the Draft's sibling rule (verify.py)
+VERIFIERS = {"specinfer": "recursive", "spectr": "spectr"}
+
+#: controller name -> factory(config)
+CONTROLLERS: dict[str, Callable[[QuantizedConfig], Controller]] = {
+    "confidence": lambda c: ConfidenceStop(c.confidence_threshold, c.max_speculative_tokens),
+    "heuristic": lambda c: HeuristicLength(c.num_speculative_tokens, c.max_speculative_tokens),
+    "fixed": lambda c: Controller(c.num_speculative_tokens, c.num_speculative_tokens),
+}
+
+
+def int4_session(runner: Runner) -> DraftSession:
+    """The target's int4 copy in a draft cache of its own, with a drafting session."""
+    from specdecode.models.llama_drafter import LlamaDrafter
+
+    return DraftSession(NativeDraftLM(LlamaDrafter(int4_copy(runner))))
+
+
+class ChainDrafter:
+    """A draft session drafting chains under a budget: what ``quantized`` and ``pearl``
+    share. ``session.nodes`` records the chain, so :meth:`keep_accepted` keeps the drafter's
+    KV rows of the accepted tokens."""
+
+    def __init__(self, session: DraftSession):
+        self.session = session
+
+    def start(self, prompt: Sequence[int], sampling) -> None:
+        self.session.start(prompt, sampling)
+
+    def chain(self, context: Sequence[int], length: int,
+              keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
+        """Up to ``length`` tokens after ``context``, each drawn from the drafter's processed
+        distribution at its own path; stops early where ``keep_drafting`` says so."""
+        lm = self.session.lm
+        if length <= 0:
+            self.session.nodes = ([], [], [])
+            return Draft.empty()
+        logits, hidden = lm.catch_up(context)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        path = list(context)
+        for depth in range(1, length + 1):
+            token, q, confidence = self.session.draw(logits, path)
+            tokens.append(token)
+            path.append(token)
+            if q is not None:
+                probs.append(q)
+            if depth == length or (keep_drafting is not None and not keep_drafting(
+                    DraftSignal(depth, confidence, hidden))):
+                break
+            logits, hidden = lm.feed([token], [depth - 2])
+            logits, hidden = logits[0], hidden[0]
+        n = len(tokens)
+        # every node but the last was fed to the drafter: node i sits on tree row i
+        self.session.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
+        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+    def chains(self, context: Sequence[int], length: int, k: int, rule: str,
+               keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
+        """``k`` i.i.d. chains of up to ``length`` tokens, drafted in lockstep (one forward of
+        k rows per depth), kept apart as SpecTr's k sequences: node ``d * k + j`` is chain j's
+        token at depth d + 1. Stops early where ``keep_drafting`` says so for the most
+        confident chain. ``rule``: the Draft's sibling rule."""
+        lm = self.session.lm
+        if length <= 0:
+            self.session.nodes = ([], [], [])
+            return Draft.empty()
+        logits, hidden = lm.catch_up(context)
+        rows, hiddens = [logits] * k, [hidden] * k
+        paths = [list(context) for _ in range(k)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        for depth in range(1, length + 1):
+            confidence = 0.0
+            for j in range(k):
+                token, q, prob = self.session.draw(rows[j], paths[j])
+                tokens.append(token)
+                parents.append(-1 if depth == 1 else len(tokens) - 1 - k)
+                probs.append(q)
+                paths[j].append(token)
+                confidence = max(confidence, prob)
+            if depth == length or (keep_drafting is not None and not keep_drafting(
+                    DraftSignal(depth, confidence, hiddens[0]))):
+                break
+            step, step_hidden = lm.feed(tokens[-k:], parents[-k:])
+            rows, hiddens = list(step), list(step_hidden)
+        fed = len(tokens) - k
+        self.session.nodes = (tokens, parents, list(range(fed)) + [None] * k)
+        return Draft(tuple(tokens), tuple(parents), torch.stack(probs), sibling_rule=rule)
+
+    def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
+        self.session.keep_accepted(accepted, draft)
+
+
+@register("quantized", QuantizedConfig,
+          paper="Speculative Decoding Meets Quantization (Zhang et al., 2025, arXiv 2505.22179)",
+          summary="the target's own int4 copy drafts chains for the fp32/bf16 target "
+                  "(--weights fp32); output exactly the precise model's")
+class QuantizedProposer(Proposer):
+    def __init__(self, config: QuantizedConfig, runner: Runner):
+        super().__init__(config, runner)
+        self.drafter = ChainDrafter(int4_session(runner))
+
+    def make_controller(self) -> Controller:
+        c = self.config
+        if c.drafts > 1:
+            return Controller(c.num_speculative_tokens, c.drafts * c.num_speculative_tokens)
+        return CONTROLLERS[c.controller](c)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.drafter.start(prompt, self.sampling)
+
+    def propose(self, context, budget):
+        k = 1 if self.sampling.greedy else self.config.drafts
+        if k == 1:
+            return self.drafter.chain(context, min(budget.max_depth, budget.max_nodes),
+                                      budget.keep_drafting)
+        return self.drafter.chains(context, min(budget.max_depth, budget.max_nodes // k), k,
+                                   VERIFIERS[self.config.verifier], budget.keep_drafting)
+
+    def observe(self, feedback: Feedback) -> None:
+        self.drafter.keep_accepted(feedback.accepted, feedback.draft)
