@@ -38,10 +38,13 @@ class GenerationResult:
     stats: GenerationStats
     #: "stop" (end-of-sequence or a stop string) or "length"
     finish_reason: str
+    #: the method's output differs from ``ar``'s on purpose (docs/lossy.md)
+    lossy: bool = False
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "method": self.method,
-                "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+                "lossy": self.lossy, "finish_reason": self.finish_reason,
+                "stats": self.stats.as_dict()}
 
 
 def as_runner(model) -> Runner:
@@ -106,7 +109,8 @@ class Decoder:
                  eos_token_ids: Sequence[int] | None = None, *, make_proposer=None, **config):
         """``make_proposer(method name, config, runner)``: builds the proposer instead of the
         method's class (the server hands shared state, such as the global suffix tree, this
-        way)."""
+        way). A lossy method's (``self.method.lossy``, see docs/lossy.md) ``proposer`` is its
+        :class:`specdecode.lossy.base.LossyMethod`, and its output differs from ``ar``'s."""
         self.runner = as_runner(model)
         self.tokenizer = tokenizer
         self.method = registry.get(method or registry.DEFAULT_METHOD)
@@ -123,8 +127,12 @@ class Decoder:
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
               **sampling) -> Generation:
-        """A :class:`Generation` over token chunks (the lowest level of streaming)."""
+        """A :class:`Generation` over token chunks (the lowest level of streaming); a lossy
+        method's :class:`specdecode.lossy.base.LossyGeneration`, iterated the same way."""
         params = SamplingParams(**sampling)
+        if self.method.lossy:  # its own decode loop (specdecode/lossy/)
+            return self.proposer.generation(self.encode(prompt, chat), max_new_tokens, params,
+                                            self.eos_token_ids)
         return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
                           params, self.eos_token_ids)
 
@@ -187,8 +195,9 @@ class TextStream:
         finally:
             chunks.close()
         gen = self.generation
-        self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
-                                       gen.stats, finish or gen.finish_reason or "stop")
+        method = self.decoder.method
+        self.result = GenerationResult(self.text, list(gen.tokens), method.name, gen.stats,
+                                       finish or gen.finish_reason or "stop", method.lossy)
 
     def _unsettled(self, text: str) -> int:
         """Characters at the end of ``text`` that may still change, held back until they settle:

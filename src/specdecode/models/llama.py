@@ -592,9 +592,16 @@ class LlamaRunner(Runner):
         attended to) through the first ``stop`` layers (all by default); ``prefill``: the prompt
         layers. The last layer's hidden states [n, hidden], float32, and {layer: its output
         [n, hidden]} for the layers in ``capture``. The cache's books are the caller's."""
+        return self.run_embedded(self.embed[torch.tensor(tokens)], plan, stop=stop,
+                                 capture=capture, prefill=prefill)
+
+    def run_embedded(self, x: torch.Tensor, plan: AttentionPlan, *, stop: int | None = None,
+                     capture: tuple[int, ...] = (), prefill: bool = False
+                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`run` from input embeddings ``x`` [n, H] float32 (rows of the embedding table,
+        or mixtures of them: Superposed Decoding feeds a weighted sum of several tokens')."""
         s = self.shape
         layers = self.prefill_layers if prefill else self.layers
-        x = self.embed[torch.tensor(tokens)]  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = {local: (cos[plan.positions], sin[plan.positions])
