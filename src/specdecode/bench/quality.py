@@ -60,3 +60,59 @@ def rouge_l(candidate: str, reference: str) -> float:
         return 0.0
     precision, recall = common / len(c), common / len(r)
     return 2 * precision * recall / (precision + recall)
+
+
+def best_exact(summary: dict, lossy: Sequence[str]) -> str | None:
+    """The exact method with the best overall speedup over ``ar`` in this run (peers and
+    ``ar`` itself excluded)."""
+    exact = {n: e["overall"].get("speedup_vs_ar") or 0.0 for n, e in summary["methods"].items()
+             if n != "ar" and n not in lossy and e["kind"] == "method"}
+    return max(exact, key=exact.get) if exact else None
+
+
+def lossy_summary(records: Sequence[dict], summary: dict, questions, tokenizer,
+                  lossy: Sequence[str]) -> dict:
+    """The lossy table: for ``ar``, the best exact method of the run and each lossy method,
+    overall speed (from ``summary``), token-level and whole-answer agreement with ``ar``, the
+    maths accuracy on the questions with a reference answer and the mean ROUGE-L of the
+    summaries against ``ar``'s."""
+    references = {q.question_id: q.reference for q in questions}
+    ar = {(r["question_id"], r["turn"]): r for r in records if r["method"] == "ar"}
+    texts: dict[tuple, str] = {}
+
+    def text(r: dict) -> str:
+        key = (r["method"], r["question_id"], r["turn"])
+        if key not in texts:
+            texts[key] = tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+        return texts[key]
+
+    best = best_exact(summary, lossy)
+    rows_of = ["ar"] + ([best] if best else []) + list(lossy)
+    table = {}
+    for name in rows_of:
+        rows = [r for r in records if r["method"] == name and (r["question_id"], r["turn"]) in ar]
+        paired = [(r, ar[(r["question_id"], r["turn"])]) for r in rows]
+        maths = [math_correct(text(r), references[r["question_id"]][r["turn"]])
+                 for r in rows if r["task"] == "math_reasoning"
+                 and r["turn"] < len(references.get(r["question_id"], ()))]
+        rouge = [rouge_l(text(r), text(a)) for r, a in paired if r["task"] == "summarization"]
+        overall = summary["methods"][name]["overall"]
+        table[name] = {
+            "kind": "reference" if name == "ar" else
+                    "lossy" if name in lossy else "best exact",
+            "tokens_per_s": overall["tokens_per_s"],
+            "speedup_vs_ar": overall["speedup_vs_ar"],
+            "token_agreement": _mean([token_agreement(r["token_ids"], a["token_ids"])
+                                      for r, a in paired]),
+            "answer_agreement": _mean([r["token_ids"] == a["token_ids"] for r, a in paired]),
+            "math_accuracy": _mean(maths) if maths else None,
+            "math_questions": len(maths),
+            "rouge_l_vs_ar": _mean(rouge) if rouge else None,
+        }
+    return {"best_exact": best, "methods": table}
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0
+

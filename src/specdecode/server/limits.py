@@ -46,6 +46,7 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "lookahead": {"window": (1, 32), "ngram": (3, 16), "guesses": (0, 64)},
     "ngram": {"max_ngram": (1, 16), "min_ngram": (1, 16), "num_speculative_tokens": (1, 64)},
     "recycling": {"candidates": (1, 64)},
+    "superposed": {"n_drafts": (1, 16), "n_token_sample": (1, 64), "alpha": (0.0, 1.0)},
     "suffix": {"max_spec_tokens": (1, 128), "max_spec_factor": (0.0, 16.0),
                "max_spec_offset": (-64.0, 64.0), "min_token_prob": (0.0, 1.0)},
 }

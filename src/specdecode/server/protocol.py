@@ -8,7 +8,8 @@ being ignored. Every failure becomes OpenAI's error object::
 
 Beyond OpenAI's fields the server accepts vLLM's sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty``) and ``"specdecode": {"method": ..., "config": {...}}`` to choose the
-decoding method per request.
+decoding method per request; a lossy method (docs/lossy.md) also needs ``"allow_lossy": true``
+there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
@@ -65,6 +66,9 @@ class SpecDecodeOptions(Strict):
     #: add each choice's generated token ids (``choices[i].token_ids``; non-streaming only),
     #: for exactness checks that must not compare text
     return_token_ids: bool = False
+    #: run a lossy method (docs/lossy.md), whose output differs from plain decoding's on
+    #: purpose; without it such a method is refused (:func:`check_lossy`)
+    allow_lossy: bool = False
 
 
 class StreamOptions(Strict):
@@ -107,6 +111,16 @@ class SamplingFields(Strict):
                  "frequency_penalty", "repetition_penalty", "seed")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
+    @model_validator(mode="after")
+    def check_lossy(self):
+        """A lossy method, named by ``specdecode.method`` or the model alias
+        (``MODEL+METHOD``), only with ``specdecode.allow_lossy`` (a 400 naming the fix)."""
+        alias = self.model.partition("+")[2]
+        name = (self.specdecode.method if self.specdecode else None) or alias
+        if name and not (self.specdecode and self.specdecode.allow_lossy) and _is_lossy(name):
+            raise LossyRefused(name)
+        return self
+
     def unsupported(self) -> None:
         if self.logprobs:
             raise ApiError(400, "logprobs are not supported by this server; leave 'logprobs' unset",
@@ -115,6 +129,27 @@ class SamplingFields(Strict):
             raise ApiError(400, "logit_bias is not supported by this server (it would change the "
                                 "target distribution speculation preserves); leave it unset",
                            param="logit_bias")
+
+
+class LossyRefused(ValueError):
+    """A lossy method asked for without opting in (``parse`` turns it into a 400)."""
+
+    def __init__(self, method: str):
+        super().__init__(
+            f"method '{method}' is lossy: its output differs from plain decoding's on purpose "
+            "(docs/lossy.md); to accept that, send \"specdecode\": {\"method\": "
+            f"\"{method}\", \"allow_lossy\": true}}")
+        self.method = method
+
+
+def _is_lossy(name: str) -> bool:
+    from specdecode import registry
+    from specdecode.errors import SpecDecodeError
+
+    try:
+        return registry.get(name).lossy
+    except SpecDecodeError:
+        return False  # an unknown method is refused by name later, with the known ones
 
 
 class ContentPart(BaseModel):
@@ -250,6 +285,10 @@ def parse(schema: type[Strict], payload: Any) -> Strict:
         return schema.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, LossyRefused):
+            raise ApiError(400, str(refused), param="specdecode.allow_lossy",
+                           code="lossy_method") from None
         loc = [str(part) for part in first["loc"]]
         param = loc[0] if loc else None
         if first["type"] == "extra_forbidden":
