@@ -180,3 +180,70 @@ def test_superposed_stays_near_ar_on_the_default_model(real_model, default_runne
         covered += any(d[:4] == reference[:4] for d in drafts)
     assert sum(agreements) / len(agreements) >= SUPERPOSED_TOKEN_FLOOR, agreements
     assert covered / 6 >= SUPERPOSED_COVER_FLOOR, covered
+
+
+# ---- Arbitrage --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-draft")
+    tiny_llama(vocab_size=96, hidden_size=32, layers=1, seed=7).save_pretrained(path)
+    return str(path)
+
+
+def constant_router(advantage: float):
+    from specdecode.lossy.arbitrage import FEATURES, Router
+
+    width = len(FEATURES)
+    # token 5 ends a step, as a newline would
+    return Router(torch.zeros(width), advantage, torch.zeros(width), torch.ones(width),
+                  frozenset({5}))
+
+
+def arbitrage(runner, draft_dir, advantage: float, **config):
+    from specdecode.lossy.arbitrage import Arbitrage
+
+    method = registry.get("arbitrage")
+    return Arbitrage(method.make_config({"draft": draft_dir, **config}), runner,
+                     router=constant_router(advantage))
+
+
+def test_arbitrage_that_always_routes_to_the_target_is_ar(tiny_native, tiny_draft_dir):
+    """Every step rewritten by the target: ar's tokens, although each step's first token comes
+    from the pass over the draft step (row invariance makes it the same)."""
+    ar = Decoder(tiny_native, None, "ar", eos_token_ids=[])
+    method = arbitrage(tiny_native, tiny_draft_dir, advantage=1.0)  # above the 0.5 threshold
+    for prompt in repetitive_prompts():
+        gen = method.generation(prompt, 24)
+        assert gen.run() == ar.start(prompt, 24).run(), prompt
+        assert gen.stats.mean_accepted == 1.0
+
+
+def test_arbitrage_that_keeps_every_step_writes_the_drafters_steps(tiny_native, tiny_draft_dir):
+    """Every draft step kept: each step is the drafter's greedy step plus the target's next
+    token, one target pass a step."""
+    method = arbitrage(tiny_native, tiny_draft_dir, advantage=0.0, max_step_tokens=4)
+    prompt = repetitive_prompts()[0]
+    gen = method.generation(prompt, 24)
+    tokens = gen.run()
+    context, made = list(prompt) + tokens[:1], 1
+    for length in gen.stats.accepted_lengths:
+        step, _ = method.draft_step(context, min(4, 24 - made), frozenset())
+        assert tokens[made:made + len(step)] == step[:24 - made]
+        assert length == len(step) + 1 or made + length >= 24
+        context += tokens[made:made + length]
+        made += length
+    assert gen.stats.target_forwards == 1 + len(gen.stats.accepted_lengths)
+
+
+def test_router_fit_recovers_a_linear_advantage():
+    from specdecode.lossy.arbitrage import FEATURES
+    from specdecode.training.router import fit
+
+    x = torch.randn(400, len(FEATURES), generator=torch.Generator().manual_seed(0))
+    y = 0.3 + 2.0 * x[:, 2] - 1.0 * x[:, 4]
+    weight, bias, mean, std = fit(x, y)
+    router = constant_router(0.0)
+    router.weight, router.bias, router.mean, router.std = weight, bias, mean, std
+    assert router.advantage(torch.zeros(len(FEATURES))) == pytest.approx(0.3, abs=0.05)
+    assert router.advantage(torch.eye(len(FEATURES))[2]) == pytest.approx(2.3, abs=0.05)
