@@ -28,6 +28,7 @@ _HEAD_TREE = {"tree_nodes": (1, 128), "max_depth": (1, 32), "expand_width": (1, 
 #: method -> numeric config field -> (lowest, highest) a request may ask for, inclusive
 RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "ar": {},
+    "arbitrage": {"threshold": (-100.0, 100.0), "max_step_tokens": (1, 128)},
     "aded": {"simulations": (1, 256), "branch": (1, 32), "c_puct": (0.0, 100.0),
              "max_depth": (1, 64)},
     "clover": _HEAD_TREE,
@@ -54,6 +55,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
 #: method -> fields a request may not set (they size state every request shares)
 STARTUP_ONLY: dict[str, frozenset[str]] = {
     "suffix": frozenset({"max_tree_depth", "max_cached_requests"}),
+    # a path the server would read: the operator picks the router
+    "arbitrage": frozenset({"router"}),
 }
 
 #: longest value of a free-text config field (``tree``, ``candidate_layers``, ...)
