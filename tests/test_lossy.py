@@ -247,3 +247,45 @@ def test_router_fit_recovers_a_linear_advantage():
     router.weight, router.bias, router.mean, router.std = weight, bias, mean, std
     assert router.advantage(torch.zeros(len(FEATURES))) == pytest.approx(0.3, abs=0.05)
     assert router.advantage(torch.eye(len(FEATURES))[2]) == pytest.approx(2.3, abs=0.05)
+
+
+# ---- the bench's lossy table ------------------------------------------------------------------
+
+class Words:
+    """A tokenizer stand-in: token i is the word w{i}; the maths answer's number is token 7."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join("7" if i == 7 else f"w{i}" for i in ids)
+
+
+def test_lossy_table_scores_against_ar_and_the_best_exact_method():
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.quality import lossy_summary
+    from specdecode.bench.report import markdown
+
+    questions = [Question(1, "math_reasoning", ("q",), ("#### 7",)),
+                 Question(2, "summarization", ("s",))]
+
+    def record(method, qid, task, tokens, ar_tokens):
+        return {"method": method, "question_id": qid, "turn": 0, "task": task,
+                "token_ids": tokens, "identical_to_ar": tokens == ar_tokens}
+
+    ar = {1: [1, 2, 7], 2: [3, 4, 5, 6]}
+    outputs = {"ar": ar, "suffix": ar, "ngram": ar,
+               "superposed": {1: [1, 2, 8], 2: [3, 4, 9, 6]}}
+    records = [record(m, q, "math_reasoning" if q == 1 else "summarization", out[q], ar[q])
+               for m, out in outputs.items() for q in (1, 2)]
+    speeds = {"ar": 1.0, "suffix": 1.5, "ngram": 1.2, "superposed": 1.1}
+    summary = {"tasks": [], "methods": {m: {"kind": "method", "tasks": {}, "overall": {
+        "tokens_per_s": 10 * s, "speedup_vs_ar": s, "speedup_vs_hf": None,
+        "mean_accepted": 1.0, "identical_fraction": 1.0}} for m, s in speeds.items()}}
+    table = lossy_summary(records, summary, questions, Words(), ["superposed"])
+    assert table["best_exact"] == "suffix" and list(table["methods"]) == ["ar", "suffix", "superposed"]
+    sup = table["methods"]["superposed"]
+    assert sup["answer_agreement"] == 0.0
+    assert sup["token_agreement"] == pytest.approx((2 / 3 + 3 / 4) / 2)
+    assert sup["math_accuracy"] == 0.0 and table["methods"]["ar"]["math_accuracy"] == 1.0
+    assert sup["rouge_l_vs_ar"] == pytest.approx(3 / 4)  # 3 of 4 words in order, both ways
+    summary["lossy"] = table
+    assert "| superposed | lossy | 11.0 | 1.10x | 70.8% | 0% | 0% of 1 | 0.750 |" in \
+        markdown(summary, {"sampling": "greedy"})
