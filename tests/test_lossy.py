@@ -289,3 +289,11 @@ def test_lossy_table_scores_against_ar_and_the_best_exact_method():
     summary["lossy"] = table
     assert "| superposed | lossy | 11.0 | 1.10x | 70.8% | 0% | 0% of 1 | 0.750 |" in \
         markdown(summary, {"sampling": "greedy"})
+
+
+def test_the_engine_refuses_a_lossy_method_with_the_fix(tiny_native):
+    from specdecode.engine import Generation
+
+    method = Decoder(tiny_native, None, "superposed", eos_token_ids=[]).proposer
+    with pytest.raises(SpecDecodeError, match="generation"):
+        Generation(tiny_native, method, [5, 6, 7], 8)

@@ -33,6 +33,13 @@ class LossyMethod(ABC):
         self.config = config
         self.runner = runner
 
+    def make_controller(self):
+        """Reached only when something builds the engine's ``Generation`` around a lossy
+        method (a server scheduler that steps generations): refuse with the fix."""
+        raise SpecDecodeError(f"the lossy method '{self.method_name}' runs a decode loop of its "
+                              "own: start it with its generation(...) (Decoder.start does) and "
+                              "iterate it, not with the engine's Generation")
+
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse sampling options the method does not implement (default: greedy only)."""
         require(sampling.temperature == 0 and not sampling.has_penalties,
