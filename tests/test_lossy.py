@@ -297,3 +297,31 @@ def test_the_engine_refuses_a_lossy_method_with_the_fix(tiny_native):
     method = Decoder(tiny_native, None, "superposed", eos_token_ids=[]).proposer
     with pytest.raises(SpecDecodeError, match="generation"):
         Generation(tiny_native, method, [5, 6, 7], 8)
+
+
+#: floor for the same prompts and tokens as superposed's
+ARBITRAGE_TOKEN_FLOOR = 0.4
+
+
+@pytest.mark.slow
+def test_arbitrage_stays_near_ar_on_the_default_model(real_model, default_runner):
+    """The packaged router keeps the answers at least ARBITRAGE_TOKEN_FLOOR in agreement with
+    ar's, and routes some steps each way at its default threshold on these prompts."""
+    from specdecode.api import eos_ids
+    from specdecode.lossy.arbitrage import ROUTER_KIND
+    from specdecode.training.artifacts import find_artifacts
+
+    if not find_artifacts(ROUTER_KIND, default_runner.fingerprint()):
+        pytest.skip("no Arbitrage router for the default model: `specdecode train router`")
+    eos = eos_ids(real_model.model, real_model.tokenizer)
+    ar = Decoder(default_runner, real_model.tokenizer, "ar", eos)
+    arb = Decoder(default_runner, real_model.tokenizer, "arbitrage", eos)
+    agreements, kept, rewritten = [], 0, 0
+    for prompt in dev_prompts(6):
+        reference = ar.generate(prompt, 32).token_ids
+        result = arb.generate(prompt, 32)
+        agreements.append(token_agreement(result.token_ids, reference))
+        kept += sum(n > 1 for n in result.stats.accepted_lengths)
+        rewritten += sum(n == 1 for n in result.stats.accepted_lengths)
+    assert sum(agreements) / len(agreements) >= ARBITRAGE_TOKEN_FLOOR, agreements
+    assert kept > 0, "the router rewrote every step: it is ar, slower"
