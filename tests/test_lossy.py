@@ -305,8 +305,8 @@ ARBITRAGE_TOKEN_FLOOR = 0.4
 
 @pytest.mark.slow
 def test_arbitrage_stays_near_ar_on_the_default_model(real_model, default_runner):
-    """The packaged router keeps the answers at least ARBITRAGE_TOKEN_FLOOR in agreement with
-    ar's, and routes some steps each way at its default threshold on these prompts."""
+    """With the packaged router the answers agree with ar's on at least ARBITRAGE_TOKEN_FLOOR
+    of positions, and some draft steps are kept (else it is ar, slower)."""
     from specdecode.api import eos_ids
     from specdecode.lossy.arbitrage import ROUTER_KIND
     from specdecode.training.artifacts import find_artifacts
@@ -316,12 +316,11 @@ def test_arbitrage_stays_near_ar_on_the_default_model(real_model, default_runner
     eos = eos_ids(real_model.model, real_model.tokenizer)
     ar = Decoder(default_runner, real_model.tokenizer, "ar", eos)
     arb = Decoder(default_runner, real_model.tokenizer, "arbitrage", eos)
-    agreements, kept, rewritten = [], 0, 0
+    agreements, kept = [], 0
     for prompt in dev_prompts(6):
         reference = ar.generate(prompt, 32).token_ids
         result = arb.generate(prompt, 32)
         agreements.append(token_agreement(result.token_ids, reference))
-        kept += sum(n > 1 for n in result.stats.accepted_lengths)
-        rewritten += sum(n == 1 for n in result.stats.accepted_lengths)
+        kept += sum(n > 1 for n in result.stats.accepted_lengths)  # a kept step and its bonus
     assert sum(agreements) / len(agreements) >= ARBITRAGE_TOKEN_FLOOR, agreements
     assert kept > 0, "the router rewrote every step: it is ar, slower"
