@@ -212,7 +212,7 @@ def test_arbitrage_that_always_routes_to_the_target_is_ar(tiny_native, tiny_draf
     """Every step rewritten by the target: ar's tokens, although each step's first token comes
     from the pass over the draft step (row invariance makes it the same)."""
     ar = Decoder(tiny_native, None, "ar", eos_token_ids=[])
-    method = arbitrage(tiny_native, tiny_draft_dir, advantage=1.0)  # above the 0.5 threshold
+    method = arbitrage(tiny_native, tiny_draft_dir, advantage=5.0)  # above the 2.0 threshold
     for prompt in repetitive_prompts():
         gen = method.generation(prompt, 24)
         assert gen.run() == ar.start(prompt, 24).run(), prompt

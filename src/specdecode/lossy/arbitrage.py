@@ -23,9 +23,10 @@ Generation goes by *steps* (a line: up to a newline token, end-of-sequence or
 Differences from the paper: the reward is the target's own log-likelihood, not a PRM; the
 router reads the target's pass over the draft step besides the draft (the paper's reads the
 context and draft step with a small LM, before any target pass) - here that pass is paid
-anyway, since a kept step must enter the target's cache. Defaults: ``threshold`` 0.5 nats per
-token, sweepable like the paper's tau (0 sends every step the router doubts to the target);
-``max_step_tokens`` 32. The router is an artifact of ``specdecode train router`` (packaged for
+anyway, since a kept step must enter the target's cache. Defaults: ``threshold`` 2.0 nats per
+token, sweepable like the paper's tau (lower sends more steps to the target; the distilled
+draft's steps are often far less likely under the target, so a threshold near 0 is nearly
+``ar``); ``max_step_tokens`` 32. The router is an artifact of ``specdecode train router`` (packaged for
 the default model) holding its weights and the target's newline token ids.
 """
 
@@ -113,8 +114,9 @@ def load_router(spec: str, runner: Runner) -> Router:
 class ArbitrageConfig(DraftSource):
     router: str = param("trained", "the router: 'trained' (the artifact `specdecode train "
                                    "router` made for this target) or an artifact path")
-    threshold: float = param(0.5, "the target rewrites a step when the router's advantage "
-                                  "estimate exceeds this (nats per token; the paper's tau)")
+    threshold: float = param(2.0, "the target rewrites a step when the router's advantage "
+                                  "estimate exceeds this (nats per token; the paper's tau; "
+                                  "docs/lossy.md sweeps it)")
     max_step_tokens: int = param(32, "longest step: a step ends at a newline, end-of-sequence "
                                      "or this many tokens")
 
