@@ -24,7 +24,12 @@ DEV = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "data" / "spe
 if not DEV.is_file():
     DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
-METHODS = [m for m in registry.names() if m != "ar"]
+#: lossy methods differ from ar on purpose: tests/test_lossy.py holds their quality floors
+METHODS = [m for m in registry.names(lossy=False) if m != "ar"] + [
+    pytest.param(m, marks=pytest.mark.skip(reason=f"{m} is lossy (registry marker): its output "
+                                                  "differs from ar's on purpose; "
+                                                  "tests/test_lossy.py checks its quality"))
+    for m in registry.names(lossy=True)]
 
 
 def needs_draft_model(method: str) -> bool:

@@ -46,10 +46,13 @@ class GenerationResult:
     finish_reason: str
     #: one per new token when the request asked for ``logprobs``
     logprobs: list[TokenLogprob] | None = None
+    #: the method's output differs from ``ar``'s on purpose (docs/lossy.md)
+    lossy: bool = False
 
     def as_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method,
-               "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+               "lossy": self.lossy, "finish_reason": self.finish_reason,
+               "stats": self.stats.as_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [dataclasses.asdict(p) for p in self.logprobs]
         return out
@@ -129,7 +132,9 @@ class Decoder:
         """``make_proposer(method name, config, runner)``: builds the proposer instead of the
         method's class (the server hands shared state, such as the global suffix tree, this
         way). ``vocabulary``: the tokens as constraints see them (default: built from
-        ``tokenizer`` on the first constrained request)."""
+        ``tokenizer`` on the first constrained request). A lossy method's (``self.method.lossy``,
+        see docs/lossy.md) ``proposer`` is its :class:`specdecode.lossy.base.LossyMethod`, and its
+        output differs from ``ar``'s."""
         self.runner = as_runner(model)
         self.tokenizer = tokenizer
         self.method = registry.get(method or registry.DEFAULT_METHOD)
@@ -155,7 +160,8 @@ class Decoder:
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
               **sampling) -> Generation:
-        """A :class:`Generation` over token chunks (the lowest level of streaming).
+        """A :class:`Generation` over token chunks (the lowest level of streaming); a lossy
+        method's :class:`specdecode.lossy.base.LossyGeneration`, iterated the same way.
         ``sampling``: :class:`SamplingParams` fields and the constraint options
         (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
         asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
@@ -164,6 +170,9 @@ class Decoder:
                     "give constraint options or a built constraint, not both")
             sampling["constraint"] = make_constraint(self.vocabulary, **asked)
         params = SamplingParams(**sampling)
+        if self.method.lossy:  # its own decode loop (specdecode/lossy/)
+            return self.proposer.generation(self.encode(prompt, chat), max_new_tokens, params,
+                                            self.eos_token_ids)
         return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
                           params, self.eos_token_ids)
 
@@ -245,9 +254,11 @@ class TextStream:
         """The result, once the generation has ended (closed or finished)."""
         gen = self.generation
         finish = "stop" if self._stop_found else gen.finish_reason or "stop"
-        self.result = GenerationResult(self.text, list(gen.tokens), self.decoder.method.name,
-                                       gen.stats, finish,
-                                       None if gen.logprobs is None else list(gen.logprobs))
+        method = self.decoder.method
+        self.result = GenerationResult(self.text, list(gen.tokens), method.name, gen.stats,
+                                       finish,
+                                       None if gen.logprobs is None else list(gen.logprobs),
+                                       method.lossy)
         return self.result
 
     def _unsettled(self, text: str) -> int:

@@ -114,6 +114,7 @@ def load_target(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.api import Decoder
+    from specdecode.bench.quality import token_agreement
 
     method = registry.get(args.method or registry.DEFAULT_METHOD)
     config = method.make_config(parse_config(args.config))
@@ -146,12 +147,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ar_mean_accepted": round(ar.stats.mean_accepted, 4),
             "speedup": round(speedup, 3),
             "identical": ar.token_ids == result.token_ids,
+            "token_agreement": round(token_agreement(result.token_ids, ar.token_ids), 4),
         }
     if args.json:
         out.pop("finish_reason")
         print(json.dumps(out))
         return 0
     s = result.stats
+    if method.lossy:
+        print(f"\n[{method.name}] lossy: this output differs from plain decoding's on purpose "
+              "(docs/lossy.md)", end="")
     print(f"\n[{method.name}] {s.new_tokens} new tokens, {s.target_forwards} target forwards, "
           f"mean accepted {s.mean_accepted:.2f}, {s.tokens_per_s:.1f} tokens/s")
     if args.compare:
@@ -162,6 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             same = "yes" if c["identical"] else "no (expected when drafts carry probabilities)"
         else:
             same = "yes" if c["identical"] else "NO"
+        if method.lossy:
+            same = f"{c['token_agreement']:.0%} of positions agree"
         print(f"[ar] {c['ar_tokens_per_s']:.1f} tokens/s, mean accepted "
               f"{c['ar_mean_accepted']:.2f}; speedup {c['speedup']:.2f}x; tokens identical: {same}")
     return 0
@@ -170,14 +177,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     from specdecode import registry
 
-    for name in registry.names():
-        method = registry.get(name)
-        default = "  (default)" if name == registry.DEFAULT_METHOD else ""
-        print(f"{name}{default}\n  {method.summary}\n  paper: {method.paper}")
-        for field, value, help_text in method.defaults():
-            print(f"    {field} = {value!r}    {help_text}")
-        print()
+    print("exact methods (token for token ar's output; lossless under sampling)\n")
+    for name in registry.names(lossy=False):
+        print_method(registry.get(name), name == registry.DEFAULT_METHOD)
+    print("lossy methods (output differs from ar's on purpose, for speed; see docs/lossy.md)\n")
+    for name in registry.names(lossy=True):
+        print_method(registry.get(name), False)
     return 0
+
+
+def print_method(method, default: bool) -> None:
+    tag = "  (default)" if default else "  (lossy)" if method.lossy else ""
+    print(f"{method.name}{tag}\n  {method.summary}\n  paper: {method.paper}")
+    for field, value, help_text in method.defaults():
+        print(f"    {field} = {value!r}    {help_text}")
+    print()
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -4,6 +4,11 @@ A method is one file in ``specdecode/proposers/`` that decorates its proposer wi
 :func:`register`. The CLI, the server, the benchmark and the tests read this registry; nothing
 dispatches on method names anywhere else.
 
+A method marked ``lossy=True`` trades exactness for speed on purpose (``specdecode/lossy/``,
+see docs/lossy.md): it is never the default, ``specdecode methods`` lists it apart, the server
+runs it only for a request that opts in, the bench reports it in a table of its own with its
+agreement with ``ar``, and the exactness tests skip it by this marker.
+
 Config fields carry their documentation in ``field(metadata={"help": ...})`` (see :func:`param`)
 so ``specdecode methods`` can print every default with its reason.
 """
@@ -34,6 +39,9 @@ class Method:
     config: type
     paper: str
     summary: str
+    #: output differs from ``ar``'s on purpose (``specdecode/lossy/``); False for every
+    #: speculative method
+    lossy: bool = False
 
     def make_config(self, overrides: dict[str, Any] | None = None):
         """Build the frozen config, rejecting unknown fields with the list of known ones."""
@@ -87,14 +95,15 @@ _METHODS: dict[str, Method] = {}
 _loaded = False
 
 
-def register(name: str, config: type, paper: str, summary: str):
-    """Class decorator: ``@register("ngram", NgramConfig, paper=..., summary=...)``."""
+def register(name: str, config: type, paper: str, summary: str, lossy: bool = False):
+    """Class decorator: ``@register("ngram", NgramConfig, paper=..., summary=...)``; a lossy
+    method's class is a :class:`specdecode.lossy.base.LossyMethod`, not a proposer."""
 
     def wrap(cls):
         if name in _METHODS:
             raise RuntimeError(f"method {name!r} registered twice")
         cls.method_name = name
-        _METHODS[name] = Method(name, cls, config, paper, summary)
+        _METHODS[name] = Method(name, cls, config, paper, summary, lossy)
         return cls
 
     return wrap
@@ -104,16 +113,20 @@ def _load_all() -> None:
     global _loaded
     if _loaded:
         return
-    import specdecode.proposers as package
+    import specdecode.lossy
+    import specdecode.proposers
 
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
+    for package in (specdecode.proposers, specdecode.lossy):
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
     _loaded = True
 
 
-def names() -> list[str]:
+def names(lossy: bool | None = None) -> list[str]:
+    """Every method (``lossy`` None), or only the lossy (True) or the exact ones (False)."""
     _load_all()
-    return sorted(_METHODS, key=lambda n: (n != "ar", n))
+    chosen = [n for n, m in _METHODS.items() if lossy is None or m.lossy == lossy]
+    return sorted(chosen, key=lambda n: (n != "ar", n))
 
 
 def get(name: str) -> Method:

@@ -26,6 +26,7 @@ from specdecode.bench.peer_process import PeerFailed
 from specdecode.bench.report import fmt, markdown, plots
 from specdecode.bench.runner import BenchOptions, Target, encode_messages, jsonl_writer, run_bench
 from specdecode.bench.perplexity import PPL_CONTEXT
+from specdecode.bench.quality import lossy_summary
 from specdecode.errors import SpecDecodeError, require
 
 #: context tokens before each timed forward of --runners
@@ -36,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.cli import add_model_arguments, add_sampling_arguments
 
     parser.add_argument("--methods", default=None,
-                        help="comma-separated methods (default: every registered method), or "
+                        help="comma-separated methods (default: every exact method; lossy ones "
+                             "run when named, reported in a table of their own with their "
+                             "agreement with ar), or "
                              "variants NAME:KEY=VALUE[:KEY=VALUE...] such as "
                              "draft_model:controller=heuristic; 'ar' is always run, as the "
                              "reference")
@@ -114,7 +117,7 @@ def parse_methods(spec: str | None, config_pairs: list[str]) -> list[tuple]:
     from specdecode import registry
     from specdecode.cli import parse_config
 
-    labels = registry.names() if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
+    labels = registry.names(lossy=False) if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
     require(len(labels) > 0, "--methods is empty; give names such as ar,ngram "
                              "(see `specdecode methods`)")
     variants = [label.split(":") for label in labels]
@@ -186,6 +189,10 @@ def plan(args: argparse.Namespace) -> Plan:
     sampling = SamplingParams(**sampling_options(args))
     require(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
+    lossy = [label for label, method, _ in methods if method.lossy]
+    require(not lossy or sampling.greedy,
+            f"the lossy methods ({', '.join(lossy)}) decode greedily only; drop them or the "
+            "sampling options")
     options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
                            repeats=args.repeats, seed=0 if args.seed is None else args.seed)
     return Plan(questions, methods, args.methods is not None, peers, options,
@@ -285,6 +292,10 @@ def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None =
               for reason in failed.values()]
     contenders = [c for c in contenders if c.name not in failed]
     summary = summarize(records)
+    lossy = [c.name for c in contenders if c.kind == "lossy"]
+    if lossy:  # their own table, with their agreement with ar beside their speed
+        summary["lossy"] = lossy_summary(records, summary, plan.questions, target.tokenizer, lossy)
+        summary["methods"] = {n: e for n, e in summary["methods"].items() if n not in lossy}
     s = plan.options.sampling
     info = {
         "model": target.source,
@@ -347,6 +358,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<16}{o['tokens_per_s']:>10.1f}{fmt(o['speedup_vs_ar'], '.2f', 'x'):>8}"
               f"{fmt(o['speedup_vs_hf'], '.2f', 'x'):>8}{fmt(o['mean_accepted'], '.2f'):>7}"
               f"{o['identical_fraction']:>11.0%}")
+    if "lossy" in summary:
+        print("\nlossy methods (output differs from ar on purpose; see report.md):")
+        print(f"{'method':<16}{'tokens/s':>10}{'vs ar':>8}{'tokens':>8}{'answers':>9}"
+              f"{'math':>7}{'rouge-l':>9}")
+        for name, q in summary["lossy"]["methods"].items():
+            print(f"{name:<16}{q['tokens_per_s']:>10.1f}{fmt(q['speedup_vs_ar'], '.2f', 'x'):>8}"
+                  f"{q['token_agreement']:>8.0%}{q['answer_agreement']:>9.0%}"
+                  f"{fmt(q['math_accuracy'], '.0%'):>7}{fmt(q['rouge_l_vs_ar'], '.3f'):>9}")
     return 0
 
 

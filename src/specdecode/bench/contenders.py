@@ -72,9 +72,8 @@ def cut(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list
 
 
 class MethodContender:
-    """One registered method: its proposer lives across requests, as in a ``Decoder``."""
-
-    kind = "method"
+    """One registered method: its proposer lives across requests, as in a ``Decoder``. A lossy
+    method (kind ``lossy``) runs its own decode loop (specdecode/lossy/)."""
 
     def __init__(self, name: str, method, config, runner: Runner, eos: Sequence[int]):
         self.name = name
@@ -83,6 +82,7 @@ class MethodContender:
         self.runner = runner
         self.eos = list(eos)
         self.proposer = method.proposer(config, runner)
+        self.kind = "lossy" if method.lossy else "method"
 
     def unsupported(self, sampling: SamplingParams) -> str | None:
         return None
@@ -93,8 +93,11 @@ class MethodContender:
 
     def run(self, prompt_ids, max_new_tokens, sampling) -> Outcome:
         start = time.perf_counter()
-        gen = Generation(self.runner, self.proposer, prompt_ids, max_new_tokens,
-                         sampling, self.eos)
+        if self.method.lossy:
+            gen = self.proposer.generation(prompt_ids, max_new_tokens, sampling, self.eos)
+        else:
+            gen = Generation(self.runner, self.proposer, prompt_ids, max_new_tokens,
+                             sampling, self.eos)
         gen.run()
         wall = time.perf_counter() - start
         s = gen.stats

@@ -28,6 +28,9 @@ class Question:
     question_id: int
     category: str
     turns: tuple[str, ...]
+    #: reference answers where the file has them (Spec-Bench's maths questions: GSM8K's
+    #: worked answers ending "#### N"), for the lossy methods' task scores
+    reference: tuple[str, ...] = ()
 
     @property
     def task(self) -> str:
@@ -79,7 +82,10 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
                     f"{where}: turns must be a non-empty list of non-empty strings")
             require(qid not in seen, f"{where}: question_id {qid!r} repeats line {seen.get(qid)}")
             seen[qid] = number
-            questions.append(Question(qid, category, tuple(turns)))
+            reference = row.get("reference") or ()
+            reference = tuple(r for r in reference if isinstance(r, str)) \
+                if isinstance(reference, list) else ()
+            questions.append(Question(qid, category, tuple(turns), reference))
     require(len(questions) > 0, f"question file {path} has no questions")
     return questions
 

@@ -50,8 +50,28 @@ def markdown(summary: dict, meta: dict) -> str:
                       "drafts reproduce ar's tokens; methods that sample drafts, and the peers "
                       "(their own random generators), keep the target's distribution, not ar's "
                       "random stream, so their identical share is not expected to be 100%."]
+    if "lossy" in summary:
+        lines += lossy_markdown(summary["lossy"])
     lines.append("")
     return "\n".join(lines)
+
+
+def lossy_markdown(lossy: dict) -> list[str]:
+    lines = ["", "## Lossy methods (output differs from ar on purpose; docs/lossy.md)", "",
+             "Beside ar and the best exact method of this run. Agreement: tokens = positions "
+             "equal to ar's over the longer answer; answers = question turns identical to "
+             "ar's. Maths: last number against the reference answer; ROUGE-L: summaries "
+             "against ar's.", "",
+             "| method | kind | tokens/s | speedup vs ar | token agreement | answer agreement "
+             "| maths accuracy | ROUGE-L vs ar |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, q in lossy["methods"].items():
+        maths = "-" if q["math_accuracy"] is None else \
+            f"{q['math_accuracy']:.0%} of {q['math_questions']}"
+        lines.append(f"| {name} | {q['kind']} | {fmt(q['tokens_per_s'], '.1f')} | "
+                     f"{fmt(q['speedup_vs_ar'], '.2f', 'x')} | {q['token_agreement']:.1%} | "
+                     f"{q['answer_agreement']:.0%} | {maths} | {fmt(q['rouge_l_vs_ar'], '.3f')} |")
+    return lines
 
 
 def plots(summary: dict, histograms: dict[str, dict[int, int]], out: Path) -> list[Path] | str:

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.bench.cli import parse_methods
 
     if args.methods is None:
-        names = [n for n in registry.names() if simulable(registry.get(n))]
+        names = [n for n in registry.names(lossy=False) if simulable(registry.get(n))]
         methods = parse_methods(",".join(names), args.config)
     else:
         methods = parse_methods(args.methods, args.config)

@@ -735,17 +735,27 @@ class LlamaRunner(Runner):
         return self.run_items([SequenceRows(self.cache, tokens, plan, capture)], stop=stop,
                               prefill=prefill)[0]
 
-    def run_items(self, items: Sequence[SequenceRows], *, stop: int | None = None, prefill: bool = False
+    def run_embedded(self, x: torch.Tensor, plan: AttentionPlan, *, stop: int | None = None,
+                     capture: tuple[int, ...] = (), prefill: bool = False
+                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`run` from input embeddings ``x`` [n, H] float32 (rows of the embedding table,
+        or mixtures of them: Superposed Decoding feeds a weighted sum of several tokens')."""
+        rows = SequenceRows(self.cache, [0] * len(x), plan, capture)
+        return self.run_items([rows], stop=stop, prefill=prefill, embedded=x)[0]
+
+    def run_items(self, items: Sequence[SequenceRows], *, stop: int | None = None,
+                  prefill: bool = False, embedded: torch.Tensor | None = None
                   ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """:meth:`run` for several sequences' rows in one forward, each item on its own cache
         and plan: embeddings, norms and every linear layer over all items' rows at once (the
         kernels are row invariant: a row's result does not depend on the rows beside it),
         rotary embedding, the cache write and attention per item (one kernel call for all
-        items). Per item, what :meth:`run` returns for it alone."""
+        items). Per item, what :meth:`run` returns for it alone. ``embedded``: the input rows
+        [n, H] instead of the tokens' embeddings."""
         layers = self.prefill_layers if prefill else self.layers
         stop = len(layers) if stop is None else stop
         tokens = [token for item in items for token in item.tokens]
-        x = self.embed[torch.tensor(tokens)]  # [n, H] float32
+        x = self.embed[torch.tensor(tokens)] if embedded is None else embedded  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
         positions, plan = _packed_plan(items)

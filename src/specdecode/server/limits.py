@@ -31,6 +31,7 @@ _QUANTIZED = {"num_speculative_tokens": (1, 32), "max_speculative_tokens": (1, 6
 #: method -> numeric config field -> (lowest, highest) a request may ask for, inclusive
 RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "ar": {},
+    "arbitrage": {"threshold": (-100.0, 100.0), "max_step_tokens": (1, 128)},
     "aded": {"simulations": (1, 256), "branch": (1, 32), "c_puct": (0.0, 100.0),
              "max_depth": (1, 64)},
     "clover": _HEAD_TREE,
@@ -51,6 +52,7 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "lookahead": {"window": (1, 32), "ngram": (3, 16), "guesses": (0, 64)},
     "ngram": {"max_ngram": (1, 16), "min_ngram": (1, 16), "num_speculative_tokens": (1, 64)},
     "recycling": {"candidates": (1, 64)},
+    "superposed": {"n_drafts": (1, 16), "n_token_sample": (1, 64), "alpha": (0.0, 1.0)},
     "suffix": {"max_spec_tokens": (1, 128), "max_spec_factor": (0.0, 16.0),
                "max_spec_offset": (-64.0, 64.0), "min_token_prob": (0.0, 1.0)},
 }
@@ -58,6 +60,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
 #: method -> fields a request may not set (they size state every request shares)
 STARTUP_ONLY: dict[str, frozenset[str]] = {
     "suffix": frozenset({"max_tree_depth", "max_cached_requests"}),
+    # a path the server would read: the operator picks the router
+    "arbitrage": frozenset({"router"}),
 }
 
 #: longest value of a free-text config field (``tree``, ``candidate_layers``, ...)

@@ -9,7 +9,8 @@ being ignored. Every failure becomes OpenAI's error object::
 Beyond OpenAI's fields the server accepts vLLM's sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty``) and ``"specdecode": {"method": ..., "config": {...}}`` to choose the
 decoding method per request; its ``ban``, ``regex`` and ``grammar`` constrain the output
-(docs/structured-output.md), as ``response_format`` does.
+(docs/structured-output.md), as ``response_format`` does; a lossy method (docs/lossy.md) also
+needs ``"allow_lossy": true`` there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
@@ -75,6 +76,9 @@ class SpecDecodeOptions(Strict):
     grammar: str | None = None
     #: commit the tokens a grammar forces without a target forward (off: for measurements)
     jump_forward: bool = True
+    #: run a lossy method (docs/lossy.md), whose output differs from plain decoding's on
+    #: purpose; without it such a method is refused (:func:`check_lossy`)
+    allow_lossy: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -133,6 +137,16 @@ class SamplingFields(Strict):
                  "frequency_penalty", "repetition_penalty", "seed")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
+    @model_validator(mode="after")
+    def check_lossy(self):
+        """A lossy method, named by ``specdecode.method`` or the model alias
+        (``MODEL+METHOD``), only with ``specdecode.allow_lossy`` (a 400 naming the fix)."""
+        alias = self.model.partition("+")[2]
+        name = (self.specdecode.method if self.specdecode else None) or alias
+        if name and not (self.specdecode and self.specdecode.allow_lossy) and _is_lossy(name):
+            raise LossyRefused(name)
+        return self
+
     def constraint(self) -> dict[str, Any]:
         """The keyword arguments of ``make_constraint`` this request sets."""
         out: dict[str, Any] = {}
@@ -176,6 +190,27 @@ class SamplingFields(Strict):
             raise ApiError(400, "logit_bias is not supported by this server (it would change the "
                                 "target distribution speculation preserves); leave it unset",
                            param="logit_bias")
+
+
+class LossyRefused(ValueError):
+    """A lossy method asked for without opting in (``parse`` turns it into a 400)."""
+
+    def __init__(self, method: str):
+        super().__init__(
+            f"method '{method}' is lossy: its output differs from plain decoding's on purpose "
+            "(docs/lossy.md); to accept that, send \"specdecode\": {\"method\": "
+            f"\"{method}\", \"allow_lossy\": true}}")
+        self.method = method
+
+
+def _is_lossy(name: str) -> bool:
+    from specdecode import registry
+    from specdecode.errors import SpecDecodeError
+
+    try:
+        return registry.get(name).lossy
+    except SpecDecodeError:
+        return False  # an unknown method is refused by name later, with the known ones
 
 
 class ContentPart(BaseModel):
@@ -319,6 +354,10 @@ def parse(schema: type[Strict], payload: Any) -> Strict:
         return schema.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, LossyRefused):
+            raise ApiError(400, str(refused), param="specdecode.allow_lossy",
+                           code="lossy_method") from None
         loc = [str(part) for part in first["loc"]]
         param = loc[0] if loc else None
         if first["type"] == "extra_forbidden":

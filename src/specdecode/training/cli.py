@@ -17,6 +17,8 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
               "a small draft model for draft_model / dyspec, distilled from the target"),
     "heads": ("specdecode.training.train_heads",
               "draft heads for hydra / clover / eagle, trained on the target's own features"),
+    "router": ("specdecode.training.router",
+               "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),
 }
 
 
