@@ -15,7 +15,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.lossy.base import LossyMethod
 from specdecode.lossy.superposed import NgramTable
 from specdecode.models.llama import LlamaRunner
-from specdecode.models.loading import tiny_llama
+from tiny_models import tiny_llama
 from specdecode.server.protocol import ApiError, ChatRequest, parse
 
 from conftest import repetitive_prompts

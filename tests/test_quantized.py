@@ -15,7 +15,7 @@ from specdecode.api import Decoder
 from specdecode.bench.shapes import write_shape
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
-from specdecode.models.loading import tiny_llama
+from tiny_models import tiny_llama
 from specdecode.proposers.quantized import int4_copy
 
 PROMPTS = ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [1, 5, 9, 200, 300, 41, 7, 88, 5, 9, 200])
