@@ -167,7 +167,7 @@ SUPERPOSED_TOKEN_FLOOR = 0.08
 @pytest.mark.slow
 def test_superposed_stays_near_ar_on_the_default_model(real_model, default_runner):
     """The answer agrees with ar's on at least SUPERPOSED_TOKEN_FLOOR of positions, and its 3
-    alternatives are distinct and as long as asked."""
+    alternatives are distinct."""
     from specdecode.api import eos_ids
 
     eos = eos_ids(real_model.model, real_model.tokenizer)
@@ -180,6 +180,123 @@ def test_superposed_stays_near_ar_on_the_default_model(real_model, default_runne
     assert sum(agreements) / len(agreements) >= SUPERPOSED_TOKEN_FLOOR, agreements
     drafts = sup.proposer.alternatives(sup.encode(dev_prompts(1)[0]), 16, eos)
     assert len({tuple(d) for d in drafts}) == 3
+
+
+# ---- Arbitrage --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-draft")
+    tiny_llama(vocab_size=96, hidden_size=32, layers=1, seed=7).save_pretrained(path)
+    return str(path)
+
+
+def constant_router(advantage: float):
+    from specdecode.lossy.arbitrage import FEATURES, Router
+
+    width = len(FEATURES)
+    # token 5 ends a step, as a newline would
+    return Router(torch.zeros(width), advantage, torch.zeros(width), torch.ones(width),
+                  frozenset({5}))
+
+
+def arbitrage(runner, draft_dir, advantage: float, **config):
+    from specdecode.lossy.arbitrage import Arbitrage
+
+    method = registry.get("arbitrage")
+    return Arbitrage(method.make_config({"draft": draft_dir, **config}), runner,
+                     router=constant_router(advantage))
+
+
+def test_arbitrage_that_always_routes_to_the_target_is_ar(tiny_native, tiny_draft_dir):
+    """Every step rewritten by the target: ar's tokens, although each step's first token comes
+    from the pass over the draft step (row invariance makes it the same)."""
+    ar = Decoder(tiny_native, None, "ar", eos_token_ids=[])
+    method = arbitrage(tiny_native, tiny_draft_dir, advantage=5.0)  # above the 2.0 threshold
+    for prompt in repetitive_prompts():
+        gen = method.generation(prompt, 24)
+        assert gen.run() == ar.start(prompt, 24).run(), prompt
+        assert gen.stats.mean_accepted == 1.0
+
+
+def test_arbitrage_that_keeps_every_step_writes_the_drafters_steps(tiny_native, tiny_draft_dir):
+    """Every draft step kept: each step is the drafter's greedy step plus the target's next
+    token, one target pass a step."""
+    method = arbitrage(tiny_native, tiny_draft_dir, advantage=0.0, max_step_tokens=4)
+    prompt = repetitive_prompts()[0]
+    gen = method.generation(prompt, 24)
+    tokens = gen.run()
+    context, made = list(prompt) + tokens[:1], 1
+    for length in gen.stats.accepted_lengths:
+        step, _ = method.draft_step(context, min(4, 24 - made), frozenset())
+        assert tokens[made:made + len(step)] == step[:24 - made]
+        assert length == len(step) + 1 or made + length >= 24
+        context += tokens[made:made + length]
+        made += length
+    assert gen.stats.target_forwards == 1 + len(gen.stats.accepted_lengths)
+
+
+def test_router_fit_recovers_a_linear_advantage():
+    from specdecode.lossy.arbitrage import FEATURES
+    from specdecode.training.router import fit
+
+    x = torch.randn(400, len(FEATURES), generator=torch.Generator().manual_seed(0))
+    y = 0.3 + 2.0 * x[:, 2] - 1.0 * x[:, 4]
+    weight, bias, mean, std = fit(x, y)
+    router = constant_router(0.0)
+    router.weight, router.bias, router.mean, router.std = weight, bias, mean, std
+    assert router.advantage(torch.zeros(len(FEATURES))) == pytest.approx(0.3, abs=0.05)
+    assert router.advantage(torch.eye(len(FEATURES))[2]) == pytest.approx(2.3, abs=0.05)
+
+
+# ---- the bench's lossy table ------------------------------------------------------------------
+
+class Words:
+    """A tokenizer stand-in: token i is the word w{i}; the maths answer's number is token 7."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join("7" if i == 7 else f"w{i}" for i in ids)
+
+
+def test_lossy_table_scores_against_ar_and_the_best_exact_method():
+    from specdecode.bench.datasets import Question
+    from specdecode.bench.quality import lossy_summary
+    from specdecode.bench.report import markdown
+
+    questions = [Question(1, "math_reasoning", ("q",), ("#### 7",)),
+                 Question(2, "summarization", ("s",))]
+
+    def record(method, qid, task, tokens, ar_tokens):
+        return {"method": method, "question_id": qid, "turn": 0, "task": task,
+                "token_ids": tokens, "identical_to_ar": tokens == ar_tokens}
+
+    ar = {1: [1, 2, 7], 2: [3, 4, 5, 6]}
+    outputs = {"ar": ar, "suffix": ar, "ngram": ar,
+               "superposed": {1: [1, 2, 8], 2: [3, 4, 9, 6]}}
+    records = [record(m, q, "math_reasoning" if q == 1 else "summarization", out[q], ar[q])
+               for m, out in outputs.items() for q in (1, 2)]
+    speeds = {"ar": 1.0, "suffix": 1.5, "ngram": 1.2, "superposed": 1.1}
+    summary = {"tasks": [], "methods": {m: {"kind": "method", "tasks": {}, "overall": {
+        "tokens_per_s": 10 * s, "speedup_vs_ar": s, "speedup_vs_hf": None,
+        "mean_accepted": 1.0, "identical_fraction": 1.0}} for m, s in speeds.items()}}
+    table = lossy_summary(records, summary, questions, Words(), ["superposed"])
+    assert table["best_exact"] == "suffix" and list(table["methods"]) == ["ar", "suffix", "superposed"]
+    sup = table["methods"]["superposed"]
+    assert sup["answer_agreement"] == 0.0
+    assert sup["token_agreement"] == pytest.approx((2 / 3 + 3 / 4) / 2)
+    assert sup["math_accuracy"] == 0.0 and table["methods"]["ar"]["math_accuracy"] == 1.0
+    assert sup["rouge_l_vs_ar"] == pytest.approx(3 / 4)  # 3 of 4 words in order, both ways
+    summary["lossy"] = table
+    assert "| superposed | lossy | 11.0 | 1.10x | 70.8% | 0% | 0% of 1 | 0.750 |" in \
+        markdown(summary, {"sampling": "greedy"})
+
+
+def test_the_engine_refuses_a_lossy_method_with_the_fix(tiny_native):
+    from specdecode.engine import Generation
+
+    method = Decoder(tiny_native, None, "superposed", eos_token_ids=[]).proposer
+    with pytest.raises(SpecDecodeError, match="generation"):
+        Generation(tiny_native, method, [5, 6, 7], 8)
 
 
 #: floor for the same prompts and tokens as superposed's
