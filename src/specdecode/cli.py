@@ -111,10 +111,27 @@ def load_target(args: argparse.Namespace):
     return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer)
 
 
+def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, result) -> dict:
+    """``generate --compare``: the same request decoded by ``ar``, beside ``result``."""
+    from specdecode.api import Decoder
+    from specdecode.bench.quality import token_agreement
+
+    reference = Decoder(runner, tokenizer, "ar", eos)
+    ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
+    speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
+    return {
+        "ar_token_ids": ar.token_ids,
+        "ar_tokens_per_s": round(ar.stats.tokens_per_s, 3),
+        "ar_mean_accepted": round(ar.stats.mean_accepted, 4),
+        "speedup": round(speedup, 3),
+        "identical": ar.token_ids == result.token_ids,
+        "token_agreement": round(token_agreement(result.token_ids, ar.token_ids), 4),
+    }
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.api import Decoder
-    from specdecode.bench.quality import token_agreement
 
     method = registry.get(args.method or registry.DEFAULT_METHOD)
     config = method.make_config(parse_config(args.config))
@@ -138,17 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = stream.result
     out = result.as_dict()
     if args.compare:
-        reference = Decoder(runner, tokenizer, "ar", eos)
-        ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
-        speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
-        out["compare"] = {
-            "ar_token_ids": ar.token_ids,
-            "ar_tokens_per_s": round(ar.stats.tokens_per_s, 3),
-            "ar_mean_accepted": round(ar.stats.mean_accepted, 4),
-            "speedup": round(speedup, 3),
-            "identical": ar.token_ids == result.token_ids,
-            "token_agreement": round(token_agreement(result.token_ids, ar.token_ids), 4),
-        }
+        out["compare"] = _compare_with_ar(args, runner, tokenizer, eos, chat, sampling, result)
     if args.json:
         out.pop("finish_reason")
         print(json.dumps(out))

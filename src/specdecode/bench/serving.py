@@ -341,6 +341,18 @@ def failed(cells: list[dict]) -> list[str]:
     return out
 
 
+def check_counts(args: argparse.Namespace, levels: list[int]) -> None:
+    """The numeric flags, each error naming the flag."""
+    require(args.max_tokens > 0, f"--max-tokens must be positive, got {args.max_tokens}")
+    require(args.threads > 0, f"--threads must be positive, got {args.threads}")
+    require(args.requests >= max(levels),
+            f"--requests {args.requests} is fewer than the largest concurrency {max(levels)}: "
+            "some clients would have nothing to send")
+    require(args.disconnect_clients in (None, 0) or args.disconnect_clients in levels,
+            f"--disconnect-clients {args.disconnect_clients} is not one of --concurrency "
+            f"{args.concurrency} (0: no hang-up test)")
+
+
 def run(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.bench.cli import gguf_path_for, prepare_out
@@ -353,14 +365,7 @@ def run(args: argparse.Namespace) -> int:
     samplings = [sampling_of(n, args.seed) for n in parse_names(args.samplings, SAMPLINGS,
                                                                 "--samplings")]
     names = parse_names(args.workloads, WORKLOADS, "--workloads")
-    require(args.max_tokens > 0, f"--max-tokens must be positive, got {args.max_tokens}")
-    require(args.threads > 0, f"--threads must be positive, got {args.threads}")
-    require(args.requests >= max(levels),
-            f"--requests {args.requests} is fewer than the largest concurrency {max(levels)}: "
-            "some clients would have nothing to send")
-    require(args.disconnect_clients in (None, 0) or args.disconnect_clients in levels,
-            f"--disconnect-clients {args.disconnect_clients} is not one of --concurrency "
-            f"{args.concurrency} (0: no hang-up test)")
+    check_counts(args, levels)
     questions = load_questions(args.data) if "spec-bench" in names else None
     workloads = {n: build_workload(n, args.requests, questions) for n in names}
     gguf = gguf_path_for(args.model)

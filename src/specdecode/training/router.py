@@ -104,6 +104,22 @@ def fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, torch.Te
     return weight.float(), float(bias), mean.float(), std.float()
 
 
+def _fit_router(examples: dict, newlines, router_class):
+    """Fit on four of every five prompts and measure R^2 on the fifth, then refit on all:
+    (router, held-out predictions, held-out labels, held-out R^2, steps)."""
+    names = sorted(examples)
+    held = set(names[::5])  # every fifth prompt measures the fit
+    x_fit = torch.cat([examples[n][0] for n in names if n not in held])
+    y_fit = torch.cat([examples[n][1] for n in names if n not in held])
+    x_held = torch.cat([examples[n][0] for n in held])
+    y_held = torch.cat([examples[n][1] for n in held])
+    router = router_class(*fit(x_fit, y_fit), newlines)
+    predicted = torch.tensor([router.advantage(f) for f in x_held])
+    r2 = 1 - float(((predicted - y_held) ** 2).mean() / y_held.var().clamp_min(1e-9))
+    router = router_class(*fit(torch.cat([x_fit, x_held]), torch.cat([y_fit, y_held])), newlines)
+    return router, predicted, y_held, r2, int(len(y_fit) + len(y_held))
+
+
 def run(args: argparse.Namespace) -> int:
     from specdecode.api import eos_ids
     from specdecode.lossy.arbitrage import (FEATURES, ROUTER_KIND, Arbitrage, ArbitrageConfig,
@@ -144,20 +160,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(examples)} prompts, {sum(len(y) for _, y in examples.values())} steps")
     require(len(examples) >= 4, "too few prompts collected to fit a router; raise --max-minutes")
 
-    names = sorted(examples)
-    held = set(names[::5])  # every fifth prompt measures the fit
-    x_fit = torch.cat([examples[n][0] for n in names if n not in held])
-    y_fit = torch.cat([examples[n][1] for n in names if n not in held])
-    x_held = torch.cat([examples[n][0] for n in held])
-    y_held = torch.cat([examples[n][1] for n in held])
-    weight, bias, mean, std = fit(x_fit, y_fit)
-    router = Router(weight, bias, mean, std, newlines)
-    predicted = torch.tensor([router.advantage(f) for f in x_held])
-    r2 = 1 - float(((predicted - y_held) ** 2).mean() / y_held.var().clamp_min(1e-9))
-    weight, bias, mean, std = fit(torch.cat([x_fit, x_held]), torch.cat([y_fit, y_held]))
-    router = Router(weight, bias, mean, std, newlines)
+    router, predicted, y_held, r2, steps = _fit_router(examples, newlines, Router)
     threshold = ArbitrageConfig.threshold
-    summary = {"prompts": len(examples), "steps": int(len(y_fit) + len(y_held)),
+    summary = {"prompts": len(examples), "steps": steps,
                "held_out_r2": round(r2, 4), "features": list(FEATURES),
                "gen_tokens": args.gen_tokens, "max_step_tokens": args.max_step_tokens,
                "draft": args.draft, "ridge": RIDGE,
