@@ -147,3 +147,23 @@ def test_a_client_leaving_mid_stream_costs_the_others_nothing(model, tokenizer):
         assert text == solo(model, tokenizer, prompt, "ar", 40)
     assert 'specdecode_sequences_total{method="ar",outcome="cancelled"} 1.0' in metrics
     assert "specdecode_batch_sequences_count" in metrics
+
+
+def test_an_opted_in_lossy_method_is_served_beside_packed_sequences(model, tokenizer):
+    """A lossy method runs its own loop, one piece a step beside the packed forward; the
+    exact requests around it still get their solo answers."""
+    client_body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                   "max_tokens": 16, "temperature": 0,
+                   "specdecode": {"method": "superposed", "allow_lossy": True}}
+    with serve(model, tokenizer, parallel=3, method="ar") as served:
+        exact = {}
+        thread = threading.Thread(target=lambda: exact.setdefault("got", ask_all(
+            served.url, [(p, dict(max_tokens=16, temperature=0)) for p in PROMPTS[1:3]])))
+        thread.start()
+        lossy = httpx.post(served.url + "/v1/chat/completions", json=client_body, timeout=60)
+        thread.join(120)
+    assert lossy.status_code == 200, lossy.text
+    assert lossy.json()["choices"][0]["message"]["content"] == solo(
+        model, tokenizer, PROMPTS[0], "superposed", 16)
+    for prompt, (text, _) in zip(PROMPTS[1:3], exact["got"]):
+        assert text == solo(model, tokenizer, prompt, "ar", 16)

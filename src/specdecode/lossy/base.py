@@ -74,6 +74,8 @@ class LossyGeneration:
         self.tokens: list[int] = []
         self.stats = GenerationStats()
         self.finish_reason: str | None = None
+        #: lossy methods report no log-probabilities
+        self.logprobs = None
 
     def __iter__(self) -> Iterator[list[int]]:
         started = time.perf_counter()

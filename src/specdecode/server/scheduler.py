@@ -113,6 +113,9 @@ class _Sequence:
     prefilled: int = 0
     #: its recent verify steps, for its draft budget
     acceptance: Acceptance = field(default_factory=Acceptance)
+    #: text pieces of a generation with a decode loop of its own (a lossy method), stepped
+    #: one piece a step outside the packed forward
+    solo: Any = None
 
     @property
     def spec(self) -> SequenceSpec:
@@ -270,11 +273,20 @@ class Scheduler:
         self.metrics.queue_wait.observe(time.perf_counter() - seq.job.arrived)
         try:
             seq.decoder = self._decoder(seq.slot, spec)
-            seq.generation = Generation(seq.slot.runner, seq.decoder.proposer, spec.prompt_ids,
-                                        spec.max_tokens, SamplingParams(**spec.sampling),
-                                        self.eos_token_ids)
+            sampling = SamplingParams(**spec.sampling)
+            if seq.decoder.method.lossy:  # its own decode loop (specdecode/lossy/)
+                seq.generation = seq.decoder.proposer.generation(
+                    spec.prompt_ids, spec.max_tokens, sampling, self.eos_token_ids)
+                seq.prefilled = len(spec.prompt_ids)
+            else:
+                seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
+                                            spec.prompt_ids, spec.max_tokens, sampling,
+                                            self.eos_token_ids)
             seq.stream = TextStream(seq.decoder, seq.generation, spec.stop)
-            seq.generation.begin()
+            if seq.decoder.method.lossy:
+                seq.solo = seq.stream.steps()
+            else:
+                seq.generation.begin()
         except Exception as exc:
             self._fail(seq, exc, "could not start a sequence")
             return
@@ -287,6 +299,8 @@ class Scheduler:
         work = []
         prompt_rows = 0
         for seq in self._active:
+            if seq.solo is not None:
+                continue
             if not seq.prefilling:
                 work.append((seq, seq.generation.pending_call))
             elif prompt_rows < self.prefill_rows:
@@ -302,6 +316,8 @@ class Scheduler:
         for seq in list(self._active):
             if seq.job.cancelled.is_set():
                 self._end(seq, "cancelled")
+        for seq in [seq for seq in self._active if seq.solo is not None]:
+            self._step_solo(seq)
         work = self._gather()
         if not work:
             return
@@ -327,6 +343,19 @@ class Scheduler:
             # sequence's share of the packed forward besides its rows
             unexplained = time.perf_counter() - started - self.row_costs(rows) - drafting_s
             self._overhead_s += RECENT * (max(0.0, unexplained) - self._overhead_s)
+
+    def _step_solo(self, seq: _Sequence) -> None:
+        """One piece of a generation that runs its own decode loop."""
+        try:
+            piece = next(seq.solo)
+        except StopIteration:
+            self._end(seq, None)
+            return
+        except Exception as exc:
+            self._fail(seq, exc, "generation failed")
+            return
+        if piece:
+            seq.job.post("text", seq.index, piece)
 
     def _after(self, seq: _Sequence, call: Call, out, forward_s: float) -> None:
         """Take the sequence's share of the forward: a prompt part, or a verify step's
@@ -355,7 +384,7 @@ class Scheduler:
     def _draft_all(self) -> float:
         """Cap every decoding sequence's next draft by goodput, then let each draft; the
         seconds spent drafting."""
-        drafting = [seq for seq in self._active if not seq.prefilling]
+        drafting = [seq for seq in self._active if not seq.prefilling and seq.solo is None]
         caps = self._caps(drafting)
         total = 0.0
         for seq, cap in zip(drafting, caps):
@@ -414,6 +443,8 @@ class Scheduler:
         if seq in self._active:
             self._active.remove(seq)
         stats = None
+        if seq.solo is not None:
+            seq.solo.close()  # its loop's finally
         if seq.generation is not None:
             seq.generation.close()
             stats = seq.generation.stats
