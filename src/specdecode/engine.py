@@ -66,7 +66,8 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     #: draft nodes sent to the target, all steps together
     draft_tokens: int = 0
-    #: tokens a constraint forced, committed without a target forward (jump-forward)
+    #: tokens a constraint forced, committed without a target forward (jump-forward); the
+    #: step that puts them in the cache counts them as its accepted draft
     forced_tokens: int = 0
     #: draft nodes a constraint rejected before the target saw them
     pruned_nodes: int = 0
@@ -274,14 +275,15 @@ class Generation:
         t1 = time.perf_counter()
         stats.verify_s += t1 - t0
         stats.target_forwards += 1
-        stats.draft_tokens += 0 if forced else len(draft)
+        stats.draft_tokens += len(draft)
         self.proposer.observe(Feedback(tuple(before), draft, out.logits, accepted, tokens, out))
         if not forced:
             self.controller.observe(len(draft), len(result.accepted))
         stats.propose_s += time.perf_counter() - t1
         chunk = self._emit_verified(result)
-        # count what was committed: tokens accepted past end-of-sequence are dropped
-        stats.accepted_lengths.append(len(chunk))
+        # count what was committed: tokens accepted past end-of-sequence are dropped; a forced
+        # chain counts as this step's accepted draft (what a server's acceptance tracking reads)
+        stats.accepted_lengths.append(len(forced) + len(chunk))
         return chunk + self._jump_forward()
 
     def close(self) -> None:
