@@ -24,6 +24,18 @@ def tiny_model():
     return tiny_llama(vocab_size=96, hidden_size=32, layers=2, seed=0)
 
 
+#: methods that draft with the target's own int4 copy, so their target is a precise runner
+PRECISE_TARGET = ("quantized", "hierspec")
+
+
+@pytest.fixture(scope="session")
+def real_precise_runner(real_model):
+    """The default model on the native fp32 runner: the target of PRECISE_TARGET methods."""
+    from specdecode.models.loading import make_runner
+
+    return make_runner(real_model, "native", "fp32")
+
+
 @pytest.fixture(scope="session")
 def real_model():
     from specdecode.models.loading import load_model

@@ -20,7 +20,7 @@ import pytest
 
 from specdecode.api import Decoder
 
-from conftest import repetitive_prompts
+from conftest import PRECISE_TARGET, repetitive_prompts
 from tiny_models import tiny_llama
 from test_exactness import METHODS, dev_prompts, needs_draft_model, tiny_overrides
 
@@ -98,6 +98,9 @@ REAL_FLOORS = {
     "recycling": 1.008,   # 1.014 (a floor above 1: a proposer that stops drafting fails)
     "sjd": 1.02,          # 1.037
     "suffix": 1.10,       # 1.175
+    # fp32 target, drafted by its own int4 copy (conftest.PRECISE_TARGET)
+    "quantized": 6.5,     # 7.421
+    "hierspec": 6.5,      # 7.421 (greedy: the int4 copy's chain either way)
 }
 
 #: config for the real-model check where the defaults do not draft, with the reason
@@ -118,11 +121,13 @@ def default_runner(real_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_mean_accepted_length_on_the_real_model(real_model, default_runner, method):
+def test_mean_accepted_length_on_the_real_model(real_model, default_runner, method, request):
     from specdecode.api import eos_ids
 
     assert method in REAL_FLOORS, f"measure {method} and give it a floor in REAL_FLOORS"
-    decoder = Decoder(default_runner, real_model.tokenizer, method,
+    runner = (request.getfixturevalue("real_precise_runner") if method in PRECISE_TARGET
+              else default_runner)
+    decoder = Decoder(runner, real_model.tokenizer, method,
                       eos_ids(real_model.model, real_model.tokenizer), **REAL_CONFIG.get(method, {}))
     lengths = []
     for prompt in dev_prompts()[::2]:

@@ -14,6 +14,7 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.quant import WEIGHT_FORMATS
 
@@ -112,10 +113,16 @@ def test_position_alone_equals_position_in_tree_bitwise(name, weights):
             assert torch.equal(row, together[i + 1]), (name, weights, node, i)
 
 
+#: methods that draft with the target's own int4 copy: their target is a precise one (here the
+#: transformers model, which the int4 copy is quantised from)
+PRECISE_TARGET = ("quantized", "hierspec")
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap"])
-def test_every_method_equals_ar_on_the_int4_runner(name, method):
-    runner = LlamaRunner.from_transformers(build(name, seed=6), "int4")
+def test_every_method_equals_ar_on_the_native_runner(name, method):
+    model = build(name, seed=6)
+    runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
     decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
     for prompt in repetitive_prompts()[:3]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 3 * WINDOW).run()

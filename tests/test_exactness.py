@@ -17,7 +17,7 @@ import torch
 from specdecode import registry
 from specdecode.api import Decoder
 
-from conftest import repetitive_prompts, tiny_heads
+from conftest import PRECISE_TARGET, repetitive_prompts, tiny_heads
 from tiny_models import tiny_llama
 
 DEV = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "data" / "spec_bench_dev.jsonl"
@@ -186,11 +186,13 @@ def default_runner(real_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_identical_on_the_default_runner(real_model, default_runner, method):
+def test_greedy_identical_on_the_default_runner(real_model, default_runner, method, request):
     from specdecode.api import eos_ids
     from specdecode.models.llama import LlamaRunner
 
     assert isinstance(default_runner, LlamaRunner) and default_runner.weights == "int4"
+    if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
+        default_runner = request.getfixturevalue("real_precise_runner")
     check_greedy_identical(default_runner, default_runner, real_model.tokenizer, method,
                            dev_prompts()[1::2], 64, eos_ids(real_model.model, real_model.tokenizer))
 
@@ -209,6 +211,10 @@ def test_greedy_identical_on_gemma(gemma_model, gemma_runner, method):
     from specdecode.models.llama import LlamaRunner
 
     assert isinstance(gemma_runner, LlamaRunner) and gemma_runner.weights == "int4"
+    if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
+        from specdecode.models.loading import make_runner
+
+        gemma_runner = make_runner(gemma_model, "native", "fp32")
     # the summarization and RAG prompts are longer than Gemma's 512-position sliding window;
     # no draft model or heads are trained for Gemma: stand-ins run the model-based methods
     check_greedy_identical(gemma_runner, gemma_runner, gemma_model.tokenizer, method,
