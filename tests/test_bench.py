@@ -476,3 +476,13 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     assert result["memory"]["bytes"]["llama.cpp (llama-bench)"] == streamed
     report = runners_module.runners_markdown(result, {"machine": "test"})
     assert "| llama.cpp (llama-bench) | 2.0 | 4.0 | 6.0 | 20.0 | 3.00x |" in report
+
+
+@pytest.mark.skipif(kernels.isa() < kernels.ISA_LEVELS.index("avx512"),
+                    reason="the roofline's micro-kernels are AVX-512 VNNI code; this CPU has none")
+def test_roofline_micro_kernels_build_apart_and_count_macs():
+    from specdecode.bench import roofline
+
+    ext = roofline.peak_kernels()
+    assert not hasattr(kernels.load(), "int8_peak_macs")  # benchmark code stays out of the runner
+    assert ext.int8_peak_macs(200_000) > 1e9 and ext.q4_mix_peak_macs(50_000) > 1e9

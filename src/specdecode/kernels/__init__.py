@@ -44,9 +44,9 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp"
 TILE = 16
 
 
-def build_dir() -> Path:
+def build_dir(sources=_SOURCES) -> Path:
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in sources:
         digest.update(source.read_bytes())
     digest.update(" ".join(_FLAGS + [torch.__version__, sys.version]).encode())
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -57,16 +57,23 @@ def build_dir() -> Path:
 def load():
     """The compiled extension, built on first use; a SpecDecodeError naming the fix where the
     machine cannot build it."""
+    return compile_extension("specdecode_cpu_kernels", _SOURCES)
+
+
+def compile_extension(name: str, sources, extra_flags=()):
+    """Build (once per source hash) and import the extension ``name`` whose first source is the
+    C++ file and the rest its headers; a SpecDecodeError naming the fix where it cannot."""
     from torch.utils.cpp_extension import load as load_extension
 
     if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "AMD64"):
         raise SpecDecodeError(
             "the native runner's kernels are written for x86-64 Linux; use --runner hf here")
-    folder = build_dir()
+    folder = build_dir(sources)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return load_extension(name="specdecode_cpu_kernels", sources=[str(_SOURCES[0])],
-                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        return load_extension(name=name, sources=[str(sources[0])],
+                              extra_cflags=_FLAGS + list(extra_flags), extra_ldflags=["-fopenmp"],
+                              build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "?")

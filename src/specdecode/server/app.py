@@ -653,19 +653,7 @@ def create_app(server: Frontend) -> FastAPI:
     chat = Endpoint(server, chat=True)
     completion = Endpoint(server, chat=False)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request, exc: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+    add_error_handlers(app)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -695,6 +683,29 @@ def create_app(server: Frontend) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    add_middleware(app, server)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's error shape, an unexpected one as a logged 500."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error"), status_code=500)
+
+
+def add_middleware(app: FastAPI, server: Frontend) -> None:
     settings = server.settings
     if settings.cors_origins:  # off by default: browsers then keep other origins' pages out
         from starlette.middleware.cors import CORSMiddleware
@@ -705,4 +716,3 @@ def create_app(server: Frontend) -> FastAPI:
     if settings.allowed_hosts is not None:
         app.add_middleware(CheckHost, allowed=settings.allowed_hosts)
     app.add_middleware(CountRequests, metrics=server.metrics)  # outermost: counts every answer
-    return app
