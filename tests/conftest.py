@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tiny_models import tiny_llama
+from tiny_server import build_tokenizer, openai_client, tiny_served_model
 
 
 
@@ -161,3 +162,21 @@ def assert_row_invariant(call, x: torch.Tensor) -> torch.Tensor:
             part = call(x[start:start + m].contiguous())
             assert torch.equal(part, together[start:start + m]), (m, start)
     return together
+
+
+# ---- the served tiny model (tests/tiny_server.py); a module's own fixture of a name wins ----
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_served_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    """The official openai client on the module's ``served`` server."""
+    return openai_client(served)

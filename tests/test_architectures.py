@@ -256,10 +256,9 @@ def test_real_gemma_matches_transformers(gemma_model):
     from test_exactness import dev_prompts
 
     from specdecode.api import eos_ids
-    from specdecode.models.hf import HFRunner
 
     model, tokenizer = gemma_model.model, gemma_model.tokenizer
-    native, hf = LlamaRunner.from_transformers(model), HFRunner(model)
+    native = LlamaRunner.from_transformers(model)
     assert native.shape.windows.count(512) == 15  # five sliding layers to each global one
     decoder = Decoder(model, tokenizer, "ar")
     long = decoder.encode(" ".join(dev_prompts(2)))  # past the 512-position window

@@ -10,7 +10,6 @@ model); greedy responses are compared with the Decoder API over the same weights
 from __future__ import annotations
 
 import json
-import string
 import threading
 import time
 
@@ -27,69 +26,13 @@ from specdecode.server.app import Server, Settings, create_app
 from specdecode.server.loadtest import run_load
 from specdecode.server.memory import SharedMemory
 
-from tiny_models import tiny_llama
-
-MODEL = "tiny"
-EOS = 2
-CONTEXT = 256
-BODY_LIMIT = 64 * 1024
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def add(a, b):\n    return a + b\n",
-    "Hello world! How are you today? I am fine, thank you.",
-    "Speculative decoding drafts tokens and verifies them in one forward pass.",
-]
-
-
-def build_tokenizer():
-    """A ~300-token BPE tokenizer with a chat template, trained in milliseconds. Metaspace
-    pieces over printable ASCII: any token sequence decodes to valid text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    alphabet = [c for c in string.printable if c not in " \t\r\x0b\x0c"]
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False,
-                                  special_tokens=["<pad>", "<unk>", "<|im_end|>", "<|im_start|>"])
-    tok.train_from_iterator(CORPUS * 10, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<pad>", unk_token="<unk>")
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert fast.eos_token_id == EOS
-    return fast
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=CONTEXT, seed=1)
-
-
-def make_server(model, tokenizer, runners=None, parallel=2, memory=None, **settings):
-    runners = runners or [HFRunner(model) for _ in range(parallel)]
-    options = dict(model_id=MODEL, method="ngram", max_body_bytes=BODY_LIMIT)
-    options.update(settings)
-    server = Server(runners, tokenizer, [EOS], Settings(**options), memory)
-    return BackgroundServer(create_app(server))
+from tiny_server import BODY_LIMIT, CONTEXT, EOS, MODEL, make_server
 
 
 @pytest.fixture(scope="module")
 def served(model, tokenizer):
     with make_server(model, tokenizer) as background:
         yield background
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def reference(model, tokenizer, prompt, max_tokens, method="ar", chat=True, stop=()):

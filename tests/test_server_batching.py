@@ -15,7 +15,8 @@ from specdecode.models.llama import LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
 from specdecode.server.goodput import Batching
-from test_server import EOS, MODEL, build_tokenizer, wait_idle
+from test_server import wait_idle
+from tiny_server import EOS, MODEL
 from tiny_models import tiny_llama
 
 PROMPTS = ["Hello world! How are", "def add(a, b):\n    return", "The quick brown fox",
@@ -25,11 +26,6 @@ PROMPTS = ["Hello world! How are", "def add(a, b):\n    return", "The quick brow
 STEEP = {1: 1.0, 2: 2.0}
 #: rows are free: every draft pays
 FLAT = {1: 1.0, 4096: 1.0001}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 @pytest.fixture(scope="module")

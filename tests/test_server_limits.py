@@ -12,31 +12,23 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_server import MODEL, chat, make_server, model, reference, tokenizer  # noqa: F401
+from test_server import chat, reference
+from tiny_server import CONTEXT, MODEL, make_server, openai_client
 
 PROMPT = "Tell me a story"
 #: longer than every limit below and what the tiny model makes before end-of-sequence
 UNLIMITED = 40
 
 
-def client_of(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
-def served(model, tokenizer):  # noqa: F811 (the fixtures imported above)
+def served(model, tokenizer):
     # default_max_tokens above every limit below: a limit that is dropped shows as more tokens
     with make_server(model, tokenizer, default_max_tokens=UNLIMITED) as background:
         yield background
 
 
 @pytest.fixture(scope="module")
-def client(served):
-    return client_of(served)
-
-
-@pytest.fixture(scope="module")
-def long_answer(model, tokenizer):  # noqa: F811
+def long_answer(model, tokenizer):
     """The greedy chat answer to PROMPT without a limit: it must outlast every limit tested."""
     result = reference(model, tokenizer, PROMPT, UNLIMITED)
     assert len(result.token_ids) == UNLIMITED and result.finish_reason == "length", \
@@ -59,18 +51,18 @@ def check_limited(response, expected, limit: int) -> None:
 
 
 @pytest.mark.parametrize("limit", [1, 5, 9])
-def test_chat_max_tokens(client, model, tokenizer, long_answer, limit):  # noqa: F811
+def test_chat_max_tokens(client, model, tokenizer, long_answer, limit):
     response = chat(client, PROMPT, max_tokens=limit)
     check_limited(response, reference(model, tokenizer, PROMPT, limit), limit)
 
 
 @pytest.mark.parametrize("limit", [1, 5, 9])
-def test_chat_max_completion_tokens(client, model, tokenizer, long_answer, limit):  # noqa: F811
+def test_chat_max_completion_tokens(client, model, tokenizer, long_answer, limit):
     response = ask(client, max_completion_tokens=limit)
     check_limited(response, reference(model, tokenizer, PROMPT, limit), limit)
 
 
-def test_chat_max_completion_tokens_wins_over_max_tokens(client, model, tokenizer,  # noqa: F811
+def test_chat_max_completion_tokens_wins_over_max_tokens(client, model, tokenizer,
                                                          long_answer):
     """OpenAI deprecated max_tokens for chat in favour of max_completion_tokens: when a client
     sends both, the newer one is the limit, whichever is smaller."""
@@ -80,7 +72,7 @@ def test_chat_max_completion_tokens_wins_over_max_tokens(client, model, tokenize
                       max_completion)
 
 
-def test_chat_max_completion_tokens_streamed(client, model, tokenizer, long_answer):  # noqa: F811
+def test_chat_max_completion_tokens_streamed(client, model, tokenizer, long_answer):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=6,
         stream=True, stream_options={"include_usage": True}))
@@ -91,19 +83,19 @@ def test_chat_max_completion_tokens_streamed(client, model, tokenizer, long_answ
 
 
 @pytest.mark.parametrize("limit", [1, 5, 9])
-def test_completion_max_tokens(client, model, tokenizer, limit):  # noqa: F811
+def test_completion_max_tokens(client, model, tokenizer, limit):
     unlimited = reference(model, tokenizer, PROMPT, UNLIMITED, chat=False)
     assert len(unlimited.token_ids) == UNLIMITED, "the tiny model stops early on PROMPT"
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=limit)
     check_limited(response, reference(model, tokenizer, PROMPT, limit, chat=False), limit)
 
 
-def test_the_default_max_tokens_applies_to_requests_without_a_limit(client, model, tokenizer,  # noqa: F811
+def test_the_default_max_tokens_applies_to_requests_without_a_limit(client, model, tokenizer,
                                                                     long_answer):
     check_limited(ask(client), long_answer, UNLIMITED)
 
 
-def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_answer):  # noqa: F811
+def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_answer):
     """``specdecode serve --default-max-tokens 7``: parsed, checked, and the limit of chat and
     completion requests that give none (a chat request with max_completion_tokens keeps its own)."""
     import argparse
@@ -115,7 +107,7 @@ def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_a
     settings = settings_of(parser.parse_args(["--default-max-tokens", "7"]))[0]
     assert settings.default_max_tokens == 7
     with make_server(model, tokenizer, default_max_tokens=settings.default_max_tokens) as served:
-        client = client_of(served)
+        client = openai_client(served)
         check_limited(ask(client),
                       reference(model, tokenizer, PROMPT, 7), 7)
         check_limited(client.completions.create(model=MODEL, prompt=PROMPT),
@@ -124,12 +116,11 @@ def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_a
                       reference(model, tokenizer, PROMPT, 3), 3)
 
 
-def test_the_default_max_tokens_is_capped_by_the_context_left(model, tokenizer):  # noqa: F811
+def test_the_default_max_tokens_is_capped_by_the_context_left(model, tokenizer):
     """A request without a limit gets what fits: the default, or the context left if less."""
-    from test_server import CONTEXT
 
     with make_server(model, tokenizer, default_max_tokens=CONTEXT) as served:
-        client = client_of(served)
+        client = openai_client(served)
         prompt_tokens = client.completions.create(model=MODEL, prompt=PROMPT,
                                                   max_tokens=1).usage.prompt_tokens
         response = client.completions.create(model=MODEL, prompt=PROMPT)
@@ -149,7 +140,6 @@ def test_serve_rejects_a_default_max_tokens_below_one(flag, capsys):
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_limit_beyond_the_context_is_refused_naming_the_fix(client, field):
-    from test_server import CONTEXT
 
     with pytest.raises(openai.BadRequestError) as info:
         ask(client, **{field: CONTEXT})

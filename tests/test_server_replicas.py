@@ -27,7 +27,8 @@ from specdecode.server import BackgroundServer
 from specdecode.server.app import Settings, create_app
 from specdecode.server.loadtest import run_load
 from specdecode.suffix_tree import SuffixCache
-from test_server import EOS, MODEL, chat, make_server, model, tokenizer  # noqa: F401 (fixtures)
+from test_server import chat
+from tiny_server import EOS, MODEL, make_server, openai_client
 
 PROMPTS = ["The quick brown fox", "Hello world!", "def add(a, b):", "How are you?"]
 
@@ -86,10 +87,6 @@ def single(model, tokenizer):
         yield background
 
 
-def client_of(background):
-    return openai.OpenAI(base_url=background.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
 def ids_of(response) -> list[list[int]]:
     return [c.model_extra["token_ids"] for c in response.choices]
 
@@ -107,7 +104,7 @@ def wait_for_version(frontend, version: int, timeout: float = 10.0) -> dict:
 @needs_ray
 def test_replicas_give_the_single_process_servers_tokens(cluster, single):
     background, frontend, _, _ = cluster
-    replicas, alone = client_of(background), client_of(single)
+    replicas, alone = openai_client(background), openai_client(single)
     ids = {"specdecode": {"return_token_ids": True}}
     cases = [dict(temperature=0), dict(temperature=1.2, top_p=0.95, seed=7, n=2)]
     results: dict = {}
@@ -179,7 +176,7 @@ def test_the_shared_memory_is_saved_and_survives_its_actors_restart(cluster):
     from specdecode.server.ray_serve import NAMESPACE
 
     background, frontend, path, _ = cluster
-    chat(client_of(background), "Save me, please", max_tokens=16)
+    chat(openai_client(background), "Save me, please", max_tokens=16)
     stats = wait_for_version(frontend, frontend.memory.stats()["version"] + 1)
     frontend.memory.save()
     saved = SuffixCache.load(path)
@@ -217,7 +214,7 @@ def test_the_serve_run_ingress_serves_the_same_routes(cluster, single):
         ids = {"specdecode": {"return_token_ids": True}}
         for options in (dict(temperature=0), dict(temperature=1.2, seed=3)):
             got = chat(client, PROMPTS[2], max_tokens=20, extra_body=ids, **options)
-            ref = chat(client_of(single), PROMPTS[2], max_tokens=20, extra_body=ids, **options)
+            ref = chat(openai_client(single), PROMPTS[2], max_tokens=20, extra_body=ids, **options)
             assert ids_of(got) == ids_of(ref)
         streamed = chat(client, PROMPTS[2], max_tokens=20, temperature=0, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
@@ -230,7 +227,7 @@ def test_the_serve_run_ingress_serves_the_same_routes(cluster, single):
 
 
 def ref_text(single, prompt: str) -> str:
-    return chat(client_of(single), prompt, max_tokens=20, temperature=0).choices[0].message.content
+    return chat(openai_client(single), prompt, max_tokens=20, temperature=0).choices[0].message.content
 
 
 def kill_busiest_replica(pool, timeout: float = 30.0) -> int:
@@ -251,7 +248,7 @@ def test_a_stream_whose_replica_dies_is_finished_by_another(cluster, single):
     background, frontend, _, _ = cluster
     pool = frontend.backend
     retries = pool.retries
-    stream = chat(client_of(background), PROMPTS[1], max_tokens=200, temperature=0,
+    stream = chat(openai_client(background), PROMPTS[1], max_tokens=200, temperature=0,
                   model=f"{MODEL}+ar", stream=True)
     pieces, killed = [], None
     for chunk in stream:
@@ -259,7 +256,7 @@ def test_a_stream_whose_replica_dies_is_finished_by_another(cluster, single):
             pieces.append(chunk.choices[0].delta.content or "")
         if killed is None and "".join(pieces):
             killed = kill_busiest_replica(pool)
-    expected = chat(client_of(single), PROMPTS[1], max_tokens=200, temperature=0,
+    expected = chat(openai_client(single), PROMPTS[1], max_tokens=200, temperature=0,
                     model=f"{MODEL}+ar").choices[0].message.content
     assert "".join(pieces) == expected
     assert pool.retries == retries + 1 and pool.failures == 0
@@ -290,7 +287,7 @@ def test_a_replica_killed_under_load_loses_no_request(cluster):
     assert pool.retries > retries and pool.failures == 0
     assert frontend.memory.stats()["responses"] >= before  # the memory is not a replica's
     # the cluster keeps serving (Serve replaces the dead replica)
-    assert chat(client_of(background), "Hello world!", max_tokens=8).usage.completion_tokens > 0
+    assert chat(openai_client(background), "Hello world!", max_tokens=8).usage.completion_tokens > 0
 
 
 def test_replicas_without_ray_fail_with_one_clear_line():

@@ -34,8 +34,8 @@ from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import DECODERS_PER_SLOT, _Decoder, _Slot
 
 from tiny_models import tiny_llama
-from test_server import (CONTEXT, EOS, GOOD, MODEL, chat, make_server, model,  # noqa: F401
-                         served, still_serving, tokenizer)
+from test_server import GOOD, chat, served, still_serving  # noqa: F401 (served: a fixture)
+from tiny_server import CONTEXT, EOS, MODEL, build_tokenizer, make_server
 
 JSON = {"content-type": "application/json"}
 
@@ -267,7 +267,6 @@ def test_memory_stays_bounded_over_100_requests_with_distinct_configs():
     """Recycling over a 50,000-token vocabulary (as a real model's): each distinct config is a
     new proposer of 0.8-25 MB. The slots keep at most the budget; the process's memory after
     100 distinct configs exceeds its memory after the first by less than that."""
-    from test_server import build_tokenizer
 
     big = tiny_llama(vocab_size=50_000, hidden_size=16, max_positions=CONTEXT, seed=2)
     budget = 48 * 2**20

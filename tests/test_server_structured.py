@@ -14,8 +14,7 @@ import pytest
 from specdecode.api import Decoder
 from specdecode.models.hf import HFRunner
 
-from test_server import EOS, MODEL, build_tokenizer, make_server
-from tiny_models import tiny_llama
+from tiny_server import EOS, MODEL, make_server
 
 SCHEMA = {"type": "object",
           "properties": {"word": {"type": "string", "maxLength": 8},
@@ -27,26 +26,9 @@ PROMPT = "Describe the fox as JSON."
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=256, seed=1)
-
-
-@pytest.fixture(scope="module")
 def served(model, tokenizer):
     with make_server(model, tokenizer) as background:
         yield background
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    import openai
-
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def reference(model, tokenizer, method, max_tokens=40, **request):

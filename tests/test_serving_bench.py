@@ -223,7 +223,7 @@ def test_slot_context_fits_the_longest_prompt_and_the_answer():
 
 @pytest.fixture(scope="module")
 def served():
-    from test_server import make_server, build_tokenizer
+    from tiny_server import build_tokenizer, make_server
     from tiny_models import tiny_llama
 
     tokenizer = build_tokenizer()
@@ -238,7 +238,7 @@ def requests_of(n: int) -> list[Request]:
 
 
 def test_a_batch_mixes_streams_and_equals_its_solo_answers(served):
-    from test_server import MODEL
+    from tiny_server import MODEL
 
     requests = requests_of(6)
     for sampling in (sampling_of("greedy", 0), sampling_of("seeded", 3)):
@@ -256,7 +256,8 @@ def test_a_batch_mixes_streams_and_equals_its_solo_answers(served):
 
 
 def test_clients_that_hang_up_leave_nothing_stuck():
-    from test_server import MODEL, SlowRunner, build_tokenizer, make_server
+    from test_server import SlowRunner
+    from tiny_server import MODEL, build_tokenizer, make_server
     from tiny_models import tiny_llama
 
     tokenizer = build_tokenizer()
@@ -276,7 +277,7 @@ def test_clients_that_hang_up_leave_nothing_stuck():
 
 
 def test_a_batch_past_its_time_limit_records_errors_not_hangs(served):
-    from test_server import MODEL
+    from tiny_server import MODEL
 
     batch = run_batch(served.url, MODEL, requests_of(4), sampling_of("greedy", 0), 200, 1,
                       time_limit=0.05)

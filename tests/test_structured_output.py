@@ -370,3 +370,23 @@ def test_byte_level_tokens_are_read_as_their_bytes():
     state.commit([fast.convert_tokens_to_ids('"')])
     assert not state.permits([], newline)
     assert state.permits([], fast.convert_tokens_to_ids("a"))
+
+
+def test_forced_chains_are_marked_so_acceptance_tracking_skips_them(tiny_models, vocab):
+    """A server's goodput estimate reads each verify call's draft and what it accepted; a
+    jump-forward chain is committed whole by the constraint, so it is marked, never a draft."""
+    decoder = Decoder(tiny_models[0], None, "suffix", eos_token_ids=[EOS], vocabulary=vocab)
+    gen = decoder.start(repetitive_prompts()[0], 40, json_schema=SCHEMA)
+    gen.advance(gen.begin().run(gen.runner))
+    forced_rows = proposed = 0
+    while gen.finish_reason is None:
+        call = gen.next_call()
+        if call.forced:  # the chain is the tokens the constraint already committed
+            forced_rows += len(call.draft)
+            assert list(call.draft.tokens) == gen.tokens[-len(call.draft):]
+        else:
+            proposed += 1
+        gen.advance(call.run(gen.runner))
+    gen.close()
+    # forced tokens at the very end (the grammar finished) never need a forward
+    assert 0 < forced_rows <= gen.stats.forced_tokens and proposed > 0

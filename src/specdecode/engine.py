@@ -137,6 +137,23 @@ def check_request(runner: Runner, prompt_ids: Sequence[int], max_new_tokens: int
     require(not bad, f"prompt token ids {bad[:5]} are outside the vocabulary (0..{runner.vocab_size - 1})")
 
 
+def cut_chunk(tokens: Sequence[int], produced: int, max_new_tokens: int,
+              eos_token_ids: frozenset[int], admit=None) -> tuple[list[int], str | None]:
+    """The part of ``tokens`` a generation that has ``produced`` tokens commits, and why it then
+    ends (``"stop"`` at end-of-sequence or where ``admit(token)`` refuses, ``"length"`` at the
+    token limit; None to go on). Every decode loop cuts here, so all stop at the same place."""
+    out: list[int] = []
+    for token in tokens:
+        if admit is not None and not admit(token):
+            return out, "stop"
+        out.append(token)
+        if token in eos_token_ids:
+            return out, "stop"
+        if produced + len(out) >= max_new_tokens:
+            return out, "length"
+    return out, None
+
+
 class Generation:
     """One request. Iterate for token chunks as they are committed.
 
@@ -222,7 +239,8 @@ class Generation:
         context = self._context
         if self._forced:  # jump-forward: the forced tokens enter the cache, nothing is drafted
             root = context[-1 - len(self._forced)]
-            self._call = VerifyCall(root, Draft.chain(self._forced), self.proposer.needs)
+            self._call = VerifyCall(root, Draft.chain(self._forced), self.proposer.needs,
+                                    forced=True)
             return self._call
         left = self.max_new_tokens - len(self.tokens)
         budget = self.controller.budget().capped(left - 1)
@@ -339,25 +357,21 @@ class Generation:
         each token is fed to it; a finished grammar ends the generation before any
         end-of-sequence token (every method stops at the same place: ``ar`` when the grammar
         finishes, a speculative step where a drafted end-of-sequence follows)."""
-        out: list[int] = []
-        constraint = self.constraint
-        for token in tokens:
-            if constraint is not None:
-                if constraint.finished:
-                    self.finish_reason = "stop"
-                    break
-                constraint.commit([token])
-            out.append(token)
-            if token in self.eos_token_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.tokens) + len(out) >= self.max_new_tokens:
-                self.finish_reason = "length"
-                break
+        admit = None if self.constraint is None else self._admit
+        out, reason = cut_chunk(tokens, len(self.tokens), self.max_new_tokens,
+                                self.eos_token_ids, admit)
+        self.finish_reason = reason or self.finish_reason
         self.tokens.extend(out)
         context.extend(out)
         self.stats.new_tokens = len(self.tokens)
         return out
+
+    def _admit(self, token: int) -> bool:
+        """Feed ``token`` to the constraint; False (commit nothing more) once it has finished."""
+        if self.constraint.finished:
+            return False
+        self.constraint.commit([token])
+        return True
 
     def run(self) -> list[int]:
         for _ in self:

@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
-from specdecode.engine import GenerationStats, check_request
+from specdecode.engine import GenerationStats, check_request, cut_chunk
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
 from specdecode.sampling import GREEDY, SamplingParams
@@ -94,15 +94,8 @@ class LossyGeneration:
             self.stats.total_s = time.perf_counter() - started
 
     def _emit(self, chunk: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        for token in chunk:
-            out.append(token)
-            if token in self.eos_token_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.tokens) + len(out) >= self.max_new_tokens:
-                self.finish_reason = "length"
-                break
+        out, reason = cut_chunk(chunk, len(self.tokens), self.max_new_tokens, self.eos_token_ids)
+        self.finish_reason = reason or self.finish_reason
         self.tokens.extend(out)
         self.stats.new_tokens = len(self.tokens)
         return out

@@ -80,6 +80,8 @@ class VerifyCall:
     root: int
     draft: Draft
     needs: Needs = NOTHING
+    #: the draft is a chain a constraint forces (jump-forward), not a proposer's guess
+    forced: bool = False
 
     def run(self, runner: Runner) -> ForwardOutput:
         return runner.forward(self.root, self.draft, self.needs)

@@ -373,9 +373,10 @@ class Scheduler:
             return
         if isinstance(call, VerifyCall):
             generation.stats.verify_s += forward_s
-            seq.acceptance.observe(call.draft, generation.stats.accepted_lengths[-1] - 1)
-            self._method_acceptance(seq).observe(call.draft,
-                                                 generation.stats.accepted_lengths[-1] - 1)
+        if isinstance(call, VerifyCall) and not call.forced:  # a forced chain says nothing of drafts
+            accepted = generation.stats.accepted_lengths[-1] - 1
+            seq.acceptance.observe(call.draft, accepted)
+            self._method_acceptance(seq).observe(call.draft, accepted)
         if piece:
             seq.job.post("text", seq.index, piece)
         if generation.finish_reason is not None or seq.stream.stopped:
