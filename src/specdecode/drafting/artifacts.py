@@ -82,15 +82,15 @@ def build_distilled(config: dict, tensors: dict[str, torch.Tensor],
 def load_draft(spec: str, runner: Runner) -> LoadedDraft:
     """'distilled', an artifact path or a checkpoint folder -> the draft, checked against the
     target's vocabulary."""
-    from specdecode.training.artifacts import find_artifacts, load_artifact
+    from specdecode.training.artifacts import load_artifact, newest_artifact
 
     fingerprint = runner.fingerprint()
     if spec == "distilled":
-        found = find_artifacts(ARTIFACT_KIND, fingerprint)
-        require(bool(found), "no distilled draft model for this target yet; make one with "
-                             "`specdecode train draft` (about 30 minutes on 2 CPU cores), or "
-                             "pass -c draft=PATH (an artifact or a Hugging Face checkpoint folder)")
-        spec = str(found[0])
+        spec = str(newest_artifact(ARTIFACT_KIND, fingerprint,
+                                   "no distilled draft model for this target yet; make one with "
+                                   "`specdecode train draft` (about 30 minutes on 2 CPU cores), "
+                                   "or pass -c draft=PATH (an artifact or a Hugging Face "
+                                   "checkpoint folder)"))
     path = Path(spec)
     if path.suffix == ".safetensors":
         artifact = load_artifact(path, ARTIFACT_KIND, fingerprint)

@@ -14,7 +14,7 @@ import torch
 
 from specdecode.errors import require
 from specdecode.heads.networks import HeadNetwork, make_network
-from specdecode.training.artifacts import find_artifacts, int8_rows, load_artifact, save_artifact
+from specdecode.training.artifacts import int8_rows, load_artifact, newest_artifact, save_artifact
 
 #: minutes `specdecode train heads` takes by default (said in the "train one" message)
 TRAIN_MINUTES = 12
@@ -40,11 +40,11 @@ def load_heads(spec: str, runner, kind: str, embed: torch.Tensor):
     path."""
     fingerprint = runner.fingerprint()
     if spec == "auto":
-        found = find_artifacts(artifact_kind(kind), fingerprint)
-        require(bool(found), f"no trained {kind} heads for this target; train them with "
-                             f"`specdecode train heads --kind {kind}` (about {TRAIN_MINUTES} "
-                             f"minutes on 2 CPU cores), or pass -c heads=PATH")
-        spec = str(found[0])
+        spec = str(newest_artifact(artifact_kind(kind), fingerprint,
+                                   f"no trained {kind} heads for this target; train them with "
+                                   f"`specdecode train heads --kind {kind}` (about "
+                                   f"{TRAIN_MINUTES} minutes on 2 CPU cores), or pass "
+                                   "-c heads=PATH"))
     artifact = load_artifact(spec, artifact_kind(kind), fingerprint)
     settings = dict(artifact.config["network"])
     require(settings["size"] == embed.shape[1],

@@ -96,15 +96,14 @@ class Router:
 
 
 def load_router(spec: str, runner: Runner) -> Router:
-    from specdecode.training.artifacts import find_artifacts, load_artifact
+    from specdecode.training.artifacts import load_artifact, newest_artifact
 
     fingerprint = runner.fingerprint()
     if spec == "trained":
-        found = find_artifacts(ROUTER_KIND, fingerprint)
-        require(bool(found), "no Arbitrage router for this target yet; make one with "
-                             "`specdecode train router` (minutes on 2 CPU cores), or pass "
-                             "-c router=PATH")
-        spec = str(found[0])
+        spec = str(newest_artifact(ROUTER_KIND, fingerprint,
+                                   "no Arbitrage router for this target yet; make one with "
+                                   "`specdecode train router` (minutes on 2 CPU cores), or pass "
+                                   "-c router=PATH"))
     require(Path(spec).suffix == ".safetensors",
             f"router {spec!r} is neither 'trained' nor an artifact .safetensors file")
     return Router.from_tensors(load_artifact(spec, ROUTER_KIND, fingerprint).tensors)

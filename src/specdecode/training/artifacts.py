@@ -138,6 +138,14 @@ def load_artifact(path: str | Path, kind: str, fingerprint: str) -> Artifact:
     return Artifact(path, kind, found_fp, config, float_rows(load_file(str(path))))
 
 
+def newest_artifact(kind: str, fingerprint: str, missing: str) -> Path:
+    """The artifact a method's default name ('trained', 'auto', ...) stands for: the newest of
+    ``kind`` for this target; refused with ``missing`` (how to make one) where there is none."""
+    found = find_artifacts(kind, fingerprint)
+    require(bool(found), missing)
+    return found[0]
+
+
 def find_artifacts(kind: str, fingerprint: str,
                    folders: tuple[Path, ...] | None = None) -> list[Path]:
     """Artifacts of ``kind`` trained for ``fingerprint``, user cache first, then packaged;
