@@ -170,20 +170,6 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   }
 }
 
-// y[rows, tile columns] = residual + acc, 16 columns a store
-template <int R, int T>
-static void store_vnni(const __m512 (&acc)[R][T], int64_t r0, int64_t t0, int64_t n,
-                       const float* residual, float* y) {
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < T; t++) {
-      const int64_t col = (t0 + t) * 16, at = (r0 + r) * n + col;
-      const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, n - col)) - 1);
-      __m512 v = acc[r][t];
-      if (residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(live, residual + at), v);
-      _mm512_mask_storeu_ps(y + at, live, v);
-    }
-}
-
 // rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for, spread over their groups
 template <int T, int G, bool MIN, bool HALF>
@@ -200,7 +186,7 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
   {                                                                              \
     __m512 acc[R][T];                                                            \
     tiles_vnni<R, T, G, MIN, HALF>(a, r0, tile, tile_bytes, ahead, ahead_lines, acc); \
-    store_vnni<R, T>(acc, r0, t, n, residual, y);                                \
+    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);                  \
   }                                                                              \
   break;
     switch (std::min<int64_t>(4, m - r0)) {
