@@ -11,7 +11,7 @@ instruction set only changes the speed (the variants give the same bits).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
-``~/.cache/specdecode/kernels/<hash of the sources and torch version>``.
+``~/.cache/specdecode/kernels/<hash of the sources (paths and contents) and torch version>``.
 
 ``SPECDECODE_KERNEL_ISA`` (amx | avx512 | avx2 | generic) caps the instruction set, as
 ``ATEN_CPU_CAPABILITY`` does for ATen: a diagnostic for testing other CPUs' code paths on this
@@ -47,7 +47,9 @@ TILE = 16
 def build_dir(sources=_SOURCES) -> Path:
     digest = hashlib.sha256()
     for source in sources:
-        digest.update(source.read_bytes())
+        # the path too: the build files name the sources by absolute path, so two checkouts
+        # sharing one folder would rebuild it in turn (and wait on each other's build lock)
+        digest.update(str(source.resolve()).encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(_FLAGS + [torch.__version__, sys.version]).encode())
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "specdecode" / "kernels" / digest.hexdigest()[:16]
