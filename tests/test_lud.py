@@ -141,9 +141,11 @@ def test_training_lowers_the_slot_loss_and_checkpoints(tiny_hf, tmp_path):
 
 
 #: floor for the first 6 dev-half prompts (one per task), 32 new tokens, the hf runner, the
-#: trained adapters; measured in docs/lossy.md. Each unit's first token is ar's, so a
-#: divergence comes only from an accepted slot token
-LUD_TOKEN_FLOOR = 0.4
+#: packaged adapters at threshold 0.5 (at the default 0.9 units longer than one token are too
+#: rare on this model to test for: one in 6 answers): measured 0.552 with 13 multi-token
+#: units (docs/lossy.md). Each unit's first token is ar's, so agreement falls only where an
+#: accepted slot token was wrong
+LUD_TOKEN_FLOOR = 0.35
 
 
 @pytest.mark.slow
@@ -159,7 +161,7 @@ def test_lud_stays_near_ar_on_the_default_model(real_model):
         pytest.skip("no LUD adapters for the default model: `specdecode train lud`")
     eos = eos_ids(real_model.model, real_model.tokenizer)
     ar = Decoder(runner, real_model.tokenizer, "ar", eos)
-    lud = Decoder(runner, real_model.tokenizer, "lud", eos)
+    lud = Decoder(runner, real_model.tokenizer, "lud", eos, threshold=0.5)
     agreements, multi = [], 0
     for prompt in dev_prompts(6):
         reference = ar.generate(prompt, 32).token_ids
