@@ -19,6 +19,10 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
               "draft heads for hydra / clover / eagle, trained on the target's own features"),
     "router": ("specdecode.training.router",
                "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),
+    "lora-drop": ("specdecode.training.lora_drop",
+                  "LoRA-Drop's correctors (lossy): LoRA on the layers it skips, against the full model"),
+    "lud": ("specdecode.training.lud",
+            "LUD's delta (lossy): placeholder slots and LoRA that predict the following tokens"),
 }
 
 
