@@ -23,16 +23,21 @@ its expected tokens per second (its acceptance so far, its drafting seconds incl
 best draft already in hand, whose drafting is already paid; so the suffix tree's
 nearly free draft is made first, and the head drafts only where the suffix draft is
 poor. A part that has not drafted for ``explore_every`` steps drafts anyway, so its estimate
-follows the text. Of the drafts in hand (and their merged prefix tree, when ``merge`` and no
-draft carries probabilities), the one with the most expected tokens per second of its forward
-is sent.
+follows the text. Of the drafts in hand (and their merged prefix tree, with ``merge``), the one
+with the most expected tokens per second of its forward is sent.
 
 Every draft made, sent or not, is scored against the tokens the target commits (walking its
 tree along them, across steps where needed), so the estimates of parts and of the merged tree
 stay current; greedy, that walk is the acceptance the verifier would have given. The sent
-draft is scored by what the verifier accepted. Exactness is the verifier's: a part's draft is
-sent as it was made (with its probabilities), and a merged tree carries none, which the
-verifier's deterministic walk keeps exact at any temperature.
+draft is scored by what the verifier accepted.
+
+Exactness is the verifier's. Every draft is sent without probabilities (a sampled head draft
+loses its ``Draft.probs``), so at T > 0 the verifier takes its deterministic walk: it samples
+each token from the target and descends where a child holds it, which is exact for any draft
+drawn independently of its uniforms, and draws exactly ``ar``'s uniforms. That keeps seeded
+runs repeatable although the choices depend on measured seconds (with probabilities, the
+rejection rule's draws would depend on which draft was sent); the price is the head's
+acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 """
 
 from __future__ import annotations
@@ -68,8 +73,7 @@ class AutoConfig:
                                "for this target, or the one shipped for the default model)")
     min_path_prob: float = param(0.35, "handed to the parts that grow trees by path "
                                        "probability (hydra's default)")
-    merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand "
-                              "(when none carries probabilities)")
+    merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
                                    "anyway, so its acceptance estimate stays current")
 
@@ -242,8 +246,10 @@ class AutoProposer(Proposer):
         capped = Budget(min(budget.max_depth, own.max_depth),
                         min(budget.max_nodes, own.max_nodes), own.keep_drafting)
         started = time.perf_counter()
-        draft = self.parts[i].propose(context, capped).truncated(capped.max_depth,
-                                                                 capped.max_nodes)
+        made = self.parts[i].propose(context, capped).truncated(capped.max_depth,
+                                                                capped.max_nodes)
+        # sent without probabilities: see the module's docstring (seeded runs repeat)
+        draft = Draft(made.tokens, made.parents) if made.probs is not None else made
         spent = time.perf_counter() - started
         last = self.draft_s[i]
         self.draft_s[i] = spent if last is None else last + RECENT * (spent - last)
@@ -276,7 +282,7 @@ class AutoProposer(Proposer):
         arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i])
                 for i in sorted(drafts)]
         made = [a for a in arms if len(a[0])]
-        if self.config.merge and len(made) >= 2 and all(a[0].probs is None for a in made):
+        if self.config.merge and len(made) >= 2:
             name = "+".join(a[1] for a in made)  # in the order of config.parts
             made.sort(key=lambda a: -self._rate(a[2], a[0]))  # the most promising kept whole
             tree = merged([a[0] for a in made]).truncated(budget.max_depth, budget.max_nodes)

@@ -63,8 +63,6 @@ TOPICS = ("photosynthesis", "the Roman Empire", "climate change", "machine learn
 LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch")
 #: top-p of every sampled token, as self_data's
 TOP_P = 0.95
-#: tokens sorted first when drawing a token (a full sort of the vocabulary costs a forward row)
-SORTED_FIRST = 1024
 
 
 def opener(rng: random.Random) -> str:
@@ -83,14 +81,16 @@ def draw_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
     if temperature == 0:
         return int(logits.argmax())
     probs = (logits.float() / temperature).softmax(-1)
-    # the top-p set usually lies in the first SORTED_FIRST tokens: sort those alone, and the
-    # whole vocabulary only where their mass falls short of TOP_P
-    sorted_probs, order = probs.topk(min(SORTED_FIRST, len(probs)))
-    if float(sorted_probs.sum()) < TOP_P:
-        sorted_probs, order = probs.sort(descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > TOP_P  # keep the smallest set over TOP_P
-    sorted_probs[outside] = 0.0
-    return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+    # Top-p without sorting the vocabulary (a sort costs more than a forward row): a token
+    # drawn from p is in the nucleus iff the tokens more probable than it hold at most TOP_P,
+    # and draws repeated until one is are distributed as p on the nucleus, renormalised. The
+    # nucleus holds at least TOP_P, so fewer than 1 / TOP_P draws are needed on average.
+    cumulative = probs.cumsum(-1)  # [V]: one draw is a binary search in it
+    while True:
+        u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+        token = min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
+        if float(probs[probs > probs[token]].sum()) <= TOP_P:
+            return token
 
 
 @dataclass(frozen=True)
