@@ -31,6 +31,7 @@ _QUANTIZED = {"num_speculative_tokens": (1, 32), "max_speculative_tokens": (1, 6
 #: method -> numeric config field -> (lowest, highest) a request may ask for, inclusive
 RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "ar": {},
+    "auto": {"min_path_prob": (0.0, 1.0), "explore_every": (1, 1024)},
     "arbitrage": {"threshold": (-100.0, 100.0), "max_step_tokens": (1, 128)},
     "aded": {"simulations": (1, 256), "branch": (1, 32), "c_puct": (0.0, 100.0),
              "max_depth": (1, 64)},
@@ -60,6 +61,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
 #: method -> fields a request may not set (they size state every request shares)
 STARTUP_ONLY: dict[str, frozenset[str]] = {
     "suffix": frozenset({"max_tree_depth", "max_cached_requests"}),
+    # which proposers one request builds (and so the memory it takes): the operator's choice
+    "auto": frozenset({"parts"}),
     # a path the server would read: the operator picks the router
     "arbitrage": frozenset({"router"}),
 }

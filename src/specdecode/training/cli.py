@@ -17,6 +17,9 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
               "a small draft model for draft_model / dyspec, distilled from the target"),
     "heads": ("specdecode.training.train_heads",
               "draft heads for hydra / clover / eagle, trained on the target's own features"),
+    "data": ("specdecode.training.target_data",
+             "target-written conversations, many per forward of the native runner, into a "
+             "resumable JSON-lines shard"),
     "router": ("specdecode.training.router",
                "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),
     "lora-drop": ("specdecode.training.lora_drop",

@@ -1,0 +1,314 @@
+"""auto: a proposer made of proposers that, each step, sends the target the draft with the most
+expected committed tokens per second of the step (SmartSpec's goodput, Liu et al., 2024,
+"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput",
+arXiv 2406.14066, applied per step to a choice between drafters rather than to one draft length;
+the choice between a model-free and a learned drafter by recent acceptance follows
+SuffixDecoding's hybrid with EAGLE, Oliaro et al., 2024, arXiv 2411.04975).
+
+The parts (default ``suffix`` and ``hydra``) are registered exact proposers, each with its own
+state. Every verify step is fed to every part (``observe``), drafted or not, so a suffix tree
+sees every committed token and a head drafter every committed feature; ``needs`` is the union
+of the parts' ``needs``.
+
+What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost curve,
+:func:`specdecode.models.row_costs.measure_row_costs`, measured once on a replica), the seconds
+of the step besides the forward (learnt from the time between two ``propose`` calls), and the
+drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
+expected accepted tokens, from the arm's recent acceptance per depth
+(:class:`specdecode.server.goodput.Acceptance`, the server's estimator: the chance that depth k
+is accepted, given a draft that deep).
+
+Each step, in order of their recent drafting seconds (cheapest first), a part drafts only if
+its expected tokens per second (its acceptance so far, its drafting seconds included) beat the
+best draft already in hand, whose drafting is already paid; so the suffix tree's
+nearly free draft is made first, and the head drafts only where the suffix draft is
+poor. A part that has not drafted for ``explore_every`` steps drafts anyway, so its estimate
+follows the text. Of the drafts in hand (and their merged prefix tree, with ``merge``), the one
+with the most expected tokens per second of its forward is sent.
+
+Every draft made, sent or not, is scored against the tokens the target commits (walking its
+tree along them, across steps where needed), so the estimates of parts and of the merged tree
+stay current; greedy, that walk is the acceptance the verifier would have given. The sent
+draft is scored by what the verifier accepted.
+
+Exactness is the verifier's. Every draft is sent without probabilities (a sampled head draft
+loses its ``Draft.probs``), so at T > 0 the verifier takes its deterministic walk: it samples
+each token from the target and descends where a child holds it, which is exact for any draft
+drawn independently of its uniforms, and draws exactly ``ar``'s uniforms. That keeps seeded
+runs repeatable although the choices depend on measured seconds (with probabilities, the
+rejection rule's draws would depend on which draft was sent); the price is the head's
+acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdecode import registry
+from specdecode.control import Budget, Controller
+from specdecode.draft import Draft
+from specdecode.errors import require
+from specdecode.models.base import Needs, Runner
+from specdecode.models.row_costs import measure_row_costs
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.registry import param, register
+from specdecode.server.goodput import DECAY, Acceptance, RowCosts
+
+#: rows at which the row-cost curve is measured: drafts here stay below 64 nodes
+COST_ROWS = (1, 2, 4, 8, 16, 32, 64)
+#: weight of the newest observation of a step's overhead and of a part's drafting seconds
+RECENT = 0.1
+#: config fields handed on to every part whose config has them
+SHARED_FIELDS = ("heads", "min_path_prob")
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    parts: str = param("suffix,hydra", "the proposers to choose between, comma-separated "
+                                       "registered exact methods (model-free and learned)")
+    heads: str = param("auto", "trained heads for the parts that take them ('auto': the newest "
+                               "for this target, or the one shipped for the default model)")
+    min_path_prob: float = param(0.35, "handed to the parts that grow trees by path "
+                                       "probability (hydra's default)")
+    merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
+    explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
+                                   "anyway, so its acceptance estimate stays current")
+
+    def __post_init__(self):
+        names = self.part_names
+        require(len(names) >= 2, f"auto chooses between two or more parts, got {self.parts!r} "
+                                 "(one part alone: use that method)")
+        require(len(set(names)) == len(names), f"auto's parts repeat a method: {self.parts!r}")
+        require(self.explore_every >= 1, f"explore_every must be >= 1, got {self.explore_every}")
+
+    @property
+    def part_names(self) -> list[str]:
+        return [name.strip() for name in self.parts.split(",") if name.strip()]
+
+
+class _Record:
+    """One arm's (a part's, or the merged tree's) recent verify steps: acceptance per depth,
+    and a decayed count of steps, so that expectations per step count empty drafts too."""
+
+    def __init__(self):
+        self.acceptance = Acceptance()
+        self.steps = 0.0
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        self.acceptance.observe(draft, accepted)
+        self.steps = self.steps * DECAY + 1.0
+
+    def expected(self) -> tuple[float, float]:
+        """(committed tokens, draft rows) of an average step, before drafting."""
+        acceptance = self.acceptance
+        return (1.0 + sum(acceptance.reached) / self.steps,
+                sum(acceptance.rows) / self.steps)
+
+    def tokens_for(self, draft: Draft) -> float:
+        """Expected committed tokens of a step that sends ``draft``."""
+        return 1.0 + sum(chance for chance, _ in self.acceptance.levels(draft.max_depth))
+
+
+class _Walk:
+    """A draft scored against the tokens committed after its root, step after step."""
+
+    def __init__(self, record: _Record, draft: Draft, controller: Controller | None):
+        self.record, self.draft, self.controller = record, draft, controller
+        self.node, self.matched = -1, 0
+
+    def advance(self, tokens: Sequence[int]) -> bool:
+        """Follow ``tokens``; True once the walk has left the tree (the draft is scored)."""
+        for token in tokens:
+            child = next((c for c in self.draft.children(self.node)
+                          if self.draft.tokens[c] == token), None)
+            if child is None:
+                self.close(self.matched)
+                return True
+            self.node, self.matched = child, self.matched + 1
+            if not self.draft.children(child):
+                self.close(self.matched)
+                return True
+        return False
+
+    def close(self, accepted: int) -> None:
+        self.record.observe(self.draft, accepted)
+        if self.controller is not None:
+            self.controller.observe(len(self.draft), accepted)
+
+
+def merged(drafts: Sequence[Draft]) -> Draft:
+    """The prefix tree of every root-to-leaf path of ``drafts`` (the first draft's nodes first,
+    so a truncation keeps it whole); no probabilities."""
+    paths = []
+    for draft in drafts:
+        leaves = [i for i in range(len(draft)) if not draft.children(i)]
+        paths.extend([draft.tokens[n] for n in draft.path_to(leaf)] for leaf in leaves)
+    return Draft.from_paths(paths)
+
+
+@register("auto", AutoConfig,
+          paper="goodput per step (SmartSpec, Liu et al., 2024, arXiv 2406.14066) between "
+                "SuffixDecoding (Oliaro et al., 2024) and a learned drafter (Hydra)",
+          summary="each step sends the draft (suffix tree, heads, or both merged) with the most "
+                  "expected tokens per second of forward and drafting")
+class AutoProposer(Proposer):
+    #: the head kind the default learned part (hydra) loads ``heads`` for
+    head_kind = "hydra"
+
+    def __init__(self, config: AutoConfig, runner: Runner, parts: Sequence[Proposer] | None = None,
+                 row_costs: RowCosts | None = None):
+        """``parts`` and ``row_costs``: given ones instead of building ``config.parts`` and
+        measuring ``runner`` (tests, callers that measured the curve already)."""
+        super().__init__(config, runner)
+        self.names = config.part_names
+        self.parts = list(parts) if parts is not None else [self._build(n) for n in self.names]
+        require(len(self.parts) == len(self.names),
+                f"auto got {len(self.parts)} parts for the {len(self.names)} named in "
+                f"{config.parts!r}")
+        self.needs = Needs(any(p.needs.final_hidden for p in self.parts),
+                           tuple(sorted({layer for p in self.parts for layer in p.needs.layers})))
+        self.costs = row_costs or RowCosts(measure_row_costs(runner, COST_ROWS))
+        self.controllers = [p.make_controller() for p in self.parts]
+        self.records = [_Record() for _ in self.parts]
+        self.merged_record = _Record()
+        self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
+        self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
+        self.overhead_s = 0.0
+        #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
+        self.choices: Counter[str] = Counter()
+        self._walks: list[_Walk] = []
+        self._sent: tuple[_Record, Controller | None] | None = None
+        self._step: tuple[float, int, float] | None = None  # (started, rows, drafting seconds)
+
+    def _build(self, name: str) -> Proposer:
+        require(name in registry.names(lossy=False) and name not in ("ar", "auto"),
+                f"auto's part {name!r} must be a registered exact method other than ar and "
+                f"auto; known: {', '.join(registry.names(lossy=False))}")
+        method = registry.get(name)
+        fields = {f for f, _, _ in method.defaults()}
+        shared = {f: getattr(self.config, f) for f in SHARED_FIELDS if f in fields}
+        return method.proposer(method.make_config(shared), self.runner)
+
+    def make_controller(self) -> Controller:
+        limits = [c.budget() for c in self.controllers]
+        return Controller(max(b.max_depth for b in limits), max(b.max_nodes for b in limits))
+
+    def set_sampling(self, sampling) -> None:
+        super().set_sampling(sampling)
+        for part in self.parts:
+            part.set_sampling(sampling)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.choices = Counter()
+        self._walks, self._sent, self._step = [], None, None
+        for part in self.parts:
+            part.start(prompt)
+
+    def finish(self, output: Sequence[int]) -> None:
+        for part in self.parts:
+            part.finish(output)
+
+    # ---- choosing ---------------------------------------------------------------------------
+
+    def _seconds(self, nodes: float, drafting_s: float = 0.0) -> float:
+        """Seconds of a step whose forward reads the root and ``nodes`` draft rows."""
+        return self.costs(1.0 + nodes) + self.overhead_s + drafting_s
+
+    def _none_rate(self) -> float:
+        """Tokens per second of a step that sends no draft (one committed token)."""
+        return 1.0 / self._seconds(0)
+
+    def _rate(self, record: _Record, draft: Draft) -> float:
+        """Expected committed tokens per second of a step that sends ``draft`` (drafted)."""
+        if not len(draft):
+            return self._none_rate()
+        return record.tokens_for(draft) / self._seconds(len(draft))
+
+    def _worth_drafting(self, i: int, best_rate: float, in_hand: int) -> bool:
+        """Whether part ``i``'s expected tokens per second, its drafting included, beat
+        ``best_rate`` (the best draft in hand); ``in_hand``: nodes of that draft."""
+        record = self.records[i]
+        if record.steps == 0 or self.idle[i] >= self.config.explore_every:
+            return True
+        tokens, rows = record.expected()
+        drafting_s = self.draft_s[i] or 0.0
+        rate = tokens / self._seconds(rows, drafting_s)
+        if self.config.merge and in_hand and self.merged_record.steps:
+            tokens, rows = self.merged_record.expected()
+            rate = max(rate, tokens / self._seconds(rows, drafting_s))
+        return rate > best_rate
+
+    def _draft_part(self, i: int, context: Sequence[int], budget: Budget) -> Draft:
+        own = self.controllers[i].budget()
+        capped = Budget(min(budget.max_depth, own.max_depth),
+                        min(budget.max_nodes, own.max_nodes), own.keep_drafting)
+        started = time.perf_counter()
+        made = self.parts[i].propose(context, capped).truncated(capped.max_depth,
+                                                                capped.max_nodes)
+        # sent without probabilities: see the module's docstring (seeded runs repeat)
+        draft = Draft(made.tokens, made.parents) if made.probs is not None else made
+        spent = time.perf_counter() - started
+        last = self.draft_s[i]
+        self.draft_s[i] = spent if last is None else last + RECENT * (spent - last)
+        self.idle[i] = 0
+        return draft
+
+    def propose(self, context, budget):
+        now = time.perf_counter()
+        self._learn_overhead(now)
+        drafts: dict[int, Draft] = {}
+        best_rate, best_nodes = self._none_rate(), 0
+        if budget.max_depth > 0 and budget.max_nodes > 0:
+            for i in sorted(range(len(self.parts)), key=lambda i: self.draft_s[i] or 0.0):
+                self.idle[i] += 1
+                if not self._worth_drafting(i, best_rate, best_nodes):
+                    continue
+                drafts[i] = self._draft_part(i, context, budget)
+                rate = self._rate(self.records[i], drafts[i])
+                if rate > best_rate:
+                    best_rate, best_nodes = rate, len(drafts[i])
+        draft, name, record, controller = self._choose(drafts, budget)
+        self._sent = (record, controller) if record is not None else None
+        self.choices[name] += 1
+        self._step = (now, len(draft), time.perf_counter() - now)
+        return draft
+
+    def _choose(self, drafts: dict[int, Draft], budget: Budget):
+        """(draft, arm name, its record, its part's controller) of the best arm in hand;
+        every other arm's draft is scored against the committed tokens as they come."""
+        arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i])
+                for i in sorted(drafts)]
+        made = [a for a in arms if len(a[0])]
+        if self.config.merge and len(made) >= 2:
+            name = "+".join(a[1] for a in made)  # in the order of config.parts
+            made.sort(key=lambda a: -self._rate(a[2], a[0]))  # the most promising kept whole
+            tree = merged([a[0] for a in made]).truncated(budget.max_depth, budget.max_nodes)
+            arms.append((tree, name, self.merged_record, None))
+        best = max(arms, key=lambda a: self._rate(a[2], a[0]), default=None)
+        if best is None or not len(best[0]) or self._rate(best[2], best[0]) <= self._none_rate():
+            best = (Draft.empty(), "none", None, None)
+        self._walks.extend(_Walk(a[2], a[0], a[3]) for a in arms if a is not best)
+        return best
+
+    # ---- learning -----------------------------------------------------------------------
+
+    def _learn_overhead(self, now: float) -> None:
+        """The last step's seconds besides its forward's rows and its drafting."""
+        if self._step is not None:
+            started, nodes, drafting_s = self._step
+            rest = now - started - self.costs(1.0 + nodes) - drafting_s
+            self.overhead_s += RECENT * (max(0.0, rest) - self.overhead_s)
+
+    def observe(self, feedback: Feedback) -> None:
+        for part in self.parts:
+            part.observe(feedback)
+        if feedback.prefill:
+            return
+        if self._sent is not None:
+            record, controller = self._sent
+            _Walk(record, feedback.draft, controller).close(len(feedback.accepted))
+            self._sent = None
+        self._walks = [w for w in self._walks if not w.advance(feedback.tokens)]

@@ -1,0 +1,273 @@
+"""``specdecode train data``: target-written conversations at the native runner's speed, into
+a resumable JSON-lines shard.
+
+Like :mod:`specdecode.training.self_data`, the target writes the user turn itself (sampled at
+temperature 1, top-p 0.95, after the chat template's user header and an opener) and answers
+it (greedy or at temperature 0.7, half and half). Unlike it, no ``transformers.generate``: the
+conversations decode together on the native runner, one replica (KV cache) each, all in one
+:meth:`~specdecode.models.llama.LlamaRunner.run_packed` forward a token (``--batch`` rows of
+16 to 64 a forward, a new conversation's prompt packed beside the others' decode rows), and a
+finished conversation's slot takes the next one at once, so every forward stays full.
+
+Openers are composed from task templates, topics and languages (over two thousand
+combinations, the twelve openers of ``self_data`` among them), so the self-written prompts
+vary; none is a benchmark question. Conversation ``i`` draws from a generator seeded by
+(``--seed``, ``i``) and the runner's rows do not depend on what shares their forward, so a
+conversation is the same whatever batch wrote it: a run appends each finished conversation as
+one line and a later run with the same settings skips the ids already in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.errors import require
+from specdecode.models.base import PrefillCall, VerifyCall
+from specdecode.training.self_data import OPENERS, Conversation, user_header
+
+#: user-turn templates; the target writes the rest of the turn
+TASKS = ("Write a short story about {topic}", "Explain {topic} to a beginner",
+         "Summarize the following article about {topic}:", "Question about {topic}:",
+         "Solve this math problem about {topic} step by step:",
+         "Write an email to a colleague about {topic}", "Give me practical tips on {topic}",
+         "Compare two different views on {topic}", "Write a poem about {topic}",
+         "Read the passage about {topic} and answer the question.",
+         "What are the pros and cons of {topic}?", "Describe the history of {topic}",
+         "Rewrite this paragraph about {topic} in simpler words:",
+         "Create a short quiz about {topic}", "Write a dialogue about {topic}",
+         "Give step-by-step instructions related to {topic}", "Why is {topic}",
+         "Write a product description for something related to {topic}",
+         "List five facts about {topic}", "Plan a week of activities around {topic}",
+         "Write a persuasive paragraph about {topic}", "Answer briefly: how does {topic}")
+TOPICS = ("photosynthesis", "the Roman Empire", "climate change", "machine learning", "cooking "
+          "pasta", "personal finance", "the solar system", "football", "jazz music",
+          "healthy sleep", "electric cars", "the French Revolution", "volcanoes", "gardening",
+          "learning a language", "prime numbers", "the human heart", "social media",
+          "ancient Egypt", "job interviews", "renewable energy", "coffee", "chess",
+          "the internet", "vaccines", "mountain hiking", "probability", "city planning",
+          "honeybees", "the stock market", "public speaking", "recycling", "black holes",
+          "painting", "time management", "the ocean", "video games", "democracy",
+          "bread baking", "earthquakes", "friendship", "Python programming", "geometry",
+          "the Renaissance", "birds", "running a small business", "nutrition", "rain forests",
+          "space travel", "photography", "world trade", "the printing press", "cats",
+          "volunteering", "fractions", "weather forecasts", "traffic safety", "libraries")
+LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch")
+#: top-p of every sampled token, as self_data's
+TOP_P = 0.95
+
+
+def opener(rng: random.Random) -> str:
+    """The start of a user turn: a template on a topic, a translation request, or one of
+    self_data's openers."""
+    draw = rng.random()
+    if draw < 0.15:
+        return rng.choice(OPENERS)
+    if draw < 0.25:
+        return f"Translate {rng.choice(LANGUAGES)} to English: a sentence about {rng.choice(TOPICS)}:"
+    return rng.choice(TASKS).format(topic=rng.choice(TOPICS))
+
+
+def draw_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """A token from logits [V]: the argmax at temperature 0, else top-p sampling."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = (logits.float() / temperature).softmax(-1)
+    # Top-p without sorting the vocabulary (a sort costs more than a forward row): a token
+    # drawn from p is in the nucleus iff the tokens more probable than it hold at most TOP_P,
+    # and draws repeated until one is are distributed as p on the nucleus, renormalised. The
+    # nucleus holds at least TOP_P, so fewer than 1 / TOP_P draws are needed on average.
+    cumulative = probs.cumsum(-1)  # [V]: one draw is a binary search in it
+    while True:
+        u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+        token = min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
+        if float(probs[probs > probs[token]].sum()) <= TOP_P:
+            return token
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a shard's conversations depend on (a resumed run must repeat them)."""
+
+    fingerprint: str
+    prompt_tokens: int
+    answer_tokens: int
+    seed: int
+
+    @property
+    def key(self) -> str:
+        text = json.dumps(self.__dict__, sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class _Slot:
+    """One conversation being written on its own replica."""
+
+    index: int
+    runner: object
+    generator: torch.Generator
+    opener: str
+    temperature: float
+    stage: str = "user"  # "user": writing the user turn; "answer": answering it
+    prompt: list[int] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)
+    call: object = None
+
+
+class Writer:
+    """Conversations ``index`` = 0, 1, ... of one shard's settings, written in one batch of
+    replicas of ``runner`` (one slot each)."""
+
+    def __init__(self, runner, tokenizer, eos: set[int], settings: Settings, batch: int):
+        require(runner.packs_calls, f"the {runner.name} runner does not pack calls into one "
+                                    "forward; `train data` needs the native runner (--runner native)")
+        self.runner, self.tokenizer, self.eos, self.settings = runner, tokenizer, eos, settings
+        self.header = user_header(tokenizer)
+        self.replicas = [runner] + [runner.replica() for _ in range(batch - 1)]
+        self.forwards = 0
+        self.rows = 0  # sequences over all forwards (decode rows and prompts)
+        self.written = 0  # tokens the target wrote (user turns and answers)
+
+    def _slot(self, index: int, runner) -> _Slot:
+        rng = random.Random(self.settings.seed * 1_000_003 + index)
+        generator = torch.Generator().manual_seed(rng.getrandbits(62))
+        slot = _Slot(index, runner, generator, opener(rng), 0.0 if rng.random() < 0.5 else 0.7)
+        slot.prompt = self.tokenizer(self.header + slot.opener, add_special_tokens=False)["input_ids"]
+        slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
+        return slot
+
+    def _answer_prompt(self, slot: _Slot) -> list[int]:
+        text = (slot.opener + self.tokenizer.decode(slot.written, skip_special_tokens=True)).strip()
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
+                                                 add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def _advance(self, slot: _Slot, logits: torch.Tensor) -> Conversation | None:
+        """Draw the slot's next token; the conversation once its answer ends."""
+        hot = 1.0 if slot.stage == "user" else slot.temperature
+        token = draw_token(logits, hot, slot.generator)
+        slot.written.append(token)
+        self.written += 1
+        limit = self.settings.prompt_tokens if slot.stage == "user" else self.settings.answer_tokens
+        if token not in self.eos and len(slot.written) < limit:
+            slot.call = VerifyCall(token, Draft.empty())
+            return None
+        if slot.stage == "answer":
+            return slot.prompt + slot.written, len(slot.prompt)
+        slot.stage, slot.prompt = "answer", self._answer_prompt(slot)
+        slot.written = []
+        slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
+        return None
+
+    def write(self, todo, deadline: float):
+        """Yield (index, conversation) for each index of the iterator ``todo``, as they finish
+        (not in order), until ``todo`` is spent or ``deadline`` (time.monotonic) passes."""
+        # replicas first: zip stops at the last replica without drawing an index it would drop
+        slots = [self._slot(i, r) for r, i in zip(self.replicas, todo)]
+        while slots and time.monotonic() < deadline:
+            outs = self.runner.run_packed([(s.runner, s.call) for s in slots])
+            self.forwards += 1
+            self.rows += len(slots)
+            following = []
+            for slot, out in zip(slots, outs):
+                if isinstance(slot.call, VerifyCall):
+                    slot.runner.commit([])
+                done = self._advance(slot, out.logits[0])
+                if done is None:
+                    following.append(slot)
+                    continue
+                yield slot.index, done
+                index = next(todo, None)
+                if index is not None:
+                    following.append(self._slot(index, slot.runner))
+            slots = following
+
+
+# ---- the shard ------------------------------------------------------------------------------
+
+def read_shard(path: Path, settings: Settings | None = None) -> dict[int, Conversation]:
+    """{index: (ids, prompt length)} of a shard; a last line cut short by an interrupted run is
+    dropped from the file. ``settings``: refuse a shard written with others."""
+    if not path.is_file():
+        return {}
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    if len(complete) < len(raw):
+        path.write_bytes(complete)
+    out = {}
+    for line in complete.decode().splitlines():
+        record = json.loads(line)
+        require(settings is None or record["settings"] == settings.key,
+                f"{path} holds conversations written with other settings (model, token limits "
+                "or seed); give another --out or the same settings")
+        out[record["index"]] = (record["ids"], record["prompt_len"])
+    return out
+
+
+def write_shard(writer: Writer, path: Path, count: int, seconds: float, show=print) -> int:
+    """Append conversations until the shard holds ``count`` or ``seconds`` pass; the number
+    written now."""
+    done = read_shard(path, writer.settings)
+    todo = iter([i for i in range(count) if i not in done])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = 0
+    with path.open("a") as shard:
+        for index, (ids, prompt_len) in writer.write(todo, time.monotonic() + seconds):
+            shard.write(json.dumps({"index": index, "settings": writer.settings.key,
+                                    "prompt_len": prompt_len, "ids": ids}) + "\n")
+            shard.flush()
+            new += 1
+            if new % 16 == 0:
+                show(f"data {len(done) + new}/{count} conversations")
+    return new
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="FILE",
+                        help="the JSON-lines shard (appended to; ids already in it are skipped)")
+    parser.add_argument("--model", default="smollm2",
+                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
+    parser.add_argument("--weights", default="auto", help="the native runner's weight format")
+    parser.add_argument("--count", type=int, default=1000, help="conversations the shard holds")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="conversations written at once: rows of each forward (16-64)")
+    parser.add_argument("--prompt-tokens", type=int, default=64,
+                        help="most tokens of a self-written user turn")
+    parser.add_argument("--answer-tokens", type=int, default=256, help="most tokens of an answer")
+    parser.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import load_model, make_runner
+
+    require(args.count > 0 and args.batch > 0 and args.max_minutes > 0,
+            "--count, --batch and --max-minutes must be positive")
+    require(args.prompt_tokens > 0 and args.answer_tokens > 0,
+            "--prompt-tokens and --answer-tokens must be positive")
+    loaded = load_model(args.model)
+    # room for the header, the opener, the user turn in the chat template, and the answer
+    context = 2 * args.prompt_tokens + args.answer_tokens + 128
+    runner = make_runner(loaded, "native", args.weights, context)
+    settings = Settings(runner.fingerprint(), args.prompt_tokens, args.answer_tokens, args.seed)
+    writer = Writer(runner, loaded.tokenizer, set(eos_ids(loaded, loaded.tokenizer)), settings,
+                    args.batch)
+    started = time.monotonic()
+    new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes)
+    took = time.monotonic() - started
+    print(json.dumps({"conversations_written": new, "tokens_written": writer.written,
+                      "seconds": round(took, 1),
+                      "tokens_per_s": round(writer.written / took, 1) if took else None,
+                      "forwards": writer.forwards,
+                      "rows_per_forward": round(writer.rows / max(writer.forwards, 1), 1)}))
+    return 0

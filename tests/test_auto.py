@@ -1,0 +1,158 @@
+"""``auto``: the proposer that picks, each step, the draft with the most expected tokens per
+second. Its exactness is the shared tests' (tests/test_exactness.py runs every registered
+method); here, on scripted parts and a fixed row-cost curve (no model, no timing), that it
+switches to the part whose drafts the target accepts, skips drafting a part that does not pay,
+feeds every part every step, and sends valid merged trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.control import Budget
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import NOTHING, Needs
+from specdecode.proposers.auto import AutoConfig, AutoProposer, merged
+from specdecode.proposers.base import Feedback, Proposer
+from specdecode.server.goodput import RowCosts
+
+#: the target's greedy text: token i follows the first i tokens
+TRUTH = list(range(2000))
+#: one second a forward, each row adds a hundredth: rows cost little next to a whole forward,
+#: and the microseconds the scripted parts take to draft weigh nothing
+COSTS = RowCosts({1: 1.0, 64: 1.63})
+WRONG = 10**6  # a token the target never writes
+
+
+class Scripted(Proposer):
+    """A part whose draft is a function of the context; counts its calls."""
+
+    def __init__(self, draft_of, needs: Needs = NOTHING):
+        super().__init__(None, None)
+        self.draft_of = draft_of
+        self.needs = needs
+        self.proposed = 0
+        self.observed = 0
+
+    def propose(self, context, budget):
+        self.proposed += 1
+        return self.draft_of(len(context))
+
+    def observe(self, feedback):
+        self.observed += 1
+
+
+def repeating_then_silent(n: int) -> Draft:
+    """Like a suffix tree: the next 4 true tokens while the text repeats (first 400 tokens),
+    nothing after."""
+    return Draft.chain(TRUTH[n:n + 4]) if n < 400 else Draft.empty()
+
+
+def wrong_then_right(n: int) -> Draft:
+    """Like a head: wrong while the text repeats, the next 2 true tokens after."""
+    return Draft.chain([WRONG, WRONG + 1]) if n < 400 else Draft.chain(TRUTH[n:n + 2])
+
+
+def decode(auto: AutoProposer, start: int, stop: int) -> list[Draft]:
+    """Greedy decoding of TRUTH from ``start`` to ``stop`` tokens through ``auto``: the drafts
+    it sent, each verified by walking it along TRUTH as the verifier would."""
+    auto.start(TRUTH[:start])
+    sent = []
+    n = start
+    while n < stop:
+        draft = auto.propose(TRUTH[:n], Budget(64, 128))
+        node, accepted = -1, []
+        for token in TRUTH[n:]:
+            child = next((c for c in draft.children(node) if draft.tokens[c] == token), None)
+            if child is None:
+                break
+            accepted.append(child)
+            node = child
+        tokens = TRUTH[n:n + len(accepted) + 1]
+        auto.observe(Feedback(tuple(TRUTH[:n]), draft, torch.zeros(1 + len(draft), 1),
+                              accepted, tokens))
+        sent.append(draft)
+        n += len(tokens)
+    auto.finish(TRUTH[start:n])
+    return sent
+
+
+def scripted_auto(**config) -> tuple[AutoProposer, Scripted, Scripted]:
+    suffix, head = Scripted(repeating_then_silent), Scripted(wrong_then_right)
+    auto = AutoProposer(AutoConfig(parts="suffix,hydra", **config), None, [suffix, head], COSTS)
+    return auto, suffix, head
+
+
+def test_switches_to_the_part_the_target_accepts():
+    auto, suffix, head = scripted_auto()
+    steps = len(decode(auto, 1, 400))
+    repetitive = dict(auto.choices)
+    assert repetitive.get("suffix", 0) >= 0.9 * steps, repetitive
+    # the head drafted only to keep its estimate current (every explore_every steps)
+    assert head.proposed <= steps // auto.config.explore_every + 2, (head.proposed, steps)
+    # every step was fed to both parts, the one not drafting included
+    assert suffix.observed == head.observed == steps
+
+    steps = len(decode(auto, 400, 1400))
+    novel = dict(auto.choices)
+    assert novel.get("hydra", 0) >= 0.75 * steps, novel
+    assert novel.get("suffix", 0) == 0, novel  # an empty draft is never sent
+
+
+def test_an_arm_that_never_pays_is_not_sent():
+    never = Scripted(lambda n: Draft.chain([WRONG]))
+    also_never = Scripted(lambda n: Draft.chain([WRONG + 1, WRONG + 2]))
+    auto = AutoProposer(AutoConfig(parts="a,b"), None, [never, also_never], COSTS)
+    steps = len(decode(auto, 1, 200))
+    assert auto.choices["none"] >= 0.9 * steps, dict(auto.choices)
+
+
+def test_merged_tree_is_a_valid_draft_holding_both():
+    chain = Draft.chain([1, 2, 3])
+    tree = Draft((1, 5, 7, 8), (-1, 0, -1, 2))  # 1 -> 5, 7 -> 8
+    both = merged([chain, tree])
+    assert both.probs is None
+    assert both.tokens[:3] == (1, 2, 3) and both.parents[:3] == (-1, 0, 1)  # the first whole
+    paths = {tuple(both.tokens[n] for n in both.path_to(i)) for i in range(len(both))}
+    assert paths == {(1,), (1, 2), (1, 2, 3), (1, 5), (7,), (7, 8)}
+    for node in range(-1, len(both)):  # siblings differ: one node per token
+        kids = [both.tokens[c] for c in both.children(node)]
+        assert len(kids) == len(set(kids))
+    assert merged([chain, tree]).truncated(3, 3).tokens == (1, 2, 3)
+
+
+def test_sends_merged_trees_that_verify():
+    # both parts right at depth 1, each wrong at depth 2 on alternate steps: the merged tree
+    # is accepted deeper than either
+    def left(n):
+        return Draft.chain([TRUTH[n], TRUTH[n + 1] if n % 2 else WRONG])
+
+    def right(n):
+        return Draft.chain([TRUTH[n], WRONG + 1 if n % 2 else TRUTH[n + 1]])
+
+    auto = AutoProposer(AutoConfig(parts="a,b"), None, [Scripted(left), Scripted(right)], COSTS)
+    sent = decode(auto, 1, 600)
+    assert auto.choices["a+b"] >= 0.5 * len(sent), dict(auto.choices)
+    for draft in sent:
+        assert Draft(draft.tokens, draft.parents) == draft  # passes Draft's own checks
+    assert not AutoProposer(AutoConfig(parts="a,b", merge=False), None,
+                            [Scripted(left), Scripted(right)], COSTS).config.merge
+
+
+def test_needs_are_the_union_of_the_parts():
+    parts = [Scripted(Draft.empty, Needs(final_hidden=True, layers=(3,))),
+             Scripted(Draft.empty, Needs(layers=(1, 3)))]
+    auto = AutoProposer(AutoConfig(parts="a,b"), None, parts, COSTS)
+    assert auto.needs == Needs(final_hidden=True, layers=(1, 3))
+
+
+def test_bad_parts_are_named():
+    with pytest.raises(SpecDecodeError, match="two or more parts"):
+        AutoConfig(parts="suffix")
+    with pytest.raises(SpecDecodeError, match="repeat"):
+        AutoConfig(parts="suffix,suffix")
+    with pytest.raises(SpecDecodeError, match="registered exact method"):
+        AutoProposer(AutoConfig(parts="suffix,auto"), None)
+    with pytest.raises(SpecDecodeError, match="explore_every"):
+        AutoConfig(explore_every=0)

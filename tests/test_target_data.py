@@ -1,0 +1,103 @@
+"""``specdecode train data`` (training/target_data.py): conversations written many per forward
+on the native runner, into a shard that a later run resumes. On a tiny int4 runner with a
+character tokenizer of its vocabulary: a conversation is the same whatever batch wrote it, an
+interrupted shard is completed with exactly what was missing, and the sampler keeps top-p."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import LlamaRunner
+from specdecode.training.self_data import OPENERS
+from specdecode.training.target_data import (Settings, Writer, draw_token, opener, read_shard,
+                                             write_shard)
+from tiny_models import tiny_llama
+
+VOCAB = 96
+EOS = 3
+
+
+class CharTokenizer:
+    """Characters as token ids modulo the tiny vocabulary, with a chat template."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [4 + ord(c) % (VOCAB - 4) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + i % 90) for i in ids if i != EOS)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        return self(text)["input_ids"] if tokenize else text
+
+
+@pytest.fixture(scope="module")
+def runner():
+    model = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2, seed=3,
+                       max_positions=512)
+    return LlamaRunner.from_transformers(model, "int4", max_context=256)
+
+
+def writer(runner, batch: int) -> Writer:
+    return Writer(runner, CharTokenizer(), {EOS}, Settings(runner.fingerprint(), 12, 20, 5), batch)
+
+
+def lines(path: Path) -> dict[int, str]:
+    return {json.loads(line)["index"]: line for line in path.read_text().splitlines()}
+
+
+def test_shard_resumes_with_what_was_missing_whatever_the_batch(runner, tmp_path):
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    assert write_shard(writer(runner, 4), whole, 7, 600, show=lambda _: None) == 7
+    expected = lines(whole)
+    assert sorted(expected) == list(range(7))
+    for line in expected.values():
+        record = json.loads(line)
+        assert 0 < record["prompt_len"] < len(record["ids"])  # a prompt, then an answer
+    # an interrupted run: three conversations and half of a fourth line
+    kept = list(expected.values())[:3]
+    resumed.write_text("".join(line + "\n" for line in kept) + kept[-1][:20])
+    assert write_shard(writer(runner, 3), resumed, 7, 600, show=lambda _: None) == 4
+    assert lines(resumed) == expected  # batch 3 wrote what batch 4 wrote, nothing twice
+    assert len(read_shard(resumed)) == 7
+
+
+def test_shard_of_other_settings_is_refused(runner, tmp_path):
+    path = tmp_path / "shard.jsonl"
+    write_shard(writer(runner, 2), path, 2, 600, show=lambda _: None)
+    other = Settings(runner.fingerprint(), 12, 20, seed=6)
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        read_shard(path, other)
+
+
+def test_openers_vary_beyond_the_fixed_ones():
+    rng = random.Random(0)
+    drawn = [opener(rng) for _ in range(2000)]
+    assert len(set(drawn)) > 500
+    assert set(OPENERS) & set(drawn)  # the old openers stay among them
+    assert any(o.startswith("Translate") for o in drawn)
+
+
+def test_draw_token_samples_the_nucleus():
+    # p = .5, .3, .12, .05, .03: the nucleus of top-p 0.95 is the first four (mass before the
+    # fifth: 0.97 > 0.95), renormalised
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    logits = probs.log() * 0.7  # at temperature 0.7, softmax(logits / 0.7) = probs
+    generator = torch.Generator().manual_seed(0)
+    draws = 20000
+    counts = torch.bincount(torch.tensor([draw_token(logits, 0.7, generator)
+                                          for _ in range(draws)]), minlength=5)
+    nucleus = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.0]) / 0.97
+    assert counts[4] == 0
+    # 4.5 standard deviations of each frequency: a wrong rule (no cut, or the cut one token
+    # early) is off by 10 or more
+    bound = 4.5 * (nucleus * (1 - nucleus) / draws).sqrt() + 1e-9
+    assert ((counts / draws - nucleus).abs() <= bound).all(), counts / draws
+    assert draw_token(logits, 0.0, generator) == 0
