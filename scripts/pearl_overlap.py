@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -71,7 +72,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", default="quantized,pearl",
                         help="comma-separated METHOD[:key=value...] run after ar")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OpenMP threads of this (the target's) thread; 0: torch's default. "
+                             "pearl takes the drafter's from them (at least 1 each)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     loaded = load_model()
     target = make_runner(loaded, "native", "fp32")
     threads = torch.get_num_threads()
@@ -79,12 +85,14 @@ def main() -> None:
     prompts = [ar.encode(q.turns[0]) for q in sample_per_task(load_questions(), args.per_task)]
     reference = run(ar, prompts, args.max_new_tokens)
     rows = [summary("ar", reference, reference["outputs"], None)]
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each as it comes: runs are long
     for spec in args.methods.split(","):
         method, *pairs = spec.split(":")
         config = dict(pair.split("=", 1) for pair in pairs)
         decoder = Decoder(target, loaded.tokenizer, method, **config)
         rows.append(summary(spec, run(decoder, prompts, args.max_new_tokens),
                             reference["outputs"], decoder.proposer))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"threads": threads, "prompts": len(prompts),
                       "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1))
 

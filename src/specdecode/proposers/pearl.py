@@ -24,7 +24,8 @@ it were all accepted (its first token guesses the target's bonus token):
 
 The draft length adapts as the paper's does: a run of accepted rounds keeps drafting without a
 pause, and a rejection costs one pre-verify round instead of a full chain drafted in vain.
-``gamma`` is the paper's window, best near the ratio of a target verify to a draft forward.
+``gamma`` is the paper's window (its scripts use 5), best near the ratio of a target verify to a
+draft forward: an fp32 verify costs several int4 forwards, so the default is 10.
 
 Exact: greedy, the drafter proposes its argmax and the target's argmax decides. Sampled, each
 draft token is drawn from the int4 copy's processed distribution q given the tokens before it
@@ -54,8 +55,9 @@ from specdecode.registry import param, register
 
 @dataclass(frozen=True)
 class PearlConfig:
-    gamma: int = param(5, "tokens the drafter drafts per round while the target verifies (the "
-                          "paper's window; its scripts' default)")
+    gamma: int = param(10, "tokens the drafter drafts per round while the target verifies (the "
+                           "paper's window, best near the ratio of a verify to a draft forward; "
+                           "docs/quantized.md compares 5, 10 and 16)")
     drafter_threads: int = param(1, "OpenMP threads of the drafter's thread")
     target_threads: int = param(0, "OpenMP threads of the thread running the request (the "
                                    "target's) while it runs; 0: the threads it had less the "
