@@ -26,7 +26,7 @@ def tiny_model():
 
 
 #: methods that draft with the target's own int4 copy, so their target is a precise runner
-PRECISE_TARGET = ("quantized", "hierspec")
+PRECISE_TARGET = ("quantized", "hierspec", "pearl")
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,7 @@ REAL_FLOORS = {
     # fp32 target, drafted by its own int4 copy (conftest.PRECISE_TARGET)
     "quantized": 6.5,     # 7.421
     "hierspec": 6.5,      # 7.421 (greedy: the int4 copy's chain either way)
+    "pearl": 5.0,         # 5.64 (gamma 10: at most 10 a round, 1 in a pre-verify round)
 }
 
 #: config for the real-model check where the defaults do not draft, with the reason

@@ -115,7 +115,7 @@ def test_position_alone_equals_position_in_tree_bitwise(name, weights):
 
 #: methods that draft with the target's own int4 copy: their target is a precise one (here the
 #: transformers model, which the int4 copy is quantised from)
-PRECISE_TARGET = ("quantized", "hierspec")
+PRECISE_TARGET = ("quantized", "hierspec", "pearl")
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -965,28 +965,34 @@ int64_t parallel_threads(int64_t items) {
 
 #include "q8_blocks.h"
 
+// Every entry point that computes runs without Python's GIL (``nogil``), so a second Python
+// thread (PEARL's drafter, proposers/pearl.py) runs its own model meanwhile. pybind11 converts
+// the arguments before the guard is made and the result after it is gone, so only the C++ body
+// runs unlocked; the bodies touch no Python object, and each OpenMP team is the calling
+// thread's own (omp_set_num_threads, hence torch.set_num_threads, is per thread).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa_level", &detect_isa,
         "3: AMX tiles (granted by the OS), 2: AVX-512 with VNNI, 1: AVX2 + FMA, 0: baseline x86-64");
-  m.def("dense_linear", &dense_linear);
-  m.def("q4_linear", &q4_linear);
-  m.def("q8_linear", &q8_linear);
+  m.def("dense_linear", &dense_linear, nogil);
+  m.def("q4_linear", &q4_linear, nogil);
+  m.def("q8_linear", &q8_linear, nogil);
   m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
-  m.def("rms_norm", &rms_norm);
-  m.def("swiglu", &swiglu);
-  m.def("geglu", &geglu);
-  m.def("softcap", &softcap);
-  m.def("rope_store", &rope_store);
-  m.def("attention", &attention);
-  m.def("parallel_threads", &parallel_threads);
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("swiglu", &swiglu, nogil);
+  m.def("geglu", &geglu, nogil);
+  m.def("softcap", &softcap, nogil);
+  m.def("rope_store", &rope_store, nogil);
+  m.def("attention", &attention, nogil);
+  m.def("parallel_threads", &parallel_threads, nogil);
   py::class_<Q4Stack>(m, "Q4Stack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("forward", &Q4Stack::forward);
+      .def("forward", &Q4Stack::forward, nogil);
   py::class_<PackedPlan>(m, "PackedPlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
-      .def("rope_store", &PackedPlan::rope_store)
-      .def("attention", &PackedPlan::attention);
+      .def("rope_store", &PackedPlan::rope_store, nogil)
+      .def("attention", &PackedPlan::attention, nogil);
 }

@@ -133,9 +133,9 @@ def int4_session(runner: Runner) -> DraftSession:
 
 
 class ChainDrafter:
-    """A draft session drafting chains under a budget: what ``quantized`` and ``pearl``
-    share. ``session.nodes`` records the chain, so :meth:`keep_accepted` keeps the drafter's
-    KV rows of the accepted tokens."""
+    """A draft session drafting chains under a budget (``pearl`` drafts from the same session
+    on a thread of its own, proposers/pearl.py). ``session.nodes`` records the chain, so
+    :meth:`keep_accepted` keeps the drafter's KV rows of the accepted tokens."""
 
     def __init__(self, session: DraftSession):
         self.session = session

@@ -47,6 +47,7 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
                "max_forwards": (1, 32), "min_path_prob": (0.0, 1.0)},
     "quantized": _QUANTIZED,
     "hierspec": {**_QUANTIZED, "tree_nodes": (1, 128)},
+    "pearl": {"gamma": (1, 64), "drafter_threads": (1, 256), "target_threads": (0, 256)},
     "early_exit": {"exit_layer": (0, 1024), "num_speculative_tokens": (1, 32)},
     "jacobi": {"window": (1, 64)},
     "sjd": {"window": (1, 64)},
@@ -65,6 +66,8 @@ STARTUP_ONLY: dict[str, frozenset[str]] = {
     "auto": frozenset({"parts"}),
     # a path the server would read: the operator picks the router
     "arbitrage": frozenset({"router"}),
+    # the threads of the server's own cores: the operator's to share out
+    "pearl": frozenset({"drafter_threads", "target_threads"}),
 }
 
 #: longest value of a free-text config field (``tree``, ``candidate_layers``, ...)
