@@ -19,6 +19,8 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
               "draft heads for hydra / clover / eagle, trained on the target's own features"),
     "router": ("specdecode.training.router",
                "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),
+    "learn2pd": ("specdecode.training.learn2pd",
+                 "Learn2PD's filter for the learn2pd diffusion policy (docs/diffusion.md)"),
 }
 
 
