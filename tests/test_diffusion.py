@@ -151,7 +151,7 @@ def test_learn2pd_filter_learns_the_oracle(model, tmp_path):
 def test_registry_lists_every_policy_with_its_paper():
     assert policy_names()[0] == "one_per_step"
     assert {"threshold", "prophet", "localleap", "ete", "ccd", "freedave", "cfg",
-            "learn2pd"} <= set(policy_names())
+            "learn2pd", "window"} <= set(policy_names())
     assert [n for n in policy_names() if get_policy(n).exact] == ["freedave"]
     for name in policy_names():
         info = get_policy(name)
@@ -227,3 +227,44 @@ def test_methods_lists_the_policies_apart(capsys):
     for name in policy_names():
         assert f"\n{name}" in policies
     assert "freedave  (exact: one_per_step's output)" in policies
+
+
+def test_window_with_the_whole_block_in_view_is_threshold(model):
+    """Every row recomputed each step (refresh 1) and the window covering the block: nothing
+    is cached or pruned, so it is the threshold policy on the same forward."""
+    for prompt in PROMPTS:
+        full = run(model, "window", prompt, inner=8, outer=8, refresh=1, threshold=0.5)
+        assert full.tokens == run(model, "threshold", prompt, threshold=0.5).tokens
+
+
+def test_window_recomputes_only_its_active_rows(model):
+    rows_run = []
+    real = model.denoise_rows
+
+    def counting(block, rows, see):
+        rows_run.append(len(rows))
+        return real(block, rows, see)
+
+    model.denoise_rows = counting
+    try:
+        result = run(model, "window", PROMPTS[0], new=32, block=32, inner=4, outer=12,
+                     refresh=8, threshold=0.5)
+    finally:
+        del model.denoise_rows
+    assert len(result.tokens) == 32
+    assert rows_run[0] == 12  # the first step: the whole reach (the far field is pruned)
+    assert min(rows_run) <= 5  # between refreshes: the active rows and the frontier's row
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--diffusion", "nope"], "unknown diffusion policy 'nope'"),
+    (["--diffusion", "threshold", "--method", "ngram"], "drop --method"),
+    (["--diffusion", "threshold", "--temperature", "0.7"], "drop --temperature"),
+    (["--diffusion", "threshold", "-c", "threshold=2"], "threshold must be in (0, 1]"),
+])
+def test_generate_diffusion_bad_input_is_one_line(capsys, argv, message):
+    from specdecode.cli import main
+
+    assert main(["generate", "hi"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

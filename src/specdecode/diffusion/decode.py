@@ -86,10 +86,10 @@ def _denoise_block(model, policy: Policy, width: int, eos: tuple[int, ...],
     block = [mask] * width
     step = 0
     while mask in block:
-        view = StepView(model.denoise(block), list(block), mask, step, model, eos)
         before = model.forwards
+        view = StepView(policy.denoise(model, block, step), list(block), mask, step, model, eos)
         chosen = policy.choose(view)
-        result.steps += 1 + (model.forwards - before)
+        result.steps += model.forwards - before
         if not chosen or any(block[i] != mask or not 0 <= i < width for i in chosen):
             raise SpecDecodeError(f"policy {type(policy).__name__} chose {sorted(chosen)}: it "
                                   f"must commit a non-empty set of masked positions "

@@ -102,3 +102,33 @@ class DiffusionModel:
         # shifted: position i's logits are row i - 1's; position 0's the last committed row's
         anchor = self._anchor.expand(count, 1, -1)
         return list(torch.cat([anchor, rows[:, :-1]], 1).unbind(0))
+
+    @torch.inference_mode()
+    def denoise_rows(self, block: Sequence[int], rows: Sequence[int], see: int
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """Window-Diffusion's partial step: recompute only the block rows ``rows`` (offsets),
+        each seeing the committed rows and the block's first ``see`` slots, whose other rows
+        keep the keys and values an earlier step of this block wrote there (a cache, stale by
+        design); rows at ``see`` and after are neither run nor seen. Logits [B, V] (zeros
+        where not computed) and the positions they were computed for (0: the last committed
+        row's; i: row i - 1's)."""
+        require(self._anchor is not None, "prefill a prompt before denoising")
+        rows = sorted(rows)
+        require(bool(rows) and 0 <= rows[0] and rows[-1] < see <= len(block),
+                f"rows {rows} must lie inside the first {see} of {len(block)} positions")
+        past = self.length
+        at = past + torch.tensor(rows)
+        keys = (past + torch.arange(see, dtype=torch.int32)).expand(len(rows), see).contiguous()
+        plan = AttentionPlan(past, at, at, keys, torch.full((len(rows),), see, dtype=torch.int32))
+        hidden, _ = self.runner.run([block[i] for i in rows], plan)  # [n, H]
+        self.runner.cache.drop_uncommitted()
+        self.forwards += 1
+        out = self.runner.lm_head(self.runner.exit_norm(hidden)).float()  # [n, V]
+        logits = torch.zeros(len(block), out.shape[-1])
+        logits[0] = self._anchor
+        computed = [0]
+        for j, row in enumerate(rows):
+            if row + 1 < len(block):
+                logits[row + 1] = out[j]
+                computed.append(row + 1)
+        return logits, sorted(set(computed))

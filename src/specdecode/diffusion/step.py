@@ -78,6 +78,11 @@ class Policy:
     def start_block(self, offset: int) -> None:
         """A new block begins at output offset ``offset``."""
 
+    def denoise(self, model, block: list[int], step: int) -> torch.Tensor:
+        """The step's forward: logits [B, V] of every position (a policy that caches part of
+        the block, Window-Diffusion's, runs less)."""
+        return model.denoise(block)
+
     def choose(self, view: StepView) -> dict[int, int]:
         raise NotImplementedError
 
