@@ -2,7 +2,7 @@
 agreement with the one_per_step reference and with the AR model's greedy tokens.
 
     PYTHONPATH=src python scripts/diffusion_bench.py [--per-task 1] [--limit N] [--tokens 32]
-        [--block 16] [--filter FILE]
+        [--block 16] [--policies a,b] [--filter FILE]
 
 The target runs as a block-diffusion model (docs/diffusion.md); ``learn2pd`` needs
 ``--filter`` (``specdecode train learn2pd``), ``cfg`` a grammar and is left out.
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens a question")
     parser.add_argument("--block", type=int, default=16, help="diffusion block size")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated policies besides one_per_step (default: all but cfg, learn2pd)")
     parser.add_argument("--filter", default=None, help="a Learn2PD filter (adds learn2pd)")
     args = parser.parse_args()
     loaded = load_model("smollm2")
@@ -41,7 +43,10 @@ def main() -> None:
     greedy = [ar.generate(p, args.tokens).token_ids for p in prompts]
     ar_rate = sum(map(len, greedy)) / (time.perf_counter() - began)
     model = DiffusionModel(runner, default_mask_id(loaded.tokenizer, runner.vocab_size))
-    names = [n for n in policy_names() if n not in ("cfg", "learn2pd")]
+    names = (args.policies.split(",") if args.policies else
+             [n for n in policy_names() if n not in ("cfg", "learn2pd")])
+    # the reference first: the agreement column is measured against it
+    names = ["one_per_step"] + [n for n in names if n != "one_per_step"]
     configs = {n: {} for n in names} | ({"learn2pd": {"filter": args.filter}} if args.filter else {})
     print(f"ar: {ar_rate:.1f} tokens/s ({len(prompts)} prompts, {args.tokens} tokens, block "
           f"{args.block})\n\n| policy | steps/token | tokens/s | agrees with one_per_step | "

@@ -5,7 +5,7 @@ committed every position.
 model.prefill(prompt)
 for each block of block_size positions:          # all mask tokens at first
     while the block has masked positions:
-        logits = model.denoise(block)            # ONE forward: [B, V], bidirectional block
+        logits = policy.denoise(model, block)    # ONE forward: [B, V], bidirectional block
         block[i] = t for i, t in policy.choose(view of logits)
     model.append(block)                          # causal rows join the cache
     stop at an end-of-sequence token

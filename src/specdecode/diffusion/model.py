@@ -20,7 +20,7 @@ Two choices, both from the AR-to-diffusion adaptation papers (DiffuGPT/DiffuLLaM
   the AR model's.)
 
 The mask token is an id the model's vocabulary has and the text never uses (``mask_id``): the
-tiny test models' last id; for SmolLM2 the adapter's own choice (``training/dllm.py``).
+tiny test models' last id; for SmolLM2 its unused ``<empty_output>`` (``diffusion/cli.py``).
 Attention runs in the native kernels through :class:`AttentionPlan` key lists: a row lists its
 block's slots, so the kernels need nothing new. Several *states* of one block (FreeDave's
 drafts) run in one forward, each a copy of the block at scratch slots past the committed rows,

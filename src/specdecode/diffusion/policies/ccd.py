@@ -31,7 +31,8 @@ class CcdConfig:
         require(self.history >= 1, f"history must be >= 1, got {self.history}")
 
 
-@register_policy("ccd", CcdConfig, paper="CCD, Beyond Confidence: Coherent Contextual Decoding (2025)",
+@register_policy("ccd", CcdConfig,
+                 paper="CCD, Beyond Confidence: Coherent Contextual Decoding (2025)",
                  summary="commit positions whose prediction held over recent steps (adaptive "
                          "count)")
 class CoherentContextual(Policy):

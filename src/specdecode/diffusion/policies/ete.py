@@ -33,7 +33,8 @@ class EteConfig:
         require(self.bits_per_round >= 0, f"bits_per_round must be >= 0, got {self.bits_per_round}")
 
 
-@register_policy("ete", EteConfig, paper="ETE, From Bits to Rounds (Fu, Huang et al., arXiv 2511.21103)",
+@register_policy("ete", EteConfig,
+                 paper="ETE, From Bits to Rounds (Fu, Huang et al., arXiv 2511.21103)",
                  summary="commit the confident positions, then the least uncertain others "
                          "within an entropy budget per round")
 class ExploreThenExploit(Policy):

@@ -1,6 +1,6 @@
-"""Prophet ("Diffusion Language Models Know the Answer Before Decoding";
-code github.com/pixeli99/Prophet, ``generate_earlyexit.py``): decode one position a step, and each step
-measure how settled the answer is by the gap between the top-1 and top-2 logits. When the gap,
+"""Prophet ("Diffusion Language Models Know the Answer Before Decoding", 2025; code
+github.com/pixeli99/Prophet, ``generate_earlyexit.py``): decode one position a step, and each
+step measure how settled the answer is by the gap between the top-1 and top-2 logits. When the gap,
 averaged over the masked positions, reaches a threshold that falls as the block progresses
 (7.5 in the first third of its steps, 5.0 in the second, 2.5 after: the paper's), go all in:
 commit every masked position of the block to its argmax at once.
@@ -26,7 +26,8 @@ class ProphetConfig:
     late_gap: float = param(2.5, "logit gap in the last third")
 
 
-@register_policy("prophet", ProphetConfig, paper="Prophet: Diffusion LMs Know the Answer Before Decoding (2025)",
+@register_policy("prophet", ProphetConfig,
+                 paper="Prophet: Diffusion LMs Know the Answer Before Decoding (2025)",
                  summary="one token a step until the top-1/top-2 logit gap says the block has "
                          "converged, then commit it all")
 class Prophet(Policy):
@@ -36,5 +37,6 @@ class Prophet(Policy):
         gap = float((top2[:, 0] - top2[:, 1]).mean())
         progress = view.step / len(view.block)
         c = self.config
-        needed = c.early_gap if progress < 1 / 3 else c.middle_gap if progress < 2 / 3 else c.late_gap
+        needed = (c.early_gap if progress < 1 / 3 else
+                  c.middle_gap if progress < 2 / 3 else c.late_gap)
         return view.commit(masked if gap >= needed else [view.most_confident()])
