@@ -167,6 +167,9 @@ def test_bad_input_names_the_problem(model):
         DiffusionModel(model.runner, 96)
     with pytest.raises(SpecDecodeError, match="needs a grammar"):
         run(model, "cfg", PROMPTS[0])
+    spec = make_constraint(Vocabulary(TOKENS, 96, [EOS]), regex="ab+")
+    with pytest.raises(SpecDecodeError, match="does not follow grammars; use the cfg policy"):
+        run(model, "threshold", PROMPTS[0], constraint=spec.start())
     with pytest.raises(SpecDecodeError, match="needs its trained filter"):
         get_policy("learn2pd").make()
     with pytest.raises(SpecDecodeError, match="no config field 'radius'"):
@@ -261,6 +264,8 @@ def test_window_recomputes_only_its_active_rows(model):
     (["--diffusion", "threshold", "--method", "ngram"], "drop --method"),
     (["--diffusion", "threshold", "--temperature", "0.7"], "drop --temperature"),
     (["--diffusion", "threshold", "-c", "threshold=2"], "threshold must be in (0, 1]"),
+    (["--diffusion", "threshold", "--regex", "a+"], "does not follow grammars or bans"),
+    (["--diffusion", "cfg"], "the cfg policy needs a grammar"),
 ])
 def test_generate_diffusion_bad_input_is_one_line(capsys, argv, message):
     from specdecode.cli import main

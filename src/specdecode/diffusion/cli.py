@@ -46,11 +46,15 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
     require(args.prompt.strip() != "", "the prompt is empty; give some text")
     require(args.method is None, "--diffusion decodes without a speculative method; drop --method")
     require(args.temperature == 0, "diffusion decoding is greedy here; drop --temperature")
+    asked = {k: v for k, v in options.items() if v}
+    require(not asked or policy.follows_constraint,
+            f"the {info.name} policy does not follow grammars or bans; use --diffusion cfg")
+    require(bool(asked) or not policy.follows_constraint,
+            f"the {info.name} policy needs a grammar: give --json-schema, --regex or --grammar")
     runner, tokenizer, eos = load_target(args)
     mask = args.mask_id if args.mask_id is not None else default_mask_id(tokenizer, runner.vocab_size)
     model = DiffusionModel(runner, mask)
     constraint = None
-    asked = {k: v for k, v in options.items() if v}
     if asked:
         spec = make_constraint(Vocabulary(tokenizer, runner.vocab_size, eos), **asked)
         constraint = spec.start() if spec is not None else None

@@ -59,6 +59,9 @@ def diffuse(model, policy: Policy, prompt: Sequence[int], max_new_tokens: int,
     require(max_new_tokens > 0, f"max_new_tokens must be positive, got {max_new_tokens}")
     require(block_size > 0, f"block_size must be positive, got {block_size}")
     require(len(prompt) > 0, "the prompt is empty; give at least one token")
+    require(constraint is None or policy.follows_constraint,
+            f"policy {type(policy).__name__} does not follow grammars; use the cfg policy for "
+            "constrained output")
     began, first_forward = time.perf_counter(), model.forwards
     eos = tuple(eos_ids)
     policy.start(constraint)

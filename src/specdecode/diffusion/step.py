@@ -68,6 +68,9 @@ class Policy:
     request's :class:`~specdecode.constraints.Constraint` or None) and :meth:`start_block`
     each block."""
 
+    #: whether :meth:`choose` applies the request's constraint (only the grammar policy does)
+    follows_constraint = False
+
     def __init__(self, config):
         self.config = config
         self.constraint = None

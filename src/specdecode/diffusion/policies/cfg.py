@@ -36,6 +36,8 @@ class CfgConfig:
                  summary="grammar masks (llguidance) over a run of positions from the frontier: "
                          "the output parses")
 class GrammarConstrained(Policy):
+    follows_constraint = True
+
     def start(self, constraint=None) -> None:
         require(constraint is not None, "the cfg policy needs a grammar: give --json-schema, "
                                         "--regex or --grammar")
