@@ -17,8 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=None, metavar="N",
                        help="positions per diffusion block (default 32)")
     group.add_argument("--mask-id", type=int, default=None, metavar="ID",
-                       help="the mask token id (default: the tokenizer's mask token, else "
-                            "SmolLM2's unused <empty_output>, else the last id)")
+                       help="the mask token id (default: the dLLM's, else the tokenizer's mask "
+                            "token, else SmolLM2's unused <empty_output>, else the last id)")
+    group.add_argument("--dllm", default=None, metavar="PATH",
+                       help="a dLLM delta (`specdecode train dllm`), merged into fp32 weights "
+                            "(--weights picks another format); default: the AR model as it is")
 
 
 def default_mask_id(tokenizer, vocab_size: int) -> int:
@@ -51,8 +54,7 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
             f"the {info.name} policy does not follow grammars or bans; use --diffusion cfg")
     require(bool(asked) or not policy.follows_constraint,
             f"the {info.name} policy needs a grammar: give --json-schema, --regex or --grammar")
-    runner, tokenizer, eos = load_target(args)
-    mask = args.mask_id if args.mask_id is not None else default_mask_id(tokenizer, runner.vocab_size)
+    runner, tokenizer, eos, mask, block_size = _load(args, load_target)
     model = DiffusionModel(runner, mask)
     constraint = None
     if asked:
@@ -60,7 +62,7 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
         constraint = spec.start() if spec is not None else None
     prompt = encode_prompt(tokenizer, args.prompt, not args.no_chat)
     result = diffuse(model, policy, prompt, args.max_new_tokens, eos,
-                     args.block_size or DEFAULT_BLOCK_SIZE, constraint)
+                     block_size or DEFAULT_BLOCK_SIZE, constraint)
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "token_ids": result.tokens, "policy": info.name,
@@ -73,6 +75,27 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
           f"({result.steps_per_token:.2f} a token), {result.tokens_per_s:.1f} tokens/s, mask id "
           f"{mask}")
     return 0
+
+
+def _load(args: argparse.Namespace, load_target):
+    """(runner, tokenizer, eos ids, mask id, block size or None): the target as it is, or with
+    the ``--dllm`` delta merged (whose mask id and block size are the defaults then)."""
+    if args.dllm is None:
+        runner, tokenizer, eos = load_target(args)
+        mask = args.mask_id if args.mask_id is not None else default_mask_id(tokenizer,
+                                                                             runner.vocab_size)
+        return runner, tokenizer, eos, mask, args.block_size
+    from specdecode.api import eos_ids
+    from specdecode.diffusion.dllm import dllm_runner
+    from specdecode.models.loading import load_model
+
+    require(args.runner in ("auto", "native"), "--dllm runs on the native runner; drop --runner")
+    loaded = load_model(args.model)
+    weights = "fp32" if args.weights == "auto" else args.weights
+    runner, delta = dllm_runner(loaded, args.dllm, weights)
+    mask = args.mask_id if args.mask_id is not None else int(delta.config["mask_id"])
+    block = args.block_size or delta.config.get("block_size")
+    return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer), mask, block
 
 
 def print_policies() -> None:

@@ -21,6 +21,8 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
                "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),
     "learn2pd": ("specdecode.training.learn2pd",
                  "Learn2PD's filter for the learn2pd diffusion policy (docs/diffusion.md)"),
+    "dllm": ("specdecode.training.dllm",
+             "the small dLLM: a LoRA delta adapting the target to block diffusion (docs/diffusion.md)"),
 }
 
 
