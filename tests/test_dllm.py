@@ -129,3 +129,22 @@ def test_bad_batches_name_the_problem():
         diffusion_batch([([1, 2, 3], 3)], 4, MASK, random.Random(0))
     with pytest.raises(SpecDecodeError, match="block_size"):
         diffusion_batch(DATA, 0, MASK, random.Random(0))
+
+
+@torch.no_grad()
+def test_dllm_runner_merges_a_saved_delta_and_refuses_a_missing_file(tmp_path):
+    from types import SimpleNamespace
+
+    from specdecode.diffusion.dllm import dllm_runner
+    from specdecode.models.hf import HFRunner
+
+    model = frozen_llama()
+    delta = random_delta(model)
+    path = delta.save(tmp_path / "d.safetensors", HFRunner(model).fingerprint())
+    runner, loaded_delta = dllm_runner(SimpleNamespace(model=model), path)
+    ids = DATA[0][0]
+    expected = merged_runner(model, DiffusionDelta.load(path, model, HFRunner(model).fingerprint())
+                             ).prefill(ids).logits
+    assert torch.equal(runner.prefill(ids).logits, expected) and loaded_delta.rank == 4
+    with pytest.raises(SpecDecodeError, match="train dllm"):
+        dllm_runner(SimpleNamespace(model=model), tmp_path / "missing.safetensors")
