@@ -84,7 +84,8 @@ def train(model, delta: DiffusionDelta, data: Sequence, settings: dict, checkpoi
         # rows read: padding rows sit at position 0, like only each sequence's first real row
         state["tokens"] += int((batch.position_ids > 0).sum()) + len(batch.position_ids)
         state["losses"].append(float(loss.detach()))
-        show(f"step {state['step']} loss {sum(state['losses'][-20:]) / len(state['losses'][-20:]):.3f}")
+        recent = state["losses"][-20:]
+        show(f"step {state['step']} loss {sum(recent) / len(recent):.3f}")
         if state["step"] % checkpoint_every == 0 or state["step"] == steps or out_of_time():
             checkpoint.save(dict(state, delta=delta.state_dict(), optimizer=opt.state_dict()))
     return state
