@@ -133,6 +133,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.api import Decoder
 
+    if args.diffusion is not None:
+        from specdecode.diffusion.cli import generate
+        return generate(args, parse_config(args.config), constraint_options(args), load_target)
     method = registry.get(args.method or registry.DEFAULT_METHOD)
     config = method.make_config(parse_config(args.config))
     sampling = sampling_options(args)
@@ -190,6 +193,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
     print("lossy methods (output differs from ar's on purpose, for speed; see docs/lossy.md)\n")
     for name in registry.names(lossy=True):
         print_method(registry.get(name), False)
+    from specdecode.diffusion.cli import print_policies
+    print_policies()
     return 0
 
 
@@ -230,6 +235,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     add_model_arguments(gen)
     add_sampling_arguments(gen)
     add_constraint_arguments(gen)
+    from specdecode.diffusion.cli import add_arguments as add_diffusion_arguments
+    add_diffusion_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     methods = sub.add_parser("methods", help="list every registered method with its defaults")

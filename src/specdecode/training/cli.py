@@ -26,6 +26,10 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
                   "LoRA-Drop's correctors (lossy): LoRA on the layers it skips, against the full model"),
     "lud": ("specdecode.training.lud",
             "LUD's delta (lossy): placeholder slots and LoRA that predict the following tokens"),
+    "learn2pd": ("specdecode.training.learn2pd",
+                 "Learn2PD's filter for the learn2pd diffusion policy (docs/diffusion.md)"),
+    "dllm": ("specdecode.training.dllm",
+             "the small dLLM: a LoRA delta adapting the target to block diffusion (docs/diffusion.md)"),
 }
 
 

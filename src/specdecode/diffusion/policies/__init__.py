@@ -1,0 +1,1 @@
+"""Diffusion decoding policies, one file each (``diffusion/registry.py`` loads them)."""
