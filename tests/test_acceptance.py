@@ -102,6 +102,7 @@ REAL_FLOORS = {
     "quantized": 6.5,     # 7.421
     "hierspec": 6.5,      # 7.421 (greedy: the int4 copy's chain either way)
     "pearl": 5.0,         # 5.64 (gamma 10: at most 10 a round, 1 in a pre-verify round)
+    "auto": 1.08,         # 1.226 on 2 threads, 1.41 on 1 (its choices follow measured seconds)
 }
 
 #: config for the real-model check where the defaults do not draft, with the reason

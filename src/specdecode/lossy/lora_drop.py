@@ -104,20 +104,20 @@ class Correctors(nn.Module):
 
 
 def load_correctors(spec: str, runner: Runner, layers: Sequence[int]) -> Correctors:
-    """``'none'`` (untrained: plain reuse), ``'trained'`` (the newest artifact for this target)
+    """``'none'`` (untrained: plain reuse), ``'auto'`` (the newest artifact for this target)
     or an artifact path; refused where its layers are not ``layers``."""
     from specdecode.training.artifacts import load_artifact, newest_artifact
 
     if spec == "none":
         return Correctors(layers, runner.model.config.hidden_size).eval().requires_grad_(False)
     fingerprint = runner.fingerprint()
-    if spec == "trained":
+    if spec == "auto":
         spec = str(newest_artifact(CORRECTORS_KIND, fingerprint,
                                    "no LoRA-Drop correctors for this target yet; make them with "
                                    "`specdecode train lora-drop` (minutes on 2 CPU cores), or "
                                    "pass -c adapters=none (plain reuse, no correction)"))
     require(Path(spec).suffix == ".safetensors" and Path(spec).is_file(),
-            f"adapters {spec!r} is neither 'trained', 'none' nor an existing .safetensors file "
+            f"adapters {spec!r} is neither 'auto', 'none' nor an existing .safetensors file "
             "(make one with `specdecode train lora-drop`)")
     art = load_artifact(spec, CORRECTORS_KIND, fingerprint)
     correctors = Correctors.from_artifact(art.tensors, art.config)
@@ -149,7 +149,7 @@ def run_layer(layer, hidden: torch.Tensor, positions: torch.Tensor, rotary, cach
 
 @dataclass(frozen=True)
 class LoraDropConfig:
-    adapters: str = param("trained", "the LoRA correctors: 'trained' (the artifact `specdecode "
+    adapters: str = param("auto", "the LoRA correctors: 'auto' (the artifact `specdecode "
                                      "train lora-drop` made for this target), an artifact path, "
                                      "or 'none' (reuse the anchor's delta uncorrected)")
     drop_cycle: int = param(4, "every drop_cycle-th token runs the whole model (an anchor); the "

@@ -108,16 +108,16 @@ class UnitAdapters(nn.Module):
 
 
 def load_adapters(spec: str, runner: Runner) -> UnitAdapters:
-    """``'trained'`` (the newest artifact for this target) or an artifact path."""
+    """``'auto'`` (the newest artifact for this target) or an artifact path."""
     from specdecode.training.artifacts import load_artifact, newest_artifact
 
     fingerprint = runner.fingerprint()
-    if spec == "trained":
+    if spec == "auto":
         spec = str(newest_artifact(ADAPTERS_KIND, fingerprint,
                                    "no LUD adapters for this target yet; make them with "
                                    "`specdecode train lud` (minutes on 2 CPU cores)"))
     require(Path(spec).suffix == ".safetensors" and Path(spec).is_file(),
-            f"adapters {spec!r} is neither 'trained' nor an existing .safetensors file (make "
+            f"adapters {spec!r} is neither 'auto' nor an existing .safetensors file (make "
             "one with `specdecode train lud`)")
     art = load_artifact(spec, ADAPTERS_KIND, fingerprint)
     return UnitAdapters.from_artifact(runner.model, art.tensors, art.config)
@@ -137,7 +137,7 @@ def lexical_unit(probs: torch.Tensor, threshold: float) -> list[int]:
 
 @dataclass(frozen=True)
 class LudConfig:
-    adapters: str = param("trained", "the fine-tuned delta: 'trained' (the artifact `specdecode "
+    adapters: str = param("auto", "the fine-tuned delta: 'auto' (the artifact `specdecode "
                                      "train lud` made for this target) or an artifact path")
     placeholders: int = param(3, "slots appended each step (units of up to placeholders + 1 "
                                  "tokens); at most the number the adapters were trained with")

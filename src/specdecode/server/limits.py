@@ -55,6 +55,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "ngram": {"max_ngram": (1, 16), "min_ngram": (1, 16), "num_speculative_tokens": (1, 64)},
     "recycling": {"candidates": (1, 64)},
     "superposed": {"n_drafts": (1, 16), "n_token_sample": (1, 64), "alpha": (0.0, 1.0)},
+    "lora_drop": {"drop_cycle": (1, 64), "layer_stride": (1, 1024)},
+    "lud": {"placeholders": (0, 16), "threshold": (0.0, 1.0)},
     "suffix": {"max_spec_tokens": (1, 128), "max_spec_factor": (0.0, 16.0),
                "max_spec_offset": (-64.0, 64.0), "min_token_prob": (0.0, 1.0)},
 }
@@ -68,6 +70,9 @@ STARTUP_ONLY: dict[str, frozenset[str]] = {
     "arbitrage": frozenset({"router"}),
     # the threads of the server's own cores: the operator's to share out
     "pearl": frozenset({"drafter_threads", "target_threads"}),
+    # trained deltas the method loads (a path would be a file the server opens): the operator's
+    "lora_drop": frozenset({"adapters"}),
+    "lud": frozenset({"adapters"}),
 }
 
 #: longest value of a free-text config field (``tree``, ``candidate_layers``, ...)
