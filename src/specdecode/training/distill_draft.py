@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from specdecode.control import AcceptanceHead
 from specdecode.errors import require
 from specdecode.training.artifacts import int8_rows, save_artifact, user_dir
-from specdecode.training.runs import TimeBar, work_dir
+from specdecode.training.runs import TimeBar, descend, work_dir
 from specdecode.training.self_data import frequency_shortlist, target_conversations
 
 KIND = "draft_model"
@@ -319,12 +319,8 @@ def _distil(student, target, train, evaluation, head_ids, state: dict, rng: rand
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 10)
         loss = kl_loss(student, target, ids, head_ids)
-        optim.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+        losses.append(descend(loss, optim, params, step))
         state["step"] = step + 1
-        losses.append(loss.item())
         show(f"distil step {step + 1} KL {sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if time.monotonic() - last_save > 120:
             _checkpoint(state, student, optim, rng, path)

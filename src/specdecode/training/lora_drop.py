@@ -19,7 +19,6 @@ checkpoint in ``--workdir``).
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from specdecode.errors import require
 from specdecode.lossy.lora_drop import (CORRECTORS_KIND, Correctors, droppable_layers,
                                         full_positions, run_layer)
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
+from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
 from specdecode.training.self_data import target_conversations
 
 
@@ -119,14 +118,9 @@ def _train(model, correctors, optim, train, state, checkpoint, args, deadline, s
         step = state["step"]
         loss, _ = step_loss(model, correctors, train[int(order[step % len(train)])],
                             args.drop_cycle)
-        require(not math.isnan(loss.item()), f"training diverged at step {step} (the loss is "
-                                              "NaN); lower --lr")
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(correctors.parameters(), 1.0)
-        optim.step()
+        value = descend(loss, optim, correctors.parameters(), step)
         state["step"] = step = step + 1
-        recent = (recent + [loss.item()])[-20:]
+        recent = (recent + [value])[-20:]
         if step % 20 == 0:
             state["log"].append({"step": step, "kl": round(sum(recent) / len(recent), 4)})
         show(f"step {step} kl {sum(recent) / len(recent):.3f}")

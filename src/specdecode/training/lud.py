@@ -20,7 +20,6 @@ checkpoint in ``--workdir``).
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.lossy.lud import ADAPTERS_KIND, UnitAdapters, lexical_unit
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
+from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
 from specdecode.training.self_data import target_conversations
 
 
@@ -171,14 +170,9 @@ def _train(model, adapters, optim, train, state, checkpoint, args, deadline, sho
         _, logits = slot_logits(model, adapters, ids, anchors, args.slots)
         loss = F.cross_entropy(logits.flatten(0, 1), slot_targets(ids, anchors, args.slots)
                                .flatten(), ignore_index=-100)
-        require(not math.isnan(loss.item()), f"training diverged at step {step} (the loss is "
-                                              "NaN); lower --lr")
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(adapters.parameters(), 1.0)
-        optim.step()
+        value = descend(loss, optim, adapters.parameters(), step)
         state["step"] = step = step + 1
-        recent = (recent + [loss.item()])[-20:]
+        recent = (recent + [value])[-20:]
         if step % 20 == 0:
             state["log"].append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
         show(f"step {step} loss {sum(recent) / len(recent):.3f}")

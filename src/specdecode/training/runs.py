@@ -27,6 +27,19 @@ def work_dir(given: str | None, default: Path) -> Path:
     return path
 
 
+def descend(loss: torch.Tensor, optim: torch.optim.Optimizer, params, step: int) -> float:
+    """One optimiser step on ``loss``, gradients clipped to norm 1; the loss's value. A loss of
+    NaN stops the run with the fix (every trainer's step, in one place)."""
+    value = loss.item()
+    require(not math.isnan(value), f"training diverged at step {step} (the loss is NaN); "
+                                   "lower --lr")
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optim.step()
+    return value
+
+
 class Checkpoint:
     """A run's checkpoint file. Without ``--resume`` an existing one is refused (a run never
     overwrites another's progress by accident); with it, :meth:`load` checks that the file is

@@ -28,7 +28,6 @@ fingerprint) stores matrices in int8 with float16 row scales.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from specdecode.models.base import Needs
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.networks import NETWORKS, make_network, parameter_count
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
+from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
                                            target_conversations)
 
@@ -281,14 +280,9 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
         net.reset()
         losses = depth_losses(args.kind, net.train_outputs(feats, ids, depth), feats, head)
         loss = sum(losses.values()) / len(losses)
-        require(not math.isnan(loss.item()), f"training diverged at step {step} (the loss is "
-                                              "NaN); lower --lr")
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        optim.step()
+        value = descend(loss, optim, net.parameters(), step)
         state["step"] = step = step + 1
-        recent = (recent + [loss.item()])[-20:]
+        recent = (recent + [value])[-20:]
         if step % 50 == 0:
             state["log"].append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
         show(f"step {step} loss {sum(recent) / len(recent):.3f}")
