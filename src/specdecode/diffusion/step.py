@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -60,7 +61,7 @@ class StepView:
         return {int(i): self.predicted[int(i)] for i in offsets}
 
 
-class Policy:
+class Policy(ABC):
     """Decides, each step, which masked positions of the block to commit, and to what.
 
     :meth:`choose` returns {offset: token}, a non-empty subset of the masked offsets. A policy
@@ -86,8 +87,9 @@ class Policy:
         the block, Window-Diffusion's, runs less)."""
         return model.denoise(block)
 
+    @abstractmethod
     def choose(self, view: StepView) -> dict[int, int]:
-        raise NotImplementedError
+        """The positions of the block to commit this step, with their tokens."""
 
     def block_done(self, block: list[int]) -> None:
         """The block is committed with these tokens (the constraint follows them)."""
