@@ -15,7 +15,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import NOTHING, Needs
 from specdecode.proposers.auto import AutoConfig, AutoProposer, merged
 from specdecode.proposers.base import Feedback, Proposer
-from specdecode.server.goodput import RowCosts
+from specdecode.estimates import RowCosts
 
 #: the target's greedy text: token i follows the first i tokens
 TRUTH = list(range(2000))

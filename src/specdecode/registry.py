@@ -33,15 +33,14 @@ def param(default: Any, help: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Method:
+class Entry:
+    """One registered class (a method's proposer, a diffusion policy) with its frozen config."""
+
     name: str
-    proposer: type
+    cls: type
     config: type
     paper: str
     summary: str
-    #: output differs from ``ar``'s on purpose (``specdecode/lossy/``); False for every
-    #: speculative method
-    lossy: bool = False
 
     def make_config(self, overrides: dict[str, Any] | None = None):
         """Build the frozen config, rejecting unknown fields with the list of known ones."""
@@ -62,6 +61,17 @@ class Method:
             (f.name, f.default, f.metadata.get("help", ""))
             for f in dataclasses.fields(self.config)
         ]
+
+
+@dataclass(frozen=True)
+class Method(Entry):
+    #: output differs from ``ar``'s on purpose (``specdecode/lossy/``); False for every
+    #: speculative method
+    lossy: bool = False
+
+    @property
+    def proposer(self) -> type:
+        return self.cls
 
 
 def _coerce(method: str, f: dataclasses.Field, value: Any) -> Any:
@@ -91,46 +101,69 @@ def _coerce(method: str, f: dataclasses.Field, value: Any) -> Any:
     )
 
 
-_METHODS: dict[str, Method] = {}
-_loaded = False
+class Registry:
+    """name -> :class:`Entry`, filled by a class decorator in every module of some packages,
+    which are imported on the first read (so adding a file is all it takes to add an entry)."""
+
+    def __init__(self, kind: str, plural: str, entry: type[Entry], packages: tuple[str, ...],
+                 first: str, attribute: str):
+        self.kind, self.plural, self.entry, self.packages = kind, plural, entry, packages
+        #: the reference entry, listed first; the class attribute that gets the entry's name
+        self.first, self.attribute = first, attribute
+        self._entries: dict[str, Entry] = {}
+        self._loaded = False
+
+    def register(self, name: str, config: type, paper: str, summary: str, **marks):
+        """Class decorator recording ``cls`` under ``name`` (``marks``: the entry's own fields)."""
+
+        def wrap(cls):
+            if name in self._entries:
+                raise RuntimeError(f"{self.kind} {name!r} registered twice")
+            setattr(cls, self.attribute, name)
+            self._entries[name] = self.entry(name, cls, config, paper, summary, **marks)
+            return cls
+
+        return wrap
+
+    def _load_all(self) -> None:
+        if self._loaded:
+            return
+        for package_name in self.packages:
+            package = importlib.import_module(package_name)
+            for module in pkgutil.iter_modules(package.__path__):
+                importlib.import_module(f"{package_name}.{module.name}")
+        self._loaded = True
+
+    def names(self, **marks) -> list[str]:
+        """Every entry whose marks equal ``marks`` (a mark given as None matches any), the
+        reference entry first."""
+        self._load_all()
+        chosen = [n for n, e in self._entries.items()
+                  if all(v is None or getattr(e, k) == v for k, v in marks.items())]
+        return sorted(chosen, key=lambda n: (n != self.first, n))
+
+    def get(self, name: str) -> Entry:
+        self._load_all()
+        if name not in self._entries:
+            raise SpecDecodeError(f"unknown {self.kind} {name!r}; known {self.plural}: "
+                                  f"{', '.join(self.names())}")
+        return self._entries[name]
+
+
+_METHODS = Registry("method", "methods", Method, ("specdecode.proposers", "specdecode.lossy"),
+                    first="ar", attribute="method_name")
 
 
 def register(name: str, config: type, paper: str, summary: str, lossy: bool = False):
     """Class decorator: ``@register("ngram", NgramConfig, paper=..., summary=...)``; a lossy
     method's class is a :class:`specdecode.lossy.base.LossyMethod`, not a proposer."""
-
-    def wrap(cls):
-        if name in _METHODS:
-            raise RuntimeError(f"method {name!r} registered twice")
-        cls.method_name = name
-        _METHODS[name] = Method(name, cls, config, paper, summary, lossy)
-        return cls
-
-    return wrap
-
-
-def _load_all() -> None:
-    global _loaded
-    if _loaded:
-        return
-    import specdecode.lossy
-    import specdecode.proposers
-
-    for package in (specdecode.proposers, specdecode.lossy):
-        for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{package.__name__}.{module.name}")
-    _loaded = True
+    return _METHODS.register(name, config, paper, summary, lossy=lossy)
 
 
 def names(lossy: bool | None = None) -> list[str]:
     """Every method (``lossy`` None), or only the lossy (True) or the exact ones (False)."""
-    _load_all()
-    chosen = [n for n, m in _METHODS.items() if lossy is None or m.lossy == lossy]
-    return sorted(chosen, key=lambda n: (n != "ar", n))
+    return _METHODS.names(lossy=lossy)
 
 
 def get(name: str) -> Method:
-    _load_all()
-    if name not in _METHODS:
-        raise SpecDecodeError(f"unknown method {name!r}; known methods: {', '.join(names())}")
-    return _METHODS[name]
+    return _METHODS.get(name)

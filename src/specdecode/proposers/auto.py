@@ -15,7 +15,7 @@ What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost cu
 of the step besides the forward (learnt from the time between two ``propose`` calls), and the
 drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
 expected accepted tokens, from the arm's recent acceptance per depth
-(:class:`specdecode.server.goodput.Acceptance`, the server's estimator: the chance that depth k
+(:class:`specdecode.estimates.Acceptance`, the server's estimator: the chance that depth k
 is accepted, given a draft that deep).
 
 Each step, in order of their recent drafting seconds (cheapest first), a part drafts only if
@@ -55,7 +55,7 @@ from specdecode.models.base import Needs, Runner
 from specdecode.models.row_costs import measure_row_costs
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param, register
-from specdecode.server.goodput import DECAY, Acceptance, RowCosts
+from specdecode.estimates import DECAY, Acceptance, RowCosts
 
 #: rows at which the row-cost curve is measured: drafts here stay below 64 nodes
 COST_ROWS = (1, 2, 4, 8, 16, 32, 64)

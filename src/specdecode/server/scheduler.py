@@ -41,7 +41,8 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
-from specdecode.server.goodput import Acceptance, Batching, Candidate, allocate
+from specdecode.estimates import Acceptance
+from specdecode.server.goodput import Batching, Candidate, allocate
 from specdecode.server.metrics import Metrics
 from specdecode.server.protocol import ApiError
 
