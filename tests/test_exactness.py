@@ -161,11 +161,24 @@ def check_greedy_identical(target, runner, tokenizer, method, prompts, max_new_t
     when they need an artifact nobody trained for this target)."""
     if config is None:
         skip_without_artifacts(method, runner)
-    ar = Decoder(target, tokenizer, "ar", eos)
     decoder = Decoder(target, tokenizer, method, eos, **(config or {}))
     for prompt in prompts:
-        expected = ar.generate(prompt, max_new_tokens).token_ids
+        expected = ar_tokens(target, tokenizer, eos, prompt, max_new_tokens)
         assert decoder.generate(prompt, max_new_tokens).token_ids == expected, (method, prompt[:60])
+
+
+#: ``ar``'s greedy tokens by (target, eos, prompt, length): every method compares with the
+#: same reference, so it is decoded once per session, not once per method (the entry keeps its
+#: target alive, so no other target can take its id)
+_AR_TOKENS: dict[tuple, tuple[object, list[int]]] = {}
+
+
+def ar_tokens(target, tokenizer, eos, prompt: str, max_new_tokens: int) -> list[int]:
+    key = (id(target), tuple(eos or ()), prompt, max_new_tokens)
+    if key not in _AR_TOKENS:
+        tokens = Decoder(target, tokenizer, "ar", eos).generate(prompt, max_new_tokens).token_ids
+        _AR_TOKENS[key] = (target, tokens)
+    return _AR_TOKENS[key][1]
 
 
 @pytest.mark.slow
@@ -174,7 +187,7 @@ def test_greedy_identical_on_real_model(real_model, method):
     from specdecode.models.hf import HFRunner
 
     check_greedy_identical(real_model.model, HFRunner(real_model.model), real_model.tokenizer,
-                           method, dev_prompts()[::2], 48)
+                           method, dev_prompts()[::2], 32)
 
 
 @pytest.fixture(scope="module")
@@ -204,17 +217,22 @@ def gemma_runner(gemma_model):
     return make_runner(gemma_model)  # native int4: the file's Q4_K blocks, the rest re-quantised
 
 
+@pytest.fixture(scope="module")
+def gemma_precise_runner(gemma_model):
+    from specdecode.models.loading import make_runner
+
+    return make_runner(gemma_model, "native", "fp32")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_identical_on_gemma(gemma_model, gemma_runner, method):
+def test_greedy_identical_on_gemma(gemma_model, gemma_runner, method, request):
     from specdecode.api import eos_ids
     from specdecode.models.llama import LlamaRunner
 
     assert isinstance(gemma_runner, LlamaRunner) and gemma_runner.weights == "int4"
     if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
-        from specdecode.models.loading import make_runner
-
-        gemma_runner = make_runner(gemma_model, "native", "fp32")
+        gemma_runner = request.getfixturevalue("gemma_precise_runner")
     # the summarization and RAG prompts are longer than Gemma's 512-position sliding window;
     # no draft model or heads are trained for Gemma: stand-ins run the model-based methods
     check_greedy_identical(gemma_runner, gemma_runner, gemma_model.tokenizer, method,
