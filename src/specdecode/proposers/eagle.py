@@ -14,7 +14,8 @@ attends to it and to its ancestors. Trained by `specdecode train heads --kind ea
 EAGLE-3's training-time test: unrolled on its own predictions (4 steps here, the paper's 7),
 the distillation loss of step k weighted 0.8^k, no feature regression. An artifact written
 before EAGLE-3 (no ``feature_layers`` in its settings) still loads and drafts as EAGLE-1 did,
-from the final hidden states.
+from the final hidden states: the one shipped for SmolLM2 is such (an EAGLE-3 run on this CPU
+did not beat it yet, docs/draft-heads.md).
 
 Defaults: a dynamic tree of at most 8 nodes grown best-first by path probability, depth 6, 8
 nodes read per layer call, at most 2 calls a step after the first, and growth stops below a path
