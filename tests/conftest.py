@@ -114,9 +114,9 @@ def tiny_heads(kind: str, target) -> str:
 
     from specdecode.api import Decoder, as_runner
     from specdecode.heads.artifact import save_heads
-    from specdecode.heads.networks import make_network
-    from specdecode.models.base import Needs
-    from specdecode.training.train_heads import DEPTHS, depth_losses
+    from specdecode.heads.networks import eagle3_layers, make_network
+    from specdecode.training.train_heads import (DEPTHS, conversation_features, depth_losses,
+                                                 step_loss)
 
     runner = as_runner(target)
     key = (kind, runner.fingerprint())
@@ -125,19 +125,21 @@ def tiny_heads(kind: str, target) -> str:
     torch.manual_seed(0)
     embed = runner.input_embeddings()
     head = runner.output_embeddings().float()
+    # eagle as `train heads` makes it: EAGLE-3's layers
+    settings = {"feature_layers": eagle3_layers(runner.num_layers)} if kind == "eagle" else {}
+    net = make_network(kind, embed.shape[1], embed, **settings)
     data = []
     for prompt in repetitive_prompts():
         prompt = [t % runner.vocab_size for t in prompt]
         ids = prompt + Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
-        data.append((torch.tensor(ids), runner.prefill(ids, Needs(final_hidden=True)).final_hidden.clone()))
-    net = make_network(kind, embed.shape[1], embed)
+        data.append((torch.tensor(ids), *conversation_features(runner, net, ids)))
     optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
     for step in range(60):
-        ids, feats = data[step % len(data)]
+        ids, inputs, final = data[step % len(data)]
         net.reset()
-        losses = depth_losses(kind, net.train_outputs(feats, ids, DEPTHS[kind]), feats, head)
+        losses = depth_losses(net.train_outputs(inputs, ids, DEPTHS[kind]), final, head)
         optim.zero_grad()
-        (sum(losses.values()) / len(losses)).backward()
+        step_loss(kind, losses).backward()
         optim.step()
     path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-heads-")) / f"{kind}.safetensors"
     _TINY_HEADS[key] = str(save_heads(path, net.eval(), None, runner.fingerprint(), {}))

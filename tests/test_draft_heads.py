@@ -13,7 +13,8 @@ from specdecode.api import Decoder
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
-from specdecode.heads.networks import NETWORKS, make_network
+from specdecode.heads.drafter import target_features, target_needs
+from specdecode.heads.networks import NETWORKS, eagle3_layers, make_network
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.registry import get
@@ -30,22 +31,25 @@ KINDS = sorted(NETWORKS)
 
 
 def perturbed(kind: str, size: int = 128, vocab: int = 50, seed: int = 0):
-    """A network whose zero-initialised projections are made random, so every path matters."""
+    """A network whose zero-initialised projections are made random, so every path matters
+    ("eagle3": eagle reading three layers)."""
     torch.manual_seed(seed)
-    net = make_network(kind, size, torch.randn(vocab, size))
+    settings = {"feature_layers": (2, 5, 7)} if kind == "eagle3" else {}
+    net = make_network(kind.removesuffix("3"), size, torch.randn(vocab, size), **settings)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return net
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["eagle3"])
 def test_drafting_computes_what_training_taught(kind):
     """A chain drafted through ingest/expand (the proposer's path: caches, tree masks,
     positions) gives the features the trainer's teacher-forced pass gives at the same place."""
     net = perturbed(kind)
     n, depth, t = 14, 3, 7
-    feats, ids = torch.randn(n, net.size), torch.randint(50, (n,))
+    width = net.size * max(1, len(net.feature_layers))
+    feats, ids = torch.randn(n, width), torch.randint(50, (n,))
     taught = net.train_outputs(feats, ids, depth)
     net.reset()
     # the context in two pieces, as a prefill then a verify step hand it over
@@ -193,8 +197,8 @@ def test_runners_keep_the_features_their_logits_come_from(tiny, native):
 @pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_heads_read_the_targets_features_at_the_committed_positions(tiny, kind, native):
-    """Every feature row a head proposer hands its drafter is the target's final hidden state
-    at the position it stands for: the prompt's after the prefill, then each verify step's
+    """Every feature row a head proposer hands its drafter is the target's feature (final
+    hidden state, or EAGLE-3's layers side by side) at the position it stands for: the prompt's after the prefill, then each verify step's
     root and accepted nodes, in order. A row from a neighbouring position (or a rejected
     node's) still gives exact output, so only this check catches it."""
     from specdecode.models.llama import LlamaRunner
@@ -213,7 +217,7 @@ def test_heads_read_the_targets_features_at_the_committed_positions(tiny, kind, 
     given = torch.cat(handed)
     # every committed position but the last token's (the pending root)
     assert len(given) == len(prompt) + len(output) - 1
-    truth = runner.prefill(prompt + output[:-1], Needs(final_hidden=True)).final_hidden
+    truth = target_features(proposer.net, runner.prefill(prompt + output[:-1], proposer.needs))
     torch.testing.assert_close(given, truth, rtol=1e-4, atol=1e-4)
 
 
@@ -231,3 +235,89 @@ def test_the_default_model_ships_every_trained_artifact():
     assert {"exit_adapters", "draft_model", "hydra_heads", "clover_heads",
             "eagle_heads"} <= set(shipped)
     assert len(set(shipped.values())) == 1
+
+
+# ---- EAGLE-3: three layers' features, training-time test, old artifacts ----------------------
+
+def test_eagle3_reads_the_papers_low_middle_and_high_layers():
+    # EAGLE-3's code: the inputs of layers 2, L // 2 and L - 3 (from 0) = outputs after them
+    assert eagle3_layers(30) == (2, 15, 27) and eagle3_layers(32) == (2, 16, 29)
+    assert eagle3_layers(2) == (1,) and eagle3_layers(1) == ()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
+def test_runners_return_the_eagle3_layers_at_prefill_and_verify(native):
+    from specdecode.draft import Draft
+    from specdecode.models.llama import LlamaRunner
+
+    model = tiny_llama(layers=8, seed=2)
+    runner = LlamaRunner.from_transformers(model, "fp32") if native else HFRunner(model)
+    net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=eagle3_layers(8))
+    needs = target_needs(net)
+    assert needs == Needs(layers=(2, 4, 5))
+    prompt = [5, 6, 7, 8, 9]
+    assert runner.prefill(prompt).layers == {}  # other methods are given nothing more
+    out = runner.prefill(prompt, needs)
+    assert out.final_hidden is None and set(out.layers) == {2, 4, 5}
+    assert target_features(net, out).shape == (5, 96)
+    with torch.no_grad():  # layer k's output: transformers' hidden_states[k]
+        reference = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    for layer in (2, 4, 5):
+        torch.testing.assert_close(out.layers[layer].float(), reference[layer][0],
+                                   rtol=1e-4, atol=1e-4)
+    out = runner.forward(3, Draft((4, 5, 6), (-1, 0, -1)), needs)
+    assert target_features(net, out, [0, 2]).shape == (2, 96)
+
+
+def test_training_time_test_lowers_the_loss_on_the_heads_own_predictions():
+    """Trained unrolled on its own predictions (3 steps), the head's loss at steps 2 and 3
+    drafting-style is lower than trained teacher-forced only (1 step), from the same start.
+    (The teacher is the target's distribution, so any token sequence serves as data.)"""
+    from specdecode.training.train_heads import conversation_features, depth_losses, step_loss
+
+    model = tiny_llama(layers=4, seed=1)
+    runner = HFRunner(model)
+    head = runner.output_embeddings().float()
+    layers = eagle3_layers(4)
+    net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=layers)
+    torch.manual_seed(0)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(runner.vocab_size, (36,))
+        data.append((ids, *conversation_features(runner, net, ids.tolist())))
+
+    def unrolled_losses(train_depth: int) -> list[float]:
+        torch.manual_seed(0)
+        net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=layers)
+        optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
+        for step in range(12):
+            ids, inputs, final = data[step % len(data)]
+            losses = depth_losses(net.train_outputs(inputs, ids, train_depth), final, head)
+            optim.zero_grad()
+            step_loss("eagle", losses).backward()
+            optim.step()
+        with torch.no_grad():
+            per_depth = [depth_losses(net.train_outputs(inputs, ids, 3), final, head)
+                         for ids, inputs, final in data]
+        return [sum(float(d[k]) for d in per_depth) / len(data) for k in (1, 2)]
+
+    taught, tested = unrolled_losses(1), unrolled_losses(3)
+    assert all(b < a for a, b in zip(taught, tested)), (taught, tested)
+
+
+def test_old_eagle_artifacts_still_load_and_draft_exactly(tiny, tmp_path):
+    """An artifact saved before EAGLE-3 (no feature_layers: EAGLE-1's final features) loads
+    as the network it was and asks the target for final features; a new one asks for its
+    layers; both draft exactly."""
+    runner = HFRunner(tiny)
+    embed = runner.input_embeddings()
+    old = make_network("eagle", 32, embed)
+    assert "feature_layers" not in old.settings()  # what the old trainer stored
+    path = save_heads(tmp_path / "old.safetensors", old, None, runner.fingerprint(), {})
+    ar = Decoder(tiny, None, "ar", eos_token_ids=[])
+    prompt = repetitive_prompts()[0]
+    for heads, needs in ((str(path), Needs(final_hidden=True)),
+                         (tiny_heads("eagle", tiny), Needs(layers=(1,)))):
+        decoder = Decoder(tiny, None, "eagle", eos_token_ids=[], heads=heads, min_path_prob=0.0)
+        assert decoder.proposer.needs == needs
+        assert decoder.start(prompt, 24).run() == ar.start(prompt, 24).run()

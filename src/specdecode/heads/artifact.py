@@ -3,7 +3,9 @@ network (``hydra_heads``, ``clover_heads``, ``eagle_heads``), tied to the target
 
 A file holds the network's weights (matrices in int8 with float16 row scales), the FR-Spec
 shortlist ``head_ids`` whose LM-head rows score the drafts, and the trainer's settings and
-measurements. The target's embedding table and LM head are never stored: they are the target's.
+measurements. The network's settings say what it reads: an eagle artifact with
+``feature_layers`` is EAGLE-3's (those layers' hidden states), one without (written before
+EAGLE-3 came) is EAGLE-1's (the final hidden states) and loads as such. The target's embedding table and LM head are never stored: they are the target's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def load_heads(spec: str, runner, kind: str, embed: torch.Tensor):
     require(settings["size"] == embed.shape[1],
             f"{spec} has heads {settings['size']} wide; this target's hidden size is "
             f"{embed.shape[1]}")
+    layers = settings.get("feature_layers", [])
+    require(all(1 <= layer < runner.num_layers for layer in layers),
+            f"{spec} reads the target's layers {layers}, but this target has layers 1.."
+            f"{runner.num_layers - 1}; train heads for it with `specdecode train heads --kind {kind}`")
     net = make_network(kind, settings.pop("size"), embed, **settings)
     state = {k[len("net."):]: v.float() for k, v in artifact.tensors.items() if k.startswith("net.")}
     missing, unexpected = net.load_state_dict(state, strict=False)

@@ -2,8 +2,9 @@
 
 It has the interface of the draft model's caches (``catch_up`` / ``feed`` / ``prune``, see
 drafting/caches.py), so the dynamic tree of DySpec / EAGLE-2 grows head drafts unchanged.
-Its "context" is the target's: the proposer hands over the final hidden states of every
-committed position (the prompt's from the prefill, then each verify pass's root and accepted
+Its "context" is the target's: the proposer hands over the features of every committed
+position (the final hidden states, or for EAGLE-3 those of its chosen layers concatenated:
+:func:`target_needs` / :func:`target_features`) (the prompt's from the prefill, then each verify pass's root and accepted
 rows), and :meth:`catch_up` runs the network over the positions it has not read yet.
 
 The drafts are scored by the FR-Spec shortlist of the target's LM head, held in int4 by the
@@ -21,6 +22,22 @@ from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.networks import HeadNetwork
 from specdecode.drafting.caches import DraftCache
+from specdecode.models.base import ForwardOutput, Needs
+
+
+def target_needs(net: HeadNetwork) -> Needs:
+    """What the target's passes must return for ``net``: its layers' hidden states, or the
+    final ones."""
+    layers = net.feature_layers
+    return Needs(layers=layers) if layers else Needs(final_hidden=True)
+
+
+def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -> torch.Tensor:
+    """``net``'s features [n, F] of ``rows`` of a pass made with :func:`target_needs`: the
+    chosen layers' hidden states side by side, or the final ones."""
+    if net.feature_layers:
+        return torch.cat([output.layers[layer][rows] for layer in net.feature_layers], -1)
+    return output.final_hidden[rows]
 
 
 def scoring_layer(weight: torch.Tensor, fmt: str = "int8"):
@@ -87,7 +104,8 @@ class HeadDraftLM(DraftCache):
         self.tree_ancestors: list[list[int]] = []
 
     def add_features(self, features: torch.Tensor) -> None:
-        """The target's final hidden states [n, H] of the next committed positions."""
+        """The target's features [n, F] (:func:`target_features`) of the next committed
+        positions."""
         self.features.append(features.detach().float())
         self.given += len(features)
 

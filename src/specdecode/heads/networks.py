@@ -20,6 +20,9 @@ interface serves training and drafting:
 - :class:`EagleHead` (Li et al., 2024, EAGLE; EAGLE-2's dynamic tree is in the proposer): one
   decoder layer autoregressing on features: (feature at t, embedding of token t + 1) -> the
   feature at t + 1, attending to its own cache of the context and to the node's ancestors.
+  With ``feature_layers`` (EAGLE-3, Li et al., 2025, the default of ``train heads``) its first
+  input is not the final feature but a low, a middle and a high layer's hidden states of the
+  target, normed and fused by a linear map to the width; its later inputs are its own outputs.
 
 Output projections start at zero, so an untrained network predicts "the next token again" (the
 identity on the feature); training moves it from there.
@@ -144,6 +147,33 @@ def _fuse(size: int, parts: int) -> nn.Linear:
     return fuse
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers of a target of ``num_layers``: the hidden states
+    after layers 2, L // 2 and L - 3 (the EAGLE-3 code's choice: the inputs of its layers 2,
+    L // 2 and L - 3, counted from 0), clamped into the layers a runner returns (1 .. L - 1)
+    and deduplicated, so a tiny model gets fewer than three (a one-layer model none: the
+    network then reads the final features)."""
+    if num_layers < 2:
+        return ()
+    return tuple(sorted({min(max(layer, 1), num_layers - 1)
+                         for layer in (2, num_layers // 2, num_layers - 3)}))
+
+
+class PartNorm(RMSNorm):
+    """RMSNorm of each of ``parts`` concatenated vectors of ``size`` on its own: the residual
+    stream grows by orders of magnitude from a low layer to a high one, and a linear map fusing
+    them learns faster from inputs of one scale."""
+
+    def __init__(self, size: int, parts: int):
+        super().__init__(parts * size)
+        self.parts = parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unflatten(-1, (self.parts, -1))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.flatten(-2) * self.weight
+
+
 class KVCache:
     """Keys and values [heads, m, D] a block attends to, in a buffer grown by doubling (a
     draft step appends a few rows; copying the whole cache each time would cost more)."""
@@ -188,6 +218,9 @@ class HeadNetwork(nn.Module):
     kind = "?"
     #: deepest node whose children the network can score (None: any depth)
     max_depth: int | None = None
+    #: the target layers whose hidden states (concatenated, in this order) the network reads
+    #: per committed position; () = the final hidden states (what the LM head reads)
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, size: int, embed: torch.Tensor):
         super().__init__()
@@ -344,24 +377,54 @@ class CloverHeads(_BlockNetwork):
 
 
 class EagleHead(_BlockNetwork):
+    """EAGLE's layer; with ``feature_layers`` EAGLE-3's: the context's hidden states of those
+    layers, each normed, fused by a linear map (``fc``) into the first step's input, the
+    layer's own outputs fed back at later steps (both through ``hidden_norm``), and a final
+    norm before the shortlist scores them (the loss then needs no feature regression).
+    Without, EAGLE-1's: final features in, predicted final features out (old artifacts)."""
+
     kind = "eagle"
 
-    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None):
+    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None,
+                 feature_layers: tuple[int, ...] | list[int] = ()):
         super().__init__(size, embed, inner)
+        self.feature_layers = tuple(feature_layers)
+        if self.feature_layers:
+            parts = len(self.feature_layers)
+            self.part_norm = PartNorm(size, parts)
+            self.fc = _fuse(size, parts)
+            with torch.no_grad():  # at the start the highest layer passes through
+                self.fc.weight.copy_(self.fc.weight.roll(size * (parts - 1), 1))
+            self.hidden_norm = RMSNorm(size)
+            self.out_norm = RMSNorm(size)
         self.fuse = _fuse(size, 2)
         self.layer = Block(size, self.inner)
         self.reset()
+
+    def settings(self) -> dict:
+        extra = {"feature_layers": list(self.feature_layers)} if self.feature_layers else {}
+        return {**super().settings(), **extra}
 
     def reset(self) -> None:
         # the context's pairs, then (while drafting) the tree's rows, dropped at the next ingest
         self.cache = KVCache()
         self.committed = 0
 
-    def _inputs(self, features, tokens):
-        return self.fuse(torch.cat([features, self.embeddings(tokens)], -1))
+    def _first(self, features: torch.Tensor) -> torch.Tensor:
+        """The first step's input state from the committed positions' features."""
+        return self.fc(self.part_norm(features)) if self.feature_layers else features
+
+    def _scored(self, states: torch.Tensor) -> torch.Tensor:
+        """What the shortlist scores of the layer's outputs."""
+        return self.out_norm(states) if self.feature_layers else states
+
+    def _inputs(self, states, tokens):
+        if self.feature_layers:
+            states = self.hidden_norm(states)
+        return self.fuse(torch.cat([states, self.embeddings(tokens)], -1))
 
     def ingest(self, features, next_tokens, positions):
-        x = self._inputs(features, next_tokens)
+        x = self._inputs(self._first(features), next_tokens)
         k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
         past = self.committed
         self.cache.truncate(past)
@@ -371,7 +434,7 @@ class EagleHead(_BlockNetwork):
         allowed = torch.ones(n, past + n, dtype=torch.bool)
         allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
         out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
-        return [out[-1]], out[-1:]
+        return [out[-1]], self._scored(out[-1:])
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """``ancestors[j]``: tree rows (earlier expand calls of this step, in order) that node j
@@ -388,20 +451,20 @@ class EagleHead(_BlockNetwork):
         for j, rows in enumerate(ancestors):
             allowed[j, [context + r for r in rows] + [context + old + j]] = True
         out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
-        return list(out), out
+        return list(out), self._scored(out)
 
     def train_outputs(self, features, tokens, depth_limit: int):
-        """Teacher forcing, then ``depth_limit - 1`` unrolled steps on its own predictions
-        (the drafting-time inputs, as in HASS / EAGLE-3's training-time test): {k: predicted
-        feature at t + k + 1 from position t}, each row attending to the true pairs up to t
-        and its own predictions."""
+        """Teacher forcing, then ``depth_limit - 1`` steps unrolled on its own predictions (the
+        drafting-time inputs: EAGLE-3's training-time test): {k: the output scoring token
+        t + k + 2 from position t}, each row attending to the true pairs up to t and its own
+        chain's earlier steps."""
         n = len(tokens) - 1
         positions = torch.arange(n)
-        x = self._inputs(features[:n], tokens[1:])
+        x = self._inputs(self._first(features[:n]), tokens[1:])
         k0, v0 = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         pred = self.layer(x, positions, k0, v0, causal)
-        out = {0: pred}
+        out = {0: self._scored(pred)}
         keys, values = [k0], [v0]
         for depth in range(1, depth_limit):
             rows = n - depth
@@ -417,7 +480,7 @@ class EagleHead(_BlockNetwork):
                                          for kk in keys[1:]]
             pred = self.layer(x, pos, torch.cat(keys, -2), torch.cat(values, -2),
                               torch.cat(allowed, 1))
-            out[depth] = pred
+            out[depth] = self._scored(pred)
         return out
 
 

@@ -4,8 +4,9 @@ probabilities, best-first by path probability under a node budget (EAGLE-2, Li e
 the same growth rule as DySpec, with the same sampling: siblings drawn without replacement,
 ``Draft.probs`` recorded, so the recursive rejection rule keeps the target's distribution).
 
-The proposer declares that it needs the target's final hidden states and hands the draft cache
-(heads/drafter.py) those of every committed position (``Feedback.committed_rows``): the
+The proposer declares that it needs the target's final hidden states (or, for an EAGLE-3 head,
+those of the layers it reads) and hands the draft cache (heads/drafter.py) those of every
+committed position (``Feedback.committed_rows``): the
 prompt's after the prefill, then the root's and the accepted nodes' rows of each verify pass.
 The tree grows as drafting/tree.py grows it. Heads are trained by ``specdecode train heads
 --kind KIND``; the default model's ship inside the package.
@@ -19,8 +20,7 @@ from specdecode.control import Controller
 from specdecode.drafting.session import DraftSession
 from specdecode.drafting.tree import check_tree, grow_tree
 from specdecode.heads.artifact import load_heads
-from specdecode.heads.drafter import HeadDraftLM
-from specdecode.models.base import Needs
+from specdecode.heads.drafter import HeadDraftLM, target_features, target_needs
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param
 
@@ -49,12 +49,14 @@ class HeadProposer(Proposer):
     """Subclasses set ``head_kind`` (a network of heads/networks.py) and register."""
 
     head_kind = "?"
-    needs = Needs(final_hidden=True)
 
     def __init__(self, config, runner):
         super().__init__(config, runner)
         net, head_ids, source, self.artifact_config = load_heads(
             config.heads, runner, self.head_kind, runner.input_embeddings())
+        self.net = net
+        # what the network reads is the artifact's: an EAGLE-3 head asks for three layers
+        self.needs = target_needs(net)
         self.session = DraftSession(HeadDraftLM(net, head_ids, runner))
         self.depth_limit = net.max_depth
         self.draft_source = source
@@ -78,5 +80,5 @@ class HeadProposer(Proposer):
         return grow_tree(self.session, context, budget, self.config)
 
     def observe(self, feedback: Feedback) -> None:
-        self.lm.add_features(feedback.target.final_hidden[feedback.committed_rows])
+        self.lm.add_features(target_features(self.net, feedback.target, feedback.committed_rows))
         self.session.keep_accepted(feedback.accepted, feedback.draft)

@@ -1,14 +1,21 @@
-"""EAGLE-style feature drafting (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking
-Feature Uncertainty"; the dynamic tree of EAGLE-2, Li et al., 2024).
+"""EAGLE-style feature drafting with EAGLE-3's recipe (Li et al., 2025, "EAGLE-3: Scaling up
+Inference Acceleration of Large Language Models via Training-Time Test"; the layer of EAGLE,
+Li et al., 2024, and the dynamic tree of EAGLE-2, Li et al., 2024).
 
-One decoder layer autoregresses on the target's features: the pair (feature at t, embedding of
-token t + 1) predicts the feature at t + 1, whose score over the FR-Spec shortlist of the
-target's frozen LM head drafts token t + 2; the predicted feature and the drafted token feed the
-next step. The layer keeps its own cache of the context's pairs (the true features, read once
-per committed token) and each tree node attends to it and to its ancestors. Trained on the
-target's conversations by feature regression plus distillation (EAGLE's losses), unrolled over
-its own predictions for the deeper steps (HASS / EAGLE-3's training-time test): `specdecode
-train heads --kind eagle`.
+One decoder layer autoregresses on features. Its first input at each committed position t is
+the target's hidden states after a low, a middle and a high layer (2, L // 2 and L - 3, as
+EAGLE-3's code: 2, 15 and 27 of SmolLM2's 30), each normed, fused by a linear map to the
+width, beside the embedding of token t + 1; the layer's output, normed and scored over the
+FR-Spec shortlist of the target's frozen LM head, drafts token t + 2, and is itself the next
+step's input beside the drafted token. The proposer declares those layers as its ``needs``, so
+every verify pass returns their rows (other methods' passes are unchanged). The layer keeps
+its own cache of the context's pairs (read once per committed token) and each tree node
+attends to it and to its ancestors. Trained by `specdecode train heads --kind eagle` with
+EAGLE-3's training-time test: unrolled on its own predictions (4 steps here, the paper's 7),
+the distillation loss of step k weighted 0.8^k, no feature regression. An artifact written
+before EAGLE-3 (no ``feature_layers`` in its settings) still loads and drafts as EAGLE-1 did,
+from the final hidden states: the one shipped for SmolLM2 is such (an EAGLE-3 run on this CPU
+did not beat it yet, docs/draft-heads.md).
 
 Defaults: a dynamic tree of at most 8 nodes grown best-first by path probability, depth 6, 8
 nodes read per layer call, at most 2 calls a step after the first, and growth stops below a path
@@ -31,9 +38,9 @@ class EagleConfig(HeadTreeConfig):
 
 
 @register("eagle", EagleConfig,
-          paper="EAGLE (Li et al., 2024) with EAGLE-2's dynamic tree; FR-Spec shortlist (Zhao et "
-                "al., 2025)",
-          summary="one decoder layer autoregressing on the target's features; dynamic tree; "
-                  "exact with sampling")
+          paper="EAGLE-3 (Li et al., 2025) on EAGLE's layer with EAGLE-2's dynamic tree; FR-Spec "
+                "shortlist (Zhao et al., 2025)",
+          summary="one decoder layer autoregressing on the target's low, middle and high "
+                  "layers' features; dynamic tree; exact with sampling")
 class EagleProposer(HeadProposer):
     head_kind = "eagle"

@@ -1,21 +1,27 @@
 """``specdecode train heads --kind hydra|clover|eagle``: draft heads by self-distillation.
 
-1. data: the conversations the target writes itself (:mod:`specdecode.training.self_data`, the
-   same cache as ``train draft``: made once, read by every trainer). A tenth is held out.
-2. features: the target reads each conversation once; its final hidden states (what its LM head
-   reads) are cached in float16 in ``--workdir``. They come from the runner the heads will draft
-   for (``--runner``, the default one: native int4 for SmolLM2), so training sees the features
-   drafting will read; a prompt is one prefill there, several times cheaper than transformers'
-   float32 forward.
+1. data: the conversations the target writes itself: a ``specdecode train data`` shard
+   (``--shard``, :mod:`specdecode.training.target_data`), or else
+   :mod:`specdecode.training.self_data`'s cache (shared with ``train draft``: made once, read
+   by every trainer). A tenth (at most 200) is held out.
+2. features: the target reads a conversation when a step first needs it, one prefill of the
+   runner the heads will draft for (``--runner``, the default one: native int4 for SmolLM2),
+   so training sees the features drafting will read: its final hidden states (what its LM
+   head reads, the teacher's distribution) and, for EAGLE-3, its low, middle and high layers'.
+   They are kept in memory for later epochs up to 2 GB (past that, read again: a prefill is a
+   quarter of a step), so the data may be any size.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
    training conversations; its coverage of the held-out answers is measured and stored.
 4. training, teacher forcing over whole conversations: at every position t and depth k the
    network's feature scores token t + k + 2 over the shortlist, and the loss is KL(p_target ||
    q_head) against the target's own distribution there (Hydra++'s teacher loss; soft labels
-   teach more per position than the sampled token). EAGLE adds its feature regression
-   (smooth L1, weight 1, the distillation weighted 0.1 as in the paper) and is unrolled over its
-   own predictions for depths past the first. AdamW, lr 1e-3 after 20 warm-up steps, decaying
-   linearly to a tenth over the budget; one conversation a step.
+   teach more per position than the sampled token). EAGLE is EAGLE-3's: it reads layers 2,
+   L // 2 and L - 3 and is unrolled on its own predictions for 4 steps (training-time test;
+   the paper's 7: every step costs as much as the first on a CPU, and the default trees
+   rarely reach depth 4, docs/draft-heads.md), the loss at step k weighted 0.8^k, without
+   EAGLE-1's feature regression (EAGLE-3 drops it).
+   AdamW, lr 1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one
+   conversation a step.
 5. evaluation on the held-out conversations: per depth, how often the head's top token is the
    target's greedy token (teacher forcing: the acceptance of a chain's node given its parent
    was accepted); stored with the artifact.
@@ -29,25 +35,31 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specdecode.errors import require
-from specdecode.models.base import Needs
 from specdecode.heads.artifact import artifact_kind, save_heads
-from specdecode.heads.networks import NETWORKS, make_network, parameter_count
+from specdecode.heads.drafter import target_features
+from specdecode.heads.networks import NETWORKS, eagle3_layers, make_network, parameter_count
+from specdecode.models.base import Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
                                            target_conversations)
 
-#: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE
-DEPTHS = {"hydra": 4, "clover": 4, "eagle": 3}
-#: EAGLE's loss: feature regression plus distillation weighted 0.1 (the paper's weights)
-EAGLE_DISTILL_WEIGHT = 0.1
+#: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE-3's
+#: training-time test (the paper unrolls 7; here 4 for the CPU's sake, docs/draft-heads.md)
+DEPTHS = {"hydra": 4, "clover": 4, "eagle": 4}
+#: EAGLE-3's weight of the loss at unrolled step k: 0.8^k
+EAGLE_STEP_DECAY = 0.8
+#: most bytes of features kept between epochs (a prefill is a quarter of a training step)
+CACHE_BYTES = 2 << 30
+#: most held-out conversations (evaluating one costs a prefill and a forward of the network)
+MAX_HELD_OUT = 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
     parser.add_argument("--max-minutes", type=float, default=12.0,
                         help="wall-clock budget of this run, all phases together")
-    parser.add_argument("--conversations", type=int, default=320,
-                        help="target-written conversations to train on (shared with `train draft`)")
+    parser.add_argument("--shard", default=None, metavar="FILE",
+                        help="train on a `specdecode train data` shard (else on the conversations "
+                             "cached for `train draft`, written if missing)")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="target-written conversations to train on (default: all of --shard, "
+                             "else 320, shared with `train draft`)")
     parser.add_argument("--batch", type=int, default=64,
                         help="conversations written at once (the cache is per batch size)")
     parser.add_argument("--data-share", type=float, default=0.5,
@@ -66,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shortlist", type=int, default=8192,
                         help="tokens the heads score (FR-Spec; 0 = the whole vocabulary)")
     parser.add_argument("--depth", type=int, default=None,
-                        help="depths trained (default: hydra 4 heads, clover 4, eagle 3)")
+                        help="depths trained (default: hydra 4 heads, clover 4, eagle 4 steps)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where the method finds it)")
@@ -75,62 +91,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                         help="the runner whose final hidden states the heads learn from: the one "
                              "they will draft for (auto: the default runner)")
+    parser.add_argument("--init", default=None, metavar="ARTIFACT",
+                        help="start from a heads artifact of this kind and target: every weight "
+                             "whose name and shape match (e.g. an EAGLE-1 artifact's layer for "
+                             "an EAGLE-3 network; its new fusion starts fresh)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-@torch.inference_mode()
-def read_features(runner, sequences, path: Path, deadline: float) -> list[torch.Tensor]:
-    """The runner's final hidden states (normed: what its LM head reads) of every conversation
-    [T, H] float16, cached in ``path`` (extended when more conversations come)."""
-    cached: list[torch.Tensor] = torch.load(path) if path.is_file() else []
-    known = len(cached)
-    for ids, _ in sequences[known:]:
-        if time.monotonic() > deadline and cached:
-            break
-        cached.append(runner.prefill(ids, Needs(final_hidden=True)).final_hidden.half())
-    if len(cached) == known:
-        return cached
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(cached, tmp)
-    tmp.replace(path)
-    return cached
+def conversation_features(runner, net, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conversation read by the runner: what ``net`` reads of every position [T, F] and
+    the final hidden states [T, H] (normed: what the LM head reads, the teacher's), float32."""
+    with torch.inference_mode():
+        out = runner.prefill(ids, Needs(final_hidden=True, layers=net.feature_layers))
+        inputs, final = target_features(net, out), out.final_hidden
+    # clones made outside inference mode: autograd may save them
+    return inputs.float().clone(), final.float().clone()
 
 
-def depth_losses(kind: str, outputs: dict, features: torch.Tensor, head: torch.Tensor):
+def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor):
     """{depth: loss} for one conversation; outputs[k] row t scores token t + k + 2, whose
-    target distribution is the LM head's at position t + k + 1."""
+    target distribution is the LM head's on the final features [T, H] at position t + k + 1."""
+    with torch.no_grad():  # every position's once: depth k reads it shifted by k
+        teachers = (features @ head.T).log_softmax(-1)
     losses = {}
     for k, out in outputs.items():
-        truth = features[k + 1: k + 1 + len(out)]
-        with torch.no_grad():
-            teacher = (truth @ head.T).log_softmax(-1)
+        teacher = teachers[k + 1: k + 1 + len(out)]
         student = (out @ head.T).log_softmax(-1)
-        loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-        if kind == "eagle":
-            loss = F.smooth_l1_loss(out, truth) + EAGLE_DISTILL_WEIGHT * loss
-        losses[k] = loss
+        losses[k] = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
     return losses
 
 
+def step_loss(kind: str, losses: dict) -> torch.Tensor:
+    """The depths' losses as one: their mean, or EAGLE-3's weights 0.8^k (normalised)."""
+    weights = {k: EAGLE_STEP_DECAY ** k if kind == "eagle" else 1.0 for k in losses}
+    return sum(weights[k] * loss for k, loss in losses.items()) / sum(weights.values())
+
+
 @torch.no_grad()
-def evaluate(net, sequences, features, head_ids, full_head: torch.Tensor, depth: int) -> list[float]:
+def evaluate(net, data: "_Data", depth: int) -> list[float]:
     """Per depth: the share of held-out answer positions where the head's top shortlist token
     is the target's greedy token (teacher forcing)."""
     hits, total = [0] * depth, [0] * depth
-    short = full_head if head_ids is None else full_head[head_ids]
-    for (ids, prompt_len), feats in zip(sequences, features):
-        feats = feats.float()
+    for ids, prompt_len in data.evaluation:
+        inputs, final = data.features(net, ids)
         net.reset()
-        outputs = net.train_outputs(feats, torch.tensor(ids), depth)
+        outputs = net.train_outputs(inputs, torch.tensor(ids), depth)
         for k, out in outputs.items():
             rows = torch.arange(len(out))
             keep = rows + k + 1 >= prompt_len - 1  # the target's answer positions
-            want = (feats[k + 1: k + 1 + len(out)][keep] @ full_head.T).argmax(-1)
-            got = (out[keep] @ short.T).argmax(-1)
-            if head_ids is not None:
-                got = head_ids[got]
+            want = (final[k + 1: k + 1 + len(out)][keep] @ data.full_head.T).argmax(-1)
+            got = (out[keep] @ data.head.T).argmax(-1)
+            if data.head_ids is not None:
+                got = data.head_ids[got]
             hits[k] += int((got == want).sum())
             total[k] += int(keep.sum())
     return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
@@ -138,14 +152,14 @@ def evaluate(net, sequences, features, head_ids, full_head: torch.Tensor, depth:
 
 @dataclass
 class _Data:
-    """Phases 1-3: the conversations split into training and held-out ones, their features,
-    and the LM head the heads score with (its shortlist rows)."""
+    """Phases 1-3: the conversations split into training and held-out ones, the runner that
+    reads their features, and the LM head the heads score with (its shortlist rows)."""
 
     train: list
     evaluation: list
-    train_features: list[torch.Tensor]
-    eval_features: list[torch.Tensor]
-    #: which runner the features come from ("native-int4", ...)
+    runner: object
+    #: which conversations ("shard NAME" or "self-written") and which runner reads them
+    source: str
     reader: str
     #: the input embeddings, the whole LM head (float32), the shortlist (None: every token)
     embed: torch.Tensor
@@ -153,9 +167,22 @@ class _Data:
     head_ids: torch.Tensor | None
     coverage: float
 
+    #: conversations' features kept for the next epoch, up to CACHE_BYTES
+    cache: dict = field(default_factory=dict)
+
     @property
     def head(self) -> torch.Tensor:
         return self.full_head if self.head_ids is None else self.full_head[self.head_ids]
+
+    def features(self, net, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple(ids)
+        if key not in self.cache:
+            inputs, final = conversation_features(self.runner, net, ids)
+            held = sum(t.nbytes for pair in self.cache.values() for t in pair)
+            if held + inputs.nbytes + final.nbytes > CACHE_BYTES:
+                return inputs, final
+            self.cache[key] = (inputs, final)
+        return self.cache[key]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,11 +201,13 @@ def run(args: argparse.Namespace) -> int:
     workdir = work_dir(args.workdir, user_dir() / f"heads-work-{key}")
     checkpoint = Checkpoint(workdir / f"{args.kind}-checkpoint.pt", args.resume)
     torch.manual_seed(args.seed)
-    data = _data(loaded, fingerprint, workdir, args, bar.began + 0.7 * budget,
-                 args.data_share * budget, bar.show)
+    data = _data(loaded, fingerprint, args, args.data_share * budget, bar.show)
 
     # 4. training
-    net = make_network(args.kind, data.embed.shape[1], data.embed)
+    layers = eagle3_layers(target.config.num_hidden_layers) if args.kind == "eagle" else ()
+    net = make_network(args.kind, data.embed.shape[1], data.embed,
+                       **({"feature_layers": layers} if layers else {}))
+    _norms_like_the_target(net, target)
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     state = {"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
              "step": 0, "log": []}
@@ -189,19 +218,56 @@ def run(args: argparse.Namespace) -> int:
         net.load_state_dict(saved["net"])
         optim.load_state_dict(saved["optim"])
         state.update(step=saved["step"], log=saved["log"])
+    elif args.init:
+        _warm_start(net, args.init, fingerprint)
+    # the end keeps time to evaluate (a prefill and a forward per held-out conversation)
     _train(net, optim, data, depth, state, checkpoint, args,
-           deadline - max(30.0, 0.06 * budget), bar.show)  # time to evaluate and save
+           deadline - max(30.0, 0.08 * budget), bar.show)
+    path = _evaluate_and_save(net, data, depth, state, args, key, fingerprint, bar)
+    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
 
-    # 5. what is stored is evaluated: int8 round trip of the weights first
+
+def _norms_like_the_target(net, target) -> None:
+    """An EAGLE-3 network's state norms start as the target's final norm: the shortlist of its
+    LM head then scores the untrained network's states at the scale of the target's own (and
+    an ``--init`` EAGLE-1 layer reads states at the scale it was trained on)."""
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    if not net.feature_layers or final_norm is None:
+        return
+    with torch.no_grad():
+        for norm in (net.hidden_norm, net.out_norm):
+            norm.weight.copy_(final_norm.weight.float())
+
+
+def _warm_start(net, path: str, fingerprint: str) -> None:
+    """``net``'s weights that ``path`` (an artifact of its kind for this target) holds under the
+    same name and shape; the rest keep their initial values."""
+    from specdecode.training.artifacts import load_artifact
+
+    stored = load_artifact(path, artifact_kind(net.kind), fingerprint).tensors
+    own = net.state_dict()
+    taken = {name: stored[f"net.{name}"] for name, value in own.items()
+             if f"net.{name}" in stored and stored[f"net.{name}"].shape == value.shape}
+    require(bool(taken), f"{path} holds none of this network's weights; leave out --init")
+    net.load_state_dict({**own, **taken})
+    print(f"--init: {len(taken)} of {len(own)} tensors from {path}")
+
+
+def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse.Namespace,
+                       key: str, fingerprint: str, bar: TimeBar) -> Path:
+    """Phase 5: what is stored is evaluated (the int8 round trip of the weights first)."""
     with torch.no_grad():
         stored = int8_rows({k: v.half() for k, v in net.state_dict().items()})
         net.load_state_dict(float_rows(stored))
     bar.show("evaluation")
-    accuracy = evaluate(net.eval(), data.evaluation, data.eval_features, data.head_ids,
-                        data.full_head, depth)
+    accuracy = evaluate(net.eval(), data, depth)
     info = {"kind": args.kind, "depth_trained": depth, "features": data.reader,
-            "shortlist": args.shortlist, "shortlist_coverage": round(data.coverage, 4),
+            "init": Path(args.init).name if args.init else None,
+            "data": data.source, "shortlist": args.shortlist,
+            "shortlist_coverage": round(data.coverage, 4),
             "conversations": len(data.train) + len(data.evaluation),
+            "train_tokens": sum(len(ids) for ids, _ in data.train),
             "held_out": len(data.evaluation), "steps": state["step"], "lr": args.lr,
             "loss_log": state["log"], "top1_agreement_per_depth": accuracy,
             "parameters": parameter_count(net),
@@ -211,19 +277,22 @@ def run(args: argparse.Namespace) -> int:
     path = save_heads(out, net, data.head_ids, fingerprint, info)
     bar.close()
     print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {state['step']} "
-          f"steps on {len(data.train)} conversations in {info['minutes']} min")
+          f"steps on {len(data.train)} conversations ({data.source}) in {info['minutes']} min")
     print(f"shortlist: {args.shortlist} tokens cover {data.coverage:.1%} of the held-out answer "
           "tokens")
     print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
           + ", ".join(f"{a:.1%}" for a in accuracy))
-    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
+    return path
 
 
 def _checked_depth(args: argparse.Namespace) -> int:
     """The depth to train, after checking the arguments (before anything loads)."""
     require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
-    require(args.conversations >= 10, f"--conversations must be >= 10, got {args.conversations}")
+    require(args.conversations is None or args.conversations >= 10,
+            f"--conversations must be >= 10, got {args.conversations}")
+    require(args.shard is None or Path(args.shard).is_file(),
+            f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
+            f"{args.shard}`")
     require(args.batch >= 1, f"--batch must be >= 1, got {args.batch}")
     require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
     depth = args.depth or DEPTHS[args.kind]
@@ -231,30 +300,43 @@ def _checked_depth(args: argparse.Namespace) -> int:
     return depth
 
 
-def _data(loaded, fingerprint: str, workdir: Path, args: argparse.Namespace,
-          features_deadline: float, data_seconds: float, show) -> _Data:
-    """Phases 1-3: conversations (the draft trainer's defaults: one cache serves both), their
-    features from the runner the heads will draft for, a tenth held out, the shortlist."""
+def _conversations(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: float,
+                   show) -> tuple[list, str]:
+    """The conversations (ids, prompt length) and where they come from: the shard's, in index
+    order, or self_data's cache (the draft trainer's defaults: one cache serves both)."""
+    if args.shard:
+        from specdecode.training.target_data import read_shard
+
+        shard = read_shard(Path(args.shard))
+        require(len(shard) >= 10, f"{args.shard} holds {len(shard)} conversations; write more "
+                                  "with `specdecode train data`")
+        sequences = [shard[i] for i in sorted(shard)][:args.conversations]
+        return sequences, f"shard {Path(args.shard).name}"
+    sequences = target_conversations(loaded.model, loaded.tokenizer, fingerprint,
+                                     args.conversations or 320, prompt_tokens=64,
+                                     answer_tokens=160, batch=args.batch, seed=0,
+                                     seconds=data_seconds, show=show)
+    return sequences, "self-written"
+
+
+def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: float,
+          show) -> _Data:
+    """Phases 1-3: conversations, the runner the heads will draft for (it reads their
+    features), a tenth held out, the shortlist."""
     from specdecode.models.loading import make_runner
 
     target = loaded.model
-    sequences = target_conversations(target, loaded.tokenizer, fingerprint, args.conversations,
-                                     prompt_tokens=64, answer_tokens=160, batch=args.batch, seed=0,
-                                     seconds=data_seconds, show=show)
-    show("features")
+    sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
     runner = make_runner(loaded, args.runner)
     reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
-    features = read_features(runner, sequences, workdir / f"features-{reader}-{len(sequences)}.pt",
-                             features_deadline)
-    sequences = sequences[:len(features)]
-    held = max(2, len(sequences) // 10)
+    held = min(MAX_HELD_OUT, max(2, len(sequences) // 10))
     evaluation, train = sequences[:held], sequences[held:]
     full_head = target.get_output_embeddings().weight.detach().float()
     vocab = full_head.shape[0]
     head_ids = (frequency_shortlist(train, args.shortlist, vocab)
                 if 0 < args.shortlist < vocab else None)
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
-    return _Data(train, evaluation, features[held:], features[:held], reader,
+    return _Data(train, evaluation, runner, source, reader,
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage)
 
 
@@ -272,15 +354,14 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     while time.monotonic() < deadline:
         step = state["step"]
-        i = int(order[step % len(train)])
-        ids, feats = torch.tensor(train[i][0]), data.train_features[i].float()
+        ids = train[int(order[step % len(train)])][0]
+        inputs, final = data.features(net, ids)
         elapsed = (time.monotonic() - start) / max(deadline - start, 1.0)
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
-        losses = depth_losses(args.kind, net.train_outputs(feats, ids, depth), feats, head)
-        loss = sum(losses.values()) / len(losses)
-        value = descend(loss, optim, net.parameters(), step)
+        losses = depth_losses(net.train_outputs(inputs, torch.tensor(ids), depth), final, head)
+        value = descend(step_loss(args.kind, losses), optim, net.parameters(), step)
         state["step"] = step = step + 1
         recent = (recent + [value])[-20:]
         if step % 50 == 0:
