@@ -114,7 +114,7 @@ def tiny_heads(kind: str, target) -> str:
 
     from specdecode.api import Decoder, as_runner
     from specdecode.heads.artifact import save_heads
-    from specdecode.heads.networks import make_network
+    from specdecode.heads.networks import default_feature_layers, make_network, target_features
     from specdecode.models.base import Needs
     from specdecode.training.train_heads import DEPTHS, depth_losses
 
@@ -125,12 +125,14 @@ def tiny_heads(kind: str, target) -> str:
     torch.manual_seed(0)
     embed = runner.input_embeddings()
     head = runner.output_embeddings().float()
+    layers = default_feature_layers(kind, runner.num_layers)
     data = []
     for prompt in repetitive_prompts():
         prompt = [t % runner.vocab_size for t in prompt]
         ids = prompt + Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
-        data.append((torch.tensor(ids), runner.prefill(ids, Needs(final_hidden=True)).final_hidden.clone()))
-    net = make_network(kind, embed.shape[1], embed)
+        out = runner.prefill(ids, Needs(final_hidden=True, layers=layers))
+        data.append((torch.tensor(ids), target_features(out, layers).clone()))
+    net = make_network(kind, embed.shape[1], embed, **({"feature_layers": layers} if layers else {}))
     optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
     for step in range(60):
         ids, feats = data[step % len(data)]

@@ -50,12 +50,14 @@ class HeadProposer(Proposer):
 
     head_kind = "?"
     needs = Needs(final_hidden=True)
+    #: the draft cache that runs the network
+    draft_cache = HeadDraftLM
 
     def __init__(self, config, runner):
         super().__init__(config, runner)
         net, head_ids, source, self.artifact_config = load_heads(
             config.heads, runner, self.head_kind, runner.input_embeddings())
-        self.session = DraftSession(HeadDraftLM(net, head_ids, runner))
+        self.session = DraftSession(self.draft_cache(net, head_ids, runner))
         self.depth_limit = net.max_depth
         self.draft_source = source
 

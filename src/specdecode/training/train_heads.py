@@ -1,4 +1,4 @@
-"""``specdecode train heads --kind hydra|clover|eagle``: draft heads by self-distillation.
+"""``specdecode train heads --kind hydra|clover|eagle|deer``: draft heads by self-distillation.
 
 1. data: the conversations the target writes itself (:mod:`specdecode.training.self_data`, the
    same cache as ``train draft``: made once, read by every trainer). A tenth is held out.
@@ -38,21 +38,22 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.models.base import Needs
 from specdecode.heads.artifact import artifact_kind, save_heads
-from specdecode.heads.networks import NETWORKS, make_network, parameter_count
+from specdecode.heads.networks import (NETWORKS, default_feature_layers, make_network,
+                                       parameter_count, target_features)
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
                                            target_conversations)
 
 #: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE
-DEPTHS = {"hydra": 4, "clover": 4, "eagle": 3}
+DEPTHS = {"hydra": 4, "clover": 4, "eagle": 3, "deer": 8}
 #: EAGLE's loss: feature regression plus distillation weighted 0.1 (the paper's weights)
 EAGLE_DISTILL_WEIGHT = 0.1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=sorted(NETWORKS),
-                        help="the network: hydra, clover or eagle")
+                        help="the network: hydra, clover, eagle or deer (the block drafter)")
     parser.add_argument("--model", default="smollm2",
                         help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
     parser.add_argument("--max-minutes", type=float, default=12.0,
@@ -66,7 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shortlist", type=int, default=8192,
                         help="tokens the heads score (FR-Spec; 0 = the whole vocabulary)")
     parser.add_argument("--depth", type=int, default=None,
-                        help="depths trained (default: hydra 4 heads, clover 4, eagle 3)")
+                        help="depths trained (default: hydra 4 heads, clover 4, eagle 3, deer "
+                             "its block of 8)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="deer: decoder layers of the drafter (1 or 2 in DFlash's range)")
+    parser.add_argument("--anchors", type=int, default=24,
+                        help="deer: blocks trained per conversation a step (random answer "
+                             "positions)")
+    parser.add_argument("--shard", default=None,
+                        help="a JSON-lines shard of `specdecode train data` to train on instead "
+                             "of the self_data cache (--conversations of it)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where the method finds it)")
@@ -81,15 +91,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @torch.inference_mode()
-def read_features(runner, sequences, path: Path, deadline: float) -> list[torch.Tensor]:
+def read_features(runner, sequences, path: Path, deadline: float,
+                  layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """The runner's final hidden states (normed: what its LM head reads) of every conversation
-    [T, H] float16, cached in ``path`` (extended when more conversations come)."""
+    [T, H] float16, after those of ``layers`` where a network reads them too
+    (:func:`~specdecode.heads.networks.target_features`), cached in ``path`` (extended when
+    more conversations come)."""
     cached: list[torch.Tensor] = torch.load(path) if path.is_file() else []
     known = len(cached)
+    needs = Needs(final_hidden=True, layers=layers)
     for ids, _ in sequences[known:]:
         if time.monotonic() > deadline and cached:
             break
-        cached.append(runner.prefill(ids, Needs(final_hidden=True)).final_hidden.half())
+        cached.append(target_features(runner.prefill(ids, needs), layers).half())
     if len(cached) == known:
         return cached
     tmp = path.with_name(path.name + ".tmp")
@@ -98,12 +112,16 @@ def read_features(runner, sequences, path: Path, deadline: float) -> list[torch.
     return cached
 
 
-def depth_losses(kind: str, outputs: dict, features: torch.Tensor, head: torch.Tensor):
-    """{depth: loss} for one conversation; outputs[k] row t scores token t + k + 2, whose
-    target distribution is the LM head's at position t + k + 1."""
+def depth_losses(kind: str, outputs: dict, features: torch.Tensor, head: torch.Tensor,
+                 anchors: torch.Tensor | None = None):
+    """{depth: loss} for one conversation; outputs[k] row t (or ``anchors[t]``, where the
+    network read only those positions) scores token t + k + 2, whose target distribution is
+    the LM head's at position t + k + 1."""
     losses = {}
     for k, out in outputs.items():
-        truth = features[k + 1: k + 1 + len(out)]
+        rows = torch.arange(len(out)) if anchors is None else anchors[:len(out)]
+        # the final hidden states: the last part of a multi-layer network's features
+        truth = features[rows + k + 1, -out.shape[-1]:]
         with torch.no_grad():
             teacher = (truth @ head.T).log_softmax(-1)
         student = (out @ head.T).log_softmax(-1)
@@ -127,7 +145,7 @@ def evaluate(net, sequences, features, head_ids, full_head: torch.Tensor, depth:
         for k, out in outputs.items():
             rows = torch.arange(len(out))
             keep = rows + k + 1 >= prompt_len - 1  # the target's answer positions
-            want = (feats[k + 1: k + 1 + len(out)][keep] @ full_head.T).argmax(-1)
+            want = (feats[k + 1: k + 1 + len(out), -out.shape[-1]:][keep] @ full_head.T).argmax(-1)
             got = (out[keep] @ short.T).argmax(-1)
             if head_ids is not None:
                 got = head_ids[got]
@@ -174,11 +192,12 @@ def run(args: argparse.Namespace) -> int:
     workdir = work_dir(args.workdir, user_dir() / f"heads-work-{key}")
     checkpoint = Checkpoint(workdir / f"{args.kind}-checkpoint.pt", args.resume)
     torch.manual_seed(args.seed)
+    settings = network_settings(args, target.config.num_hidden_layers)
     data = _data(loaded, fingerprint, workdir, args, bar.began + 0.7 * budget,
-                 args.data_share * budget, bar.show)
+                 args.data_share * budget, bar.show, tuple(settings.get("feature_layers", ())))
 
     # 4. training
-    net = make_network(args.kind, data.embed.shape[1], data.embed)
+    net = make_network(args.kind, data.embed.shape[1], data.embed, **settings)
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     state = {"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
              "step": 0, "log": []}
@@ -212,12 +231,20 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {state['step']} "
           f"steps on {len(data.train)} conversations in {info['minutes']} min")
-    print(f"shortlist: {args.shortlist} tokens cover {data.coverage:.1%} of the held-out answer "
-          "tokens")
+    print(f"shortlist: {args.shortlist} tokens cover {data.coverage:.1%} of held-out answers")
     print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
           + ", ".join(f"{a:.1%}" for a in accuracy))
     print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
+
+
+def network_settings(args: argparse.Namespace, num_layers: int) -> dict:
+    """The network's settings besides its width: for deer its layers, block and the target
+    layers it reads (:func:`default_feature_layers`); the other kinds' defaults."""
+    if args.kind != "deer":
+        return {}
+    return {"layers": args.layers, "block": args.depth or DEPTHS["deer"],
+            "feature_layers": default_feature_layers("deer", num_layers)}
 
 
 def _checked_depth(args: argparse.Namespace) -> int:
@@ -228,24 +255,38 @@ def _checked_depth(args: argparse.Namespace) -> int:
     require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
     depth = args.depth or DEPTHS[args.kind]
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
+    require(args.layers >= 1, f"--layers must be >= 1, got {args.layers}")
+    require(args.shard is None or Path(args.shard).is_file(),
+            f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
+            "FILE`")
     return depth
 
 
 def _data(loaded, fingerprint: str, workdir: Path, args: argparse.Namespace,
-          features_deadline: float, data_seconds: float, show) -> _Data:
-    """Phases 1-3: conversations (the draft trainer's defaults: one cache serves both), their
-    features from the runner the heads will draft for, a tenth held out, the shortlist."""
+          features_deadline: float, data_seconds: float, show,
+          layers: tuple[int, ...] = ()) -> _Data:
+    """Phases 1-3: conversations (the draft trainer's defaults: one cache serves both; or a
+    shard of `train data`), their features (final hidden states, after those of ``layers``)
+    from the runner the heads will draft for, a tenth held out, the shortlist."""
     from specdecode.models.loading import make_runner
+    from specdecode.training.target_data import read_shard
 
     target = loaded.model
-    sequences = target_conversations(target, loaded.tokenizer, fingerprint, args.conversations,
-                                     prompt_tokens=64, answer_tokens=160, batch=args.batch, seed=0,
-                                     seconds=data_seconds, show=show)
+    if args.shard:
+        shard = read_shard(Path(args.shard))
+        sequences = [shard[i] for i in sorted(shard)][:args.conversations]
+        source = f"shard{len(sequences)}"
+    else:
+        sequences = target_conversations(target, loaded.tokenizer, fingerprint, args.conversations,
+                                         prompt_tokens=64, answer_tokens=160, batch=args.batch,
+                                         seed=0, seconds=data_seconds, show=show)
+        source = str(len(sequences))
     show("features")
     runner = make_runner(loaded, args.runner)
     reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
-    features = read_features(runner, sequences, workdir / f"features-{reader}-{len(sequences)}.pt",
-                             features_deadline)
+    suffix = "".join(f"-L{layer}" for layer in layers)
+    features = read_features(runner, sequences, workdir / f"features-{reader}-{source}{suffix}.pt",
+                             features_deadline, layers)
     sequences = sequences[:len(features)]
     held = max(2, len(sequences) // 10)
     evaluation, train = sequences[:held], sequences[held:]
@@ -256,6 +297,16 @@ def _data(loaded, fingerprint: str, workdir: Path, args: argparse.Namespace,
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
     return _Data(train, evaluation, features[held:], features[:held], reader,
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage)
+
+
+def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
+    """``count`` random anchors (ascending) among the answer's positions of a conversation of
+    ``n`` tokens: a deer step scores a block of rows per anchor, so it reads a sample of them
+    (every anchor of a conversation would cost a hundred times a hydra step)."""
+    first = max(0, prompt_len - 2)
+    choices = torch.arange(first, n - 1)
+    pick = torch.randperm(len(choices))[:count]
+    return choices[pick].sort().values
 
 
 def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpoint,
@@ -278,7 +329,12 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
-        losses = depth_losses(args.kind, net.train_outputs(feats, ids, depth), feats, head)
+        if args.kind == "deer":
+            anchors = _anchors(train[i][1], len(ids), args.anchors)
+            outputs = net.train_outputs(feats, ids, depth, anchors)
+        else:
+            anchors, outputs = None, net.train_outputs(feats, ids, depth)
+        losses = depth_losses(args.kind, outputs, feats, head, anchors)
         loss = sum(losses.values()) / len(losses)
         value = descend(loss, optim, net.parameters(), step)
         state["step"] = step = step + 1
