@@ -46,6 +46,11 @@ def test_a_block_reads_the_context_up_to_its_anchor_and_nothing_it_predicts():
         torch.testing.assert_close(changed[k][t], base[k][t])
         assert not torch.allclose(rooted[k][t], base[k][t])
     assert [len(base[k]) for k in range(BLOCK)] == [n - 1 - k for k in range(BLOCK)]
+    # the trainer's sample of anchors computes what every anchor would at those positions
+    anchors = torch.tensor([2, t, n - 3])
+    sampled = net.train_outputs(feats, ids, BLOCK, anchors)
+    torch.testing.assert_close(sampled[1], base[1][anchors])
+    torch.testing.assert_close(sampled[3], base[3][anchors[:2]])  # n - 3 has no token 4 ahead
 
 
 def test_feature_layers_are_a_low_and_a_middle_one():

@@ -14,8 +14,12 @@
    q_head) against the target's own distribution there (Hydra++'s teacher loss; soft labels
    teach more per position than the sampled token). EAGLE adds its feature regression
    (smooth L1, weight 1, the distillation weighted 0.1 as in the paper) and is unrolled over its
-   own predictions for depths past the first. AdamW, lr 1e-3 after 20 warm-up steps, decaying
-   linearly to a tenth over the budget; one conversation a step.
+   own predictions for depths past the first. deer (the block drafter) reads a low and a
+   middle layer's outputs besides the final hidden states, and learns from ``--anchors`` random
+   answer positions a step, each the root of an all-masked block whose row k is scored against
+   the target's distribution at the k-th position after it (DEER's first stage). AdamW, lr
+   1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one conversation
+   a step. ``--shard`` reads a shard of ``specdecode train data`` instead of the cache.
 5. evaluation on the held-out conversations: per depth, how often the head's top token is the
    target's greedy token (teacher forcing: the acceptance of a chain's node given its parent
    was accepted); stored with the artifact.
