@@ -102,8 +102,11 @@ class DeerProposer(HeadProposer):
         if length <= 0:
             return Draft.empty()
         self.lm.catch_up(context)
+        block = self.lm.block_logits()[:length]
+        if self.sampling.greedy and not self.sampling.has_penalties:
+            return self._greedy_chain(block)
         tokens, probs, path_prob = [], [], 1.0
-        for logits in self.lm.block_logits()[:length]:
+        for logits in block:
             node = self.session.node(logits, list(context) + tokens)
             if self.sampling.greedy:
                 token = node.argmax(0)
@@ -119,6 +122,16 @@ class DeerProposer(HeadProposer):
             tokens.append(token)
         self.session.nodes = (tokens, list(range(-1, len(tokens) - 1)), [None] * len(tokens))
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+    def _greedy_chain(self, block: torch.Tensor) -> Draft:
+        """Greedy without penalties: each row's top shortlist token, the whole block in a few
+        tensor operations (what the loop above computes, without a [V] row per position)."""
+        top = block.float().softmax(-1).max(-1)
+        keep = int((top.values.cumprod(0) >= self.config.min_path_prob).sum())
+        ids = top.indices[:keep]
+        tokens = (ids if self.lm.head_ids is None else self.lm.head_ids[ids]).tolist()
+        self.session.nodes = (tokens, list(range(-1, keep - 1)), [None] * keep)
+        return Draft.chain(tokens)
 
     def observe(self, feedback: Feedback) -> None:
         self.lm.add_features(target_features(feedback.target, self.feature_layers,
