@@ -238,5 +238,5 @@ def test_the_default_model_ships_every_trained_artifact():
         shipped[kind] = fingerprint
         assert path.stat().st_size < 20e6, path  # small enough to ship
     assert {"exit_adapters", "draft_model", "hydra_heads", "clover_heads",
-            "eagle_heads"} <= set(shipped)
+            "eagle_heads", "deer_heads"} <= set(shipped)
     assert len(set(shipped.values())) == 1
