@@ -114,7 +114,7 @@ def tiny_heads(kind: str, target) -> str:
 
     from specdecode.api import Decoder, as_runner
     from specdecode.heads.artifact import save_heads
-    from specdecode.heads.networks import eagle3_layers, make_network
+    from specdecode.heads.networks import feature_layers, make_network
     from specdecode.training.train_heads import (DEPTHS, conversation_features, depth_losses,
                                                  step_loss)
 
@@ -125,9 +125,9 @@ def tiny_heads(kind: str, target) -> str:
     torch.manual_seed(0)
     embed = runner.input_embeddings()
     head = runner.output_embeddings().float()
-    # eagle as `train heads` makes it: EAGLE-3's layers
-    settings = {"feature_layers": eagle3_layers(runner.num_layers)} if kind == "eagle" else {}
-    net = make_network(kind, embed.shape[1], embed, **settings)
+    # as `train heads` makes them: EAGLE-3's layers for eagle, deer's for deer
+    layers = feature_layers(kind, runner.num_layers)
+    net = make_network(kind, embed.shape[1], embed, **({"feature_layers": layers} if layers else {}))
     data = []
     for prompt in repetitive_prompts():
         prompt = [t % runner.vocab_size for t in prompt]

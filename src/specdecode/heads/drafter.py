@@ -26,18 +26,21 @@ from specdecode.models.base import ForwardOutput, Needs
 
 
 def target_needs(net: HeadNetwork) -> Needs:
-    """What the target's passes must return for ``net``: its layers' hidden states, or the
-    final ones."""
+    """What the target's passes must return for ``net``: its layers' hidden states (and the
+    final ones where it reads them too), or the final ones."""
     layers = net.feature_layers
-    return Needs(layers=layers) if layers else Needs(final_hidden=True)
+    return (Needs(final_hidden=net.reads_final, layers=layers) if layers
+            else Needs(final_hidden=True))
 
 
 def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -> torch.Tensor:
     """``net``'s features [n, F] of ``rows`` of a pass made with :func:`target_needs`: the
-    chosen layers' hidden states side by side, or the final ones."""
-    if net.feature_layers:
-        return torch.cat([output.layers[layer][rows] for layer in net.feature_layers], -1)
-    return output.final_hidden[rows]
+    chosen layers' hidden states side by side (then the final ones where it reads them), or
+    the final ones."""
+    parts = [output.layers[layer][rows] for layer in net.feature_layers]
+    if net.reads_final or not parts:
+        parts.append(output.final_hidden[rows])
+    return torch.cat([part.float() for part in parts], -1) if len(parts) > 1 else parts[0]
 
 
 def scoring_layer(weight: torch.Tensor, fmt: str = "int8"):
@@ -116,6 +119,11 @@ class HeadDraftLM(DraftCache):
     def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the committed positions not read yet; the logits [V'] of the tokens after the
         last one of ``context`` (the root), and the feature that scored them."""
+        out = self._read(context)
+        return self._logits(out)[0], out[0]
+
+    def _read(self, context: Sequence[int]) -> torch.Tensor:
+        """Run the network over the committed positions not read yet; its output for the root."""
         self._clear_tree()
         require(self.given == len(context) - 1,
                 f"the head drafter has the target's features of {self.given} positions but the "
@@ -128,7 +136,7 @@ class HeadDraftLM(DraftCache):
         states, out = self.net.ingest(new, next_tokens, positions)
         self.read = self.given
         self.root_state = states[0]
-        return self._logits(out)[0], out[0]
+        return out
 
     @torch.inference_mode()
     def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,3 +158,25 @@ class HeadDraftLM(DraftCache):
     def prune(self, path_rows: Sequence[int]) -> None:
         """Drop the tree: the accepted tokens' true features come from the verify pass."""
         self._clear_tree()
+
+
+class BlockDraftLM(HeadDraftLM):
+    """The draft cache of ``deer``: :meth:`catch_up` drafts the whole block in one forward and
+    scores every row at once; a tree node at depth d is then scored by block row d (the block
+    does not read drafted tokens), so :meth:`feed` runs nothing."""
+
+    @torch.inference_mode()
+    def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._read(context)
+        self.block = self._logits(self.root_state)  # [block, V']
+        return self.block[0], out[0]
+
+    def block_logits(self) -> torch.Tensor:
+        """The logits [block, V'] of every block position after the root."""
+        return self.block
+
+    def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        depths = [1 if p < 0 else self.tree_depth[p] + 1 for p in parents]
+        self.tree_tokens.extend(tokens)
+        self.tree_depth.extend(depths)
+        return self.block[depths], self.root_state[depths]

@@ -23,6 +23,10 @@ interface serves training and drafting:
   With ``feature_layers`` (EAGLE-3, Li et al., 2025, the default of ``train heads``) its first
   input is not the final feature but a low, a middle and a high layer's hidden states of the
   target, normed and fused by a linear map to the width; its later inputs are its own outputs.
+- :class:`DeerDrafter` (DEER, Cheng et al., 2025, conditioned as in DFlash): a block diffusion
+  drafter: the root's embedding and ``block`` mask rows go through one or two decoder layers in
+  one forward, bidirectional inside the block, attending to keys and values of the context made
+  from the target's features of several layers; row k scores the token k + 1 after the root.
 
 Output projections start at zero, so an untrained network predicts "the next token again" (the
 identity on the feature); training moves it from there.
@@ -159,6 +163,20 @@ def eagle3_layers(num_layers: int) -> tuple[int, ...]:
                          for layer in (2, num_layers // 2, num_layers - 3)}))
 
 
+def deer_layers(num_layers: int) -> tuple[int, ...]:
+    """The low and middle layers deer reads besides the final hidden states (with them,
+    DFlash's low / middle / high fusion): after layers L // 10 and L // 2."""
+    if num_layers < 2:
+        return ()
+    return tuple(sorted({max(1, num_layers // 10), max(1, num_layers // 2)}))
+
+
+def feature_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+    """The target layers a new network of ``kind`` reads (``train heads``' choice): EAGLE-3's
+    for eagle, deer's, none (the final hidden states) for the others."""
+    return {"eagle": eagle3_layers, "deer": deer_layers}.get(kind, lambda n: ())(num_layers)
+
+
 class PartNorm(RMSNorm):
     """RMSNorm of each of ``parts`` concatenated vectors of ``size`` on its own: the residual
     stream grows by orders of magnitude from a low layer to a high one, and a linear map fusing
@@ -221,6 +239,8 @@ class HeadNetwork(nn.Module):
     #: the target layers whose hidden states (concatenated, in this order) the network reads
     #: per committed position; () = the final hidden states (what the LM head reads)
     feature_layers: tuple[int, ...] = ()
+    #: with ``feature_layers``: the final hidden states follow those layers' (deer's fusion)
+    reads_final: bool = False
 
     def __init__(self, size: int, embed: torch.Tensor):
         super().__init__()
@@ -484,7 +504,106 @@ class EagleHead(_BlockNetwork):
         return out
 
 
-NETWORKS: dict[str, type[HeadNetwork]] = {n.kind: n for n in (HydraHeads, CloverHeads, EagleHead)}
+class DeerDrafter(_BlockNetwork):
+    """One forward drafts a block: rows [root, mask x block] at positions r .. r + block after
+    the context's features (0 .. r - 1); output row 1 + k scores the token at r + 1 + k. The
+    block's rows attend to each other both ways and to every context row, whose keys and values
+    come from the fused features through each layer's own projections (DFlash's conditioning)."""
+
+    kind = "deer"
+    reads_final = True
+
+    def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None, layers: int = 1,
+                 block: int = 8, feature_layers: tuple[int, ...] | list[int] = ()):
+        super().__init__(size, embed, inner)
+        self.layers, self.max_depth = layers, block
+        self.feature_layers = tuple(int(layer) for layer in feature_layers)
+        parts = len(self.feature_layers) + 1
+        # intermediate layers' outputs are un-normed residual streams: each part gets a norm
+        self.part_norms = nn.ModuleList(RMSNorm(size) for _ in range(parts))
+        self.fuse = nn.Linear(parts * size, size, bias=False)
+        self.context_norm = RMSNorm(size)
+        self.mask = nn.Parameter(self.embed.float().mean(0).clone())
+        self.blocks = nn.ModuleList(Block(size, self.inner) for _ in range(layers))
+        self.out_norm = RMSNorm(size)
+        self.reset()
+
+    def settings(self) -> dict:
+        return {"size": self.size, "inner": self.inner, "layers": self.layers,
+                "block": self.max_depth, "feature_layers": list(self.feature_layers)}
+
+    def reset(self) -> None:
+        self.caches = [KVCache() for _ in self.blocks]
+
+    def _context(self, features: torch.Tensor) -> torch.Tensor:
+        parts = features.float().split(self.size, -1)
+        return self.context_norm(self.fuse(torch.cat(
+            [norm(part) for norm, part in zip(self.part_norms, parts)], -1)))
+
+    def _blocks(self, roots: torch.Tensor, anchors: torch.Tensor, context,
+                context_allowed) -> torch.Tensor:
+        """Blocks after roots [A] at the positions after ``anchors`` [A] (their last context
+        rows): ``context`` per layer (keys, values) [heads, n, D]; ``context_allowed`` [A, n].
+        Returns the mask rows' features [A, block, H]."""
+        a, rows = len(roots), self.max_depth + 1
+        x = torch.cat([self.embeddings(roots)[:, None],
+                       self.mask.expand(a, self.max_depth, self.size)], 1)
+        positions = anchors[:, None] + 1 + torch.arange(rows)
+        for block, (keys, values) in zip(self.blocks, context):
+            x = x + _block_attention(block.attn, block.attn_norm(x), positions, keys, values,
+                                     context_allowed)
+            x = x + block.mlp(block.mlp_norm(x))
+        return self.out_norm(x[:, 1:])
+
+    def ingest(self, features, next_tokens, positions):
+        """Appends the context's keys and values, then drafts the block after the root
+        ``next_tokens[-1]``: its state is the block's features [block, H]."""
+        memory = self._context(features)
+        for block, cache in zip(self.blocks, self.caches):
+            cache.append(*block.attn.keys_values(memory, positions))
+        n = len(self.caches[0])
+        out = self._blocks(next_tokens[-1:], positions[-1:], [(c.keys, c.values) for c in self.caches],
+                           torch.ones(1, n, dtype=torch.bool))[0]
+        return [out], out[:1]
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        """The block does not read drafted tokens: a node at depth d is scored by block row d."""
+        out = torch.stack([state[d] for state, d in zip(parent_states, depths)])
+        return list(parent_states), out
+
+    def train_outputs(self, features, tokens, depth_limit: int, anchors=None):
+        """Positions t as anchors (``anchors``, ascending; default every one): {k: block row
+        k after root t + 1, scoring token t + k + 2}, each block attending to the context rows
+        0 .. t. Row i of depth k is ``anchors[i]``'s (those with a token t + k + 1 to score)."""
+        n = len(tokens)
+        positions = torch.arange(n)
+        anchors = positions[:n - 1] if anchors is None else anchors
+        memory = self._context(features)
+        context = [block.attn.keys_values(memory, positions) for block in self.blocks]
+        allowed = positions[None, :] <= anchors[:, None]
+        out = self._blocks(tokens[anchors + 1], anchors, context, allowed)
+        return {k: out[anchors < n - k - 1, k] for k in range(min(depth_limit, self.max_depth))
+                if bool((anchors < n - k - 1).any())}
+
+
+def _block_attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Blocks x [A, B, H] at ``positions`` [A, B] attend to the shared context (keys, values
+    [heads, n, D], where ``allowed`` [A, n]) and to every row of their own block; one softmax
+    over both (the context is not copied per block)."""
+    q = rope(attn.q(x).unflatten(-1, (attn.heads, attn.head_dim)), positions).transpose(-2, -3)
+    own_keys, own_values = attn.keys_values(x, positions)  # [A, heads, B, D]
+    scale = attn.head_dim ** -0.5
+    to_context = (q @ keys.transpose(-1, -2) * scale).masked_fill(~allowed[:, None, None],
+                                                                  float("-inf"))
+    weights = torch.cat([to_context, q @ own_keys.transpose(-1, -2) * scale], -1).softmax(-1)
+    n = keys.shape[-2]
+    out = weights[..., :n] @ values + weights[..., n:] @ own_values
+    return attn.o(out.transpose(-2, -3).flatten(-2))
+
+
+NETWORKS: dict[str, type[HeadNetwork]] = {n.kind: n for n in (HydraHeads, CloverHeads, EagleHead,
+                                                               DeerDrafter)}
 
 
 def make_network(kind: str, size: int, embed: torch.Tensor, **settings) -> HeadNetwork:

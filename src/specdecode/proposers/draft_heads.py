@@ -49,6 +49,8 @@ class HeadProposer(Proposer):
     """Subclasses set ``head_kind`` (a network of heads/networks.py) and register."""
 
     head_kind = "?"
+    #: the draft cache that runs the network
+    draft_cache = HeadDraftLM
 
     def __init__(self, config, runner):
         super().__init__(config, runner)
@@ -57,7 +59,7 @@ class HeadProposer(Proposer):
         self.net = net
         # what the network reads is the artifact's: an EAGLE-3 head asks for three layers
         self.needs = target_needs(net)
-        self.session = DraftSession(HeadDraftLM(net, head_ids, runner))
+        self.session = DraftSession(self.draft_cache(net, head_ids, runner))
         self.depth_limit = net.max_depth
         self.draft_source = source
 

@@ -1,4 +1,4 @@
-"""``specdecode train heads --kind hydra|clover|eagle``: draft heads by self-distillation.
+"""``specdecode train heads --kind hydra|clover|eagle|deer``: draft heads by self-distillation.
 
 1. data: the conversations the target writes itself: a ``specdecode train data`` shard
    (``--shard``, :mod:`specdecode.training.target_data`), or else
@@ -7,7 +7,7 @@
 2. features: the target reads a conversation when a step first needs it, one prefill of the
    runner the heads will draft for (``--runner``, the default one: native int4 for SmolLM2),
    so training sees the features drafting will read: its final hidden states (what its LM
-   head reads, the teacher's distribution) and, for EAGLE-3, its low, middle and high layers'.
+   head reads, the teacher's distribution) and, for EAGLE-3 and deer, chosen layers'.
    They are kept in memory for later epochs up to 2 GB (past that, read again: a prefill is a
    quarter of a step), so the data may be any size.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
@@ -19,7 +19,10 @@
    L // 2 and L - 3 and is unrolled on its own predictions for 4 steps (training-time test;
    the paper's 7: every step costs as much as the first on a CPU, and the default trees
    rarely reach depth 4, docs/draft-heads.md), the loss at step k weighted 0.8^k, without
-   EAGLE-1's feature regression (EAGLE-3 drops it).
+   EAGLE-1's feature regression (EAGLE-3 drops it). deer (the block drafter) reads a low and
+   a middle layer's hidden states besides the final ones, and learns from ``--anchors`` random
+   answer positions a step, each the root of an all-masked block whose row k is scored against
+   the target's distribution at the k-th position after it (DEER's first stage).
    AdamW, lr 1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one
    conversation a step.
 5. evaluation on the held-out conversations: per depth, how often the head's top token is the
@@ -44,7 +47,7 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.drafter import target_features
-from specdecode.heads.networks import NETWORKS, eagle3_layers, make_network, parameter_count
+from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
 from specdecode.models.base import Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
@@ -53,7 +56,7 @@ from specdecode.training.self_data import (frequency_shortlist, shortlist_covera
 
 #: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE-3's
 #: training-time test (the paper unrolls 7; here 4 for the CPU's sake, docs/draft-heads.md)
-DEPTHS = {"hydra": 4, "clover": 4, "eagle": 4}
+DEPTHS = {"hydra": 4, "clover": 4, "eagle": 4, "deer": 8}
 #: EAGLE-3's weight of the loss at unrolled step k: 0.8^k
 EAGLE_STEP_DECAY = 0.8
 #: most bytes of features kept between epochs (a prefill is a quarter of a training step)
@@ -64,7 +67,7 @@ MAX_HELD_OUT = 200
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=sorted(NETWORKS),
-                        help="the network: hydra, clover or eagle")
+                        help="the network: hydra, clover, eagle or deer (the block drafter)")
     parser.add_argument("--model", default="smollm2",
                         help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
     parser.add_argument("--max-minutes", type=float, default=12.0,
@@ -82,7 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shortlist", type=int, default=8192,
                         help="tokens the heads score (FR-Spec; 0 = the whole vocabulary)")
     parser.add_argument("--depth", type=int, default=None,
-                        help="depths trained (default: hydra 4 heads, clover 4, eagle 4 steps)")
+                        help="depths trained (default: hydra 4 heads, clover 4, eagle 4 steps, "
+                             "deer its block of 8)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="deer: decoder layers of the drafter (1 or 2 in DFlash's range)")
+    parser.add_argument("--anchors", type=int, default=24,
+                        help="deer: blocks trained per conversation a step (random answer "
+                             "positions)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where the method finds it)")
@@ -110,14 +119,17 @@ def conversation_features(runner, net, ids) -> tuple[torch.Tensor, torch.Tensor]
     return inputs.float().clone(), final.float().clone()
 
 
-def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor):
-    """{depth: loss} for one conversation; outputs[k] row t scores token t + k + 2, whose
-    target distribution is the LM head's on the final features [T, H] at position t + k + 1."""
+def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
+                 anchors: torch.Tensor | None = None):
+    """{depth: loss} for one conversation; outputs[k] row t (or ``anchors[t]``, where the
+    network read only those positions) scores token t + k + 2, whose target distribution is
+    the LM head's on the final features [T, H] at position t + k + 1."""
     with torch.no_grad():  # every position's once: depth k reads it shifted by k
         teachers = (features @ head.T).log_softmax(-1)
     losses = {}
     for k, out in outputs.items():
-        teacher = teachers[k + 1: k + 1 + len(out)]
+        rows = torch.arange(len(out)) if anchors is None else anchors[:len(out)]
+        teacher = teachers[rows + k + 1]
         student = (out @ head.T).log_softmax(-1)
         losses[k] = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
     return losses
@@ -204,9 +216,8 @@ def run(args: argparse.Namespace) -> int:
     data = _data(loaded, fingerprint, args, args.data_share * budget, bar.show)
 
     # 4. training
-    layers = eagle3_layers(target.config.num_hidden_layers) if args.kind == "eagle" else ()
     net = make_network(args.kind, data.embed.shape[1], data.embed,
-                       **({"feature_layers": layers} if layers else {}))
+                       **network_settings(args, target.config.num_hidden_layers))
     _norms_like_the_target(net, target)
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     state = {"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
@@ -285,6 +296,16 @@ def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse
     return path
 
 
+def network_settings(args: argparse.Namespace, num_layers: int) -> dict:
+    """The network's settings besides its width: the target layers it reads
+    (:func:`~specdecode.heads.networks.feature_layers`), and for deer its layers and block."""
+    layers = feature_layers(args.kind, num_layers)
+    settings = {"feature_layers": layers} if layers else {}
+    if args.kind == "deer":
+        settings.update(layers=args.layers, block=args.depth or DEPTHS["deer"])
+    return settings
+
+
 def _checked_depth(args: argparse.Namespace) -> int:
     """The depth to train, after checking the arguments (before anything loads)."""
     require(args.max_minutes > 0, f"--max-minutes must be positive, got {args.max_minutes}")
@@ -297,6 +318,10 @@ def _checked_depth(args: argparse.Namespace) -> int:
     require(args.shortlist >= 0, "--shortlist must be >= 0 (0 = whole vocabulary)")
     depth = args.depth or DEPTHS[args.kind]
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
+    require(args.layers >= 1, f"--layers must be >= 1, got {args.layers}")
+    require(args.shard is None or Path(args.shard).is_file(),
+            f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
+            "FILE`")
     return depth
 
 
@@ -324,6 +349,7 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     """Phases 1-3: conversations, the runner the heads will draft for (it reads their
     features), a tenth held out, the shortlist."""
     from specdecode.models.loading import make_runner
+    from specdecode.training.target_data import read_shard
 
     target = loaded.model
     sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
@@ -340,6 +366,16 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage)
 
 
+def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
+    """``count`` random anchors (ascending) among the answer's positions of a conversation of
+    ``n`` tokens: a deer step scores a block of rows per anchor, so it reads a sample of them
+    (every anchor of a conversation would cost a hundred times a hydra step)."""
+    first = max(0, prompt_len - 2)
+    choices = torch.arange(first, n - 1)
+    pick = torch.randperm(len(choices))[:count]
+    return choices[pick].sort().values
+
+
 def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpoint,
            args: argparse.Namespace, deadline: float, show) -> None:
     """Phase 4 until ``deadline``: one conversation a step, the learning rate warmed up over
@@ -354,13 +390,19 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     while time.monotonic() < deadline:
         step = state["step"]
-        ids = train[int(order[step % len(train)])][0]
+        ids, prompt_len = train[int(order[step % len(train)])]
         inputs, final = data.features(net, ids)
         elapsed = (time.monotonic() - start) / max(deadline - start, 1.0)
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
-        losses = depth_losses(net.train_outputs(inputs, torch.tensor(ids), depth), final, head)
+        tokens, anchors = torch.tensor(ids), None
+        if args.kind == "deer":
+            anchors = _anchors(prompt_len, len(ids), args.anchors)
+            outputs = net.train_outputs(inputs, tokens, depth, anchors)
+        else:
+            outputs = net.train_outputs(inputs, tokens, depth)
+        losses = depth_losses(outputs, final, head, anchors)
         value = descend(step_loss(args.kind, losses), optim, net.parameters(), step)
         state["step"] = step = step + 1
         recent = (recent + [value])[-20:]

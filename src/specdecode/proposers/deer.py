@@ -1,0 +1,126 @@
+"""DEER: draft with a block diffusion model, verify autoregressively (Cheng et al., 2025, "DEER:
+Draft with Diffusion, Verify with Autoregressive Models", arXiv 2512.15176), with the drafter
+conditioned on the target's features as in DFlash (block diffusion drafting with the target's
+hidden states as context).
+
+The drafter (heads/networks.py, ``DeerDrafter``) is one decoder layer of the target's width
+whose input is the root's embedding and ``block`` mask rows; they attend to each other both
+ways and to keys and values made from the target's features of every committed position (a low
+and a middle layer's outputs and the final hidden states, each normed, concatenated and
+projected). ONE forward gives a distribution per block position, scored through the FR-Spec
+shortlist of the target's frozen LM head like the other heads. Nothing is autoregressive on
+the draft side, so a whole block costs one small forward whatever its length; the price is
+that position k does not see what was drafted before it.
+
+The draft is a tree (default) grown best-first by path probability from the per-position
+distributions (node at depth d: its children are ranked by block position d + 1's
+distribution; the growth and the sampling rules of the other heads, drafting/tree.py, so T > 0
+records ``Draft.probs`` and stays exact), or a chain of each position's argmax (greedy) or draw.
+DEER regenerates the block from the new prefix after each verification ("reliable block
+regeneration"), as here: every step drafts afresh from the committed context.
+
+Trained by ``specdecode train heads --kind deer``: every position of the target's own
+conversations is an anchor, the block after it all masked, and each mask row learns the
+target's distribution there (KL, over the shortlist): DEER's first stage, AR-style
+continuation distillation. Its second stage (weighted suffix masking with a loss decaying
+along the block) is not done: the first stage's loss weighs every block position alike.
+
+Defaults: a block of 8 (DEER drafts up to 32 on a GPU; here a verify row costs about a fifth of
+a one-token forward and the deeper positions are rarely right), a tree of at most 16 nodes,
+growth stops below a path probability of 0.05 (a node costs only its verify row: the block's
+rows are all scored by the one forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.drafting.tree import grow_tree
+from specdecode.errors import require
+from specdecode.heads.drafter import BlockDraftLM
+from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
+from specdecode.registry import param, register
+from specdecode.sampling import sample
+
+SHAPES = ("tree", "chain")
+
+
+@dataclass(frozen=True)
+class DeerConfig(HeadTreeConfig):
+    shape: str = param("tree", "tree: best-first by path probability over the block's "
+                               "per-position distributions; chain: each position's top token "
+                               "(greedy) or draw")
+    tree_nodes: int = param(16, "draft size per verify step (node budget)")
+    max_depth: int = param(8, "deepest draft node (at most the trained block)")
+    expand_width: int = param(16, "tree nodes ranked per growth round (no forward: the block's "
+                                  "rows are already scored)")
+    max_forwards: int = param(16, "most growth rounds per step after the first (each only "
+                                  "ranks block rows already scored)")
+    min_path_prob: float = param(0.05, "stop growing (a chain: stop) below this path "
+                                       "probability of the draft")
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(self.shape in SHAPES, f"unknown shape {self.shape!r}; known: {', '.join(SHAPES)}")
+
+
+@register("deer", DeerConfig,
+          paper="DEER (Cheng et al., 2025) with DFlash's feature conditioning; FR-Spec shortlist "
+                "(Zhao et al., 2025); EAGLE-2 dynamic tree (Li et al., 2024)",
+          summary="block diffusion drafter on the target's multi-layer features: a whole block "
+                  "in one forward; tree or chain; exact with sampling")
+class DeerProposer(HeadProposer):
+    head_kind = "deer"
+    draft_cache = BlockDraftLM
+
+    def propose(self, context, budget):
+        if self.config.shape == "tree":
+            return grow_tree(self.session, context, budget, self.config)
+        return self._chain(context, budget)
+
+    def _chain(self, context, budget) -> Draft:
+        """Each block position's top token (greedy) or a draw from its distribution processed
+        like the target's (recorded in ``probs``), while the path probability stays at or
+        above ``min_path_prob``. A sampled position is valued before it is drawn (the expected
+        draft probability of its draw, sum of q^2): whether it joins must not depend on the
+        token it turns out to be, or the rejection rule would not keep the target's
+        distribution."""
+        length = min(self.config.max_depth, budget.max_depth, budget.max_nodes,
+                     self.depth_limit or self.config.max_depth)
+        self.session.nodes = ([], [], [])
+        if length <= 0:
+            return Draft.empty()
+        self.lm.catch_up(context)
+        block = self.lm.block_logits()[:length]
+        if self.sampling.greedy and not self.sampling.has_penalties:
+            return self._greedy_chain(block)
+        tokens, probs, path_prob = [], [], 1.0
+        for logits in block:
+            node = self.session.node(logits, list(context) + tokens)
+            if self.sampling.greedy:
+                token = node.argmax(0)
+                path_prob *= float(node.penalised(0).softmax(-1)[token])
+            else:
+                q = node.probs(0)
+                path_prob *= float((q * q).sum())
+            if path_prob < self.config.min_path_prob:
+                break
+            if not self.sampling.greedy:
+                token = sample(q, self.session.generator)
+                probs.append(q)
+            tokens.append(token)
+        self.session.nodes = (tokens, list(range(-1, len(tokens) - 1)), [None] * len(tokens))
+        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+    def _greedy_chain(self, block: torch.Tensor) -> Draft:
+        """Greedy without penalties: each row's top shortlist token, the whole block in a few
+        tensor operations (what the loop above computes, without a [V] row per position)."""
+        top = block.float().softmax(-1).max(-1)
+        keep = int((top.values.cumprod(0) >= self.config.min_path_prob).sum())
+        ids = top.indices[:keep]
+        tokens = (ids if self.lm.head_ids is None else self.lm.head_ids[ids]).tolist()
+        self.session.nodes = (tokens, list(range(-1, keep - 1)), [None] * keep)
+        return Draft.chain(tokens)

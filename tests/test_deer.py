@@ -1,0 +1,151 @@
+"""deer, the block diffusion drafter (proposers/deer.py, heads/networks.py ``DeerDrafter``): the
+block's masking, the chain and tree drafts, ``Draft.probs`` at T > 0, the artifact, training.
+Greedy exactness against ``ar``, the tiny-model acceptance and the drafting-equals-training
+check are the shared ones (tests/test_exactness.py, test_acceptance.py, test_draft_heads.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.control import Budget
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.artifact import load_heads, save_heads
+from specdecode.heads.networks import feature_layers, make_network
+from specdecode.models.hf import HFRunner
+from specdecode.registry import get
+from specdecode.sampling import SamplingParams
+from specdecode.training.runs import descend
+from specdecode.training.train_heads import depth_losses
+
+from conftest import repetitive_prompts, tiny_heads
+from test_draft_heads import check_sampled_distribution, perturbed
+from tiny_models import tiny_llama
+
+BLOCK = 8
+
+
+def test_a_block_reads_the_context_up_to_its_anchor_and_nothing_it_predicts():
+    """Block t (root t + 1, masks predicting t + 2 ..) is the same whatever follows the root:
+    neither the features after t nor the tokens the masks predict leak in; the root does
+    reach every row (attention inside the block goes both ways)."""
+    net = perturbed("deer")
+    n, t = 16, 6
+    feats, ids = torch.randn(n, net.size), torch.randint(50, (n,))
+    base = net.train_outputs(feats, ids, BLOCK)
+    later_feats, later_ids = feats.clone(), ids.clone()
+    later_feats[t + 1:] += 1.0
+    later_ids[t + 2:] = (later_ids[t + 2:] + 1) % 50
+    changed = net.train_outputs(later_feats, later_ids, BLOCK)
+    other_root = ids.clone()
+    other_root[t + 1] = (ids[t + 1] + 1) % 50
+    rooted = net.train_outputs(feats, other_root, BLOCK)
+    for k in range(BLOCK):
+        torch.testing.assert_close(changed[k][t], base[k][t])
+        assert not torch.allclose(rooted[k][t], base[k][t])
+    assert [len(base[k]) for k in range(BLOCK)] == [n - 1 - k for k in range(BLOCK)]
+    # the trainer's sample of anchors computes what every anchor would at those positions
+    anchors = torch.tensor([2, t, n - 3])
+    sampled = net.train_outputs(feats, ids, BLOCK, anchors)
+    torch.testing.assert_close(sampled[1], base[1][anchors])
+    torch.testing.assert_close(sampled[3], base[3][anchors[:2]])  # n - 3 has no token 4 ahead
+
+
+def test_feature_layers_are_a_low_and_a_middle_one():
+    assert feature_layers("deer", 30) == (3, 15)
+    assert feature_layers("deer", 2) == (1,)
+    assert feature_layers("hydra", 30) == ()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(seed=0)
+
+
+def drafts(tiny, sampling: SamplingParams, **config):
+    """The first draft of ``deer`` with ``config`` after a repetitive prompt."""
+    runner = HFRunner(tiny)
+    settings = get("deer").make_config({"heads": tiny_heads("deer", tiny), **config})
+    proposer = get("deer").proposer(settings, runner)
+    prompt = repetitive_prompts()[0]
+    output = Generation(runner, proposer, prompt, 8, sampling).run()
+    # the proposer has the features of every committed position but the pending root's
+    return proposer, proposer.propose(list(prompt) + list(output), Budget(64, 64))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_chain_and_tree_shapes_with_probs_when_sampling(tiny, temperature):
+    sampling = SamplingParams(temperature=temperature, seed=1)
+    proposer, chain = drafts(tiny, sampling, shape="chain", min_path_prob=0.0)
+    assert list(chain.parents) == list(range(-1, len(chain.tokens) - 1))
+    assert len(chain.tokens) == BLOCK  # min_path_prob 0: the whole block
+    _, tree = drafts(tiny, sampling, tree_nodes=12, min_path_prob=0.0)
+    assert len(tree.tokens) == 12 and len(set(tree.parents)) < 12  # branched
+    depths = []
+    for p in tree.parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    assert max(depths) <= BLOCK
+    if temperature == 0:
+        # greedy chain: each block position's top token, whatever was drafted before it
+        assert list(chain.tokens) == proposer.lm.block_logits().argmax(-1).tolist()
+        assert chain.probs is None and tree.probs is None
+        return
+    for draft in (chain, tree):
+        assert draft.probs is not None and draft.probs.shape[0] == len(draft.tokens)
+        torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
+        assert all(draft.probs[i, token] > 0 for i, token in enumerate(draft.tokens))
+
+
+def test_sampled_chain_keeps_the_target_distribution():
+    """The chain's own sampling code (the tree's is the other heads', tested with them)."""
+    check_sampled_distribution("deer", {"shape": "chain"}, 400)
+
+
+def test_greedy_chain_is_ar(tiny):
+    ar = Decoder(tiny, None, "ar", eos_token_ids=[])
+    decoder = Decoder(tiny, None, "deer", eos_token_ids=[], heads=tiny_heads("deer", tiny),
+                      shape="chain", min_path_prob=0.0)
+    for prompt in repetitive_prompts():
+        assert decoder.start(prompt, 24).run() == ar.start(prompt, 24).run()
+
+
+def test_artifact_round_trip_and_clear_errors(tiny, tmp_path):
+    runner = HFRunner(tiny)
+    embed = tiny.get_input_embeddings().weight
+    torch.manual_seed(0)
+    net = make_network("deer", 32, embed, feature_layers=(1,))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = save_heads(tmp_path / "d.safetensors", net, torch.tensor([1, 2, 3]),
+                      runner.fingerprint(), {})
+    loaded, head_ids, _, config = load_heads(str(path), runner, "deer", embed)
+    assert config["network"]["feature_layers"] == [1] and config["network"]["block"] == BLOCK
+    assert head_ids.tolist() == [1, 2, 3]
+    feats, ids = torch.randn(10, 64), torch.randint(embed.shape[0], (10,))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.train_outputs(feats, ids, BLOCK)[3],
+                                   net.train_outputs(feats, ids, BLOCK)[3], atol=0.05, rtol=0.05)
+    with pytest.raises(SpecDecodeError, match="not 'deer_heads'"):
+        load_heads(tiny_heads("hydra", tiny), runner, "deer", embed)
+    with pytest.raises(SpecDecodeError, match="specdecode train heads --kind deer"):
+        Decoder(tiny_llama(seed=9), None, "deer")
+    with pytest.raises(SpecDecodeError, match="unknown shape"):
+        get("deer").make_config({"shape": "star"})
+
+
+def test_training_lowers_the_loss():
+    torch.manual_seed(0)
+    embed = torch.randn(40, 64)
+    head = torch.randn(40, 64)
+    net = make_network("deer", 64, embed, block=4)
+    optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    feats, ids = torch.randn(24, 64), torch.randint(40, (24,))
+    losses = []
+    for step in range(30):
+        per_depth = depth_losses(net.train_outputs(feats, ids, 4), feats, head)
+        losses.append(descend(sum(per_depth.values()) / len(per_depth), optim,
+                              net.parameters(), step))
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
