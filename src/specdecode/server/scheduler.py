@@ -43,6 +43,7 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.server.goodput import Acceptance, Batching, Candidate, allocate
 from specdecode.server.metrics import Metrics
+from specdecode.server.diffusion import served_method
 from specdecode.server.protocol import ApiError
 
 log = logging.getLogger("specdecode.server")
@@ -258,7 +259,7 @@ class Scheduler:
         if decoder is None:
             slot.make_room(spec.proposer_bytes, self.proposer_budget)
             proposer = self.make_proposer(spec.method, spec.config, slot.runner)
-            decoder = _Decoder(registry.get(spec.method), proposer, self.tokenizer,
+            decoder = _Decoder(served_method(spec.method), proposer, self.tokenizer,
                                spec.proposer_bytes)
         slot.decoders[key] = decoder  # the most recently used, last
         return decoder
