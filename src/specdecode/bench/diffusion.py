@@ -172,12 +172,13 @@ def plot(rows: dict[str, dict], out: Path) -> Path | str:
         panels.append(("math_accuracy", "maths accuracy"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
-        for label, r in rows.items():
+        for i, (label, r) in enumerate(rows.items()):
             value = (r["math_right"] / r["math_questions"] if key == "math_accuracy"
                      else r[key])
             ax.scatter(r["tokens_per_s"], value, marker="s" if label in AR_METHODS else "o")
-            ax.annotate(label, (r["tokens_per_s"], value), fontsize="small",
-                        xytext=(3, 3), textcoords="offset points")
+            # staggered, so the labels of points that coincide stay readable
+            ax.annotate(label, (r["tokens_per_s"], value), fontsize="x-small",
+                        xytext=(4, 4 + 8 * (i % 4)), textcoords="offset points")
         ax.set_xlabel("tokens/s")
         ax.set_ylabel(title)
         ax.set_ylim(-0.05, 1.08)
