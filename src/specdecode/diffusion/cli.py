@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="decode as a block-diffusion model with this policy (`specdecode "
                             "methods` lists them); -c KEY=VALUE sets the policy's fields")
     group.add_argument("--block-size", type=int, default=None, metavar="N",
-                       help="positions per diffusion block (default 32)")
+                       help="positions per diffusion block (default: the dLLM's, else 32)")
     group.add_argument("--mask-id", type=int, default=None, metavar="ID",
                        help="the mask token id (default: the dLLM's, else the tokenizer's mask "
                             "token, else SmolLM2's unused <empty_output>, else the last id)")
