@@ -213,7 +213,8 @@ def test_generate_diffusion_runs_a_policy(model, capsys):
 
     args = build_parser("generate").parse_args(
         ["generate", "hello", "--diffusion", "freedave", "--no-chat", "--json",
-         "--block-size", "4", "--max-new-tokens", "8", "--mask-id", str(MASK)])
+         "--block-size", "4", "--max-new-tokens", "8", "--mask-id", str(MASK),
+         "--dllm", "none"])
     load = lambda _: (model.runner, ByteTokenizer(), [EOS])  # noqa: E731
     assert generate(args, {"draft_steps": "4"}, {}, load) == 0
     out = json.loads(capsys.readouterr().out)

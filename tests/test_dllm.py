@@ -148,3 +148,20 @@ def test_dllm_runner_merges_a_saved_delta_and_refuses_a_missing_file(tmp_path):
     assert torch.equal(runner.prefill(ids).logits, expected) and loaded_delta.rank == 4
     with pytest.raises(SpecDecodeError, match="train dllm"):
         dllm_runner(SimpleNamespace(model=model), tmp_path / "missing.safetensors")
+
+
+def test_find_dllm_names_a_file_none_or_the_newest_for_the_model(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from specdecode.diffusion import dllm
+    from specdecode.models.hf import HFRunner
+    from specdecode.training import artifacts
+
+    model = frozen_llama()
+    loaded = SimpleNamespace(model=model)
+    monkeypatch.setattr(artifacts, "user_dir", lambda: tmp_path)
+    assert dllm.find_dllm(loaded, "auto") is None and dllm.find_dllm(loaded, "none") is None
+    path = random_delta(model).save(tmp_path / "d.safetensors", HFRunner(model).fingerprint())
+    assert dllm.find_dllm(loaded, "auto") == path == dllm.find_dllm(loaded, str(path))
+    with pytest.raises(SpecDecodeError, match="'auto', 'none'"):
+        dllm.find_dllm(loaded, str(tmp_path / "missing.safetensors"))

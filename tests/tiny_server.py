@@ -51,11 +51,12 @@ def tiny_served_model(tokenizer):
     return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=CONTEXT, seed=1)
 
 
-def make_server(model, tokenizer, runners=None, parallel=2, memory=None, **settings):
+def make_server(model, tokenizer, runners=None, parallel=2, memory=None, dllm=None,
+                **settings):
     runners = runners or [HFRunner(model) for _ in range(parallel)]
     options = dict(model_id=MODEL, method="ngram", max_body_bytes=BODY_LIMIT)
     options.update(settings)
-    server = Server(runners, tokenizer, [EOS], Settings(**options), memory)
+    server = Server(runners, tokenizer, [EOS], Settings(**options), memory, dllm=dllm)
     return BackgroundServer(create_app(server))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, MethodContender,
                                          llama_cpp_available, llama_cpp_unsupported)
 from specdecode.bench.datasets import Question, load_questions, sample_per_task
+from specdecode.bench.diffusion import add_arguments as add_diffusion_arguments
 from specdecode.bench.llama_tools import TOOLS_ENV
 from specdecode.bench.metrics import accepted_histograms, summarize
 from specdecode.bench.peer_process import PeerFailed
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-costs", default=None, metavar="RUNNERS",
                         help="with --project-from and without --runners: a --runners run's "
                              "folder or runners.json to project on (nothing is measured)")
+    add_diffusion_arguments(parser)
     add_model_arguments(parser)
     add_sampling_arguments(parser)
 
@@ -328,8 +330,8 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.models.hf import HFRunner
 
     checked = plan(args)
-    modes = [flag for flag in ("runners", "perplexity") if getattr(args, flag)]
-    require(len(modes) <= 1, "--runners and --perplexity are separate runs; give one")
+    modes = [flag for flag in ("runners", "perplexity", "diffusion") if getattr(args, flag)]
+    require(len(modes) <= 1, "--runners, --perplexity and --diffusion are separate runs; give one")
     require(args.row_costs is None or (args.project_from and not modes),
             "--row-costs goes with --project-from, without --runners (which measures the costs)")
     require(args.project_from is None or not args.perplexity,
@@ -340,6 +342,10 @@ def run(args: argparse.Namespace) -> int:
         return run_runners(args, checked)
     if args.perplexity:
         return run_perplexity(args, checked)
+    if args.diffusion:
+        from specdecode.bench import diffusion
+
+        return diffusion.run(args, checked.questions, checked.out, _meta(args, time.time()))
     require(args.project_from is None, "--project-from needs row costs: add --runners (measure "
                                        "them on --model) or --row-costs RUNNERS_JSON")
     runner, tokenizer, eos = load_target(args)

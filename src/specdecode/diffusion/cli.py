@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from specdecode.errors import require
 
@@ -15,13 +16,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="decode as a block-diffusion model with this policy (`specdecode "
                             "methods` lists them); -c KEY=VALUE sets the policy's fields")
     group.add_argument("--block-size", type=int, default=None, metavar="N",
-                       help="positions per diffusion block (default 32)")
+                       help="positions per diffusion block (default: the dLLM's, else 32)")
     group.add_argument("--mask-id", type=int, default=None, metavar="ID",
                        help="the mask token id (default: the dLLM's, else the tokenizer's mask "
                             "token, else SmolLM2's unused <empty_output>, else the last id)")
-    group.add_argument("--dllm", default=None, metavar="PATH",
-                       help="a dLLM delta (`specdecode train dllm`), merged into fp32 weights "
-                            "(--weights picks another format); default: the AR model as it is")
+    group.add_argument("--dllm", default="auto", metavar="PATH",
+                       help="the dLLM delta (`specdecode train dllm`), merged into fp32 weights "
+                            "(--weights picks another format): 'auto' (default) the newest "
+                            "trained for the model (the packaged one for SmolLM2), else the AR "
+                            "model as it is; 'none' the AR model as it is; or a file")
 
 
 def default_mask_id(tokenizer, vocab_size: int) -> int:
@@ -78,21 +81,26 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
 
 
 def _load(args: argparse.Namespace, load_target):
-    """(runner, tokenizer, eos ids, mask id, block size or None): the target as it is, or with
-    the ``--dllm`` delta merged (whose mask id and block size are the defaults then)."""
-    if args.dllm is None:
+    """(runner, tokenizer, eos ids, mask id, block size or None): the ``--dllm`` delta merged
+    (whose mask id and block size are the defaults then), or the target as it is."""
+    from specdecode.api import eos_ids
+    from specdecode.diffusion.dllm import dllm_runner, find_dllm
+    from specdecode.models.loading import load_model
+
+    loaded = load_model(args.model) if args.dllm != "none" else None
+    path = find_dllm(loaded, args.dllm) if loaded is not None else None
+    if path is None:
+        if args.dllm == "auto":
+            print(f"specdecode: no dLLM delta for {args.model} (`specdecode train dllm`): the AR "
+                  "model runs as it is", file=sys.stderr)
         runner, tokenizer, eos = load_target(args)
         mask = args.mask_id if args.mask_id is not None else default_mask_id(tokenizer,
                                                                              runner.vocab_size)
         return runner, tokenizer, eos, mask, args.block_size
-    from specdecode.api import eos_ids
-    from specdecode.diffusion.dllm import dllm_runner
-    from specdecode.models.loading import load_model
-
-    require(args.runner in ("auto", "native"), "--dllm runs on the native runner; drop --runner")
-    loaded = load_model(args.model)
+    require(args.runner in ("auto", "native"), "a dLLM delta runs on the native runner; drop "
+                                               "--runner or pass --dllm none")
     weights = "fp32" if args.weights == "auto" else args.weights
-    runner, delta = dllm_runner(loaded, args.dllm, weights)
+    runner, delta = dllm_runner(loaded, path, weights)
     mask = args.mask_id if args.mask_id is not None else int(delta.config["mask_id"])
     block = args.block_size or delta.config.get("block_size")
     return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer), mask, block

@@ -19,7 +19,7 @@ Fast-dLLM (Wu et al. 2025) and Prophet's code; BD3-LM (Arriola et al. 2025) trai
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from specdecode.diffusion.step import Policy, StepView
@@ -56,6 +56,18 @@ def diffuse(model, policy: Policy, prompt: Sequence[int], max_new_tokens: int,
             constraint=None) -> DiffusionResult:
     """Decode up to ``max_new_tokens`` tokens after ``prompt`` with ``policy``; the output ends
     at (and keeps) the first end-of-sequence token."""
+    result = DiffusionResult([])
+    for _ in diffuse_blocks(model, policy, prompt, max_new_tokens, eos_ids, block_size,
+                            constraint, result):
+        pass
+    return result
+
+
+def diffuse_blocks(model, policy: Policy, prompt: Sequence[int], max_new_tokens: int,
+                   eos_ids: Sequence[int], block_size: int, constraint,
+                   result: DiffusionResult) -> Iterator[list[int]]:
+    """:func:`diffuse` a block at a time: yields each block's kept tokens as it is committed
+    (the server streams them), filling ``result``."""
     require(max_new_tokens > 0, f"max_new_tokens must be positive, got {max_new_tokens}")
     require(block_size > 0, f"block_size must be positive, got {block_size}")
     require(len(prompt) > 0, "the prompt is empty; give at least one token")
@@ -66,21 +78,23 @@ def diffuse(model, policy: Policy, prompt: Sequence[int], max_new_tokens: int,
     eos = tuple(eos_ids)
     policy.start(constraint)
     model.prefill(prompt)
-    result = DiffusionResult([])
     while len(result.tokens) < max_new_tokens:
         width = min(block_size, max_new_tokens - len(result.tokens))
         policy.start_block(len(result.tokens))
         block = _denoise_block(model, policy, width, eos, result)
         policy.block_done(block)
         ends = [i for i, token in enumerate(block) if token in eos]
-        result.tokens += block[:ends[0] + 1] if ends else block
+        kept = block[:ends[0] + 1] if ends else block
+        result.tokens += kept
+        result.forwards = model.forwards - first_forward
+        result.seconds = time.perf_counter() - began
+        yield kept
         if ends or (constraint is not None and constraint.finished):
             break
         if len(result.tokens) < max_new_tokens:
             model.append(block)
     result.forwards = model.forwards - first_forward
     result.seconds = time.perf_counter() - began
-    return result
 
 
 def _denoise_block(model, policy: Policy, width: int, eos: tuple[int, ...],

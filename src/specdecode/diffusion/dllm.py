@@ -215,3 +215,21 @@ def dllm_runner(loaded, path: str | Path, weights: str = "fp32", **kwargs):
     model = loaded.model.float().eval()
     delta = DiffusionDelta.load(path, model, HFRunner(model).fingerprint())
     return merged_runner(model, delta, weights, **kwargs), delta
+
+
+def find_dllm(loaded, spec: str) -> Path | None:
+    """The delta ``spec`` names for a loaded model: a file; ``'auto'``, the newest trained for
+    this model (the user cache, then the package's ``data/adapters``), or None where there is
+    none; ``'none'``, None (the AR model as it is)."""
+    from specdecode.models.hf import HFRunner
+    from specdecode.training.artifacts import find_artifacts
+
+    if spec == "none":
+        return None
+    if spec == "auto":
+        found = find_artifacts(KIND, HFRunner(loaded.model.float().eval()).fingerprint())
+        return found[0] if found else None
+    require(Path(spec).suffix == ".safetensors" and Path(spec).is_file(),
+            f"--dllm {spec!r} is neither 'auto', 'none' nor an existing .safetensors file (make "
+            "one with `specdecode train dllm --out PATH`)")
+    return Path(spec)

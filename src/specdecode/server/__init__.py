@@ -49,10 +49,28 @@ def build(args: argparse.Namespace):
     first = make_runner(loaded, args.runner, args.weights, args.max_context)
     runners = [first] + [first.replica() for _ in range(args.parallel - 1)]
     eos = eos_ids(loaded, loaded.tokenizer)
-    server = Server(runners, loaded.tokenizer, eos, settings, memory)
+    server = Server(runners, loaded.tokenizer, eos, settings, memory,
+                    dllm=load_dllm(loaded, args.dllm, args.max_context))
     # the first forward of a process pays one-off costs; keep them out of the first request
     runners[0].prefill(server.encode("Hello", chat=True))
     return create_app(server)
+
+
+def load_dllm(loaded, spec: str, max_context: int | None):
+    """The dLLM ``diffusion:POLICY`` requests decode (``--dllm``), or None for 'none'; 'auto'
+    without a delta trained for the model is refused with how to make one."""
+    from specdecode.diffusion.dllm import dllm_runner, find_dllm
+    from specdecode.errors import require
+    from specdecode.server.diffusion import Dllm
+
+    path = find_dllm(loaded, spec)
+    require(path is not None or spec == "none", "--dllm auto: no dLLM delta for this model; "
+                                                "train one with `specdecode train dllm`")
+    if path is None:
+        return None
+    runner, delta = dllm_runner(loaded, path, max_context=max_context)
+    return Dllm(runner, int(delta.config["mask_id"]), int(delta.config.get("block_size", 8)),
+                str(path))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,9 @@ from specdecode.server.goodput import Batching
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
 from specdecode.server import limits
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
+from specdecode.server.diffusion import (Dllm, is_diffusion, make_factory, served_method,
+                                         served_policies)
+from specdecode.server.diffusion import check_request as check_diffusion
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, SamplingFields,
                                         decode_json, error_body, new_id, now, parse)
 from specdecode.server.memory import SharedMemory
@@ -120,8 +123,11 @@ class Frontend:
     """
 
     def __init__(self, backend, model: ModelInfo, tokenizer, settings: Settings,
-                 metrics: Metrics, memory, catalogue: Catalogue | None = None):
+                 metrics: Metrics, memory, catalogue: Catalogue | None = None,
+                 dllm: Dllm | None = None):
         self.settings = settings
+        #: the dLLM ``diffusion:POLICY`` requests decode (:mod:`.diffusion`); None: refused
+        self.dllm = dllm
         method = registry.get(settings.method)
         method.make_config(settings.config)  # reject a bad default before serving
         self.backend = backend
@@ -175,7 +181,7 @@ class Frontend:
                                 f"is '{chosen}'; give one of them", param="specdecode.method")
         name = chosen or alias or self.settings.method
         try:
-            method = registry.get(name)
+            method = served_method(name)
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="specdecode.method" if chosen else "model",
                            code="unknown_method") from None
@@ -252,6 +258,8 @@ class Frontend:
                            param="n")
         method, config, proposer_bytes = self.resolve_method(req)
         sampling = self.sampling(req)
+        if is_diffusion(method):
+            check_diffusion(method, self.dllm, sampling)
         stop = tuple(req.stop_list())
         specs = []
         for ids in prompts:
@@ -310,14 +318,14 @@ class Server(Frontend):
 
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
                  settings: Settings, memory: SharedMemory | None = None,
-                 catalogue: Catalogue | None = None):
+                 catalogue: Catalogue | None = None, dllm: Dllm | None = None):
         memory = memory or SharedMemory()
         metrics = Metrics()
-        scheduler = Scheduler(runners, tokenizer, eos_token_ids, memory.make_proposer,
-                              settings.max_queue, metrics, settings.proposer_memory_bytes,
-                              settings.batching)
+        scheduler = Scheduler(runners, tokenizer, eos_token_ids,
+                              make_factory(memory.make_proposer, dllm), settings.max_queue,
+                              metrics, settings.proposer_memory_bytes, settings.batching)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
-                         memory, catalogue)
+                         memory, catalogue, dllm)
         self.eos_token_ids = list(eos_token_ids)
 
 
@@ -665,8 +673,9 @@ def create_app(server: Frontend) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        served = registry.names() + (served_policies() if server.dllm is not None else [])
         ids = [server.settings.model_id] + [f"{server.settings.model_id}+{name}"
-                                            for name in registry.names()]
+                                            for name in served]
         return {"object": "list", "data": [
             {"id": i, "object": "model", "created": server.started, "owned_by": "specdecode",
              "max_model_len": server.max_context} for i in ids]}

@@ -61,6 +61,22 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
                "max_spec_offset": (-64.0, 64.0), "min_token_prob": (0.0, 1.0)},
 }
 
+_CONFIDENCE = (0.0, 1.0)
+#: the served diffusion policies (server/diffusion.py), by their method names
+RANGES.update({
+    "diffusion:one_per_step": {},
+    "diffusion:threshold": {"threshold": _CONFIDENCE},
+    "diffusion:freedave": {"draft_steps": (1, 32)},
+    "diffusion:prophet": {"early_gap": (0.0, 100.0), "middle_gap": (0.0, 100.0),
+                          "late_gap": (0.0, 100.0)},
+    "diffusion:localleap": {"anchor_threshold": _CONFIDENCE, "relaxed_threshold": _CONFIDENCE,
+                            "radius": (0, 64)},
+    "diffusion:ete": {"threshold": _CONFIDENCE, "bits_per_round": (0.0, 64.0)},
+    "diffusion:ccd": {"history": (1, 64), "threshold": _CONFIDENCE},
+    "diffusion:window": {"inner": (1, 256), "outer": (1, 1024), "refresh": (1, 1024),
+                         "threshold": _CONFIDENCE},
+})
+
 #: method -> fields a request may not set (they size state every request shares)
 STARTUP_ONLY: dict[str, frozenset[str]] = {
     "suffix": frozenset({"max_tree_depth", "max_cached_requests"}),

@@ -63,10 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
+    add_dllm_argument(parser)
     add_replica_arguments(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     add_model_arguments(parser)
+
+
+def add_dllm_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dllm", default="none", metavar="PATH",
+                        help="serve the diffusion policies (method diffusion:POLICY, "
+                             "docs/diffusion.md) with this dLLM delta: 'auto' the newest trained "
+                             "for the model (the packaged one for SmolLM2), or a file; 'none' "
+                             "(default): no dLLM is loaded and those methods are refused")
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +127,9 @@ def settings_of(args: argparse.Namespace):
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_queue < 0:
         raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.replicas and args.dllm != "none":
+        raise SpecDecodeError("--dllm is served by the single-process server; drop --replicas "
+                              "or --dllm")
     suffix = registry.get("suffix").make_config(
         settings.config if settings.method == "suffix" else {})
     return settings, suffix

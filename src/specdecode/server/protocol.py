@@ -28,6 +28,8 @@ MAX_STOP = 4
 MAX_JSON_DEPTH = 32
 #: most alternatives per token (OpenAI's top_logprobs limit; its completions allow 5)
 MAX_TOP_LOGPROBS = 20
+#: methods ``diffusion:POLICY`` decode with the server's dLLM (server/diffusion.py)
+DIFFUSION_PREFIX = "diffusion:"
 
 
 class ApiError(Exception):
@@ -207,6 +209,8 @@ def _is_lossy(name: str) -> bool:
     from specdecode import registry
     from specdecode.errors import SpecDecodeError
 
+    if name.startswith(DIFFUSION_PREFIX):  # a dLLM's output, not the AR model's
+        return True
     try:
         return registry.get(name).lossy
     except SpecDecodeError:

@@ -44,6 +44,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance
 from specdecode.server.goodput import Batching, Candidate, allocate
 from specdecode.server.metrics import Metrics
+from specdecode.server.diffusion import served_method
 from specdecode.server.protocol import ApiError
 
 log = logging.getLogger("specdecode.server")
@@ -259,7 +260,7 @@ class Scheduler:
         if decoder is None:
             slot.make_room(spec.proposer_bytes, self.proposer_budget)
             proposer = self.make_proposer(spec.method, spec.config, slot.runner)
-            decoder = _Decoder(registry.get(spec.method), proposer, self.tokenizer,
+            decoder = _Decoder(served_method(spec.method), proposer, self.tokenizer,
                                spec.proposer_bytes)
         slot.decoders[key] = decoder  # the most recently used, last
         return decoder

@@ -11,9 +11,11 @@ Bounded and resumable: ``--minutes`` bounds the whole run (data, training, evalu
 checkpoint is written every ``--checkpoint-every`` steps and ``--resume`` continues it. A CUDA
 GPU is used when torch sees one, the CPU otherwise.
 
-Defaults: rank 8 (alpha 16), blocks of 8 (BD3-LM trains blocks of 4 to 16), 4 conversations a
-step, AdamW at lr 1e-3 (ours: a short run), 64 conversations of up to 64 + 160 tokens (the
-data ``train heads`` and ``train draft`` write, shared through the user cache).
+Defaults: rank 3 (alpha 6: 1.9 MB in fp16 on SmolLM2-135M, small enough to ship; rank 8 is
+4.9 MB), blocks of 8 (BD3-LM trains blocks of 4 to 16), 4 conversations a step, AdamW at lr
+2e-3 (ours: a short run), 64 conversations of up to 64 + 160 tokens (the data ``train heads``
+and ``train draft`` write, shared through the user cache), plus those of ``--data`` shards
+(``specdecode train data``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="the target ('smollm2' or a .gguf)")
-    parser.add_argument("--rank", type=int, default=8, help="the LoRA delta's rank")
+    parser.add_argument("--rank", type=int, default=3, help="the LoRA delta's rank")
     parser.add_argument("--block-size", type=int, default=8, help="positions per diffusion block")
     parser.add_argument("--batch", type=int, default=4, help="conversations per step")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--steps", type=int, default=100_000, help="most optimiser steps")
     parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget")
     parser.add_argument("--conversations", type=int, default=64,
                         help="target-written conversations (a tenth held out for the loss)")
+    parser.add_argument("--data", action="append", default=[], metavar="SHARD",
+                        help="a shard of `train data` (repeatable): its conversations join "
+                             "the cached ones, for training only")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--answer-tokens", type=int, default=160)
     parser.add_argument("--mask-id", type=int, default=None,
@@ -100,6 +105,20 @@ def held_out_loss(model, data: Sequence, settings: dict) -> float:
     return sum(losses) / max(1, len(losses))
 
 
+def shard_conversations(paths: Sequence[str]) -> list:
+    """The conversations of ``train data`` shards (any settings), each once."""
+    from specdecode.training.target_data import read_shard
+
+    unique = {}
+    for path in paths:
+        require(Path(path).is_file(), f"no shard at {path}; write one with `specdecode train "
+                                      "data --out FILE`")
+        for ids, start in read_shard(Path(path)).values():
+            if start < len(ids):
+                unique[tuple(ids)] = (ids, start)
+    return list(unique.values())
+
+
 def run(args: argparse.Namespace) -> int:
     from specdecode.diffusion.cli import default_mask_id
     from specdecode.models.hf import HFRunner
@@ -123,12 +142,12 @@ def run(args: argparse.Namespace) -> int:
         show=bar.show)
     conversations = [(ids, start) for ids, start in conversations if start < len(ids)]
     held = max(2, len(conversations) // 10)
-    evaluation, data = conversations[:held], conversations[held:]
+    evaluation, data = conversations[:held], conversations[held:] + shard_conversations(args.data)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     settings = {"fingerprint": fingerprint, "rank": args.rank, "block_size": args.block_size,
                 "batch": args.batch, "lr": args.lr, "mask_id": mask, "seed": args.seed,
-                "conversations": len(conversations)}
+                "conversations": held + len(data)}
     delta = DiffusionDelta(model, args.rank, config={"mask_id": mask,
                                                      "block_size": args.block_size}).to(device)
     folder = work_dir(args.workdir, user_dir() / f"dllm-work-{target_key(fingerprint)}")
