@@ -111,8 +111,9 @@ class UnitAdapters(nn.Module):
 
     @classmethod
     def from_artifact(cls, tensors: dict[str, torch.Tensor], config: dict) -> UnitAdapters:
-        projections = {name[len("down."):]: (t.shape[1], tensors["up." + name[len("down."):]].shape[0])
-                       for name, t in tensors.items() if name.startswith("down.")}
+        keys = [name.removeprefix("down.") for name in tensors if name.startswith("down.")]
+        projections = {key: (tensors[f"down.{key}"].shape[1], tensors[f"up.{key}"].shape[0])
+                       for key in keys}
         made = cls(projections, tensors["slot_embeddings"][0], config["slots"], config["rank"],
                    config["alpha"], config)
         made.load_state_dict({name: t.float() for name, t in tensors.items()})
