@@ -119,6 +119,15 @@ def test_bench_end_to_end(tmp_path, tiny_model):
     assert (out / "accepted_hist.png").stat().st_size > 1000
 
 
+def test_max_minutes_stops_after_a_question_and_reports_the_ones_done(tmp_path, tiny_model):
+    plan = bench_cli.plan(bench_args(tmp_path, "--methods", "ar", "--max-minutes", "1e-9"))
+    summary = bench_cli.bench(tiny_target(tiny_model), plan, progress=False)
+    records = (tmp_path / "out" / "records.jsonl").read_text().splitlines()
+    assert {json.loads(line)["question_id"] for line in records} == {plan.questions[0].question_id}
+    assert summary["meta"]["questions"].startswith("1 (")
+    assert f"after 1 of {len(plan.questions)} questions" in summary["meta"]["left out"]
+
+
 def record(method, kind, task, qid, tokens, wall, steps, identical, forwards=None,
            drafted=None, propose_s=None):
     return {"method": method, "kind": kind, "task": task, "question_id": qid, "turn": 0,
@@ -242,6 +251,7 @@ def test_malformed_question_file_names_the_line(tmp_path, capsys, monkeypatch, r
     (["--peers", "hf,vllm"], "unknown peer(s) 'vllm'"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--per-task", "0"], "--per-task must be positive"),
+    (["--max-minutes", "0"], "--max-minutes must be positive"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["-c", "suffix.x=1", "--methods", "ngram"], "not in --methods"),
     (["-c", "ngram.bogus=1", "--methods", "ngram"], "has no config field 'bogus'"),

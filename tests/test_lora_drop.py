@@ -69,20 +69,35 @@ def test_the_decode_loop_computes_the_trainers_forward(tiny_hf):
         hidden = trainer.scheduled_hidden(tiny_hf.model, correctors, ids, len(PROMPT), 3)
         parallel = trainer.answer_logits(tiny_hf.model, hidden, len(PROMPT))
     assert parallel.argmax(-1).tolist() == tokens
-    from transformers import DynamicCache
-
-    cache, anchors, position = DynamicCache(), {}, 0
+    passes = method.passes()
     with torch.no_grad():
         for k, fed in enumerate([PROMPT] + [[t] for t in tokens[:-1]]):
-            logits = method.step(fed, position, cache, anchors, full=k % 3 == 0)
+            logits = passes.feed(fed, full=k % 3 == 0)
             torch.testing.assert_close(logits, parallel[k], atol=1e-4, rtol=1e-4)
-            position += len(fed)
     # a dropped layer holds KV rows for the prompt and the anchors only
     anchors_fed = sum(1 for k in range(1, len(tokens)) if k % 3 == 0)
     for layer in range(6):
-        rows = cache.layers[layer].keys.shape[-2]
+        rows = passes.cache.layers[layer].keys.shape[-2]
         expected = len(PROMPT) + (anchors_fed if layer in method.dropped else len(tokens) - 1)
         assert rows == expected, layer
+
+
+def test_the_native_runner_computes_the_hf_runners_passes(tiny_hf):
+    """Token by token, the native runner's passes (fp32: the same arithmetic up to rounding)
+    give the hf runner's logits, anchors and drops alike: the droppable layers' packed KV rows
+    hold what the hf runner's shorter cache layers hold."""
+    correctors = random_correctors(droppable_layers(6, 3))
+    hf = lora_drop(tiny_hf, correctors, drop_cycle=3, layer_stride=3)
+    native = lora_drop(LlamaRunner.from_transformers(tiny_hf.model), correctors, drop_cycle=3,
+                       layer_stride=3)
+    tokens, _ = decode(hf, PROMPT, 12)
+    assert decode(native, PROMPT, 12)[0] == tokens
+    hf_passes, native_passes = hf.passes(), native.passes()
+    with torch.no_grad():
+        for k, fed in enumerate([PROMPT] + [[t] for t in tokens[:-1]]):
+            torch.testing.assert_close(native_passes.feed(fed, k % 3 == 0),
+                                       hf_passes.feed(fed, k % 3 == 0), atol=1e-4, rtol=1e-4)
+    assert native_passes.kept == len(PROMPT) + 3  # anchors after the prompt's: k = 3, 6, 9
 
 
 def test_nothing_dropped_is_ar(tiny_hf):
@@ -93,21 +108,26 @@ def test_nothing_dropped_is_ar(tiny_hf):
     assert decode(lora_drop(tiny_hf, random_correctors(droppable_layers(6, 4))), PROMPT, 16)[0] != ar
 
 
-def test_lora_drop_needs_the_hf_runner_and_matching_correctors(tiny_hf, tmp_path):
-    native = LlamaRunner.from_transformers(tiny_hf.model)
-    with pytest.raises(SpecDecodeError, match="--runner hf"):
-        lora_drop(native)
+def test_nothing_dropped_is_ar_on_the_native_int4_runner(tiny_hf):
+    """The int4 stack in stretches, anchors through per-layer plans: bitwise ar's passes."""
+    runner = LlamaRunner.from_transformers(tiny_hf.model, weights="int4")
+    ar = Decoder(runner, None, "ar", eos_token_ids=[]).generate(PROMPT, 16).token_ids
+    assert decode(lora_drop(runner, layer_stride=1), PROMPT, 16)[0] == ar
+    assert decode(lora_drop(runner, drop_cycle=1), PROMPT, 16)[0] == ar
+
+
+def test_lora_drop_needs_matching_correctors(tiny_hf, tmp_path):
     with pytest.raises(SpecDecodeError, match="train lora-drop"):
         lora_drop(tiny_hf, adapters=str(tmp_path / "absent.safetensors"))
     correctors = random_correctors(droppable_layers(6, 3))
     path = save_artifact(tmp_path / "c.safetensors", correctors.tensors(), CORRECTORS_KIND,
                          correctors.settings(), tiny_hf.fingerprint())
-    loaded = load_correctors(str(path), tiny_hf, droppable_layers(6, 3))
+    loaded = load_correctors(str(path), tiny_hf, droppable_layers(6, 3), 32)
     x = torch.randn(2, 32)
     torch.testing.assert_close(loaded.correction(2, x), correctors.correction(2, x),
                                atol=2e-3, rtol=2e-2)  # float16 storage
     with pytest.raises(SpecDecodeError, match="layer_stride"):
-        load_correctors(str(path), tiny_hf, droppable_layers(6, 4))
+        load_correctors(str(path), tiny_hf, droppable_layers(6, 4), 32)
 
 
 def train_args(tmp_path) -> argparse.Namespace:

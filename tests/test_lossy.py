@@ -236,6 +236,27 @@ def test_arbitrage_that_keeps_every_step_writes_the_drafters_steps(tiny_native, 
     assert gen.stats.target_forwards == 1 + len(gen.stats.accepted_lengths)
 
 
+def test_arbitrage_with_the_int4_copy_drafts_with_the_targets_own_weights(tiny_model):
+    """cheap=int4: the steps come from the target's int4 copy (routing every step to the
+    target is still ar)."""
+    from specdecode.lossy.arbitrage import Arbitrage
+    from specdecode.models.hf import HFRunner
+
+    runner = HFRunner(tiny_model)
+    config = registry.get("arbitrage").make_config({"cheap": "int4", "max_step_tokens": 4})
+    prompt = repetitive_prompts()[0]
+    ar = Decoder(runner, None, "ar", eos_token_ids=[]).generate(prompt, 16).token_ids
+    assert Arbitrage(config, runner, router=constant_router(5.0)).generation(prompt, 16).run() == ar
+    method = Arbitrage(config, runner, router=constant_router(0.0))
+    first = method.generation(prompt, 16).run()[:1]
+    step, _ = method.draft_step(list(prompt) + first, 4, frozenset())
+    copy = LlamaRunner.from_transformers(tiny_model, weights="int4")
+    assert Decoder(copy, None, "ar", eos_token_ids=[]).generate(list(prompt) + first, 4
+                                                                 ).token_ids[:len(step)] == step
+    with pytest.raises(SpecDecodeError, match="cheap"):
+        registry.get("arbitrage").make_config({"cheap": "int8"})
+
+
 def test_router_fit_recovers_a_linear_advantage():
     from specdecode.lossy.arbitrage import FEATURES
     from specdecode.training.router import fit

@@ -34,7 +34,7 @@ def tiny_hf():
 
 def random_adapters(model, slots: int = 3, seed: int = 0) -> UnitAdapters:
     torch.manual_seed(seed)
-    adapters = UnitAdapters(model, slots, rank=4)
+    adapters = UnitAdapters.fresh(model, slots, rank=4)
     with torch.no_grad():
         for up in adapters.up.values():
             up.normal_(0, 0.5)
@@ -88,6 +88,33 @@ def test_each_units_first_token_is_plain_decodings(tiny_hf):
             context += unit
 
 
+def test_the_native_runner_computes_the_hf_runners_steps(tiny_hf):
+    """A prompt and then units with their slots: the native runner's probabilities (fp32, the
+    fused q/k/v LoRA with the folded attention scale) are the hf runner's; its cache keeps
+    the fed rows only."""
+    from transformers import DynamicCache
+
+    adapters = random_adapters(tiny_hf.model)
+    hf = Lud(LudConfig(), tiny_hf, adapters=adapters)
+    runner = LlamaRunner.from_transformers(tiny_hf.model)
+    native = Lud(LudConfig(), runner, adapters=adapters)
+    cache = DynamicCache()
+    with torch.no_grad():
+        for fed, start in (([5, 6, 7, 8], 0), ([9, 10, 11], 4), ([12], 7)):
+            torch.testing.assert_close(native.step(fed, start, 3, runner.cache),
+                                       hf.step(fed, start, 3, cache), atol=1e-5, rtol=1e-4)
+            assert runner.cache.length == start + len(fed)
+
+
+def test_no_slots_is_ar_on_the_native_int4_runner(tiny_hf):
+    runner = LlamaRunner.from_transformers(tiny_hf.model, weights="int4")
+    ar = Decoder(runner, None, "ar", eos_token_ids=[]).generate(PROMPT, 16).token_ids
+    adapters = random_adapters(tiny_hf.model)
+    for config in (LudConfig(placeholders=0), LudConfig(threshold=1.0)):
+        units, _ = decode(Lud(config, runner, adapters=adapters), PROMPT, 16)
+        assert [t for u in units for t in u] == ar
+
+
 def test_no_slots_or_an_unreachable_threshold_is_ar(tiny_hf):
     ar = Decoder(tiny_hf, None, "ar", eos_token_ids=[]).generate(PROMPT, 16).token_ids
     adapters = random_adapters(tiny_hf.model)
@@ -96,10 +123,8 @@ def test_no_slots_or_an_unreachable_threshold_is_ar(tiny_hf):
         assert [t for u in units for t in u] == ar and all(len(u) == 1 for u in units)
 
 
-def test_lud_refuses_what_it_cannot_run(tiny_hf, tmp_path):
+def test_lud_refuses_what_it_cannot_load(tiny_hf, tmp_path):
     adapters = random_adapters(tiny_hf.model, slots=2)
-    with pytest.raises(SpecDecodeError, match="--runner hf"):
-        Lud(LudConfig(), LlamaRunner.from_transformers(tiny_hf.model), adapters=adapters)
     with pytest.raises(SpecDecodeError, match="trained for 2 slots"):
         Lud(LudConfig(placeholders=3), tiny_hf, adapters=adapters)
     with pytest.raises(SpecDecodeError, match="train lud"):
@@ -115,7 +140,7 @@ def test_training_lowers_the_slot_loss_and_checkpoints(tiny_hf, tmp_path):
     model = tiny_hf.model.requires_grad_(False)
     tokens = Decoder(tiny_hf, None, "ar", eos_token_ids=[]).generate(PROMPT, 24).token_ids
     conversation = (PROMPT + tokens, len(PROMPT))
-    adapters = UnitAdapters(model, 3, rank=4)
+    adapters = UnitAdapters.fresh(model, 3, rank=4)
     anchors = trainer.pick_anchors(conversation, 8, random.Random(0))
     targets = trainer.slot_targets(conversation[0], anchors, 3)
 

@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time each prompt this many times; records keep the median")
+    parser.add_argument("--max-minutes", type=float, metavar="M",
+                        help="start no question after M minutes; the report covers those done")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="output folder (created; files in it are replaced)")
     parser.add_argument("--peers", default="all",
@@ -68,9 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fits in float32, beside transformers and llama.cpp (llama-cpp-"
                              "python and llama-bench) on the same file")
     parser.add_argument("--perplexity", action="store_true",
-                        help="the native runner's perplexity on a text (each format of "
-                             "--weights) as llama-perplexity computes it, beside "
-                             "llama-perplexity on the same file and text")
+                        help="the native runner's perplexity on a text (each format of --weights) "
+                             "as llama-perplexity computes it, beside it on the same file and text")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="context tokens: before each timed forward with --runners "
                              f"(default {RUNNERS_CONTEXT}); the window with --perplexity "
@@ -191,12 +192,15 @@ def plan(args: argparse.Namespace) -> Plan:
     sampling = SamplingParams(**sampling_options(args))
     require(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
+    require(args.max_minutes is None or args.max_minutes > 0,
+            f"--max-minutes must be positive, got {args.max_minutes}")
     lossy = [label for label, method, _ in methods if method.lossy]
     require(not lossy or sampling.greedy,
             f"the lossy methods ({', '.join(lossy)}) decode greedily only; drop them or the "
             "sampling options")
     options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
-                           repeats=args.repeats, seed=0 if args.seed is None else args.seed)
+                           repeats=args.repeats, seed=0 if args.seed is None else args.seed,
+                           max_minutes=args.max_minutes)
     return Plan(questions, methods, args.methods is not None, peers, options,
                 prepare_out(args.out))
 
@@ -293,18 +297,23 @@ def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None =
     notes += [f"{reason}; its records are in records.jsonl, not in the tables"
               for reason in failed.values()]
     contenders = [c for c in contenders if c.name not in failed]
+    answered = {r["question_id"] for r in records}
+    questions = [q for q in plan.questions if q.question_id in answered]
+    if len(questions) < len(plan.questions):
+        notes.append(f"stopped by --max-minutes {plan.options.max_minutes:g} after "
+                     f"{len(questions)} of {len(plan.questions)} questions")
     summary = summarize(records)
     lossy = [c.name for c in contenders if c.kind == "lossy"]
     if lossy:  # their own table, with their agreement with ar beside their speed
-        summary["lossy"] = lossy_summary(records, summary, plan.questions, target.tokenizer, lossy)
+        summary["lossy"] = lossy_summary(records, summary, questions, target.tokenizer, lossy)
         summary["methods"] = {n: e for n, e in summary["methods"].items() if n not in lossy}
     s = plan.options.sampling
     info = {
         "model": target.source,
         "runner": target.runner.name,
         "machine": machine(),
-        "questions": f"{len(plan.questions)} ({', '.join(summary['tasks'])}), "
-                     f"{sum(len(q.turns) for q in plan.questions)} turns",
+        "questions": f"{len(questions)} ({', '.join(summary['tasks'])}), "
+                     f"{sum(len(q.turns) for q in questions)} turns",
         "max_new_tokens": plan.options.max_new_tokens,
         "sampling": "greedy" if s.greedy else
                     f"temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class BenchOptions:
     #: base of the per-request seeds of sampled runs (--seed)
     seed: int = 0
     warmup: bool = True
+    #: start no question but the first after this many minutes of a pass (None: every question)
+    max_minutes: float | None = None
 
 
 def request_seed(base: int, question_id, turn: int) -> int:
@@ -139,7 +142,10 @@ def _one_pass(target: Target, questions: Sequence[Question], contenders: list,
     fails is removed from ``contenders`` (the caller's list) and named in ``failed``."""
     tokenizer, eos = target.tokenizer, frozenset(target.eos_token_ids)
     done = 0
+    deadline = None if options.max_minutes is None else time.monotonic() + 60 * options.max_minutes
     for index, q in enumerate(questions):
+        if index and deadline is not None and time.monotonic() > deadline:
+            return  # the report covers the questions done (the bench says how many)
         histories: dict[str, list[dict]] = {c.name: [] for c in contenders}
         for turn, text in enumerate(q.turns):
             seeded = _seeded(options.sampling, options.seed, q.question_id, turn)

@@ -8,8 +8,11 @@ even where the target would have written something else.
 Generation goes by *steps* (a line: up to a newline token, end-of-sequence or
 ``max_step_tokens``). Each step:
 
-1. the cheap drafter (the distilled draft model of ``draft_model``, int4 on the native runner)
-   writes the step greedily;
+1. the cheap drafter writes the step greedily: the distilled draft model of ``draft_model``
+   (int4 on the native runner; ``cheap=draft``, the default) or the target's own int4 copy
+   from the same weights (``cheap=int4``, the copy ``quantized`` drafts with; the target then
+   runs precise, ``--weights fp32``: the paper's pairing of a small and a large model of one
+   family, here one model at two precisions);
 2. the target reads it in ONE pass (what accepting it costs anyway: its KV rows are needed to
    go on), giving the target's log-probabilities of the drafted tokens;
 3. the router (:class:`Router`, a linear model over :func:`step_features`) estimates the
@@ -27,7 +30,8 @@ anyway, since a kept step must enter the target's cache. Defaults: ``threshold``
 token, sweepable like the paper's tau (lower sends more steps to the target; the distilled
 draft's steps are often far less likely under the target, so a threshold near 0 is nearly
 ``ar``); ``max_step_tokens`` 32. The router is an artifact of ``specdecode train router`` (packaged for
-the default model) holding its weights and the target's newline token ids.
+the default model, one per cheap model: its features' scale depends on the drafter) holding
+its weights and the target's newline token ids.
 """
 
 from __future__ import annotations
@@ -95,24 +99,37 @@ class Router:
                    frozenset(t["newline_ids"].long().tolist()))
 
 
-def load_router(spec: str, runner: Runner) -> Router:
-    from specdecode.training.artifacts import load_artifact, newest_artifact
+def load_router(spec: str, runner: Runner, cheap: str = "draft") -> Router:
+    """``'trained'`` (the newest router trained for this target with this ``cheap`` model) or
+    an artifact path."""
+    from specdecode.training.artifacts import find_artifacts, load_artifact, read_metadata
 
     fingerprint = runner.fingerprint()
     if spec == "trained":
-        spec = str(newest_artifact(ROUTER_KIND, fingerprint,
-                                   "no Arbitrage router for this target yet; make one with "
-                                   "`specdecode train router` (minutes on 2 CPU cores), or pass "
-                                   "-c router=PATH"))
+        found = [path for path in find_artifacts(ROUTER_KIND, fingerprint)
+                 if read_metadata(path)[2].get("cheap", "draft") == cheap]
+        require(bool(found), f"no Arbitrage router for this target and cheap={cheap} yet; make "
+                             f"one with `specdecode train router --cheap {cheap}` (minutes on 2 "
+                             "CPU cores), or pass -c router=PATH")
+        spec = str(found[0])
     require(Path(spec).suffix == ".safetensors",
             f"router {spec!r} is neither 'trained' nor an artifact .safetensors file")
     return Router.from_tensors(load_artifact(spec, ROUTER_KIND, fingerprint).tensors)
 
 
+#: what ``cheap`` may name
+CHEAP_MODELS = ("draft", "int4")
+
+
 @dataclass(frozen=True)
 class ArbitrageConfig(DraftSource):
+    cheap: str = param("draft", "the cheap model: 'draft' (the draft model named by draft, "
+                                "draft_runner and draft_weights) or 'int4' (the target's own "
+                                "int4 copy, as quantized drafts with: run the target precise, "
+                                "--weights fp32)")
     router: str = param("trained", "the router: 'trained' (the artifact `specdecode train "
-                                   "router` made for this target) or an artifact path")
+                                   "router` made for this target and cheap model) or an "
+                                   "artifact path")
     threshold: float = param(2.0, "the target rewrites a step when the router's advantage "
                                   "estimate exceeds this (nats per token; the paper's tau; "
                                   "docs/lossy.md sweeps it)")
@@ -121,6 +138,8 @@ class ArbitrageConfig(DraftSource):
 
     def __post_init__(self):
         super().__post_init__()
+        require(self.cheap in CHEAP_MODELS,
+                f"unknown cheap {self.cheap!r}; known: {', '.join(CHEAP_MODELS)}")
         require(self.max_step_tokens >= 1,
                 f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
 
@@ -135,8 +154,15 @@ class Arbitrage(LossyMethod):
                  draft_model: torch.nn.Module | None = None):
         """``router``/``draft_model``: use these instead of the config's artifacts."""
         super().__init__(config, runner)
-        self.router = router or load_router(config.router, runner)
-        self.lm, _ = open_draft(config, runner, draft_model)
+        self.router = router or load_router(config.router, runner, config.cheap)
+        if config.cheap == "int4":
+            from specdecode.drafting.caches import NativeDraftLM
+            from specdecode.models.llama_drafter import LlamaDrafter
+            from specdecode.proposers.quantized import int4_copy
+
+            self.lm = NativeDraftLM(LlamaDrafter(int4_copy(runner)))
+        else:
+            self.lm, _ = open_draft(config, runner, draft_model)
 
     def draft_step(self, context: Sequence[int], limit: int, eos: frozenset[int]
                    ) -> tuple[list[int], list[float]]:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from specdecode.engine import GenerationStats, check_request, cut_chunk
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
+from specdecode.registry import param
 from specdecode.sampling import GREEDY, SamplingParams
 
 
@@ -114,3 +116,26 @@ class LossyGeneration:
         for _ in self:
             pass
         return self.tokens
+
+
+def adapters_param(what: str, command: str, otherwise: str = ""):
+    """The ``adapters`` setting of a method with trained pieces (default 'auto')."""
+    return param("auto", f"{what}: 'auto' (the artifact `specdecode {command}` made for this "
+                         f"target) or an artifact path{otherwise}")
+
+
+def trained_artifact(spec: str, runner: Runner, kind: str, command: str, fallback: str = ""):
+    """The artifact of ``kind`` an ``adapters`` setting names: 'auto' (the newest trained for
+    this target) or a path; refused, naming ``specdecode COMMAND`` (which makes one) and
+    ``fallback`` (another choice), where there is none."""
+    from specdecode.training.artifacts import load_artifact, newest_artifact
+
+    fingerprint = runner.fingerprint()
+    fix = f"make one with `specdecode {command}` (minutes on 2 CPU cores)"
+    if spec == "auto":
+        spec = str(newest_artifact(kind, fingerprint, f"no {kind} artifact for this target yet; "
+                                                      f"{fix}{', ' + fallback if fallback else ''}"))
+    require(Path(spec).suffix == ".safetensors" and Path(spec).is_file(),
+            f"adapters {spec!r} is neither 'auto' nor an existing .safetensors file; {fix}"
+            f"{', ' + fallback if fallback else ''}")
+    return load_artifact(spec, kind, fingerprint)

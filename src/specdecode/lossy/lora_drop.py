@@ -30,23 +30,23 @@ continued pre-training over all positions (every layer also runs on the dropped 
 so training sees KV rows that inference never writes); here training follows inference exactly
 (:func:`specdecode.training.lora_drop.scheduled_hidden`).
 
-Runs on the hf runner: the corrector's training needs the transformers model's autograd, and
-the decode loop calls the transformers layers one by one, skipping some (the native runner's
-int4 stack runs all layers in one fused call).
+Runs on the native runner (:class:`NativePasses`: its layers in stretches through
+``LlamaRunner.run_layers``, the int4 stack for each stretch of kept layers) and on the hf runner
+(:class:`HFPasses`: the transformers layers one by one, what the corrector's training runs
+through with autograd). Both compute the same passes (tests/test_lora_drop.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from specdecode.engine import GenerationStats
 from specdecode.errors import require
-from specdecode.lossy.base import LossyMethod
+from specdecode.lossy.base import LossyMethod, adapters_param, trained_artifact
 from specdecode.models.base import Runner
 from specdecode.registry import param, register
 from specdecode.sampling import SamplingParams
@@ -103,23 +103,28 @@ class Correctors(nn.Module):
         return made.eval().requires_grad_(False)
 
 
-def load_correctors(spec: str, runner: Runner, layers: Sequence[int]) -> Correctors:
+def layer_sizes(runner: Runner) -> tuple[int, int]:
+    """(layers, hidden size) of the runner's model; refused on a runner without per-layer
+    access."""
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.llama import LlamaRunner
+
+    if isinstance(runner, LlamaRunner):
+        return runner.num_layers, runner.shape.hidden_size
+    require(isinstance(runner, HFRunner),
+            f"lora_drop runs the model's layers one by one; the {runner.name} runner does not "
+            "give them: use the native runner or --runner hf")
+    return runner.model.config.num_hidden_layers, runner.model.config.hidden_size
+
+
+def load_correctors(spec: str, runner: Runner, layers: Sequence[int], hidden_size: int
+                    ) -> Correctors:
     """``'none'`` (untrained: plain reuse), ``'auto'`` (the newest artifact for this target)
     or an artifact path; refused where its layers are not ``layers``."""
-    from specdecode.training.artifacts import load_artifact, newest_artifact
-
     if spec == "none":
-        return Correctors(layers, runner.model.config.hidden_size).eval().requires_grad_(False)
-    fingerprint = runner.fingerprint()
-    if spec == "auto":
-        spec = str(newest_artifact(CORRECTORS_KIND, fingerprint,
-                                   "no LoRA-Drop correctors for this target yet; make them with "
-                                   "`specdecode train lora-drop` (minutes on 2 CPU cores), or "
-                                   "pass -c adapters=none (plain reuse, no correction)"))
-    require(Path(spec).suffix == ".safetensors" and Path(spec).is_file(),
-            f"adapters {spec!r} is neither 'auto', 'none' nor an existing .safetensors file "
-            "(make one with `specdecode train lora-drop`)")
-    art = load_artifact(spec, CORRECTORS_KIND, fingerprint)
+        return Correctors(layers, hidden_size).eval().requires_grad_(False)
+    art = trained_artifact(spec, runner, CORRECTORS_KIND, "train lora-drop",
+                           "or pass -c adapters=none (plain reuse, no correction)")
     correctors = Correctors.from_artifact(art.tensors, art.config)
     require(correctors.layers == tuple(layers),
             f"{spec} corrects layers {list(correctors.layers)}, but this layer_stride drops "
@@ -149,9 +154,8 @@ def run_layer(layer, hidden: torch.Tensor, positions: torch.Tensor, rotary, cach
 
 @dataclass(frozen=True)
 class LoraDropConfig:
-    adapters: str = param("auto", "the LoRA correctors: 'auto' (the artifact `specdecode "
-                                     "train lora-drop` made for this target), an artifact path, "
-                                     "or 'none' (reuse the anchor's delta uncorrected)")
+    adapters: str = adapters_param("the LoRA correctors", "train lora-drop",
+                                   ", or 'none' (reuse the anchor's delta uncorrected)")
     drop_cycle: int = param(4, "every drop_cycle-th token runs the whole model (an anchor); the "
                                "others skip the droppable layers (the paper's drop_cycle)")
     layer_stride: int = param(4, "layers i > 0 with i % layer_stride != 0 are droppable (the "
@@ -165,58 +169,37 @@ class LoraDropConfig:
 @register("lora_drop", LoraDropConfig,
           paper="LoRA-Drop: temporal LoRA decoding (2026; github.com/hosseinbv/LoRA-Drop)",
           summary="LOSSY: 3 tokens in 4 skip every layer but the first and each fourth, reusing "
-                  "the last full token's layer deltas plus trained LoRA corrections (hf runner)",
+                  "the last full token's layer deltas plus trained LoRA corrections",
           lossy=True)
 class LoraDrop(LossyMethod):
     def __init__(self, config: LoraDropConfig, runner: Runner, correctors: Correctors | None = None):
         """``correctors``: use these instead of the config's ``adapters``."""
-        from specdecode.models.hf import HFRunner
-
-        require(isinstance(runner, HFRunner),
-                "lora_drop calls the transformers model's layers one by one; use the hf runner "
-                "(--runner hf)")
         super().__init__(config, runner)
-        self.model = runner.model
-        self.dropped = droppable_layers(self.model.config.num_hidden_layers, config.layer_stride)
-        self.correctors = correctors or load_correctors(config.adapters, runner, self.dropped)
+        num_layers, hidden_size = layer_sizes(runner)
+        self.dropped = droppable_layers(num_layers, config.layer_stride)
+        self.correctors = correctors or load_correctors(config.adapters, runner, self.dropped,
+                                                        hidden_size)
 
-    def step(self, token_ids: Sequence[int], start: int, cache, anchors: dict[int, torch.Tensor],
-             full: bool) -> torch.Tensor:
-        """Feed ``token_ids`` at positions ``start``... (a full step records each droppable
-        layer's delta at the last row in ``anchors``; a drop step reuses it). Logits [V] of the
-        last row."""
-        inner = self.model.model
-        hidden = inner.embed_tokens(torch.tensor([list(token_ids)]))
-        positions = torch.arange(start, start + len(token_ids))
-        for i, layer in enumerate(inner.layers):
-            if not full and i in anchors:
-                normed = layer.input_layernorm(hidden)
-                hidden = hidden + anchors[i] + self.correctors.correction(i, normed)
-                continue
-            out = run_layer(layer, hidden, positions, inner.rotary_emb, cache)
-            if full and i in self.dropped:
-                anchors[i] = (out - hidden)[:, -1:]
-            hidden = out
-        return self.model.lm_head(inner.norm(hidden[:, -1]))[0].float()
+    def passes(self) -> HFPasses | NativePasses:
+        """One request's forwards (its cache and anchors) on this method's runner."""
+        from specdecode.models.llama import LlamaRunner
+
+        kind = NativePasses if isinstance(self.runner, LlamaRunner) else HFPasses
+        return kind(self.runner, self.correctors, self.dropped)
 
     @torch.inference_mode()
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                eos: frozenset[int], stats: GenerationStats) -> Iterator[list[int]]:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        anchors: dict[int, torch.Tensor] = {}
-        token = int(self.step(prompt_ids, 0, cache, anchors, full=True).argmax())
+        passes = self.passes()
+        token = int(passes.feed(prompt_ids, full=True).argmax())
         stats.target_forwards += 1
         stats.accepted_lengths.append(1)
         yield [token]
-        position = len(prompt_ids)
         for made in range(1, max_new_tokens):
             if token in eos:
                 break
             full = made % self.config.drop_cycle == 0
-            token = int(self.step([token], position, cache, anchors, full).argmax())
-            position += 1
+            token = int(passes.feed([token], full).argmax())
             # a drop step is a cheap pass: its token counts for the last full pass
             if full:
                 stats.target_forwards += 1
@@ -225,3 +208,88 @@ class LoraDrop(LossyMethod):
                 stats.draft_tokens += 1
                 stats.accepted_lengths[-1] += 1
             yield [token]
+
+
+class HFPasses:
+    """LoRA-Drop's forwards on the hf runner: the transformers layers called one by one, the
+    droppable ones skipped on a drop step (a ``DynamicCache`` layer then gets no row)."""
+
+    def __init__(self, runner: Runner, correctors: Correctors, dropped: Sequence[int]):
+        from transformers import DynamicCache
+
+        self.model, self.correctors, self.dropped = runner.model, correctors, set(dropped)
+        self.cache = DynamicCache()
+        #: each droppable layer's residual delta at the last anchor [1, 1, H]
+        self.anchors: dict[int, torch.Tensor] = {}
+        self.position = 0
+
+    def feed(self, token_ids: Sequence[int], full: bool) -> torch.Tensor:
+        """Feed ``token_ids`` after the ones fed before (a full step records each droppable
+        layer's delta at the last row; a drop step reuses it). Logits [V] of the last row."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(torch.tensor([list(token_ids)]))
+        positions = torch.arange(self.position, self.position + len(token_ids))
+        self.position += len(token_ids)
+        for i, layer in enumerate(inner.layers):
+            if not full and i in self.dropped:
+                normed = layer.input_layernorm(hidden)
+                hidden = hidden + self.anchors[i] + self.correctors.correction(i, normed)
+                continue
+            out = run_layer(layer, hidden, positions, inner.rotary_emb, self.cache)
+            if full and i in self.dropped:
+                self.anchors[i] = (out - hidden)[:, -1:]
+            hidden = out
+        return self.model.lm_head(inner.norm(hidden[:, -1]))[0].float()
+
+
+class NativePasses:
+    """LoRA-Drop's forwards on the native runner (any weight format; the int4 stack runs each
+    stretch of kept layers in one call). A droppable layer's KV rows, the prompt's and the
+    anchors' only, lie packed at the front of its cache slots: its rows run with a plan of
+    their own (the token's position, the next of its own slots), so they see in that layer
+    exactly what the hf runner's shorter cache layer holds. A prompt goes through the runner's
+    prompt layers up to its last token, which runs as an anchor."""
+
+    def __init__(self, runner: Runner, correctors: Correctors, dropped: Sequence[int]):
+        self.runner, self.correctors = runner, correctors
+        dropped = set(dropped)
+        #: (first, last, droppable) stretches of layers
+        self.stretches: list[tuple[int, int, bool]] = []
+        for i in range(runner.num_layers):
+            if self.stretches and self.stretches[-1][2] == (i in dropped):
+                first, _, kind = self.stretches[-1]
+                self.stretches[-1] = (first, i + 1, kind)
+            else:
+                self.stretches.append((i, i + 1, i in dropped))
+        self.anchors: dict[int, torch.Tensor] = {}
+        #: rows the droppable layers hold (the prompt's and the anchors')
+        self.kept = 0
+        runner.cache.reset()
+
+    def feed(self, token_ids: Sequence[int], full: bool) -> torch.Tensor:
+        """As :meth:`HFPasses.feed`."""
+        from specdecode.models.kv_cache import AttentionPlan
+
+        runner, cache = self.runner, self.runner.cache
+        if len(token_ids) > 1:
+            runner.append(token_ids[:-1], bulk_rows=2)
+            self.kept = cache.length
+        cache.check_room(1, "one token")
+        every = AttentionPlan.chain(cache.length, 1)
+        own = replace(AttentionPlan.chain(self.kept, 1), positions=every.positions)
+        x = runner.embed_tokens(token_ids[-1:])
+        for first, last, droppable in self.stretches:
+            if not droppable:
+                x = runner.run_layers(x, every, first, last)
+                continue
+            for i in range(first, last):
+                if full:
+                    out = runner.run_layers(x, own, i, i + 1)
+                    self.anchors[i] = out - x
+                    x = out
+                else:
+                    correction = self.correctors.correction(i, runner.attention_norm(i, x))
+                    x = x + self.anchors[i] + correction
+        cache.append(1)
+        self.kept += full
+        return runner.lm_head(runner.exit_norm(x))[0]

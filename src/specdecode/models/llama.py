@@ -771,13 +771,14 @@ class LlamaRunner(Runner):
         return [(x[a:b], {layer: captured[layer][a:b] for layer in item.capture if layer in captured})
                 for item, a, b in zip(items, bounds, bounds[1:])]
 
-    def _layers(self, x: torch.Tensor, layers: list[_Layer], plan, capture: set[int], rope
-                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """run_items' layer loop in Python (every format and architecture)."""
+    def _layers(self, x: torch.Tensor, layers: list[_Layer], plan, capture: set[int], rope,
+                first: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """run_items' layer loop in Python (every format and architecture); ``layers`` are the
+        model's layers from ``first`` on."""
         s = self.shape
         activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers, first):
             qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -805,6 +806,38 @@ class LlamaRunner(Runner):
                 captured[end] = x.clone()
             start = end
         return x, captured
+
+
+    # ---- a layer loop of a lossy method's own (lossy/lora_drop.py, lossy/lud.py) ----------
+
+    def embed_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[n, H] float32 the first layer's input rows of ``tokens``."""
+        x = self.embed[torch.tensor(list(tokens), dtype=torch.long)]
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def attention_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """[n, H] what layer ``layer``'s q/k/v projections read of its input rows ``x``."""
+        return self._norm(x, self.layers[layer].attn_norm)
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, plan: AttentionPlan, first: int, last: int,
+                   adapter=None) -> torch.Tensor:
+        """The decode layers ``first`` .. ``last - 1`` over rows ``x`` [n, H] (float32, the
+        input of layer ``first``) where ``plan`` puts them in this runner's cache: the pieces of
+        a layer loop of a lossy method's own, which skips layers (LoRA-Drop) or gives some
+        layers' rows another plan. ``adapter(i, layer)``: the layer to run instead of layer
+        ``i`` (its linear layers wrapped: LUD's LoRA on its slots' rows); with one the layers
+        run through the Python loop, without one through the fused int4 stack where there is
+        one. The cache's books are the caller's."""
+        positions, packed = _packed_plan([SequenceRows(self.cache, (), plan)])
+        if adapter is None and self._stack is not None:
+            cos, sin = self.rope[False]
+            return self._stack.forward(x.contiguous(), first, last, packed, cos[positions],
+                                       sin[positions], kernels.isa())
+        rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
+        layers = [self.layers[i] if adapter is None else adapter(i, self.layers[i])
+                  for i in range(first, last)]
+        return self._layers(x, layers, packed, set(), rope, first)[0]
 
 
 def _packed_plan(items: Sequence[SequenceRows]) -> tuple[torch.Tensor, object]:

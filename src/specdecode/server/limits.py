@@ -82,8 +82,9 @@ STARTUP_ONLY: dict[str, frozenset[str]] = {
     "suffix": frozenset({"max_tree_depth", "max_cached_requests"}),
     # which proposers one request builds (and so the memory it takes): the operator's choice
     "auto": frozenset({"parts"}),
-    # a path the server would read: the operator picks the router
-    "arbitrage": frozenset({"router"}),
+    # a path the server would read: the operator picks the router; the int4 copy of
+    # cheap=int4 is a second model in memory: the operator picks the cheap model
+    "arbitrage": frozenset({"router", "cheap"}),
     # the threads of the server's own cores: the operator's to share out
     "pearl": frozenset({"drafter_threads", "target_threads"}),
     # trained deltas the method loads (a path would be a file the server opens): the operator's

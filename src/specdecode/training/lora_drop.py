@@ -29,7 +29,8 @@ from specdecode.errors import require
 from specdecode.lossy.lora_drop import (CORRECTORS_KIND, Correctors, droppable_layers,
                                         full_positions, run_layer)
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
+from specdecode.training.runs import (FrozenTargetRun, TimeBar, frozen_target_run, target_key,
+                                      train_steps)
 from specdecode.training.self_data import target_conversations
 
 
@@ -106,56 +107,23 @@ def agreement(model, correctors: Correctors, conversations, drop_cycle: int) -> 
 
 
 def _train(model, correctors, optim, train, state, checkpoint, args, deadline, show) -> None:
-    """One conversation a step until ``deadline``; a checkpoint every two minutes and at the
-    end. ``state`` holds the step and the loss log (every 20 steps)."""
-    def save() -> None:
-        checkpoint.save({**state, "correctors": correctors.state_dict(),
-                         "optim": optim.state_dict()})
-
-    last_save, recent = time.monotonic(), []
+    """One conversation a step until ``deadline`` (:func:`~specdecode.training.runs.train_steps`)."""
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
-    while time.monotonic() < deadline:
-        step = state["step"]
-        loss, _ = step_loss(model, correctors, train[int(order[step % len(train)])],
-                            args.drop_cycle)
-        value = descend(loss, optim, correctors.parameters(), step)
-        state["step"] = step = step + 1
-        recent = (recent + [value])[-20:]
-        if step % 20 == 0:
-            state["log"].append({"step": step, "kl": round(sum(recent) / len(recent), 4)})
-        show(f"step {step} kl {sum(recent) / len(recent):.3f}")
-        if time.monotonic() - last_save > 120:
-            save()
-            last_save = time.monotonic()
-    save()
+
+    def loss_of(step: int) -> torch.Tensor:
+        return step_loss(model, correctors, train[int(order[step % len(train)])],
+                         args.drop_cycle)[0]
+
+    train_steps(correctors, optim, state, checkpoint, "correctors", deadline, loss_of, "kl", show)
 
 
-def _setup(args: argparse.Namespace):
-    """The model (frozen), its fingerprint, the checkpoint, the correctors and their optimiser
-    (from the checkpoint with ``--resume``) and the state."""
-    from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import load_model
+def _setup(args: argparse.Namespace) -> FrozenTargetRun:
+    def make(model) -> Correctors:
+        layers = droppable_layers(model.config.num_hidden_layers, args.layer_stride)
+        return Correctors(layers, model.config.hidden_size, args.rank)
 
-    loaded = load_model(args.model)
-    model = loaded.model.eval().requires_grad_(False)
-    fingerprint = HFRunner(model).fingerprint()
-    workdir = work_dir(args.workdir, user_dir() / f"lora-drop-work-{target_key(fingerprint)}")
-    checkpoint = Checkpoint(workdir / "checkpoint.pt", args.resume)
-    torch.manual_seed(args.seed)
-    layers = droppable_layers(model.config.num_hidden_layers, args.layer_stride)
-    correctors = Correctors(layers, model.config.hidden_size, args.rank)
-    optim = torch.optim.AdamW(correctors.parameters(), lr=args.lr, weight_decay=0.0)
-    state = {"fingerprint": fingerprint, "settings": correctors.settings(),
-             "drop_cycle": args.drop_cycle, "step": 0, "log": []}
-    saved = checkpoint.load(
-        lambda s: all(s[k] == state[k] for k in ("fingerprint", "settings", "drop_cycle")),
-        "another target or other settings; start afresh without --resume (or pass another "
-        "--workdir)")
-    if saved is not None:
-        correctors.load_state_dict(saved["correctors"])
-        optim.load_state_dict(saved["optim"])
-        state.update(step=saved["step"], log=saved["log"])
-    return loaded, model, fingerprint, checkpoint, correctors, optim, state
+    return frozen_target_run(args, "lora-drop", "correctors", make,
+                             {"drop_cycle": args.drop_cycle})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
             "--drop-cycle and --layer-stride must be >= 2 (below, nothing is dropped)")
     budget = 60 * args.max_minutes
     bar = TimeBar(budget, "train lora-drop", shown=not args.no_progress)
-    loaded, model, fingerprint, checkpoint, correctors, optim, state = _setup(args)
+    setup = _setup(args)
+    loaded, model, fingerprint, correctors = setup.loaded, setup.model, setup.fingerprint, setup.module
+    optim, state, checkpoint = setup.optim, setup.state, setup.checkpoint
     conversations = target_conversations(
         model, loaded.tokenizer, fingerprint, args.conversations, prompt_tokens=64,
         answer_tokens=160, batch=args.batch, seed=0, seconds=args.data_share * budget,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.lossy.lud import ADAPTERS_KIND, UnitAdapters, lexical_unit
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
+from specdecode.training.runs import TimeBar, frozen_target_run, target_key, train_steps
 from specdecode.training.self_data import target_conversations
 
 
@@ -156,55 +156,17 @@ def greedy_answers(model, tokenizer, conversations, workdir: Path, deadline: flo
 
 
 def _train(model, adapters, optim, train, state, checkpoint, args, deadline, show) -> None:
-    """One conversation a step until ``deadline``; a checkpoint every two minutes and at the
-    end. ``state`` holds the step and the loss log (every 20 steps)."""
-    def save() -> None:
-        checkpoint.save({**state, "adapters": adapters.state_dict(), "optim": optim.state_dict()})
-
+    """One conversation a step until ``deadline`` (:func:`~specdecode.training.runs.train_steps`)."""
     rng = random.Random(args.seed * 7919 + state["step"])
-    last_save, recent = time.monotonic(), []
-    while time.monotonic() < deadline:
-        step = state["step"]
+
+    def loss_of(step: int) -> torch.Tensor:
         ids, prompt_len = train[step % len(train)]
         anchors = pick_anchors((ids, prompt_len), args.anchors, rng)
         _, logits = slot_logits(model, adapters, ids, anchors, args.slots)
-        loss = F.cross_entropy(logits.flatten(0, 1), slot_targets(ids, anchors, args.slots)
+        return F.cross_entropy(logits.flatten(0, 1), slot_targets(ids, anchors, args.slots)
                                .flatten(), ignore_index=-100)
-        value = descend(loss, optim, adapters.parameters(), step)
-        state["step"] = step = step + 1
-        recent = (recent + [value])[-20:]
-        if step % 20 == 0:
-            state["log"].append({"step": step, "loss": round(sum(recent) / len(recent), 4)})
-        show(f"step {step} loss {sum(recent) / len(recent):.3f}")
-        if time.monotonic() - last_save > 120:
-            save()
-            last_save = time.monotonic()
-    save()
 
-
-def _setup(args: argparse.Namespace):
-    """The model (frozen), its fingerprint, the work folder, the checkpoint, the adapters and
-    their optimiser (from the checkpoint with ``--resume``) and the state."""
-    from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import load_model
-
-    loaded = load_model(args.model)
-    model = loaded.model.eval().requires_grad_(False)
-    fingerprint = HFRunner(model).fingerprint()
-    workdir = work_dir(args.workdir, user_dir() / f"lud-work-{target_key(fingerprint)}")
-    checkpoint = Checkpoint(workdir / "checkpoint.pt", args.resume)
-    torch.manual_seed(args.seed)
-    adapters = UnitAdapters(model, args.slots, args.rank)
-    optim = torch.optim.AdamW(adapters.parameters(), lr=args.lr, weight_decay=0.0)
-    state = {"fingerprint": fingerprint, "settings": adapters.settings(), "step": 0, "log": []}
-    saved = checkpoint.load(lambda s: all(s[k] == state[k] for k in ("fingerprint", "settings")),
-                            "another target or other settings; start afresh without --resume "
-                            "(or pass another --workdir)")
-    if saved is not None:
-        adapters.load_state_dict(saved["adapters"])
-        optim.load_state_dict(saved["optim"])
-        state.update(step=saved["step"], log=saved["log"])
-    return loaded, model, fingerprint, workdir, checkpoint, adapters, optim, state
+    train_steps(adapters, optim, state, checkpoint, "adapters", deadline, loss_of, "loss", show)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,7 +177,10 @@ def run(args: argparse.Namespace) -> int:
     require(args.slots >= 1 and args.anchors >= 1, "--slots and --anchors must be >= 1")
     budget = 60 * args.max_minutes
     bar = TimeBar(budget, "train lud", shown=not args.no_progress)
-    loaded, model, fingerprint, workdir, checkpoint, adapters, optim, state = _setup(args)
+    setup = frozen_target_run(args, "lud", "adapters",
+                              lambda model: UnitAdapters.fresh(model, args.slots, args.rank))
+    loaded, model, fingerprint, adapters = setup.loaded, setup.model, setup.fingerprint, setup.module
+    optim, state, checkpoint, workdir = setup.optim, setup.state, setup.checkpoint, setup.workdir
     data_deadline = bar.began + args.data_share * budget
     written = target_conversations(
         model, loaded.tokenizer, fingerprint, args.conversations, prompt_tokens=64,

@@ -39,8 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=float, default=8.0,
                         help="stop collecting after this long (the fit follows)")
     parser.add_argument("--max-step-tokens", type=int, default=32)
+    parser.add_argument("--cheap", default="draft", choices=("draft", "int4"),
+                        help="the cheap model, as arbitrage's -c cheap= (int4: the target's own "
+                             "int4 copy; the target then runs fp32)")
     parser.add_argument("--draft", default="distilled",
-                        help="the cheap drafter, as draft_model's -c draft=")
+                        help="with --cheap draft: the draft, as draft_model's -c draft=")
     parser.add_argument("--data", default=None, help="Spec-Bench-format jsonl (default: dev half)")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where arbitrage finds it)")
@@ -131,11 +134,13 @@ def run(args: argparse.Namespace) -> int:
     require(args.questions > 0 and args.gen_tokens > 1 and args.max_minutes > 0,
             "--questions and --max-minutes must be positive and --gen-tokens above 1")
     loaded = load_model(args.model)
-    runner = make_runner(loaded)
+    # the int4 copy drafts for the precise target; the distilled draft for the default runner
+    runner = make_runner(loaded, weights="fp32" if args.cheap == "int4" else "auto")
     tokenizer = loaded.tokenizer
     eos = frozenset(eos_ids(loaded, tokenizer))
     fingerprint = runner.fingerprint()
-    key = hashlib.sha1(f"{fingerprint}:{args.gen_tokens}:{args.max_step_tokens}:{args.draft}"
+    cheap = args.draft if args.cheap == "draft" else "int4"
+    key = hashlib.sha1(f"{fingerprint}:{args.gen_tokens}:{args.max_step_tokens}:{cheap}"
                        .encode()).hexdigest()[:12]
     workdir = Path(args.workdir) if args.workdir else user_dir() / "router-work"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     width = len(FEATURES)
     newlines = newline_ids(tokenizer, runner.vocab_size)
     blank = Router(torch.zeros(width), 0.0, torch.zeros(width), torch.ones(width), newlines)
-    config = ArbitrageConfig(draft=args.draft, max_step_tokens=args.max_step_tokens)
+    config = ArbitrageConfig(cheap=args.cheap, draft=args.draft,
+                             max_step_tokens=args.max_step_tokens)
     arbitrage = Arbitrage(config, runner, router=blank)
     started = time.time()
     for qid, text in training_prompts(args.data, args.holdout)[:args.questions]:
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {"prompts": len(examples), "steps": steps,
                "held_out_r2": round(r2, 4), "features": list(FEATURES),
                "gen_tokens": args.gen_tokens, "max_step_tokens": args.max_step_tokens,
-               "draft": args.draft, "ridge": RIDGE,
+               "cheap": args.cheap, "draft": args.draft, "ridge": RIDGE,
                "oracle_target_share_at_default": round(float((y_held > threshold).float().mean()), 4),
                "router_target_share_at_default": round(float((predicted > threshold).float().mean()), 4)}
     out = Path(args.out) if args.out else user_dir() / f"arbitrage-router-{key}.safetensors"

@@ -1,5 +1,7 @@
 """What every trainer's run keeps besides its network: a work folder per target, a checkpoint
-that ``--resume`` continues, and a progress bar over the run's time budget.
+that ``--resume`` continues, and a progress bar over the run's time budget; and, for the
+trainers of small pieces on a frozen target (LoRA-Drop's correctors, LUD's adapters), their
+common setup (:func:`frozen_target_run`) and step loop (:func:`train_steps`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,3 +96,78 @@ class TimeBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+@dataclass
+class FrozenTargetRun:
+    """A trainer's frozen target and what it trains on it."""
+
+    loaded: object
+    model: torch.nn.Module
+    fingerprint: str
+    workdir: Path
+    checkpoint: Checkpoint
+    #: the trained piece (its ``settings()`` go into the checkpoint)
+    module: torch.nn.Module
+    optim: torch.optim.Optimizer
+    #: the step, the loss log and what a resumed checkpoint must share
+    state: dict
+    #: the module's name in the checkpoint
+    piece: str
+
+
+def frozen_target_run(args, work_name: str, piece: str, make: Callable[[torch.nn.Module], object],
+                      shared: dict | None = None) -> FrozenTargetRun:
+    """The frozen target of ``--model``, its work folder (``--workdir``, or the user cache's
+    ``WORK_NAME-work-KEY``), the checkpoint, the piece ``make(model)`` and its AdamW (``--lr``),
+    both from the checkpoint with ``--resume``, which must share the target, the piece's
+    settings and ``shared``."""
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.loading import load_model
+    from specdecode.training.artifacts import user_dir
+
+    loaded = load_model(args.model)
+    model = loaded.model.eval().requires_grad_(False)
+    fingerprint = HFRunner(model).fingerprint()
+    workdir = work_dir(args.workdir, user_dir() / f"{work_name}-work-{target_key(fingerprint)}")
+    checkpoint = Checkpoint(workdir / "checkpoint.pt", args.resume)
+    torch.manual_seed(args.seed)
+    module = make(model)
+    optim = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
+    state = {"fingerprint": fingerprint, "settings": module.settings(), **(shared or {})}
+    must_share = list(state)
+    state.update(step=0, log=[])
+    saved = checkpoint.load(lambda s: all(s.get(k) == state[k] for k in must_share),
+                            "another target or other settings; start afresh without --resume "
+                            "(or pass another --workdir)")
+    if saved is not None:
+        module.load_state_dict(saved[piece])
+        optim.load_state_dict(saved["optim"])
+        state.update(step=saved["step"], log=saved["log"])
+    return FrozenTargetRun(loaded, model, fingerprint, workdir, checkpoint, module, optim, state,
+                           piece)
+
+
+def train_steps(module: torch.nn.Module, optim: torch.optim.Optimizer, state: dict,
+                checkpoint: Checkpoint, piece: str, deadline: float,
+                loss_of: Callable[[int], torch.Tensor], logged: str, show) -> None:
+    """Steps of ``loss_of(step)`` until ``deadline``; a checkpoint (``piece``: the module's
+    name in it) every two minutes and at the end. ``state`` holds the step and the log: the
+    mean of the last 20 losses, as ``logged``, every 20 steps."""
+    def save() -> None:
+        checkpoint.save({**state, piece: module.state_dict(), "optim": optim.state_dict()})
+
+    last_save, recent = time.monotonic(), []
+    while time.monotonic() < deadline:
+        step = state["step"]
+        value = descend(loss_of(step), optim, module.parameters(), step)
+        state["step"] = step = step + 1
+        recent = (recent + [value])[-20:]
+        mean = sum(recent) / len(recent)
+        if step % 20 == 0:
+            state["log"].append({"step": step, logged: round(mean, 4)})
+        show(f"step {step} {logged} {mean:.3f}")
+        if time.monotonic() - last_save > 120:
+            save()
+            last_save = time.monotonic()
+    save()
