@@ -28,7 +28,8 @@ cost it in caches and memory bandwidth. ``--micro-reps``: the fastest of that ma
 of 4 nodes and one-row forwards, after the generations.
 
 A *draft step* is one drafter call (reading the committed features or a batch of tree nodes,
-scoring their children); the per-verify-step figures are printed beside it. The target's
+scoring their children; a request's first one, which reads the whole prompt, is reported apart
+as "prompt ms"); the per-verify-step figures are printed beside it. The target's
 one-row forward is ``ar``'s verify call (the runner's forward and LM head, one row).
 """
 
@@ -126,6 +127,35 @@ def instrument_draft_model(proposer, clock: Clock) -> None:
     lm.feed = clock.wrap(lm.feed, "drafter calls")
 
 
+def set_prompt_apart(proposer, clock: Clock) -> None:
+    """A request's first drafter call reads the whole prompt (a prefill of the drafter): its
+    seconds go to ``prompt``, not to the draft steps."""
+    lm, start = proposer.lm, proposer.start
+    catch_up = lm.catch_up  # already timed
+    first = [False]
+
+    def started(prompt):
+        first[0] = True
+        return start(prompt)
+
+    def reading(context):
+        if not first[0]:
+            return catch_up(context)
+        first[0] = False
+        seconds, calls = dict(clock.seconds), dict(clock.calls)
+        began = CLOCKS[0]()
+        out = catch_up(context)
+        spent = CLOCKS[0]() - began
+        for label in list(clock.seconds):  # the prompt's seconds out of every part
+            clock.seconds[label] = seconds.get(label, 0.0)
+            clock.calls[label] = calls.get(label, 0)
+        clock.seconds["propose"] -= spent  # the enclosing propose adds them when it returns
+        clock.seconds["prompt"] += spent
+        clock.calls["prompt"] += 1
+        return out
+    proposer.start, lm.catch_up = started, reading
+
+
 def instrument(decoder: Decoder, clock: Clock) -> None:
     proposer = decoder.proposer
     proposer.propose = clock.wrap(proposer.propose, "propose")
@@ -134,6 +164,8 @@ def instrument(decoder: Decoder, clock: Clock) -> None:
         instrument_draft_model(proposer, clock)
     elif decoder.method.name != "ar":
         instrument_heads(proposer, clock)
+    if decoder.method.name != "ar":
+        set_prompt_apart(proposer, clock)
     run_packed = decoder.runner.run_packed
 
     def timed_run_packed(work):
@@ -174,6 +206,7 @@ def run_method(runner, tokenizer, method: str, prompts, max_new_tokens: int) -> 
         "verify_ms": 1e3 * clock.seconds["verify"] / verify_steps,
         "step_ms": {k: 1e3 * v / draft_calls for k, v in parts.items()},
         "per_verify_ms": 1e3 * (clock.seconds["propose"] + clock.seconds["observe"]) / verify_steps,
+        "prompt_ms": 1e3 * clock.seconds["prompt"] / max(1, clock.calls["prompt"]),
         "calls_per_verify": clock.calls["drafter calls"] / verify_steps,
         "accepted_per_step": committed / max(1, steps),
     }
@@ -217,7 +250,8 @@ def report(rounds: list[dict], methods: list[str]) -> None:
     med = statistics.median
     forward = med(r["ar"]["verify_ms"] for r in rounds)
     print(f"\none-row target forward (ar's verify call): {forward:.2f} ms (median of rounds)")
-    header = ("method", "step ms", "/ fwd", *PARTS, "steps/verify", "ms/verify", "accepted")
+    header = ("method", "step ms", "/ fwd", *PARTS, "steps/verify", "ms/verify", "prompt ms",
+              "accepted")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for m in methods:
@@ -227,6 +261,7 @@ def report(rounds: list[dict], methods: list[str]) -> None:
         print(f"| {m} | {step:.3f} | {ratio:.1%} | " + " | ".join(f"{p:.3f}" for p in parts)
               + f" | {med(r[m]['calls_per_verify'] for r in rounds):.2f}"
               f" | {med(r[m]['per_verify_ms'] for r in rounds):.2f}"
+              f" | {med(r[m]['prompt_ms'] for r in rounds):.1f}"
               f" | {med(r[m]['accepted_per_step'] for r in rounds):.2f} |")
 
 
