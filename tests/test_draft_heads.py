@@ -50,9 +50,10 @@ def test_drafting_computes_what_training_taught(kind):
     feats, ids = torch.randn(n, net.size), torch.randint(50, (n,))
     taught = net.train_outputs(feats, ids, depth)
     net.reset()
-    # the context in two pieces, as a prefill then a verify step hand it over
+    # the context in three pieces, as a prefill then verify steps hand it over (one row last)
     net.ingest(feats[:4], ids[1:5], torch.arange(4))
-    states, out = net.ingest(feats[4:t + 1], ids[5:t + 2], torch.arange(4, t + 1))
+    net.ingest(feats[4:t], ids[5:t + 1], torch.arange(4, t))
+    states, out = net.ingest(feats[t:t + 1], ids[t + 1:t + 2], torch.arange(t, t + 1))
     torch.testing.assert_close(out[0], taught[0][t], rtol=1e-4, atol=1e-4)
     parent = states[0]
     for d in range(1, depth):

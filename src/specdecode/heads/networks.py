@@ -163,6 +163,16 @@ def _fuse(size: int, parts: int) -> nn.Linear:
     return fuse
 
 
+def _after(past: int, n: int) -> torch.Tensor | None:
+    """Where n new rows after ``past`` cached ones may attend (the cache, then causally among
+    themselves); None where that is everywhere (one row: a verify step's usual read)."""
+    if n == 1:
+        return None
+    allowed = torch.ones(n, past + n, dtype=torch.bool)
+    allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return allowed
+
+
 class KVCache:
     """Keys and values [heads, m, D] a block attends to, in a buffer grown by doubling (a
     draft step appends a few rows; copying the whole cache each time would cost more)."""
@@ -321,8 +331,7 @@ class CloverHeads(_BlockNetwork):
         past = len(self.cache)
         self.cache.append(k, v)
         n = len(features)
-        allowed = torch.ones(n, past + n, dtype=torch.bool)
-        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = _after(past, n)
         augmented = self.augment(features, positions, self.cache.keys, self.cache.values, allowed,
                                  normed)
         self.memory.append(*self.cross.keys_values(augmented, positions))
@@ -390,8 +399,7 @@ class EagleHead(_BlockNetwork):
         self.cache.append(k, v)
         self.committed = len(self.cache)
         n = len(x)
-        allowed = torch.ones(n, past + n, dtype=torch.bool)
-        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = _after(past, n)
         out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed, normed)
         return [out[-1]], out[-1:]
 
