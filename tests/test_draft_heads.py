@@ -13,8 +13,10 @@ from specdecode.api import Decoder
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
+from specdecode import kernels
 from specdecode.heads.drafter import target_features, target_needs
-from specdecode.heads.networks import NETWORKS, eagle3_layers, make_network
+from specdecode.heads.native import to_native
+from specdecode.heads.networks import MLP, NETWORKS, RMSNorm, eagle3_layers, make_network
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.registry import get
@@ -52,9 +54,10 @@ def test_drafting_computes_what_training_taught(kind):
     feats, ids = torch.randn(n, width), torch.randint(50, (n,))
     taught = net.train_outputs(feats, ids, depth)
     net.reset()
-    # the context in two pieces, as a prefill then a verify step hand it over
+    # the context in three pieces, as a prefill then verify steps hand it over (one row last)
     net.ingest(feats[:4], ids[1:5], torch.arange(4))
-    states, out = net.ingest(feats[4:t + 1], ids[5:t + 2], torch.arange(4, t + 1))
+    net.ingest(feats[4:t], ids[5:t + 1], torch.arange(4, t))
+    states, out = net.ingest(feats[t:t + 1], ids[t + 1:t + 2], torch.arange(t, t + 1))
     torch.testing.assert_close(out[0], taught[0][t], rtol=1e-4, atol=1e-4)
     parent = states[0]
     for d in range(1, depth):
@@ -63,6 +66,35 @@ def test_drafting_computes_what_training_taught(kind):
                              [d, d], [list(range(2 * (d - 1) + 1))[1::2]] * 2)
         torch.testing.assert_close(out[1], taught[d][t], rtol=1e-4, atol=1e-4)
         parent = st[1]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_native_conversion_takes_any_drafters_linear_maps(fmt):
+    """to_native puts every nn.Linear of any module (and the networks' norms and MLPs) on the
+    kernels; each network's drafted features stay within the weights' rounding of torch's."""
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here")
+
+    def relative_error(a, b):
+        return float((a - b).norm() / a.norm())
+
+    custom = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(),
+                                 torch.nn.Sequential(torch.nn.Linear(96, 40, bias=False)))
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        expected = custom(x)
+    to_native(custom, fmt)
+    assert not any(isinstance(m, torch.nn.Linear) for m in custom.modules())
+    assert relative_error(expected, custom(x)) < 0.02
+    for kind in KINDS:
+        net = perturbed(kind).eval()
+        feats, ids = torch.randn(9, net.size), torch.randint(50, (9,))
+        with torch.no_grad():
+            expected = net.ingest(feats, ids, torch.arange(9))[1]
+        net.reset()
+        to_native(net, fmt)
+        assert not any(isinstance(m, (torch.nn.Linear, RMSNorm, MLP)) for m in net.modules())
+        assert relative_error(expected, net.ingest(feats, ids, torch.arange(9))[1]) < 0.02, kind
 
 
 def test_untrained_heads_predict_the_next_token_again():

@@ -62,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", action="append", default=[], metavar="METHOD.KEY=VALUE",
                         help="method config field (repeatable), e.g. -c ngram.max_ngram=4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_runner_arguments(parser)
+    add_diffusion_arguments(parser)
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+
+
+def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
+    """The modes that measure the runners rather than the methods: --runners, --perplexity,
+    --project-from and their settings."""
     parser.add_argument("--runners", action="store_true",
                         help="measure the runners instead of the methods: per-forward latency "
                              "(1, 8, 16, 64 tokens), one row against its memory bound, greedy "
@@ -92,9 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-costs", default=None, metavar="RUNNERS",
                         help="with --project-from and without --runners: a --runners run's "
                              "folder or runners.json to project on (nothing is measured)")
-    add_diffusion_arguments(parser)
-    add_model_arguments(parser)
-    add_sampling_arguments(parser)
 
 
 @dataclass

@@ -55,6 +55,13 @@ class DraftSession:
         """One draft token from shortlist logits [V'] at a node whose committed context plus
         path is ``context``: (token, the distribution it was drawn from or None when greedy,
         the draft's probability of it)."""
+        head_ids = getattr(self.lm, "head_ids", None)
+        if self.sampling.greedy and not self.sampling.has_penalties and head_ids is not None:
+            # the shortlist's argmax and probability: the vocabulary's other tokens have
+            # probability 0 (no [V] logits, softmax and argmax per drafted token)
+            probs = logits.float().softmax(-1)
+            best = int(probs.argmax())
+            return int(head_ids[best]), None, float(probs[best])
         node = self.node(logits, context)
         if self.sampling.greedy:
             token = node.argmax(0)

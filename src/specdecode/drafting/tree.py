@@ -47,12 +47,14 @@ def check_tree(config) -> None:
 
 
 class _Children:
-    """The ranked candidate children of a node the draft model has read."""
+    """The ranked candidate children of a node the draft model has read: greedy, their draft
+    probabilities in rank order (``values``); sampled, the node's draft distribution ``q``."""
 
-    def __init__(self, order: torch.Tensor, q: torch.Tensor, sampled: bool):
-        self.order = order.tolist()  # tokens, in the order siblings are drawn
-        self.q = q  # [V] the node's draft distribution (values; the draws when sampled)
-        self.sampled = sampled
+    def __init__(self, order: list[int], q: torch.Tensor | None, values: list[float] | None):
+        self.order = order  # tokens, in the order siblings are drawn
+        self.q = q  # [V] the distribution the siblings are drawn from (sampled only)
+        self.values = values
+        self.sampled = q is not None
         self.taken = 0
         self.drawn: list[int] = []
 
@@ -61,56 +63,71 @@ class _Children:
         if self.taken >= len(self.order):
             return 0.0
         if not self.sampled:
-            return float(self.q[self.order[self.taken]])
+            return self.values[self.taken]
         rest = self.q.clone()
         rest[self.drawn] = 0.0
         mass = float(rest.sum())
         return float((rest * rest).sum()) / mass if mass > 0 else 0.0
 
-    def take(self) -> tuple[int, torch.Tensor | None]:
-        """The next sibling and the distribution it was drawn from (None when greedy)."""
+    def take(self) -> tuple[int, torch.Tensor | None, float]:
+        """The next sibling, the distribution it was drawn from (None when greedy) and its
+        draft probability."""
         token = self.order[self.taken]
-        self.taken += 1
         drawn_from = None
         if self.sampled:
+            prob = float(self.q[token])
             drawn_from = self.q.clone()
             drawn_from[self.drawn] = 0.0
             drawn_from /= drawn_from.sum()
+        else:
+            prob = self.values[self.taken]
+        self.taken += 1
         self.drawn.append(token)
-        return token, drawn_from
+        return token, drawn_from, prob
 
 
-def rank_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int], limit: int) -> _Children:
-    """The ranked candidate children (at most ``limit``) of a node the drafter has read, from
-    its shortlist logits [V']; ``path``: the committed context plus the node's path."""
+def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence[int],
+                  paths: Sequence[Sequence[int]], limit: int) -> list[_Children]:
+    """The ranked candidate children (at most ``limit`` each) of nodes the drafter has read,
+    from their shortlist logits [k, V']; ``paths[j]``: node j's path after the committed
+    ``context``."""
     sampling, head_ids = session.sampling, getattr(session.lm, "head_ids", None)
     if sampling.greedy and not sampling.has_penalties and head_ids is not None:
-        return _shortlist_children(logits, head_ids, session.lm.vocab_size, limit)
+        return _shortlist_children(logits, head_ids, limit)
+    return [_node_children(session, row, [*context, *path], limit)
+            for row, path in zip(logits, paths)]
+
+
+def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int],
+                   limit: int) -> _Children:
     node = session.node(logits, path)
     if session.sampling.greedy:
         q = node.penalised(0).softmax(-1)
-        order = q.topk(min(limit, int((q > 0).sum()))).indices
-        return _Children(order, q, False)
+        top = q.topk(min(limit, int((q > 0).sum())))
+        return _Children(top.indices.tolist(), None, top.values.tolist())
     q = node.probs(0)
     # Gumbel-top-k: sorting log q + Gumbel noise draws without replacement from q
     noise = -torch.log(-torch.log(torch.rand(q.shape, generator=session.generator,
                                              dtype=torch.float64).clamp_min(1e-300)))
     keys = torch.where(q > 0, q.double().log() + noise, float("-inf"))
     order = keys.topk(min(limit, int((q > 0).sum()))).indices
-    return _Children(order, q, True)
+    return _Children(order.tolist(), q, None)
 
 
-def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor, vocab_size: int,
-                        limit: int) -> _Children:
-    """Greedy children without penalties, ranked within the shortlist: the same ranking and
-    (up to rounding) the same probabilities as over the whole vocabulary, whose other tokens
-    have probability 0, at a sixth of the work (no [V] softmax and top-k per node)."""
-    q_short = logits.float().softmax(-1)  # [V']
-    top = q_short.topk(min(limit, int((q_short > 0).sum())))
-    order = head_ids[top.indices]
-    q = torch.zeros(vocab_size)  # [V]: greedy growth reads q at the ranked tokens only
-    q[order] = top.values
-    return _Children(order, q, False)
+def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor, limit: int) -> list[_Children]:
+    """Greedy children without penalties, ranked within the shortlist, every node of a drafter
+    call at once: the same ranking and (up to rounding) the same probabilities as over the
+    whole vocabulary, whose other tokens have probability 0, at a sixth of the work (no [V]
+    softmax and top-k per node)."""
+    q = logits.float().softmax(-1)  # [k, V']
+    top = q.topk(min(limit, q.shape[-1]), -1)
+    orders = head_ids[top.indices].tolist()
+    values = top.values.tolist()
+    children = []
+    for order, value in zip(orders, values):
+        kept = sum(1 for v in value if v > 0)  # never a token of probability 0
+        children.append(_Children(order[:kept], None, value[:kept]))
+    return children
 
 
 def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, settings) -> Draft:
@@ -125,7 +142,7 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         return Draft.empty()
     logits, _ = session.lm.catch_up(context)
     tree = _Growth(session, context, max_depth)
-    tree.children[-1] = rank_children(session, logits, list(context), budget_nodes)
+    tree.children[-1] = rank_children(session, logits[None], context, [[]], budget_nodes)[0]
     # entries: (-value, tie, node, read): read = node's children are ranked (take the next
     # one); unread = the node must be fed to the drafter first (value: an upper bound)
     tree.push(-tree.children[-1].next_weight(), -1, True)
@@ -171,10 +188,10 @@ class _Growth:
         """Place the next ranked child of ``node`` (-1: the root)."""
         ranked = self.children[node]
         parent_value = 1.0 if node < 0 else self.values[node]
-        token, drawn_from = ranked.take()
+        token, drawn_from, prob = ranked.take()
         self.tokens.append(token)
         self.parents.append(node)
-        self.values.append(parent_value * float(ranked.q[token]))
+        self.values.append(parent_value * prob)
         self.rows.append(None)
         self.paths.append(([] if node < 0 else self.paths[node]) + [token])
         if drawn_from is not None:
@@ -195,8 +212,9 @@ class _Growth:
         first_row = len(lm.tree_tokens)
         out, _ = lm.feed([self.tokens[n] for n in feed],
                          [-1 if self.parents[n] < 0 else self.rows[self.parents[n]] for n in feed])
+        ranked = rank_children(self.session, out, self.context, [self.paths[n] for n in feed],
+                               room)
         for j, n in enumerate(feed):
             self.rows[n] = first_row + j
-            self.children[n] = rank_children(self.session, out[j], self.context + self.paths[n],
-                                             room)
-            self.push(-self.values[n] * self.children[n].next_weight(), n, True)
+            self.children[n] = ranked[j]
+            self.push(-self.values[n] * ranked[j].next_weight(), n, True)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode import kernels
 from specdecode.errors import require
+from specdecode.heads.native import scoring_layer, to_native
 from specdecode.heads.networks import HeadNetwork
 from specdecode.drafting.caches import DraftCache
 from specdecode.models.base import ForwardOutput, Needs
@@ -43,47 +43,11 @@ def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -
     return torch.cat([part.float() for part in parts], -1) if len(parts) > 1 else parts[0]
 
 
-def scoring_layer(weight: torch.Tensor, fmt: str = "int8"):
-    """``weight`` [out, in] as a linear layer in the native kernels where they load (``fmt``;
-    int4 falls back to int8 where ``in`` is not a multiple of its group), else float32
-    through ATen."""
-    from specdecode.models.quant import INT4_GROUP, LibraryLinear, make_linear
-
-    if not kernels.available():
-        return LibraryLinear(weight.float(), torch.float32)
-    if fmt == "int4" and weight.shape[1] % INT4_GROUP:
-        fmt = "int8"
-    return make_linear(weight.float(), fmt)
-
-
-class KernelLinear(torch.nn.Module):
-    """A trained ``nn.Linear`` in the native kernels (int8 weights with row scales, 2-D
-    activations): the networks' products read a quarter of float32's bytes, and drafting is
-    bound by reading weights."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.layer = scoring_layer(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.float().reshape(-1, x.shape[-1]).contiguous()
-        y = self.layer(flat).reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
-def on_kernels(net: HeadNetwork) -> HeadNetwork:
-    """``net`` with every linear layer replaced by a :class:`KernelLinear` (drafting only)."""
-    for name, module in list(net.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, KernelLinear(child))
-    return net
-
-
 class HeadDraftLM(DraftCache):
-    def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner):
-        self.net = on_kernels(net) if kernels.available() else net
+    def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner,
+                 weights: str = "int8"):
+        """``weights``: the network's format on the native kernels (heads/native.py)."""
+        self.net = to_native(net, weights)
         self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = net.size
@@ -95,6 +59,7 @@ class HeadDraftLM(DraftCache):
     def reset(self) -> None:
         """A new request: no positions read, no features given."""
         self.net.reset()
+        # the features given and not read yet (the network keeps what it needs of the others)
         self.features: list[torch.Tensor] = []
         self.given = 0
         self.read = 0
@@ -128,9 +93,8 @@ class HeadDraftLM(DraftCache):
         require(self.given == len(context) - 1,
                 f"the head drafter has the target's features of {self.given} positions but the "
                 f"context has {len(context) - 1} before its root")
-        features = torch.cat(self.features)
-        self.features = [features]
-        new = features[self.read:]
+        new = self.features[0] if len(self.features) == 1 else torch.cat(self.features)
+        self.features = []
         positions = torch.arange(self.read, self.given)
         next_tokens = torch.tensor(list(context[self.read + 1:]), dtype=torch.long)
         states, out = self.net.ingest(new, next_tokens, positions)

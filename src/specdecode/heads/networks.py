@@ -45,29 +45,31 @@ HEAD_DIM = 64
 ROPE_BASE = 10000.0
 
 
-_ROPE_TABLES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_ROPE_TABLES: dict[int, torch.Tensor] = {}
 
 
-def _rope_table(d: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [positions, D/2] for head width ``d``, grown by doubling and kept: a draft
-    step rotates a few rows, and computing the angles each time cost more than rotating."""
+def _rope_table(d: int, positions: int) -> torch.Tensor:
+    """[positions, 2, D]: (cos, cos) and (-sin, sin) for head width ``d``, grown by doubling
+    and kept: a draft step rotates a few rows, and computing the angles each time cost more
+    than rotating."""
     table = _ROPE_TABLES.get(d)
-    if table is None or table[0].shape[0] < positions:
+    if table is None or table.shape[0] < positions:
         size = max(4096, 2 * positions)
         inv = ROPE_BASE ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
         angles = torch.arange(size, dtype=torch.float32)[:, None] * inv
-        table = _ROPE_TABLES[d] = (angles.cos(), angles.sin())
+        cos, sin = angles.cos(), angles.sin()
+        table = _ROPE_TABLES[d] = torch.stack([torch.cat([cos, cos], -1),
+                                               torch.cat([-sin, sin], -1)], 1)
     return table
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (half-split layout) of x [..., n, heads, D] at ``positions``
-    [..., n] (broadcast)."""
+    [..., n] (broadcast): (a, b) -> (a cos - b sin, b cos + a sin), written as x (cos, cos) +
+    (b, a) (-sin, sin), the same numbers in fewer operations."""
     d = x.shape[-1]
-    cos, sin = _rope_table(d, int(positions.max()) + 1)
-    cos, sin = cos[positions][..., None, :], sin[positions][..., None, :]
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+    table = _rope_table(d, int(positions.max()) + 1)[positions].unsqueeze(-3)  # [..., n, 1, 2, D]
+    return x * table[..., 0, :] + x.roll(d // 2, -1) * table[..., 1, :]
 
 
 class RMSNorm(nn.Module):
@@ -89,9 +91,19 @@ class MLP(nn.Module):
         self.down = nn.Linear(inner, size, bias=False)
         nn.init.zeros_(self.down.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate) * up), plus ``residual`` where given."""
         gate, up = self.gate_up(x).chunk(2, -1)
-        return self.down(F.silu(gate) * up)
+        return _plus(self.down, F.silu(gate) * up, residual)
+
+
+def _plus(linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual`` + linear(x): the sum inside the kernel where the layer was converted
+    (heads/native.py), which takes the residual."""
+    if residual is None or isinstance(linear, nn.Linear):
+        y = linear(x)
+        return y if residual is None else residual + y
+    return linear(x, residual)
 
 
 class Attention(nn.Module):
@@ -112,17 +124,22 @@ class Attention(nn.Module):
         return rope(k, positions).transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+                values: torch.Tensor, allowed: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Rows x [..., n, H] at ``positions`` attend to ``keys``/``values`` [..., heads, m, D]
-        where ``allowed`` [n, m] (or [..., n, m]) is true."""
+        where ``allowed`` [n, m] (or [..., n, m]; None: everywhere) is true; plus ``residual``
+        where given."""
         q = rope(self.q(x).unflatten(-1, (self.heads, self.head_dim)), positions)
+        if allowed is None:  # one call where nothing is masked
+            out = F.scaled_dot_product_attention(q.transpose(-2, -3), keys, values)
+            return _plus(self.o, out.transpose(-2, -3).flatten(-2), residual)
         # written out rather than scaled_dot_product_attention: with a boolean mask its CPU
         # path spends longer on the mask than on the product for the few rows of a draft
         scores = q.transpose(-2, -3) @ keys.transpose(-1, -2)
         scores = scores * self.head_dim ** -0.5
         scores = scores.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
         out = scores.softmax(-1) @ values
-        return self.o(out.transpose(-2, -3).flatten(-2))
+        return _plus(self.o, out.transpose(-2, -3).flatten(-2), residual)
 
 
 class Block(nn.Module):
@@ -136,9 +153,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(size)
         self.mlp = MLP(size, inner)
 
-    def forward(self, x, positions, keys, values, allowed):
-        x = x + self.attn(self.attn_norm(x), positions, keys, values, allowed)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, positions, keys, values, allowed, normed=None):
+        """``normed``: attn_norm(x), where the caller has it (it made the rows' keys)."""
+        normed = self.attn_norm(x) if normed is None else normed
+        x = self.attn(normed, positions, keys, values, allowed, residual=x)
+        return self.mlp(self.mlp_norm(x), residual=x)
 
 
 def _fuse(size: int, parts: int) -> nn.Linear:
@@ -190,6 +209,16 @@ class PartNorm(RMSNorm):
         x = x.unflatten(-1, (self.parts, -1))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.flatten(-2) * self.weight
+
+
+def _after(past: int, n: int) -> torch.Tensor | None:
+    """Where n new rows after ``past`` cached ones may attend (the cache, then causally among
+    themselves); None where that is everywhere (one row: a verify step's usual read)."""
+    if n == 1:
+        return None
+    allowed = torch.ones(n, past + n, dtype=torch.bool)
+    allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return allowed
 
 
 class KVCache:
@@ -346,17 +375,18 @@ class CloverHeads(_BlockNetwork):
 
     def regress(self, state, embeds, positions, keys, values, allowed):
         x = self.fuse(torch.cat([state, embeds], -1))
-        x = x + self.cross(self.cross_norm(x), positions, keys, values, allowed)
-        return x + self.mlp(self.mlp_norm(x))
+        x = self.cross(self.cross_norm(x), positions, keys, values, allowed, residual=x)
+        return self.mlp(self.mlp_norm(x), residual=x)
 
     def ingest(self, features, next_tokens, positions):
-        k, v = self.augment.attn.keys_values(self.augment.attn_norm(features), positions)
+        normed = self.augment.attn_norm(features)
+        k, v = self.augment.attn.keys_values(normed, positions)
         past = len(self.cache)
         self.cache.append(k, v)
         n = len(features)
-        allowed = torch.ones(n, past + n, dtype=torch.bool)
-        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        augmented = self.augment(features, positions, self.cache.keys, self.cache.values, allowed)
+        allowed = _after(past, n)
+        augmented = self.augment(features, positions, self.cache.keys, self.cache.values, allowed,
+                                 normed)
         self.memory.append(*self.cross.keys_values(augmented, positions))
         self.length = past + n
         state = augmented[-1:]
@@ -367,9 +397,9 @@ class CloverHeads(_BlockNetwork):
         """The regressive block for nodes at ``depth`` (an int or one per node; 0: the root)
         after the context."""
         positions = (self.length - 1 + torch.as_tensor(depth)).expand(len(states))
-        allowed = torch.ones(len(states), len(self.memory), dtype=torch.bool)
+        # every node sees the whole context's memory
         return self.regress(states, self.embeddings(tokens), positions, self.memory.keys,
-                            self.memory.values, allowed)
+                            self.memory.values, None)
 
     def expand(self, parent_states, tokens, depths, ancestors):
         out = self._step(torch.stack(list(parent_states)), tokens, torch.tensor(depths))
@@ -445,15 +475,15 @@ class EagleHead(_BlockNetwork):
 
     def ingest(self, features, next_tokens, positions):
         x = self._inputs(self._first(features), next_tokens)
-        k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
+        normed = self.layer.attn_norm(x)
+        k, v = self.layer.attn.keys_values(normed, positions)
         past = self.committed
         self.cache.truncate(past)
         self.cache.append(k, v)
         self.committed = len(self.cache)
         n = len(x)
-        allowed = torch.ones(n, past + n, dtype=torch.bool)
-        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
+        allowed = _after(past, n)
+        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed, normed)
         return [out[-1]], self._scored(out[-1:])
 
     def expand(self, parent_states, tokens, depths, ancestors):
@@ -462,15 +492,18 @@ class EagleHead(_BlockNetwork):
         x = self._inputs(torch.stack(list(parent_states)), tokens)
         context = self.committed
         positions = torch.tensor([context - 1 + d for d in depths])
-        k, v = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
+        normed = self.layer.attn_norm(x)
+        k, v = self.layer.attn.keys_values(normed, positions)
         old = len(self.cache) - context  # tree rows of earlier calls
         self.cache.append(k, v)
         n = len(x)
         allowed = torch.zeros(n, len(self.cache), dtype=torch.bool)
         allowed[:, :context] = True
-        for j, rows in enumerate(ancestors):
-            allowed[j, [context + r for r in rows] + [context + old + j]] = True
-        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed)
+        # every node's ancestors and itself in one indexed write (not one a node)
+        cells = [(j, context + r) for j, rows in enumerate(ancestors)
+                 for r in [*rows, old + j]]
+        allowed[tuple(torch.tensor(cells).T)] = True
+        out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed, normed)
         return list(out), self._scored(out)
 
     def train_outputs(self, features, tokens, depth_limit: int):

@@ -20,7 +20,9 @@ from specdecode.control import Controller
 from specdecode.drafting.session import DraftSession
 from specdecode.drafting.tree import check_tree, grow_tree
 from specdecode.heads.artifact import load_heads
+from specdecode.errors import require
 from specdecode.heads.drafter import HeadDraftLM, target_features, target_needs
+from specdecode.heads.native import DRAFT_WEIGHTS
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param
 
@@ -40,9 +42,14 @@ class HeadTreeConfig:
                                        "(its expected acceptance) is below this: an uncertain "
                                        "step sends a small tree or none (verify rows are not "
                                        "free on a CPU, docs/draft-heads.md)")
+    draft_weights: str = param("int8", "the network's linear maps on the native kernels: int8 "
+                                       "| bf16, or fp32 (plain torch); the drafts may change, "
+                                       "never the output")
 
     def __post_init__(self):
         check_tree(self)
+        require(self.draft_weights in DRAFT_WEIGHTS,
+                f"unknown draft_weights {self.draft_weights!r}; known: {', '.join(DRAFT_WEIGHTS)}")
 
 
 class HeadProposer(Proposer):
@@ -59,7 +66,7 @@ class HeadProposer(Proposer):
         self.net = net
         # what the network reads is the artifact's: an EAGLE-3 head asks for three layers
         self.needs = target_needs(net)
-        self.session = DraftSession(self.draft_cache(net, head_ids, runner))
+        self.session = DraftSession(self.draft_cache(net, head_ids, runner, config.draft_weights))
         self.depth_limit = net.max_depth
         self.draft_source = source
 
