@@ -36,6 +36,7 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "aded": {"simulations": (1, 256), "branch": (1, 32), "c_puct": (0.0, 100.0),
              "max_depth": (1, 64)},
     "clover": _HEAD_TREE,
+    "deer": _HEAD_TREE,
     "eagle": _HEAD_TREE,
     "hydra": _HEAD_TREE,
     "del": {"max_speculative_tokens": (1, 32), "confidence_threshold": (0.0, 1.0),
