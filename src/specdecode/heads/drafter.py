@@ -3,9 +3,9 @@
 It has the interface of the draft model's caches (``catch_up`` / ``feed`` / ``prune``, see
 drafting/caches.py), so the dynamic tree of DySpec / EAGLE-2 grows head drafts unchanged.
 Its "context" is the target's: the proposer hands over the features of every committed
-position (the final hidden states, or for EAGLE-3 those of its chosen layers concatenated:
-:func:`target_needs` / :func:`target_features`) (the prompt's from the prefill, then each verify pass's root and accepted
-rows), and :meth:`catch_up` runs the network over the positions it has not read yet.
+position (:func:`target_features`: the final hidden states, or the chosen layers' of EAGLE-3
+and deer), the prompt's from the prefill, then each verify pass's root and accepted rows, and
+:meth:`catch_up` runs the network over the positions it has not read yet.
 
 The drafts are scored by the FR-Spec shortlist of the target's LM head, held in int4 by the
 native kernels (2.4 MB for 8192 tokens of SmolLM2, against 25 MB for the whole head in int4):
