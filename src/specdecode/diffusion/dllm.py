@@ -61,9 +61,9 @@ class DiffusionDelta(nn.Module):
         for name in self.names:
             linear = modules[name]
             key = name.replace(".", "/")
-            self.down[key] = nn.Parameter(torch.randn(rank, linear.in_features, generator=gen)
-                                          / linear.in_features ** 0.5)
-            self.up[key] = nn.Parameter(torch.zeros(linear.out_features, rank))
+            self.down[key] = nn.Parameter(torch.randn(rank, linear.in_features, generator=gen,
+                                                      device="cpu") / linear.in_features ** 0.5)
+            self.up[key] = nn.Parameter(torch.zeros(linear.out_features, rank, device="cpu"))
 
     def attach(self, model: nn.Module) -> list:
         """Forward hooks adding ``scale B A x`` to each projection's output (the handles, to
@@ -152,6 +152,14 @@ def diffusion_batch(conversations: Sequence[tuple[Sequence[int], int]], block_si
             f"block_size must be positive and min_rate in (0, 1]; got {block_size}, {min_rate}")
     require(all(0 < start < len(ids) for ids, start in conversations),
             "every training conversation needs a prompt and a non-empty answer")
+    # laid out on the CPU whatever the default device (a few thousand small writes);
+    # the loss moves the batch to the model
+    with torch.device("cpu"):
+        return _layout(conversations, block_size, mask_id, rng, min_rate)
+
+
+def _layout(conversations, block_size: int, mask_id: int, rng: random.Random,
+            min_rate: float) -> DiffusionBatch:
     width = max(len(ids) + len(ids) - start for ids, start in conversations)
     count = len(conversations)
     input_ids = torch.zeros(count, width, dtype=torch.long)

@@ -547,15 +547,23 @@ class DeerDrafter(_BlockNetwork):
     reads_final = True
 
     def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None, layers: int = 1,
-                 block: int = 8, feature_layers: tuple[int, ...] | list[int] = ()):
+                 block: int = 8, feature_layers: tuple[int, ...] | list[int] = (),
+                 anchor_input: bool = False):
         super().__init__(size, embed, inner)
-        self.layers, self.max_depth = layers, block
+        self.layers, self.max_depth, self.anchor_input = layers, block, anchor_input
         self.feature_layers = tuple(int(layer) for layer in feature_layers)
         parts = len(self.feature_layers) + 1
         # intermediate layers' outputs are un-normed residual streams: each part gets a norm
         self.part_norms = nn.ModuleList(RMSNorm(size) for _ in range(parts))
         self.fuse = nn.Linear(parts * size, size, bias=False)
         self.context_norm = RMSNorm(size)
+        # anchor_input: the anchor's own fused row added to every block row, so the block's
+        # inputs hold what the target knows of the next tokens before any attention (zero at
+        # first: the untrained path changes nothing, and learns from the first step).
+        # Artifacts written before it came have none.
+        self.anchor_in = nn.Linear(size, size, bias=False) if anchor_input else None
+        if self.anchor_in is not None:
+            nn.init.zeros_(self.anchor_in.weight)
         self.mask = nn.Parameter(self.embed.float().mean(0).clone())
         self.blocks = nn.ModuleList(Block(size, self.inner) for _ in range(layers))
         self.out_norm = RMSNorm(size)
@@ -563,7 +571,8 @@ class DeerDrafter(_BlockNetwork):
 
     def settings(self) -> dict:
         return {"size": self.size, "inner": self.inner, "layers": self.layers,
-                "block": self.max_depth, "feature_layers": list(self.feature_layers)}
+                "block": self.max_depth, "feature_layers": list(self.feature_layers),
+                "anchor_input": self.anchor_input}
 
     def reset(self) -> None:
         self.caches = [KVCache() for _ in self.blocks]
@@ -573,14 +582,17 @@ class DeerDrafter(_BlockNetwork):
         return self.context_norm(self.fuse(torch.cat(
             [norm(part) for norm, part in zip(self.part_norms, parts)], -1)))
 
-    def _blocks(self, roots: torch.Tensor, anchors: torch.Tensor, context,
-                context_allowed) -> torch.Tensor:
+    def _blocks(self, roots: torch.Tensor, anchors: torch.Tensor, anchor_rows: torch.Tensor,
+                context, context_allowed) -> torch.Tensor:
         """Blocks after roots [A] at the positions after ``anchors`` [A] (their last context
-        rows): ``context`` per layer (keys, values) [heads, n, D]; ``context_allowed`` [A, n].
-        Returns the mask rows' features [A, block, H]."""
+        rows, whose fused features are ``anchor_rows`` [A, H]): ``context`` per layer (keys,
+        values) [heads, n, D]; ``context_allowed`` [A, n]. Returns the mask rows' features
+        [A, block, H]."""
         a, rows = len(roots), self.max_depth + 1
         x = torch.cat([self.embeddings(roots)[:, None],
                        self.mask.expand(a, self.max_depth, self.size)], 1)
+        if self.anchor_in is not None:
+            x = x + self.anchor_in(anchor_rows)[:, None]
         positions = anchors[:, None] + 1 + torch.arange(rows)
         for block, (keys, values) in zip(self.blocks, context):
             x = x + _block_attention(block.attn, block.attn_norm(x), positions, keys, values,
@@ -595,7 +607,8 @@ class DeerDrafter(_BlockNetwork):
         for block, cache in zip(self.blocks, self.caches):
             cache.append(*block.attn.keys_values(memory, positions))
         n = len(self.caches[0])
-        out = self._blocks(next_tokens[-1:], positions[-1:], [(c.keys, c.values) for c in self.caches],
+        out = self._blocks(next_tokens[-1:], positions[-1:], memory[-1:],
+                           [(c.keys, c.values) for c in self.caches],
                            torch.ones(1, n, dtype=torch.bool))[0]
         return [out], out[:1]
 
@@ -614,7 +627,7 @@ class DeerDrafter(_BlockNetwork):
         memory = self._context(features)
         context = [block.attn.keys_values(memory, positions) for block in self.blocks]
         allowed = positions[None, :] <= anchors[:, None]
-        out = self._blocks(tokens[anchors + 1], anchors, context, allowed)
+        out = self._blocks(tokens[anchors + 1], anchors, memory[anchors], context, allowed)
         return {k: out[anchors < n - k - 1, k] for k in range(min(depth_limit, self.max_depth))
                 if bool((anchors < n - k - 1).any())}
 

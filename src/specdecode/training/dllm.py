@@ -30,7 +30,8 @@ import torch
 
 from specdecode.diffusion.dllm import DiffusionDelta, diffusion_batch, masked_diffusion_loss
 from specdecode.errors import require
-from specdecode.training.runs import Checkpoint, TimeBar, target_key, work_dir
+from specdecode.training.runs import (Checkpoint, TimeBar, target_key, training_device,
+                                      use_device, work_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     model = loaded.model.float().eval().requires_grad_(False)
     fingerprint = HFRunner(model).fingerprint()
+    device = training_device()
+    model.to(device)  # before the data: the target writes it on the GPU too
+    use_device(device)
     vocab = model.get_input_embeddings().weight.shape[0]
     mask = args.mask_id if args.mask_id is not None else default_mask_id(loaded.tokenizer, vocab)
     conversations = target_conversations(
@@ -143,8 +147,6 @@ def run(args: argparse.Namespace) -> int:
     conversations = [(ids, start) for ids, start in conversations if start < len(ids)]
     held = max(2, len(conversations) // 10)
     evaluation, data = conversations[:held], conversations[held:] + shard_conversations(args.data)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device)
     settings = {"fingerprint": fingerprint, "rank": args.rank, "block_size": args.block_size,
                 "batch": args.batch, "lr": args.lr, "mask_id": mask, "seed": args.seed,
                 "conversations": held + len(data)}
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
                         held_out_loss_before=round(before, 4), held_out_loss_after=round(after, 4),
                         final_train_loss=round(sum(recent) / max(1, len(recent)), 4))
     out = Path(args.out) if args.out else user_dir() / f"dllm-{target_key(fingerprint)}.safetensors"
+    use_device("cpu")
     path = delta.cpu().save(out, fingerprint)
     print(f"dllm delta: {state['step']} steps, {state['tokens']} tokens seen on {device}, "
           f"{time.monotonic() - began:.0f} s; held-out masked-diffusion loss {before:.3f} -> "

@@ -18,6 +18,21 @@ import torch
 from specdecode.errors import SpecDecodeError, require
 
 
+def training_device() -> str:
+    """Where a trainer runs: a CUDA GPU when torch sees one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def use_device(device: str) -> None:
+    """Tensors made without a device land on ``device`` from now on: the networks and the
+    runners make their position, mask and index tensors without one, so on a GPU they must
+    land beside the weights. On CUDA, float32 matrix products may use TF32 (training only)."""
+    torch.set_default_device(device)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def target_key(fingerprint: str) -> str:
     """A short name for a target (its runner fingerprint), for folder and file names."""
     return hashlib.sha1(fingerprint.encode()).hexdigest()[:10]

@@ -40,13 +40,14 @@ def user_header(tokenizer) -> str:
 
 
 @torch.inference_mode()
-def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: set[int],
+def generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: set[int],
               temperature: float, seconds: float) -> list[list[int]]:
     """Continuations of ``prompts`` (batched, left padding), each cut after end-of-sequence;
     shorter when ``seconds`` run out."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature else \
         dict(do_sample=False)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -59,6 +60,14 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: s
     return result
 
 
+def answer_prompt(tokenizer, opener: str, turn: Sequence[int]) -> list[int]:
+    """The chat prompt whose user message is the opener and the turn the target wrote after it."""
+    text = (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def write_conversations(model, tokenizer, count: int, prompt_tokens: int, answer_tokens: int,
                         rng: random.Random, seconds: float) -> list[Conversation]:
     """``count`` conversations the target writes within about ``seconds``."""
@@ -69,15 +78,10 @@ def write_conversations(model, tokenizer, count: int, prompt_tokens: int, answer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     openers = [rng.choice(OPENERS) for _ in range(count)]
     starts = [tokenizer(header + o, add_special_tokens=False)["input_ids"] for o in openers]
-    turns = _generate(model, starts, prompt_tokens, pad, eos, 1.0, seconds / 3)
-    out = []
-    for opener, turn in zip(openers, turns):
-        text = (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip()
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
-                                            add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    turns = generate(model, starts, prompt_tokens, pad, eos, 1.0, seconds / 3)
+    out = [answer_prompt(tokenizer, opener, turn) for opener, turn in zip(openers, turns)]
     temperature = 0.0 if rng.random() < 0.5 else 0.7
-    answers = _generate(model, out, answer_tokens, pad, eos, temperature, seconds * 2 / 3)
+    answers = generate(model, out, answer_tokens, pad, eos, temperature, seconds * 2 / 3)
     return [(p + a, len(p)) for p, a in zip(out, answers)]
 
 

@@ -15,6 +15,9 @@ vary; none is a benchmark question. Conversation ``i`` draws from a generator se
 (``--seed``, ``i``) and the runner's rows do not depend on what shares their forward, so a
 conversation is the same whatever batch wrote it: a run appends each finished conversation as
 one line and a later run with the same settings skips the ids already in the file.
+
+On a CUDA GPU (``--runner hf``, the default there) :class:`GenerateWriter` writes the same kind
+of shard with ``transformers``' batched ``generate``, hundreds of conversations at once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import PrefillCall, VerifyCall
-from specdecode.training.self_data import OPENERS, Conversation, user_header
+from specdecode.training.runs import training_device
+from specdecode.training.self_data import (OPENERS, Conversation, answer_prompt, generate,
+                                           user_header)
 
 #: user-turn templates; the target writes the rest of the turn
 TASKS = ("Write a short story about {topic}", "Explain {topic} to a beginner",
@@ -145,12 +150,6 @@ class Writer:
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
         return slot
 
-    def _answer_prompt(self, slot: _Slot) -> list[int]:
-        text = (slot.opener + self.tokenizer.decode(slot.written, skip_special_tokens=True)).strip()
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
-                                                 add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
     def _advance(self, slot: _Slot, logits: torch.Tensor) -> Conversation | None:
         """Draw the slot's next token; the conversation once its answer ends."""
         hot = 1.0 if slot.stage == "user" else slot.temperature
@@ -163,7 +162,7 @@ class Writer:
             return None
         if slot.stage == "answer":
             return slot.prompt + slot.written, len(slot.prompt)
-        slot.stage, slot.prompt = "answer", self._answer_prompt(slot)
+        slot.stage, slot.prompt = "answer", answer_prompt(self.tokenizer, slot.opener, slot.written)
         slot.written = []
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
         return None
@@ -190,6 +189,59 @@ class Writer:
                 if index is not None:
                     following.append(self._slot(index, slot.runner))
             slots = following
+
+
+class GenerateWriter:
+    """The shard's conversations written by ``transformers``' batched ``generate`` on a CUDA GPU
+    (the native runner's kernels are the CPU's): ``batch`` at a time, the user turns sampled
+    (temperature 1, top-p 0.95), each answer greedy or at 0.7 as its conversation's generator
+    drew, a ``generate`` per temperature. Sampling draws from torch's generator, so a
+    conversation is not the same in every run (a resumed run still skips the ids written)."""
+
+    def __init__(self, model, tokenizer, eos: set[int], settings: Settings, batch: int):
+        self.model, self.tokenizer, self.eos, self.settings = model, tokenizer, eos, settings
+        self.batch = batch
+        self.header = user_header(tokenizer)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+            tokenizer.eos_token_id
+        self.forwards = 0
+        self.rows = 0
+        self.written = 0
+
+    def _generate(self, prompts: list[list[int]], tokens: int, temperature: float,
+                  deadline: float) -> list[list[int]]:
+        out = generate(self.model, prompts, tokens, self.pad, self.eos, temperature,
+                       deadline - time.monotonic())
+        self.forwards += max(map(len, out))
+        self.rows += sum(map(len, out))
+        self.written += sum(map(len, out))
+        return out
+
+    def write(self, todo, deadline: float):
+        """Yield (index, conversation) for each index of ``todo``, a batch at a time, until
+        ``todo`` is spent or ``deadline`` (time.monotonic) passes."""
+        prompt_tokens, answer_tokens = self.settings.prompt_tokens, self.settings.answer_tokens
+        while time.monotonic() < deadline:
+            indices = [i for _, i in zip(range(self.batch), todo)]
+            if not indices:
+                return
+            rngs = [random.Random(self.settings.seed * 1_000_003 + i) for i in indices]
+            openers = [opener(rng) for rng in rngs]
+            hot = [0.0 if rng.random() < 0.5 else 0.7 for rng in rngs]
+            starts = [self.tokenizer(self.header + o, add_special_tokens=False)["input_ids"]
+                      for o in openers]
+            turns = self._generate(starts, prompt_tokens, 1.0, deadline)
+            prompts = [answer_prompt(self.tokenizer, o, t) for o, t in zip(openers, turns)]
+            answers: dict[int, list[int]] = {}
+            for temperature in sorted(set(hot)):
+                group = [j for j, t in enumerate(hot) if t == temperature]
+                written = self._generate([prompts[j] for j in group], answer_tokens,
+                                         temperature, deadline)
+                answers.update(zip(group, written))
+            if time.monotonic() >= deadline:
+                return  # cut short by max_time: not written whole
+            for j, index in enumerate(indices):
+                yield index, (prompts[j] + answers[j], len(prompts[j]))
 
 
 # ---- the shard ------------------------------------------------------------------------------
@@ -244,6 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens of a self-written user turn")
     parser.add_argument("--answer-tokens", type=int, default=256, help="most tokens of an answer")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget")
+    parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
+                        help="native: packed forwards on the CPU kernels; hf: transformers' "
+                             "batched generate (on a CUDA GPU); auto: hf where torch sees a GPU")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -256,12 +311,22 @@ def run(args: argparse.Namespace) -> int:
     require(args.prompt_tokens > 0 and args.answer_tokens > 0,
             "--prompt-tokens and --answer-tokens must be positive")
     loaded = load_model(args.model)
-    # room for the header, the opener, the user turn in the chat template, and the answer
-    context = 2 * args.prompt_tokens + args.answer_tokens + 128
-    runner = make_runner(loaded, "native", args.weights, context)
-    settings = Settings(runner.fingerprint(), args.prompt_tokens, args.answer_tokens, args.seed)
-    writer = Writer(runner, loaded.tokenizer, set(eos_ids(loaded, loaded.tokenizer)), settings,
-                    args.batch)
+    eos = set(eos_ids(loaded, loaded.tokenizer))
+    device = training_device()
+    if args.runner == "hf" or (args.runner == "auto" and device != "cpu"):
+        from specdecode.models.hf import HFRunner
+
+        model = loaded.model.to(device).eval()
+        settings = Settings(HFRunner(model).fingerprint(), args.prompt_tokens,
+                            args.answer_tokens, args.seed)
+        writer = GenerateWriter(model, loaded.tokenizer, eos, settings, args.batch)
+    else:
+        # room for the header, the opener, the user turn in the chat template, and the answer
+        context = 2 * args.prompt_tokens + args.answer_tokens + 128
+        runner = make_runner(loaded, "native", args.weights, context)
+        settings = Settings(runner.fingerprint(), args.prompt_tokens, args.answer_tokens,
+                            args.seed)
+        writer = Writer(runner, loaded.tokenizer, eos, settings, args.batch)
     started = time.monotonic()
     new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes)
     took = time.monotonic() - started

@@ -50,7 +50,8 @@ from specdecode.heads.drafter import target_features
 from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
 from specdecode.models.base import Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
-from specdecode.training.runs import Checkpoint, TimeBar, descend, target_key, work_dir
+from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,
+                                      use_device, work_dir)
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
                                            target_conversations)
 
@@ -162,6 +163,14 @@ def evaluate(net, data: "_Data", depth: int) -> list[float]:
     return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
 
 
+def _cache_bytes(device: torch.device) -> int:
+    """Bytes of features kept between epochs: CACHE_BYTES of the CPU's memory, or a quarter of
+    a GPU's free memory (up to 16 GB: every conversation of a large shard)."""
+    if device.type != "cuda":
+        return CACHE_BYTES
+    return min(16 << 30, torch.cuda.mem_get_info(device)[0] // 4)
+
+
 @dataclass
 class _Data:
     """Phases 1-3: the conversations split into training and held-out ones, the runner that
@@ -191,7 +200,7 @@ class _Data:
         if key not in self.cache:
             inputs, final = conversation_features(self.runner, net, ids)
             held = sum(t.nbytes for pair in self.cache.values() for t in pair)
-            if held + inputs.nbytes + final.nbytes > CACHE_BYTES:
+            if held + inputs.nbytes + final.nbytes > _cache_bytes(inputs.device):
                 return inputs, final
             self.cache[key] = (inputs, final)
         return self.cache[key]
@@ -209,6 +218,12 @@ def run(args: argparse.Namespace) -> int:
     target = loaded.model
     target.requires_grad_(False)
     fingerprint = HFRunner(target).fingerprint()
+    device = training_device()
+    if device != "cpu":  # the features come from the hf runner on the GPU
+        require(args.runner != "native", f"--runner native reads features on the CPU; on "
+                                         f"{device} train with --runner hf (or auto)")
+        target.to(device)
+        use_device(device)
     key = target_key(fingerprint)
     workdir = work_dir(args.workdir, user_dir() / f"heads-work-{key}")
     checkpoint = Checkpoint(workdir / f"{args.kind}-checkpoint.pt", args.resume)
@@ -240,15 +255,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _norms_like_the_target(net, target) -> None:
-    """An EAGLE-3 network's state norms start as the target's final norm: the shortlist of its
-    LM head then scores the untrained network's states at the scale of the target's own (and
-    an ``--init`` EAGLE-1 layer reads states at the scale it was trained on)."""
+    """The state norms of a network that reads chosen layers (EAGLE-3's, deer's) start as the
+    target's final norm: the shortlist of its LM head then scores the untrained network's
+    states at the scale of the target's own (and an ``--init`` EAGLE-1 layer reads states at
+    the scale it was trained on)."""
     final_norm = getattr(getattr(target, "model", None), "norm", None)
     if not net.feature_layers or final_norm is None:
         return
     with torch.no_grad():
-        for norm in (net.hidden_norm, net.out_norm):
-            norm.weight.copy_(final_norm.weight.float())
+        for name in ("hidden_norm", "out_norm"):
+            if hasattr(net, name):
+                getattr(net, name).weight.copy_(final_norm.weight.float())
 
 
 def _warm_start(net, path: str, fingerprint: str) -> None:
@@ -273,6 +290,9 @@ def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse
         net.load_state_dict(float_rows(stored))
     bar.show("evaluation")
     accuracy = evaluate(net.eval(), data, depth)
+    use_device("cpu")
+    net.cpu()
+    head_ids = None if data.head_ids is None else data.head_ids.cpu()
     info = {"kind": args.kind, "depth_trained": depth, "features": data.reader,
             "init": Path(args.init).name if args.init else None,
             "data": data.source, "shortlist": args.shortlist,
@@ -285,7 +305,7 @@ def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse
             "minutes": round((time.monotonic() - bar.began) / 60, 1)}
     out = (Path(args.out) if args.out
            else user_dir() / f"{artifact_kind(args.kind)}-{key}.safetensors")
-    path = save_heads(out, net, data.head_ids, fingerprint, info)
+    path = save_heads(out, net, head_ids, fingerprint, info)
     bar.close()
     print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {state['step']} "
           f"steps on {len(data.train)} conversations ({data.source}) in {info['minutes']} min")
@@ -302,7 +322,7 @@ def network_settings(args: argparse.Namespace, num_layers: int) -> dict:
     layers = feature_layers(args.kind, num_layers)
     settings = {"feature_layers": layers} if layers else {}
     if args.kind == "deer":
-        settings.update(layers=args.layers, block=args.depth or DEPTHS["deer"])
+        settings.update(layers=args.layers, block=args.depth or DEPTHS["deer"], anchor_input=True)
     return settings
 
 
@@ -353,7 +373,8 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
 
     target = loaded.model
     sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
-    runner = make_runner(loaded, args.runner)
+    on_gpu = next(target.parameters()).device.type != "cpu"
+    runner = make_runner(loaded, "hf" if on_gpu else args.runner)
     reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
     held = min(MAX_HELD_OUT, max(2, len(sequences) // 10))
     evaluation, train = sequences[:held], sequences[held:]
@@ -387,7 +408,8 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
     train, head = data.train, data.head
     start = time.monotonic()
     last_save, recent = start, []
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed),
+                           device="cpu")
     while time.monotonic() < deadline:
         step = state["step"]
         ids, prompt_len = train[int(order[step % len(train)])]
