@@ -127,7 +127,10 @@ def tiny_heads(kind: str, target) -> str:
     head = runner.output_embeddings().float()
     # as `train heads` makes them: EAGLE-3's layers for eagle, deer's for deer
     layers = feature_layers(kind, runner.num_layers)
-    net = make_network(kind, embed.shape[1], embed, **({"feature_layers": layers} if layers else {}))
+    settings = {"feature_layers": layers} if layers else {}
+    if kind == "deer":
+        settings["anchor_input"] = True
+    net = make_network(kind, embed.shape[1], embed, **settings)
     data = []
     for prompt in repetitive_prompts():
         prompt = [t % runner.vocab_size for t in prompt]

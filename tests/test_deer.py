@@ -136,6 +136,27 @@ def test_artifact_round_trip_and_clear_errors(tiny, tmp_path):
         get("deer").make_config({"shape": "star"})
 
 
+def test_the_anchor_input_starts_silent_and_older_artifacts_load_without_it(tiny, tmp_path):
+    """A fresh anchor path adds nothing (its map starts at zero); a trained one changes every
+    block row; an artifact written before it came (no ``anchor_input``) loads as it was."""
+    torch.manual_seed(0)
+    embed = tiny.get_input_embeddings().weight
+    old = make_network("deer", 32, embed, feature_layers=(1,))
+    new = make_network("deer", 32, embed, feature_layers=(1,), anchor_input=True)
+    assert new.load_state_dict(old.state_dict(), strict=False).missing_keys == ["anchor_in.weight"]
+    feats, ids = torch.randn(12, 64), torch.randint(embed.shape[0], (12,))
+    with torch.no_grad():
+        torch.testing.assert_close(new.train_outputs(feats, ids, BLOCK)[2],
+                                   old.train_outputs(feats, ids, BLOCK)[2])
+        new.anchor_in.weight.normal_(0, 0.1)
+        assert not torch.allclose(new.train_outputs(feats, ids, BLOCK)[2],
+                                  old.train_outputs(feats, ids, BLOCK)[2])
+    runner = HFRunner(tiny)
+    path = save_heads(tmp_path / "old.safetensors", old, None, runner.fingerprint(), {})
+    loaded = load_heads(str(path), runner, "deer", embed)[0]
+    assert loaded.anchor_in is None and "anchor_input" in loaded.settings()
+
+
 def test_training_lowers_the_loss():
     torch.manual_seed(0)
     embed = torch.randn(40, 64)

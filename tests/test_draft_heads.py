@@ -34,9 +34,11 @@ KINDS = sorted(NETWORKS)
 
 def perturbed(kind: str, size: int = 128, vocab: int = 50, seed: int = 0):
     """A network whose zero-initialised projections are made random, so every path matters
-    ("eagle3": eagle reading three layers)."""
+    ("eagle3": eagle reading three layers; deer with its anchor input)."""
     torch.manual_seed(seed)
     settings = {"feature_layers": (2, 5, 7)} if kind == "eagle3" else {}
+    if kind == "deer":
+        settings["anchor_input"] = True  # as `train heads` makes it
     net = make_network(kind.removesuffix("3"), size, torch.randn(vocab, size), **settings)
     with torch.no_grad():
         for p in net.parameters():

@@ -15,8 +15,8 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
 from specdecode.training.self_data import OPENERS
-from specdecode.training.target_data import (Settings, Writer, draw_token, opener, read_shard,
-                                             write_shard)
+from specdecode.training.target_data import (GenerateWriter, Settings, Writer, draw_token,
+                                             opener, read_shard, write_shard)
 from tiny_models import tiny_llama
 
 VOCAB = 96
@@ -67,6 +67,34 @@ def test_shard_resumes_with_what_was_missing_whatever_the_batch(runner, tmp_path
     assert write_shard(writer(runner, 3), resumed, 7, 600, show=lambda _: None) == 4
     assert lines(resumed) == expected  # batch 3 wrote what batch 4 wrote, nothing twice
     assert len(read_shard(resumed)) == 7
+
+
+class PaddedCharTokenizer(CharTokenizer):
+    pad_token_id = 0
+    eos_token_id = EOS
+
+
+def test_generate_writer_writes_the_same_kind_of_shard_and_resumes(tmp_path):
+    """The GPU's writer (transformers' batched generate; run here on the CPU): each line a
+    chat prompt then an answer within its limit, cut after end-of-sequence; a later run with
+    a larger count writes only the missing ids, a batch at a time."""
+    model = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2, seed=3,
+                       max_positions=512)
+    settings = Settings("tiny", 12, 20, 5)
+    path = tmp_path / "gpu.jsonl"
+
+    def write(count: int) -> int:
+        writer = GenerateWriter(model, PaddedCharTokenizer(), {EOS}, settings, batch=3)
+        return write_shard(writer, path, count, 600, show=lambda _: None)
+
+    assert write(4) == 4
+    first = lines(path)
+    assert write(7) == 3 and sorted(lines(path)) == list(range(7))
+    assert {i: lines(path)[i] for i in first} == first
+    for ids, prompt_len in read_shard(path, settings).values():
+        answer = ids[prompt_len:]
+        assert ids[:prompt_len][-len("<assistant>"):] == PaddedCharTokenizer()("<assistant>")["input_ids"]
+        assert 0 < len(answer) <= 20 and EOS not in answer[:-1]
 
 
 def test_shard_of_other_settings_is_refused(runner, tmp_path):
