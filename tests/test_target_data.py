@@ -64,6 +64,8 @@ def test_shard_resumes_with_what_was_missing_whatever_the_batch(runner, tmp_path
     # an interrupted run: three conversations and half of a fourth line
     kept = list(expected.values())[:3]
     resumed.write_text("".join(line + "\n" for line in kept) + kept[-1][:20])
+    # a reader skips the cut line and leaves the file alone (a writer may be appending to it)
+    assert len(read_shard(resumed)) == 3 and resumed.read_text().endswith(kept[-1][:20])
     assert write_shard(writer(runner, 3), resumed, 7, 600, show=lambda _: None) == 4
     assert lines(resumed) == expected  # batch 3 wrote what batch 4 wrote, nothing twice
     assert len(read_shard(resumed)) == 7

@@ -29,16 +29,13 @@ from specdecode.errors import require
 from specdecode.lossy.lora_drop import (CORRECTORS_KIND, Correctors, droppable_layers,
                                         full_positions, run_layer)
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import (FrozenTargetRun, TimeBar, frozen_target_run, target_key,
-                                      train_steps)
+from specdecode.training.runs import (FrozenTargetRun, TimeBar, add_run_arguments,
+                                      frozen_target_run, target_key, train_steps)
 from specdecode.training.self_data import target_conversations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2",
-                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
-    parser.add_argument("--max-minutes", type=float, default=12.0,
-                        help="wall-clock budget of this run, all phases together")
+    add_run_arguments(parser)
     parser.add_argument("--conversations", type=int, default=64,
                         help="target-written conversations to train on")
     parser.add_argument("--batch", type=int, default=32,
@@ -49,12 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-stride", type=int, default=4, help="as the method's layer_stride")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (the paper's 8)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--out", default=None,
-                        help="artifact path (default: the user cache, where the method finds it)")
-    parser.add_argument("--workdir", default=None, help="checkpoint (default: the user cache)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def scheduled_hidden(model, correctors: Correctors, ids: list[int], prompt_len: int,
@@ -106,7 +97,8 @@ def agreement(model, correctors: Correctors, conversations, drop_cycle: int) -> 
     return float(agree.float().mean())
 
 
-def _train(model, correctors, optim, train, state, checkpoint, args, deadline, show) -> None:
+def _train(model, correctors, optim, train, state, checkpoint, args, deadline, show,
+           max_steps: int | None = None) -> None:
     """One conversation a step until ``deadline`` (:func:`~specdecode.training.runs.train_steps`)."""
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
 
@@ -114,7 +106,8 @@ def _train(model, correctors, optim, train, state, checkpoint, args, deadline, s
         return step_loss(model, correctors, train[int(order[step % len(train)])],
                          args.drop_cycle)[0]
 
-    train_steps(correctors, optim, state, checkpoint, "correctors", deadline, loss_of, "kl", show)
+    train_steps(correctors, optim, state, checkpoint, "correctors", deadline, loss_of, "kl", show,
+                max_steps)
 
 
 def _setup(args: argparse.Namespace) -> FrozenTargetRun:

@@ -30,15 +30,13 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.lossy.lud import ADAPTERS_KIND, UnitAdapters, lexical_unit
 from specdecode.training.artifacts import save_artifact, user_dir
-from specdecode.training.runs import TimeBar, frozen_target_run, target_key, train_steps
+from specdecode.training.runs import (TimeBar, add_run_arguments, frozen_target_run,
+                                      target_key, train_steps)
 from specdecode.training.self_data import target_conversations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2",
-                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
-    parser.add_argument("--max-minutes", type=float, default=12.0,
-                        help="wall-clock budget of this run, all phases together")
+    add_run_arguments(parser, "greedy answers and checkpoint (default: the user cache)")
     parser.add_argument("--conversations", type=int, default=64,
                         help="target-written conversations whose prompts are answered greedily")
     parser.add_argument("--batch", type=int, default=32,
@@ -50,13 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer positions a conversation's step puts slots after")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--out", default=None,
-                        help="artifact path (default: the user cache, where the method finds it)")
-    parser.add_argument("--workdir", default=None,
-                        help="greedy answers and checkpoint (default: the user cache)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def slot_mask(length: int, anchors: torch.Tensor, slots: int) -> torch.Tensor:
@@ -155,7 +146,8 @@ def greedy_answers(model, tokenizer, conversations, workdir: Path, deadline: flo
     return done
 
 
-def _train(model, adapters, optim, train, state, checkpoint, args, deadline, show) -> None:
+def _train(model, adapters, optim, train, state, checkpoint, args, deadline, show,
+           max_steps: int | None = None) -> None:
     """One conversation a step until ``deadline`` (:func:`~specdecode.training.runs.train_steps`)."""
     rng = random.Random(args.seed * 7919 + state["step"])
 
@@ -166,7 +158,8 @@ def _train(model, adapters, optim, train, state, checkpoint, args, deadline, sho
         return F.cross_entropy(logits.flatten(0, 1), slot_targets(ids, anchors, args.slots)
                                .flatten(), ignore_index=-100)
 
-    train_steps(adapters, optim, state, checkpoint, "adapters", deadline, loss_of, "loss", show)
+    train_steps(adapters, optim, state, checkpoint, "adapters", deadline, loss_of, "loss", show,
+                max_steps)
 
 
 def run(args: argparse.Namespace) -> int:

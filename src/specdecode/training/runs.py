@@ -18,6 +18,21 @@ import torch
 from specdecode.errors import SpecDecodeError, require
 
 
+def add_run_arguments(parser, workdir_help: str = "checkpoint (default: the user cache)") -> None:
+    """The arguments every frozen-target trainer shares: the target, the budget, where the
+    result and the checkpoint go, resuming, the seed and the progress bar."""
+    parser.add_argument("--model", default="smollm2",
+                        help="target: 'smollm2' (default), a .gguf file or a checkpoint folder")
+    parser.add_argument("--max-minutes", type=float, default=12.0,
+                        help="wall-clock budget of this run, all phases together")
+    parser.add_argument("--out", default=None,
+                        help="artifact path (default: the user cache, where the method finds it)")
+    parser.add_argument("--workdir", default=None, help=workdir_help)
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def training_device() -> str:
     """Where a trainer runs: a CUDA GPU when torch sees one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,15 +180,17 @@ def frozen_target_run(args, work_name: str, piece: str, make: Callable[[torch.nn
 
 def train_steps(module: torch.nn.Module, optim: torch.optim.Optimizer, state: dict,
                 checkpoint: Checkpoint, piece: str, deadline: float,
-                loss_of: Callable[[int], torch.Tensor], logged: str, show) -> None:
-    """Steps of ``loss_of(step)`` until ``deadline``; a checkpoint (``piece``: the module's
+                loss_of: Callable[[int], torch.Tensor], logged: str, show,
+                max_steps: int | None = None) -> None:
+    """Steps of ``loss_of(step)`` until ``deadline`` (or step ``max_steps``: tests bound runs
+    by steps, which no machine's speed changes); a checkpoint (``piece``: the module's
     name in it) every two minutes and at the end. ``state`` holds the step and the log: the
     mean of the last 20 losses, as ``logged``, every 20 steps."""
     def save() -> None:
         checkpoint.save({**state, piece: module.state_dict(), "optim": optim.state_dict()})
 
     last_save, recent = time.monotonic(), []
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (max_steps is None or state["step"] < max_steps):
         step = state["step"]
         value = descend(loss_of(step), optim, module.parameters(), step)
         state["step"] = step = step + 1

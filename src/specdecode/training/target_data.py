@@ -246,14 +246,17 @@ class GenerateWriter:
 
 # ---- the shard ------------------------------------------------------------------------------
 
-def read_shard(path: Path, settings: Settings | None = None) -> dict[int, Conversation]:
-    """{index: (ids, prompt length)} of a shard; a last line cut short by an interrupted run is
-    dropped from the file. ``settings``: refuse a shard written with others."""
+def read_shard(path: Path, settings: Settings | None = None,
+               repair: bool = False) -> dict[int, Conversation]:
+    """{index: (ids, prompt length)} of a shard, without a last line cut short (an interrupted
+    run's, or one a running writer is appending). ``repair``: drop that line from the file too
+    (only the writer that appends next may: a reader would cut a line being written).
+    ``settings``: refuse a shard written with others."""
     if not path.is_file():
         return {}
     raw = path.read_bytes()
     complete = raw[: raw.rfind(b"\n") + 1]
-    if len(complete) < len(raw):
+    if repair and len(complete) < len(raw):
         path.write_bytes(complete)
     out = {}
     for line in complete.decode().splitlines():
@@ -268,7 +271,7 @@ def read_shard(path: Path, settings: Settings | None = None) -> dict[int, Conver
 def write_shard(writer: Writer, path: Path, count: int, seconds: float, show=print) -> int:
     """Append conversations until the shard holds ``count`` or ``seconds`` pass; the number
     written now."""
-    done = read_shard(path, writer.settings)
+    done = read_shard(path, writer.settings, repair=True)
     todo = iter([i for i in range(count) if i not in done])
     path.parent.mkdir(parents=True, exist_ok=True)
     new = 0
