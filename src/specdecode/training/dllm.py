@@ -11,8 +11,8 @@ Bounded and resumable: ``--minutes`` bounds the whole run (data, training, evalu
 checkpoint is written every ``--checkpoint-every`` steps and ``--resume`` continues it. A CUDA
 GPU is used when torch sees one, the CPU otherwise.
 
-Defaults: rank 3 (alpha 6: 1.9 MB in fp16 on SmolLM2-135M, small enough to ship; rank 8 is
-4.9 MB), blocks of 8 (BD3-LM trains blocks of 4 to 16), 4 conversations a step, AdamW at lr
+Defaults: rank 8 (alpha 16: 4.9 MB in fp16 on SmolLM2-135M, the shipped delta's; rank 3 is
+1.9 MB), blocks of 8 (BD3-LM trains blocks of 4 to 16), 4 conversations a step, AdamW at lr
 2e-3 (ours: a short run), 64 conversations of up to 64 + 160 tokens (the data ``train heads``
 and ``train draft`` write, shared through the user cache), plus those of ``--data`` shards
 (``specdecode train data``).
@@ -36,7 +36,7 @@ from specdecode.training.runs import (Checkpoint, TimeBar, target_key, training_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="the target ('smollm2' or a .gguf)")
-    parser.add_argument("--rank", type=int, default=3, help="the LoRA delta's rank")
+    parser.add_argument("--rank", type=int, default=8, help="the LoRA delta's rank")
     parser.add_argument("--block-size", type=int, default=8, help="positions per diffusion block")
     parser.add_argument("--batch", type=int, default=4, help="conversations per step")
     parser.add_argument("--lr", type=float, default=2e-3)
