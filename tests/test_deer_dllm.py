@@ -156,3 +156,17 @@ def test_clear_errors():
         get("deer").make_config({"drafter": "diffusion"})
     with pytest.raises(SpecDecodeError, match="unknown weight format"):
         get("deer").make_config({"drafter": "dllm", "dllm_weights": "int3"})
+
+
+@pytest.mark.slow
+def test_greedy_identical_on_the_default_runner_with_the_shipped_dllm(real_model):
+    """SmolLM2 on the native int4 runner (what the CLI and bench use), drafted by the shipped
+    dLLM (fp32)."""
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import make_runner
+
+    from test_exactness import check_greedy_identical, dev_prompts
+
+    runner = make_runner(real_model)
+    check_greedy_identical(runner, runner, real_model.tokenizer, "deer", dev_prompts()[1::2], 64,
+                           eos_ids(real_model.model, real_model.tokenizer), {"drafter": "dllm"})

@@ -17,6 +17,7 @@ drafter (heads/drafter.py ``BlockDraftLM``), whose chain and tree ``deer`` build
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def target_model(runner) -> torch.nn.Module:
     from specdecode.models.loading import load_model
 
     if isinstance(runner, HFRunner):
-        return runner.model
+        model = runner.model
+        # the delta loads onto fp32 weights (``dllm_runner`` casts in place): never the target's
+        return model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model)
     source = str(getattr(runner, "source", "") or "")
     if source.endswith(".gguf") or (source and Path(source).is_dir()):
         return load_model(source).model

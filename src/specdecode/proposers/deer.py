@@ -29,6 +29,16 @@ Defaults: a block of 8 (DEER drafts up to 32 on a GPU; here a verify row costs a
 a one-token forward and the deeper positions are rarely right), a tree of at most 16 nodes,
 growth stops below a path probability of 0.05 (a node costs only its verify row: the block's
 rows are all scored by the one forward).
+
+``-c drafter=dllm``: DEER's own drafter, a dLLM, instead of the learned network: the project's
+small dLLM (the target adapted by the ``specdecode train dllm`` LoRA delta, ``-c dllm=auto`` or
+a file; ``dllm_weights`` fp32 by default) keeps the committed context in its own KV cache and
+denoises the block of ``max_depth`` masks after the root in one forward per step
+(drafting/dllm_draft.py); the chain and the tree are built from its per-position distributions
+as above. Measured on SmolLM2 with the shipped delta (docs/diffusion.md, "The dLLM as deer's
+drafter"): 2.66 tokens per verify step against 1.13 for the learned network, but a full-size
+forward a step, so slower than ``ar`` on a CPU (0.61x with ``dllm_weights=int8``, 0.23 to
+0.29x in fp32).
 """
 
 from __future__ import annotations
@@ -88,8 +98,9 @@ class DeerConfig(HeadTreeConfig):
 @register("deer", DeerConfig,
           paper="DEER (Cheng et al., 2025) with DFlash's feature conditioning; FR-Spec shortlist "
                 "(Zhao et al., 2025); EAGLE-2 dynamic tree (Li et al., 2024)",
-          summary="block diffusion drafter on the target's multi-layer features: a whole block "
-                  "in one forward; tree or chain; exact with sampling")
+          summary="block diffusion drafter on the target's multi-layer features (drafter=dllm: "
+                  "the small dLLM): a whole block in one forward; tree or chain; exact with "
+                  "sampling")
 class DeerProposer(HeadProposer):
     head_kind = "deer"
     draft_cache = BlockDraftLM
