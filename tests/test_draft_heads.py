@@ -163,15 +163,16 @@ def test_sampled_heads_keep_the_target_distribution(kind):
     check_sampled_distribution(kind, {}, 1200)
 
 
-def check_sampled_distribution(kind: str, config: dict, n: int) -> None:
+def check_sampled_distribution(kind: str, config: dict, n: int, drafter=None) -> None:
     """``n`` seeded generations of ``kind`` (with ``config``) on a tiny model match the
-    target's distribution, and drafts were accepted."""
+    target's distribution, and drafts were accepted. ``drafter(model)``: the config naming
+    what drafts for the tiny model (default: heads trained on it)."""
     model = tiny_llama(vocab_size=ENGINE_VOCAB, hidden_size=16, layers=1, heads=2, kv_heads=1,
                        seed=3)
     runner = HFRunner(model)
+    trained = drafter(model) if drafter is not None else {"heads": tiny_heads(kind, model)}
     # min_path_prob 0: full trees every step, so the rejection rule is exercised throughout
-    config = get(kind).make_config({"heads": tiny_heads(kind, model), "min_path_prob": 0.0,
-                                    **config})
+    config = get(kind).make_config({**trained, "min_path_prob": 0.0, **config})
     proposer = get(kind).proposer(config, runner)
     counts, accepted = Counter(), 0
     for i in range(n):

@@ -73,6 +73,42 @@ class DiffusionModel:
         self._anchor = runner.lm_head(runner.exit_norm(hidden[-1:]))[0].float()
         self.forwards += 1
 
+    def rewind(self, length: int) -> None:
+        """Forget the committed positions from ``length`` on (a drafter's rejected tokens); the
+        next :meth:`extend_and_denoise` appends from there and gives the anchor again."""
+        self.runner.cache.rewind(length)
+        self._anchor = None
+
+    @torch.inference_mode()
+    def extend_and_denoise(self, tokens: Sequence[int], width: int) -> torch.Tensor:
+        """:meth:`append` ``tokens`` and :meth:`denoise` a block of ``width`` mask positions
+        after them, in one forward (a drafter's step: the committed tokens it has not read, then
+        its block): ``tokens``' rows are causal and committed, the block's see them and each
+        other and are dropped. Logits [width, V], shifted (position 0: the last token's row)."""
+        tokens = list(tokens)
+        require(width > 0, f"the block needs at least one position, got {width}")
+        require(bool(tokens) or self._anchor is not None,
+                "prefill a prompt (or give tokens) before denoising")
+        n, past = len(tokens), self.length
+        rows = n + width
+        self.runner.cache.check_room(rows, f"{n} tokens and a block of {width}")
+        slots = past + torch.arange(rows)
+        keys = slots.to(torch.int32).expand(rows, rows).contiguous()
+        # a token's row sees the ones up to it; a block row sees every row of the forward
+        lengths = torch.cat([torch.arange(1, n + 1), torch.full((width,), rows)]).to(torch.int32)
+        hidden, _ = self.runner.run(tokens + [self.mask_id] * width,
+                                    AttentionPlan(past, slots, slots, keys, lengths))
+        self.runner.cache.append(n)
+        self.runner.cache.drop_uncommitted()
+        self.forwards += 1
+        # shifted: the last token's row predicts position 0, block row i - 1 position i
+        first = max(n - 1, 0)
+        logits = self.runner.lm_head(self.runner.exit_norm(hidden[first:n + width - 1])).float()
+        if n:
+            self._anchor = logits[0]
+            return logits
+        return torch.cat([self._anchor[None], logits])
+
     def denoise(self, block: Sequence[int]) -> torch.Tensor:
         """Logits [B, V] of every position of ``block`` (mask ids where not committed)."""
         return self.denoise_states([block])[0]

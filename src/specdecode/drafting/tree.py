@@ -92,7 +92,7 @@ def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence
     from their shortlist logits [k, V']; ``paths[j]``: node j's path after the committed
     ``context``."""
     sampling, head_ids = session.sampling, getattr(session.lm, "head_ids", None)
-    if sampling.greedy and not sampling.has_penalties and head_ids is not None:
+    if sampling.greedy and not sampling.has_penalties:
         return _shortlist_children(logits, head_ids, limit)
     return [_node_children(session, row, [*context, *path], limit)
             for row, path in zip(logits, paths)]
@@ -114,14 +114,15 @@ def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[i
     return _Children(order.tolist(), q, None)
 
 
-def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor, limit: int) -> list[_Children]:
-    """Greedy children without penalties, ranked within the shortlist, every node of a drafter
-    call at once: the same ranking and (up to rounding) the same probabilities as over the
-    whole vocabulary, whose other tokens have probability 0, at a sixth of the work (no [V]
-    softmax and top-k per node)."""
+def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
+                        limit: int) -> list[_Children]:
+    """Greedy children without penalties, every node of a drafter call at once (no
+    distributions built per node): ranked within the shortlist, the same ranking and (up to
+    rounding) the same probabilities as over the whole vocabulary, whose other tokens have
+    probability 0, at a sixth of the work; or over the whole vocabulary (``head_ids`` None)."""
     q = logits.float().softmax(-1)  # [k, V']
     top = q.topk(min(limit, q.shape[-1]), -1)
-    orders = head_ids[top.indices].tolist()
+    orders = (top.indices if head_ids is None else head_ids[top.indices]).tolist()
     values = top.values.tolist()
     children = []
     for order, value in zip(orders, values):

@@ -29,6 +29,16 @@ Defaults: a block of 8 (DEER drafts up to 32 on a GPU; here a verify row costs a
 a one-token forward and the deeper positions are rarely right), a tree of at most 16 nodes,
 growth stops below a path probability of 0.05 (a node costs only its verify row: the block's
 rows are all scored by the one forward).
+
+``-c drafter=dllm``: DEER's own drafter, a dLLM, instead of the learned network: the project's
+small dLLM (the target adapted by the ``specdecode train dllm`` LoRA delta, ``-c dllm=auto`` or
+a file; ``dllm_weights`` fp32 by default) keeps the committed context in its own KV cache and
+denoises the block of ``max_depth`` masks after the root in one forward per step
+(drafting/dllm_draft.py); the chain and the tree are built from its per-position distributions
+as above. Measured on SmolLM2 with the shipped delta (docs/diffusion.md, "The dLLM as deer's
+drafter"): 2.66 tokens per verify step against 1.13 for the learned network, but a full-size
+forward a step, so slower than ``ar`` on a CPU (0.61x with ``dllm_weights=int8``, 0.23 to
+0.29x in fp32).
 """
 
 from __future__ import annotations
@@ -38,14 +48,21 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.draft import Draft
+from specdecode.drafting.dllm_draft import open_dllm
+from specdecode.drafting.session import DraftSession
 from specdecode.drafting.tree import grow_tree
 from specdecode.errors import require
 from specdecode.heads.drafter import BlockDraftLM
+from specdecode.models.quant import check_format
+from specdecode.proposers.base import Feedback, Proposer
 from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
 from specdecode.registry import param, register
 from specdecode.sampling import sample
 
 SHAPES = ("tree", "chain")
+#: what drafts the block: the learned network (heads/networks.py) or the dLLM
+#: (drafting/dllm_draft.py)
+DRAFTERS = ("heads", "dllm")
 
 
 @dataclass(frozen=True)
@@ -61,20 +78,49 @@ class DeerConfig(HeadTreeConfig):
                                   "ranks block rows already scored)")
     min_path_prob: float = param(0.05, "stop growing (a chain: stop) below this path "
                                        "probability of the draft")
+    drafter: str = param("heads", "what drafts the block: heads (the learned network on the "
+                                  "target's features, `heads`) or dllm (the target adapted into "
+                                  "a block-diffusion model, `dllm`: a full-size forward)")
+    dllm: str = param("auto", "drafter=dllm: the dLLM delta, 'auto' (the newest `specdecode "
+                              "train dllm` made for this target, or the shipped one) or a file")
+    dllm_weights: str = param("fp32", "drafter=dllm: the dLLM's format on the native runner: "
+                                      "fp32 (the delta exactly) | bf16 | int8 | int4 (rounded); "
+                                      "the drafts may change, never the output")
 
     def __post_init__(self):
         super().__post_init__()
         require(self.shape in SHAPES, f"unknown shape {self.shape!r}; known: {', '.join(SHAPES)}")
+        require(self.drafter in DRAFTERS,
+                f"unknown drafter {self.drafter!r}; known: {', '.join(DRAFTERS)}")
+        check_format(self.dllm_weights)
 
 
 @register("deer", DeerConfig,
           paper="DEER (Cheng et al., 2025) with DFlash's feature conditioning; FR-Spec shortlist "
                 "(Zhao et al., 2025); EAGLE-2 dynamic tree (Li et al., 2024)",
-          summary="block diffusion drafter on the target's multi-layer features: a whole block "
-                  "in one forward; tree or chain; exact with sampling")
+          summary="block diffusion drafter on the target's multi-layer features (drafter=dllm: "
+                  "the small dLLM): a whole block in one forward; tree or chain; exact with "
+                  "sampling")
 class DeerProposer(HeadProposer):
     head_kind = "deer"
     draft_cache = BlockDraftLM
+
+    def __init__(self, config, runner):
+        if config.drafter == "heads":
+            super().__init__(config, runner)
+            return
+        # the dLLM reads tokens, not the target's features: no heads, nothing asked of the target
+        Proposer.__init__(self, config, runner)
+        lm, self.draft_source = open_dllm(runner, config.dllm, config.max_depth,
+                                          config.dllm_weights)
+        self.session = DraftSession(lm)
+        self.depth_limit = None
+
+    def observe(self, feedback: Feedback) -> None:
+        if self.config.drafter == "heads":
+            super().observe(feedback)
+        else:
+            self.session.keep_accepted(feedback.accepted, feedback.draft)
 
     def propose(self, context, budget):
         if self.config.shape == "tree":
