@@ -57,7 +57,7 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
             f"the {info.name} policy does not follow grammars or bans; use --diffusion cfg")
     require(bool(asked) or not policy.follows_constraint,
             f"the {info.name} policy needs a grammar: give --json-schema, --regex or --grammar")
-    runner, tokenizer, eos, mask, block_size = _load(args, load_target)
+    runner, tokenizer, eos, mask, block_size = load_diffusion_target(args, load_target)
     model = DiffusionModel(runner, mask)
     constraint = None
     if asked:
@@ -80,7 +80,7 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
     return 0
 
 
-def _load(args: argparse.Namespace, load_target):
+def load_diffusion_target(args: argparse.Namespace, load_target):
     """(runner, tokenizer, eos ids, mask id, block size or None): the ``--dllm`` delta merged
     (whose mask id and block size are the defaults then), or the target as it is."""
     from specdecode.api import eos_ids
