@@ -106,10 +106,11 @@ def alone_logits(runner, prompt, tokens):
 _TINY_HEADS: dict[tuple[str, str], str] = {}
 
 
-def tiny_heads(kind: str, target) -> str:
+def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None) -> str:
     """A head artifact of ``kind`` trained for a few seconds on ``target`` (a tiny model or
     runner): its own greedy continuations of the repetitive prompts, through the real trainer's
-    loss, so drafts are accepted often enough to exercise trees. Cached per target."""
+    loss, so drafts are accepted often enough to exercise trees. ``shortlist``: the token ids
+    it scores (FR-Spec's ``head_ids``; default every token). Cached per target."""
     import tempfile
 
     from specdecode.api import Decoder, as_runner
@@ -119,7 +120,7 @@ def tiny_heads(kind: str, target) -> str:
                                                  step_loss)
 
     runner = as_runner(target)
-    key = (kind, runner.fingerprint())
+    key = (kind, runner.fingerprint(), shortlist)
     if key in _TINY_HEADS:
         return _TINY_HEADS[key]
     torch.manual_seed(0)
@@ -145,7 +146,8 @@ def tiny_heads(kind: str, target) -> str:
         step_loss(kind, losses).backward()
         optim.step()
     path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-heads-")) / f"{kind}.safetensors"
-    _TINY_HEADS[key] = str(save_heads(path, net.eval(), None, runner.fingerprint(), {}))
+    head_ids = None if shortlist is None else torch.tensor(shortlist)
+    _TINY_HEADS[key] = str(save_heads(path, net.eval(), head_ids, runner.fingerprint(), {}))
     return _TINY_HEADS[key]
 
 

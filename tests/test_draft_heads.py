@@ -163,10 +163,23 @@ def test_sampled_heads_keep_the_target_distribution(kind):
     check_sampled_distribution(kind, {}, 1200)
 
 
-def check_sampled_distribution(kind: str, config: dict, n: int, drafter=None) -> None:
+@pytest.mark.parametrize("kind", ["hydra", "deer"])
+def test_sampled_drafts_from_a_shortlist_keep_the_target_distribution(kind):
+    """With a shortlist (the shipped heads have one) a node's distribution is processed on the
+    shortlist alone (drafting/session.py ``shortlist_probs``): still the target's output
+    distribution, with a token off the shortlist."""
+    shortlist = tuple(range(1, ENGINE_VOCAB))
+    # no penalties: they read token ids, so with them the vocabulary's processing is kept
+    options = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
+    check_sampled_distribution(kind, {}, 1200, drafter=lambda model: {
+        "heads": tiny_heads(kind, model, shortlist)}, options=options)
+
+
+def check_sampled_distribution(kind: str, config: dict, n: int, drafter=None,
+                               options: SamplingParams = ENGINE_OPTIONS) -> None:
     """``n`` seeded generations of ``kind`` (with ``config``) on a tiny model match the
-    target's distribution, and drafts were accepted. ``drafter(model)``: the config naming
-    what drafts for the tiny model (default: heads trained on it)."""
+    target's distribution under ``options``, and drafts were accepted. ``drafter(model)``: the
+    config naming what drafts for the tiny model (default: heads trained on it)."""
     model = tiny_llama(vocab_size=ENGINE_VOCAB, hidden_size=16, layers=1, heads=2, kv_heads=1,
                        seed=3)
     runner = HFRunner(model)
@@ -177,14 +190,14 @@ def check_sampled_distribution(kind: str, config: dict, n: int, drafter=None) ->
     counts, accepted = Counter(), 0
     for i in range(n):
         gen = Generation(runner, proposer, ENGINE_PROMPT, ENGINE_NEW,
-                         SamplingParams(**{**vars(ENGINE_OPTIONS), "seed": i}))
+                         SamplingParams(**{**vars(options), "seed": i}))
         counts[tuple(gen.run()[1:])] += 1
         accepted += gen.stats.accepted_tokens
     with torch.no_grad():
         def probs(prefix):
             ids = torch.tensor([ENGINE_PROMPT + list(prefix)])
             return reference_probs(model(ids).logits[0, -1].float(), ENGINE_PROMPT, prefix,
-                                   ENGINE_OPTIONS)
+                                   options)
         exact = enumerate_sequences(probs, ENGINE_NEW, ENGINE_VOCAB)
     marginal = Counter()
     for seq, mass in exact.items():

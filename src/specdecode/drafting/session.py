@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from specdecode.draft import Draft
-from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams, sample
+from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams, filtered_probs, sample
 
 #: added to the request seed for the draft's generator: its draws must not repeat the
 #: verifier's uniforms (the same stream would correlate drafting and acceptance)
@@ -62,6 +62,12 @@ class DraftSession:
             probs = logits.float().softmax(-1)
             best = int(probs.argmax())
             return int(head_ids[best]), None, float(probs[best])
+        shortlisted = None if self.sampling.greedy else self.shortlist_probs(logits)
+        if shortlisted is not None:
+            # shortlists ascend by id, so the one uniform picks the token the vocabulary's draw would
+            small, q = shortlisted
+            index = sample(small, self.generator)
+            return int(head_ids[index]), q, float(small[index])
         node = self.node(logits, context)
         if self.sampling.greedy:
             token = node.argmax(0)
@@ -69,6 +75,19 @@ class DraftSession:
         q = node.probs(0)
         token = sample(q, self.generator)
         return token, q, float(q[token])
+
+    def shortlist_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """At T > 0 without penalties, for a drafter with a shortlist: the sampling distribution
+        of shortlist logits [V'] over the shortlist and over the vocabulary [V]. The
+        vocabulary's other tokens have probability 0, so temperature, top-k, top-p and min-p
+        give the same distribution on the shortlist alone, at a sixth of the work. None where
+        the vocabulary's processing is needed (penalties read token ids; no shortlist)."""
+        head_ids = getattr(self.lm, "head_ids", None)
+        if head_ids is None or self.sampling.has_penalties:
+            return None
+        small = filtered_probs(logits.float(), self.sampling)
+        full = torch.zeros(self.lm.vocab_size, dtype=small.dtype).index_copy_(0, head_ids, small)
+        return small, full
 
     def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
         """Keep the draft's KV rows of the accepted tokens it computed itself. Matched by token

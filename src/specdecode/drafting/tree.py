@@ -100,18 +100,27 @@ def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence
 
 def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int],
                    limit: int) -> _Children:
-    node = session.node(logits, path)
+    node = session.node(logits, path)  # lazy: rows are processed when asked for
     if session.sampling.greedy:
         q = node.penalised(0).softmax(-1)
         top = q.topk(min(limit, int((q > 0).sum())))
         return _Children(top.indices.tolist(), None, top.values.tolist())
+    shortlisted = session.shortlist_probs(logits)
+    if shortlisted is not None:
+        small, q = shortlisted
+        order = session.lm.head_ids[_gumbel_order(small, session.generator, limit)]
+        return _Children(order.tolist(), q, None)
     q = node.probs(0)
-    # Gumbel-top-k: sorting log q + Gumbel noise draws without replacement from q
-    noise = -torch.log(-torch.log(torch.rand(q.shape, generator=session.generator,
+    return _Children(_gumbel_order(q, session.generator, limit).tolist(), q, None)
+
+
+def _gumbel_order(q: torch.Tensor, generator: torch.Generator, limit: int) -> torch.Tensor:
+    """At most ``limit`` indices of q drawn without replacement from it, in draw order
+    (Gumbel-top-k: sorting log q + Gumbel noise)."""
+    noise = -torch.log(-torch.log(torch.rand(q.shape, generator=generator,
                                              dtype=torch.float64).clamp_min(1e-300)))
     keys = torch.where(q > 0, q.double().log() + noise, float("-inf"))
-    order = keys.topk(min(limit, int((q > 0).sum()))).indices
-    return _Children(order.tolist(), q, None)
+    return keys.topk(min(limit, int((q > 0).sum()))).indices
 
 
 def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
