@@ -41,8 +41,10 @@ def training_device() -> str:
 def use_device(device: str) -> None:
     """Tensors made without a device land on ``device`` from now on: the networks and the
     runners make their position, mask and index tensors without one, so on a GPU they must
-    land beside the weights. On CUDA, float32 matrix products may use TF32 (training only)."""
-    torch.set_default_device(device)
+    land beside the weights. On CUDA, float32 matrix products may use TF32 (training only).
+    The CPU is torch's own default: no device mode is left in place (one costs every later
+    torch call of the process a Python hook)."""
+    torch.set_default_device(None if device == "cpu" else device)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
