@@ -100,16 +100,16 @@ def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence
 
 def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int],
                    limit: int) -> _Children:
-    node = session.node(logits, path)  # lazy: rows are processed when asked for
-    if session.sampling.greedy:
-        q = node.penalised(0).softmax(-1)
-        top = q.topk(min(limit, int((q > 0).sum())))
-        return _Children(top.indices.tolist(), None, top.values.tolist())
-    shortlisted = session.shortlist_probs(logits)
+    shortlisted = None if session.sampling.greedy else session.shortlist_probs(logits)
     if shortlisted is not None:
         small, q = shortlisted
         order = session.lm.head_ids[_gumbel_order(small, session.generator, limit)]
         return _Children(order.tolist(), q, None)
+    node = session.node(logits, path)  # the vocabulary's logits [V]: only where needed
+    if session.sampling.greedy:
+        q = node.penalised(0).softmax(-1)
+        top = q.topk(min(limit, int((q > 0).sum())))
+        return _Children(top.indices.tolist(), None, top.values.tolist())
     q = node.probs(0)
     return _Children(_gumbel_order(q, session.generator, limit).tolist(), q, None)
 

@@ -103,21 +103,15 @@ def encode(tokenizer, text: str, max_tokens: int) -> list[int]:
     return ids[-max_tokens:]
 
 
-@torch.inference_mode()
 def generate(model, prompts: list[list[int]], new_tokens: int, pad: int,
              eos: frozenset[int]) -> list[list[int]]:
-    """Greedy continuations, batched with left padding (training data: a rounding difference
-    from unpadded decoding does not matter here), each cut after its end-of-sequence token."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=1, do_sample=False, pad_token_id=pad)
-    result = []
-    for p, row in zip(prompts, out[:, width:].tolist()):
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        result.append(p + row[:end])
-    return result
+    """Each prompt followed by its greedy continuation, batched with left padding (training
+    data: a rounding difference from unpadded decoding does not matter here), cut after its
+    end-of-sequence token (``self_data.generate``, greedy and unbounded in time)."""
+    from specdecode.training.self_data import generate as continuations
+
+    return [p + row for p, row in zip(prompts, continuations(model, prompts, new_tokens, pad,
+                                                             eos, 0.0, None))]
 
 
 @torch.inference_mode()

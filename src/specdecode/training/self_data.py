@@ -41,9 +41,9 @@ def user_header(tokenizer) -> str:
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: set[int],
-              temperature: float, seconds: float) -> list[list[int]]:
+             temperature: float, seconds: float | None) -> list[list[int]]:
     """Continuations of ``prompts`` (batched, left padding), each cut after end-of-sequence;
-    shorter when ``seconds`` run out."""
+    shorter when ``seconds`` (None: no bound) run out."""
     width = max(map(len, prompts))
     device = next(model.parameters()).device
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -51,8 +51,8 @@ def generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: se
     sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature else \
         dict(do_sample=False)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=1, pad_token_id=pad, max_time=max(seconds, 1.0),
-                         **sampling)
+                         min_new_tokens=1, pad_token_id=pad,
+                         max_time=None if seconds is None else max(seconds, 1.0), **sampling)
     result = []
     for row in out[:, width:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))

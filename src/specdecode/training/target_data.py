@@ -205,15 +205,18 @@ class GenerateWriter:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
             tokenizer.eos_token_id
         self.forwards = 0
-        self.rows = 0
         self.written = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows that wrote a token (a finished sequence's padding rows not counted)."""
+        return self.written
 
     def _generate(self, prompts: list[list[int]], tokens: int, temperature: float,
                   deadline: float) -> list[list[int]]:
         out = generate(self.model, prompts, tokens, self.pad, self.eos, temperature,
                        deadline - time.monotonic())
         self.forwards += max(map(len, out))
-        self.rows += sum(map(len, out))
         self.written += sum(map(len, out))
         return out
 
