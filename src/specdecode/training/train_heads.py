@@ -187,9 +187,12 @@ class _Data:
     full_head: torch.Tensor
     head_ids: torch.Tensor | None
     coverage: float
+    #: bytes of features kept between epochs (:func:`_cache_bytes`, fixed at the start)
+    cache_limit: int = CACHE_BYTES
 
-    #: conversations' features kept for the next epoch, up to CACHE_BYTES
+    #: conversations' features kept for the next epoch, up to ``cache_limit``, and their bytes
     cache: dict = field(default_factory=dict)
+    cache_held: int = 0
 
     @property
     def head(self) -> torch.Tensor:
@@ -199,10 +202,10 @@ class _Data:
         key = tuple(ids)
         if key not in self.cache:
             inputs, final = conversation_features(self.runner, net, ids)
-            held = sum(t.nbytes for pair in self.cache.values() for t in pair)
-            if held + inputs.nbytes + final.nbytes > _cache_bytes(inputs.device):
+            if self.cache_held + inputs.nbytes + final.nbytes > self.cache_limit:
                 return inputs, final
             self.cache[key] = (inputs, final)
+            self.cache_held += inputs.nbytes + final.nbytes
         return self.cache[key]
 
 
@@ -384,7 +387,8 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
                 if 0 < args.shortlist < vocab else None)
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
     return _Data(train, evaluation, runner, source, reader,
-                 target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage)
+                 target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage,
+                 _cache_bytes(full_head.device))
 
 
 def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
