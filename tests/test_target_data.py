@@ -1,7 +1,8 @@
 """``specdecode train data`` (training/target_data.py): conversations written many per forward
 on the native runner, into a shard that a later run resumes. On a tiny int4 runner with a
 character tokenizer of its vocabulary: a conversation is the same whatever batch wrote it, an
-interrupted shard is completed with exactly what was missing, and the sampler keeps top-p."""
+interrupted shard is completed with exactly what was missing, passage conversations put what
+the target wrote into the user's message, and the sampler keeps top-p."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
 from specdecode.training.self_data import OPENERS
-from specdecode.training.target_data import (GenerateWriter, Settings, Writer, draw_token,
-                                             opener, read_shard, write_shard)
+from specdecode.training.target_data import (PASSAGE_SHARE, GenerateWriter, Plan, Settings,
+                                             Writer, draw_token, draw_tokens, opener, plan,
+                                             read_shard, write_shard)
 from tiny_models import tiny_llama
 
 VOCAB = 96
@@ -46,7 +48,9 @@ def runner():
 
 
 def writer(runner, batch: int) -> Writer:
-    return Writer(runner, CharTokenizer(), {EOS}, Settings(runner.fingerprint(), 12, 20, 5), batch)
+    # passages of 16 tokens: a shard of both kinds of conversation
+    settings = Settings(runner.fingerprint(), 12, 20, 1, passage_tokens=16)
+    return Writer(runner, CharTokenizer(), {EOS}, settings, batch)
 
 
 def lines(path: Path) -> dict[int, str]:
@@ -58,6 +62,13 @@ def test_shard_resumes_with_what_was_missing_whatever_the_batch(runner, tmp_path
     assert write_shard(writer(runner, 4), whole, 7, 600, show=lambda _: None) == 7
     expected = lines(whole)
     assert sorted(expected) == list(range(7))
+    settings = writer(runner, 1).settings
+    kinds = set()
+    for i in range(7):
+        rng = random.Random(settings.seed * 1_000_003 + i)
+        rng.getrandbits(62)  # the slot's generator seed, drawn before its plan
+        kinds.add(plan(rng, settings).instruction is None)
+    assert kinds == {True, False}  # both kinds of conversation in the shard (3 passages)
     for line in expected.values():
         record = json.loads(line)
         assert 0 < record["prompt_len"] < len(record["ids"])  # a prompt, then an answer
@@ -82,7 +93,7 @@ def test_generate_writer_writes_the_same_kind_of_shard_and_resumes(tmp_path):
     a larger count writes only the missing ids, a batch at a time."""
     model = tiny_llama(vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2, seed=3,
                        max_positions=512)
-    settings = Settings("tiny", 12, 20, 5)
+    settings = Settings("tiny", 12, 20, 5, passage_tokens=16)
     path = tmp_path / "gpu.jsonl"
 
     def write(count: int) -> int:
@@ -102,7 +113,7 @@ def test_generate_writer_writes_the_same_kind_of_shard_and_resumes(tmp_path):
 def test_shard_of_other_settings_is_refused(runner, tmp_path):
     path = tmp_path / "shard.jsonl"
     write_shard(writer(runner, 2), path, 2, 600, show=lambda _: None)
-    other = Settings(runner.fingerprint(), 12, 20, seed=6)
+    other = Settings(runner.fingerprint(), 12, 20, seed=1)  # no passages
     with pytest.raises(SpecDecodeError, match="other settings"):
         read_shard(path, other)
 
@@ -131,3 +142,48 @@ def test_draw_token_samples_the_nucleus():
     bound = 4.5 * (nucleus * (1 - nucleus) / draws).sqrt() + 1e-9
     assert ((counts / draws - nucleus).abs() <= bound).all(), counts / draws
     assert draw_token(logits, 0.0, generator) == 0
+
+
+def test_passage_plans_are_a_share_and_vary():
+    settings = Settings("tiny", 12, 20, 5, passage_tokens=64)
+    rng = random.Random(0)
+    plans = [plan(rng, settings) for _ in range(4000)]
+    passages = [p for p in plans if p.instruction is not None]
+    assert abs(len(passages) / len(plans) - PASSAGE_SHARE) < 0.03
+    assert len({p.instruction for p in passages}) > 50 and len({p.opener for p in passages}) > 100
+    assert {p.before for p in passages} == {True, False}
+    none = Settings("tiny", 12, 20, 5, passage_tokens=0)
+    assert all(plan(rng, none).instruction is None for _ in range(500))
+    assert settings.context >= 64 + 64 + 20  # the passage and its instruction, then the answer
+
+
+def test_passage_plan_puts_the_written_passage_into_the_users_message():
+    tokenizer = CharTokenizer()
+    written = tokenizer("the passage")["input_ids"]
+    passage = tokenizer.decode(written)
+    for before in (True, False):
+        p = Plan("Write an article about cats.", 0.7, "Summarize it.", before)
+        assert p.first_prompt(tokenizer, "<user>") == tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Write an article about cats."}], True)
+        parts = ["Summarize it.", passage] if before else [passage, "Summarize it."]
+        assert p.answer_prompt(tokenizer, written) == tokenizer.apply_chat_template(
+            [{"role": "user", "content": "\n\n".join(parts)}], True)
+        assert p.first_temperature == 0.7 and p.first_tokens(Settings("t", 12, 20, 5, 33)) == 33
+    turn = Plan("Question:", 0.0)  # a self-written user turn: after the header, at T = 1
+    assert turn.first_prompt(tokenizer, "<user>") == tokenizer("<user>Question:")["input_ids"]
+    assert turn.first_temperature == 1.0 and turn.first_tokens(Settings("t", 12, 20, 5, 33)) == 12
+
+
+def test_draw_tokens_row_is_its_draw_alone():
+    """The batched draw gives each row what draw_token gives it alone, whatever shares the
+    batch (the writer's conversations must not depend on their neighbours)."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3
+    temperatures = [0.0, 0.7, 1.0, 0.7, 0.0, 1.0]
+
+    def generators():
+        return [torch.Generator().manual_seed(10 + i) for i in range(6)]
+
+    alone = [draw_token(row, t, g) for row, t, g in zip(logits, temperatures, generators())]
+    together = draw_tokens(list(logits), temperatures, generators())
+    assert together == alone
+    assert draw_tokens(list(logits[1:3]), temperatures[1:3], generators()[1:3]) == alone[1:3]

@@ -60,12 +60,16 @@ def generate(model, prompts: list[list[int]], new_tokens: int, pad: int, eos: se
     return result
 
 
-def answer_prompt(tokenizer, opener: str, turn: Sequence[int]) -> list[int]:
-    """The chat prompt whose user message is the opener and the turn the target wrote after it."""
-    text = (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text or "Hello"}],
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    """The chat prompt of one user message, ready for the assistant's answer."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": message or "Hello"}],
                                         add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def answer_prompt(tokenizer, opener: str, turn: Sequence[int]) -> list[int]:
+    """The chat prompt whose user message is the opener and the turn the target wrote after it."""
+    return chat_prompt(tokenizer, (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip())
 
 
 def write_conversations(model, tokenizer, count: int, prompt_tokens: int, answer_tokens: int,

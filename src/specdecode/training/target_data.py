@@ -11,10 +11,16 @@ finished conversation's slot takes the next one at once, so every forward stays 
 
 Openers are composed from task templates, topics and languages (over two thousand
 combinations, the twelve openers of ``self_data`` among them), so the self-written prompts
-vary; none is a benchmark question. Conversation ``i`` draws from a generator seeded by
-(``--seed``, ``i``) and the runner's rows do not depend on what shares their forward, so a
-conversation is the same whatever batch wrote it: a run appends each finished conversation as
-one line and a later run with the same settings skips the ids already in the file.
+vary; none is a benchmark question. A share of the conversations (``PASSAGE_SHARE``, where
+``--passage-tokens`` > 0) reads a long input instead, as summarization, QA over a document and
+retrieval-style prompts do: the target first writes a passage (an article, a report, a story on
+a topic, answering a writing request), then answers an instruction about it (summarise, answer
+from it, list its points...) with the passage in the user's message.
+
+Conversation ``i`` draws from a generator seeded by (``--seed``, ``i``) and the runner's rows
+do not depend on what shares their forward, so a conversation is the same whatever batch wrote
+it: a run appends each finished conversation as one line and a later run with the same
+settings skips the ids already in the file.
 
 On a CUDA GPU (``--runner hf``, the default there) :class:`GenerateWriter` writes the same kind
 of shard with ``transformers``' batched ``generate``, hundreds of conversations at once.
@@ -23,6 +29,7 @@ of shard with ``transformers``' batched ``generate``, hundreds of conversations 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import random
@@ -36,8 +43,8 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import PrefillCall, VerifyCall
 from specdecode.training.runs import training_device
-from specdecode.training.self_data import (OPENERS, Conversation, answer_prompt, generate,
-                                           user_header)
+from specdecode.training.self_data import (OPENERS, Conversation, answer_prompt, chat_prompt,
+                                           generate, user_header)
 
 #: user-turn templates; the target writes the rest of the turn
 TASKS = ("Write a short story about {topic}", "Explain {topic} to a beginner",
@@ -66,6 +73,26 @@ TOPICS = ("photosynthesis", "the Roman Empire", "climate change", "machine learn
           "space travel", "photography", "world trade", "the printing press", "cats",
           "volunteering", "fractions", "weather forecasts", "traffic safety", "libraries")
 LANGUAGES = ("German", "French", "Spanish", "Italian", "Portuguese", "Dutch")
+#: requests for the passage the target writes first, in a passage conversation
+PASSAGE_REQUESTS = ("Write an informative article about {topic}.",
+                    "Write a news report about {topic}.", "Write an encyclopedia entry on {topic}.",
+                    "Write a short story about {topic}.", "Write a blog post about {topic}.",
+                    "Write a detailed explanation of {topic}.",
+                    "Write a letter to a friend about {topic}.")
+#: what the user then asks of the passage (placed before or after it in their message)
+PASSAGE_TASKS = ("Summarize the following text in a few sentences.",
+                 "Summarize the article.", "What is the main idea of this text?",
+                 "List the key points of the passage.", "Write a title for this text.",
+                 "Answer using only the passage: what does it say about {topic}?",
+                 "Rewrite the text in simpler words.", "Which facts in the passage are the most "
+                 "surprising, and why?", "Write three questions a reader could answer from "
+                 "this text, with their answers.", "Continue the text with one more paragraph.",
+                 "Explain the passage to a child.", "Translate the first two sentences into "
+                 "{language}.")
+#: the share of passage conversations (where the settings allow passages)
+PASSAGE_SHARE = 0.3
+#: temperature of a passage (fluent text on the topic, not the greedy one every time)
+PASSAGE_TEMPERATURE = 0.7
 #: top-p of every sampled token, as self_data's
 TOP_P = 0.95
 
@@ -83,14 +110,37 @@ def opener(rng: random.Random) -> str:
 
 def draw_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     """A token from logits [V]: the argmax at temperature 0, else top-p sampling."""
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = (logits.float() / temperature).softmax(-1)
+    return draw_tokens([logits], [temperature], [generator])[0]
+
+
+def draw_tokens(logits: list[torch.Tensor], temperatures: list[float],
+                generators: list[torch.Generator]) -> list[int]:
+    """A token from each row of ``logits`` (each [V]) at its temperature with its generator:
+    the argmax at temperature 0, else top-p sampling. The work over the vocabulary is done for
+    all rows of one temperature at once (softmax and cumulative sums are row by row, so a row's
+    token does not depend on the rows beside it)."""
+    tokens = [0] * len(logits)
+    groups: dict[float, list[int]] = {}
+    for i, temperature in enumerate(temperatures):
+        groups.setdefault(temperature, []).append(i)
+    for temperature, rows in groups.items():
+        stacked = torch.stack([logits[i] for i in rows]).float()
+        if temperature == 0:
+            for i, token in zip(rows, stacked.argmax(-1).tolist()):
+                tokens[i] = token
+            continue
+        probs = (stacked / temperature).softmax(-1)
+        cumulative = probs.cumsum(-1)  # [rows, V]: one draw is a binary search in a row
+        for j, i in enumerate(rows):
+            tokens[i] = _nucleus_draw(probs[j], cumulative[j], generators[i])
+    return tokens
+
+
+def _nucleus_draw(probs: torch.Tensor, cumulative: torch.Tensor, generator: torch.Generator) -> int:
     # Top-p without sorting the vocabulary (a sort costs more than a forward row): a token
     # drawn from p is in the nucleus iff the tokens more probable than it hold at most TOP_P,
     # and draws repeated until one is are distributed as p on the nucleus, renormalised. The
     # nucleus holds at least TOP_P, so fewer than 1 / TOP_P draws are needed on average.
-    cumulative = probs.cumsum(-1)  # [V]: one draw is a binary search in it
     while True:
         u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
         token = min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
@@ -106,11 +156,64 @@ class Settings:
     prompt_tokens: int
     answer_tokens: int
     seed: int
+    #: most tokens of a passage (0: no passage conversations)
+    passage_tokens: int = 0
 
     @property
     def key(self) -> str:
         text = json.dumps(self.__dict__, sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    @property
+    def context(self) -> int:
+        """Positions a conversation can reach: its longest prompt (the user header, an opener
+        and a user turn in the chat template; or an instruction and a passage) and answer."""
+        return max(2 * self.prompt_tokens, self.passage_tokens + 64) + self.answer_tokens + 128
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one conversation is written: a first stage the target writes, then its answer.
+    ``instruction`` None: the first stage is a user turn written after the user header and
+    ``opener``; else a passage answering the writing request ``opener``, and the user then
+    gives ``instruction`` with the passage (``before``: the instruction first)."""
+
+    opener: str
+    answer_temperature: float
+    instruction: str | None = None
+    before: bool = True
+
+    def first_prompt(self, tokenizer, header: str) -> list[int]:
+        if self.instruction is None:
+            return tokenizer(header + self.opener, add_special_tokens=False)["input_ids"]
+        return chat_prompt(tokenizer, self.opener)
+
+    @property
+    def first_temperature(self) -> float:
+        return 1.0 if self.instruction is None else PASSAGE_TEMPERATURE
+
+    def first_tokens(self, settings: Settings) -> int:
+        return settings.prompt_tokens if self.instruction is None else settings.passage_tokens
+
+    def answer_prompt(self, tokenizer, written: list[int]) -> list[int]:
+        """The chat prompt the answer follows, given the first stage's tokens."""
+        if self.instruction is None:
+            return answer_prompt(tokenizer, self.opener, written)
+        passage = tokenizer.decode(written, skip_special_tokens=True).strip()
+        parts = [self.instruction, passage] if self.before else [passage, self.instruction]
+        return chat_prompt(tokenizer, "\n\n".join(parts))
+
+
+def plan(rng: random.Random, settings: Settings) -> Plan:
+    """Conversation plan from ``rng``: a passage one with chance PASSAGE_SHARE (where the
+    settings allow passages), else a self-written user turn; the answer greedy or at 0.7."""
+    temperature = 0.0 if rng.random() < 0.5 else 0.7
+    if settings.passage_tokens <= 0 or rng.random() >= PASSAGE_SHARE:
+        return Plan(opener(rng), temperature)
+    topic = rng.choice(TOPICS)
+    instruction = rng.choice(PASSAGE_TASKS).format(topic=topic, language=rng.choice(LANGUAGES))
+    return Plan(rng.choice(PASSAGE_REQUESTS).format(topic=topic), temperature, instruction,
+                rng.random() < 0.5)
 
 
 @dataclass
@@ -120,9 +223,8 @@ class _Slot:
     index: int
     runner: object
     generator: torch.Generator
-    opener: str
-    temperature: float
-    stage: str = "user"  # "user": writing the user turn; "answer": answering it
+    plan: Plan
+    stage: str = "first"  # "first": writing the user turn or passage; "answer": answering it
     prompt: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
     call: object = None
@@ -145,24 +247,27 @@ class Writer:
     def _slot(self, index: int, runner) -> _Slot:
         rng = random.Random(self.settings.seed * 1_000_003 + index)
         generator = torch.Generator().manual_seed(rng.getrandbits(62))
-        slot = _Slot(index, runner, generator, opener(rng), 0.0 if rng.random() < 0.5 else 0.7)
-        slot.prompt = self.tokenizer(self.header + slot.opener, add_special_tokens=False)["input_ids"]
+        slot = _Slot(index, runner, generator, plan(rng, self.settings))
+        slot.prompt = slot.plan.first_prompt(self.tokenizer, self.header)
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
         return slot
 
-    def _advance(self, slot: _Slot, logits: torch.Tensor) -> Conversation | None:
-        """Draw the slot's next token; the conversation once its answer ends."""
-        hot = 1.0 if slot.stage == "user" else slot.temperature
-        token = draw_token(logits, hot, slot.generator)
+    @staticmethod
+    def _temperature(slot: _Slot) -> float:
+        return slot.plan.first_temperature if slot.stage == "first" else slot.plan.answer_temperature
+
+    def _advance(self, slot: _Slot, token: int) -> Conversation | None:
+        """Append the slot's next token; the conversation once its answer ends."""
+        first = slot.stage == "first"
         slot.written.append(token)
         self.written += 1
-        limit = self.settings.prompt_tokens if slot.stage == "user" else self.settings.answer_tokens
+        limit = slot.plan.first_tokens(self.settings) if first else self.settings.answer_tokens
         if token not in self.eos and len(slot.written) < limit:
             slot.call = VerifyCall(token, Draft.empty())
             return None
-        if slot.stage == "answer":
+        if not first:
             return slot.prompt + slot.written, len(slot.prompt)
-        slot.stage, slot.prompt = "answer", answer_prompt(self.tokenizer, slot.opener, slot.written)
+        slot.stage, slot.prompt = "answer", slot.plan.answer_prompt(self.tokenizer, slot.written)
         slot.written = []
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
         return None
@@ -177,10 +282,13 @@ class Writer:
             self.forwards += 1
             self.rows += len(slots)
             following = []
-            for slot, out in zip(slots, outs):
+            tokens = draw_tokens([out.logits[0] for out in outs],
+                                 [self._temperature(s) for s in slots],
+                                 [s.generator for s in slots])
+            for slot, token in zip(slots, tokens):
                 if isinstance(slot.call, VerifyCall):
                     slot.runner.commit([])
-                done = self._advance(slot, out.logits[0])
+                done = self._advance(slot, token)
                 if done is None:
                     following.append(slot)
                     continue
@@ -194,8 +302,8 @@ class Writer:
 class GenerateWriter:
     """The shard's conversations written by ``transformers``' batched ``generate`` on a CUDA GPU
     (the native runner's kernels are the CPU's): ``batch`` at a time, the user turns sampled
-    (temperature 1, top-p 0.95), each answer greedy or at 0.7 as its conversation's generator
-    drew, a ``generate`` per temperature. Sampling draws from torch's generator, so a
+    (temperature 1, top-p 0.95) and passages (0.7), each answer greedy or at 0.7 as its
+    conversation's plan drew, a ``generate`` per token limit and temperature. Sampling draws from torch's generator, so a
     conversation is not the same in every run (a resumed run still skips the ids written)."""
 
     def __init__(self, model, tokenizer, eos: set[int], settings: Settings, batch: int):
@@ -220,31 +328,37 @@ class GenerateWriter:
         self.written += sum(map(len, out))
         return out
 
+    def _stage(self, prompts: list[list[int]], limits: list[int], temperatures: list[float],
+               deadline: float) -> list[list[int]]:
+        """Each prompt's continuation, a ``generate`` per (token limit, temperature)."""
+        out: dict[int, list[int]] = {}
+        for limit, temperature in sorted(set(zip(limits, temperatures))):
+            group = [j for j, key in enumerate(zip(limits, temperatures))
+                     if key == (limit, temperature)]
+            written = self._generate([prompts[j] for j in group], limit, temperature, deadline)
+            out.update(zip(group, written))
+        return [out[j] for j in range(len(prompts))]
+
     def write(self, todo, deadline: float):
         """Yield (index, conversation) for each index of ``todo``, a batch at a time, until
         ``todo`` is spent or ``deadline`` (time.monotonic) passes."""
-        prompt_tokens, answer_tokens = self.settings.prompt_tokens, self.settings.answer_tokens
+        settings = self.settings
         while time.monotonic() < deadline:
             indices = [i for _, i in zip(range(self.batch), todo)]
             if not indices:
                 return
-            rngs = [random.Random(self.settings.seed * 1_000_003 + i) for i in indices]
-            openers = [opener(rng) for rng in rngs]
-            hot = [0.0 if rng.random() < 0.5 else 0.7 for rng in rngs]
-            starts = [self.tokenizer(self.header + o, add_special_tokens=False)["input_ids"]
-                      for o in openers]
-            turns = self._generate(starts, prompt_tokens, 1.0, deadline)
-            prompts = [answer_prompt(self.tokenizer, o, t) for o, t in zip(openers, turns)]
-            answers: dict[int, list[int]] = {}
-            for temperature in sorted(set(hot)):
-                group = [j for j, t in enumerate(hot) if t == temperature]
-                written = self._generate([prompts[j] for j in group], answer_tokens,
-                                         temperature, deadline)
-                answers.update(zip(group, written))
+            plans = [plan(random.Random(settings.seed * 1_000_003 + i), settings)
+                     for i in indices]
+            firsts = self._stage([p.first_prompt(self.tokenizer, self.header) for p in plans],
+                                 [p.first_tokens(settings) for p in plans],
+                                 [p.first_temperature for p in plans], deadline)
+            prompts = [p.answer_prompt(self.tokenizer, w) for p, w in zip(plans, firsts)]
+            answers = self._stage(prompts, [settings.answer_tokens] * len(plans),
+                                  [p.answer_temperature for p in plans], deadline)
             if time.monotonic() >= deadline:
                 return  # cut short by max_time: not written whole
-            for j, index in enumerate(indices):
-                yield index, (prompts[j] + answers[j], len(prompts[j]))
+            for index, prompt, answer in zip(indices, prompts, answers):
+                yield index, (prompt + answer, len(prompt))
 
 
 # ---- the shard ------------------------------------------------------------------------------
@@ -301,6 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="most tokens of a self-written user turn")
     parser.add_argument("--answer-tokens", type=int, default=256, help="most tokens of an answer")
+    parser.add_argument("--passage-tokens", type=int, default=256,
+                        help=f"most tokens of a passage the target writes and is then asked "
+                             f"about ({PASSAGE_SHARE:.0%} of the conversations; 0: none)")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget")
     parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                         help="native: packed forwards on the CPU kernels; hf: transformers' "
@@ -314,8 +431,8 @@ def run(args: argparse.Namespace) -> int:
 
     require(args.count > 0 and args.batch > 0 and args.max_minutes > 0,
             "--count, --batch and --max-minutes must be positive")
-    require(args.prompt_tokens > 0 and args.answer_tokens > 0,
-            "--prompt-tokens and --answer-tokens must be positive")
+    require(args.prompt_tokens > 0 and args.answer_tokens > 0 and args.passage_tokens >= 0,
+            "--prompt-tokens and --answer-tokens must be positive, --passage-tokens at least 0")
     loaded = load_model(args.model)
     eos = set(eos_ids(loaded, loaded.tokenizer))
     device = training_device()
@@ -324,14 +441,13 @@ def run(args: argparse.Namespace) -> int:
 
         model = loaded.model.to(device).eval()
         settings = Settings(HFRunner(model).fingerprint(), args.prompt_tokens,
-                            args.answer_tokens, args.seed)
+                            args.answer_tokens, args.seed, args.passage_tokens)
         writer = GenerateWriter(model, loaded.tokenizer, eos, settings, args.batch)
     else:
-        # room for the header, the opener, the user turn in the chat template, and the answer
-        context = 2 * args.prompt_tokens + args.answer_tokens + 128
-        runner = make_runner(loaded, "native", args.weights, context)
-        settings = Settings(runner.fingerprint(), args.prompt_tokens, args.answer_tokens,
-                            args.seed)
+        limits = Settings("", args.prompt_tokens, args.answer_tokens, args.seed,
+                          args.passage_tokens)
+        runner = make_runner(loaded, "native", args.weights, limits.context)
+        settings = dataclasses.replace(limits, fingerprint=runner.fingerprint())
         writer = Writer(runner, loaded.tokenizer, eos, settings, args.batch)
     started = time.monotonic()
     new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes)
