@@ -376,3 +376,44 @@ def test_old_eagle_artifacts_still_load_and_draft_exactly(tiny, tmp_path):
         decoder = Decoder(tiny, None, "eagle", eos_token_ids=[], heads=heads, min_path_prob=0.0)
         assert decoder.proposer.needs == needs
         assert decoder.start(prompt, 24).run() == ar.start(prompt, 24).run()
+
+
+def test_held_out_agreement_counts_answer_positions_only():
+    """``train heads``' held-out measure: at depth k, output row t is right where its top
+    shortlist token (mapped to the vocabulary) is the target's greedy token after position
+    t + k + 1, counted over the answer's positions only; checked against a direct count."""
+    import types
+
+    from specdecode.training.train_heads import evaluate
+
+    torch.manual_seed(0)
+    vocab, width, length, prompt_len = 40, 8, 30, 12
+    full_head = torch.randn(vocab, width)
+    head_ids = torch.randperm(vocab)[:25]
+    final = torch.randn(length, width)
+    outputs = {k: torch.randn(length - k - 1, width) for k in range(3)}
+    # half of depth 0's rows copy the teacher's next state: right wherever it is on the shortlist
+    outputs[0][::2] = final[1::2][: len(outputs[0][::2])]
+
+    class Net:
+        def reset(self):
+            pass
+
+        def train_outputs(self, inputs, tokens, depth):
+            return {k: outputs[k] for k in range(depth)}
+
+    data = types.SimpleNamespace(evaluation=[(list(range(length)), prompt_len)],
+                                 features=lambda net, ids: (None, final), full_head=full_head,
+                                 head=full_head[head_ids], head_ids=head_ids)
+    expected = []
+    for k in range(3):
+        hits = total = 0
+        for t in range(length - k - 1):
+            if t + k + 1 < prompt_len - 1:
+                continue
+            want = int((final[t + k + 1] @ full_head.T).argmax())
+            got = int(head_ids[(outputs[k][t] @ full_head[head_ids].T).argmax()])
+            hits, total = hits + (got == want), total + 1
+        expected.append(round(hits / total, 4))
+    assert evaluate(Net(), data, 3) == expected
+    assert expected[0] > expected[1]  # the copied rows count

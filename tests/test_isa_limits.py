@@ -43,19 +43,22 @@ def run_limited(variable: str, value: str, flag: str | None, select: str, marker
         pytest.skip(f"the OS did not grant this process the {value} state: the "
                     f"{variable}={value} path cannot run here")
     env = {**os.environ, variable: value}
-    check = ("from specdecode import kernels; import torch; "
-             "print('isa', kernels.ISA_LEVELS[kernels.isa()], torch.backends.cpu.get_cpu_capability())")
-    probe = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
-    assert probe.returncode == 0, probe.stderr
-    if variable == "SPECDECODE_KERNEL_ISA":
-        assert f"isa {value} " in probe.stdout, probe.stdout
-    if variable == "ATEN_CPU_CAPABILITY" and value != "default":
-        assert probe.stdout.split()[-1].lower() == value, probe.stdout
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-k", select,
-         str(TESTS / "test_llama_runner.py")],
-        env=env, capture_output=True, text=True, timeout=600)
+    # one interpreter per limit: it says which paths it took, then runs the tests (a separate
+    # probe process cost another start of torch for each limit)
+    args = ["-q", "-p", "no:cacheprovider", "-m", marker, "-k", select,
+            str(TESTS / "test_llama_runner.py")]
+    script = ("import sys, pytest, torch; from specdecode import kernels; "
+              "print('isa', kernels.ISA_LEVELS[kernels.isa()], "
+              "torch.backends.cpu.get_cpu_capability(), flush=True); "
+              f"sys.exit(pytest.main({args!r}))")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    probe = result.stdout.splitlines()[0]
+    if variable == "SPECDECODE_KERNEL_ISA":
+        assert probe.startswith(f"isa {value} "), probe
+    if variable == "ATEN_CPU_CAPABILITY" and value != "default":
+        assert probe.split()[-1].lower() == value, probe
     assert " passed" in result.stdout and "failed" not in result.stdout
     return result.stdout
 

@@ -151,10 +151,15 @@ def evaluate(net, data: "_Data", depth: int) -> list[float]:
         inputs, final = data.features(net, ids)
         net.reset()
         outputs = net.train_outputs(inputs, torch.tensor(ids), depth)
+        # the target's greedy token after each answer position, once for every depth (the
+        # whole LM head over a conversation's answer, per depth, was most of this phase)
+        first = max(prompt_len - 1, 0)
+        greedy = torch.full((len(final),), -1, dtype=torch.long, device=final.device)
+        greedy[first:] = (final[first:] @ data.full_head.T).argmax(-1)
         for k, out in outputs.items():
             rows = torch.arange(len(out))
             keep = rows + k + 1 >= prompt_len - 1  # the target's answer positions
-            want = (final[k + 1: k + 1 + len(out)][keep] @ data.full_head.T).argmax(-1)
+            want = greedy[k + 1: k + 1 + len(out)][keep]
             got = (out[keep] @ data.head.T).argmax(-1)
             if data.head_ids is not None:
                 got = data.head_ids[got]
