@@ -44,7 +44,8 @@ def self_written(loaded, runner, shard: str | None) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kinds", nargs="+", help="hydra, eagle or clover (the heads the method finds), or KIND=PATH")
+    parser.add_argument("kinds", nargs="+",
+                        help="hydra, eagle or clover (the heads the method finds), or KIND=PATH")
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--shard", default=None, help="self-written conversations to read")
     args = parser.parse_args()

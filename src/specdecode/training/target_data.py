@@ -229,6 +229,12 @@ class _Slot:
     written: list[int] = field(default_factory=list)
     call: object = None
 
+    @property
+    def temperature(self) -> float:
+        """Of the token being written: the first stage's, or the answer's."""
+        first = self.stage == "first"
+        return self.plan.first_temperature if first else self.plan.answer_temperature
+
 
 class Writer:
     """Conversations ``index`` = 0, 1, ... of one shard's settings, written in one batch of
@@ -251,10 +257,6 @@ class Writer:
         slot.prompt = slot.plan.first_prompt(self.tokenizer, self.header)
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
         return slot
-
-    @staticmethod
-    def _temperature(slot: _Slot) -> float:
-        return slot.plan.first_temperature if slot.stage == "first" else slot.plan.answer_temperature
 
     def _advance(self, slot: _Slot, token: int) -> Conversation | None:
         """Append the slot's next token; the conversation once its answer ends."""
@@ -283,7 +285,7 @@ class Writer:
             self.rows += len(slots)
             following = []
             tokens = draw_tokens([out.logits[0] for out in outs],
-                                 [self._temperature(s) for s in slots],
+                                 [s.temperature for s in slots],
                                  [s.generator for s in slots])
             for slot, token in zip(slots, tokens):
                 if isinstance(slot.call, VerifyCall):
@@ -303,8 +305,9 @@ class GenerateWriter:
     """The shard's conversations written by ``transformers``' batched ``generate`` on a CUDA GPU
     (the native runner's kernels are the CPU's): ``batch`` at a time, the user turns sampled
     (temperature 1, top-p 0.95) and passages (0.7), each answer greedy or at 0.7 as its
-    conversation's plan drew, a ``generate`` per token limit and temperature. Sampling draws from torch's generator, so a
-    conversation is not the same in every run (a resumed run still skips the ids written)."""
+    conversation's plan drew, a ``generate`` per token limit and temperature. Sampling draws
+    from torch's generator, so a conversation is not the same in every run (a resumed run
+    still skips the ids written)."""
 
     def __init__(self, model, tokenizer, eos: set[int], settings: Settings, batch: int):
         self.model, self.tokenizer, self.eos, self.settings = model, tokenizer, eos, settings
