@@ -17,7 +17,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
 from specdecode.training.self_data import OPENERS
 from specdecode.training.target_data import (PASSAGE_SHARE, GenerateWriter, Plan, Settings,
-                                             Writer, draw_token, draw_tokens, opener, plan,
+                                             Writer, draw_tokens, opener, plan,
                                              read_shard, write_shard)
 from tiny_models import tiny_llama
 
@@ -133,7 +133,7 @@ def test_draw_token_samples_the_nucleus():
     logits = probs.log() * 0.7  # at temperature 0.7, softmax(logits / 0.7) = probs
     generator = torch.Generator().manual_seed(0)
     draws = 20000
-    counts = torch.bincount(torch.tensor([draw_token(logits, 0.7, generator)
+    counts = torch.bincount(torch.tensor([draw_tokens([logits], [0.7], [generator])[0]
                                           for _ in range(draws)]), minlength=5)
     nucleus = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.0]) / 0.97
     assert counts[4] == 0
@@ -141,7 +141,7 @@ def test_draw_token_samples_the_nucleus():
     # early) is off by 10 or more
     bound = 4.5 * (nucleus * (1 - nucleus) / draws).sqrt() + 1e-9
     assert ((counts / draws - nucleus).abs() <= bound).all(), counts / draws
-    assert draw_token(logits, 0.0, generator) == 0
+    assert draw_tokens([logits], [0.0], [generator]) == [0]
 
 
 def test_passage_plans_are_a_share_and_vary():
@@ -175,15 +175,16 @@ def test_passage_plan_puts_the_written_passage_into_the_users_message():
 
 
 def test_draw_tokens_row_is_its_draw_alone():
-    """The batched draw gives each row what draw_token gives it alone, whatever shares the
-    batch (the writer's conversations must not depend on their neighbours)."""
+    """The batched draw gives each row what it draws alone, whatever shares the batch (the
+    writer's conversations must not depend on their neighbours)."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3
     temperatures = [0.0, 0.7, 1.0, 0.7, 0.0, 1.0]
 
     def generators():
         return [torch.Generator().manual_seed(10 + i) for i in range(6)]
 
-    alone = [draw_token(row, t, g) for row, t, g in zip(logits, temperatures, generators())]
+    alone = [draw_tokens([row], [t], [g])[0]
+             for row, t, g in zip(logits, temperatures, generators())]
     together = draw_tokens(list(logits), temperatures, generators())
     assert together == alone
     assert draw_tokens(list(logits[1:3]), temperatures[1:3], generators()[1:3]) == alone[1:3]

@@ -69,7 +69,8 @@ def chat_prompt(tokenizer, message: str) -> list[int]:
 
 def answer_prompt(tokenizer, opener: str, turn: Sequence[int]) -> list[int]:
     """The chat prompt whose user message is the opener and the turn the target wrote after it."""
-    return chat_prompt(tokenizer, (opener + tokenizer.decode(turn, skip_special_tokens=True)).strip())
+    turn_text = tokenizer.decode(turn, skip_special_tokens=True)
+    return chat_prompt(tokenizer, (opener + turn_text).strip())
 
 
 def write_conversations(model, tokenizer, count: int, prompt_tokens: int, answer_tokens: int,

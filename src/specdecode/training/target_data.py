@@ -108,11 +108,6 @@ def opener(rng: random.Random) -> str:
     return rng.choice(TASKS).format(topic=rng.choice(TOPICS))
 
 
-def draw_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """A token from logits [V]: the argmax at temperature 0, else top-p sampling."""
-    return draw_tokens([logits], [temperature], [generator])[0]
-
-
 def draw_tokens(logits: list[torch.Tensor], temperatures: list[float],
                 generators: list[torch.Generator]) -> list[int]:
     """A token from each row of ``logits`` (each [V]) at its temperature with its generator:

@@ -158,7 +158,7 @@ def evaluate(net, data: "_Data", depth: int) -> list[float]:
         greedy[first:] = (final[first:] @ data.full_head.T).argmax(-1)
         for k, out in outputs.items():
             rows = torch.arange(len(out))
-            keep = rows + k + 1 >= prompt_len - 1  # the target's answer positions
+            keep = rows + k + 1 >= first  # the target's answer positions
             want = greedy[k + 1: k + 1 + len(out)][keep]
             got = (out[keep] @ data.head.T).argmax(-1)
             if data.head_ids is not None:
