@@ -12,7 +12,7 @@ wrapping its own parts (the wrappers cost about a microsecond a call):
 
     linears      the drafter network's linear maps (the native kernels' calls: nn.Linear
                  converted by heads/native.py), or, for ``draft_model``, its decoder layers
-                 (one C++ call a forward for an int4 draft: the Q4Stack, attention included)
+                 (one C++ call a forward for an int4 draft: the LayerStack, attention included)
     shortlist    the shortlist LM head scoring the drafted nodes' children
     torch ops    the rest of the network's calls (norms, attention, rope, concatenation,
                  indexing; for ``draft_model`` the runner's embedding, attention plan and norm)
@@ -75,7 +75,7 @@ class Clock:
 
 
 class TimedLayer:
-    """A callable layer object (an int4/int8 linear, a Q4Stack) timed under ``label``."""
+    """A callable layer object (an int4/int8 linear, a LayerStack) timed under ``label``."""
 
     def __init__(self, layer, clock: Clock, label: str):
         self._layer, self._clock, self._label = layer, clock, label
@@ -88,7 +88,7 @@ class TimedLayer:
             self._clock.seconds[self._label] += CLOCKS[0]() - start
             self._clock.calls[self._label] += 1
 
-    def forward(self, *args, **kwargs):  # Q4Stack
+    def forward(self, *args, **kwargs):  # LayerStack
         start = CLOCKS[0]()
         try:
             return self._layer.forward(*args, **kwargs)

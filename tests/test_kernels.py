@@ -139,20 +139,22 @@ def test_q4_amx_equals_vnni_bitwise(ext, amx, n, k):
 
 
 def test_q4_stack_amx_equals_vnni_bitwise(ext, amx):
-    """The layers in one call (Q4Stack) with the AMX tiles: VNNI's bits for chains of every
+    """The int4 layers in one call (LayerStack) with the AMX tiles: VNNI's bits for chains of every
     size, and a chain's first rows alone give the same bits as inside the longer chain."""
     gen = torch.Generator().manual_seed(5)
     layers, hidden, heads, kv, d, inter, cap, past = 2, 64, 4, 2, 16, 96, 128, 20
 
     def q4(n, k):
-        return kernels.pack_q4(*quantize_int4(torch.randn(n, k, generator=gen) / k ** 0.5))
+        packed = kernels.pack_q4(*quantize_int4(torch.randn(n, k, generator=gen) / k ** 0.5))
+        return kernels.packed_linear(packed, kernels.INT4_KIND, n)
 
     norms = [torch.rand(hidden, generator=gen) + 0.5 for _ in range(2 * layers)]
-    stack = ext.Q4Stack(norms[:layers], [q4((heads + 2 * kv) * d, hidden) for _ in range(layers)],
-                        [q4(hidden, heads * d) for _ in range(layers)], norms[layers:],
-                        [q4(2 * inter, hidden) for _ in range(layers)],
-                        [q4(hidden, inter) for _ in range(layers)], [0] * layers, heads, kv, d,
-                        hidden, inter, 1e-5)
+    stack = kernels.layer_stack(norms[:layers],
+                                [q4((heads + 2 * kv) * d, hidden) for _ in range(layers)],
+                                [q4(hidden, heads * d) for _ in range(layers)], norms[layers:],
+                                [q4(2 * inter, hidden) for _ in range(layers)],
+                                [q4(hidden, inter) for _ in range(layers)], [0] * layers, heads,
+                                kv, d, hidden, 1e-5)
     k_cache = torch.randn(layers, kv, cap // 16, d, 16, generator=gen)
     v_cache = torch.randn(layers, kv, cap, d, generator=gen)
     x = torch.randn(ROWS, hidden, generator=gen)

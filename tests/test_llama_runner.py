@@ -20,7 +20,7 @@ from specdecode.models.loading import LoadedModel, make_runner
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
 from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, tiny_model
 
 #: a context length that prompts in these tests cross (attention scores 64 cached keys at a
 #: time, then 16 gathered ones a register)
@@ -140,12 +140,13 @@ def test_int8_and_int4_prefill_in_their_own_kernels():
         assert torch.equal(prefilled, stepped), weights
 
 
-def test_int4_layers_in_one_call_equal_the_python_loop():
-    """Plain int4 layers run as one kernel call (Q4Stack): prompt, tree, captured layers and a
-    cut-short exit pass all give the bits of the layer-by-layer loop (bfloat16 cache)."""
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
+def test_layers_in_one_call_equal_the_python_loop(weights):
+    """Plain layers of every weight format run as one kernel call (LayerStack): prompt, tree,
+    captured layers and a cut-short exit pass all give the bits of the layer-by-layer loop."""
     model = tiny(seed=8, layers=4)
-    stacked, looped = (LlamaRunner.from_transformers(model, "int4") for _ in range(2))
-    assert stacked._stack is not None and stacked.cache.keys.dtype == torch.bfloat16
+    stacked, looped = (LlamaRunner.from_transformers(model, weights) for _ in range(2))
+    assert stacked._stack is not None
     looped._stack = None
     prompt = repetitive_prompts()[0]
     needs = Needs(layers=(1, 3))
@@ -164,8 +165,14 @@ def test_int4_layers_in_one_call_equal_the_python_loop():
         assert torch.equal(b, f), step
         assert c.keys() == g.keys() == {1, 3} and all(torch.equal(c[k], g[k]) for k in c)
         assert d is None or torch.equal(d, h)
-    # other formats, and architectures with extra pieces, keep the loop
-    assert LlamaRunner.from_transformers(model, "int8")._stack is None
+
+
+def test_layers_with_extra_pieces_keep_the_python_loop():
+    """An architecture whose layers hold more than a plain Llama layer (Gemma 3's post-norms,
+    head norms and sliding windows) runs the Python loop."""
+    gemma = tiny_model("gemma3_text", seed=8, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"])
+    assert LlamaRunner.from_transformers(gemma, "int4")._stack is None
 
 
 def test_tree_read_in_parts_is_the_verify_pass_and_keeps_its_path():

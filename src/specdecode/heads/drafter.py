@@ -18,9 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.native import scoring_layer, to_native
-from specdecode.heads.networks import HeadNetwork
+from specdecode.heads.native_eagle import NativeEagleHead
+from specdecode.heads.networks import EagleHead, HeadNetwork
 from specdecode.drafting.caches import DraftCache
 from specdecode.models.base import ForwardOutput, Needs
 
@@ -43,11 +45,20 @@ def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -
     return torch.cat([part.float() for part in parts], -1) if len(parts) > 1 else parts[0]
 
 
+def drafting_network(net: HeadNetwork, weights: str):
+    """``net`` as it drafts with ``weights`` (heads/native.py's formats): EAGLE's layer in a few
+    kernel calls a step (heads/native_eagle.py), any other network with its linear maps, norms
+    and MLPs on the kernels; fp32, or kernels that do not build here: ``net`` itself."""
+    if isinstance(net, EagleHead) and weights != "fp32" and kernels.available():
+        return NativeEagleHead(net, weights)
+    return to_native(net, weights)
+
+
 class HeadDraftLM(DraftCache):
     def __init__(self, net: HeadNetwork, head_ids: torch.Tensor | None, runner,
                  weights: str = "int8"):
         """``weights``: the network's format on the native kernels (heads/native.py)."""
-        self.net = to_native(net, weights)
+        self.net = drafting_network(net, weights)
         self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = net.size

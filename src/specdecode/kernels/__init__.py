@@ -202,6 +202,27 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0):
 
 
 
+#: ``PackedLinear``'s kinds (cpu_kernels.cpp): the kernel a packed weight goes through
+INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND = 0, 1, 2
+
+
+def packed_linear(packed, kind, n, group=32, minimum=False, half=False):
+    """A linear layer's packed weight as the extension's ``PackedLinear`` (what a
+    ``LayerStack`` calls): the kernel of ``kind`` with the arguments the layer objects of
+    models/quant.py give it."""
+    return load().PackedLinear(packed, kind, n, group, minimum, half)
+
+
+def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv_heads,
+                head_dim, hidden, eps):
+    """Decoder layers as one kernel call (cpu_kernels.cpp's ``LayerStack``): per layer its
+    norms' weights and its linear layers (``packed_linear``s) and sliding window (0: none);
+    ``forward(x, first, last, plan, cos, sin, isa)`` runs layers first .. last - 1 over the rows
+    where a ``packed_plan`` puts them."""
+    return load().LayerStack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads,
+                             kv_heads, head_dim, hidden, eps)
+
+
 def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     """Where the rows of one forward of several sequences go (cpu_kernels.cpp's ``PackedPlan``):
     sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's

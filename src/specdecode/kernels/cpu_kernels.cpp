@@ -446,6 +446,11 @@ static void quantise_rows_avx512(const float* x, int64_t r0, int64_t r1, int64_t
 
 #include "amx.h"
 
+// q8_blocks.h (included below: it needs the activation quantisers above it)
+at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t group,
+                     bool minimum, bool half, const c10::optional<at::Tensor>& residual,
+                     int64_t n, int64_t isa);
+
 namespace {
 
 enum Isa { GENERIC = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };
@@ -910,33 +915,61 @@ struct PackedPlan {
   }
 };
 
-// The decoder layers of a plain Llama forward with int4 weights (RMSNorm, fused QKV, rotary
-// embedding with the cache write, attention, o + residual, RMSNorm, fused gate/up, SwiGLU,
-// down + residual), layers first .. last - 1 in one call: the kernels the runner's Python loop
-// calls, in the same order on the same tensors (so the same bits), without ten Python calls
-// and their dispatch a layer. Weights are held once; the rows of one or many sequences come
-// with each call (a PackedPlan): the linear layers run over all of them at once, rotary
-// embedding and attention per sequence on its own cache.
-struct Q4Stack {
-  std::vector<at::Tensor> attn_norm, qkv, o, mlp_norm, gate_up, down;
+// One linear layer as the kernels hold it, whatever its format: int4 (Q4_1 tiles, q4_linear),
+// block int8 (q8_blocks.h, q8_linear) or dense fp32/bf16 tiles (dense_linear). A stack of
+// layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
+// kernel, so the stack computes the same bits.
+struct PackedLinear {
+  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2 };
+  at::Tensor packed;
+  int64_t kind, n, group;
+  bool minimum, half;
+
+  PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half)
+      : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half) {
+    TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE, "unknown linear kind ", kind);
+  }
+
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                        int64_t isa) const {
+    if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
+    if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
+    return dense_linear(x, packed, c10::nullopt, residual, n, isa);
+  }
+};
+
+// The decoder layers of a plain Llama forward (RMSNorm, fused QKV, rotary embedding with the
+// cache write, attention, o + residual, RMSNorm, fused gate/up, SwiGLU, down + residual),
+// layers first .. last - 1 in one call: the kernels the runner's Python loop calls, in the same
+// order on the same tensors (so the same bits), without ten Python calls and their dispatch a
+// layer. Weights are held once, each linear layer in its own format; the rows of one or many
+// sequences come with each call (a PackedPlan): the linear layers run over all of them at once,
+// rotary embedding and attention per sequence on its own cache. A draft network's decoder layer
+// (heads/native_eagle.py) is a one-layer stack.
+struct LayerStack {
+  std::vector<at::Tensor> attn_norm, mlp_norm;
+  std::vector<PackedLinear> qkv, o, gate_up, down;
   std::vector<int64_t> window;
-  int64_t heads, kv_heads, qkv_n, hidden, gate_up_n;
+  int64_t heads, kv_heads, hidden;
   double eps;
 
-  Q4Stack(std::vector<at::Tensor> attn_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
-          std::vector<at::Tensor> mlp_norm, std::vector<at::Tensor> gate_up,
-          std::vector<at::Tensor> down, std::vector<int64_t> window, int64_t heads,
-          int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps)
-      : attn_norm(std::move(attn_norm)), qkv(std::move(qkv)), o(std::move(o)),
-        mlp_norm(std::move(mlp_norm)), gate_up(std::move(gate_up)), down(std::move(down)),
-        window(std::move(window)), heads(heads), kv_heads(kv_heads),
-        qkv_n((heads + 2 * kv_heads) * head_dim), hidden(hidden), gate_up_n(2 * intermediate),
-        eps(eps) {
+  LayerStack(std::vector<at::Tensor> attn_norm, std::vector<PackedLinear> qkv,
+             std::vector<PackedLinear> o, std::vector<at::Tensor> mlp_norm,
+             std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down,
+             std::vector<int64_t> window, int64_t heads, int64_t kv_heads, int64_t head_dim,
+             int64_t hidden, double eps)
+      : attn_norm(std::move(attn_norm)), mlp_norm(std::move(mlp_norm)), qkv(std::move(qkv)),
+        o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
+        window(std::move(window)), heads(heads), kv_heads(kv_heads), hidden(hidden), eps(eps) {
     const size_t layers = this->attn_norm.size();
     TORCH_CHECK(this->qkv.size() == layers && this->o.size() == layers &&
                 this->mlp_norm.size() == layers && this->gate_up.size() == layers &&
                 this->down.size() == layers && this->window.size() == layers,
                 "every per-layer list must have one entry a layer");
+    for (size_t i = 0; i < layers; i++)
+      TORCH_CHECK(this->qkv[i].n == (heads + 2 * kv_heads) * head_dim && this->o[i].n == hidden &&
+                  this->down[i].n == hidden && this->gate_up[i].n % 2 == 0,
+                  "layer ", i, "'s linear layers do not fit the stack's shape");
   }
 
   at::Tensor forward(at::Tensor x, int64_t first, int64_t last, const PackedPlan& plan,
@@ -944,11 +977,11 @@ struct Q4Stack {
     TORCH_CHECK(0 <= first && first <= last && last <= (int64_t)attn_norm.size() &&
                 plan.layers >= last, "bad layer range");
     for (int64_t i = first; i < last; i++) {
-      const at::Tensor mixed = q4_linear(rms_norm(x, attn_norm[i], eps, isa), qkv[i], c10::nullopt, qkv_n, isa);
+      const at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
       const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads);
-      x = q4_linear(plan.attention(i, q, window[i], isa), o[i], x, hidden, isa);
-      const at::Tensor up = q4_linear(rms_norm(x, mlp_norm[i], eps, isa), gate_up[i], c10::nullopt, gate_up_n, isa);
-      x = q4_linear(swiglu(up, isa), down[i], x, hidden, isa);
+      x = o[i](plan.attention(i, q, window[i], isa), x, isa);
+      const at::Tensor up = gate_up[i](rms_norm(x, mlp_norm[i], eps, isa), c10::nullopt, isa);
+      x = down[i](swiglu(up, isa), x, isa);
     }
     return x;
   }
@@ -985,11 +1018,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, nogil);
   m.def("attention", &attention, nogil);
   m.def("parallel_threads", &parallel_threads, nogil);
-  py::class_<Q4Stack>(m, "Q4Stack")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("forward", &Q4Stack::forward, nogil);
+  py::class_<PackedLinear>(m, "PackedLinear")
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>())
+      .def_readonly("n", &PackedLinear::n);
+  py::class_<LayerStack>(m, "LayerStack")
+      .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
+                    std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("forward", &LayerStack::forward, nogil);
   py::class_<PackedPlan>(m, "PackedPlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())

@@ -270,6 +270,11 @@ class Int8BlockLinear:
             raise SpecDecodeError(f"block int8 linear [{self.out_features} x {self.in_features}]: "
                                   f"{reason}") from None
 
+    def kernel(self):
+        """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
+        return kernels.packed_linear(self.packed, kernels.BLOCK_INT8_KIND, self.out_features,
+                                     self.group, self.has_minimum, self.half)
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel()

@@ -326,26 +326,28 @@ class LlamaRunner(Runner):
         # rotary tables per kind of layer: False the global ones, True the sliding layers' own
         self.rope = {local: self._rope_tables(config, local)
                      for local in {layer.local_rope for layer in self.layers}}
-        self._stack = self._q4_stack()
+        self._stack = self._layer_stack()
         self._new_cache()
 
-    def _q4_stack(self):
-        """The decode layers as one kernel call (``Q4Stack``) where they are plain Llama layers
-        with int4 weights (SmolLM2 and the like): the same kernels in the same order, without
-        Python between them. None for other formats and architectures' extra pieces."""
+    def _layer_stack(self):
+        """The decode layers as one kernel call (``LayerStack``) where they are plain Llama
+        layers (SmolLM2 and the like, in any weight format the kernels hold): the same kernels
+        in the same order, without Python between them. None for other architectures' extra
+        pieces."""
         s, layers = self.shape, self.layers
-        plain = all(isinstance(getattr(layer, name), Int4Linear) and layer.qkv_bias is None
+        plain = all(hasattr(getattr(layer, name), "kernel") and layer.qkv_bias is None
                     and layer.q_norm is None and layer.post_attn_norm is None
                     and layer.post_mlp_norm is None and not layer.local_rope
                     for layer in layers for name in ("qkv", "o", "gate_up", "down"))
         if not plain or s.activation != "silu" or not kernels.available():
             return None
-        return kernels.load().Q4Stack(
-            [layer.attn_norm for layer in layers], [layer.qkv.packed for layer in layers],
-            [layer.o.packed for layer in layers], [layer.mlp_norm for layer in layers],
-            [layer.gate_up.packed for layer in layers], [layer.down.packed for layer in layers],
+        linears = {name: [getattr(layer, name).kernel() for layer in layers]
+                   for name in ("qkv", "o", "gate_up", "down")}
+        return kernels.layer_stack(
+            [layer.attn_norm for layer in layers], linears["qkv"], linears["o"],
+            [layer.mlp_norm for layer in layers], linears["gate_up"], linears["down"],
             [layer.window for layer in layers], s.num_heads, s.num_kv_heads, s.head_dim,
-            s.hidden_size, layers[0].gate_up.out_features // 2, s.rms_eps)
+            s.hidden_size, s.rms_eps)
 
     def _rope_tables(self, config, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [capacity, D] of every position."""
@@ -796,7 +798,7 @@ class LlamaRunner(Runner):
 
     def _stacked(self, x: torch.Tensor, plan, stop: int, capture: set[int], rope
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """run_items' layer loop through the Q4Stack: one call, or one a captured layer."""
+        """run_items' layer loop through the LayerStack: one call, or one a captured layer."""
         cos, sin = rope
         start = 0
         captured = {}
@@ -827,8 +829,8 @@ class LlamaRunner(Runner):
         a layer loop of a lossy method's own, which skips layers (LoRA-Drop) or gives some
         layers' rows another plan. ``adapter(i, layer)``: the layer to run instead of layer
         ``i`` (its linear layers wrapped: LUD's LoRA on its slots' rows); with one the layers
-        run through the Python loop, without one through the fused int4 stack where there is
-        one. The cache's books are the caller's."""
+        run through the Python loop, without one through the fused stack where there is one.
+        The cache's books are the caller's."""
         positions, packed = _packed_plan([SequenceRows(self.cache, (), plan)])
         if adapter is None and self._stack is not None:
             cos, sin = self.rope[False]

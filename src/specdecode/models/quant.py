@@ -87,6 +87,10 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.dense_linear(x, self.packed, self.out_features, None, residual)
 
+    def kernel(self):
+        """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
+        return kernels.packed_linear(self.packed, kernels.DENSE_KIND, self.out_features)
+
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
@@ -124,6 +128,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.q4_linear(x, self.packed, self.out_features, residual)
+
+    def kernel(self):
+        """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
+        return kernels.packed_linear(self.packed, kernels.INT4_KIND, self.out_features)
 
     @property
     def nbytes(self) -> int:
