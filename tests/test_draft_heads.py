@@ -15,9 +15,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
 from specdecode import kernels
 from specdecode.heads.drafter import target_features, target_needs
-from specdecode.heads import native_eagle
+from specdecode.heads import native_blocks
 from specdecode.heads.native import to_native
-from specdecode.heads.native_eagle import NativeEagleHead
+from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
 from specdecode.heads.networks import MLP, NETWORKS, RMSNorm, eagle3_layers, make_network
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
@@ -107,7 +107,7 @@ def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatc
     given its sibling's ancestors is 1.6% off); int8 within its rounding, 3%."""
     if not kernels.available():
         pytest.skip("the native kernels do not build here")
-    monkeypatch.setattr(native_eagle, "INITIAL_ROWS", 16)
+    monkeypatch.setattr(native_blocks, "INITIAL_ROWS", 16)
     net = perturbed(kind).eval()
     native = NativeEagleHead(net, fmt)
     width = net.size * max(1, len(net.feature_layers))
@@ -130,6 +130,37 @@ def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatc
         first = both("expand", [root, root], torch.tensor([4, 7]), [1, 1], [[], []])
         second = both("expand", first[0], torch.tensor([5, 9]), [2, 2], [[0], [1]])
         both("expand", second[0][:1], torch.tensor([6]), [3], [[0, 2]])
+    assert native.cache.length == read and native.cache.capacity > 16
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_native_deer_blocks_are_the_torch_networks_blocks(layers, fmt, monkeypatch):
+    """DEER's layers fused on the kernels (NativeDeerDrafter) draft the torch network's block,
+    step after step (the context's keys and values written from the fused features of three
+    target layers, the anchor's row added to the block, a cache grown on the way): bf16 within
+    0.8%, int8 within its rounding."""
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setattr(native_blocks, "INITIAL_ROWS", 16)
+    torch.manual_seed(layers)
+    net = make_network("deer", 128, torch.randn(50, 128), layers=layers, feature_layers=(1, 3),
+                       anchor_input=True)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    native = NativeDeerDrafter(net.eval(), fmt)
+    gen = torch.Generator().manual_seed(4)
+    read = 0
+    for n in (7, 1, 2, 12):
+        feats = torch.randn(n, 3 * 128, generator=gen)
+        ids = torch.randint(50, (n,), generator=gen)
+        with torch.no_grad():
+            (expected,), _ = net.ingest(feats, ids, torch.arange(read, read + n))
+            (got,), _ = native.ingest(feats, ids, torch.arange(read, read + n))
+        read += n
+        assert got.shape == expected.shape == (net.max_depth, 128)
+        assert relative_error(expected, got) < {"bf16": 0.008, "int8": 0.03}[fmt], n
     assert native.cache.length == read and native.cache.capacity > 16
 
 

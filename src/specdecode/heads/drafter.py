@@ -21,8 +21,8 @@ import torch
 from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.native import scoring_layer, to_native
-from specdecode.heads.native_eagle import NativeEagleHead
-from specdecode.heads.networks import EagleHead, HeadNetwork
+from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
+from specdecode.heads.networks import DeerDrafter, EagleHead, HeadNetwork
 from specdecode.drafting.caches import DraftCache
 from specdecode.models.base import ForwardOutput, Needs
 
@@ -46,11 +46,13 @@ def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -
 
 
 def drafting_network(net: HeadNetwork, weights: str):
-    """``net`` as it drafts with ``weights`` (heads/native.py's formats): EAGLE's layer in a few
-    kernel calls a step (heads/native_eagle.py), any other network with its linear maps, norms
-    and MLPs on the kernels; fp32, or kernels that do not build here: ``net`` itself."""
-    if isinstance(net, EagleHead) and weights != "fp32" and kernels.available():
-        return NativeEagleHead(net, weights)
+    """``net`` as it drafts with ``weights`` (heads/native.py's formats): EAGLE's and DEER's
+    decoder layers in a few kernel calls a step (heads/native_blocks.py), any other network
+    with its linear maps, norms and MLPs on the kernels; fp32, or kernels that do not build
+    here: ``net`` itself."""
+    on_kernels = {EagleHead: NativeEagleHead, DeerDrafter: NativeDeerDrafter}.get(type(net))
+    if on_kernels is not None and weights != "fp32" and kernels.available():
+        return on_kernels(net, weights)
     return to_native(net, weights)
 
 

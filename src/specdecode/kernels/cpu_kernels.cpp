@@ -945,7 +945,7 @@ struct PackedLinear {
 // layer. Weights are held once, each linear layer in its own format; the rows of one or many
 // sequences come with each call (a PackedPlan): the linear layers run over all of them at once,
 // rotary embedding and attention per sequence on its own cache. A draft network's decoder layer
-// (heads/native_eagle.py) is a one-layer stack.
+// (heads/native_blocks.py) is a stack of one or two layers.
 struct LayerStack {
   std::vector<at::Tensor> attn_norm, mlp_norm;
   std::vector<PackedLinear> qkv, o, gate_up, down;

@@ -1,0 +1,213 @@
+"""The drafters built of decoder layers on the kernels: a draft step in a few kernel calls, not
+forty torch ops.
+
+:class:`~specdecode.heads.networks.EagleHead` is one decoder layer with a few maps around it,
+:class:`~specdecode.heads.networks.DeerDrafter` one or two decoder layers over a block of rows.
+Drafting reads one to ten rows a call, where torch's dispatch of each small operation (the
+rotary embedding, a masked softmax, every norm and projection) costs more than its arithmetic:
+measured, 1.1 ms for a one-row step of the default model's EAGLE head, against 0.3 ms of
+linear layers. Here the same networks run as
+
+- their decoder layers as a ``LayerStack`` (cpu_kernels.cpp: RMSNorm, fused q/k/v, rotary
+  embedding with the cache write, attention, o + residual, RMSNorm, SwiGLU, down + residual,
+  every layer in one call), over their own blocked KV cache of the committed context's rows
+  and, after them, this step's draft rows, which attend to the context and to the rows the
+  slot tables name: EAGLE's tree rows their ancestors and themselves (the target's tree verify
+  tables, ``AttentionPlan.tree_rows``), DEER's block rows every row of the block;
+- the maps around them (the per-part norms and the linear map fusing the target's layers, the
+  norm of a fed-back state, the fusion with a token's embedding, the output norm) as kernel
+  calls of the same weights.
+
+Weights are int8 (Q8_0's blocks) or bf16, like :func:`~specdecode.heads.native.to_native`; the
+drafts may differ slightly from the torch network's (int8 activations per 32 inputs; the
+attention scale folded into q's weights, an exact power of two for 64-wide heads). Exactness
+is the verifier's; the agreement of the two is tested (tests/test_draft_heads.py,
+tests/test_deer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode import kernels
+from specdecode.heads.networks import Block, DeerDrafter, EagleHead, _rope_table
+from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
+from specdecode.models.quant import make_linear
+
+#: context rows the cache holds at first; it doubles when a longer context comes
+INITIAL_ROWS = 1024
+
+
+def _linear(weight: torch.Tensor, fmt: str):
+    return make_linear(weight.detach().float(), fmt)
+
+
+def _weight(norm) -> torch.Tensor:
+    return norm.weight.detach().float().contiguous()
+
+
+class _LayersOnKernels:
+    """What both drafters share: ``blocks`` as one ``LayerStack`` over a blocked cache of
+    their own that grows as the context does, and the kernels' norm."""
+
+    def __init__(self, net, blocks: list[Block], fmt: str):
+        attn = blocks[0].attn
+        self.size, self.max_depth, self.embed = net.size, net.max_depth, net.embed
+        self.feature_layers, self.reads_final = net.feature_layers, net.reads_final
+        self.heads, self.head_dim, self.eps = attn.heads, attn.head_dim, blocks[0].attn_norm.eps
+        self.layers = len(blocks)
+        linears = {name: [] for name in ("qkv", "o", "gate_up", "down")}
+        for block in blocks:
+            # the attention's 1 / sqrt(D) folded into q, as the runner folds it (models/llama.py)
+            qkv = torch.cat([block.attn.q.weight * self.head_dim ** -0.5, block.attn.kv.weight])
+            for name, w in zip(linears, (qkv, block.attn.o.weight, block.mlp.gate_up.weight,
+                                         block.mlp.down.weight)):
+                linears[name].append(_linear(w, fmt).kernel())
+        self.stack = kernels.layer_stack(
+            [_weight(b.attn_norm) for b in blocks], linears["qkv"], linears["o"],
+            [_weight(b.mlp_norm) for b in blocks], linears["gate_up"], linears["down"],
+            [0] * self.layers, self.heads, self.heads, self.head_dim, self.size, self.eps)
+        self.unit = torch.ones(self.size)
+        self.cache = self._new_cache(INITIAL_ROWS)
+
+    def _new_cache(self, rows: int) -> BlockedKVCache:
+        return BlockedKVCache(self.layers, self.heads, self.head_dim,
+                              -(-rows // KEY_BLOCK) * KEY_BLOCK, torch.float32)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def _room(self, rows: int) -> None:
+        """Slots for ``rows`` rows after the context: a cache twice as large where they do not
+        fit, the context's rows copied over."""
+        need = self.cache.length + rows
+        if need <= self.cache.capacity:
+            return
+        grown = self._new_cache(2 * need)
+        grown.keys[:, :, :self.cache.keys.shape[2]] = self.cache.keys
+        grown.values[:, :, :self.cache.capacity] = self.cache.values
+        grown.length = self.cache.length
+        self.cache = grown
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x.contiguous(), weight, self.eps)
+
+    def _part_norms(self, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Each ``size``-wide part of ``features`` [n, parts x size] normed on its own, times
+        the parts' weights side by side ``weight``."""
+        n = len(features)
+        unit = self._norm(features.reshape(-1, self.size), self.unit)
+        return unit.view(n, -1) * weight
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = _rope_table(self.head_dim, int(positions.max()) + 1)[positions]
+        return table[:, 0].contiguous(), table[:, 1].contiguous()
+
+    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        cache = self.cache
+        packed = kernels.packed_plan([cache.keys], [cache.values], [plan.past], [plan.slots],
+                                     [plan.keys], [plan.lengths])
+        return self.stack.forward(x, 0, self.layers, packed, *self._rope(plan.positions),
+                                  kernels.isa())
+
+
+class NativeEagleHead(_LayersOnKernels):
+    """An :class:`EagleHead`'s drafting interface (``reset`` / ``ingest`` / ``expand``) on the
+    kernels (see the module docstring); ``fmt``: int8 or bf16 weights."""
+
+    kind = "eagle"
+
+    def __init__(self, net: EagleHead, fmt: str = "int8"):
+        super().__init__(net, [net.layer], fmt)
+        self.fuse = _linear(net.fuse.weight, fmt)
+        self.fc = _linear(net.fc.weight, fmt) if net.feature_layers else None
+        if net.feature_layers:
+            self.part_weight = _weight(net.part_norm)
+            self.hidden_weight, self.out_weight = _weight(net.hidden_norm), _weight(net.out_norm)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.tree_rows = 0  # the draft tree's rows written after the context this step
+
+    def _inputs(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.fc is not None:
+            states = self._norm(states, self.hidden_weight)
+        return self.fuse(torch.cat([states, self.embed[tokens].float()], -1))
+
+    def _scored(self, out: torch.Tensor) -> torch.Tensor:
+        return self._norm(out, self.out_weight) if self.fc is not None else out
+
+    def ingest(self, features, next_tokens, positions):
+        """EagleHead.ingest: the committed positions' rows appended to the cache (the last
+        step's tree rows forgotten); the root's state and its scored output."""
+        n = len(features)
+        if self.fc is not None:
+            features = self.fc(self._part_norms(features, self.part_weight))
+        x = self._inputs(features.float(), next_tokens)
+        self.tree_rows = 0
+        self._room(n)
+        out = self._layers(x, AttentionPlan.chain(self.cache.length, n))
+        self.cache.append(n)
+        return [out[-1]], self._scored(out[-1:])
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        """EagleHead.expand: tree rows after this step's earlier ones, each attending to the
+        context, ``ancestors[j]`` (earlier tree rows) and itself."""
+        x = self._inputs(torch.stack(list(parent_states)), tokens)
+        self._room(self.tree_rows + len(x))
+        out = self._layers(x, AttentionPlan.tree_rows(self.cache.length, self.tree_rows,
+                                                      ancestors))
+        self.tree_rows += len(x)
+        return list(out), self._scored(out)
+
+
+class NativeDeerDrafter(_LayersOnKernels):
+    """A :class:`DeerDrafter`'s drafting interface on the kernels: the context's keys and
+    values written into every layer's cache from the fused features (each layer's own k/v
+    map and rotary embedding, DFlash's conditioning), then the block's rows through the layers
+    in one call, every row attending to the whole context and to every row of the block."""
+
+    kind = "deer"
+
+    def __init__(self, net: DeerDrafter, fmt: str = "int8"):
+        super().__init__(net, list(net.blocks), fmt)
+        self.part_weight = torch.cat([_weight(norm) for norm in net.part_norms])
+        self.fuse = _linear(net.fuse.weight, fmt)
+        self.context_weight, self.out_weight = _weight(net.context_norm), _weight(net.out_norm)
+        self.context_kv = [_linear(block.attn.kv.weight, fmt) for block in net.blocks]
+        self.anchor_in = None if net.anchor_in is None else _linear(net.anchor_in.weight, fmt)
+        self.mask = net.mask.detach().float()
+        self.reset()
+
+    def ingest(self, features, next_tokens, positions):
+        """DeerDrafter.ingest: the context's keys and values appended, then the block after
+        the root ``next_tokens[-1]``: its state is the block's features [block, H]."""
+        n, past = len(features), self.cache.length
+        memory = self._norm(self.fuse(self._part_norms(features.float(), self.part_weight)),
+                            self.context_weight)
+        rows = self.max_depth + 1
+        self._room(n + rows)
+        cos, sin = self._rope(positions)
+        slots = torch.arange(past, past + n)
+        no_queries = memory.new_zeros(n, self.size)
+        for layer, kv in enumerate(self.context_kv):
+            kernels.rope_store(torch.cat([no_queries, kv(memory)], -1), cos, sin, self.heads,
+                               self.heads, self.cache.keys[layer], self.cache.values[layer],
+                               slots)
+        self.cache.append(n)
+        x = torch.cat([self.embed[next_tokens[-1:]].float(),
+                       self.mask.expand(self.max_depth, -1)])
+        if self.anchor_in is not None:
+            x = x + self.anchor_in(memory[-1:])
+        block = past + n + torch.arange(rows)
+        keys = block.to(torch.int32).expand(rows, rows).contiguous()
+        plan = AttentionPlan(past + n, block, block, keys,
+                             torch.full((rows,), rows, dtype=torch.int32))
+        out = self._norm(self._layers(x.contiguous(), plan)[1:], self.out_weight)
+        return [out], out[:1]
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        """The block does not read drafted tokens: a node at depth d is scored by block row d."""
+        out = torch.stack([state[d] for state, d in zip(parent_states, depths)])
+        return list(parent_states), out
