@@ -407,3 +407,20 @@ def test_cli_non_integer_options_exit_2(capsys, argv):
     assert info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {argv[0]}: invalid int value" in last
+
+
+def test_first_argmax_is_torchs_argmax_with_ties_nans_and_infinities():
+    """The greedy step's argmax (numpy's, for speed) picks what torch.argmax picks: the first
+    of tied maxima, a NaN over any number, the first of an all -inf row; other dtypes go to
+    torch."""
+    from specdecode.sampling import first_argmax
+
+    inf, nan = float("inf"), float("nan")
+    rows = [[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf], [0.5, nan, 9.0, nan], [inf, 1.0, inf],
+            torch.randn(49152).tolist()]
+    for row in rows:
+        x = torch.tensor(row)
+        assert first_argmax(x) == int(x.argmax()), row[:4]
+        assert first_argmax(x.to(torch.float64)) == int(x.argmax())
+    strided = torch.randn(4, 100)[:, 7]
+    assert first_argmax(strided) == int(strided.argmax())

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdecode.constraints import Constraint, ConstraintSpec
@@ -40,6 +41,15 @@ from specdecode.errors import SpecDecodeError, require
 GREEDY_BELOW = 1e-5
 #: most alternatives reported per token (OpenAI's limit on top_logprobs)
 MAX_TOP_LOGPROBS = 20
+
+
+def first_argmax(logits: torch.Tensor) -> int:
+    """The index of the first maximum of a vector (a NaN counts as the maximum), as
+    ``torch.argmax`` gives it: numpy's where the vector is a CPU float32 one, which measured
+    5 us against torch's 86 us over a 49k vocabulary, a greedy step's cost in every method."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(np.argmax(logits.detach().numpy()))
+    return int(logits.argmax())
 
 
 @dataclass(frozen=True)
@@ -241,12 +251,12 @@ class NodeDistributions:
 
     def argmax(self, row: int) -> int:
         if self.constraint is not None:
-            # the unmasked argmax, when allowed, is the masked one (ties: torch takes the first
-            # maximum either way): one token's check instead of a whole mask
-            best = int(self._penalties(row).argmax())
+            # the unmasked argmax, when allowed, is the masked one (ties: the first maximum
+            # either way): one token's check instead of a whole mask
+            best = first_argmax(self._penalties(row))
             if self.constraint.permits(self.path(row), best):
                 return best
-        return int(self.penalised(row).argmax())
+        return first_argmax(self.penalised(row))
 
     def logprobs(self, row: int) -> torch.Tensor:
         """Row ``row``'s log-probabilities [V] after the request's processors: the penalties,
