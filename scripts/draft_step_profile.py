@@ -11,8 +11,9 @@ medians over rounds reported). Each method's drafter is timed where it spends it
 wrapping its own parts (the wrappers cost about a microsecond a call):
 
     linears      the drafter network's linear maps (the native kernels' calls: nn.Linear
-                 converted by heads/native.py), or, for ``draft_model``, its decoder layers
-                 (one C++ call a forward for an int4 draft: the LayerStack, attention included)
+                 converted by heads/native.py); for ``eagle`` and ``deer`` (heads/native_blocks.py)
+                 and ``draft_model`` their decoder layers too (one C++ call: the LayerStack,
+                 attention included)
     shortlist    the shortlist LM head scoring the drafted nodes' children
     torch ops    the rest of the network's calls (norms, attention, rope, concatenation,
                  indexing; for ``draft_model`` the runner's embedding, attention plan and norm)
@@ -102,9 +103,18 @@ class TimedLayer:
 
 def instrument_heads(proposer, clock: Clock) -> None:
     lm = proposer.lm
-    for module in lm.net.modules():
-        if type(module).__name__ in ("KernelLinear", "NativeLinear"):
-            module.forward = clock.wrap(module.forward, "linears")
+    if isinstance(lm.net, torch.nn.Module):
+        for module in lm.net.modules():
+            if type(module).__name__ in ("KernelLinear", "NativeLinear"):
+                module.forward = clock.wrap(module.forward, "linears")
+    else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around it
+        net = lm.net
+        net.stack = TimedLayer(net.stack, clock, "linears")
+        for name in ("fuse", "fc", "anchor_in"):
+            if getattr(net, name, None) is not None:
+                setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
+        if hasattr(net, "context_kv"):
+            net.context_kv = [TimedLayer(kv, clock, "linears") for kv in net.context_kv]
     lm.score = TimedLayer(lm.score, clock, "shortlist")
     lm.net.ingest = clock.wrap(lm.net.ingest, "network")
     lm.net.expand = clock.wrap(lm.net.expand, "network")
@@ -214,7 +224,7 @@ def run_method(runner, tokenizer, method: str, prompts, max_new_tokens: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="hydra,eagle,clover,draft_model")
+    parser.add_argument("--methods", default="hydra,eagle,clover,deer,draft_model")
     parser.add_argument("--prompts", type=int, default=4, help="first turns of this many questions")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)

@@ -151,6 +151,14 @@ def dev_prompts(count: int) -> list[str]:
     return [q.turns[0] for q in sample_per_task(load_questions(), 1)][:count]
 
 
+def short_dev_prompts() -> list[str]:
+    """The first dev-half prompts of mt_bench, qa and math_reasoning: the tasks whose inputs are
+    short, for the quality floors measured on the fp32 hf runner (an article's prefill there
+    costs more than the answer)."""
+    first = dev_prompts(6)
+    return [first[i] for i in (0, 3, 4)]
+
+
 @pytest.fixture(scope="module")
 def default_runner(real_model):
     from specdecode.models.loading import make_runner

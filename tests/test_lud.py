@@ -166,12 +166,13 @@ def test_training_lowers_the_slot_loss_and_checkpoints(tiny_hf, tmp_path):
     assert len(measured["slot_top1"]) == 3 and measured["mean_unit_tokens"] >= 1
 
 
-#: floor for the first 6 dev-half prompts (one per task), 32 new tokens, the hf runner, the
-#: packaged adapters at threshold 0.5 (at the default 0.9 units longer than one token are too
-#: rare on this model to test for: one in 6 answers): measured 0.552 with 13 multi-token
-#: units (docs/lossy.md). Each unit's first token is ar's, so agreement falls only where an
-#: accepted slot token was wrong
-LUD_TOKEN_FLOOR = 0.35
+#: floor for the short-input dev-half prompts (mt_bench, qa, math_reasoning: test_lossy's
+#: short_dev_prompts), 32 new tokens, the hf runner, the packaged adapters at threshold 0.5 (at
+#: the default 0.9 units longer than one token are too rare on this model to test for):
+#: measured 0.854 with 4 multi-token units (0.562, 1.000, 1.000; over the first prompt of all
+#: six tasks 0.552 with 13 units, docs/lossy.md). Each unit's first token is ar's, so agreement
+#: falls only where an accepted slot token was wrong
+LUD_TOKEN_FLOOR = 0.55
 
 
 @pytest.mark.slow
@@ -180,7 +181,7 @@ def test_lud_stays_near_ar_on_the_default_model(real_model):
     from specdecode.bench.quality import token_agreement
     from specdecode.training.artifacts import find_artifacts
 
-    from test_lossy import dev_prompts
+    from test_lossy import short_dev_prompts
 
     runner = HFRunner(real_model.model)
     if not find_artifacts(ADAPTERS_KIND, runner.fingerprint()):
@@ -189,7 +190,7 @@ def test_lud_stays_near_ar_on_the_default_model(real_model):
     ar = Decoder(runner, real_model.tokenizer, "ar", eos)
     lud = Decoder(runner, real_model.tokenizer, "lud", eos, threshold=0.5)
     agreements, multi = [], 0
-    for prompt in dev_prompts(6):
+    for prompt in short_dev_prompts():
         reference = ar.generate(prompt, 32).token_ids
         result = lud.generate(prompt, 32)
         agreements.append(token_agreement(result.token_ids, reference))
