@@ -53,7 +53,6 @@ class _LayersOnKernels:
     def __init__(self, net, blocks: list[Block], fmt: str):
         attn = blocks[0].attn
         self.size, self.max_depth, self.embed = net.size, net.max_depth, net.embed
-        self.feature_layers, self.reads_final = net.feature_layers, net.reads_final
         self.heads, self.head_dim, self.eps = attn.heads, attn.head_dim, blocks[0].attn_norm.eps
         self.layers = len(blocks)
         linears = {name: [] for name in ("qkv", "o", "gate_up", "down")}
@@ -115,8 +114,6 @@ class NativeEagleHead(_LayersOnKernels):
     """An :class:`EagleHead`'s drafting interface (``reset`` / ``ingest`` / ``expand``) on the
     kernels (see the module docstring); ``fmt``: int8 or bf16 weights."""
 
-    kind = "eagle"
-
     def __init__(self, net: EagleHead, fmt: str = "int8"):
         super().__init__(net, [net.layer], fmt)
         self.fuse = _linear(net.fuse.weight, fmt)
@@ -167,8 +164,6 @@ class NativeDeerDrafter(_LayersOnKernels):
     values written into every layer's cache from the fused features (each layer's own k/v
     map and rotary embedding, DFlash's conditioning), then the block's rows through the layers
     in one call, every row attending to the whole context and to every row of the block."""
-
-    kind = "deer"
 
     def __init__(self, net: DeerDrafter, fmt: str = "int8"):
         super().__init__(net, list(net.blocks), fmt)

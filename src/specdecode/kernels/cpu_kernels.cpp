@@ -1019,8 +1019,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, nogil);
   m.def("parallel_threads", &parallel_threads, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
-      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>())
-      .def_readonly("n", &PackedLinear::n);
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>());
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
                     std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
