@@ -276,3 +276,23 @@ def test_real_gemma_matches_transformers(gemma_model):
                                 max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
         generation = Decoder(native, tokenizer, "ar", eos_ids(model, tokenizer)).start(ids, 32, chat=False)
         assert generation.run() == theirs
+
+
+def test_hf_runner_gives_drafters_the_layers_of_any_architecture():
+    """EAGLE-3's and deer's features (hidden states after chosen layers) come from any
+    architecture on the hf runner, Gemma 3 included: only an early-exit pass needs a Llama
+    layout. A layer outside the model is named as such."""
+    from specdecode.models.base import Needs
+
+    model = build("gemma3")
+    runner = HFRunner(model)
+    ids = [1, 5, 7, 9]
+    out = runner.prefill(ids, Needs(layers=(1,)))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
+    torch.testing.assert_close(out.layers[1], expected)
+    with pytest.raises(SpecDecodeError, match="hidden states after layer 2 is outside the "
+                                              r"model: it has 2 layers, so it must be in 1\.\.1"):
+        runner.prefill(ids, Needs(layers=(2,)))
+    with pytest.raises(SpecDecodeError, match="early exit needs a Llama-layout model"):
+        runner._check_exit_layer(1)

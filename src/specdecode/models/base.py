@@ -213,14 +213,20 @@ class Runner(ABC):
         raise SpecDecodeError(f"the {self.name} runner does not expose its LM head; use the "
                               "native or the hf runner")
 
-    def _check_exit_layer(self, layer: int) -> None:
+    def _check_layer(self, layer: int, what: str) -> None:
         require(isinstance(layer, int) and 1 <= layer < self.num_layers,
-                f"exit layer {layer} is outside the model: it has {self.num_layers} layers, so "
-                f"an exit layer must be in 1..{self.num_layers - 1}")
+                f"{what} {layer} is outside the model: it has {self.num_layers} layers, so "
+                f"it must be in 1..{self.num_layers - 1}")
+
+    def _check_exit_layer(self, layer: int) -> None:
+        self._check_layer(layer, "exit layer")
 
     def _check_needs(self, needs: Needs) -> None:
+        """The layers whose hidden states a pass returns (EAGLE-3's and deer's features): any
+        architecture returns them, so only their range is checked (not what an exit pass
+        needs)."""
         for layer in needs.layers:
-            self._check_exit_layer(layer)
+            self._check_layer(layer, "a drafter reads the hidden states after layer")
 
     def _no_early_exit(self) -> SpecDecodeError:
         return SpecDecodeError(f"the {self.name} runner does not support early exit; "
