@@ -108,6 +108,28 @@ def test_an_arm_that_never_pays_is_not_sent():
     assert auto.choices["none"] >= 0.9 * steps, dict(auto.choices)
 
 
+def test_step_seconds_besides_the_forward_are_learnt_per_row():
+    """What a step costs besides its forward and its drafting (verification, the LM head's
+    rows, the parts' bookkeeping) is learnt as a fixed part and a part per draft row, so a
+    draft of many rows costs what it does: steps of 0..4 rows at 0.2 s + 0.05 s a row (beside
+    the curve's forward) give that line back; rows that never vary give their mean."""
+    auto, _, _ = scripted_auto()
+    clock = 0.0
+    for step in range(200):
+        rows = step % 5
+        auto._step = (clock, rows, 0.0)
+        clock += COSTS(1.0 + rows) + 0.2 + 0.05 * rows
+        auto._learn_overhead(clock)
+    fixed, per_row = auto._overhead()
+    assert fixed == pytest.approx(0.2, abs=1e-6) and per_row == pytest.approx(0.05, abs=1e-6)
+    assert auto._seconds(4) == pytest.approx(COSTS(5.0) + 0.4)
+    steady, _, _ = scripted_auto()
+    for step in range(50):
+        steady._step = (float(step), 2, 0.0)
+        steady._learn_overhead(step + COSTS(3.0) + 0.3)
+    assert steady._overhead() == pytest.approx((0.3, 0.0))
+
+
 def test_merged_tree_is_a_valid_draft_holding_both():
     chain = Draft.chain([1, 2, 3])
     tree = Draft((1, 5, 7, 8), (-1, 0, -1, 2))  # 1 -> 5, 7 -> 8

@@ -12,8 +12,10 @@ of the parts' ``needs``.
 
 What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost curve,
 :func:`specdecode.models.row_costs.measure_row_costs`, measured once on a replica), the seconds
-of the step besides the forward (learnt from the time between two ``propose`` calls), and the
-drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
+of the step besides the forward and the drafting (learnt from the time between two ``propose``
+calls, as a fixed part and a part per draft row: the verify pass's LM head rows, the
+verification and the parts' bookkeeping grow with the rows, which the forward's curve does not
+see), and the drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
 expected accepted tokens, from the arm's recent acceptance per depth
 (:class:`specdecode.estimates.Acceptance`, the server's estimator: the chance that depth k
 is accepted, given a draft that deep).
@@ -176,7 +178,9 @@ class AutoProposer(Proposer):
         self.merged_record = _Record()
         self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
-        self.overhead_s = 0.0
+        # weighted sums (weight, rows, seconds, rows^2, rows x seconds) of the recent steps'
+        # seconds besides their forward and drafting: a line a + b rows fitted to them
+        self._overhead_sums = [0.0] * 5
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
         self.choices: Counter[str] = Counter()
         self._walks: list[_Walk] = []
@@ -215,7 +219,8 @@ class AutoProposer(Proposer):
 
     def _seconds(self, nodes: float, drafting_s: float = 0.0) -> float:
         """Seconds of a step whose forward reads the root and ``nodes`` draft rows."""
-        return self.costs(1.0 + nodes) + self.overhead_s + drafting_s
+        fixed, per_row = self._overhead()
+        return self.costs(1.0 + nodes) + fixed + per_row * nodes + drafting_s
 
     def _none_rate(self) -> float:
         """Tokens per second of a step that sends no draft (one committed token)."""
@@ -296,11 +301,28 @@ class AutoProposer(Proposer):
     # ---- learning -----------------------------------------------------------------------
 
     def _learn_overhead(self, now: float) -> None:
-        """The last step's seconds besides its forward's rows and its drafting."""
+        """The last step's seconds besides its forward's rows and its drafting, into the
+        recent steps' sums (the newest weighing ``RECENT``)."""
         if self._step is not None:
             started, nodes, drafting_s = self._step
-            rest = now - started - self.costs(1.0 + nodes) - drafting_s
-            self.overhead_s += RECENT * (max(0.0, rest) - self.overhead_s)
+            rest = max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)
+            point = (1.0, nodes, rest, nodes * nodes, nodes * rest)
+            self._overhead_sums = [(1 - RECENT) * total + value
+                                   for total, value in zip(self._overhead_sums, point)]
+
+    def _overhead(self) -> tuple[float, float]:
+        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting:
+        the least-squares line through the recent steps, or their mean while their row counts
+        hardly vary."""
+        w, x, y, xx, xy = self._overhead_sums
+        if w == 0:
+            return 0.0, 0.0
+        mean_x, mean_y = x / w, y / w
+        spread = xx / w - mean_x * mean_x
+        if spread < 1e-6:
+            return mean_y, 0.0
+        per_row = max(0.0, (xy / w - mean_x * mean_y) / spread)
+        return max(0.0, mean_y - per_row * mean_x), per_row
 
     def observe(self, feedback: Feedback) -> None:
         for part in self.parts:
