@@ -56,7 +56,7 @@ from specdecode.models.base import (NOTHING, Call, ForwardOutput, Needs, Prefill
 from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
-from specdecode.models.quant import INT4_GROUP, Int4Linear, LibraryLinear, Q4Weight, check_format
+from specdecode.models.quant import INT4_GROUP, LibraryLinear, Q4Weight, check_format
 from specdecode.models.weights import FileTensors, _linear_for, as_float, check_fits, resident_bytes
 
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
