@@ -10,6 +10,7 @@ import torch
 
 from specdecode.api import Decoder
 from specdecode.control import Budget
+from specdecode.drafting.tree import grow_tree
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
@@ -170,3 +171,38 @@ def test_training_lowers_the_loss():
         losses.append(descend(sum(per_depth.values()) / len(per_depth), optim,
                               net.parameters(), step))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize("shortlist", [False, True])
+def test_block_tree_is_the_tree_grown_by_drafter_calls(tiny, shortlist):
+    """Greedy, deer's tree made from the block's rankings once per depth (grow_block_tree) is
+    the tree the generic best-first growth makes by feeding nodes to the drafter (grow_tree,
+    with rounds enough to read every node it needs), for blocks peaked enough to branch."""
+    runner = HFRunner(tiny)
+    ids = tuple(range(1, tiny.config.vocab_size, 2)) if shortlist else None
+    settings = get("deer").make_config({"heads": tiny_heads("deer", tiny, ids), "tree_nodes": 16,
+                                        "min_path_prob": 0.01, "max_forwards": 64})
+    proposers = [get("deer").proposer(settings, runner) for _ in range(2)]
+    gen = torch.Generator().manual_seed(4)
+    for prompt in repetitive_prompts():
+        # greedy: both proposers see the same history, then score the same peaked block
+        outputs = [Generation(runner, p, prompt, 6, SamplingParams()).run() for p in proposers]
+        block = torch.randn(BLOCK, len(ids or range(tiny.config.vocab_size)), generator=gen) * 4
+        for proposer in proposers:
+            proposer.lm.catch_up = peaked(proposer.lm, block)
+        context = list(prompt) + list(outputs[0])
+        made = proposers[0].propose(context, Budget(64, 64))
+        generic = grow_tree(proposers[1].session, context, Budget(64, 64), settings)
+        assert len(made.tokens) > 1 and max(made.parents) >= 0  # a tree deeper than the root's
+        assert (made.tokens, made.parents) == (generic.tokens, generic.parents)
+
+
+def peaked(lm, block: torch.Tensor):
+    """``lm.catch_up`` reading the context as before, then scoring ``block`` as its block."""
+    read = lm.catch_up
+
+    def catch_up(context):
+        read(context)
+        lm.block = block
+        return block[0], None
+    return catch_up

@@ -57,6 +57,10 @@ class _Children:
         self.sampled = q is not None
         self.taken = 0
         self.drawn: list[int] = []
+        if self.sampled:
+            # the undrawn tokens' mass and sum of squares, less each drawn sibling's share
+            # (one [V] pass here instead of one a sibling)
+            self._mass, self._squares = float(q.sum()), float((q * q).sum())
 
     def next_weight(self) -> float:
         """How likely the next sibling is to be the target's token, known before it is drawn."""
@@ -64,10 +68,7 @@ class _Children:
             return 0.0
         if not self.sampled:
             return self.values[self.taken]
-        rest = self.q.clone()
-        rest[self.drawn] = 0.0
-        mass = float(rest.sum())
-        return float((rest * rest).sum()) / mass if mass > 0 else 0.0
+        return max(self._squares, 0.0) / self._mass if self._mass > 1e-12 else 0.0
 
     def take(self) -> tuple[int, torch.Tensor | None, float]:
         """The next sibling, the distribution it was drawn from (None when greedy) and its
@@ -79,11 +80,17 @@ class _Children:
             drawn_from = self.q.clone()
             drawn_from[self.drawn] = 0.0
             drawn_from /= drawn_from.sum()
+            self._mass -= prob
+            self._squares -= prob * prob
         else:
             prob = self.values[self.taken]
         self.taken += 1
         self.drawn.append(token)
         return token, drawn_from, prob
+
+    def again(self) -> _Children:
+        """The same ranking, none of it taken (a greedy ranking shared by several nodes)."""
+        return _Children(self.order, self.q, self.values)
 
 
 def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence[int],
@@ -170,6 +177,54 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         forwards += 1
         tree.read_best(budget_nodes - len(tree.tokens), settings.expand_width)
     session.nodes = (tree.tokens, tree.parents, tree.rows)
+    probs = torch.stack(tree.probs) if tree.probs else None
+    return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
+
+
+def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budget,
+                    settings) -> Draft:
+    """:func:`grow_tree` for a drafter that scores every depth of the draft in one forward
+    (``deer``'s block: a node at depth d is scored by block row d whatever its path): the
+    same best-first growth and sampling rules, with each depth's ranking made once (greedy:
+    every node of a depth has the same ranked children; sampled: the same distribution, and
+    each node its own draws from it) and no drafter call after the first. With penalties
+    (each node's distribution reads its own path), or sampled over a drafter's whole
+    vocabulary, :func:`grow_tree` does the work."""
+    head_ids = getattr(session.lm, "head_ids", None)
+    sampled = not session.sampling.greedy
+    if session.sampling.has_penalties or (sampled and head_ids is None):
+        return grow_tree(session, context, budget, settings)
+    budget_nodes = min(settings.tree_nodes, budget.max_nodes)
+    max_depth = min(settings.max_depth, budget.max_depth)
+    session.nodes = ([], [], [])
+    if budget_nodes <= 0 or max_depth <= 0:
+        return Draft.empty()
+    session.lm.catch_up(context)
+    block = session.lm.block_logits()[:max_depth]
+    if not sampled:
+        greedy = _shortlist_children(block, head_ids, budget_nodes)
+        ranking = lambda depth: greedy[depth].again()  # noqa: E731
+    else:
+        depth_probs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def ranking(depth: int) -> _Children:
+            if depth not in depth_probs:
+                depth_probs[depth] = session.shortlist_probs(block[depth])
+            small, q = depth_probs[depth]
+            order = head_ids[_gumbel_order(small, session.generator, budget_nodes)]
+            return _Children(order.tolist(), q, None)
+    tree = _Growth(session, context, max_depth)
+    tree.children[-1] = ranking(0)
+    tree.push(-tree.children[-1].next_weight(), -1, True)
+    while tree.heap and len(tree.tokens) < budget_nodes:
+        value, _, node, read = heapq.heappop(tree.heap)
+        if -value <= 0 or -value < settings.min_path_prob:
+            break
+        if read:
+            tree.place_child(node)
+        else:  # scored already: rank its children, then it competes by its first child
+            tree.children[node] = ranking(len(tree.paths[node]))
+            tree.push(-tree.values[node] * tree.children[node].next_weight(), node, True)
     probs = torch.stack(tree.probs) if tree.probs else None
     return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
 

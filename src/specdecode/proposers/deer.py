@@ -14,8 +14,9 @@ that position k does not see what was drafted before it.
 
 The draft is a tree (default) grown best-first by path probability from the per-position
 distributions (node at depth d: its children are ranked by block position d + 1's
-distribution; the growth and the sampling rules of the other heads, drafting/tree.py, so T > 0
-records ``Draft.probs`` and stays exact), or a chain of each position's argmax (greedy) or draw.
+distribution; the growth and the sampling rules of the other heads, so T > 0 records
+``Draft.probs`` and stays exact; drafting/tree.py's ``grow_block_tree`` ranks each position
+once for every node of its depth), or a chain of each position's argmax (greedy) or draw.
 DEER regenerates the block from the new prefix after each verification ("reliable block
 regeneration"), as here: every step drafts afresh from the committed context.
 
@@ -50,7 +51,7 @@ import torch
 from specdecode.draft import Draft
 from specdecode.drafting.dllm_draft import open_dllm
 from specdecode.drafting.session import DraftSession
-from specdecode.drafting.tree import grow_tree
+from specdecode.drafting.tree import grow_block_tree
 from specdecode.errors import require
 from specdecode.heads.drafter import BlockDraftLM
 from specdecode.models.quant import check_format
@@ -72,10 +73,10 @@ class DeerConfig(HeadTreeConfig):
                                "(greedy) or draw")
     tree_nodes: int = param(16, "draft size per verify step (node budget)")
     max_depth: int = param(8, "deepest draft node (at most the trained block)")
-    expand_width: int = param(16, "tree nodes ranked per growth round (no forward: the block's "
-                                  "rows are already scored)")
-    max_forwards: int = param(16, "most growth rounds per step after the first (each only "
-                                  "ranks block rows already scored)")
+    expand_width: int = param(16, "with penalties (each node ranked on its own path): tree "
+                                  "nodes ranked per growth round")
+    max_forwards: int = param(16, "with penalties: most growth rounds per step after the "
+                                  "first (each only ranks block rows already scored)")
     min_path_prob: float = param(0.05, "stop growing (a chain: stop) below this path "
                                        "probability of the draft")
     drafter: str = param("heads", "what drafts the block: heads (the learned network on the "
@@ -124,7 +125,7 @@ class DeerProposer(HeadProposer):
 
     def propose(self, context, budget):
         if self.config.shape == "tree":
-            return grow_tree(self.session, context, budget, self.config)
+            return grow_block_tree(self.session, context, budget, self.config)
         return self._chain(context, budget)
 
     def _chain(self, context, budget) -> Draft:
