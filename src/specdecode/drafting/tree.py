@@ -11,9 +11,10 @@ when the best candidate's value falls below ``min_path_prob`` (draft confidence 
 acceptance: an uncertain step sends a small tree or none).
 
 Siblings are drawn *without replacement* (RSD, Jeon et al., 2024): greedy decoding takes them
-in order of draft probability; sampled decoding draws them by Gumbel-top-k from the draft
-distribution processed like the target's, and ``Draft.probs[i]`` is the distribution node i was
-actually drawn from (the draft distribution with its earlier siblings removed, renormalised), so
+in order of draft probability; sampled decoding draws each, when it joins, from the draft
+distribution processed like the target's less the siblings drawn before it (the order
+Gumbel-top-k would give, drawn only as far as the tree takes it), and ``Draft.probs[i]`` is the
+distribution node i was actually drawn from (the draft distribution with its earlier siblings removed, renormalised), so
 the verifier's recursive rejection sampling keeps the target's distribution exactly. For that,
 whether a sampled sibling joins the tree must not depend on the token it turns out to be: a
 sibling candidate is valued before it is drawn, by its parent's value times the expected draft
@@ -33,6 +34,7 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
+from specdecode.sampling import sample
 
 
 def check_tree(config) -> None:
@@ -47,24 +49,35 @@ def check_tree(config) -> None:
 
 
 class _Children:
-    """The ranked candidate children of a node the draft model has read: greedy, their draft
-    probabilities in rank order (``values``); sampled, the node's draft distribution ``q``."""
+    """The ranked candidate children of a node the draft model has read: greedy, their tokens
+    in rank order with their draft probabilities (``values``); sampled, the node's draft
+    distribution, its siblings drawn from it one at a time as they join (sampling without
+    replacement, RSD: each from what the earlier ones left)."""
 
-    def __init__(self, order: list[int], q: torch.Tensor | None, values: list[float] | None):
-        self.order = order  # tokens, in the order siblings are drawn
-        self.q = q  # [V] the distribution the siblings are drawn from (sampled only)
+    def __init__(self, order: list[int], values: list[float]):
+        self.order = order  # greedy: tokens, in the order siblings are taken
         self.values = values
-        self.sampled = q is not None
+        self.sampled = False
+        self.available = len(order)
         self.taken = 0
-        self.drawn: list[int] = []
-        if self.sampled:
-            # the undrawn tokens' mass and sum of squares, less each drawn sibling's share
-            # (one [V] pass here instead of one a sibling)
-            self._mass, self._squares = float(q.sum()), float((q * q).sum())
+
+    @classmethod
+    def drawn_from(cls, small: torch.Tensor, ids: torch.Tensor | None, q: torch.Tensor,
+                   generator: torch.Generator, limit: int) -> _Children:
+        """Siblings (at most ``limit``) drawn from ``small`` [V'], the draft distribution on
+        the tokens ``ids`` (None: every token), which is ``q`` [V] on the vocabulary."""
+        children = cls([], [])
+        children.sampled = True
+        children.small, children.ids, children.q, children.generator = small, ids, q, generator
+        children.available = min(limit, int((small > 0).sum()))
+        children.drawn: list[int] = []  # indices into small
+        # the undrawn tokens' mass and sum of squares, less each drawn sibling's share
+        children._mass, children._squares = float(small.sum()), float((small * small).sum())
+        return children
 
     def next_weight(self) -> float:
         """How likely the next sibling is to be the target's token, known before it is drawn."""
-        if self.taken >= len(self.order):
+        if self.taken >= self.available:
             return 0.0
         if not self.sampled:
             return self.values[self.taken]
@@ -73,24 +86,26 @@ class _Children:
     def take(self) -> tuple[int, torch.Tensor | None, float]:
         """The next sibling, the distribution it was drawn from (None when greedy) and its
         draft probability."""
-        token = self.order[self.taken]
-        drawn_from = None
-        if self.sampled:
-            prob = float(self.q[token])
-            drawn_from = self.q.clone()
-            drawn_from[self.drawn] = 0.0
-            drawn_from /= drawn_from.sum()
-            self._mass -= prob
-            self._squares -= prob * prob
-        else:
-            prob = self.values[self.taken]
         self.taken += 1
-        self.drawn.append(token)
+        if not self.sampled:
+            return self.order[self.taken - 1], None, self.values[self.taken - 1]
+        rest = self.small.clone()
+        rest[self.drawn] = 0.0
+        index = sample(rest, self.generator)
+        token = index if self.ids is None else int(self.ids[index])
+        prob = float(self.small[index])
+        drawn_from = self.q.clone()
+        if self.drawn:
+            drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
+        drawn_from /= drawn_from.sum()
+        self.drawn.append(index)
+        self._mass -= prob
+        self._squares -= prob * prob
         return token, drawn_from, prob
 
     def again(self) -> _Children:
-        """The same ranking, none of it taken (a greedy ranking shared by several nodes)."""
-        return _Children(self.order, self.q, self.values)
+        """The same greedy ranking, none of it taken (one ranking shared by several nodes)."""
+        return _Children(self.order, self.values)
 
 
 def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence[int],
@@ -110,24 +125,14 @@ def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[i
     shortlisted = None if session.sampling.greedy else session.shortlist_probs(logits)
     if shortlisted is not None:
         small, q = shortlisted
-        order = session.lm.head_ids[_gumbel_order(small, session.generator, limit)]
-        return _Children(order.tolist(), q, None)
+        return _Children.drawn_from(small, session.lm.head_ids, q, session.generator, limit)
     node = session.node(logits, path)  # the vocabulary's logits [V]: only where needed
     if session.sampling.greedy:
         q = node.penalised(0).softmax(-1)
         top = q.topk(min(limit, int((q > 0).sum())))
-        return _Children(top.indices.tolist(), None, top.values.tolist())
+        return _Children(top.indices.tolist(), top.values.tolist())
     q = node.probs(0)
-    return _Children(_gumbel_order(q, session.generator, limit).tolist(), q, None)
-
-
-def _gumbel_order(q: torch.Tensor, generator: torch.Generator, limit: int) -> torch.Tensor:
-    """At most ``limit`` indices of q drawn without replacement from it, in draw order
-    (Gumbel-top-k: sorting log q + Gumbel noise)."""
-    noise = -torch.log(-torch.log(torch.rand(q.shape, generator=generator,
-                                             dtype=torch.float64).clamp_min(1e-300)))
-    keys = torch.where(q > 0, q.double().log() + noise, float("-inf"))
-    return keys.topk(min(limit, int((q > 0).sum()))).indices
+    return _Children.drawn_from(q, None, q, session.generator, limit)
 
 
 def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
@@ -143,7 +148,7 @@ def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
     children = []
     for order, value in zip(orders, values):
         kept = sum(1 for v in value if v > 0)  # never a token of probability 0
-        children.append(_Children(order[:kept], None, value[:kept]))
+        children.append(_Children(order[:kept], value[:kept]))
     return children
 
 
@@ -211,8 +216,7 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
             if depth not in depth_probs:
                 depth_probs[depth] = session.shortlist_probs(block[depth])
             small, q = depth_probs[depth]
-            order = head_ids[_gumbel_order(small, session.generator, budget_nodes)]
-            return _Children(order.tolist(), q, None)
+            return _Children.drawn_from(small, head_ids, q, session.generator, budget_nodes)
     tree = _Growth(session, context, max_depth)
     tree.children[-1] = ranking(0)
     tree.push(-tree.children[-1].next_weight(), -1, True)
