@@ -130,6 +130,28 @@ def test_step_seconds_besides_the_forward_are_learnt_per_row():
     assert steady._overhead() == pytest.approx((0.3, 0.0))
 
 
+def test_a_stalled_step_does_not_price_every_row():
+    """On a shared machine a step can take twice a forward for nothing it did: one such step
+    among steps of a few rows, or the only step with draft rows, leaves the line where the
+    other steps put it (it once priced a row at 12 ms, and auto stopped drafting)."""
+    auto, _, _ = scripted_auto()
+    clock = 0.0
+    for step in range(64):
+        rows = step % 5
+        stall = 5.0 if step == 40 else 0.0
+        auto._step = (clock, rows, 0.0)
+        clock += COSTS(1.0 + rows) + 0.2 + 0.05 * rows + stall
+        auto._learn_overhead(clock)
+    # (rows 3 and 4 share a group: its median sits a little off the line)
+    assert auto._overhead() == pytest.approx((0.2, 0.05), abs=0.01)
+    lone, _, _ = scripted_auto()
+    for step in range(20):
+        rows = 3 if step == 10 else 0
+        lone._step = (float(step), rows, 0.0)
+        lone._learn_overhead(step + COSTS(1.0 + rows) + 0.2 + (5.0 if rows else 0.0))
+    assert lone._overhead() == pytest.approx((0.2, 0.0))
+
+
 def test_merged_tree_is_a_valid_draft_holding_both():
     chain = Draft.chain([1, 2, 3])
     tree = Draft((1, 5, 7, 8), (-1, 0, -1, 2))  # 1 -> 5, 7 -> 8

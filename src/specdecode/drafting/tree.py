@@ -89,15 +89,15 @@ class _Children:
         self.taken += 1
         if not self.sampled:
             return self.order[self.taken - 1], None, self.values[self.taken - 1]
-        rest = self.small.clone()
-        rest[self.drawn] = 0.0
+        rest, drawn_from = self.small, self.q
+        if self.drawn:  # the earlier siblings' tokens out
+            rest, drawn_from = rest.clone(), drawn_from.clone()
+            rest[self.drawn] = 0.0
+            drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
         index = sample(rest, self.generator)
         token = index if self.ids is None else int(self.ids[index])
         prob = float(self.small[index])
-        drawn_from = self.q.clone()
-        if self.drawn:
-            drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
-        drawn_from /= drawn_from.sum()
+        drawn_from = drawn_from / drawn_from.sum()
         self.drawn.append(index)
         self._mass -= prob
         self._squares -= prob * prob

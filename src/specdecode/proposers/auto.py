@@ -15,7 +15,8 @@ What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost cu
 of the step besides the forward and the drafting (learnt from the time between two ``propose``
 calls, as a fixed part and a part per draft row: the verify pass's LM head rows, the
 verification and the parts' bookkeeping grow with the rows, which the forward's curve does not
-see), and the drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
+see; a line through the median seconds of the recent steps by row count, so that a step the
+machine stalled does not price every row after it), and the drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
 expected accepted tokens, from the arm's recent acceptance per depth
 (:class:`specdecode.estimates.Acceptance`, the server's estimator: the chance that depth k
 is accepted, given a draft that deep).
@@ -44,8 +45,9 @@ acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,8 +63,14 @@ from specdecode.estimates import DECAY, Acceptance, RowCosts
 
 #: rows at which the row-cost curve is measured: drafts here stay below 64 nodes
 COST_ROWS = (1, 2, 4, 8, 16, 32, 64)
-#: weight of the newest observation of a step's overhead and of a part's drafting seconds
+#: weight of the newest observation of a part's drafting seconds
 RECENT = 0.1
+#: steps whose seconds besides the forward and the drafting the overhead line is fitted to
+OVERHEAD_STEPS = 64
+#: draft rows grouped for that fit (each group's median seconds is one point of the line): a
+#: group counts from MIN_GROUP steps on, so one step the machine stalled moves nothing
+ROW_GROUPS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 30))
+MIN_GROUP = 3
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob")
 
@@ -178,9 +186,10 @@ class AutoProposer(Proposer):
         self.merged_record = _Record()
         self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
-        # weighted sums (weight, rows, seconds, rows^2, rows x seconds) of the recent steps'
-        # seconds besides their forward and drafting: a line a + b rows fitted to them
-        self._overhead_sums = [0.0] * 5
+        # the recent steps' (draft rows, seconds besides their forward and drafting), and the
+        # line (fixed seconds, seconds a row) fitted to them
+        self._recent_steps: deque[tuple[int, float]] = deque(maxlen=OVERHEAD_STEPS)
+        self._overhead_line = (0.0, 0.0)
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
         self.choices: Counter[str] = Counter()
         self._walks: list[_Walk] = []
@@ -301,28 +310,28 @@ class AutoProposer(Proposer):
     # ---- learning -----------------------------------------------------------------------
 
     def _learn_overhead(self, now: float) -> None:
-        """The last step's seconds besides its forward's rows and its drafting, into the
-        recent steps' sums (the newest weighing ``RECENT``)."""
-        if self._step is not None:
-            started, nodes, drafting_s = self._step
-            rest = max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)
-            point = (1.0, nodes, rest, nodes * nodes, nodes * rest)
-            self._overhead_sums = [(1 - RECENT) * total + value
-                                   for total, value in zip(self._overhead_sums, point)]
+        """The last step's seconds besides its forward's rows and its drafting, into the recent
+        steps, and the line refitted."""
+        if self._step is None:
+            return
+        started, nodes, drafting_s = self._step
+        self._recent_steps.append(
+            (nodes, max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
+        points = []  # (mean rows, median seconds, steps) of each group with enough steps
+        for low, high in ROW_GROUPS:
+            group = [(n, rest) for n, rest in self._recent_steps if low <= n <= high]
+            if len(group) >= MIN_GROUP:
+                points.append((statistics.fmean(n for n, _ in group),
+                               statistics.median(rest for _, rest in group), len(group)))
+        self._overhead_line = _line(points)
 
     def _overhead(self) -> tuple[float, float]:
-        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting:
-        the least-squares line through the recent steps, or their mean while their row counts
-        hardly vary."""
-        w, x, y, xx, xy = self._overhead_sums
-        if w == 0:
-            return 0.0, 0.0
-        mean_x, mean_y = x / w, y / w
-        spread = xx / w - mean_x * mean_x
-        if spread < 1e-6:
-            return mean_y, 0.0
-        per_row = max(0.0, (xy / w - mean_x * mean_y) / spread)
-        return max(0.0, mean_y - per_row * mean_x), per_row
+        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting: a
+        least-squares line through the median seconds of each group of row counts over the
+        last ``OVERHEAD_STEPS`` steps (medians, so that a step the machine stalled, which on a
+        shared machine can take twice a forward, does not set the price of every row; the
+        mean alone while one group has enough steps; nothing before)."""
+        return self._overhead_line
 
     def observe(self, feedback: Feedback) -> None:
         for part in self.parts:
@@ -334,3 +343,18 @@ class AutoProposer(Proposer):
             _Walk(record, feedback.draft, controller).close(len(feedback.accepted))
             self._sent = None
         self._walks = [w for w in self._walks if not w.advance(feedback.tokens)]
+
+
+def _line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
+    """(intercept, slope), both at least 0, of the least-squares line through ``points`` (x,
+    y, weight); (the weighted mean of y, 0) for one x; (0, 0) for none."""
+    weight = sum(w for _, _, w in points)
+    if not weight:
+        return 0.0, 0.0
+    mean_x = sum(x * w for x, _, w in points) / weight
+    mean_y = sum(y * w for _, y, w in points) / weight
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if spread < 1e-9:
+        return mean_y, 0.0
+    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread)
+    return max(0.0, mean_y - slope * mean_x), slope
