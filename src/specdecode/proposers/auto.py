@@ -16,10 +16,10 @@ of the step besides the forward and the drafting (learnt from the time between t
 calls, as a fixed part and a part per draft row: the verify pass's LM head rows, the
 verification and the parts' bookkeeping grow with the rows, which the forward's curve does not
 see; a line through the median seconds of the recent steps by row count, so that a step the
-machine stalled does not price every row after it), and the drafting seconds of each part that drafted (learnt per part). What a step gains: 1 + the
-expected accepted tokens, from the arm's recent acceptance per depth
-(:class:`specdecode.estimates.Acceptance`, the server's estimator: the chance that depth k
-is accepted, given a draft that deep).
+machine stalled does not price every row after it), and the drafting seconds of each part
+that drafted (learnt per part). What a step gains: 1 + the expected accepted tokens, from the
+arm's recent acceptance per depth (:class:`specdecode.estimates.Acceptance`, the server's
+estimator: the chance that depth k is accepted, given a draft that deep).
 
 Each step, in order of their recent drafting seconds (cheapest first), a part drafts only if
 its expected tokens per second (its acceptance so far, its drafting seconds included) beat the
@@ -329,8 +329,8 @@ class AutoProposer(Proposer):
         """(fixed seconds, seconds a draft row) of a step besides its forward and drafting: a
         least-squares line through the median seconds of each group of row counts over the
         last ``OVERHEAD_STEPS`` steps (medians, so that a step the machine stalled, which on a
-        shared machine can take twice a forward, does not set the price of every row; the
-        mean alone while one group has enough steps; nothing before)."""
+        shared machine can take twice a forward, does not set the price of every row; that
+        group's median alone while one group has enough steps; nothing before)."""
         return self._overhead_line
 
     def observe(self, feedback: Feedback) -> None:
