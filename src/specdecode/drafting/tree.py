@@ -13,11 +13,11 @@ acceptance: an uncertain step sends a small tree or none).
 Siblings are drawn *without replacement* (RSD, Jeon et al., 2024): greedy decoding takes them
 in order of draft probability; sampled decoding draws each, when it joins, from the draft
 distribution processed like the target's less the siblings drawn before it (the order
-Gumbel-top-k would give, drawn only as far as the tree takes it), and ``Draft.probs[i]`` is the
-distribution node i was actually drawn from (the draft distribution with its earlier siblings removed, renormalised), so
-the verifier's recursive rejection sampling keeps the target's distribution exactly. For that,
-whether a sampled sibling joins the tree must not depend on the token it turns out to be: a
-sibling candidate is valued before it is drawn, by its parent's value times the expected draft
+Gumbel-top-k would give, drawn only as far as the tree takes it), and ``Draft.probs[i]`` is
+the distribution node i was actually drawn from (the draft distribution with its earlier
+siblings removed, renormalised), so the verifier's recursive rejection sampling keeps the
+target's distribution exactly. For that, whether a sampled sibling joins the tree must not
+depend on the token it turns out to be: a sibling candidate is valued before it is drawn, by its parent's value times the expected draft
 probability of the next draw (sum of q(x)^2 over the undrawn tokens, over their mass). Greedy
 values use the actual draft probabilities (nothing random to bias).
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,64 +48,67 @@ def check_tree(config) -> None:
             f"min_path_prob must be in [0, 1), got {config.min_path_prob}")
 
 
-class _Children:
-    """The ranked candidate children of a node the draft model has read: greedy, their tokens
-    in rank order with their draft probabilities (``values``); sampled, the node's draft
-    distribution, its siblings drawn from it one at a time as they join (sampling without
-    replacement, RSD: each from what the earlier ones left)."""
+class _Ranked:
+    """Greedy candidate children of a node the drafter has read: tokens in rank order with their
+    draft probabilities, taken in that order."""
 
     def __init__(self, order: list[int], values: list[float]):
-        self.order = order  # greedy: tokens, in the order siblings are taken
+        self.order = order
         self.values = values
-        self.sampled = False
-        self.available = len(order)
         self.taken = 0
 
-    @classmethod
-    def drawn_from(cls, small: torch.Tensor, ids: torch.Tensor | None, q: torch.Tensor,
-                   generator: torch.Generator, limit: int) -> _Children:
-        """Siblings (at most ``limit``) drawn from ``small`` [V'], the draft distribution on
-        the tokens ``ids`` (None: every token), which is ``q`` [V] on the vocabulary."""
-        children = cls([], [])
-        children.sampled = True
-        children.small, children.ids, children.q, children.generator = small, ids, q, generator
-        children.available = min(limit, int((small > 0).sum()))
-        children.drawn: list[int] = []  # indices into small
+    def next_weight(self) -> float:
+        """The next sibling's draft probability (0 when none is left)."""
+        return self.values[self.taken] if self.taken < len(self.order) else 0.0
+
+    def take(self) -> tuple[int, None, float]:
+        """The next sibling, None (no distribution is recorded greedy) and its probability."""
+        self.taken += 1
+        return self.order[self.taken - 1], None, self.values[self.taken - 1]
+
+    def again(self) -> _Ranked:
+        """The same ranking, none of it taken (one ranking shared by several nodes)."""
+        return _Ranked(self.order, self.values)
+
+
+class _Drawn:
+    """Sampled candidate children of a node the drafter has read: each drawn as it joins from
+    the node's draft distribution less the siblings drawn before it (sampling without
+    replacement, RSD)."""
+
+    def __init__(self, small: torch.Tensor, ids: torch.Tensor | None, q: torch.Tensor,
+                 generator: torch.Generator, limit: int):
+        """At most ``limit`` siblings from ``small`` [V'], the draft distribution on the tokens
+        ``ids`` (None: every token), which is ``q`` [V] on the vocabulary."""
+        self.small, self.ids, self.q, self.generator = small, ids, q, generator
+        self.available = min(limit, int((small > 0).sum()))
+        self.drawn: list[int] = []  # indices into small
         # the undrawn tokens' mass and sum of squares, less each drawn sibling's share
-        children._mass, children._squares = float(small.sum()), float((small * small).sum())
-        return children
+        self._mass, self._squares = float(small.sum()), float((small * small).sum())
 
     def next_weight(self) -> float:
         """How likely the next sibling is to be the target's token, known before it is drawn."""
-        if self.taken >= self.available:
+        if len(self.drawn) >= self.available or self._mass <= 1e-12:
             return 0.0
-        if not self.sampled:
-            return self.values[self.taken]
-        return max(self._squares, 0.0) / self._mass if self._mass > 1e-12 else 0.0
+        return max(self._squares, 0.0) / self._mass
 
-    def take(self) -> tuple[int, torch.Tensor | None, float]:
-        """The next sibling, the distribution it was drawn from (None when greedy) and its
-        draft probability."""
-        self.taken += 1
-        if not self.sampled:
-            return self.order[self.taken - 1], None, self.values[self.taken - 1]
+    def take(self) -> tuple[int, torch.Tensor, float]:
+        """The next sibling, the distribution it was drawn from and its draft probability."""
         rest, drawn_from = self.small, self.q
         if self.drawn:  # the earlier siblings' tokens out
             rest, drawn_from = rest.clone(), drawn_from.clone()
             rest[self.drawn] = 0.0
             drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
         index = sample(rest, self.generator)
-        token = index if self.ids is None else int(self.ids[index])
         prob = float(self.small[index])
-        drawn_from = drawn_from / drawn_from.sum()
         self.drawn.append(index)
         self._mass -= prob
         self._squares -= prob * prob
-        return token, drawn_from, prob
+        token = index if self.ids is None else int(self.ids[index])
+        return token, drawn_from / drawn_from.sum(), prob
 
-    def again(self) -> _Children:
-        """The same greedy ranking, none of it taken (one ranking shared by several nodes)."""
-        return _Children(self.order, self.values)
+
+_Children = _Ranked | _Drawn
 
 
 def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence[int],
@@ -125,18 +128,18 @@ def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[i
     shortlisted = None if session.sampling.greedy else session.shortlist_probs(logits)
     if shortlisted is not None:
         small, q = shortlisted
-        return _Children.drawn_from(small, session.lm.head_ids, q, session.generator, limit)
+        return _Drawn(small, session.lm.head_ids, q, session.generator, limit)
     node = session.node(logits, path)  # the vocabulary's logits [V]: only where needed
     if session.sampling.greedy:
         q = node.penalised(0).softmax(-1)
         top = q.topk(min(limit, int((q > 0).sum())))
-        return _Children(top.indices.tolist(), top.values.tolist())
+        return _Ranked(top.indices.tolist(), top.values.tolist())
     q = node.probs(0)
-    return _Children.drawn_from(q, None, q, session.generator, limit)
+    return _Drawn(q, None, q, session.generator, limit)
 
 
 def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
-                        limit: int) -> list[_Children]:
+                        limit: int) -> list[_Ranked]:
     """Greedy children without penalties, every node of a drafter call at once (no
     distributions built per node): ranked within the shortlist, the same ranking and (up to
     rounding) the same probabilities as over the whole vocabulary, whose other tokens have
@@ -148,15 +151,19 @@ def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
     children = []
     for order, value in zip(orders, values):
         kept = sum(1 for v in value if v > 0)  # never a token of probability 0
-        children.append(_Children(order[:kept], value[:kept]))
+        children.append(_Ranked(order[:kept], value[:kept]))
     return children
 
 
-def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, settings) -> Draft:
+def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, settings,
+              ranking: Callable[[int], _Children] | None = None) -> Draft:
     """A draft tree after ``context`` from ``session``'s drafter, best-first under the node
     and depth budget; ``settings``: a config with ``tree_nodes``, ``max_depth``,
     ``expand_width``, ``max_forwards`` and ``min_path_prob`` (see :func:`check_tree`). The
-    session records each node's tree row, for :meth:`DraftSession.keep_accepted`."""
+    session records each node's tree row, for :meth:`DraftSession.keep_accepted`.
+    ``ranking(depth)``: the candidate children of any node at ``depth`` (0: the root's), for a
+    drafter that scores every depth in the forward of ``catch_up`` (:func:`grow_block_tree`):
+    a node is then ranked as it is reached, with no drafter call."""
     budget_nodes = min(settings.tree_nodes, budget.max_nodes)
     max_depth = min(settings.max_depth, budget.max_depth)
     if budget_nodes <= 0 or max_depth <= 0:
@@ -164,18 +171,21 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         return Draft.empty()
     logits, _ = session.lm.catch_up(context)
     tree = _Growth(session, context, max_depth)
-    tree.children[-1] = rank_children(session, logits[None], context, [[]], budget_nodes)[0]
+    tree.rank(-1, ranking(0) if ranking is not None else
+              rank_children(session, logits[None], context, [[]], budget_nodes)[0])
     # entries: (-value, tie, node, read): read = node's children are ranked (take the next
     # one); unread = the node must be fed to the drafter first (value: an upper bound)
-    tree.push(-tree.children[-1].next_weight(), -1, True)
     forwards = 0
     while tree.heap and len(tree.tokens) < budget_nodes:
         value, _, node, read = tree.heap[0]
         if -value <= 0 or -value < settings.min_path_prob:
             break
-        if read:
+        if read or ranking is not None:
             heapq.heappop(tree.heap)
-            tree.place_child(node)
+            if read:
+                tree.place_child(node)
+            else:
+                tree.rank(node, ranking(len(tree.paths[node])))
             continue
         if forwards == settings.max_forwards:
             break
@@ -194,43 +204,26 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
     every node of a depth has the same ranked children; sampled: the same distribution, and
     each node its own draws from it) and no drafter call after the first. With penalties
     (each node's distribution reads its own path), or sampled over a drafter's whole
-    vocabulary, :func:`grow_tree` does the work."""
+    vocabulary, the drafter is asked node by node."""
     head_ids = getattr(session.lm, "head_ids", None)
     sampled = not session.sampling.greedy
     if session.sampling.has_penalties or (sampled and head_ids is None):
         return grow_tree(session, context, budget, settings)
-    budget_nodes = min(settings.tree_nodes, budget.max_nodes)
-    max_depth = min(settings.max_depth, budget.max_depth)
-    session.nodes = ([], [], [])
-    if budget_nodes <= 0 or max_depth <= 0:
-        return Draft.empty()
-    session.lm.catch_up(context)
-    block = session.lm.block_logits()[:max_depth]
-    if not sampled:
-        greedy = _shortlist_children(block, head_ids, budget_nodes)
-        ranking = lambda depth: greedy[depth].again()  # noqa: E731
-    else:
-        depth_probs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    limit = min(settings.tree_nodes, budget.max_nodes)
+    depths: dict[int, object] = {}  # each depth's ranking (greedy) or distributions (sampled)
 
-        def ranking(depth: int) -> _Children:
-            if depth not in depth_probs:
-                depth_probs[depth] = session.shortlist_probs(block[depth])
-            small, q = depth_probs[depth]
-            return _Children.drawn_from(small, head_ids, q, session.generator, budget_nodes)
-    tree = _Growth(session, context, max_depth)
-    tree.children[-1] = ranking(0)
-    tree.push(-tree.children[-1].next_weight(), -1, True)
-    while tree.heap and len(tree.tokens) < budget_nodes:
-        value, _, node, read = heapq.heappop(tree.heap)
-        if -value <= 0 or -value < settings.min_path_prob:
-            break
-        if read:
-            tree.place_child(node)
-        else:  # scored already: rank its children, then it competes by its first child
-            tree.children[node] = ranking(len(tree.paths[node]))
-            tree.push(-tree.values[node] * tree.children[node].next_weight(), node, True)
-    probs = torch.stack(tree.probs) if tree.probs else None
-    return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
+    def ranking(depth: int) -> _Children:
+        block = session.lm.block_logits()  # scored by grow_tree's catch_up
+        if sampled:
+            if depth not in depths:
+                depths[depth] = session.shortlist_probs(block[depth])
+            small, q = depths[depth]
+            return _Drawn(small, head_ids, q, session.generator, limit)
+        if not depths:
+            depths.update(enumerate(_shortlist_children(block[:settings.max_depth], head_ids,
+                                                        limit)))
+        return depths[depth].again()
+    return grow_tree(session, context, budget, settings, ranking)
 
 
 class _Growth:
@@ -252,6 +245,11 @@ class _Growth:
 
     def push(self, neg_value: float, node: int, read: bool) -> None:
         heapq.heappush(self.heap, (neg_value, next(self._tie), node, read))
+
+    def rank(self, node: int, children: _Children) -> None:
+        """``node``'s (-1: the root's) ranked children, its entry now valued by the next one."""
+        self.children[node] = children
+        self.push(-(1.0 if node < 0 else self.values[node]) * children.next_weight(), node, True)
 
     def place_child(self, node: int) -> None:
         """Place the next ranked child of ``node`` (-1: the root)."""
@@ -285,5 +283,4 @@ class _Growth:
                                room)
         for j, n in enumerate(feed):
             self.rows[n] = first_row + j
-            self.children[n] = ranked[j]
-            self.push(-self.values[n] * ranked[j].next_weight(), n, True)
+            self.rank(n, ranked[j])
