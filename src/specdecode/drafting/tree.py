@@ -17,9 +17,10 @@ Gumbel-top-k would give, drawn only as far as the tree takes it), and ``Draft.pr
 the distribution node i was actually drawn from (the draft distribution with its earlier
 siblings removed, renormalised), so the verifier's recursive rejection sampling keeps the
 target's distribution exactly. For that, whether a sampled sibling joins the tree must not
-depend on the token it turns out to be: a sibling candidate is valued before it is drawn, by its parent's value times the expected draft
-probability of the next draw (sum of q(x)^2 over the undrawn tokens, over their mass). Greedy
-values use the actual draft probabilities (nothing random to bias).
+depend on the token it turns out to be: a sibling candidate is valued before it is drawn, by
+its parent's value times the expected draft probability of the next draw (sum of q(x)^2 over
+the undrawn tokens, over their mass). Greedy values use the actual draft probabilities
+(nothing random to bias).
 """
 
 from __future__ import annotations
