@@ -112,7 +112,7 @@ def test_step_seconds_besides_the_forward_are_learnt_per_row():
     """What a step costs besides its forward and its drafting (verification, the LM head's
     rows, the parts' bookkeeping) is learnt as a fixed part and a part per draft row, so a
     draft of many rows costs what it does: steps of 0..4 rows at 0.2 s + 0.05 s a row (beside
-    the curve's forward) give that line back; rows that never vary give their mean."""
+    the curve's forward) give that line back; rows that never vary give their median."""
     auto, _, _ = scripted_auto()
     clock = 0.0
     for step in range(200):

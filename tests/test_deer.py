@@ -183,13 +183,14 @@ def test_block_tree_is_the_tree_grown_by_drafter_calls(tiny, shortlist):
     settings = get("deer").make_config({"heads": tiny_heads("deer", tiny, ids), "tree_nodes": 16,
                                         "min_path_prob": 0.01, "max_forwards": 64})
     proposers = [get("deer").proposer(settings, runner) for _ in range(2)]
+    reads = [proposer.lm.catch_up for proposer in proposers]
     gen = torch.Generator().manual_seed(4)
     for prompt in repetitive_prompts():
         # greedy: both proposers see the same history, then score the same peaked block
         outputs = [Generation(runner, p, prompt, 6, SamplingParams()).run() for p in proposers]
         block = torch.randn(BLOCK, len(ids or range(tiny.config.vocab_size)), generator=gen) * 4
-        for proposer in proposers:
-            proposer.lm.catch_up = peaked(proposer.lm, block)
+        for proposer, read in zip(proposers, reads):
+            proposer.lm.catch_up = peaked(proposer.lm, read, block)
         context = list(prompt) + list(outputs[0])
         made = proposers[0].propose(context, Budget(64, 64))
         generic = grow_tree(proposers[1].session, context, Budget(64, 64), settings)
@@ -197,9 +198,9 @@ def test_block_tree_is_the_tree_grown_by_drafter_calls(tiny, shortlist):
         assert (made.tokens, made.parents) == (generic.tokens, generic.parents)
 
 
-def peaked(lm, block: torch.Tensor):
-    """``lm.catch_up`` reading the context as before, then scoring ``block`` as its block."""
-    read = lm.catch_up
+def peaked(lm, read, block: torch.Tensor):
+    """``lm.catch_up``: ``read`` (its own catch_up) reads the context, then ``block`` is
+    scored as its block."""
 
     def catch_up(context):
         read(context)
