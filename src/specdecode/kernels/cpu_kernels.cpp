@@ -25,6 +25,16 @@
 #define Q4_PREFETCH (12 * Q4_BLOCK)
 // the fewest rows for which the Q4 kernel takes the AMX tiles (measured: scripts/amx_rows.py)
 #define AMX_MIN_ROWS 7
+// how far ahead attention asks for keys (passes of its score loop) and values (slots): the
+// hardware prefetcher alone leaves a decode row's long context waiting on memory (measured:
+// 8-21% of attention at 300-1600 cached positions: scripts/attention_prefetch.py, which
+// builds the kernels with both set to 0 beside these)
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 2
+#endif
+#ifndef ATTN_VALUE_PREFETCH
+#define ATTN_VALUE_PREFETCH 16
+#endif
 
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
@@ -125,14 +135,19 @@ static inline int64_t slot_of(const RowKeys& row, int64_t j) {
 // scores of slots j0 .. j0 + 16 B for every row and head of the block (a row's scores past
 // its `cached` positions are overwritten by gathered_scores)
 template <int NH, int R, int B, typename KV>
-static void score_blocks(const RowKeys* rows, const KV* kt, int64_t d, int64_t j0,
+static void score_blocks(const RowKeys* rows, const KV* kt, int64_t d, int64_t j0, int64_t end,
                          float* scores, int64_t stride) {
   __m512 acc[B][R][NH];
   for (int b = 0; b < B; b++)
     for (int r = 0; r < R; r++)
       for (int h = 0; h < NH; h++) acc[b][r][h] = _mm512_setzero_ps();
   const KV* blk = kt + (j0 / 16) * d * 16;
+  // the key blocks ATTN_PREFETCH passes ahead, a few lines an iteration (none past `end`)
+  const char* ahead = (const char*)(blk + ATTN_PREFETCH * B * d * 16);
+  const int64_t lines = j0 + ATTN_PREFETCH * B * 16 < end ? B * d * 16 * (int64_t)sizeof(KV) / 64 : 0;
   for (int64_t i = 0; i < d; i++) {
+    for (int64_t l = i * lines / d; l < (i + 1) * lines / d; l++)
+      _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
     __m512 k[B];
     for (int b = 0; b < B; b++) k[b] = load16(blk + (b * d + i) * 16);
     for (int r = 0; r < R; r++)
@@ -213,6 +228,9 @@ static void value_blocks(const RowKeys* rows, const KV* vc, int64_t d, int64_t s
     for (int h = 0; h < NH; h++)
       for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_setzero_ps();
   for (int64_t j = 0; j < shared; j++) {
+    if (c0 == 0 && j + ATTN_VALUE_PREFETCH < shared)
+      for (int64_t line = 0; line < d * (int64_t)sizeof(KV); line += 64)
+        _mm_prefetch((const char*)(vc + (j + ATTN_VALUE_PREFETCH) * d) + line, _MM_HINT_T0);
     __m512 v[B];
     for (int b = 0; b < B; b++) v[b] = load16(vc + j * d + c0 + 16 * b);
     for (int r = 0; r < R; r++)
@@ -249,8 +267,8 @@ static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc,
   }
   blocked = (blocked + 15) / 16 * 16;
   int64_t j0 = 0;
-  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2, KV>(rows, kt, d, j0, scores, stride);
-  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1, KV>(rows, kt, d, j0, scores, stride);
+  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2, KV>(rows, kt, d, j0, blocked, scores, stride);
+  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1, KV>(rows, kt, d, j0, blocked, scores, stride);
   float denom[R * NH];
   for (int r = 0; r < R; r++) {
     float* sc = scores + r * NH * stride;
