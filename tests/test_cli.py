@@ -32,3 +32,28 @@ def test_methods_lists_every_registered_method(capsys):
     for name in registry.names():
         assert f"\n{name}" in "\n" + out
     assert "paper:" in out and "max_tree_depth = 64" in out
+
+
+def _subparsers(parser):
+    """(name, parser) of every subcommand of ``parser``, nested ones too."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield name, child
+                yield from ((f"{name} {inner}", grandchild) for inner, grandchild in _subparsers(child))
+
+
+def test_every_command_has_a_help_page():
+    """``--help`` of every command and subcommand renders (a stray % in a help string made
+    argparse raise a TypeError for `train data --help`)."""
+    from specdecode.cli import EXTERNAL_COMMANDS, build_parser
+
+    seen = set()
+    for command in [None, *EXTERNAL_COMMANDS]:
+        for name, parser in _subparsers(build_parser(command)):
+            text = parser.format_help()
+            assert "usage:" in text, name
+            seen.add(name)
+    assert {"generate", "bench", "serve", "train data", "train heads"} <= seen, sorted(seen)

@@ -415,7 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=256, help="most tokens of an answer")
     parser.add_argument("--passage-tokens", type=int, default=256,
                         help=f"most tokens of a passage the target writes and is then asked "
-                             f"about ({PASSAGE_SHARE:.0%} of the conversations; 0: none)")
+                             f"about ({PASSAGE_SHARE * 100:.0f}%% of the conversations; 0: none)")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="wall-clock budget")
     parser.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                         help="native: packed forwards on the CPU kernels; hf: transformers' "
