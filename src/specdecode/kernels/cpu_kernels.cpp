@@ -27,7 +27,7 @@
 #define AMX_MIN_ROWS 7
 // how far ahead attention asks for keys (passes of its score loop) and values (slots): the
 // hardware prefetcher alone leaves a decode row's long context waiting on memory (measured:
-// 8-21% of attention at 300-1600 cached positions: scripts/attention_prefetch.py, which
+// 8-21% of attention at 300-1600 cached positions: scripts/attention_costs.py, which
 // builds the kernels with both set to 0 beside these)
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 2
@@ -741,10 +741,16 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
     for (int64_t r = segs[s].r0; r < segs[s].r1; r += per_block) blocks.emplace_back(s, r);
     stride = std::max(stride, (segs[s].past + segs[s].width + 15) / 16 * 16);
   }
-  at::parallel_for(0, (int64_t)blocks.size() * kv, 1, [&](int64_t i0, int64_t i1) {
+  // the work items dealt round the threads like cards: a chain's later rows see more keys, so
+  // contiguous shares left the first thread idle (a 128-row prompt block after an empty cache
+  // ran 1.35x faster on 2 threads than on 1; scripts/attention_costs.py)
+  const int64_t items = (int64_t)blocks.size() * kv;
+  const int64_t lanes = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, lanes, 1, [&](int64_t l0, int64_t l1) {
     std::vector<float> scores(per_block * std::min<int64_t>(4, group) * stride);
     std::vector<int32_t> window_slots(per_block * std::max<int64_t>(window, 0));
-    for (int64_t i = i0; i < i1; i++) {
+    for (int64_t lane = l0; lane < l1; lane++)  // (one lane a thread)
+    for (int64_t i = lane; i < items; i += lanes) {
       const Segment<KV>& seg = segs[blocks[i / kv].first];
       const int64_t kvh = i % kv, past = seg.past, r0 = blocks[i / kv].second;
       const int64_t r1 = std::min(seg.r1, r0 + per_block);

@@ -1,20 +1,28 @@
-"""What attention's software prefetch gives: the kernels built as shipped against the same
-sources with it off (``-DATTN_PREFETCH=0 -DATTN_VALUE_PREFETCH=0``: each pass asks for the
-lines it is reading, i.e. nothing ahead), alternating call by call (each
-first in turn) in one process so that a
-shared machine's load falls on both alike.
+"""Two things about the attention kernel, measured.
 
-1. ``attention`` alone over 30 layers of a bfloat16 cache (the default model's 9 query and 3
-   key/value heads of 64), a chain of ``rows`` new rows after ``past`` cached positions, with a
-   400 MB buffer written before each timed call so the cache comes from memory, as it does in
-   a forward (whose weights stream through the caches between two layers' attention);
-2. the default model's whole forward (native int4 runner: one runner built on each variant),
-   ``rows`` rows after ``past`` cached positions.
+1. What its software prefetch gives: the kernels built as shipped against the same sources
+   with it off (``-DATTN_PREFETCH=0 -DATTN_VALUE_PREFETCH=0``: each pass asks for the lines it
+   is reading, i.e. nothing ahead), alternating call by call (each first in turn) in one
+   process so that a shared machine's load falls on both alike:
 
-Medians of ``--repeats`` turns; both variants give the same bits (checked).
+   - ``attention`` alone over 30 layers of a bfloat16 cache (the default model's 9 query and
+     3 key/value heads of 64), a chain of ``rows`` new rows after ``past`` cached positions,
+     with a 400 MB buffer written before each timed call so the cache comes from memory, as
+     it does in a forward (whose weights stream through the caches between two layers'
+     attention);
+   - the default model's whole forward (native int4 runner: one runner built on each
+     variant), ``rows`` rows after ``past`` cached positions.
 
-    PYTHONPATH=src python scripts/attention_prefetch.py
-    PYTHONPATH=src python scripts/attention_prefetch.py --threads 1 --repeats 40
+   Both variants give the same bits (checked).
+
+2. How evenly its work items share the threads: one prompt block's attention (a chain of
+   ``rows`` rows after ``past`` positions: later rows see more keys) on 1 thread and on
+   ``--threads``; the ratio is what the threads give (2.0 at best on 2 threads).
+
+Medians of ``--repeats`` turns.
+
+    PYTHONPATH=src python scripts/attention_costs.py
+    PYTHONPATH=src python scripts/attention_costs.py --threads 1 --repeats 40
 """
 
 from __future__ import annotations
@@ -88,6 +96,27 @@ def forward_table(variants: dict, repeats: int) -> None:
             print(f"  past {past:5d} rows {m}: {on:6.2f} / {off:6.2f}  ({on / off:.2f}x)", flush=True)
 
 
+def balance_table(threads: int, repeats: int) -> None:
+    heads, kv_heads, d, capacity = 9, 3, 64, 2048
+    k = torch.randn(kv_heads, capacity // 16, d, 16).to(torch.bfloat16)
+    v = torch.randn(kv_heads, capacity, d).to(torch.bfloat16)
+    print(f"one prompt block's attention: ms on 1 / {threads} threads")
+    for past, m in ((0, 128), (0, 512), (640, 128), (100, 8)):
+        q = torch.randn(m, heads, d)
+        slots = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
+        lens = torch.arange(1, m + 1, dtype=torch.int32)
+        times = {1: [], threads: []}
+        for _ in range(repeats):
+            for n in times:
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                kernels.attention(q, k, v, past, slots, lens)
+                times[n].append(time.perf_counter() - start)
+        one, many = (statistics.median(times[n]) * 1e3 for n in times)
+        print(f"  past {past:5d} rows {m:3d}: {one:6.3f} / {many:6.3f}  ({one / many:.2f}x)", flush=True)
+    torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -97,6 +126,8 @@ def main() -> None:
     variants = {"shipped": kernels.load(),
                 "off": kernels.compile_extension("specdecode_cpu_kernels_no_attn_prefetch",
                                                  kernels._SOURCES, OFF)}
+    if args.threads > 1:
+        balance_table(args.threads, args.repeats)
     kernel_table(variants, args.repeats)
     forward_table(variants, args.repeats)
 
