@@ -325,11 +325,26 @@ def test_thread_count_changes_no_bit(ext, isa, two_threads):
     table = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
     lens = torch.arange(1, ROWS + 1, dtype=torch.int32)
 
+    gate_up = torch.randn(ROWS, 2 * n, generator=gen)
+    qkv = torch.randn(ROWS, (heads + 2 * kv) * d, generator=gen)
+    angles = torch.rand(ROWS, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    slots = torch.randperm(cap, generator=gen)[:ROWS]
+
+    def rope_store():  # the query rows and both caches a thread's share of the rows wrote
+        k_cache = torch.zeros(kv, cap // 16, d, 16, dtype=torch.bfloat16)
+        v_cache = torch.zeros(kv, cap, d, dtype=torch.bfloat16)
+        return [ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots), k_cache, v_cache]
+
     def run_all():
         return [ext.q4_linear(x, q4, None, n, isa), ext.dense_linear(x, dense, None, None, n, isa),
-                ext.attention(q, keys, values, past, table, lens, 0, isa)]
+                ext.attention(q, keys, values, past, table, lens, 0, isa),
+                ext.rms_norm(x, torch.rand(k, generator=gen), 1e-5, isa),
+                ext.swiglu(gate_up, isa), ext.geglu(gate_up, isa), *rope_store()]
 
+    gen.manual_seed(4)
     together = run_all()
+    gen.manual_seed(4)
     torch.set_num_threads(1)
     alone = run_all()
     assert all(torch.equal(a, b) for a, b in zip(together, alone))

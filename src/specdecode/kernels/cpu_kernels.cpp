@@ -29,6 +29,9 @@
 // hardware prefetcher alone leaves a decode row's long context waiting on memory (measured:
 // 8-21% of attention at 300-1600 cached positions: scripts/attention_costs.py, which
 // builds the kernels with both set to 0 beside these)
+// rows a thread's share of the row-wise kernels (norms, gating, rotary embedding) holds at
+// least: fewer rows run on the calling thread, as a decode step's do
+#define ROW_GRAIN 16
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 2
 #endif
@@ -607,8 +610,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   const int64_t h = weight.numel();
   check_rows(x, h, "rms_norm input");
   auto y = at::empty_like(x);
-  DISPATCH(isa, rms_norm_rows, x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(),
-           x.size(0), h, (float)eps);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, x.size(0), ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    DISPATCH(isa, rms_norm_rows, xp + r0 * h, wp, yp + r0 * h, r1 - r0, h, (float)eps);
+  });
   return y;
 }
 
@@ -619,10 +625,14 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t isa, bool gelu) {
   check_rows(gate_up, gate_up.size(1), name);
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto y = at::empty({rows, inter}, gate_up.options());
-  if (gelu)
-    DISPATCH(isa, geglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
-  else
-    DISPATCH(isa, swiglu_rows, gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
+    if (gelu)
+      DISPATCH(isa, geglu_rows, gp + r0 * 2 * inter, yp + r0 * inter, r1 - r0, inter);
+    else
+      DISPATCH(isa, swiglu_rows, gp + r0 * 2 * inter, yp + r0 * inter, r1 - r0, inter);
+  });
   return y;
 }
 
@@ -718,10 +728,16 @@ template <typename KV>
 static void rope_store_segments(const float* src, const float* cos, const float* sin, int64_t d,
                                 int64_t heads, int64_t kv_heads, int64_t cap, float* qp,
                                 const std::vector<Segment<KV>>& segs) {
-  const int64_t width = (heads + 2 * kv_heads) * d;
-  for (const Segment<KV>& s : segs)
-    rope_store_rows(src + s.r0 * width, cos + s.r0 * d, sin + s.r0 * d, s.r1 - s.r0, d, heads,
-                    kv_heads, cap, s.slot, qp + s.r0 * heads * d, s.k, s.v);
+  const int64_t width = (heads + 2 * kv_heads) * d, rows = segs.empty() ? 0 : segs.back().r1;
+  // the rows on the threads (each row writes its own slot); a share cuts segments where it ends
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t a, int64_t b) {
+    for (const Segment<KV>& s : segs) {
+      const int64_t r0 = std::max(a, s.r0), r1 = std::min(b, s.r1);
+      if (r0 < r1)
+        rope_store_rows(src + r0 * width, cos + r0 * d, sin + r0 * d, r1 - r0, d, heads, kv_heads,
+                        cap, s.slot + (r0 - s.r0), qp + r0 * heads * d, s.k, s.v);
+    }
+  });
 }
 
 // Attention of every segment's rows on its own cache, in one parallel region: one work item is
