@@ -138,6 +138,31 @@ def test_q4_amx_equals_vnni_bitwise(ext, amx, n, k):
                                ext.q4_linear(rows, packed, None, n, vnni)), m
 
 
+# block int8 of groups of 32 (the int4 runner's Q8_0 LM head: float16 scales; --weights int8;
+# Q4_1 and Q5_1 layers read as int8: minimums), the default model's head width (576) and a
+# partial column tile with an odd number of groups
+@pytest.mark.parametrize("minimum,half", [(False, True), (False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("n,k", [(1000, 576), (200, 96)])
+def test_q8_amx_equals_vnni_bitwise(ext, amx, n, k, minimum, half):
+    """Block int8 groups of 32 on the AMX tiles from 7 rows (Q8_AMX_MIN_ROWS): a group's block
+    of codes is a weight tile, its sums VPDPBUSD's exact integers, folded in the same order: the
+    same bits for every row count, with and without a residual, as VNNI and the portable code."""
+    gen = torch.Generator().manual_seed(n + k + 2 * minimum + half)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    low = ((torch.rand(n, k // 32, generator=gen) - 0.5) * 0.01).half().float() if minimum else None
+    packed = kernels.pack_q8_blocks(codes, scale, low, 32, half)
+    x, residual = torch.randn(ROWS, k, generator=gen), torch.randn(ROWS, n, generator=gen)
+    vnni = kernels.ISA_LEVELS.index("avx512")
+    for m in range(1, ROWS + 1):
+        rows, res = x[:m].contiguous(), residual[:m].contiguous()
+        tiles = ext.q8_linear(rows, packed, 32, minimum, half, res, n, amx)
+        assert torch.equal(tiles, ext.q8_linear(rows, packed, 32, minimum, half, res, n, vnni)), m
+        if m in (1, 7, 16, 37):
+            assert torch.equal(ext.q8_linear(rows, packed, 32, minimum, half, None, n, amx),
+                               ext.q8_linear(rows, packed, 32, minimum, half, None, n, GENERIC)), m
+
+
 def test_q4_stack_amx_equals_vnni_bitwise(ext, amx):
     """The int4 layers in one call (LayerStack) with the AMX tiles: VNNI's bits for chains of every
     size, and a chain's first rows alone give the same bits as inside the longer chain."""

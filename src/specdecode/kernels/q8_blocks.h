@@ -24,6 +24,10 @@
 // the Q4 kernel does with Q4_PREFETCH (where the hardware prefetcher alone was measured to leave
 // one row waiting on memory); about the Q4 kernel's distance, not tuned for these blocks
 #define Q8_PREFETCH 4096
+// the fewest rows for which groups of 32 take the AMX tiles (where the CPU has them)
+#ifndef Q8_AMX_MIN_ROWS
+#define Q8_AMX_MIN_ROWS 7
+#endif
 
 namespace q8blocks {
 
@@ -215,6 +219,116 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
 }
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+
+// The same numbers on the AMX tiles (as the Q4 kernel's, amx.h), for groups of 32: a group's
+// block of codes is already a weight tile (8 rows of 64 bytes: 16 columns x 4 inputs a row),
+// so one TDPBSUD of an activation tile (rows x 32 signed bytes) by it gives each row's 16 sums
+// of (code + 128) xq; with the group's bias added they are tiles_vnni's exact integers, folded
+// by tiles_vnni's float operations in its order. No unpacking: the weights are read where they
+// lie, each group asked for Q8_PREFETCH bytes ahead.
+
+#define Q8_TILE_LOAD(tmm, base, stride)                                       \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((int64_t)(stride)) \
+                   : "memory")
+#define Q8_AMX_GROUP(C, A, W, x, w, k_dim, sums) \
+  do {                                           \
+    Q8_TILE_LOAD(A, x, k_dim);                   \
+    Q8_TILE_LOAD(W, w, 64);                      \
+    _tile_zero(C);                               \
+    _tile_dpbsud(C, A, W);                       \
+    _tile_stored(C, sums, 64);                   \
+  } while (0)
+
+// R rows of one column tile, the tiles configured for 16 (k_amx::configure_tiles: a block of
+// fewer rows multiplies 16 rows of activations, the call's padding past its last row, and folds
+// its own; reconfiguring between a tile's blocks cost more than the rows); each group's sums
+// are folded while the next group multiplies
+template <int R, bool MIN, bool HALF>
+static void tiles_amx(const Acts& a, int64_t r0, const uint8_t* tile, __m512 (&out)[R][1]) {
+  constexpr int64_t B = block_bytes(32, MIN, HALF), S = HALF ? 32 : 64;
+  const int64_t groups = a.k / 32;
+  const int8_t* x = a.xq + r0 * a.k;
+  alignas(64) int32_t sums[2][16 * 16];
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  auto fold = [&](const int32_t* group_sums, int64_t g) {
+    const uint8_t* blk = tile + g * B;
+    const __m512 scale = scales16(blk + 16 * 32, HALF);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      const __m512i isum = _mm512_add_epi32(_mm512_load_si512(group_sums + 16 * r),
+                                            _mm512_set1_epi32(a.bias[(r0 + r) * groups + g]));
+      const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[r]);
+    }
+    if (MIN) {
+      const __m512 mn = scales16(blk + 16 * 32 + S, HALF);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * groups + g]), acc[r]);
+    }
+  };
+  auto weights = [&](int64_t g) {
+    const uint8_t* blk = tile + g * B;
+    for (int64_t line = 0; line < B; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_PREFETCH + line), _MM_HINT_T0);
+    return blk;
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    Q8_AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
+    if (g > 0) fold(sums[1], g - 1);
+    Q8_AMX_GROUP(1, 3, 5, x + (g + 1) * 32, weights(g + 1), a.k, sums[1]);
+    fold(sums[0], g);
+  }
+  if (g < groups) {  // an odd group count: the last group alone
+    Q8_AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
+    if (g > 0) fold(sums[1], g - 1);
+    fold(sums[0], g);
+  } else {
+    fold(sums[1], groups - 1);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) out[r][0] = acc[r];
+}
+#undef Q8_AMX_GROUP
+#undef Q8_TILE_LOAD
+
+// columns_vnni's contract on the tiles: column tiles t0..t1 of y for all m rows, in blocks of
+// 16 rows (the last block the rest; a.xq holds whole blocks of 16 rows)
+template <bool MIN, bool HALF>
+static void columns_amx(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
+                        float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = a.k / 32 * block_bytes(32, MIN, HALF), full = m / 16 * 16;
+  k_amx::configure_tiles(16);
+  auto block = [&](int rows, int64_t r0, int64_t t) {
+    const uint8_t* tile = packed + t * tile_bytes;
+#define Q8_AMX_ROWS_CASE(R)                                         \
+  case R: {                                                         \
+    __m512 acc[R][1];                                               \
+    tiles_amx<R, MIN, HALF>(a, r0, tile, acc);                      \
+    k_avx512::store_tiles<R, 1>(acc, R, r0, t, n, residual, y);     \
+    break;                                                          \
+  }
+    switch (rows) {
+      Q8_AMX_ROWS_CASE(1) Q8_AMX_ROWS_CASE(2) Q8_AMX_ROWS_CASE(3) Q8_AMX_ROWS_CASE(4)
+      Q8_AMX_ROWS_CASE(5) Q8_AMX_ROWS_CASE(6) Q8_AMX_ROWS_CASE(7) Q8_AMX_ROWS_CASE(8)
+      Q8_AMX_ROWS_CASE(9) Q8_AMX_ROWS_CASE(10) Q8_AMX_ROWS_CASE(11) Q8_AMX_ROWS_CASE(12)
+      Q8_AMX_ROWS_CASE(13) Q8_AMX_ROWS_CASE(14) Q8_AMX_ROWS_CASE(15) Q8_AMX_ROWS_CASE(16)
+    }
+#undef Q8_AMX_ROWS_CASE
+  };
+  for (int64_t t = t0; t < t1; t++) {
+    for (int64_t r0 = 0; r0 < full; r0 += 16) block(16, r0, t);
+    if (m > full) block((int)(m - full), full, t);
+  }
+  _tile_release();  // the tile state back to its initial (small) form for context switches
+}
+#pragma GCC pop_options
+
 template <int G, bool MIN, bool HALF>
 static void columns(int64_t isa, const Acts& a, int64_t m, const uint8_t* packed,
                     const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
@@ -249,7 +363,9 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
   const at::Tensor x = x_in.size(1) == k ? x_in : at::constant_pad_nd(x_in, {0, k - x_in.size(1)});
   const int64_t m = x.size(0);
   const float* res = residual_ptr(residual, m, n);
-  std::vector<int8_t> xq(m * k);
+  const bool tiles_pay = group == 32 && m >= Q8_AMX_MIN_ROWS && isa >= AMX && k_amx::amx_usable();
+  // the tiles read whole blocks of 16 rows of activations (the padding is never folded)
+  std::vector<int8_t> xq((tiles_pay ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / 32)), sx32(m * (k / 32)), sx(m * groups);
   std::vector<int32_t> bias(m * groups);
   const float* xp = x.data_ptr<float>();
@@ -271,7 +387,11 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-    if (group == 16 && minimum) q8blocks::columns<16, true, false>(isa, acts, m, w, res, yp, n, t0, t1);
+    if (tiles_pay && minimum && half) q8blocks::columns_amx<true, true>(acts, m, w, res, yp, n, t0, t1);
+    else if (tiles_pay && minimum) q8blocks::columns_amx<true, false>(acts, m, w, res, yp, n, t0, t1);
+    else if (tiles_pay && half) q8blocks::columns_amx<false, true>(acts, m, w, res, yp, n, t0, t1);
+    else if (tiles_pay) q8blocks::columns_amx<false, false>(acts, m, w, res, yp, n, t0, t1);
+    else if (group == 16 && minimum) q8blocks::columns<16, true, false>(isa, acts, m, w, res, yp, n, t0, t1);
     else if (group == 16) q8blocks::columns<16, false, false>(isa, acts, m, w, res, yp, n, t0, t1);
     else if (minimum && half) q8blocks::columns<32, true, true>(isa, acts, m, w, res, yp, n, t0, t1);
     else if (minimum) q8blocks::columns<32, true, false>(isa, acts, m, w, res, yp, n, t0, t1);
