@@ -29,15 +29,15 @@
 // hardware prefetcher alone leaves a decode row's long context waiting on memory (measured:
 // 8-21% of attention at 300-1600 cached positions: scripts/attention_costs.py, which
 // builds the kernels with both set to 0 beside these)
-// rows a thread's share of the row-wise kernels (norms, gating, rotary embedding) holds at
-// least: fewer rows run on the calling thread, as a decode step's do
-#define ROW_GRAIN 16
 #ifndef ATTN_PREFETCH
 #define ATTN_PREFETCH 2
 #endif
 #ifndef ATTN_VALUE_PREFETCH
 #define ATTN_VALUE_PREFETCH 16
 #endif
+// rows a thread's share of the row-wise kernels (norms, gating, rotary embedding) holds at
+// least: fewer rows run on the calling thread, as a decode step's do
+#define ROW_GRAIN 16
 
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
