@@ -156,8 +156,7 @@ static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int6
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++) out[r][0] = acc[r];
 }
-#undef AMX_GROUP
-#undef TILE_LOAD
+// (AMX_GROUP and TILE_LOAD stay defined: q8_blocks.h's tile kernel uses them, and undefines them)
 
 // a per-thread buffer for one column tile's weight tiles, grown as needed (kept between calls:
 // a fresh allocation of this size would be a fresh mapping, page faults included, every call)

@@ -227,19 +227,7 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
 // so one TDPBSUD of an activation tile (rows x 32 signed bytes) by it gives each row's 16 sums
 // of (code + 128) xq; with the group's bias added they are tiles_vnni's exact integers, folded
 // by tiles_vnni's float operations in its order. No unpacking: the weights are read where they
-// lie, each group asked for Q8_PREFETCH bytes ahead.
-
-#define Q8_TILE_LOAD(tmm, base, stride)                                       \
-  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"((int64_t)(stride)) \
-                   : "memory")
-#define Q8_AMX_GROUP(C, A, W, x, w, k_dim, sums) \
-  do {                                           \
-    Q8_TILE_LOAD(A, x, k_dim);                   \
-    Q8_TILE_LOAD(W, w, 64);                      \
-    _tile_zero(C);                               \
-    _tile_dpbsud(C, A, W);                       \
-    _tile_stored(C, sums, 64);                   \
-  } while (0)
+// lie, each group asked for Q8_PREFETCH bytes ahead. (AMX_GROUP: amx.h's group multiply.)
 
 // R rows of one column tile, the tiles configured for 16 (k_amx::configure_tiles: a block of
 // fewer rows multiplies 16 rows of activations, the call's padding past its last row, and folds
@@ -279,13 +267,13 @@ static void tiles_amx(const Acts& a, int64_t r0, const uint8_t* tile, __m512 (&o
   };
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
-    Q8_AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
+    AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
     if (g > 0) fold(sums[1], g - 1);
-    Q8_AMX_GROUP(1, 3, 5, x + (g + 1) * 32, weights(g + 1), a.k, sums[1]);
+    AMX_GROUP(1, 3, 5, x + (g + 1) * 32, weights(g + 1), a.k, sums[1]);
     fold(sums[0], g);
   }
   if (g < groups) {  // an odd group count: the last group alone
-    Q8_AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
+    AMX_GROUP(0, 2, 4, x + g * 32, weights(g), a.k, sums[0]);
     if (g > 0) fold(sums[1], g - 1);
     fold(sums[0], g);
   } else {
@@ -294,8 +282,8 @@ static void tiles_amx(const Acts& a, int64_t r0, const uint8_t* tile, __m512 (&o
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++) out[r][0] = acc[r];
 }
-#undef Q8_AMX_GROUP
-#undef Q8_TILE_LOAD
+#undef AMX_GROUP  // (amx.h's)
+#undef TILE_LOAD
 
 // columns_vnni's contract on the tiles: column tiles t0..t1 of y for all m rows, in blocks of
 // 16 rows (the last block the rest; a.xq holds whole blocks of 16 rows)
