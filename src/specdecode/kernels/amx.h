@@ -178,6 +178,11 @@ static void q4_block_amx(const int8_t* xq, const float* dx, const float* sx, int
   k_avx512::store_tiles<R, 1>(acc, R, r0, t, n, residual, y);
 }
 
+// CASE(1) .. CASE(16): a switch over a block's row count (q8_blocks.h's tile kernel uses it too)
+#define EVERY_TILE_ROW_COUNT(CASE)                                                       \
+  CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) \
+  CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+
 // a block of `rows` (1..16) rows at r0, with the tiles configured for that many
 static void q4_block_rows(int rows, bool unpack, const int8_t* xq, const float* dx,
                           const float* sx, int64_t r0, int64_t k_dim, const uint8_t* tile,
@@ -190,12 +195,7 @@ static void q4_block_rows(int rows, bool unpack, const int8_t* xq, const float* 
     else                                                                                      \
       q4_block_amx<R, false>(xq, dx, sx, r0, k_dim, tile, unpacked, t, residual, y, n);       \
     break;
-  switch (rows) {
-    AMX_ROWS_CASE(1) AMX_ROWS_CASE(2) AMX_ROWS_CASE(3) AMX_ROWS_CASE(4)
-    AMX_ROWS_CASE(5) AMX_ROWS_CASE(6) AMX_ROWS_CASE(7) AMX_ROWS_CASE(8)
-    AMX_ROWS_CASE(9) AMX_ROWS_CASE(10) AMX_ROWS_CASE(11) AMX_ROWS_CASE(12)
-    AMX_ROWS_CASE(13) AMX_ROWS_CASE(14) AMX_ROWS_CASE(15) AMX_ROWS_CASE(16)
-  }
+  switch (rows) { EVERY_TILE_ROW_COUNT(AMX_ROWS_CASE) }
 #undef AMX_ROWS_CASE
 }
 

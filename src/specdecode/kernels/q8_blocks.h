@@ -301,13 +301,9 @@ static void columns_amx(const Acts& a, int64_t m, const uint8_t* packed, const f
     k_avx512::store_tiles<R, 1>(acc, R, r0, t, n, residual, y);     \
     break;                                                          \
   }
-    switch (rows) {
-      Q8_AMX_ROWS_CASE(1) Q8_AMX_ROWS_CASE(2) Q8_AMX_ROWS_CASE(3) Q8_AMX_ROWS_CASE(4)
-      Q8_AMX_ROWS_CASE(5) Q8_AMX_ROWS_CASE(6) Q8_AMX_ROWS_CASE(7) Q8_AMX_ROWS_CASE(8)
-      Q8_AMX_ROWS_CASE(9) Q8_AMX_ROWS_CASE(10) Q8_AMX_ROWS_CASE(11) Q8_AMX_ROWS_CASE(12)
-      Q8_AMX_ROWS_CASE(13) Q8_AMX_ROWS_CASE(14) Q8_AMX_ROWS_CASE(15) Q8_AMX_ROWS_CASE(16)
-    }
+    switch (rows) { EVERY_TILE_ROW_COUNT(Q8_AMX_ROWS_CASE) }
 #undef Q8_AMX_ROWS_CASE
+#undef EVERY_TILE_ROW_COUNT  // (amx.h's)
   };
   for (int64_t t = t0; t < t1; t++) {
     for (int64_t r0 = 0; r0 < full; r0 += 16) block(16, r0, t);
