@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,9 +68,10 @@ COST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 RECENT = 0.1
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
 OVERHEAD_STEPS = 64
-#: draft rows grouped for that fit (each group's median seconds is one point of the line): a
-#: group counts from MIN_GROUP steps on, so one step the machine stalled moves nothing
-ROW_GROUPS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 30))
+#: draft rows grouped for that fit, each group from its first row count to the next group's
+#: (each group's median seconds is one point of the line): a group counts from MIN_GROUP steps
+#: on, so one step the machine stalled moves nothing
+ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9)
 MIN_GROUP = 3
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob")
@@ -317,13 +319,13 @@ class AutoProposer(Proposer):
         started, nodes, drafting_s = self._step
         self._recent_steps.append(
             (nodes, max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
-        points = []  # (mean rows, median seconds, steps) of each group with enough steps
-        for low, high in ROW_GROUPS:
-            group = [(n, rest) for n, rest in self._recent_steps if low <= n <= high]
-            if len(group) >= MIN_GROUP:
-                points.append((statistics.fmean(n for n, _ in group),
-                               statistics.median(rest for _, rest in group), len(group)))
-        self._overhead_line = _line(points)
+        groups: list[list[tuple[int, float]]] = [[] for _ in ROW_GROUP_STARTS]
+        for n, rest in self._recent_steps:  # one pass: each step into its group
+            groups[bisect_right(ROW_GROUP_STARTS, n) - 1].append((n, rest))
+        # (mean rows, median seconds, steps) of each group with enough steps
+        self._overhead_line = _line([(statistics.fmean(n for n, _ in group),
+                                      statistics.median(rest for _, rest in group), len(group))
+                                     for group in groups if len(group) >= MIN_GROUP])
 
     def _overhead(self) -> tuple[float, float]:
         """(fixed seconds, seconds a draft row) of a step besides its forward and drafting: a
