@@ -565,12 +565,15 @@ void quantise_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq
     }
 }
 
-// whether q4_linear takes the AMX tiles for m rows: from AMX_MIN_ROWS (fewer are bound by the
-// weights' memory traffic, or by the tile operations' fixed cost, where VNNI is as fast); the
-// isa level may be passed in by hand, so the tiles' permission is checked here as well
-bool q4_uses_amx(int64_t m, int64_t isa) {
-  return isa >= AMX && m >= AMX_MIN_ROWS && k_amx::amx_usable();
+// whether a kernel whose tiles pay from `min_rows` rows takes them for m rows: the isa level
+// may be passed in by hand, so the tiles' permission is checked here as well
+bool tiles_pay(int64_t m, int64_t isa, int64_t min_rows) {
+  return isa >= AMX && m >= min_rows && k_amx::amx_usable();
 }
+
+// whether q4_linear takes the AMX tiles for m rows: from AMX_MIN_ROWS (fewer are bound by the
+// weights' memory traffic, or by the tile operations' fixed cost, where VNNI is as fast)
+bool q4_uses_amx(int64_t m, int64_t isa) { return tiles_pay(m, isa, AMX_MIN_ROWS); }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa) {
@@ -592,9 +595,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const bool tiles_pay = q4_uses_amx(m, isa);
+  const bool amx = q4_uses_amx(m, isa);
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-    if (tiles_pay)
+    if (amx)
       k_amx::q4_columns_amx(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
     else if (isa >= AVX512)
       k_avx512::q4_columns_vnni(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);

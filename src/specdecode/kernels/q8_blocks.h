@@ -347,9 +347,9 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
   const at::Tensor x = x_in.size(1) == k ? x_in : at::constant_pad_nd(x_in, {0, k - x_in.size(1)});
   const int64_t m = x.size(0);
   const float* res = residual_ptr(residual, m, n);
-  const bool tiles_pay = group == 32 && m >= Q8_AMX_MIN_ROWS && isa >= AMX && k_amx::amx_usable();
+  const bool amx = group == 32 && tiles_pay(m, isa, Q8_AMX_MIN_ROWS);
   // the tiles read whole blocks of 16 rows of activations (the padding is never folded)
-  std::vector<int8_t> xq((tiles_pay ? (m + 15) / 16 * 16 : m) * k);
+  std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / 32)), sx32(m * (k / 32)), sx(m * groups);
   std::vector<int32_t> bias(m * groups);
   const float* xp = x.data_ptr<float>();
@@ -371,10 +371,10 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-    if (tiles_pay && minimum && half) q8blocks::columns_amx<true, true>(acts, m, w, res, yp, n, t0, t1);
-    else if (tiles_pay && minimum) q8blocks::columns_amx<true, false>(acts, m, w, res, yp, n, t0, t1);
-    else if (tiles_pay && half) q8blocks::columns_amx<false, true>(acts, m, w, res, yp, n, t0, t1);
-    else if (tiles_pay) q8blocks::columns_amx<false, false>(acts, m, w, res, yp, n, t0, t1);
+    if (amx && minimum && half) q8blocks::columns_amx<true, true>(acts, m, w, res, yp, n, t0, t1);
+    else if (amx && minimum) q8blocks::columns_amx<true, false>(acts, m, w, res, yp, n, t0, t1);
+    else if (amx && half) q8blocks::columns_amx<false, true>(acts, m, w, res, yp, n, t0, t1);
+    else if (amx) q8blocks::columns_amx<false, false>(acts, m, w, res, yp, n, t0, t1);
     else if (group == 16 && minimum) q8blocks::columns<16, true, false>(isa, acts, m, w, res, yp, n, t0, t1);
     else if (group == 16) q8blocks::columns<16, false, false>(isa, acts, m, w, res, yp, n, t0, t1);
     else if (minimum && half) q8blocks::columns<32, true, true>(isa, acts, m, w, res, yp, n, t0, t1);
