@@ -112,6 +112,37 @@ def test_geglu_and_softcap(ext, isa):
     assert out.abs().max() <= 30
 
 
+def test_draw_tokens_every_variant_and_row_alike(ext, isa):
+    """The data writer's sampler: each row's token from its own operations (every row count
+    and position of a row, every variant give the same tokens); the first largest at
+    temperature 0; a drawn token inside the top-p nucleus; -1 where no uniform lands in it."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 1000 + 7  # a partial last block and a partial last vector
+    logits = torch.randn(24, vocab, generator=gen) * 4
+    logits[3, 10] = logits[3, 900] = logits[3].max() + 1  # a tie: the first one wins
+    temperatures = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.7] * 4)
+    uniforms = torch.rand(24, 3, generator=gen)
+    together = ext.draw_tokens(logits, temperatures, uniforms, 0.9, isa)
+    for m in (1, 5, 24):
+        for start in (0, 24 - m):
+            part = ext.draw_tokens(logits[start:start + m], temperatures[start:start + m],
+                                   uniforms[start:start + m], 0.9, isa)
+            assert torch.equal(part, together[start:start + m])
+    assert torch.equal(together, ext.draw_tokens(logits, temperatures, uniforms, 0.9, GENERIC))
+    greedy = temperatures == 0
+    assert torch.equal(together[greedy], logits[greedy].argmax(-1)) and together[3] == 10
+    for r in torch.nonzero(~greedy).flatten().tolist():
+        probs = (logits[r] / temperatures[r]).softmax(-1)
+        token = int(together[r])
+        assert token >= 0 and probs[probs > probs[token]].sum() <= 0.9 + 1e-5
+    # token 0 holds 0.957 of the mass, so the nucleus of 0.9 is token 0 alone: a uniform past
+    # 0.957 lands outside it and the next one is tried; -1 when every one does
+    peaked = torch.cat([torch.tensor([[10.0]]), torch.zeros(1, 999)], 1)
+    one = torch.tensor([1.0])
+    assert ext.draw_tokens(peaked, one, torch.tensor([[0.99, 0.5]]), 0.9, isa).item() == 0
+    assert ext.draw_tokens(peaked, one, torch.tensor([[0.99, 0.98]]), 0.9, isa).item() == -1
+
+
 @pytest.fixture(scope="module")
 def amx(ext) -> int:
     return require_isa("amx")

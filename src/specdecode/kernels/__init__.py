@@ -192,6 +192,13 @@ def softcap(x, cap):
     return load().softcap(x, cap, isa())
 
 
+def draw_tokens(logits, temperatures, uniforms, top_p):
+    """A token from each row of ``logits`` [n, V]: the first largest where its temperature is 0,
+    else a draw from its softmax at that temperature within the top-``top_p`` nucleus, by the
+    row's ``uniforms`` [n, tries] in turn (-1 where none lands in the nucleus)."""
+    return load().draw_tokens(logits, temperatures, uniforms, top_p, isa())
+
+
 def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
@@ -231,3 +238,4 @@ def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     cos, sin, heads, kv_heads)`` and ``attention(layer, q, window, isa)`` run every sequence's
     rows on its own cache of that layer."""
     return load().PackedPlan(k_caches, v_caches, pasts, slots, keys, lens)
+

@@ -50,6 +50,8 @@
   }
 
 #define DENSE_TILE dense_tile
+#define EXP_SCALED exp_scaled
+#define ROW_MAX row_max
 namespace k_generic {
 WEIGHT_LOADERS
 #include "generic.h"
@@ -67,6 +69,10 @@ WEIGHT_LOADERS
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #undef DENSE_TILE
 #define DENSE_TILE dense_tile_avx512
+#undef EXP_SCALED
+#define EXP_SCALED exp_scaled_avx512
+#undef ROW_MAX
+#define ROW_MAX row_max_avx512
 namespace k_avx512 {
 WEIGHT_LOADERS
 
@@ -91,8 +97,6 @@ static void dense_tile_avx512(const float* x, int64_t k_dim, const W* w, float* 
   for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + 16 * r, a[r]);
 }
 
-#include "generic.h"
-
 // exp_fixed of generic.h, 16 lanes: the same operations in the same order
 static inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -110,6 +114,30 @@ static inline __m512 exp16(__m512 x) {
   __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// generic.h's row_max, its 16 lanes in one register (the largest value does not depend on
+// the order it is looked for in)
+static float row_max_avx512(const float* x, int64_t v) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= v; i += 16) top = _mm512_max_ps(_mm512_loadu_ps(x + i), top);
+  const __mmask16 rest = (__mmask16)((1u << (v - i)) - 1);
+  top = _mm512_mask_max_ps(top, rest, _mm512_maskz_loadu_ps(rest, x + i), top);
+  return _mm512_reduce_max_ps(top);
+}
+
+// generic.h's exp_scaled, 16 lanes a step
+static void exp_scaled_avx512(const float* x, float* e, int64_t n, float temperature, float top) {
+  const __m512 t = _mm512_set1_ps(temperature), shift = _mm512_set1_ps(top);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(e + i, exp16(_mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), t), shift)));
+  const __mmask16 rest = (__mmask16)((1u << (n - i)) - 1);
+  _mm512_mask_storeu_ps(e + i, rest,
+                        exp16(_mm512_sub_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(rest, x + i), t), shift)));
+}
+
+#include "generic.h"
 
 // Attention of a block of R rows of one call for the NH query heads that share one key/value
 // head (grouped-query attention). Each row's keys are positions 0..len-1; a row's first
@@ -650,6 +678,44 @@ at::Tensor softcap(const at::Tensor& x, double cap, int64_t isa) {
   return y;
 }
 
+// A token from each row of logits [n, V] (the data writer's sampler): the first largest at
+// temperature 0, else generic.h's nucleus_draw with the row's uniforms [n, tries] (-1: none
+// kept; the caller draws again). One thread a row, each row's own operations: a row's token
+// does not depend on the rows beside it, the thread count or the instruction set.
+at::Tensor draw_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
+                       const at::Tensor& uniforms, double top_p, int64_t isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "draw_tokens: logits must be a contiguous float32 [rows, vocabulary] tensor");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "draw_tokens: an empty vocabulary");
+  TORCH_CHECK(temperatures.dim() == 1 && temperatures.size(0) == n &&
+              temperatures.scalar_type() == at::kFloat && temperatures.is_contiguous(),
+              "draw_tokens: temperatures must be float32 [rows]");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == n && uniforms.scalar_type() == at::kFloat &&
+              uniforms.is_contiguous(), "draw_tokens: uniforms must be float32 [rows, tries]");
+  TORCH_CHECK(top_p > 0 && top_p <= 1, "draw_tokens: top_p must be in (0, 1]");
+  const float* tp = temperatures.data_ptr<float>();
+  for (int64_t r = 0; r < n; r++)
+    TORCH_CHECK(tp[r] >= 0 && std::isfinite(tp[r]), "draw_tokens: a temperature below 0 or not finite");
+  auto tokens = at::empty({n}, at::kLong);
+  const float *xp = logits.data_ptr<float>(), *up = uniforms.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t tries = uniforms.size(1);
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(v), sums(v / k_generic::DRAW_BLOCK + 1);
+    for (int64_t r = r0; r < r1; r++) {
+      const float* x = xp + r * v;
+      if (tp[r] == 0.0f) {
+        DISPATCH(isa, first_argmax_into, x, v, out + r);
+        continue;
+      }
+      DISPATCH(isa, nucleus_draw_into, x, v, tp[r], up + r * tries, tries, (float)top_p,
+               e.data(), sums.data(), out + r);
+    }
+  });
+  return tokens;
+}
+
 // float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN): the same bits on every CPU
 static inline uint16_t to_bfloat16(float f) {
   uint32_t bits;
@@ -1058,6 +1124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, nogil);
   m.def("geglu", &geglu, nogil);
   m.def("softcap", &softcap, nogil);
+  m.def("draw_tokens", &draw_tokens, nogil);
   m.def("rope_store", &rope_store, nogil);
   m.def("attention", &attention, nogil);
   m.def("parallel_threads", &parallel_threads, nogil);

@@ -105,6 +105,96 @@ static void softcap_values(const float* x, float* y, int64_t n, float cap) {
   for (int64_t i = 0; i < n; i++) y[i] = tanh_fixed(x[i] / cap) * cap;
 }
 
+// ---- drawing a token from a row of logits (the data writer's sampler) -----------------------
+
+// e[i] = exp(x[i] / temperature - top) (k_avx512 has its own, EXP_SCALED, 16 lanes a step)
+static void exp_scaled(const float* x, float* e, int64_t n, float temperature, float top) {
+  for (int64_t i = 0; i < n; i++) e[i] = exp_fixed(x[i] / temperature - top);
+}
+
+// the largest of x[0 .. v - 1] (-inf if none is larger; NaN never counts; k_avx512 has its own,
+// ROW_MAX)
+static float row_max(const float* x, int64_t v) {
+  float part[16];
+  for (int l = 0; l < 16; l++) part[l] = -INFINITY;
+  int64_t i = 0;
+  for (; i + 16 <= v; i += 16)
+    for (int l = 0; l < 16; l++) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
+  for (int l = 0; i + l < v; l++) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
+  float top = part[0];
+  for (int l = 1; l < 16; l++) top = part[l] > top ? part[l] : top;
+  return top;
+}
+
+// the first index of the row's largest value (0 if every value is NaN or -inf)
+static int64_t first_argmax(const float* x, int64_t v) {
+  const float top = ROW_MAX(x, v);
+  for (int64_t j = 0; j < v; j++)
+    if (x[j] == top) return j;
+  return 0;
+}
+
+// elements of one block of the cumulative search: the draw first walks the blocks' sums, then
+// the elements of the block it lands in
+constexpr int64_t DRAW_BLOCK = 256;
+
+// sum of e[0 .. n - 1] through the 16 lanes
+static inline float lane_sum(const float* e, int64_t n) {
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; l++) part[l] += e[i + l];
+  for (int l = 0; i + l < n; l++) part[l] += e[i + l];
+  return tree16(part);
+}
+
+// A token from softmax(x / temperature) restricted to its top-p nucleus: for each uniform of
+// u[0 .. tries - 1] in turn, the token where u * (total mass) falls in the cumulative mass (in
+// index order, by blocks), kept if the tokens more probable than it hold at most top_p of the
+// mass; -1 if no uniform gives a kept token. Draws repeated until one is kept are distributed
+// as the nucleus, renormalised (the nucleus holds at least top_p, so a draw is kept with chance
+// top_p or more). `e`: V floats of scratch; `sums`: V / DRAW_BLOCK + 1.
+static int64_t nucleus_draw(const float* x, int64_t v, float temperature, const float* u,
+                            int64_t tries, float top_p, float* e, float* sums) {
+  // dividing by a positive temperature keeps the order: the largest of x / temperature is
+  // the largest of x, divided
+  EXP_SCALED(x, e, v, temperature, ROW_MAX(x, v) / temperature);
+  const int64_t blocks = (v + DRAW_BLOCK - 1) / DRAW_BLOCK;
+  float total = 0.0f;
+  for (int64_t b = 0; b < blocks; b++) {
+    sums[b] = lane_sum(e + b * DRAW_BLOCK, std::min(DRAW_BLOCK, v - b * DRAW_BLOCK));
+    total += sums[b];
+  }
+  for (int64_t t = 0; t < tries; t++) {
+    const float target = u[t] * total;
+    float below = 0.0f;  // the mass before block b
+    int64_t b = 0;
+    while (b + 1 < blocks && below + sums[b] <= target) below += sums[b++];
+    int64_t token = b * DRAW_BLOCK;
+    const int64_t end = std::min(v, token + DRAW_BLOCK);
+    // (the block's last token where rounding leaves the target past the block's own sum)
+    for (; token + 1 < end; token++) {
+      below += e[token];
+      if (below > target) break;
+    }
+    const float p = e[token];
+    float part[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= v; j += 16)
+      for (int l = 0; l < 16; l++) part[l] += e[j + l] > p ? e[j + l] : 0.0f;
+    for (int l = 0; j + l < v; l++) part[l] += e[j + l] > p ? e[j + l] : 0.0f;
+    if (tree16(part) <= top_p * total) return token;
+  }
+  return -1;
+}
+
+// (DISPATCH calls void functions)
+static void first_argmax_into(const float* x, int64_t v, int64_t* token) { *token = first_argmax(x, v); }
+static void nucleus_draw_into(const float* x, int64_t v, float temperature, const float* u,
+                              int64_t tries, float top_p, float* e, float* sums, int64_t* token) {
+  *token = nucleus_draw(x, v, temperature, u, tries, top_p, e, sums);
+}
+
 // Write a tile's sums [rows][16] for output rows r0.. and column tile t, the last tile cut at
 // n columns: y = residual + sum * scale (each optional; scale per column).
 static inline void store_tile(const float* acc, int rows, int64_t r0, int64_t t, int64_t n,

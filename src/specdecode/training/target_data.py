@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import PrefillCall, VerifyCall
@@ -95,6 +96,8 @@ PASSAGE_SHARE = 0.3
 PASSAGE_TEMPERATURE = 0.7
 #: top-p of every sampled token, as self_data's
 TOP_P = 0.95
+#: uniforms a sampled row takes for one draw (each lands in the nucleus with chance >= TOP_P)
+DRAW_TRIES = 4
 
 
 def opener(rng: random.Random) -> str:
@@ -111,36 +114,23 @@ def opener(rng: random.Random) -> str:
 def draw_tokens(logits: list[torch.Tensor], temperatures: list[float],
                 generators: list[torch.Generator]) -> list[int]:
     """A token from each row of ``logits`` (each [V]) at its temperature with its generator:
-    the argmax at temperature 0, else top-p sampling. The work over the vocabulary is done for
-    all rows of one temperature at once (softmax and cumulative sums are row by row, so a row's
-    token does not depend on the rows beside it)."""
-    tokens = [0] * len(logits)
-    groups: dict[float, list[int]] = {}
-    for i, temperature in enumerate(temperatures):
-        groups.setdefault(temperature, []).append(i)
-    for temperature, rows in groups.items():
-        stacked = torch.stack([logits[i] for i in rows]).float()
-        if temperature == 0:
-            for i, token in zip(rows, stacked.argmax(-1).tolist()):
-                tokens[i] = token
-            continue
-        probs = (stacked / temperature).softmax(-1)
-        cumulative = probs.cumsum(-1)  # [rows, V]: one draw is a binary search in a row
-        for j, i in enumerate(rows):
-            tokens[i] = _nucleus_draw(probs[j], cumulative[j], generators[i])
+    the argmax at temperature 0, else top-p sampling, all rows in one kernel call (one thread
+    a row, so a row's token does not depend on the rows beside it). A sampled row takes
+    ``DRAW_TRIES`` uniforms from its generator a call; the few whose every draw fell outside the
+    nucleus take more in a call of their own."""
+    tokens = [-1] * len(logits)
+    rows = list(range(len(logits)))
+    stacked = torch.stack([row.float() for row in logits])
+    while rows:
+        uniforms = torch.stack([torch.rand(DRAW_TRIES, generator=generators[i])
+                                if temperatures[i] > 0 else torch.zeros(DRAW_TRIES) for i in rows])
+        drawn = kernels.draw_tokens(stacked if len(rows) == len(logits) else stacked[rows],
+                                    torch.tensor([float(temperatures[i]) for i in rows]),
+                                    uniforms, TOP_P).tolist()
+        for i, token in zip(rows, drawn):
+            tokens[i] = token
+        rows = [i for i in rows if tokens[i] < 0]
     return tokens
-
-
-def _nucleus_draw(probs: torch.Tensor, cumulative: torch.Tensor, generator: torch.Generator) -> int:
-    # Top-p without sorting the vocabulary (a sort costs more than a forward row): a token
-    # drawn from p is in the nucleus iff the tokens more probable than it hold at most TOP_P,
-    # and draws repeated until one is are distributed as p on the nucleus, renormalised. The
-    # nucleus holds at least TOP_P, so fewer than 1 / TOP_P draws are needed on average.
-    while True:
-        u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
-        token = min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
-        if float(probs[probs > probs[token]].sum()) <= TOP_P:
-            return token
 
 
 @dataclass(frozen=True)
