@@ -48,18 +48,23 @@ static bool amx_usable() {
 
 // the tile registers' shapes for blocks of `rows` rows (palette 1): tiles 0-1 int32 sums
 // (rows x 16), 2-3 activations (rows x 32 bytes), 4-5 weights (8 x 64 bytes); pairs, so that
-// one group's multiply runs while the previous group's sums are folded
+// one group's multiply runs while the previous group's sums are folded. A call configures them
+// once, for min(its rows, 16): a last block of fewer rows multiplies 16 (the call pads the
+// activations with zero rows) and folds its own. (Reconfiguring for that block, in every
+// column tile, made 20 rows cost more than 32; padding a call of fewer than 16 rows to 16
+// made 8 rows cost 1.1-1.2x.)
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-static void configure_tiles(int rows) {
+static void configure_tiles(int64_t m) {
+  const uint8_t rows = (uint8_t)std::min<int64_t>(m, 16);
   TileConfig cfg;
   for (int i = 0; i < 2; i++) {
-    cfg.rows[i] = (uint8_t)rows, cfg.colsb[i] = 64;
-    cfg.rows[2 + i] = (uint8_t)rows, cfg.colsb[2 + i] = 32;
+    cfg.rows[i] = rows, cfg.colsb[i] = 64;
+    cfg.rows[2 + i] = rows, cfg.colsb[2 + i] = 32;
     cfg.rows[4 + i] = 8, cfg.colsb[4 + i] = 64;
   }
   // ldtilecfg by hand: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the
@@ -110,9 +115,9 @@ __attribute__((always_inline)) static inline void fold_group(const int32_t* sums
     _tile_stored(C, sums, 64);                     \
   } while (0)
 
-// R rows (the tiles configured for R) of one column tile: group sums on the tile unit, each
-// folded while the next group multiplies. UNPACK: this pass streams the packed weights and
-// writes their weight tiles to `unpacked` (the first pass over the column tile); otherwise it
+// R rows (of the min(m, 16) the tiles multiply) of one column tile: group sums on the tile
+// unit, each folded while the next group multiplies. UNPACK: this pass streams the packed
+// weights and writes their weight tiles to `unpacked` (the first pass over the column tile); else it
 // reads them back from there. The sums stay in a local array (registers): the tile loads and
 // stores tell the compiler they touch memory, so an array passed in would be stored and
 // reloaded around each of them.
@@ -183,7 +188,7 @@ static void q4_block_amx(const int8_t* xq, const float* dx, const float* sx, int
   CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) \
   CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 
-// a block of `rows` (1..16) rows at r0, with the tiles configured for that many
+// a block of `rows` (1..16) rows at r0 (see configure_tiles)
 static void q4_block_rows(int rows, bool unpack, const int8_t* xq, const float* dx,
                           const float* sx, int64_t r0, int64_t k_dim, const uint8_t* tile,
                           uint8_t* unpacked, int64_t t, const float* residual, float* y,
@@ -200,22 +205,21 @@ static void q4_block_rows(int rows, bool unpack, const int8_t* xq, const float* 
 }
 
 // q4_columns_vnni's contract on AMX: column tiles t0..t1 of y for all m rows, in blocks of 16
-// rows (the last block the rest); the first block of a column tile unpacks its weights
+// rows (the last block the rest; xq holds whole blocks of 16 rows, the padding zero); the
+// first block of a column tile unpacks its weights
 static void q4_columns_amx(const int8_t* xq, const float* dx, const float* sx, int64_t m,
                            int64_t k_dim, const uint8_t* packed, const float* residual,
                            float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = k_dim / 32 * Q4_BLOCK, full = m / 16 * 16;
   const int rest = (int)(m - full);
   uint8_t* unpacked = unpack_buffer(k_dim);
-  int configured = 0;  // the row count the tiles hold now (0: none)
-  auto block = [&](int rows, int64_t r0, bool unpack, int64_t t) {
-    if (rows != configured) configure_tiles(configured = rows);
-    q4_block_rows(rows, unpack, xq, dx, sx, r0, k_dim, packed + t * tile_bytes, unpacked, t,
-                  residual, y, n);
-  };
+  configure_tiles(m);
   for (int64_t t = t0; t < t1; t++) {
-    for (int64_t r0 = 0; r0 < full; r0 += 16) block(16, r0, r0 == 0, t);
-    if (rest) block(rest, full, full == 0, t);
+    const uint8_t* tile = packed + t * tile_bytes;
+    for (int64_t r0 = 0; r0 < full; r0 += 16)
+      q4_block_rows(16, r0 == 0, xq, dx, sx, r0, k_dim, tile, unpacked, t, residual, y, n);
+    if (rest)
+      q4_block_rows(rest, full == 0, xq, dx, sx, full, k_dim, tile, unpacked, t, residual, y, n);
   }
   _tile_release();  // the tile state back to its initial (small) form for context switches
 }

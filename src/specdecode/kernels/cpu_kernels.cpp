@@ -611,7 +611,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   check_rows(x, k, "q4_linear input");
   TORCH_CHECK(tiles * 16 >= n, "packed weights hold ", tiles * 16, " columns, not ", n);
   const float* res = residual_ptr(residual, m, n);
-  std::vector<int8_t> xq(m * k);
+  const bool amx = q4_uses_amx(m, isa);
+  // the tiles read whole blocks of 16 rows of activations (the padding is never folded)
+  std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / 32)), sx(m * (k / 32));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
@@ -623,7 +625,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const bool amx = q4_uses_amx(m, isa);
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (amx)
       k_amx::q4_columns_amx(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);

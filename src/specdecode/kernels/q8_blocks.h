@@ -229,10 +229,9 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
 // by tiles_vnni's float operations in its order. No unpacking: the weights are read where they
 // lie, each group asked for Q8_PREFETCH bytes ahead. (AMX_GROUP: amx.h's group multiply.)
 
-// R rows of one column tile, the tiles configured for 16 (k_amx::configure_tiles: a block of
-// fewer rows multiplies 16 rows of activations, the call's padding past its last row, and folds
-// its own; reconfiguring between a tile's blocks cost more than the rows); each group's sums
-// are folded while the next group multiplies
+// R rows of one column tile, the tiles configured once a call (k_amx::configure_tiles: a last
+// block of fewer rows multiplies the call's zero padding and folds its own rows); each group's
+// sums are folded while the next group multiplies
 template <int R, bool MIN, bool HALF>
 static void tiles_amx(const Acts& a, int64_t r0, const uint8_t* tile, __m512 (&out)[R][1]) {
   constexpr int64_t B = block_bytes(32, MIN, HALF), S = HALF ? 32 : 64;
@@ -291,7 +290,7 @@ template <bool MIN, bool HALF>
 static void columns_amx(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                         float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = a.k / 32 * block_bytes(32, MIN, HALF), full = m / 16 * 16;
-  k_amx::configure_tiles(16);
+  k_amx::configure_tiles(m);
   auto block = [&](int rows, int64_t r0, int64_t t) {
     const uint8_t* tile = packed + t * tile_bytes;
 #define Q8_AMX_ROWS_CASE(R)                                         \
