@@ -271,27 +271,35 @@ def test_bfloat16_cache_reads_exactly_what_float32_holds(ext, isa):
         ext.attention(q, k16, v32, past, table, lens, 0, isa)
 
 
-def test_rope_store_rounds_the_cache_to_nearest_even(ext):
-    """Writing a bfloat16 cache rounds as torch does (to nearest, ties to even), the same bits
-    as a float32 cache rounded afterwards; q stays float32."""
+def test_rope_store_rounds_the_cache_to_nearest_even(ext, isa):
+    """Writing a bfloat16 cache rounds as torch does (to nearest, ties to even; a NaN stays a
+    NaN), the same bits as a float32 cache rounded afterwards; q stays float32; every variant
+    writes the baseline's bits."""
     gen = torch.Generator().manual_seed(2)
     heads, kv, d, m, cap = 3, 1, 64, 40, 64
     qkv = torch.randn(m, (heads + 2 * kv) * d, generator=gen)
     qkv[0, -d:] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -9] * (d // 4))  # ties
+    qkv[1, -1] = float("nan")
     angles = torch.rand(m, d // 2, generator=gen) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
     slots = torch.randperm(cap, generator=gen)[:m]
     stored = {}
     for dtype in (torch.float32, torch.bfloat16):
-        k_cache = torch.zeros(kv, cap // 16, d, 16, dtype=dtype)
-        v_cache = torch.zeros(kv, cap, d, dtype=dtype)
-        q = ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots)
-        stored[dtype] = (q, k_cache, v_cache)
-    q32, k32, v32 = stored[torch.float32]
-    q16, k16, v16 = stored[torch.bfloat16]
+        for level in (isa, GENERIC):
+            k_cache = torch.zeros(kv, cap // 16, d, 16, dtype=dtype)
+            v_cache = torch.zeros(kv, cap, d, dtype=dtype)
+            q = ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots, level)
+            stored[dtype, level] = (q, k_cache, v_cache)
+        assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+                   for a, b in zip(stored[dtype, isa], stored[dtype, GENERIC]))
+    q32, k32, v32 = stored[torch.float32, isa]
+    q16, k16, v16 = stored[torch.bfloat16, isa]
     assert torch.equal(q16, q32)
-    assert torch.equal(k16, k32.to(torch.bfloat16)) and torch.equal(v16, v32.to(torch.bfloat16))
+    assert torch.equal(k16, k32.to(torch.bfloat16))
+    assert torch.equal(v16.nan_to_num(), v32.to(torch.bfloat16).nan_to_num())
     assert v16[0, slots[0], :4].tolist() == [1.0, 1 + 2 ** -6, -1.0, 1.0]
+    assert v16[0, slots[1], -1].isnan()
 
 
 # window 0: no window, tree rows whose ancestors are not contiguous slots
@@ -390,7 +398,7 @@ def test_thread_count_changes_no_bit(ext, isa, two_threads):
     def rope_store():  # the query rows and both caches a thread's share of the rows wrote
         k_cache = torch.zeros(kv, cap // 16, d, 16, dtype=torch.bfloat16)
         v_cache = torch.zeros(kv, cap, d, dtype=torch.bfloat16)
-        return [ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots), k_cache, v_cache]
+        return [ext.rope_store(qkv, cos, sin, heads, kv, k_cache, v_cache, slots, isa), k_cache, v_cache]
 
     def run_all():
         return [ext.q4_linear(x, q4, None, n, isa), ext.dense_linear(x, dense, None, None, n, isa),

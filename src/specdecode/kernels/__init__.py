@@ -200,7 +200,7 @@ def draw_tokens(logits, temperatures, uniforms, top_p):
 
 
 def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
-    return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, isa())
 
 
 def attention(q, k_cache, v_cache, past, slots, lens, window=0):
@@ -235,7 +235,7 @@ def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's
     next ``len(slots[s])`` rows; its row i writes slot ``slots[s][i]`` and sees the slots before
     ``pasts[s]``, then ``keys[s][i, :lens[s][i]]``. Checked once; its ``rope_store(layer, qkv,
-    cos, sin, heads, kv_heads)`` and ``attention(layer, q, window, isa)`` run every sequence's
+    cos, sin, heads, kv_heads, isa)`` and ``attention(layer, q, window, isa)`` run every sequence's
     rows on its own cache of that layer."""
     return load().PackedPlan(k_caches, v_caches, pasts, slots, keys, lens)
 

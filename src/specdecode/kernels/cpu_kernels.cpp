@@ -717,39 +717,6 @@ at::Tensor draw_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
   return tokens;
 }
 
-// float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN): the same bits on every CPU
-static inline uint16_t to_bfloat16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline void put(float* cache, int64_t at, float x) { cache[at] = x; }
-static inline void put(uint16_t* cache, int64_t at, float x) { cache[at] = to_bfloat16(x); }
-
-template <typename KV>
-static void rope_store_rows(const float* src, const float* cos, const float* sin, int64_t m,
-                            int64_t d, int64_t heads, int64_t kv_heads, int64_t cap,
-                            const int64_t* slot, float* qp, KV* kp, KV* vp) {
-  const int64_t half = d / 2;
-  for (int64_t r = 0; r < m; r++) {
-    const float* row = src + r * (heads + 2 * kv_heads) * d;
-    const float *c = cos + r * d, *s = sin + r * d;
-    for (int64_t h = 0; h < heads + kv_heads; h++) {
-      const float* x = row + h * d;
-      for (int64_t i = 0; i < d; i++) {
-        const float a = x[i] * c[i], b = x[i < half ? i + half : i - half] * s[i];
-        if (h < heads) qp[(r * heads + h) * d + i] = a + b;
-        else put(kp, (h - heads) * cap * d + (slot[r] / 16) * d * 16 + i * 16 + slot[r] % 16, a + b);
-      }
-    }
-    for (int64_t h = 0; h < kv_heads; h++)
-      for (int64_t i = 0; i < d; i++)
-        put(vp, (h * cap + slot[r]) * d + i, row[(heads + kv_heads + h) * d + i]);
-  }
-}
-
 static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
               v_cache.dim() == 3 && k_cache.size(1) * 16 == v_cache.size(1) &&
@@ -797,15 +764,17 @@ static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp
 template <typename KV>
 static void rope_store_segments(const float* src, const float* cos, const float* sin, int64_t d,
                                 int64_t heads, int64_t kv_heads, int64_t cap, float* qp,
-                                const std::vector<Segment<KV>>& segs) {
+                                const std::vector<Segment<KV>>& segs, int64_t isa) {
+  TORCH_CHECK(d <= k_generic::ROPE_MAX_D, "rotary embedding of heads of more than ",
+              k_generic::ROPE_MAX_D, " values");
   const int64_t width = (heads + 2 * kv_heads) * d, rows = segs.empty() ? 0 : segs.back().r1;
   // the rows on the threads (each row writes its own slot); a share cuts segments where it ends
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t a, int64_t b) {
     for (const Segment<KV>& s : segs) {
       const int64_t r0 = std::max(a, s.r0), r1 = std::min(b, s.r1);
       if (r0 < r1)
-        rope_store_rows(src + r0 * width, cos + r0 * d, sin + r0 * d, r1 - r0, d, heads, kv_heads,
-                        cap, s.slot + (r0 - s.r0), qp + r0 * heads * d, s.k, s.v);
+        DISPATCH(isa, rope_store_rows<KV>, src + r0 * width, cos + r0 * d, sin + r0 * d, r1 - r0,
+                 d, heads, kv_heads, cap, s.slot + (r0 - s.r0), qp + r0 * heads * d, s.k, s.v);
     }
   });
 }
@@ -875,7 +844,7 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
 // cos, sin [m, D] with rotate_half's sign folded into sin: out = x * cos + swap(x) * sin.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       int64_t heads, int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache,
-                      const at::Tensor& slots) {
+                      const at::Tensor& slots, int64_t isa) {
   const int64_t m = qkv.size(0), d = cos.size(1), cap = v_cache.size(1);
   check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
   check_rows(cos, d, "rope cos");
@@ -889,11 +858,13 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   if (k_cache.scalar_type() == at::kFloat)
     rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                d, heads, kv_heads, cap, q.data_ptr<float>(),
-                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0, slot}});
+                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0, slot}},
+                               isa);
   else
     rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                   d, heads, kv_heads, cap, q.data_ptr<float>(),
-                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0, slot}});
+                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0, slot}},
+                                  isa);
   return q;
 }
 
@@ -992,7 +963,7 @@ struct PackedPlan {
 
   // rope_store of every sequence's rows into its own cache of layer `layer`; q [rows, H, D]
   at::Tensor rope_store(int64_t layer, const at::Tensor& qkv, const at::Tensor& cos,
-                        const at::Tensor& sin, int64_t heads, int64_t kv_heads) const {
+                        const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t isa) const {
     TORCH_CHECK(kv_heads == kv && qkv.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows,
                 "rope_store: the plan's rows and key/value heads");
     check_rows(qkv, (heads + 2 * kv_heads) * d, "rope_store input");
@@ -1001,10 +972,10 @@ struct PackedPlan {
     auto q = at::empty({rows, heads, d}, qkv.options());
     if (bf16)
       rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    d, heads, kv, cap, q.data_ptr<float>(), segments<uint16_t>(layer));
+                                    d, heads, kv, cap, q.data_ptr<float>(), segments<uint16_t>(layer), isa);
     else
       rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                 d, heads, kv, cap, q.data_ptr<float>(), segments<float>(layer));
+                                 d, heads, kv, cap, q.data_ptr<float>(), segments<float>(layer), isa);
     return q;
   }
 
@@ -1088,7 +1059,7 @@ struct LayerStack {
                 plan.layers >= last, "bad layer range");
     for (int64_t i = first; i < last; i++) {
       const at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
-      const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads);
+      const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads, isa);
       x = o[i](plan.attention(i, q, window[i], isa), x, isa);
       const at::Tensor up = gate_up[i](rms_norm(x, mlp_norm[i], eps, isa), c10::nullopt, isa);
       x = down[i](swiglu(up, isa), x, isa);

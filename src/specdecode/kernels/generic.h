@@ -105,6 +105,51 @@ static void softcap_values(const float* x, float* y, int64_t n, float cap) {
   for (int64_t i = 0; i < n; i++) y[i] = tanh_fixed(x[i] / cap) * cap;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN): the same bits on every
+// CPU; branch-free, so that the cache writes below vectorise
+static inline uint16_t to_bfloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40 : rounded);
+}
+
+static inline void put(float* cache, int64_t at, float x) { cache[at] = x; }
+static inline void put(uint16_t* cache, int64_t at, float x) { cache[at] = to_bfloat16(x); }
+
+// the largest head size the rotary embedding takes (a head's rotated values are kept on the
+// stack)
+constexpr int64_t ROPE_MAX_D = 512;
+
+// Rotary embedding of m rows [H + 2 KH heads of D]: query heads into qp [m, H, D], key heads
+// into their cache slot (keys [KH, capacity / 16, D, 16], values [KH, capacity, D]). Each
+// value is x c + x' s with x' the element half a head away (two products and a sum, no fma).
+template <typename KV>
+static void rope_store_rows(const float* src, const float* cos, const float* sin, int64_t m,
+                            int64_t d, int64_t heads, int64_t kv_heads, int64_t cap,
+                            const int64_t* slot, float* qp, KV* kp, KV* vp) {
+  const int64_t half = d / 2;
+  float turned[ROPE_MAX_D];
+  for (int64_t r = 0; r < m; r++) {
+    const float* row = src + r * (heads + 2 * kv_heads) * d;
+    const float *c = cos + r * d, *s = sin + r * d;
+    for (int64_t h = 0; h < heads + kv_heads; h++) {
+      const float* x = row + h * d;
+      float* out = h < heads ? qp + (r * heads + h) * d : turned;
+      for (int64_t i = 0; i < half; i++) out[i] = x[i] * c[i] + x[i + half] * s[i];
+      for (int64_t i = half; i < d; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
+      if (h < heads) continue;
+      KV* keys = kp + (h - heads) * cap * d + (slot[r] / 16) * d * 16 + slot[r] % 16;
+      for (int64_t i = 0; i < d; i++) put(keys, i * 16, turned[i]);
+    }
+    for (int64_t h = 0; h < kv_heads; h++) {
+      const float* x = row + (heads + kv_heads + h) * d;
+      KV* values = vp + (h * cap + slot[r]) * d;
+      for (int64_t i = 0; i < d; i++) put(values, i, x[i]);
+    }
+  }
+}
+
 // ---- drawing a token from a row of logits (the data writer's sampler) -----------------------
 
 // e[i] = exp(x[i] / temperature - top) (k_avx512 has its own, EXP_SCALED, 16 lanes a step)

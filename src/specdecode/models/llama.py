@@ -787,7 +787,7 @@ class LlamaRunner(Runner):
             if layer.q_norm is not None:
                 qkv = self._head_norms(qkv, layer)
             cos, sin = rope[layer.local_rope]  # [n, D]
-            q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads)  # [n, H, D]
+            q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads, kernels.isa())  # [n, H, D]
             attended = plan.attention(i, q, layer.window, kernels.isa())  # [n, H D]
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
             hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
