@@ -1,0 +1,110 @@
+"""The native runner's kernels at a git revision against the working tree's, in one process.
+
+    PYTHONPATH=src python scripts/kernels_ab.py --rev 68c82f5
+    PYTHONPATH=src python scripts/kernels_ab.py --rev HEAD~1 --pasts 300 --rows 1 --prefill
+
+A shared machine's speed drifts by tens of percent within minutes, so timings taken one run
+after another compare the hour, not the code. Here both builds live in one process: the
+revision's kernel sources (``git show REV:src/specdecode/kernels/...``) are built as an
+extension of their own beside the working tree's, one default-model runner (native int4) is
+built on each (``kernels.load`` pointed at its build while it is built and called), and the
+two take turns call by call, each first in every other turn. Reported: the median of each,
+for a forward of ``rows`` rows after ``past`` cached positions (equal logits asserted) and,
+with ``--prefill``, prompts of ``--prefill-lengths`` tokens. The Python side is the working
+tree's for both, so a revision whose extension takes other arguments cannot be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode import kernels
+from specdecode.draft import Draft
+from specdecode.models.loading import load_model, make_runner
+
+SOURCES = ("cpu_kernels.cpp", "generic.h", "q8_blocks.h", "amx.h")
+
+
+def build_revision(rev: str, folder: Path):
+    """The kernels extension built from revision ``rev``'s sources."""
+    for name in SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:src/specdecode/kernels/{name}"],
+                              check=True, capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    return kernels.compile_extension("kernels_at_revision", [folder / name for name in SOURCES])
+
+
+def alternate(calls: dict, turns: int) -> dict:
+    """{name: median seconds} of ``calls`` taking turns, each first in every other turn."""
+    times = {name: [] for name in calls}
+    for turn in range(turns):
+        for name in sorted(calls, reverse=turn % 2 == 1):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", required=True, help="the git revision to compare against")
+    parser.add_argument("--pasts", type=int, nargs="+", default=[100, 300, 800, 1600])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--prefill", action="store_true", help="also time prompts")
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[100, 768])
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {"rev": build_revision(args.rev, Path(folder)), "tree": kernels.load()}
+    loaded = load_model()
+
+    def use(name: str):
+        kernels.load = lambda ext=builds[name]: ext
+
+    base = {}
+    for name in builds:
+        use(name)
+        base[name] = make_runner(loaded, "native", "auto", max(args.pasts) + 64)
+    print(f"ms, {args.rev} / working tree ({torch.get_num_threads()} threads)")
+    for past in args.pasts:
+        prompt = [1000 + (i * 7919) % 40000 for i in range(past)]
+        runners = {name: base[name].replica() for name in builds}
+        for name, runner in runners.items():
+            use(name)
+            runner.prefill(prompt)
+        for m in args.rows:
+            logits = {}
+
+            def step(name, m=m, logits=logits):
+                use(name)
+                logits[name] = runners[name].forward(0, Draft.chain([5] * (m - 1))).logits
+                runners[name].commit([])
+
+            took = alternate({name: lambda name=name: step(name) for name in builds}, args.turns)
+            assert torch.equal(logits["rev"], logits["tree"]), "the builds disagree"
+            print(f"forward {m} rows after {past}: {took['rev'] * 1e3:.2f} / "
+                  f"{took['tree'] * 1e3:.2f} ({took['tree'] / took['rev']:.3f}x)", flush=True)
+    if args.prefill:
+        for length in args.prefill_lengths:
+            prompt = [1000 + (i * 7919) % 40000 for i in range(length)]
+
+            def fill(name, prompt=prompt):
+                use(name)
+                base[name].replica().prefill(prompt)
+
+            took = alternate({name: lambda name=name: fill(name) for name in builds},
+                             max(4, args.turns // 4))
+            print(f"prefill {length}: {took['rev'] * 1e3:.1f} / {took['tree'] * 1e3:.1f} "
+                  f"({took['tree'] / took['rev']:.3f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
