@@ -51,8 +51,8 @@ static bool amx_usable() {
 // one group's multiply runs while the previous group's sums are folded. A call configures them
 // once, for min(its rows, 16): a last block of fewer rows multiplies 16 (the call pads the
 // activations with zero rows) and folds its own. (Reconfiguring for that block, in every
-// column tile, made 20 rows cost more than 32; padding a call of fewer than 16 rows to 16
-// made 8 rows cost 1.1-1.2x.)
+// column tile, made 20 rows of 576 -> 3072 cost more than 24; padding a call of fewer than
+// 16 rows to 16 made 8 rows cost 1.1-1.2x.)
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
