@@ -233,12 +233,7 @@ static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* 
 // scores -> exp(score - max) in place; returns their sum through 16 lanes (generic.h's order;
 // the maximum is exact in any order)
 static float softmax_numerators(float* sc, int64_t len) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
-    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, sc + j));
-  }
-  top = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const __m512 top = _mm512_set1_ps(row_max_avx512(sc, len));
   __m512 part = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
     const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);

@@ -24,6 +24,16 @@ static inline float dot_lanes(const float* a, const float* b, int n) {
   return tree16(part);
 }
 
+// sum of e[0 .. n - 1] through the 16 lanes
+static inline float lane_sum(const float* e, int64_t n) {
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; l++) part[l] += e[i + l];
+  for (int l = 0; i + l < n; l++) part[l] += e[i + l];
+  return tree16(part);
+}
+
 // exp(x) for x in [-87, 88] (clamped): Cephes' expf polynomial (about 1 ulp), branch-free so
 // that it vectorises, and the same bits in every lane and on every instruction set.
 static inline float exp_fixed(float x) {
@@ -182,16 +192,6 @@ static int64_t first_argmax(const float* x, int64_t v) {
 // elements of one block of the cumulative search: the draw first walks the blocks' sums, then
 // the elements of the block it lands in
 constexpr int64_t DRAW_BLOCK = 256;
-
-// sum of e[0 .. n - 1] through the 16 lanes
-static inline float lane_sum(const float* e, int64_t n) {
-  float part[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; l++) part[l] += e[i + l];
-  for (int l = 0; i + l < n; l++) part[l] += e[i + l];
-  return tree16(part);
-}
 
 // A token from softmax(x / temperature) restricted to its top-p nucleus: for each uniform of
 // u[0 .. tries - 1] in turn, the token where u * (total mass) falls in the cumulative mass (in
@@ -356,15 +356,9 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
     for (int64_t i = 0; i < d; i++) acc = FMA(q[i], load_weight(kt[key_at(s, i, d)]), acc);
     scores[j] = acc;
   }
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < len; j++) mx = scores[j] > mx ? scores[j] : mx;
+  const float mx = ROW_MAX(scores, len);
   for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
-  float part[16] = {0};
-  int64_t j = 0;
-  for (; j + 16 <= len; j += 16)
-    for (int l = 0; l < 16; l++) part[l] += scores[j + l];
-  for (int l = 0; j + l < len; l++) part[l] += scores[j + l];
-  const float denom = tree16(part);
+  const float denom = lane_sum(scores, len);
   for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
   for (int64_t jj = 0; jj < len; jj++) {
     const int64_t s = jj < past ? jj : slots[jj - past];
