@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/draft_step_profile.py
     OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/draft_step_profile.py --methods hydra,eagle \\
         --prompts 4 --max-new-tokens 64 --rounds 3
+    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/draft_step_profile.py \\
+        --methods eagle,eagle:draft_weights=int4   # variants as `specdecode bench` takes them
 
 Greedy generations of the first turns of Spec-Bench dev questions (one per task, then more),
 ``ar`` and each method in turn, ``--rounds`` times over the same prompts in one process (so a
@@ -48,6 +50,7 @@ import torch
 
 from specdecode.api import Decoder
 from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.cli import parse_config
 from specdecode.models.loading import load_model, make_runner
 
 PARTS = ("linears", "shortlist", "torch ops", "drafter", "tree")
@@ -199,8 +202,14 @@ def breakdown(clock: Clock) -> dict[str, float]:
             "tree": s["propose"] - calls + s["observe"]}
 
 
+def make_decoder(runner, tokenizer, method: str) -> Decoder:
+    """``method``: a name, or a variant ``name:key=value:...`` as ``specdecode bench`` takes."""
+    name, *pairs = method.split(":")
+    return Decoder(runner, tokenizer, name, **parse_config(pairs))
+
+
 def run_method(runner, tokenizer, method: str, prompts, max_new_tokens: int) -> dict:
-    decoder = Decoder(runner, tokenizer, method)
+    decoder = make_decoder(runner, tokenizer, method)
     clock = Clock()
     instrument(decoder, clock)
     committed = steps = 0
@@ -303,7 +312,7 @@ def micro(runner, tokenizer, methods: list[str], prompt: str, nodes: int, reps: 
     print(f"\nfastest of {reps}: one-row target forward {forward:.3f} ms; a draft step of "
           f"{nodes} nodes (drafter call, then ranking their children):")
     for method in methods:
-        decoder = Decoder(runner, tokenizer, method)
+        decoder = make_decoder(runner, tokenizer, method)
         decoder.generate(prompt, 32)
         lm, session = decoder.proposer.lm, decoder.proposer.session
         tokens, parents = list(range(100, 100 + nodes)), [-1] * nodes

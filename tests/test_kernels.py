@@ -143,6 +143,34 @@ def test_draw_tokens_every_variant_and_row_alike(ext, isa):
     assert ext.draw_tokens(peaked, one, torch.tensor([[0.99, 0.98]]), 0.9, isa).item() == -1
 
 
+def test_top_probs_ranks_as_softmax_topk(ext, isa):
+    """A drafter's children in one call: torch's softmax and top-k (the same order, the
+    probabilities within float rounding), equal ones by index, a -inf logit never ranked, the
+    same bits in every variant and however many rows share the call."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 1000 + 7  # a partial last vector
+    logits = torch.randn(9, vocab, generator=gen) * 3
+    logits[2, 500] = logits[2, 40] = logits[2].max() + 1  # a tie: the lower index first
+    logits[4, :] = float("-inf")
+    logits[4, 17], logits[4, 3] = 1.0, 2.0  # two finite logits: 6 places left empty
+    probs, ids = ext.top_probs(logits, 8, isa)
+    reference = logits.softmax(-1).topk(8, -1)
+    finite = [r for r in range(9) if r != 4]
+    assert torch.equal(ids[finite], reference.indices[finite])
+    assert torch.allclose(probs[finite], reference.values[finite], rtol=1e-5, atol=1e-7)
+    assert ids[2, :2].tolist() == [40, 500]
+    assert ids[4].tolist() == [3, 17] + [-1] * 6 and probs[4, 2:].eq(0).all()
+    assert torch.allclose(probs[4, :2], torch.tensor([2.0, 1.0]).softmax(-1))
+    for start, m in ((0, 1), (3, 4), (8, 1)):
+        part = ext.top_probs(logits[start:start + m], 8, isa)
+        assert torch.equal(part[0], probs[start:start + m])
+        assert torch.equal(part[1], ids[start:start + m])
+    generic = ext.top_probs(logits, 8, GENERIC)
+    assert torch.equal(generic[0], probs) and torch.equal(generic[1], ids)
+    with pytest.raises(RuntimeError, match="limit must be in 1 .. 1007"):
+        ext.top_probs(logits, vocab + 1, isa)
+
+
 @pytest.fixture(scope="module")
 def amx(ext) -> int:
     return require_isa("amx")

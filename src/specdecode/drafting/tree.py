@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specdecode import kernels
 from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.drafting.session import DraftSession
@@ -145,10 +146,13 @@ def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
     distributions built per node): ranked within the shortlist, the same ranking and (up to
     rounding) the same probabilities as over the whole vocabulary, whose other tokens have
     probability 0, at a sixth of the work; or over the whole vocabulary (``head_ids`` None)."""
-    q = logits.float().softmax(-1)  # [k, V']
-    top = q.topk(min(limit, q.shape[-1]), -1)
-    orders = (top.indices if head_ids is None else head_ids[top.indices]).tolist()
-    values = top.values.tolist()
+    limit = min(limit, logits.shape[-1])
+    if kernels.available():  # one kernel call: a softmax and a top-k cost 40 us at 4 nodes
+        probs, indices = kernels.top_probs(logits.float().contiguous(), limit)
+    else:
+        probs, indices = logits.float().softmax(-1).topk(limit, -1)
+    orders = (indices if head_ids is None else head_ids[indices]).tolist()
+    values = probs.tolist()
     children = []
     for order, value in zip(orders, values):
         kept = sum(1 for v in value if v > 0)  # never a token of probability 0

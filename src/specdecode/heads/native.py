@@ -5,15 +5,16 @@ a time, which is bound by reading weights and by Python's dispatch of many small
 :func:`to_native` walks a module once, at load time, and replaces in place
 
 - every ``nn.Linear`` (whatever network holds it) by a :class:`NativeLinear`: the same map in
-  the native kernels with int8 weights (Q8_0's blocks: a quarter of float32's bytes) or bf16
-  (half), bias and residual added in the kernel's output;
+  the native kernels with int4 weights (Q4_1's blocks, as the default runner's: an eighth of
+  float32's bytes), int8 (Q8_0's blocks: a quarter) or bf16 (half), bias and residual added in
+  the kernel's output;
 - the networks' own :class:`~specdecode.heads.networks.RMSNorm` by the kernels' RMSNorm and
   their SwiGLU :class:`~specdecode.heads.networks.MLP` by the kernels' fused gate (one call for
   the five small operations of each).
 
 So a new drafter built of these parts (or of any ``nn.Linear``) drafts on the kernels with no
-code of its own. Its drafts may change slightly (int8 weights, int8 activations per 32 inputs):
-exactness is the verifier's, and the draft quality is measured in docs/draft-heads.md.
+code of its own. Its drafts may change slightly (4- or 8-bit weights, int8 activations per 32
+inputs): exactness is the verifier's, and the draft quality is measured in docs/draft-heads.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.networks import MLP, RMSNorm
 
-#: weight formats of a converted network: the kernels' int8 or bf16, or fp32 = left in torch
-DRAFT_WEIGHTS = ("int8", "bf16", "fp32")
+#: weight formats of a converted network: the kernels' int4, int8 or bf16, or fp32 = left in
+#: torch (int4 is the heads' default: a draft step reads its weights a row or a few at a time,
+#: so half of int8's bytes is what makes it faster, at the same acceptance, docs/draft-heads.md)
+DRAFT_WEIGHTS = ("int4", "int8", "bf16", "fp32")
 
 
 def scoring_layer(weight: torch.Tensor, fmt: str = "int8"):
@@ -51,7 +54,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class NativeLinear(nn.Module):
-    """A trained ``nn.Linear`` in the native kernels (``fmt``: int8 or bf16 weights), over
+    """A trained ``nn.Linear`` in the native kernels (``fmt``: int4, int8 or bf16 weights), over
     activations of any leading shape; ``residual`` (the output's shape) is added in the
     kernel."""
 

@@ -18,8 +18,9 @@ linear layers. Here the same networks run as
   norm of a fed-back state, the fusion with a token's embedding, the output norm) as kernel
   calls of the same weights.
 
-Weights are int8 (Q8_0's blocks) or bf16, like :func:`~specdecode.heads.native.to_native`; the
-drafts may differ slightly from the torch network's (int8 activations per 32 inputs; the
+Weights are int4 (Q4_1's blocks), int8 (Q8_0's) or bf16, like
+:func:`~specdecode.heads.native.to_native`; the drafts may differ slightly from the torch
+network's (4- or 8-bit weights, int8 activations per 32 inputs; the
 attention scale folded into q's weights, an exact power of two for 64-wide heads). Exactness
 is the verifier's; the agreement of the two is tested (tests/test_draft_heads.py,
 tests/test_deer.py).
@@ -30,16 +31,16 @@ from __future__ import annotations
 import torch
 
 from specdecode import kernels
+from specdecode.heads.native import scoring_layer
 from specdecode.heads.networks import Block, DeerDrafter, EagleHead, _rope_table
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
-from specdecode.models.quant import make_linear
 
 #: context rows the cache holds at first; it doubles when a longer context comes
 INITIAL_ROWS = 1024
 
 
 def _linear(weight: torch.Tensor, fmt: str):
-    return make_linear(weight.detach().float(), fmt)
+    return scoring_layer(weight.detach(), fmt)
 
 
 def _weight(norm) -> torch.Tensor:
@@ -68,6 +69,7 @@ class _LayersOnKernels:
             [0] * self.layers, self.heads, self.heads, self.head_dim, self.size, self.eps)
         self.unit = torch.ones(self.size)
         self.cache = self._new_cache(INITIAL_ROWS)
+        self._rope_halves: tuple = (None, None, None)
 
     def _new_cache(self, rows: int) -> BlockedKVCache:
         return BlockedKVCache(self.layers, self.heads, self.head_dim,
@@ -99,8 +101,14 @@ class _LayersOnKernels:
         return unit.view(n, -1) * weight
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        table = _rope_table(self.head_dim, int(positions.max()) + 1)[positions]
-        return table[:, 0].contiguous(), table[:, 1].contiguous()
+        """The rows' (cos, cos) and (-sin, sin) [n, D]; ``positions`` are below the cache's
+        capacity (every row has its slot), so the table needs no look at them to be long
+        enough, and its two halves are kept apart: two gathers a call."""
+        table = _rope_table(self.head_dim, self.cache.capacity)
+        if self._rope_halves[0] is not table:
+            self._rope_halves = (table, table[:, 0].contiguous(), table[:, 1].contiguous())
+        _, cos, sin = self._rope_halves
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         cache = self.cache
@@ -112,7 +120,7 @@ class _LayersOnKernels:
 
 class NativeEagleHead(_LayersOnKernels):
     """An :class:`EagleHead`'s drafting interface (``reset`` / ``ingest`` / ``expand``) on the
-    kernels (see the module docstring); ``fmt``: int8 or bf16 weights."""
+    kernels (see the module docstring); ``fmt``: int4, int8 or bf16 weights."""
 
     def __init__(self, net: EagleHead, fmt: str = "int8"):
         super().__init__(net, [net.layer], fmt)

@@ -199,6 +199,12 @@ def draw_tokens(logits, temperatures, uniforms, top_p):
     return load().draw_tokens(logits, temperatures, uniforms, top_p, isa())
 
 
+def top_probs(logits, limit):
+    """The ``limit`` most probable tokens of each row's softmax of ``logits`` [n, V], most
+    probable first (ties: the lower index): (probabilities [n, limit], indices [n, limit])."""
+    return load().top_probs(logits, limit, isa())
+
+
 def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, isa())
 

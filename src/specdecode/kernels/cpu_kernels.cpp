@@ -52,6 +52,7 @@
 #define DENSE_TILE dense_tile
 #define EXP_SCALED exp_scaled
 #define ROW_MAX row_max
+#define NEXT_ABOVE next_above
 namespace k_generic {
 WEIGHT_LOADERS
 #include "generic.h"
@@ -73,6 +74,8 @@ WEIGHT_LOADERS
 #define EXP_SCALED exp_scaled_avx512
 #undef ROW_MAX
 #define ROW_MAX row_max_avx512
+#undef NEXT_ABOVE
+#define NEXT_ABOVE next_above_avx512
 namespace k_avx512 {
 WEIGHT_LOADERS
 
@@ -124,6 +127,17 @@ static float row_max_avx512(const float* x, int64_t v) {
   const __mmask16 rest = (__mmask16)((1u << (v - i)) - 1);
   top = _mm512_mask_max_ps(top, rest, _mm512_maskz_loadu_ps(rest, x + i), top);
   return _mm512_reduce_max_ps(top);
+}
+
+// generic.h's next_above, 16 values a compare
+static int64_t next_above_avx512(const float* e, int64_t from, int64_t v, float threshold) {
+  const __m512 t = _mm512_set1_ps(threshold);
+  for (; from + 16 <= v; from += 16) {
+    const __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(e + from), t, _CMP_GT_OQ);
+    if (above) return from + __builtin_ctz(above);
+  }
+  while (from < v && !(e[from] > threshold)) from++;
+  return from;
 }
 
 // generic.h's exp_scaled, 16 lanes a step
@@ -714,6 +728,27 @@ at::Tensor draw_tokens(const at::Tensor& logits, const at::Tensor& temperatures,
   return tokens;
 }
 
+// The `limit` most probable tokens of each row of a drafter's logits [n, V] and their
+// probabilities (generic.h's top_probs): ([n, limit] float32, [n, limit] int64). Rows of a
+// small call run on the calling thread (a parallel region costs more than their scan).
+std::vector<at::Tensor> top_probs(const at::Tensor& logits, int64_t limit, int64_t isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "top_probs: logits must be a contiguous float32 [rows, vocabulary] tensor");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(limit >= 1 && limit <= v, "top_probs: limit must be in 1 .. ", v, ", got ", limit);
+  auto probs = at::empty({n, limit}, at::kFloat);
+  auto ids = at::empty({n, limit}, at::kLong);
+  const float* xp = logits.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / v), [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(v);
+    for (int64_t r = r0; r < r1; r++)
+      DISPATCH(isa, top_probs, xp + r * v, v, limit, e.data(), ip + r * limit, pp + r * limit);
+  });
+  return {probs, ids};
+}
+
 static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
               v_cache.dim() == 3 && k_cache.size(1) * 16 == v_cache.size(1) &&
@@ -1094,6 +1129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("geglu", &geglu, nogil);
   m.def("softcap", &softcap, nogil);
   m.def("draw_tokens", &draw_tokens, nogil);
+  m.def("top_probs", &top_probs, nogil);
   m.def("rope_store", &rope_store, nogil);
   m.def("attention", &attention, nogil);
   m.def("parallel_threads", &parallel_threads, nogil);

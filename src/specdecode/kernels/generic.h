@@ -240,6 +240,37 @@ static void nucleus_draw_into(const float* x, int64_t v, float temperature, cons
   *token = nucleus_draw(x, v, temperature, u, tries, top_p, e, sums);
 }
 
+// ---- ranking a drafter's candidates (the draft tree's children) ---------------------------
+
+// the first i in [from, v) with e[i] > threshold, else v (k_avx512 has its own, NEXT_ABOVE,
+// 16 values a compare)
+static int64_t next_above(const float* e, int64_t from, int64_t v, float threshold) {
+  while (from < v && !(e[from] > threshold)) from++;
+  return from;
+}
+
+// The `limit` most probable tokens of softmax(x) over x[0 .. v - 1] (limit <= v), the most
+// probable first and of equal ones the lower index first: ids[j] and probs[j] = exp(x - max) /
+// the row's sum (exp_fixed's). A logit of -inf has probability 0 and is never ranked (the
+// places left are -1 and 0). `e`: v floats of scratch.
+static void top_probs(const float* x, int64_t v, int64_t limit, float* e, int64_t* ids,
+                      float* probs) {
+  EXP_SCALED(x, e, v, 1.0f, ROW_MAX(x, v));
+  const float total = lane_sum(e, v);
+  for (int64_t j = 0; j < limit; j++) ids[j] = -1, probs[j] = 0.0f;
+  int64_t kept = 0;
+  // a candidate must beat the last kept one (strictly: an equal later index ranks after it);
+  // until `limit` are kept, anything above -1 (every exp) does
+  for (int64_t i = NEXT_ABOVE(e, 0, v, -1.0f); i < v;
+       i = NEXT_ABOVE(e, i + 1, v, kept == limit ? probs[limit - 1] : -1.0f)) {
+    if (x[i] == -INFINITY) continue;
+    int64_t j = kept < limit ? kept++ : limit - 1;
+    for (; j > 0 && probs[j - 1] < e[i]; j--) ids[j] = ids[j - 1], probs[j] = probs[j - 1];
+    ids[j] = i, probs[j] = e[i];
+  }
+  for (int64_t j = 0; j < kept; j++) probs[j] /= total;
+}
+
 // Write a tile's sums [rows][16] for output rows r0.. and column tile t, the last tile cut at
 // n columns: y = residual + sum * scale (each optional; scale per column).
 static inline void store_tile(const float* acc, int rows, int64_t r0, int64_t t, int64_t n,

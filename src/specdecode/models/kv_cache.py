@@ -191,15 +191,16 @@ class AttentionPlan:
         token). A row sees every cached slot, its ancestors and itself."""
         n = len(paths)
         base = cached + start
-        lengths = torch.tensor([len(path) + 1 for path in paths], dtype=torch.int32)
-        keys = torch.zeros(n, int(lengths.max()), dtype=torch.int32)
+        lengths = [len(path) + 1 for path in paths]
+        width = max(lengths)
+        table = []  # built as lists: a tensor op per row cost more than the draft step's layer
         for j, path in enumerate(paths):
             require(all(0 <= row < start + j for row in path),
                     f"tree row {start + j}'s ancestors must be earlier rows, got {list(path)}")
-            keys[j, :len(path) + 1] = torch.tensor([cached + row for row in path] + [base + j],
-                                                   dtype=torch.int32)
-        return cls(cached, cached - 1 + lengths.long(), torch.arange(base, base + n), keys,
-                   lengths)
+            table.append([cached + row for row in path] + [base + j] + [0] * (width - len(path) - 1))
+        return cls(cached, torch.tensor([cached - 1 + length for length in lengths]),
+                   torch.arange(base, base + n), torch.tensor(table, dtype=torch.int32),
+                   torch.tensor(lengths, dtype=torch.int32))
 
 
 @functools.lru_cache(maxsize=64)
