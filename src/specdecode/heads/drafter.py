@@ -39,6 +39,9 @@ def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -
     """``net``'s features [n, F] of ``rows`` of a pass made with :func:`target_needs`: the
     chosen layers' hidden states side by side (then the final ones where it reads them), or
     the final ones."""
+    if isinstance(rows, list) and rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        # a view, not a gather: a prefill's rows (every prompt token's) cost 60 us as a list
+        rows = slice(rows[0], rows[0] + len(rows))
     parts = [output.layers[layer][rows] for layer in net.feature_layers]
     if net.reads_final or not parts:
         parts.append(output.final_hidden[rows])

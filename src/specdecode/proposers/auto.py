@@ -45,7 +45,6 @@ acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 
 from __future__ import annotations
 
-import statistics
 import time
 from bisect import bisect_right
 from collections import Counter, deque
@@ -188,9 +187,9 @@ class AutoProposer(Proposer):
         self.merged_record = _Record()
         self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
-        # the recent steps' (draft rows, seconds besides their forward and drafting), and the
-        # line (fixed seconds, seconds a row) fitted to them
-        self._recent_steps: deque[tuple[int, float]] = deque(maxlen=OVERHEAD_STEPS)
+        # the recent steps' (row group, draft rows, seconds besides their forward and
+        # drafting), and the line (fixed seconds, seconds a row) fitted to them
+        self._recent_steps: deque[tuple[int, int, float]] = deque(maxlen=OVERHEAD_STEPS)
         self._overhead_line = (0.0, 0.0)
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
         self.choices: Counter[str] = Counter()
@@ -318,14 +317,17 @@ class AutoProposer(Proposer):
             return
         started, nodes, drafting_s = self._step
         self._recent_steps.append(
-            (nodes, max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
-        groups: list[list[tuple[int, float]]] = [[] for _ in ROW_GROUP_STARTS]
-        for n, rest in self._recent_steps:  # one pass: each step into its group
-            groups[bisect_right(ROW_GROUP_STARTS, n) - 1].append((n, rest))
+            (bisect_right(ROW_GROUP_STARTS, nodes) - 1, nodes,
+             max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
+        # each group's rows and seconds in one pass (the statistics module's mean and median
+        # over generators cost 60 us a step)
+        groups: list[tuple[list[int], list[float]]] = [([], []) for _ in ROW_GROUP_STARTS]
+        for group, n, rest in self._recent_steps:
+            groups[group][0].append(n)
+            groups[group][1].append(rest)
         # (mean rows, median seconds, steps) of each group with enough steps
-        self._overhead_line = _line([(statistics.fmean(n for n, _ in group),
-                                      statistics.median(rest for _, rest in group), len(group))
-                                     for group in groups if len(group) >= MIN_GROUP])
+        self._overhead_line = _line([(sum(rows) / len(rows), _median(rests), len(rows))
+                                     for rows, rests in groups if len(rows) >= MIN_GROUP])
 
     def _overhead(self) -> tuple[float, float]:
         """(fixed seconds, seconds a draft row) of a step besides its forward and drafting: a
@@ -345,6 +347,12 @@ class AutoProposer(Proposer):
             _Walk(record, feedback.draft, controller).close(len(feedback.accepted))
             self._sent = None
         self._walks = [w for w in self._walks if not w.advance(feedback.tokens)]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
