@@ -15,7 +15,8 @@ wrapping its own parts (the wrappers cost about a microsecond a call):
     linears      the drafter network's linear maps (the native kernels' calls: nn.Linear
                  converted by heads/native.py); for ``eagle`` and ``deer`` (heads/native_blocks.py)
                  and ``draft_model`` their decoder layers too (one C++ call: the LayerStack,
-                 attention included)
+                 attention included); for ``hydra`` (heads/native_hydra.py) its whole network
+                 (one C++ call)
     shortlist    the shortlist LM head scoring the drafted nodes' children
     torch ops    the rest of the network's calls (norms, attention, rope, concatenation,
                  indexing; for ``draft_model`` the runner's embedding, attention plan and norm)
@@ -110,10 +111,10 @@ def instrument_heads(proposer, clock: Clock) -> None:
         for module in lm.net.modules():
             if type(module).__name__ in ("KernelLinear", "NativeLinear"):
                 module.forward = clock.wrap(module.forward, "linears")
-    else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around it
+    else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around
+        # it; heads/native_hydra.py: the heads one call
         net = lm.net
-        net.stack = TimedLayer(net.stack, clock, "linears")
-        for name in ("fuse", "fc", "anchor_in"):
+        for name in ("stack", "heads", "fuse", "fc", "anchor_in"):
             if getattr(net, name, None) is not None:
                 setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
         if hasattr(net, "context_kv"):

@@ -4,6 +4,7 @@ tests/test_exactness.py, as for every registered method."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -18,6 +19,7 @@ from specdecode.heads.drafter import target_features, target_needs
 from specdecode.heads import native_blocks
 from specdecode.heads.native import to_native
 from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
+from specdecode.heads.native_hydra import NativeHydraHeads
 from specdecode.heads.networks import MLP, NETWORKS, RMSNorm, eagle3_layers, make_network
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
@@ -95,6 +97,35 @@ def test_native_conversion_takes_any_drafters_linear_maps(fmt):
         to_native(net, fmt)
         assert not any(isinstance(m, (torch.nn.Linear, RMSNorm, MLP)) for m in net.modules())
         assert relative_error(expected, net.ingest(feats, ids, torch.arange(9))[1]) < 0.02, kind
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_native_hydra_calls_are_the_converted_modules_bitwise(fmt):
+    """Hydra's heads in one kernel call (NativeHydraHeads) give the bits of the network
+    converted by to_native (the same kernels and operations), call for call: the root, two
+    nodes of one depth, and nodes of two depths in one call, out of depth order."""
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here")
+    net = perturbed("hydra").eval()
+    native = NativeHydraHeads(net, fmt)
+    converted = to_native(copy.deepcopy(net), fmt)
+    feats, ids = torch.randn(5, net.size), torch.randint(50, (5,))
+
+    def both(call, states, *args):
+        with torch.no_grad():
+            expected = getattr(converted, call)(*states[0], *args)
+            got = getattr(native, call)(*states[1], *args)
+        assert torch.equal(expected[1], got[1]), call
+        return expected[0], got[0]
+
+    roots = both("ingest", ([feats, ids], [feats, ids]), torch.arange(5))
+    first = both("expand", ([[roots[0][0]] * 2], [[roots[1][0]] * 2]), torch.tensor([4, 7]),
+                 [1, 1], [[], []])
+    both("expand", ([[first[0][0], roots[0][0], first[0][1]]],
+                    [[first[1][0], roots[1][0], first[1][1]]]),
+         torch.tensor([3, 9, 12]), [2, 1, 2], [[0], [], [1]])
+    with pytest.raises(RuntimeError, match="a path of 5 tokens; the heads read 1 to 4"):
+        native.expand([(1, 2, 3, 4)], torch.tensor([5]), [4], [[0, 1, 2]])
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])

@@ -22,7 +22,8 @@ from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.native import scoring_layer, to_native
 from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
-from specdecode.heads.networks import DeerDrafter, EagleHead, HeadNetwork
+from specdecode.heads.native_hydra import NativeHydraHeads
+from specdecode.heads.networks import DeerDrafter, EagleHead, HeadNetwork, HydraHeads
 from specdecode.drafting.caches import DraftCache
 from specdecode.models.base import ForwardOutput, Needs
 
@@ -50,10 +51,11 @@ def target_features(net: HeadNetwork, output: ForwardOutput, rows=slice(None)) -
 
 def drafting_network(net: HeadNetwork, weights: str):
     """``net`` as it drafts with ``weights`` (heads/native.py's formats): EAGLE's and DEER's
-    decoder layers in a few kernel calls a step (heads/native_blocks.py), any other network
-    with its linear maps, norms and MLPs on the kernels; fp32, or kernels that do not build
-    here: ``net`` itself."""
-    on_kernels = {EagleHead: NativeEagleHead, DeerDrafter: NativeDeerDrafter}.get(type(net))
+    decoder layers in a few kernel calls a step (heads/native_blocks.py), Hydra's heads in one
+    (heads/native_hydra.py), any other network with its linear maps, norms and MLPs on the
+    kernels; fp32, or kernels that do not build here: ``net`` itself."""
+    on_kernels = {EagleHead: NativeEagleHead, DeerDrafter: NativeDeerDrafter,
+                  HydraHeads: NativeHydraHeads}.get(type(net))
     if on_kernels is not None and weights != "fp32" and kernels.available():
         return on_kernels(net, weights)
     return to_native(net, weights)

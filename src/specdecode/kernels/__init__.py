@@ -236,6 +236,14 @@ def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv
                              kv_heads, head_dim, hidden, eps)
 
 
+def hydra_heads(fuse, fuse_bias, res, res_bias, embed):
+    """Hydra's heads as one kernel call a draft step (cpu_kernels.cpp's ``HydraHeads``): per
+    head its fused projection and residual map (``packed_linear``s) and their biases (or None),
+    and the target's input embeddings [V, H]; ``forward(feature, paths, isa)`` scores each
+    path (the root's next token first) with the head of its depth."""
+    return load().HydraHeads(fuse, fuse_bias, res, res_bias, embed)
+
+
 def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     """Where the rows of one forward of several sequences go (cpu_kernels.cpp's ``PackedPlan``):
     sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's

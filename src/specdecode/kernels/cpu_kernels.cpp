@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1100,6 +1101,69 @@ struct LayerStack {
   }
 };
 
+// Hydra's heads (heads/networks.py HydraHeads, heads/native_hydra.py) in one call a draft step:
+// head d reads the committed feature and the embeddings of a node's path (the root's next token
+// first, d + 1 tokens), x = fuse_d(feature, embeddings), out = x + silu(res_d(x) + bias_d). The
+// same kernels and ATen operations as the module converted by heads/native.py, on the same
+// tensors, so the same bits; one call instead of a dozen torch operations, each of which costs
+// several microseconds after a target forward has flushed the caches.
+struct HydraHeads {
+  std::vector<PackedLinear> fuse, res;
+  std::vector<c10::optional<at::Tensor>> fuse_bias, res_bias;  // [H] float32, or none
+  at::Tensor embed;  // the target's input embeddings [V, H]
+  int64_t hidden;
+
+  HydraHeads(std::vector<PackedLinear> fuse, std::vector<c10::optional<at::Tensor>> fuse_bias,
+             std::vector<PackedLinear> res, std::vector<c10::optional<at::Tensor>> res_bias,
+             at::Tensor embed)
+      : fuse(std::move(fuse)), res(std::move(res)), fuse_bias(std::move(fuse_bias)),
+        res_bias(std::move(res_bias)), embed(std::move(embed)), hidden(this->embed.size(1)) {
+    const size_t heads = this->fuse.size();
+    TORCH_CHECK(heads > 0 && this->res.size() == heads && this->fuse_bias.size() == heads &&
+                this->res_bias.size() == heads, "HydraHeads: one fuse, res and bias per head");
+    TORCH_CHECK(this->embed.dim() == 2, "HydraHeads: embeddings must be [vocabulary, hidden]");
+  }
+
+  // out [len(paths), H]: row j from head len(paths[j]) - 1 on `feature` [H] and paths[j]'s
+  // embeddings; rows of one depth go through their head together
+  at::Tensor forward(const at::Tensor& feature, const std::vector<std::vector<int64_t>>& paths,
+                     int64_t isa) const {
+    TORCH_CHECK(feature.dim() == 1 && feature.size(0) == hidden && feature.scalar_type() == at::kFloat,
+                "HydraHeads: the feature must be float32 [", hidden, "]");
+    const int64_t k = paths.size();
+    std::map<size_t, std::vector<int64_t>> depths;  // path length -> rows, in row order
+    for (int64_t j = 0; j < k; j++) {
+      const size_t len = paths[j].size();
+      TORCH_CHECK(len >= 1 && len <= fuse.size(), "HydraHeads: a path of ", len,
+                  " tokens; the heads read 1 to ", fuse.size());
+      for (int64_t token : paths[j])
+        TORCH_CHECK(token >= 0 && token < embed.size(0), "HydraHeads: token ", token,
+                    " is outside the vocabulary");
+      depths[len].push_back(j);
+    }
+    at::Tensor out;
+    for (const auto& [len, rows] : depths) {
+      const int64_t g = rows.size(), d = len - 1;
+      std::vector<int64_t> tokens;
+      for (int64_t j : rows) tokens.insert(tokens.end(), paths[j].begin(), paths[j].end());
+      const at::Tensor embeds = embed.index_select(0, at::tensor(tokens, at::kLong)).to(at::kFloat);
+      const at::Tensor x = at::cat({feature.expand({g, hidden}), embeds.view({g, (int64_t)len * hidden})}, 1);
+      const at::Tensor fused = fuse[d](x, bias_rows(fuse_bias[d], g), isa);
+      const at::Tensor y = fused + at::silu(res[d](fused, bias_rows(res_bias[d], g), isa));
+      if (g == k) return y;  // one depth: every row, in order
+      if (!out.defined()) out = at::empty({k, hidden}, at::kFloat);
+      out.index_copy_(0, at::tensor(rows, at::kLong), y);
+    }
+    return out;
+  }
+
+ private:
+  static c10::optional<at::Tensor> bias_rows(const c10::optional<at::Tensor>& bias, int64_t g) {
+    if (!bias) return c10::nullopt;
+    return bias->expand({g, bias->size(0)}).contiguous();
+  }
+};
+
 }  // namespace
 
 // the threads a kernel's parallel_for runs on (1 where the extension was built without OpenMP)
@@ -1140,6 +1204,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &LayerStack::forward, nogil);
+  py::class_<HydraHeads>(m, "HydraHeads")
+      .def(py::init<std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>, at::Tensor>())
+      .def("forward", &HydraHeads::forward, nogil);
   py::class_<PackedPlan>(m, "PackedPlan")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
