@@ -114,7 +114,7 @@ def instrument_heads(proposer, clock: Clock) -> None:
     else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around
         # it; heads/native_hydra.py: the heads one call
         net = lm.net
-        for name in ("stack", "heads", "fuse", "fc", "anchor_in"):
+        for name in ("stack", "head", "heads", "fuse", "fc", "anchor_in"):
             if getattr(net, name, None) is not None:
                 setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
         if hasattr(net, "context_kv"):

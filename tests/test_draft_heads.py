@@ -128,14 +128,16 @@ def test_native_hydra_calls_are_the_converted_modules_bitwise(fmt):
         native.expand([(1, 2, 3, 4)], torch.tensor([5]), [4], [[0, 1, 2]])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatch):
     """EAGLE's layer fused on the kernels (NativeEagleHead) drafts what the torch network
     drafts, call for call: contexts read in several steps, tree rows a few a call attending to
     their ancestors, the last step's tree forgotten at the next ingest, and a cache grown past
     its first size on the way. bf16 weights stay within 0.8% of torch's outputs (a tree row
-    given its sibling's ancestors is 1.6% off); int8 within its rounding, 3%."""
+    given its sibling's ancestors is 1.6% off); int8 within its rounding, 3%; int4 (the
+    default) within its coarser rounding of these random weights, 30% (a wrong map or row is
+    off by 100% or more)."""
     if not kernels.available():
         pytest.skip("the native kernels do not build here")
     monkeypatch.setattr(native_blocks, "INITIAL_ROWS", 16)
@@ -144,7 +146,7 @@ def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatc
     width = net.size * max(1, len(net.feature_layers))
     gen = torch.Generator().manual_seed(3)
     read = 0
-    tolerance = {"bf16": 0.008, "int8": 0.03}[fmt]
+    tolerance = {"bf16": 0.008, "int8": 0.03, "int4": 0.3}[fmt]
 
     def both(call, *args):
         with torch.no_grad():

@@ -110,61 +110,56 @@ class _LayersOnKernels:
         _, cos, sin = self._rope_halves
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def _plan(self, plan: AttentionPlan) -> tuple:
+        """``plan`` on this cache as the kernels take it: (packed plan, cos, sin)."""
         cache = self.cache
         packed = kernels.packed_plan([cache.keys], [cache.values], [plan.past], [plan.slots],
                                      [plan.keys], [plan.lengths])
-        return self.stack.forward(x, 0, self.layers, packed, *self._rope(plan.positions),
-                                  kernels.isa())
+        return (packed, *self._rope(plan.positions))
+
+    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        return self.stack.forward(x, 0, self.layers, *self._plan(plan), kernels.isa())
 
 
 class NativeEagleHead(_LayersOnKernels):
     """An :class:`EagleHead`'s drafting interface (``reset`` / ``ingest`` / ``expand``) on the
-    kernels (see the module docstring); ``fmt``: int4, int8 or bf16 weights."""
+    kernels (see the module docstring), one kernel call each (cpu_kernels.cpp ``EagleHead``: the
+    maps around the layer and the layer); ``fmt``: int4, int8 or bf16 weights."""
 
     def __init__(self, net: EagleHead, fmt: str = "int8"):
         super().__init__(net, [net.layer], fmt)
-        self.fuse = _linear(net.fuse.weight, fmt)
-        self.fc = _linear(net.fc.weight, fmt) if net.feature_layers else None
-        if net.feature_layers:
-            self.part_weight = _weight(net.part_norm)
-            self.hidden_weight, self.out_weight = _weight(net.hidden_norm), _weight(net.out_norm)
+        fc = _linear(net.fc.weight, fmt).kernel() if net.feature_layers else None
+        norms = ((_weight(net.part_norm), _weight(net.hidden_norm), _weight(net.out_norm))
+                 if net.feature_layers else (torch.empty(0),) * 3)  # EAGLE-1: no norms
+        self.head = kernels.eagle_head(self.stack, _linear(net.fuse.weight, fmt).kernel(), fc,
+                                       *norms, self.embed, self.eps)
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         self.tree_rows = 0  # the draft tree's rows written after the context this step
 
-    def _inputs(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        if self.fc is not None:
-            states = self._norm(states, self.hidden_weight)
-        return self.fuse(torch.cat([states, self.embed[tokens].float()], -1))
-
-    def _scored(self, out: torch.Tensor) -> torch.Tensor:
-        return self._norm(out, self.out_weight) if self.fc is not None else out
-
     def ingest(self, features, next_tokens, positions):
         """EagleHead.ingest: the committed positions' rows appended to the cache (the last
         step's tree rows forgotten); the root's state and its scored output."""
         n = len(features)
-        if self.fc is not None:
-            features = self.fc(self._part_norms(features, self.part_weight))
-        x = self._inputs(features.float(), next_tokens)
         self.tree_rows = 0
         self._room(n)
-        out = self._layers(x, AttentionPlan.chain(self.cache.length, n))
+        out, scored = self.head.ingest(features.float(), next_tokens,
+                                       *self._plan(AttentionPlan.chain(self.cache.length, n)),
+                                       kernels.isa())
         self.cache.append(n)
-        return [out[-1]], self._scored(out[-1:])
+        return [out[-1]], scored
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """EagleHead.expand: tree rows after this step's earlier ones, each attending to the
         context, ``ancestors[j]`` (earlier tree rows) and itself."""
-        x = self._inputs(torch.stack(list(parent_states)), tokens)
-        self._room(self.tree_rows + len(x))
-        out = self._layers(x, AttentionPlan.tree_rows(self.cache.length, self.tree_rows,
-                                                      ancestors))
-        self.tree_rows += len(x)
-        return list(out), self._scored(out)
+        self._room(self.tree_rows + len(tokens))
+        plan = AttentionPlan.tree_rows(self.cache.length, self.tree_rows, ancestors)
+        out, scored = self.head.expand(list(parent_states), tokens, *self._plan(plan),
+                                       kernels.isa())
+        self.tree_rows += len(tokens)
+        return list(out), scored
 
 
 class NativeDeerDrafter(_LayersOnKernels):

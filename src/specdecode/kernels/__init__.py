@@ -236,6 +236,16 @@ def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv
                              kv_heads, head_dim, hidden, eps)
 
 
+def eagle_head(stack, fuse, fc, part_norm, hidden_norm, out_norm, embed, eps):
+    """EAGLE's head a kernel call at a time (cpu_kernels.cpp's ``EagleHead``): its decoder layer
+    (a one-layer ``layer_stack``), ``fuse`` and, for EAGLE-3, ``fc`` (``packed_linear``s; None
+    for EAGLE-1, whose norms' weights are then empty), the norms' weights and the target's input
+    embeddings [V, H]; ``ingest(features, tokens, plan, cos, sin, isa)`` and
+    ``expand(states, tokens, plan, cos, sin, isa)`` return (the layer's output, its rows as the
+    shortlist scores them)."""
+    return load().EagleHead(stack, fuse, fc, part_norm, hidden_norm, out_norm, embed, eps)
+
+
 def hydra_heads(fuse, fuse_bias, res, res_bias, embed):
     """Hydra's heads as one kernel call a draft step (cpu_kernels.cpp's ``HydraHeads``): per
     head its fused projection and residual map (``packed_linear``s) and their biases (or None),

@@ -1164,6 +1164,69 @@ struct HydraHeads {
   }
 };
 
+// EAGLE's head (heads/networks.py EagleHead; heads/native_blocks.py NativeEagleHead) a call at
+// a time: the maps around its decoder layer with the layer itself (a LayerStack of one), the
+// same kernels and ATen operations the Python class called one by one. A call's input rows are
+// either committed positions (ingest: the target's features, with EAGLE-3's layers each normed
+// on its own and fused by `fc`) or tree nodes (expand: their parents' states); where the head
+// reads layers, `hidden_norm` norms either, then each row's token embedding is joined to it and
+// `fuse` maps the pair to the layer's input. Returns the layer's output [n, H] (the rows'
+// states) and its last row (ingest) or every row (expand) normed by `out_norm` as the
+// shortlist scores it (no norms where the head reads the final features, EAGLE-1).
+struct EagleHead {
+  LayerStack stack;
+  PackedLinear fuse;
+  c10::optional<PackedLinear> fc;
+  at::Tensor part_weight, hidden_weight, out_weight, unit, embed;
+  int64_t hidden;
+  double eps;
+
+  EagleHead(LayerStack stack, PackedLinear fuse, c10::optional<PackedLinear> fc,
+            at::Tensor part_weight, at::Tensor hidden_weight, at::Tensor out_weight,
+            at::Tensor embed, double eps)
+      : stack(std::move(stack)), fuse(std::move(fuse)), fc(std::move(fc)),
+        part_weight(std::move(part_weight)), hidden_weight(std::move(hidden_weight)),
+        out_weight(std::move(out_weight)), embed(std::move(embed)), eps(eps) {
+    hidden = this->embed.size(1);
+    unit = at::ones({hidden}, at::kFloat);
+  }
+
+  std::vector<at::Tensor> ingest(const at::Tensor& features, const at::Tensor& tokens,
+                                 const PackedPlan& plan, const at::Tensor& cos,
+                                 const at::Tensor& sin, int64_t isa) const {
+    at::Tensor states = features;
+    if (fc) {
+      const int64_t n = features.size(0);
+      const at::Tensor each = rms_norm(features.reshape({-1, hidden}).contiguous(), unit, eps, isa);
+      states = (*fc)(each.view({n, -1}) * part_weight, c10::nullopt, isa);
+    }
+    const at::Tensor out = layer(states, tokens, plan, cos, sin, isa);
+    return {out, scored(out.slice(0, out.size(0) - 1), isa)};
+  }
+
+  std::vector<at::Tensor> expand(const std::vector<at::Tensor>& parent_states,
+                                 const at::Tensor& tokens, const PackedPlan& plan,
+                                 const at::Tensor& cos, const at::Tensor& sin, int64_t isa) const {
+    const at::Tensor out = layer(at::stack(parent_states), tokens, plan, cos, sin, isa);
+    return {out, scored(out, isa)};
+  }
+
+ private:
+  // the rows' states (normed by hidden_norm where the head reads layers) and tokens through
+  // fuse and the decoder layer
+  at::Tensor layer(at::Tensor states, const at::Tensor& tokens, const PackedPlan& plan,
+                   const at::Tensor& cos, const at::Tensor& sin, int64_t isa) const {
+    if (fc) states = rms_norm(states.contiguous(), hidden_weight, eps, isa);
+    const at::Tensor joined = at::cat({states, embed.index_select(0, tokens).to(at::kFloat)}, -1);
+    return stack.forward(fuse(joined, c10::nullopt, isa), 0, (int64_t)stack.attn_norm.size(), plan,
+                         cos, sin, isa);
+  }
+
+  at::Tensor scored(const at::Tensor& out, int64_t isa) const {
+    return fc ? rms_norm(out.contiguous(), out_weight, eps, isa) : out;
+  }
+};
+
 }  // namespace
 
 // the threads a kernel's parallel_for runs on (1 where the extension was built without OpenMP)
@@ -1204,6 +1267,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
                     std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &LayerStack::forward, nogil);
+  py::class_<EagleHead>(m, "EagleHead")
+      .def(py::init<LayerStack, PackedLinear, c10::optional<PackedLinear>, at::Tensor, at::Tensor,
+                    at::Tensor, at::Tensor, double>())
+      .def("ingest", &EagleHead::ingest, nogil)
+      .def("expand", &EagleHead::expand, nogil);
   py::class_<HydraHeads>(m, "HydraHeads")
       .def(py::init<std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>,
                     std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>, at::Tensor>())
