@@ -13,10 +13,10 @@ medians over rounds reported). Each method's drafter is timed where it spends it
 wrapping its own parts (the wrappers cost about a microsecond a call):
 
     linears      the drafter network's linear maps (the native kernels' calls: nn.Linear
-                 converted by heads/native.py); for ``eagle`` and ``deer`` (heads/native_blocks.py)
-                 and ``draft_model`` their decoder layers too (one C++ call: the LayerStack,
-                 attention included); for ``hydra`` (heads/native_hydra.py) its whole network
-                 (one C++ call)
+                 converted by heads/native.py); for ``deer`` (heads/native_blocks.py) and
+                 ``draft_model`` their decoder layers too (one C++ call: the LayerStack,
+                 attention included); for ``eagle`` and ``hydra`` (heads/native_hydra.py)
+                 the whole network, one C++ call
     shortlist    the shortlist LM head scoring the drafted nodes' children
     torch ops    the rest of the network's calls (norms, attention, rope, concatenation,
                  indexing; for ``draft_model`` the runner's embedding, attention plan and norm)
@@ -80,7 +80,8 @@ class Clock:
 
 
 class TimedLayer:
-    """A callable layer object (an int4/int8 linear, a LayerStack) timed under ``label``."""
+    """A callable layer object (an int4/int8 linear, a LayerStack, a drafter's C++ head) timed
+    under ``label``, its methods too."""
 
     def __init__(self, layer, clock: Clock, label: str):
         self._layer, self._clock, self._label = layer, clock, label
@@ -93,16 +94,9 @@ class TimedLayer:
             self._clock.seconds[self._label] += CLOCKS[0]() - start
             self._clock.calls[self._label] += 1
 
-    def forward(self, *args, **kwargs):  # LayerStack
-        start = CLOCKS[0]()
-        try:
-            return self._layer.forward(*args, **kwargs)
-        finally:
-            self._clock.seconds[self._label] += CLOCKS[0]() - start
-            self._clock.calls[self._label] += 1
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
+    def __getattr__(self, name):  # LayerStack.forward, EagleHead.ingest, ...: timed too
+        method = getattr(self._layer, name)
+        return self._clock.wrap(method, self._label) if callable(method) else method
 
 
 def instrument_heads(proposer, clock: Clock) -> None:
@@ -114,7 +108,7 @@ def instrument_heads(proposer, clock: Clock) -> None:
     else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around
         # it; heads/native_hydra.py: the heads one call
         net = lm.net
-        for name in ("stack", "head", "heads", "fuse", "fc", "anchor_in"):
+        for name in ("stack", "head", "native", "fuse", "fc", "anchor_in"):
             if getattr(net, name, None) is not None:
                 setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
         if hasattr(net, "context_kv"):

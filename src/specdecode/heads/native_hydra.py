@@ -30,7 +30,7 @@ class NativeHydraHeads:
 
     def __init__(self, net: HydraHeads, fmt: str = "int4"):
         self.size, self.max_depth = net.size, net.max_depth
-        self.heads = kernels.hydra_heads(
+        self.native = kernels.hydra_heads(
             [scoring_layer(f.weight.detach(), fmt).kernel() for f in net.fuse],
             [_bias(f) for f in net.fuse],
             [scoring_layer(r.weight.detach(), fmt).kernel() for r in net.res],
@@ -45,11 +45,11 @@ class NativeHydraHeads:
         token) and head 0's output [1, H]."""
         self.last_feature = features[-1].float()
         root = (int(next_tokens[-1]),)
-        return [root], self.heads.forward(self.last_feature, [list(root)], kernels.isa())
+        return [root], self.native.forward(self.last_feature, [list(root)], kernels.isa())
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """HydraHeads.expand: each node's state is its parent's tokens and its own; its head is
         its depth's."""
         states = [(*state, token) for state, token in zip(parent_states, tokens.tolist())]
-        return states, self.heads.forward(self.last_feature, [list(s) for s in states],
+        return states, self.native.forward(self.last_feature, [list(s) for s in states],
                                           kernels.isa())
