@@ -100,25 +100,25 @@ class _LayersOnKernels:
         unit = self._norm(features.reshape(-1, self.size), self.unit)
         return unit.view(n, -1) * weight
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' (cos, cos) and (-sin, sin) [n, D]; ``positions`` are below the cache's
-        capacity (every row has its slot), so the table needs no look at them to be long
-        enough, and its two halves are kept apart: two gathers a call."""
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, cos) and (-sin, sin) [capacity, D] of every position the cache has a slot
+        for (a row's position is below its slot's), the table's two halves kept apart."""
         table = _rope_table(self.head_dim, self.cache.capacity)
         if self._rope_halves[0] is not table:
             self._rope_halves = (table, table[:, 0].contiguous(), table[:, 1].contiguous())
-        _, cos, sin = self._rope_halves
+        return self._rope_halves[1:]
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' (cos, cos) and (-sin, sin) [n, D]: two gathers."""
+        cos, sin = self._rope_tables()
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _plan(self, plan: AttentionPlan) -> tuple:
-        """``plan`` on this cache as the kernels take it: (packed plan, cos, sin)."""
+    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         cache = self.cache
         packed = kernels.packed_plan([cache.keys], [cache.values], [plan.past], [plan.slots],
                                      [plan.keys], [plan.lengths])
-        return (packed, *self._rope(plan.positions))
-
-    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        return self.stack.forward(x, 0, self.layers, *self._plan(plan), kernels.isa())
+        return self.stack.forward(x, 0, self.layers, packed, *self._rope(plan.positions),
+                                  kernels.isa())
 
 
 class NativeEagleHead(_LayersOnKernels):
@@ -141,23 +141,26 @@ class NativeEagleHead(_LayersOnKernels):
 
     def ingest(self, features, next_tokens, positions):
         """EagleHead.ingest: the committed positions' rows appended to the cache (the last
-        step's tree rows forgotten); the root's state and its scored output."""
+        step's tree rows forgotten); the root's state and its scored output. The call builds
+        its attention plan (a chain after the cache) and rotary rows itself."""
         n = len(features)
         self.tree_rows = 0
         self._room(n)
-        out, scored = self.head.ingest(features.float(), next_tokens,
-                                       *self._plan(AttentionPlan.chain(self.cache.length, n)),
-                                       kernels.isa())
-        self.cache.append(n)
+        cache = self.cache
+        out, scored = self.head.ingest(features.float(), next_tokens, cache.keys, cache.values,
+                                       cache.length, *self._rope_tables(), kernels.isa())
+        cache.append(n)
         return [out[-1]], scored
 
     def expand(self, parent_states, tokens, depths, ancestors):
         """EagleHead.expand: tree rows after this step's earlier ones, each attending to the
-        context, ``ancestors[j]`` (earlier tree rows) and itself."""
+        context, ``ancestors[j]`` (earlier tree rows) and itself (the plan of
+        ``AttentionPlan.tree_rows``, built in the call)."""
         self._room(self.tree_rows + len(tokens))
-        plan = AttentionPlan.tree_rows(self.cache.length, self.tree_rows, ancestors)
-        out, scored = self.head.expand(list(parent_states), tokens, *self._plan(plan),
-                                       kernels.isa())
+        cache = self.cache
+        out, scored = self.head.expand(list(parent_states), tokens, ancestors, cache.keys,
+                                       cache.values, cache.length, self.tree_rows,
+                                       *self._rope_tables(), kernels.isa())
         self.tree_rows += len(tokens)
         return list(out), scored
 

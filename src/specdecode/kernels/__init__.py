@@ -240,9 +240,11 @@ def eagle_head(stack, fuse, fc, part_norm, hidden_norm, out_norm, embed, eps):
     """EAGLE's head a kernel call at a time (cpu_kernels.cpp's ``EagleHead``): its decoder layer
     (a one-layer ``layer_stack``), ``fuse`` and, for EAGLE-3, ``fc`` (``packed_linear``s; None
     for EAGLE-1, whose norms' weights are then empty), the norms' weights and the target's input
-    embeddings [V, H]; ``ingest(features, tokens, plan, cos, sin, isa)`` and
-    ``expand(states, tokens, plan, cos, sin, isa)`` return (the layer's output, its rows as the
-    shortlist scores them)."""
+    embeddings [V, H]; ``ingest(features, tokens, k_cache, v_cache, past, cos_table,
+    sin_table, isa)`` (a chain after ``past`` cached slots) and ``expand(states, tokens,
+    ancestors, k_cache, v_cache, cached, start, cos_table, sin_table, isa)`` (tree rows, as
+    ``AttentionPlan.tree_rows``) return (the layer's output, its rows as the shortlist scores
+    them)."""
     return load().EagleHead(stack, fuse, fc, part_norm, hidden_norm, out_norm, embed, eps)
 
 

@@ -1191,23 +1191,63 @@ struct EagleHead {
     unit = at::ones({hidden}, at::kFloat);
   }
 
+  // The committed positions' rows, a chain after the `past` slots of the head's cache
+  // (k_cache, v_cache: [layers, ...] as PackedPlan takes them); `cos_table`, `sin_table`: the
+  // rotary rows of every slot of the cache.
   std::vector<at::Tensor> ingest(const at::Tensor& features, const at::Tensor& tokens,
-                                 const PackedPlan& plan, const at::Tensor& cos,
-                                 const at::Tensor& sin, int64_t isa) const {
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t past, const at::Tensor& cos_table,
+                                 const at::Tensor& sin_table, int64_t isa) const {
     at::Tensor states = features;
+    const int64_t n = features.size(0);
     if (fc) {
-      const int64_t n = features.size(0);
       const at::Tensor each = rms_norm(features.reshape({-1, hidden}).contiguous(), unit, eps, isa);
       states = (*fc)(each.view({n, -1}) * part_weight, c10::nullopt, isa);
     }
-    const at::Tensor out = layer(states, tokens, plan, cos, sin, isa);
-    return {out, scored(out.slice(0, out.size(0) - 1), isa)};
+    // AttentionPlan.chain: row i at slot and position past + i, seeing past .. past + i
+    const at::Tensor slots = at::arange(past, past + n, at::kLong);
+    at::Tensor keys = at::empty({n, n}, at::kInt), lens = at::empty({n}, at::kInt);
+    for (int64_t i = 0; i < n; i++) {
+      lens.data_ptr<int32_t>()[i] = i + 1;
+      for (int64_t j = 0; j < n; j++) keys.data_ptr<int32_t>()[i * n + j] = past + j;
+    }
+    const PackedPlan plan({k_cache}, {v_cache}, {past}, {slots}, {keys}, {lens});
+    const at::Tensor out = layer(states, tokens, plan, cos_table.index_select(0, slots),
+                                 sin_table.index_select(0, slots), isa);
+    return {out, scored(out.slice(0, n - 1), isa)};
   }
 
+  // Tree rows after the `start` rows this step wrote after the `cached` committed slots:
+  // row j at slot cached + start + j, seeing the committed slots, the tree rows
+  // ancestors[j] (root to parent, each below start + j) and itself (AttentionPlan.tree_rows).
   std::vector<at::Tensor> expand(const std::vector<at::Tensor>& parent_states,
-                                 const at::Tensor& tokens, const PackedPlan& plan,
-                                 const at::Tensor& cos, const at::Tensor& sin, int64_t isa) const {
-    const at::Tensor out = layer(at::stack(parent_states), tokens, plan, cos, sin, isa);
+                                 const at::Tensor& tokens,
+                                 const std::vector<std::vector<int64_t>>& ancestors,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t cached, int64_t start, const at::Tensor& cos_table,
+                                 const at::Tensor& sin_table, int64_t isa) const {
+    const int64_t n = ancestors.size();
+    size_t width = 0;
+    for (const auto& path : ancestors) width = std::max(width, path.size() + 1);
+    const at::Tensor slots = at::arange(cached + start, cached + start + n, at::kLong);
+    at::Tensor keys = at::zeros({n, (int64_t)width}, at::kInt), lens = at::empty({n}, at::kInt);
+    at::Tensor positions = at::empty({n}, at::kLong);
+    for (int64_t j = 0; j < n; j++) {
+      const auto& path = ancestors[j];
+      int32_t* row = keys.data_ptr<int32_t>() + j * width;
+      for (size_t a = 0; a < path.size(); a++) {
+        TORCH_CHECK(0 <= path[a] && path[a] < start + j, "tree row ", start + j,
+                    "'s ancestors must be earlier rows, got row ", path[a]);
+        row[a] = cached + path[a];
+      }
+      row[path.size()] = cached + start + j;
+      lens.data_ptr<int32_t>()[j] = path.size() + 1;
+      positions.data_ptr<int64_t>()[j] = cached + path.size();
+    }
+    const PackedPlan plan({k_cache}, {v_cache}, {cached}, {slots}, {keys}, {lens});
+    const at::Tensor out = layer(at::stack(parent_states), tokens, plan,
+                                 cos_table.index_select(0, positions),
+                                 sin_table.index_select(0, positions), isa);
     return {out, scored(out, isa)};
   }
 
