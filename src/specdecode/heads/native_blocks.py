@@ -1,4 +1,4 @@
-"""The drafters built of decoder layers on the kernels: a draft step in a few kernel calls, not
+"""The drafters built of decoder layers on the kernels: a drafter call is one kernel call, not
 forty torch ops.
 
 :class:`~specdecode.heads.networks.EagleHead` is one decoder layer with a few maps around it,
@@ -15,8 +15,10 @@ linear layers. Here the same networks run as
   slot tables name: EAGLE's tree rows their ancestors and themselves (the target's tree verify
   tables, ``AttentionPlan.tree_rows``), DEER's block rows every row of the block;
 - the maps around them (the per-part norms and the linear map fusing the target's layers, the
-  norm of a fed-back state, the fusion with a token's embedding, the output norm) as kernel
-  calls of the same weights.
+  norm of a fed-back state, the fusion with a token's embedding, the output norm), the attention
+  plans and rotary rows in the same C++ call (cpu_kernels.cpp ``EagleHead``, ``DeerDrafter``):
+  after a target forward has flushed the caches, each small operation left in Python cost
+  several microseconds (session 21, docs/draft-heads.md).
 
 Weights are int4 (Q4_1's blocks), int8 (Q8_0's) or bf16, like
 :func:`~specdecode.heads.native.to_native`; the drafts may differ slightly from the torch
@@ -33,7 +35,7 @@ import torch
 from specdecode import kernels
 from specdecode.heads.native import scoring_layer
 from specdecode.heads.networks import Block, DeerDrafter, EagleHead, _rope_table
-from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
+from specdecode.models.kv_cache import KEY_BLOCK, BlockedKVCache
 
 #: context rows the cache holds at first; it doubles when a longer context comes
 INITIAL_ROWS = 1024
@@ -67,7 +69,6 @@ class _LayersOnKernels:
             [_weight(b.attn_norm) for b in blocks], linears["qkv"], linears["o"],
             [_weight(b.mlp_norm) for b in blocks], linears["gate_up"], linears["down"],
             [0] * self.layers, self.heads, self.heads, self.head_dim, self.size, self.eps)
-        self.unit = torch.ones(self.size)
         self.cache = self._new_cache(INITIAL_ROWS)
         self._rope_halves: tuple = (None, None, None)
 
@@ -90,16 +91,6 @@ class _LayersOnKernels:
         grown.length = self.cache.length
         self.cache = grown
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x.contiguous(), weight, self.eps)
-
-    def _part_norms(self, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Each ``size``-wide part of ``features`` [n, parts x size] normed on its own, times
-        the parts' weights side by side ``weight``."""
-        n = len(features)
-        unit = self._norm(features.reshape(-1, self.size), self.unit)
-        return unit.view(n, -1) * weight
-
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, cos) and (-sin, sin) [capacity, D] of every position the cache has a slot
         for (a row's position is below its slot's), the table's two halves kept apart."""
@@ -107,18 +98,6 @@ class _LayersOnKernels:
         if self._rope_halves[0] is not table:
             self._rope_halves = (table, table[:, 0].contiguous(), table[:, 1].contiguous())
         return self._rope_halves[1:]
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' (cos, cos) and (-sin, sin) [n, D]: two gathers."""
-        cos, sin = self._rope_tables()
-        return cos.index_select(0, positions), sin.index_select(0, positions)
-
-    def _layers(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        cache = self.cache
-        packed = kernels.packed_plan([cache.keys], [cache.values], [plan.past], [plan.slots],
-                                     [plan.keys], [plan.lengths])
-        return self.stack.forward(x, 0, self.layers, packed, *self._rope(plan.positions),
-                                  kernels.isa())
 
 
 class NativeEagleHead(_LayersOnKernels):
@@ -173,39 +152,26 @@ class NativeDeerDrafter(_LayersOnKernels):
 
     def __init__(self, net: DeerDrafter, fmt: str = "int8"):
         super().__init__(net, list(net.blocks), fmt)
-        self.part_weight = torch.cat([_weight(norm) for norm in net.part_norms])
-        self.fuse = _linear(net.fuse.weight, fmt)
-        self.context_weight, self.out_weight = _weight(net.context_norm), _weight(net.out_norm)
-        self.context_kv = [_linear(block.attn.kv.weight, fmt) for block in net.blocks]
-        self.anchor_in = None if net.anchor_in is None else _linear(net.anchor_in.weight, fmt)
-        self.mask = net.mask.detach().float()
+        anchor_in = None if net.anchor_in is None else _linear(net.anchor_in.weight, fmt).kernel()
+        self.drafter = kernels.deer_drafter(
+            self.stack, _linear(net.fuse.weight, fmt).kernel(),
+            [_linear(block.attn.kv.weight, fmt).kernel() for block in net.blocks], anchor_in,
+            torch.cat([_weight(norm) for norm in net.part_norms]), _weight(net.context_norm),
+            _weight(net.out_norm), net.mask.detach().float(), self.embed, self.heads,
+            self.max_depth, self.eps)
         self.reset()
 
     def ingest(self, features, next_tokens, positions):
         """DeerDrafter.ingest: the context's keys and values appended, then the block after
-        the root ``next_tokens[-1]``: its state is the block's features [block, H]."""
-        n, past = len(features), self.cache.length
-        memory = self._norm(self.fuse(self._part_norms(features.float(), self.part_weight)),
-                            self.context_weight)
-        rows = self.max_depth + 1
-        self._room(n + rows)
-        cos, sin = self._rope(positions)
-        slots = torch.arange(past, past + n)
-        no_queries = memory.new_zeros(n, self.size)
-        for layer, kv in enumerate(self.context_kv):
-            kernels.rope_store(torch.cat([no_queries, kv(memory)], -1), cos, sin, self.heads,
-                               self.heads, self.cache.keys[layer], self.cache.values[layer],
-                               slots)
-        self.cache.append(n)
-        x = torch.cat([self.embed[next_tokens[-1:]].float(),
-                       self.mask.expand(self.max_depth, -1)])
-        if self.anchor_in is not None:
-            x = x + self.anchor_in(memory[-1:])
-        block = past + n + torch.arange(rows)
-        keys = block.to(torch.int32).expand(rows, rows).contiguous()
-        plan = AttentionPlan(past + n, block, block, keys,
-                             torch.full((rows,), rows, dtype=torch.int32))
-        out = self._norm(self._layers(x.contiguous(), plan)[1:], self.out_weight)
+        the root ``next_tokens[-1]``: its state is the block's features [block, H]. One
+        kernel call (cpu_kernels.cpp ``DeerDrafter``)."""
+        n = len(features)
+        self._room(n + self.max_depth + 1)
+        cache = self.cache
+        out = self.drafter.ingest(features.float(), int(next_tokens[-1]), positions, cache.keys,
+                                  cache.values, cache.length, *self._rope_tables(),
+                                  kernels.isa())
+        cache.append(n)
         return [out], out[:1]
 
     def expand(self, parent_states, tokens, depths, ancestors):

@@ -1267,6 +1267,67 @@ struct EagleHead {
   }
 };
 
+// DEER's block drafter (heads/networks.py DeerDrafter; heads/native_blocks.py
+// NativeDeerDrafter) a call a step, as EagleHead: the committed positions' features, each part
+// normed on its own, fused and normed (the context's memory); each layer's keys and values of
+// that memory written into the drafter's cache with their rotary embedding (DFlash's
+// conditioning); then the block (the root's embedding and `block` mask rows, plus the anchor's
+// own memory row where the drafter has `anchor_in`) through the layers, every row seeing the
+// context and the whole block; returns the block's rows after the root, normed by `out_norm`.
+struct DeerDrafter {
+  LayerStack stack;
+  PackedLinear fuse;
+  std::vector<PackedLinear> context_kv;
+  c10::optional<PackedLinear> anchor_in;
+  at::Tensor part_weight, context_weight, out_weight, mask, unit, embed;
+  int64_t hidden, heads, block;
+  double eps;
+
+  DeerDrafter(LayerStack stack, PackedLinear fuse, std::vector<PackedLinear> context_kv,
+              c10::optional<PackedLinear> anchor_in, at::Tensor part_weight,
+              at::Tensor context_weight, at::Tensor out_weight, at::Tensor mask, at::Tensor embed,
+              int64_t heads, int64_t block, double eps)
+      : stack(std::move(stack)), fuse(std::move(fuse)), context_kv(std::move(context_kv)),
+        anchor_in(std::move(anchor_in)), part_weight(std::move(part_weight)),
+        context_weight(std::move(context_weight)), out_weight(std::move(out_weight)),
+        mask(std::move(mask)), embed(std::move(embed)), heads(heads), block(block), eps(eps) {
+    hidden = this->embed.size(1);
+    unit = at::ones({hidden}, at::kFloat);
+    TORCH_CHECK(this->context_kv.size() == this->stack.attn_norm.size(),
+                "DeerDrafter: one context k/v map a layer");
+  }
+
+  // `features` [n, parts x H] of the positions after the cache's `past` slots, whose rotary
+  // rows are `positions`' in the tables; `root`: the token after the last of them
+  at::Tensor ingest(const at::Tensor& features, int64_t root, const at::Tensor& positions,
+                    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t past,
+                    const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t isa) const {
+    const int64_t n = features.size(0), layers = stack.attn_norm.size();
+    const at::Tensor each = rms_norm(features.reshape({-1, hidden}).contiguous(), unit, eps, isa);
+    const at::Tensor memory =
+        rms_norm(fuse(each.view({n, -1}) * part_weight, c10::nullopt, isa), context_weight, eps, isa);
+    const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+    const at::Tensor slots = at::arange(past, past + n, at::kLong);
+    const at::Tensor no_queries = at::zeros({n, hidden}, at::kFloat);
+    for (int64_t layer = 0; layer < layers; layer++)
+      rope_store(at::cat({no_queries, context_kv[layer](memory, c10::nullopt, isa)}, -1), cos, sin,
+                 heads, heads, k_cache.select(0, layer), v_cache.select(0, layer), slots, isa);
+    at::Tensor x = at::cat({embed.index_select(0, at::tensor({root}, at::kLong)).to(at::kFloat),
+                            mask.expand({block, hidden})});
+    if (anchor_in) x = x + (*anchor_in)(memory.slice(0, n - 1), c10::nullopt, isa);
+    // the block: rows at slots past + n .. past + n + block, each seeing all of them
+    const int64_t rows = block + 1, start = past + n;
+    const at::Tensor block_slots = at::arange(start, start + rows, at::kLong);
+    const at::Tensor keys = block_slots.to(at::kInt).expand({rows, rows}).contiguous();
+    const PackedPlan plan({k_cache}, {v_cache}, {start}, {block_slots}, {keys},
+                          {at::full({rows}, rows, at::kInt)});
+    const at::Tensor out = stack.forward(x.contiguous(), 0, layers, plan,
+                                         cos_table.index_select(0, block_slots),
+                                         sin_table.index_select(0, block_slots), isa);
+    return rms_norm(out.slice(0, 1).contiguous(), out_weight, eps, isa);
+  }
+};
+
 }  // namespace
 
 // the threads a kernel's parallel_for runs on (1 where the extension was built without OpenMP)
@@ -1312,6 +1373,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     at::Tensor, at::Tensor, double>())
       .def("ingest", &EagleHead::ingest, nogil)
       .def("expand", &EagleHead::expand, nogil);
+  py::class_<DeerDrafter>(m, "DeerDrafter")
+      .def(py::init<LayerStack, PackedLinear, std::vector<PackedLinear>, c10::optional<PackedLinear>,
+                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
+                    double>())
+      .def("ingest", &DeerDrafter::ingest, nogil);
   py::class_<HydraHeads>(m, "HydraHeads")
       .def(py::init<std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>,
                     std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>, at::Tensor>())
