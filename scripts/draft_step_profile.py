@@ -13,13 +13,14 @@ medians over rounds reported). Each method's drafter is timed where it spends it
 wrapping its own parts (the wrappers cost about a microsecond a call):
 
     linears      the drafter network's linear maps (the native kernels' calls: nn.Linear
-                 converted by heads/native.py); for ``deer`` (heads/native_blocks.py) and
-                 ``draft_model`` their decoder layers too (one C++ call: the LayerStack,
-                 attention included); for ``eagle`` and ``hydra`` (heads/native_hydra.py)
-                 the whole network, one C++ call
+                 converted by heads/native.py); for ``draft_model`` its decoder layers too
+                 (one C++ call: the LayerStack, attention included); for ``eagle``, ``deer``
+                 (heads/native_blocks.py) and ``hydra`` (heads/native_hydra.py) the whole
+                 network, one C++ call a drafter call
     shortlist    the shortlist LM head scoring the drafted nodes' children
     torch ops    the rest of the network's calls (norms, attention, rope, concatenation,
-                 indexing; for ``draft_model`` the runner's embedding, attention plan and norm)
+                 indexing; for ``draft_model`` the runner's embedding, attention plan and norm;
+                 for the one-call networks, the Python around their call)
     drafter      the draft cache around the network (features, ancestors, masks)
     tree         the proposer's own work outside the drafter calls: ranking children, the
                  best-first heap, the draft (drafting/tree.py), and reading the verify pass's
@@ -105,14 +106,11 @@ def instrument_heads(proposer, clock: Clock) -> None:
         for module in lm.net.modules():
             if type(module).__name__ in ("KernelLinear", "NativeLinear"):
                 module.forward = clock.wrap(module.forward, "linears")
-    else:  # heads/native_blocks.py: the decoder layers one LayerStack call, the maps around
-        # it; heads/native_hydra.py: the heads one call
+    else:  # heads/native_blocks.py, heads/native_hydra.py: the network one C++ call
         net = lm.net
-        for name in ("stack", "head", "native", "fuse", "fc", "anchor_in"):
+        for name in ("head", "native", "drafter"):  # eagle's, hydra's, deer's
             if getattr(net, name, None) is not None:
                 setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
-        if hasattr(net, "context_kv"):
-            net.context_kv = [TimedLayer(kv, clock, "linears") for kv in net.context_kv]
     lm.score = TimedLayer(lm.score, clock, "shortlist")
     lm.net.ingest = clock.wrap(lm.net.ingest, "network")
     lm.net.expand = clock.wrap(lm.net.expand, "network")
