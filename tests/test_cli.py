@@ -16,6 +16,9 @@ from specdecode.cli import main
     (["generate", "hi", "--method", "ngram", "-c", "max_ngram=0"], "max_ngram (0) must be >="),
     (["generate", "hi", "--method", "ngram", "-c", "max_ngram=x"], "must be int"),
     (["generate", "hi", "-c", "novalue"], "--config expects KEY=VALUE"),
+    (["train", "heads", "--kind", "deer", "--pack", "4"],
+     "--pack packs conversations for hydra and eagle only; leave it out for deer"),
+    (["train", "heads", "--kind", "eagle", "--pack", "0"], "--pack must be >= 1, got 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -20,7 +20,8 @@ from specdecode.heads import native_blocks
 from specdecode.heads.native import to_native
 from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
 from specdecode.heads.native_hydra import NativeHydraHeads
-from specdecode.heads.networks import MLP, NETWORKS, RMSNorm, eagle3_layers, make_network
+from specdecode.heads.networks import (MLP, NETWORKS, RMSNorm, eagle3_layers, make_network,
+                                       packed, packed_rows)
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.registry import get
@@ -519,3 +520,36 @@ def test_held_out_agreement_counts_answer_positions_only():
         expected.append(round(hits / total, 4))
     assert evaluate(Net(), data, 3) == expected
     assert expected[0] > expected[1]  # the copied rows count
+
+
+@pytest.mark.parametrize("kind", ["hydra", "eagle", "eagle3"])
+def test_packed_conversations_train_as_each_alone(kind):
+    """``train heads --pack``: conversations packed one after another give, on the rows that
+    score a token of their own conversation, the outputs each gives alone (a row sees its own
+    conversation only, at positions from its start), and the packed loss reads those rows
+    only: the mean of the per-conversation losses weighted by their rows."""
+    from specdecode.training.train_heads import depth_losses
+
+    net = perturbed(kind).eval()
+    width = net.size * max(1, len(net.feature_layers))
+    gen = torch.Generator().manual_seed(4)
+    lengths, depth = [9, 5, 12], 3
+    feats = [torch.randn(n, width, generator=gen) for n in lengths]
+    finals = [torch.randn(n, net.size, generator=gen) for n in lengths]
+    ids = [torch.randint(50, (n,), generator=gen).tolist() for n in lengths]
+    tokens, starts = packed(ids)
+    assert starts == [0, 9, 14] and len(tokens) == 26
+    head = torch.randn(50, net.size, generator=gen)
+    with torch.no_grad():
+        together = net.train_outputs(torch.cat(feats), torch.tensor(tokens), depth, starts)
+        alone = [net.train_outputs(f, torch.tensor(i), depth) for f, i in zip(feats, ids)]
+        for k in range(depth):
+            keep = packed_rows(len(tokens), starts, k, len(together[k]))
+            rows = torch.cat([a[k] for a in alone])
+            torch.testing.assert_close(together[k][keep], rows, rtol=1e-5, atol=1e-5)
+        joint = depth_losses(together, torch.cat(finals), head, starts=starts)
+        parts = [depth_losses(a, f, head) for a, f in zip(alone, finals)]
+    for k in range(depth):
+        counts = [len(a[k]) for a in alone]
+        mean = sum(p[k] * c for p, c in zip(parts, counts)) / sum(counts)
+        torch.testing.assert_close(joint[k], mean, rtol=1e-5, atol=1e-6)

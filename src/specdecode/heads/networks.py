@@ -63,6 +63,36 @@ def _rope_table(d: int, positions: int) -> torch.Tensor:
     return table
 
 
+def packed(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Several conversations' tokens one after another, and where each begins: what the
+    networks that take ``starts`` train on in one step (``train heads --pack``)."""
+    starts, tokens = [], []
+    for ids in sequences:
+        starts.append(len(tokens))
+        tokens.extend(ids)
+    return tokens, starts
+
+
+def _segments(n: int, starts, device=None) -> torch.Tensor:
+    """Each of ``n`` packed positions' conversation (0 .. len(starts) - 1; None: all 0)."""
+    if starts is None:
+        return torch.zeros(n, dtype=torch.long, device=device)
+    marks = torch.zeros(n, dtype=torch.long, device=device)
+    marks[torch.tensor(starts[1:], dtype=torch.long, device=device)] = 1
+    return marks.cumsum(0)
+
+
+def packed_rows(n: int, starts, depth: int, rows: int) -> torch.Tensor | None:
+    """Which of the first ``rows`` rows of depth ``depth`` score a token of their own
+    conversation (t and t + depth + 1 in one), for ``n`` packed positions; None: all (one
+    conversation)."""
+    if starts is None or len(starts) == 1:
+        return None
+    segment = _segments(n, starts)
+    t = torch.arange(rows)
+    return segment[t] == segment[t + depth + 1]
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (half-split layout) of x [..., n, heads, D] at ``positions``
     [..., n] (broadcast): (a, b) -> (a cos - b sin, b cos + a sin), written as x (cos, cos) +
@@ -327,9 +357,11 @@ class HydraHeads(HeadNetwork):
             out[group] = self.head(depth, self.last_feature.expand(len(group), -1), paths)
         return states, out
 
-    def train_outputs(self, features, tokens, depth_limit: int):
+    def train_outputs(self, features, tokens, depth_limit: int, starts=None):
         """Training, teacher forcing over one sequence: {k: feature scoring token t + k + 2 from
-        position t} for k < heads, rows t = 0 .. T - k - 2."""
+        position t} for k < heads, rows t = 0 .. T - k - 2. ``starts``: conversations packed
+        one after another (:func:`packed`); the heads see no other position than their
+        row's, so nothing to do but leave out the rows :func:`packed_rows` drops."""
         emb = self.embeddings(tokens)
         n = len(tokens)
         out = {}
@@ -506,16 +538,24 @@ class EagleHead(_BlockNetwork):
         out = self.layer(x, positions, self.cache.keys, self.cache.values, allowed, normed)
         return list(out), self._scored(out)
 
-    def train_outputs(self, features, tokens, depth_limit: int):
+    def train_outputs(self, features, tokens, depth_limit: int, starts=None):
         """Teacher forcing, then ``depth_limit - 1`` steps unrolled on its own predictions (the
         drafting-time inputs: EAGLE-3's training-time test): {k: the output scoring token
         t + k + 2 from position t}, each row attending to the true pairs up to t and its own
-        chain's earlier steps."""
+        chain's earlier steps. ``starts``: where each of several conversations packed one
+        after another begins (:func:`packed`; None: one); a row sees its own conversation only,
+        at positions counted from its start, and rows whose token t + k + 1 is another
+        conversation's are not meant to be scored (:func:`packed_rows`)."""
         n = len(tokens) - 1
-        positions = torch.arange(n)
+        segment = _segments(len(tokens), starts, features.device)[:n]
+        positions = torch.arange(n, device=features.device)
+        if starts is not None:
+            positions = positions - torch.tensor(starts, device=features.device)[segment]
         x = self._inputs(self._first(features[:n]), tokens[1:])
         k0, v0 = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        if starts is not None:
+            causal &= segment[:, None] == segment[None, :]
         pred = self.layer(x, positions, k0, v0, causal)
         out = {0: self._scored(pred)}
         keys, values = [k0], [v0]
@@ -529,8 +569,8 @@ class EagleHead(_BlockNetwork):
             keys.append(k)
             values.append(v)
             # row t: the true pairs 0..t, then its own chain's earlier predictions and itself
-            allowed = [causal[:rows]] + [torch.eye(n, dtype=torch.bool)[:rows, :kk.shape[-2]]
-                                         for kk in keys[1:]]
+            allowed = [causal[:rows]] + [torch.eye(n, dtype=torch.bool, device=x.device)
+                                         [:rows, :kk.shape[-2]] for kk in keys[1:]]
             pred = self.layer(x, pos, torch.cat(keys, -2), torch.cat(values, -2),
                               torch.cat(allowed, 1))
             out[depth] = self._scored(pred)

@@ -24,7 +24,8 @@
    answer positions a step, each the root of an all-masked block whose row k is scored against
    the target's distribution at the k-th position after it (DEER's first stage).
    AdamW, lr 1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one
-   conversation a step.
+   conversation a step, or for hydra and eagle ``--pack`` N of them one after another (each
+   row seeing its own conversation only), so that a GPU step is not bound by kernel launches.
 5. evaluation on the held-out conversations: per depth, how often the head's top token is the
    target's greedy token (teacher forcing: the acceptance of a chain's node given its parent
    was accepted); stored with the artifact.
@@ -47,7 +48,8 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.drafter import target_features
-from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
+from specdecode.heads.networks import (NETWORKS, feature_layers, make_network, packed,
+                                       packed_rows, parameter_count)
 from specdecode.models.base import Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,
@@ -64,6 +66,8 @@ EAGLE_STEP_DECAY = 0.8
 CACHE_BYTES = 2 << 30
 #: most held-out conversations (evaluating one costs a prefill and a forward of the network)
 MAX_HELD_OUT = 200
+#: the kinds whose training takes several conversations packed into one step (``--pack``)
+PACKABLE = ("hydra", "eagle")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=int, default=24,
                         help="deer: blocks trained per conversation a step (random answer "
                              "positions)")
+    parser.add_argument("--pack", type=int, default=1,
+                        help="hydra, eagle: conversations packed into one training step (each "
+                             "sees only itself): what fills a GPU, where one conversation a step "
+                             "is bound by kernel launches")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where the method finds it)")
@@ -121,15 +129,19 @@ def conversation_features(runner, net, ids) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
-                 anchors: torch.Tensor | None = None):
-    """{depth: loss} for one conversation; outputs[k] row t (or ``anchors[t]``, where the
-    network read only those positions) scores token t + k + 2, whose target distribution is
-    the LM head's on the final features [T, H] at position t + k + 1."""
+                 anchors: torch.Tensor | None = None, starts=None):
+    """{depth: loss} for one conversation, or several packed (``starts``, where each begins:
+    the rows scoring another conversation's token left out); outputs[k] row t (or
+    ``anchors[t]``, where the network read only those positions) scores token t + k + 2, whose
+    target distribution is the LM head's on the final features [T, H] at position t + k + 1."""
     with torch.no_grad():  # every position's once: depth k reads it shifted by k
         teachers = (features @ head.T).log_softmax(-1)
     losses = {}
     for k, out in outputs.items():
-        rows = torch.arange(len(out)) if anchors is None else anchors[:len(out)]
+        rows = torch.arange(len(out), device=out.device) if anchors is None else anchors[:len(out)]
+        keep = packed_rows(len(features), starts, k, len(out))
+        if keep is not None:
+            rows, out = rows[keep.to(out.device)], out[keep.to(out.device)]
         teacher = teachers[rows + k + 1]
         student = (out @ head.T).log_softmax(-1)
         losses[k] = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
@@ -347,6 +359,10 @@ def _checked_depth(args: argparse.Namespace) -> int:
     depth = args.depth or DEPTHS[args.kind]
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
     require(args.layers >= 1, f"--layers must be >= 1, got {args.layers}")
+    require(args.pack >= 1, f"--pack must be >= 1, got {args.pack}")
+    require(args.pack == 1 or args.kind in PACKABLE,
+            f"--pack packs conversations for {' and '.join(PACKABLE)} only; leave it out for "
+            f"{args.kind}")
     require(args.shard is None or Path(args.shard).is_file(),
             f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
             "FILE`")
@@ -377,7 +393,6 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     """Phases 1-3: conversations, the runner the heads will draft for (it reads their
     features), a tenth held out, the shortlist."""
     from specdecode.models.loading import make_runner
-    from specdecode.training.target_data import read_shard
 
     target = loaded.model
     sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
@@ -408,8 +423,9 @@ def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
 
 def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpoint,
            args: argparse.Namespace, deadline: float, show) -> None:
-    """Phase 4 until ``deadline``: one conversation a step, the learning rate warmed up over
-    20 steps then decaying linearly to a tenth; a checkpoint every two minutes and at the end.
+    """Phase 4 until ``deadline``: one conversation a step (``--pack``: that many, packed), the
+    learning rate warmed up over 20 steps then decaying linearly to a tenth; a checkpoint every
+    two minutes and at the end.
     ``state`` holds the step and the loss log (every 50 steps)."""
     def save() -> None:
         checkpoint.save({**state, "net": net.state_dict(), "optim": optim.state_dict()})
@@ -421,19 +437,27 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
                            device="cpu")
     while time.monotonic() < deadline:
         step = state["step"]
-        ids, prompt_len = train[int(order[step % len(train)])]
-        inputs, final = data.features(net, ids)
+        chosen = [train[int(order[(step * args.pack + i) % len(train)])] for i in range(args.pack)]
         elapsed = (time.monotonic() - start) / max(deadline - start, 1.0)
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
-        tokens, anchors = torch.tensor(ids), None
-        if args.kind == "deer":
-            anchors = _anchors(prompt_len, len(ids), args.anchors)
-            outputs = net.train_outputs(inputs, tokens, depth, anchors)
+        anchors = starts = None
+        if len(chosen) > 1:  # --pack: one after another, each seeing only itself
+            read = [data.features(net, ids) for ids, _ in chosen]
+            ids, starts = packed([ids for ids, _ in chosen])
+            inputs, final = torch.cat([r[0] for r in read]), torch.cat([r[1] for r in read])
+            outputs = net.train_outputs(inputs, torch.tensor(ids), depth, starts)
         else:
-            outputs = net.train_outputs(inputs, tokens, depth)
-        losses = depth_losses(outputs, final, head, anchors)
+            ids, prompt_len = chosen[0]
+            inputs, final = data.features(net, ids)
+            tokens = torch.tensor(ids)
+            if args.kind == "deer":
+                anchors = _anchors(prompt_len, len(ids), args.anchors)
+                outputs = net.train_outputs(inputs, tokens, depth, anchors)
+            else:
+                outputs = net.train_outputs(inputs, tokens, depth)
+        losses = depth_losses(outputs, final, head, anchors, starts)
         value = descend(step_loss(args.kind, losses), optim, net.parameters(), step)
         state["step"] = step = step + 1
         recent = (recent + [value])[-20:]
