@@ -6,8 +6,11 @@
 #
 #   scripts/gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]
 #
-# Environment: DATA_MINUTES (default 1.2) and DATA_BATCH (384) shape the data; SPECDECODE (default `specdecode`)
-# runs the CLI. Each trainer's log is OUT_DIR/train.log's section; its artifact OUT_DIR/NAME.
+# Environment: DATA_MINUTES (default 1.2) and DATA_BATCH (384) shape the data; PACK (default 1)
+# is eagle's and hydra's `--pack` (conversations a training step: 16-32 should fill a GPU that one
+# conversation a step leaves launch-bound; not yet measured on one); SPECDECODE (default
+# `specdecode`) runs the CLI. Each trainer's log is OUT_DIR/train.log's section; its artifact
+# OUT_DIR/NAME.
 set -u
 model=${1:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
 out=${2:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
@@ -33,9 +36,9 @@ $spec train heads --kind deer "${common[@]}" --shard "$shard" --anchors 192 \
     --max-minutes "$minutes" --workdir "$work/deer" \
     --out "$out/smollm2-deer-heads.safetensors" > "$work/deer.log" 2>&1 &
 $spec train heads --kind eagle "${common[@]}" --shard "$shard" --init "$eagle_init" \
-    --max-minutes "$minutes" --workdir "$work/eagle" \
+    --pack "${PACK:-1}" --max-minutes "$minutes" --workdir "$work/eagle" \
     --out "$out/smollm2-eagle-heads.safetensors" > "$work/eagle.log" 2>&1 &
-$spec train heads --kind hydra "${common[@]}" --shard "$shard" \
+$spec train heads --kind hydra "${common[@]}" --shard "$shard" --pack "${PACK:-1}" \
     --max-minutes "$minutes" --workdir "$work/hydra" \
     --out "$out/smollm2-hydra-heads.safetensors" > "$work/hydra.log" 2>&1 &
 stamp "four trainers for $minutes min"
