@@ -236,7 +236,7 @@ class _Growth:
 
     def __init__(self, session: DraftSession, context: Sequence[int], max_depth: int):
         self.session = session
-        self.context = list(context)
+        self.context = context  # read only: no copy of a long context a step
         self.max_depth = max_depth
         self.tokens: list[int] = []
         self.parents: list[int] = []
