@@ -74,9 +74,7 @@ def packed(sequences: list[list[int]]) -> tuple[list[int], list[int]]:
 
 
 def _segments(n: int, starts, device=None) -> torch.Tensor:
-    """Each of ``n`` packed positions' conversation (0 .. len(starts) - 1; None: all 0)."""
-    if starts is None:
-        return torch.zeros(n, dtype=torch.long, device=device)
+    """Each of ``n`` packed positions' conversation (0 .. len(starts) - 1)."""
     marks = torch.zeros(n, dtype=torch.long, device=device)
     marks[torch.tensor(starts[1:], dtype=torch.long, device=device)] = 1
     return marks.cumsum(0)
@@ -547,9 +545,9 @@ class EagleHead(_BlockNetwork):
         at positions counted from its start, and rows whose token t + k + 1 is another
         conversation's are not meant to be scored (:func:`packed_rows`)."""
         n = len(tokens) - 1
-        segment = _segments(len(tokens), starts, features.device)[:n]
         positions = torch.arange(n, device=features.device)
         if starts is not None:
+            segment = _segments(len(tokens), starts, features.device)[:n]
             positions = positions - torch.tensor(starts, device=features.device)[segment]
         x = self._inputs(self._first(features[:n]), tokens[1:])
         k0, v0 = self.layer.attn.keys_values(self.layer.attn_norm(x), positions)

@@ -1164,6 +1164,14 @@ struct HydraHeads {
   }
 };
 
+// Each `hidden`-wide part of `features` [n, parts x hidden] normed on its own (unit weights),
+// times the parts' norm weights side by side: EAGLE-3's and DEER's per-layer norms.
+static at::Tensor part_norms(const at::Tensor& features, const at::Tensor& unit,
+                             const at::Tensor& weight, double eps, int64_t isa) {
+  const at::Tensor each = rms_norm(features.reshape({-1, unit.size(0)}).contiguous(), unit, eps, isa);
+  return each.view({features.size(0), -1}) * weight;
+}
+
 // EAGLE's head (heads/networks.py EagleHead; heads/native_blocks.py NativeEagleHead) a call at
 // a time: the maps around its decoder layer with the layer itself (a LayerStack of one), the
 // same kernels and ATen operations the Python class called one by one. A call's input rows are
@@ -1178,7 +1186,6 @@ struct EagleHead {
   PackedLinear fuse;
   c10::optional<PackedLinear> fc;
   at::Tensor part_weight, hidden_weight, out_weight, unit, embed;
-  int64_t hidden;
   double eps;
 
   EagleHead(LayerStack stack, PackedLinear fuse, c10::optional<PackedLinear> fc,
@@ -1187,8 +1194,7 @@ struct EagleHead {
       : stack(std::move(stack)), fuse(std::move(fuse)), fc(std::move(fc)),
         part_weight(std::move(part_weight)), hidden_weight(std::move(hidden_weight)),
         out_weight(std::move(out_weight)), embed(std::move(embed)), eps(eps) {
-    hidden = this->embed.size(1);
-    unit = at::ones({hidden}, at::kFloat);
+    unit = at::ones({this->embed.size(1)}, at::kFloat);
   }
 
   // The committed positions' rows, a chain after the `past` slots of the head's cache
@@ -1198,20 +1204,14 @@ struct EagleHead {
                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  int64_t past, const at::Tensor& cos_table,
                                  const at::Tensor& sin_table, int64_t isa) const {
-    at::Tensor states = features;
     const int64_t n = features.size(0);
-    if (fc) {
-      const at::Tensor each = rms_norm(features.reshape({-1, hidden}).contiguous(), unit, eps, isa);
-      states = (*fc)(each.view({n, -1}) * part_weight, c10::nullopt, isa);
-    }
-    // AttentionPlan.chain: row i at slot and position past + i, seeing past .. past + i
+    const at::Tensor states =
+        fc ? (*fc)(part_norms(features, unit, part_weight, eps, isa), c10::nullopt, isa) : features;
+    // AttentionPlan.chain: row i at slot and position past + i, seeing the slots past .. past + i
     const at::Tensor slots = at::arange(past, past + n, at::kLong);
-    at::Tensor keys = at::empty({n, n}, at::kInt), lens = at::empty({n}, at::kInt);
-    for (int64_t i = 0; i < n; i++) {
-      lens.data_ptr<int32_t>()[i] = i + 1;
-      for (int64_t j = 0; j < n; j++) keys.data_ptr<int32_t>()[i * n + j] = past + j;
-    }
-    const PackedPlan plan({k_cache}, {v_cache}, {past}, {slots}, {keys}, {lens});
+    const PackedPlan plan({k_cache}, {v_cache}, {past}, {slots},
+                          {slots.to(at::kInt).expand({n, n}).contiguous()},
+                          {at::arange(1, n + 1, at::kInt)});
     const at::Tensor out = layer(states, tokens, plan, cos_table.index_select(0, slots),
                                  sin_table.index_select(0, slots), isa);
     return {out, scored(out.slice(0, n - 1), isa)};
@@ -1303,9 +1303,8 @@ struct DeerDrafter {
                     const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t past,
                     const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t isa) const {
     const int64_t n = features.size(0), layers = stack.attn_norm.size();
-    const at::Tensor each = rms_norm(features.reshape({-1, hidden}).contiguous(), unit, eps, isa);
-    const at::Tensor memory =
-        rms_norm(fuse(each.view({n, -1}) * part_weight, c10::nullopt, isa), context_weight, eps, isa);
+    const at::Tensor memory = rms_norm(fuse(part_norms(features, unit, part_weight, eps, isa),
+                                            c10::nullopt, isa), context_weight, eps, isa);
     const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     const at::Tensor slots = at::arange(past, past + n, at::kLong);
     const at::Tensor no_queries = at::zeros({n, hidden}, at::kFloat);
