@@ -45,6 +45,7 @@ acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 
 from __future__ import annotations
 
+import statistics
 import time
 from bisect import bisect_right
 from collections import Counter, deque
@@ -319,14 +320,14 @@ class AutoProposer(Proposer):
         self._recent_steps.append(
             (bisect_right(ROW_GROUP_STARTS, nodes) - 1, nodes,
              max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
-        # each group's rows and seconds in one pass (the statistics module's mean and median
-        # over generators cost 60 us a step)
+        # each group's rows and seconds in one pass, as lists (fmean and median over
+        # generators of pairs cost 60 us a step)
         groups: list[tuple[list[int], list[float]]] = [([], []) for _ in ROW_GROUP_STARTS]
         for group, n, rest in self._recent_steps:
             groups[group][0].append(n)
             groups[group][1].append(rest)
         # (mean rows, median seconds, steps) of each group with enough steps
-        self._overhead_line = _line([(sum(rows) / len(rows), _median(rests), len(rows))
+        self._overhead_line = _line([(sum(rows) / len(rows), statistics.median(rests), len(rows))
                                      for rows, rests in groups if len(rows) >= MIN_GROUP])
 
     def _overhead(self) -> tuple[float, float]:
@@ -347,12 +348,6 @@ class AutoProposer(Proposer):
             _Walk(record, feedback.draft, controller).close(len(feedback.accepted))
             self._sent = None
         self._walks = [w for w in self._walks if not w.advance(feedback.tokens)]
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
