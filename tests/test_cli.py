@@ -19,6 +19,12 @@ from specdecode.cli import main
     (["train", "heads", "--kind", "deer", "--pack", "4"],
      "--pack packs conversations for hydra and eagle only; leave it out for deer"),
     (["train", "heads", "--kind", "eagle", "--pack", "0"], "--pack must be >= 1, got 0"),
+    (["train", "corpus", "--data", "/nonexistent/shard.jsonl", "--out", "c.safetensors"],
+     "shard /nonexistent/shard.jsonl does not exist; write one with `specdecode train data"),
+    (["train", "corpus", "--data", "x.jsonl", "--out", "c.safetensors", "--max-tokens", "-1"],
+     "--max-tokens must be at least 0"),
+    (["generate", "hi", "--method", "suffix", "-c", "corpus=/nonexistent.safetensors"],
+     "suffix corpus /nonexistent.safetensors does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -188,6 +188,23 @@ def test_the_more_frequent_child_beats_the_more_recent_one():
     assert draft.token_ids == [6]
 
 
+def test_children_are_ranked_again_after_the_tree_changes():
+    # the ranking of a node's children is kept between drafts; new sequences must reorder it
+    tree = SuffixTree(8)
+    tree.insert("a", [5, 6, 1])
+    tree.insert("b", [5, 7, 1])
+    root_match = tree.advance([], [5])[0]
+    first = tree.draft(root_match[1], root_match[2], 1, 1, 0.0)
+    assert first.token_ids == [7]  # equal counts: the newer wins
+    tree.insert("c", [5, 6, 2])
+    root_match = tree.advance([], [5])[0]
+    assert tree.draft(root_match[1], root_match[2], 1, 1, 0.0).token_ids == [6]  # 2 of 3
+    tree.insert("d", [5, 8, 2])
+    root_match = tree.advance([], [5])[0]
+    again = tree.draft(root_match[1], root_match[2], 4, 1, 0.0)
+    assert again.token_ids == [6, 8, 7] and again.probs == [0.5, 0.25, 0.25]
+
+
 def test_the_longest_match_wins_among_equal_scores():
     # "2", "1 2" and "7 1 2" each occur twice, followed by 3 (probability 1/2); with a
     # one-token budget every match scores 1/2 and the longest (m = 3) wins

@@ -116,6 +116,9 @@ class SuffixTree:
         self._next_handle = 0
         self._tick = 0
         self.version = 0
+        # children ranked for drafting, by node, valid for one version (see _continuations)
+        self._ranked: dict[int, list] = {}
+        self._ranked_version = -1
 
     def sequence(self, seq_id, start: int = 0) -> list[int]:
         """The tokens of ``seq_id`` from ``start`` (negative: from the end)."""
@@ -379,17 +382,31 @@ class SuffixTree:
 
     def _continuations(self, node: int, k: int) -> list[tuple[int, int, int]]:
         """``(token, node, k)`` one token on from a position: the edge's next token, or the
-        children at the edge's end."""
+        children at the edge's end, most frequent first (then the newest). Shared: do not
+        change the list."""
         if k < self._length[node]:
             seq = self._tokens[self._ref[node]]
             at = self._start[node] + k
             return [(seq[at], node, k + 1)] if at < len(seq) else []
-        out = []
-        child = self._child[node]
-        while child >= 0:
-            out.append((self._token[child], child, 1))
-            child = self._next[child]
-        return out
+        if self._ranked_version != self.version:
+            self._ranked.clear()
+            self._ranked_version = self.version
+        ranked = self._ranked.get(node)
+        if ranked is None:
+            # a node of a large tree (a corpus, a long-lived global tree) may have hundreds of
+            # children and drafting reads the same few again and again: rank them once per
+            # version, most frequent first (then the newest), so a draft stops at the first
+            # child below its probability floor
+            count, last, token, after = self._count, self._last, self._token, self._next
+            children = []
+            child = self._child[node]
+            while child >= 0:
+                children.append((count[child], last[child], token[child], child))
+                child = after[child]
+            if len(children) > 1:
+                children.sort(reverse=True)  # ticks differ, so the tokens never decide
+            ranked = self._ranked[node] = [(t, c, 1) for _, _, t, c in children]
+        return ranked
 
     def draft(self, node: int, k: int, max_nodes: int, max_depth: int, min_prob: float,
               tree: bool = True) -> SuffixDraft:
@@ -422,10 +439,11 @@ class SuffixTree:
             def push(at_node: int, at_k: int, parent: int, depth: int) -> None:
                 nonlocal order
                 for token, child, child_k in self._continuations(at_node, at_k):
-                    if count[child] / total >= min_prob:
-                        heapq.heappush(heap, (-count[child], -last[child], order, token, child,
-                                              child_k, parent, depth))
-                        order += 1
+                    if count[child] / total < min_prob:
+                        break  # ranked by count: the rest are rarer still
+                    heapq.heappush(heap, (-count[child], -last[child], order, token, child,
+                                          child_k, parent, depth))
+                    order += 1
 
             push(node, k, -1, 1)
             while heap and len(tokens) < max_nodes:
@@ -450,7 +468,8 @@ class SuffixDraft:
     score: float = 0.0
     #: length of the context suffix that was matched
     match_len: int = 0
-    #: "request" (the request's own prompt and output) or "global" (earlier responses)
+    #: "request" (the request's own prompt and output), "global" (earlier responses) or
+    #: "corpus" (target-written text given in advance)
     source: str = ""
 
 
@@ -521,18 +540,29 @@ def _check_id(req_id) -> None:
             f"request ids must be int or str (they are saved as JSON), got {req_id!r}")
 
 
+class _Follow:
+    """A request's matches in a shared tree, valid for that tree's ``version`` and the request's
+    first ``synced`` tokens."""
+
+    __slots__ = ("matches", "version", "synced")
+
+    def __init__(self):
+        self.matches: list = []
+        self.version = -1
+        self.synced = 0
+
+
 class _Request:
     """An active request: its own tree (prompt + output so far) and its matches in the global
-    tree, valid for the global tree's ``global_version`` and the first ``global_synced`` tokens."""
+    tree and in the corpus."""
 
-    __slots__ = ("tree", "prompt_len", "global_matches", "global_version", "global_synced")
+    __slots__ = ("tree", "prompt_len", "in_global", "in_corpus")
 
     def __init__(self, tree: SuffixTree, prompt_len: int):
         self.tree = tree
         self.prompt_len = prompt_len
-        self.global_matches: list = []
-        self.global_version = -1
-        self.global_synced = 0
+        self.in_global = _Follow()
+        self.in_corpus = _Follow()
 
 
 class SuffixCache:
@@ -571,6 +601,9 @@ class SuffixCache:
         #: cached response ids in insertion order (dicts keep it): the FIFO eviction order
         self._cached: dict[int | str, None] = {}
         self._next_id = 0
+        #: a fixed tree of target-written text drafted from beside the global one (read only,
+        #: so several caches may share it); see :meth:`use_corpus`
+        self.corpus: SuffixTree | None = None
 
     # ---- inspection -----------------------------------------------------------------------
 
@@ -632,7 +665,13 @@ class SuffixCache:
             request = self._active(req_id)
             candidates = [("request", request.tree, request.tree.matches(0), True)]
             if self._global.num_tokens:
-                candidates.append(("global", self._global, self._global_matches(request), False))
+                candidates.append(("global", self._global,
+                                   self._matches_in(self._global, request.in_global, request),
+                                   False))
+            if self.corpus is not None:
+                candidates.append(("corpus", self.corpus,
+                                   self._matches_in(self.corpus, request.in_corpus, request),
+                                   False))
             return best_draft(candidates, max_spec_tokens, max_spec_factor, max_spec_offset,
                               min_token_prob, tree,
                               self.max_tree_depth if max_depth is None else max_depth)
@@ -656,6 +695,17 @@ class SuffixCache:
         with self._lock:
             require(req_id not in self._requests, f"request {req_id!r} is active; stop it instead")
             self._cache_response(req_id, ids)
+
+    def use_corpus(self, corpus: SuffixTree | None) -> None:
+        """Draft from ``corpus`` too: a tree built once over target-written text
+        (:mod:`specdecode.suffix_corpus`), the warm start of a global tree that has seen no
+        responses yet. It is never changed, evicted or saved, so the FIFO bound and
+        :meth:`save` concern the served responses only."""
+        require(corpus is None or corpus.max_depth == self.max_tree_depth,
+                f"the corpus tree has max_tree_depth {corpus and corpus.max_depth} but the "
+                f"cache {self.max_tree_depth}; build both with the same depth")
+        with self._lock:
+            self.corpus = corpus
 
     def evict(self, req_id: int | str) -> None:
         """Drop a cached response from the global tree."""
@@ -719,20 +769,21 @@ class SuffixCache:
                 f"request {req_id!r} is not active; call start_request({req_id!r}, prompt) first")
         return request
 
-    def _global_matches(self, request: _Request) -> list:
-        """The request's matches in the global tree, brought up to date."""
+    @staticmethod
+    def _matches_in(shared: SuffixTree, follow: _Follow, request: _Request) -> list:
+        """The request's matches in a shared tree, brought up to date."""
         length = request.tree.length(0)
-        cap = self.max_tree_depth
-        new = length - request.global_synced
-        if request.global_version != self._global.version or new >= cap:
+        cap = shared.max_depth
+        new = length - follow.synced
+        if follow.version != shared.version or new >= cap:
             # the shared tree changed (or we are far behind): match the last tokens afresh
-            request.global_matches = self._global.advance([], request.tree.sequence(0, 1 - cap))
+            follow.matches = shared.advance([], request.tree.sequence(0, 1 - cap))
         elif new:
-            request.global_matches = self._global.advance(
-                request.global_matches, request.tree.sequence(0, request.global_synced))
-        request.global_version = self._global.version
-        request.global_synced = length
-        return request.global_matches
+            follow.matches = shared.advance(follow.matches,
+                                            request.tree.sequence(0, follow.synced))
+        follow.version = shared.version
+        follow.synced = length
+        return follow.matches
 
     def _cache_response(self, req_id, ids: list[int]) -> None:
         if self.max_cached_requests == 0 or not ids:

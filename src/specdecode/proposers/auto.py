@@ -74,7 +74,7 @@ OVERHEAD_STEPS = 64
 ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9)
 MIN_GROUP = 3
 #: config fields handed on to every part whose config has them
-SHARED_FIELDS = ("heads", "min_path_prob")
+SHARED_FIELDS = ("heads", "min_path_prob", "corpus")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class AutoConfig:
                                "for this target, or the one shipped for the default model)")
     min_path_prob: float = param(0.35, "handed to the parts that grow trees by path "
                                        "probability (hydra's default)")
+    corpus: str = param("none", "target-written text for the parts that draft from one "
+                                "(suffix's corpus: a file, 'auto' or 'none')")
     merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
                                    "anyway, so its acceptance estimate stays current")

@@ -18,6 +18,9 @@ tree's verify cost; on the dev data it matched 64 and beat ArcticInference's 16 
 that rework the first, tau 10.3 vs 8.7) and ``max_cached_requests=1000`` (a pure-Python tree
 costs more memory per token than the reference's C++ one; see :class:`SuffixCache`).
 
+With ``corpus`` a third tree, built once over target-written text (``specdecode train corpus``,
+:mod:`specdecode.suffix_corpus`), is matched beside the two: the global tree's warm start.
+
 Several proposers (one per server worker or request) may share one :class:`SuffixCache`, so what
 one request generates helps the next; without one a proposer makes its own. ``runner`` may be
 None: nothing here touches the model, so a simulator can replay recorded outputs through it.
@@ -32,6 +35,7 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.proposers.base import Proposer
 from specdecode.registry import param, register
+from specdecode.suffix_corpus import corpus_tree
 from specdecode.suffix_tree import DEFAULT_MAX_CACHED_REQUESTS, SuffixCache, SuffixDraft
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixProposer"]
@@ -54,6 +58,10 @@ class SuffixConfig:
     max_cached_requests: int = param(DEFAULT_MAX_CACHED_REQUESTS,
                                      "earlier responses kept in the global tree, oldest evicted "
                                      "first; 0 disables it (bounds memory, docs/suffix.md)")
+    corpus: str = param("none", "target-written text drafted from beside the global tree: "
+                                "a `specdecode train corpus` file, 'auto' (the newest for "
+                                "the target, if any) or 'none' (more accepted, not faster on "
+                                "a CPU: docs/suffix.md)")
 
     def __post_init__(self):
         require(self.max_tree_depth >= 2,
@@ -68,6 +76,7 @@ class SuffixConfig:
                 f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
         require(self.mode in ("tree", "path"),
                 f"mode must be 'tree' or 'path', got {self.mode!r}")
+        require(bool(self.corpus), "corpus must be 'auto', 'none' or a corpus file, got ''")
         require(self.max_cached_requests >= 0,
                 f"max_cached_requests must be >= 0 (0 disables the global tree), "
                 f"got {self.max_cached_requests}")
@@ -86,6 +95,12 @@ class SuffixProposer(Proposer):
                 f"the shared SuffixCache has max_tree_depth {global_cache.max_tree_depth} but "
                 f"the config asks for {config.max_tree_depth}; build both with the same depth")
         self.cache = global_cache
+        corpus = corpus_tree(config.corpus, runner, config.max_tree_depth)
+        if corpus is not None and global_cache.corpus is not corpus:
+            require(global_cache.corpus is None,
+                    "the shared SuffixCache already drafts from another corpus; give every "
+                    "proposer that shares it the same corpus setting")
+            global_cache.use_corpus(corpus)
         #: the last draft with its match length and source ("request" or "global"), for stats
         self.last_draft = SuffixDraft()
         self._request: int | None = None
