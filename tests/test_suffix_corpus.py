@@ -56,13 +56,12 @@ def test_the_corpus_follows_a_growing_request():
     cache = SuffixCache(64)
     cache.use_corpus(tree_of([[40, 41, 42, 43, 44]]))
     cache.start_request("a", [50, 51])
-    assert cache.speculate("a").token_ids == []
-    cache.add_response("a", [40])
-    assert cache.speculate("a").token_ids == [41]           # m = 1: budget 1
-    cache.add_response("a", [41])
-    assert cache.speculate("a").token_ids == [42, 43]       # m = 2: budget 2
-    cache.add_response("a", [7])
-    assert cache.speculate("a").token_ids == []
+    drafts = []
+    for tokens in ([], [40], [41], [7]):  # each match length m drafts m tokens (factor 1)
+        cache.add_response("a", tokens)
+        draft = cache.speculate("a")
+        drafts.append((draft.token_ids, draft.match_len, draft.source))
+    assert drafts == [([], 0, ""), ([41], 1, "corpus"), ([42, 43], 2, "corpus"), ([], 0, "")]
 
 
 def test_the_corpus_is_neither_evicted_nor_saved(tmp_path):
