@@ -39,17 +39,19 @@ def test_the_corpus_drafts_when_no_response_has_been_cached():
     assert (draft.token_ids, draft.source, draft.score) == ([4, 5, 6], "corpus", 3.0)
 
 
-def test_the_global_tree_wins_a_tie_and_a_better_corpus_draft_wins():
+def test_the_corpus_drafts_only_where_the_request_and_the_global_tree_have_nothing():
     cache = SuffixCache(64)
-    cache.use_corpus(tree_of([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9]]))  # 1/2 each
-    assert speculate(cache, [1, 2, 3]).score == 1.5
-    cache.add_cached("a", [1, 2, 3, 7, 8, 9])  # one response: probability 1
-    draft = speculate(cache, [1, 2, 3])
-    assert (draft.token_ids, draft.source, draft.score) == ([7, 8, 9], "global", 3.0)
-    tied = SuffixCache(64)
-    tied.use_corpus(tree_of([[1, 2, 3, 4, 5, 6]]))
-    tied.add_cached("a", [1, 2, 3, 7, 8, 9])
-    assert speculate(tied, [1, 2, 3]).source == "global"
+    cache.use_corpus(tree_of([[1, 2, 3, 4, 5, 6, 7]]))  # every continuation probability 1
+    cache.add_cached("a", [1, 2, 3, 7, 8, 9])
+    cache.add_cached("b", [1, 2, 3, 8, 9, 9])  # globally 7 or 8 after "1 2 3", 1/2 each
+    draft = speculate(cache, [1, 2, 3])  # the corpus would score 3
+    assert (draft.token_ids, draft.source, draft.score) == ([8, 9, 9], "global", 1.5)
+    # the request's own text repeats "4 5" (then 9 4, 1/2 each), the corpus would score 2
+    own = speculate(cache, [4, 5, 9, 4, 5])
+    assert (own.token_ids, own.source, own.score) == ([9, 4], "request", 1.0)
+    # nothing in the request or the served responses follows "4 5" here: the corpus does
+    fallback = speculate(cache, [4, 5])
+    assert (fallback.token_ids, fallback.source) == ([6, 7], "corpus")
 
 
 def test_the_corpus_follows_a_growing_request():

@@ -35,6 +35,8 @@ candidate with budget ``min(max_spec_tokens, floor(factor * m + offset))``; the 
 to the longer match. The probabilities at one depth sum to at most 1, so a candidate's score is
 at most its number of depth levels; candidates are tried best bound first and the search stops
 as soon as no bound can beat the best score, which gives the same answer as trying them all.
+Where neither tree has a draft, a corpus tree (:meth:`SuffixCache.use_corpus`: target-written
+text given in advance) is tried the same way.
 
 Worked example (per-request tree, context ``[1, 2, 3, 1, 2, 4, 1, 2]``, budget 4): the last two
 tokens ``1 2`` occur three times (the context's own tail is one occurrence), followed once by
@@ -660,7 +662,11 @@ class SuffixCache:
                   min_token_prob: float = 0.1, tree: bool = True,
                   max_depth: int | None = None) -> SuffixDraft:
         """Draft a continuation of the request's prompt + output so far (see the module
-        docstring): the best of every match in its own tree and in the global tree."""
+        docstring): the best of every match in its own tree and in the global tree; only where
+        neither has one, the best in the corpus."""
+        depth = self.max_tree_depth if max_depth is None else max_depth
+        settings = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, tree,
+                    depth)
         with self._lock:
             request = self._active(req_id)
             candidates = [("request", request.tree, request.tree.matches(0), True)]
@@ -668,13 +674,14 @@ class SuffixCache:
                 candidates.append(("global", self._global,
                                    self._matches_in(self._global, request.in_global, request),
                                    False))
-            if self.corpus is not None:
-                candidates.append(("corpus", self.corpus,
-                                   self._matches_in(self.corpus, request.in_corpus, request),
-                                   False))
-            return best_draft(candidates, max_spec_tokens, max_spec_factor, max_spec_offset,
-                              min_token_prob, tree,
-                              self.max_tree_depth if max_depth is None else max_depth)
+            draft = best_draft(candidates, *settings)
+            if draft.score == 0 and self.corpus is not None:
+                # a last resort: general text of the target's, where the request's own text and
+                # the served responses have nothing. Letting it compete on score instead drafted
+                # more nodes for fewer accepted tokens (docs/suffix.md)
+                draft = best_draft([("corpus", self.corpus, self._matches_in(
+                    self.corpus, request.in_corpus, request), False)], *settings)
+            return draft
 
     def stop_request(self, req_id: int | str, response: Sequence[int] | None = None) -> None:
         """End a request. Its response (``response`` if given, else the tokens added with
@@ -697,10 +704,10 @@ class SuffixCache:
             self._cache_response(req_id, ids)
 
     def use_corpus(self, corpus: SuffixTree | None) -> None:
-        """Draft from ``corpus`` too: a tree built once over target-written text
-        (:mod:`specdecode.suffix_corpus`), the warm start of a global tree that has seen no
-        responses yet. It is never changed, evicted or saved, so the FIFO bound and
-        :meth:`save` concern the served responses only."""
+        """Draft from ``corpus`` where the request's own tree and the global tree have nothing:
+        a tree built once over target-written text (:mod:`specdecode.suffix_corpus`), the warm
+        start of a global tree that has seen few responses. It is never changed, evicted or
+        saved, so the FIFO bound and :meth:`save` concern the served responses only."""
         require(corpus is None or corpus.max_depth == self.max_tree_depth,
                 f"the corpus tree has max_tree_depth {corpus and corpus.max_depth} but the "
                 f"cache {self.max_tree_depth}; build both with the same depth")

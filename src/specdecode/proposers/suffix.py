@@ -19,7 +19,8 @@ that rework the first, tau 10.3 vs 8.7) and ``max_cached_requests=1000`` (a pure
 costs more memory per token than the reference's C++ one; see :class:`SuffixCache`).
 
 With ``corpus`` a third tree, built once over target-written text (``specdecode train corpus``,
-:mod:`specdecode.suffix_corpus`), is matched beside the two: the global tree's warm start.
+:mod:`specdecode.suffix_corpus`), drafts where neither of the two has a draft: the global tree's
+warm start.
 
 Several proposers (one per server worker or request) may share one :class:`SuffixCache`, so what
 one request generates helps the next; without one a proposer makes its own. ``runner`` may be
@@ -58,10 +59,10 @@ class SuffixConfig:
     max_cached_requests: int = param(DEFAULT_MAX_CACHED_REQUESTS,
                                      "earlier responses kept in the global tree, oldest evicted "
                                      "first; 0 disables it (bounds memory, docs/suffix.md)")
-    corpus: str = param("none", "target-written text drafted from beside the global tree: "
-                                "a `specdecode train corpus` file, 'auto' (the newest for "
-                                "the target, if any) or 'none' (more accepted, not faster on "
-                                "a CPU: docs/suffix.md)")
+    corpus: str = param("none", "target-written text that drafts where the request and the "
+                                "global tree have nothing: a `specdecode train corpus` file, "
+                                "'auto' (the newest for the target, if any) or 'none' "
+                                "(docs/suffix.md)")
 
     def __post_init__(self):
         require(self.max_tree_depth >= 2,
