@@ -108,9 +108,13 @@ def instrument_heads(proposer, clock: Clock) -> None:
                 module.forward = clock.wrap(module.forward, "linears")
     else:  # heads/native_blocks.py, heads/native_hydra.py: the network one C++ call
         net = lm.net
-        for name in ("head", "native", "drafter"):  # eagle's, hydra's, deer's
-            if getattr(net, name, None) is not None:
+        for name in ("head", "native", "drafter", "fuse", "memory_kv"):  # eagle's, hydra's,
+            if getattr(net, name, None) is not None:                      # deer's, clover's
                 setattr(net, name, TimedLayer(getattr(net, name), clock, "linears"))
+        for name in ("augment", "regress"):  # clover's two one-layer stacks
+            if getattr(net, name, None) is not None:
+                stacked = getattr(net, name)
+                stacked.stack = TimedLayer(stacked.stack, clock, "linears")
     lm.score = TimedLayer(lm.score, clock, "shortlist")
     lm.net.ingest = clock.wrap(lm.net.ingest, "network")
     lm.net.expand = clock.wrap(lm.net.expand, "network")

@@ -18,7 +18,7 @@ from specdecode import kernels
 from specdecode.heads.drafter import target_features, target_needs
 from specdecode.heads import native_blocks
 from specdecode.heads.native import to_native
-from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
+from specdecode.heads.native_blocks import NativeCloverHeads, NativeDeerDrafter, NativeEagleHead
 from specdecode.heads.native_hydra import NativeHydraHeads
 from specdecode.heads.networks import (MLP, NETWORKS, RMSNorm, eagle3_layers, make_network,
                                        packed, packed_rows)
@@ -165,6 +165,40 @@ def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatc
         second = both("expand", first[0], torch.tensor([5, 9]), [2, 2], [[0], [1]])
         both("expand", second[0][:1], torch.tensor([6]), [3], [[0, 2]])
     assert native.cache.length == read and native.cache.capacity > 16
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_native_clover_steps_compute_the_torch_networks_steps(fmt, monkeypatch):
+    """Clover's blocks on the kernels (NativeCloverHeads: two one-layer stacks, the memory the
+    regressive one's cache) draft what the torch network drafts, call for call: contexts read
+    in several steps (the augmenting block's chain, the memory appended), nodes of several
+    depths in one call, and both caches grown past their first size; within the rounding of
+    each weight format, as EAGLE's (a wrong map, position or memory row is off by 100%)."""
+    if not kernels.available():
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setattr(native_blocks, "INITIAL_ROWS", 16)
+    net = perturbed("clover").eval()
+    native = NativeCloverHeads(net, fmt)
+    gen = torch.Generator().manual_seed(5)
+    tolerance = {"bf16": 0.008, "int8": 0.03, "int4": 0.3}[fmt]
+    read = 0
+
+    def both(call, *args):
+        with torch.no_grad():
+            expected, got = getattr(net, call)(*args), getattr(native, call)(*args)
+        assert relative_error(expected[1], got[1]) < tolerance, call
+        return expected[0], got[0]
+
+    for n in (11, 1, 3, 2, 9):
+        feats = torch.randn(n, net.size, generator=gen)
+        ids = torch.randint(50, (n,), generator=gen)
+        (root,), (native_root,) = both("ingest", feats, ids, torch.arange(read, read + n))
+        read += n
+        first = both("expand", [root, root], torch.tensor([4, 7]), [1, 1], [[], []])
+        both("expand", [first[0][0], first[0][1], root], torch.tensor([5, 9, 3]), [2, 2, 1],
+             [[0], [1], []])
+    assert native.augment.cache.length == native.regress.cache.length == read
+    assert native.regress.cache.capacity > 16
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])

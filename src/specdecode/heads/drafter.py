@@ -21,9 +21,10 @@ import torch
 from specdecode import kernels
 from specdecode.errors import require
 from specdecode.heads.native import scoring_layer, to_native
-from specdecode.heads.native_blocks import NativeDeerDrafter, NativeEagleHead
+from specdecode.heads.native_blocks import NativeCloverHeads, NativeDeerDrafter, NativeEagleHead
 from specdecode.heads.native_hydra import NativeHydraHeads
-from specdecode.heads.networks import DeerDrafter, EagleHead, HeadNetwork, HydraHeads
+from specdecode.heads.networks import (CloverHeads, DeerDrafter, EagleHead, HeadNetwork,
+                                      HydraHeads)
 from specdecode.drafting.caches import DraftCache
 from specdecode.models.base import ForwardOutput, Needs
 
@@ -55,7 +56,7 @@ def drafting_network(net: HeadNetwork, weights: str):
     heads/native_hydra.py), any other network with its linear maps, norms and MLPs on the
     kernels; fp32, or kernels that do not build here: ``net`` itself."""
     on_kernels = {EagleHead: NativeEagleHead, DeerDrafter: NativeDeerDrafter,
-                  HydraHeads: NativeHydraHeads}.get(type(net))
+                  HydraHeads: NativeHydraHeads, CloverHeads: NativeCloverHeads}.get(type(net))
     if on_kernels is not None and weights != "fp32" and kernels.available():
         return on_kernels(net, weights)
     return to_native(net, weights)

@@ -30,12 +30,14 @@ tests/test_deer.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from specdecode import kernels
 from specdecode.heads.native import scoring_layer
-from specdecode.heads.networks import Block, DeerDrafter, EagleHead, _rope_table
-from specdecode.models.kv_cache import KEY_BLOCK, BlockedKVCache
+from specdecode.heads.networks import Block, CloverHeads, DeerDrafter, EagleHead, _rope_table
+from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
 
 #: context rows the cache holds at first; it doubles when a longer context comes
 INITIAL_ROWS = 1024
@@ -50,8 +52,9 @@ def _weight(norm) -> torch.Tensor:
 
 
 class _LayersOnKernels:
-    """What both drafters share: ``blocks`` as one ``LayerStack`` over a blocked cache of
-    their own that grows as the context does, and the kernels' norm."""
+    """What the drafters share: ``blocks`` (each a :class:`Block`, or anything naming its parts
+    as a Block does) as one ``LayerStack`` over a blocked cache of their own that grows as the
+    context does, and the kernels' norm."""
 
     def __init__(self, net, blocks: list[Block], fmt: str):
         attn = blocks[0].attn
@@ -90,6 +93,18 @@ class _LayersOnKernels:
         grown.values[:, :, :self.cache.capacity] = self.cache.values
         grown.length = self.cache.length
         self.cache = grown
+
+    def packed(self, plan: AttentionPlan):
+        """``plan`` on this cache as the kernels take it."""
+        cache = self.cache
+        return kernels.packed_plan([cache.keys], [cache.values], [plan.past], [plan.slots],
+                                   [plan.keys], [plan.lengths])
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """The layers over rows ``x`` [n, H] where ``plan`` puts them (one kernel call)."""
+        cos, sin = self._rope_tables()
+        return self.stack.forward(x.contiguous(), 0, self.layers, self.packed(plan),
+                                  cos[plan.positions], sin[plan.positions], kernels.isa())
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, cos) and (-sin, sin) [capacity, D] of every position the cache has a slot
@@ -178,3 +193,64 @@ class NativeDeerDrafter(_LayersOnKernels):
         """The block does not read drafted tokens: a node at depth d is scored by block row d."""
         out = torch.stack([state[d] for state, d in zip(parent_states, depths)])
         return list(parent_states), out
+
+
+class NativeCloverHeads:
+    """A :class:`CloverHeads`' drafting interface on the kernels, a few kernel calls a drafter
+    call in place of some forty torch operations. The augmenting block is a one-layer
+    ``LayerStack`` over its own cache (the committed rows a chain after it). The regressive
+    block has a decoder layer's shape too (norm, attention, o + residual, norm, SwiGLU, down +
+    residual), its attention the cross-attention: so it is a second one-layer ``LayerStack``
+    whose cache is the memory, the cross-attention's keys and values of the augmented context
+    (written with its own k/v map and rotary embedding as rows are committed), and whose draft
+    rows attend to that memory alone (no slot of their own in their key lists; the keys and
+    values they write land after the memory, unread). The fusion of a state with a token's
+    embedding is one kernel linear."""
+
+    def __init__(self, net: CloverHeads, fmt: str = "int8"):
+        self.size, self.max_depth, self.embed = net.size, net.max_depth, net.embed
+        self.augment = _LayersOnKernels(net, [net.augment], fmt)
+        regress = SimpleNamespace(attn_norm=net.cross_norm, attn=net.cross,
+                                  mlp_norm=net.mlp_norm, mlp=net.mlp)  # named as a Block's
+        self.regress = _LayersOnKernels(net, [regress], fmt)
+        self.fuse = _linear(net.fuse.weight, fmt)
+        self.memory_kv = _linear(net.cross.kv.weight, fmt)
+        self.heads = net.cross.heads
+
+    def reset(self) -> None:
+        self.augment.reset()
+        self.regress.reset()
+
+    def ingest(self, features, next_tokens, positions):
+        """CloverHeads.ingest: the committed rows through the augmenting block (a chain after
+        its cache), their memory keys and values appended, and the root's regressive row."""
+        n = len(features)
+        self.augment._room(n)
+        plan = AttentionPlan.chain(self.augment.cache.length, n)
+        augmented = self.augment.forward(features.float(), plan)
+        self.augment.cache.append(n)
+        memory = self.regress
+        memory._room(n)
+        cos, sin = memory._rope_tables()
+        qkv = torch.cat([augmented.new_zeros(n, self.size), self.memory_kv(augmented)], 1)
+        memory.packed(plan).rope_store(0, qkv, cos[plan.positions], sin[plan.positions],
+                                       self.heads, self.heads, kernels.isa())
+        memory.cache.append(n)
+        out = self._step(augmented[-1:], next_tokens[-1:], [0])
+        return [out[0]], out
+
+    def _step(self, states: torch.Tensor, tokens: torch.Tensor, depths) -> torch.Tensor:
+        """The regressive block for nodes at ``depths`` (0: the root) after the memory."""
+        rows = len(states)
+        x = self.fuse(torch.cat([states, self.embed[tokens].float()], 1).contiguous())
+        memory = self.regress
+        memory._room(rows)
+        past = memory.cache.length
+        plan = AttentionPlan(past, past - 1 + torch.as_tensor(depths, dtype=torch.long),
+                             torch.arange(past, past + rows), torch.zeros(rows, 1, dtype=torch.int32),
+                             torch.zeros(rows, dtype=torch.int32))
+        return memory.forward(x, plan)
+
+    def expand(self, parent_states, tokens, depths, ancestors):
+        out = self._step(torch.stack(list(parent_states)), tokens, depths)
+        return list(out), out
