@@ -129,6 +129,20 @@ def test_native_hydra_calls_are_the_converted_modules_bitwise(fmt):
         native.expand([(1, 2, 3, 4)], torch.tensor([5]), [4], [[0, 1, 2]])
 
 
+def agreeing(net, native, fmt: str):
+    """``both(call, *args)``: the torch network's and the kernels' ``call`` on the same
+    arguments, their scored rows within ``fmt``'s rounding (bf16 0.8%, int8 3%, int4 30% of
+    these random weights; a wrong map or row is off by 100% or more); the torch states."""
+    tolerance = {"bf16": 0.008, "int8": 0.03, "int4": 0.3}[fmt]
+
+    def both(call, *args):
+        with torch.no_grad():
+            expected, got = getattr(net, call)(*args), getattr(native, call)(*args)
+        assert relative_error(expected[1], got[1]) < tolerance, call
+        return expected[0], got[0]
+    return both
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatch):
@@ -147,14 +161,7 @@ def test_native_eagle_steps_compute_the_torch_layers_steps(kind, fmt, monkeypatc
     width = net.size * max(1, len(net.feature_layers))
     gen = torch.Generator().manual_seed(3)
     read = 0
-    tolerance = {"bf16": 0.008, "int8": 0.03, "int4": 0.3}[fmt]
-
-    def both(call, *args):
-        with torch.no_grad():
-            expected, got = getattr(net, call)(*args), getattr(native, call)(*args)
-        assert relative_error(expected[1], got[1]) < tolerance, call
-        return expected[0], got[0]
-
+    both = agreeing(net, native, fmt)
     for n in (11, 1, 3, 2, 9):
         feats = torch.randn(n, width, generator=gen)
         ids = torch.randint(50, (n,), generator=gen)
@@ -180,15 +187,7 @@ def test_native_clover_steps_compute_the_torch_networks_steps(fmt, monkeypatch):
     net = perturbed("clover").eval()
     native = NativeCloverHeads(net, fmt)
     gen = torch.Generator().manual_seed(5)
-    tolerance = {"bf16": 0.008, "int8": 0.03, "int4": 0.3}[fmt]
-    read = 0
-
-    def both(call, *args):
-        with torch.no_grad():
-            expected, got = getattr(net, call)(*args), getattr(native, call)(*args)
-        assert relative_error(expected[1], got[1]) < tolerance, call
-        return expected[0], got[0]
-
+    both, read = agreeing(net, native, fmt), 0
     for n in (11, 1, 3, 2, 9):
         feats = torch.randn(n, net.size, generator=gen)
         ids = torch.randint(50, (n,), generator=gen)
