@@ -603,8 +603,8 @@ class SuffixCache:
         #: cached response ids in insertion order (dicts keep it): the FIFO eviction order
         self._cached: dict[int | str, None] = {}
         self._next_id = 0
-        #: a fixed tree of target-written text drafted from beside the global one (read only,
-        #: so several caches may share it); see :meth:`use_corpus`
+        #: a fixed tree of target-written text, drafted from where the request's tree and the
+        #: global one have nothing (read only, so several caches may share it): use_corpus
         self.corpus: SuffixTree | None = None
 
     # ---- inspection -----------------------------------------------------------------------
