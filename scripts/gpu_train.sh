@@ -6,46 +6,68 @@
 #
 #   scripts/gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]
 #
-# Environment: DATA_MINUTES (default 1.2) and DATA_BATCH (384) shape the data; PACK (default 1)
-# is eagle's and hydra's `--pack` (conversations a training step: 16-32 should fill a GPU that one
-# conversation a step leaves launch-bound; not yet measured on one); SPECDECODE (default
-# `specdecode`) runs the CLI. Each trainer's log is OUT_DIR/train.log's section; its artifact
-# OUT_DIR/NAME.
+# Environment:
+#   SHARD          an existing `train data` shard to train on (e.g. one the CPU wrote while the
+#                  GPU was away); unset: DATA_MINUTES (default 1.2) and DATA_BATCH (384) of
+#                  `train data --runner hf` write one
+#   TRAINERS       which run (default "dllm deer eagle hydra"; also "deer2": deer of 2 layers)
+#   PACK           eagle's and hydra's `--pack` (default 1): conversations a training step
+#   ANCHORS        deer's `--anchors` (default 192)
+#   INIT           kinds that start from the shipped artifact of their kind (default "eagle")
+#   SPECDECODE     the CLI (default `specdecode`)
+# Each trainer's log is OUT_DIR/train.log's section; its artifact OUT_DIR/NAME.
 set -u
 model=${1:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
 out=${2:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
 minutes=${3:-4}
 spec=${SPECDECODE:-specdecode}
+trainers=${TRAINERS:-dllm deer eagle hydra}
 work=$(mktemp -d)
-shard=$work/shard.jsonl
 mkdir -p "$out"
 stamp() { echo "[$(date +%T)] $*"; }
 
-stamp "data for ${DATA_MINUTES:-1.2} min"
-$spec train data --model "$model" --runner auto --count 50000 --batch "${DATA_BATCH:-384}" \
-    --prompt-tokens 64 --answer-tokens 160 --max-minutes "${DATA_MINUTES:-1.2}" \
-    --out "$shard" 2>&1 | tail -3
+if [ -n "${SHARD:-}" ]; then
+    shard=$SHARD
+else
+    shard=$work/shard.jsonl
+    stamp "data for ${DATA_MINUTES:-1.2} min"
+    $spec train data --model "$model" --runner auto --count 50000 --batch "${DATA_BATCH:-384}" \
+        --prompt-tokens 64 --answer-tokens 160 --max-minutes "${DATA_MINUTES:-1.2}" \
+        --out "$shard" 2>&1 | tail -3
+fi
 stamp "$(wc -l < "$shard") conversations"
 
-eagle_init=src/specdecode/data/adapters/smollm2-eagle-heads.safetensors
+adapters=src/specdecode/data/adapters
+init() {  # the shipped artifact of kind $1 where INIT names it
+    case " ${INIT:-eagle} " in
+        *" $1 "*) echo --init "${ADAPTERS:-$adapters}/smollm2-$1-heads.safetensors" ;;
+    esac
+}
 common=(--model "$model" --no-progress)
-$spec train dllm "${common[@]}" --data "$shard" --rank "${DLLM_RANK:-8}" --batch 48 \
-    --minutes "$minutes" --checkpoint-every 200 --workdir "$work/dllm" \
-    --out "$out/smollm2-dllm-delta.safetensors" > "$work/dllm.log" 2>&1 &
-$spec train heads --kind deer "${common[@]}" --shard "$shard" --anchors 192 \
-    --max-minutes "$minutes" --workdir "$work/deer" \
-    --out "$out/smollm2-deer-heads.safetensors" > "$work/deer.log" 2>&1 &
-$spec train heads --kind eagle "${common[@]}" --shard "$shard" --init "$eagle_init" \
-    --pack "${PACK:-1}" --max-minutes "$minutes" --workdir "$work/eagle" \
-    --out "$out/smollm2-eagle-heads.safetensors" > "$work/eagle.log" 2>&1 &
-$spec train heads --kind hydra "${common[@]}" --shard "$shard" --pack "${PACK:-1}" \
-    --max-minutes "$minutes" --workdir "$work/hydra" \
-    --out "$out/smollm2-hydra-heads.safetensors" > "$work/hydra.log" 2>&1 &
-stamp "four trainers for $minutes min"
+heads() {  # NAME KIND [FLAGS...]: one heads trainer in the background
+    local name=$1 kind=$2
+    shift 2
+    $spec train heads --kind "$kind" "${common[@]}" --shard "$shard" --max-minutes "$minutes" \
+        --workdir "$work/$name" --out "$out/smollm2-$name-heads.safetensors" "$@" \
+        > "$work/$name.log" 2>&1 &
+}
+for name in $trainers; do
+    case $name in
+        dllm) $spec train dllm "${common[@]}" --data "$shard" --rank "${DLLM_RANK:-8}" \
+                  --batch 48 --minutes "$minutes" --checkpoint-every 200 \
+                  --workdir "$work/dllm" --out "$out/smollm2-dllm-delta.safetensors" \
+                  > "$work/dllm.log" 2>&1 & ;;
+        deer) heads deer deer --anchors "${ANCHORS:-192}" $(init deer) ;;
+        deer2) heads deer2 deer --layers 2 --anchors "${ANCHORS:-192}" ;;
+        eagle|hydra) heads "$name" "$name" --pack "${PACK:-1}" $(init "$name") ;;
+        *) echo "unknown trainer $name" >&2; exit 2 ;;
+    esac
+done
+stamp "$trainers for $minutes min"
 wait
 stamp "trained"
-for name in dllm deer eagle hydra; do
+for name in $trainers; do
     echo "== $name"; tail -c 3000 "$work/$name.log"
 done | tee "$out/train.log"
-gzip -c "$shard" > "$out/shard.jsonl.gz"
+[ -n "${SHARD:-}" ] || gzip -c "$shard" > "$out/shard.jsonl.gz"
 ls -la "$out"

@@ -540,7 +540,8 @@ def test_held_out_agreement_counts_answer_positions_only():
 
     data = types.SimpleNamespace(evaluation=[(list(range(length)), prompt_len)],
                                  features=lambda net, ids: (None, final), full_head=full_head,
-                                 head=full_head[head_ids], head_ids=head_ids)
+                                 head=full_head[head_ids], head_ids=head_ids,
+                                 read_ahead=lambda net, upcoming: None)
     expected = []
     for k in range(3):
         hits = total = 0
@@ -586,3 +587,32 @@ def test_packed_conversations_train_as_each_alone(kind):
         counts = [len(a[k]) for a in alone]
         mean = sum(p[k] * c for p, c in zip(parts, counts)) / sum(counts)
         torch.testing.assert_close(joint[k], mean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hydra", "eagle3", "deer"])
+def test_padded_reads_give_each_conversations_own_features(kind):
+    """``train heads`` on the hf runner reads conversations of different lengths in one padded
+    forward: each one's features are its own prefill's, and a cache that fills part-way keeps
+    what fits and still returns the rest."""
+    from specdecode.training.train_heads import _Data, batch_features, conversation_features
+
+    model = tiny_llama(layers=4, seed=2)
+    runner = HFRunner(model)
+    layers = eagle3_layers(4) if kind == "eagle3" else []
+    net = make_network(kind.rstrip("3"), 32, runner.input_embeddings(),
+                       **({"feature_layers": layers} if layers else {}))
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(runner.vocab_size, (n,), generator=gen).tolist()
+                 for n in (17, 5, 30)]
+    alone = [conversation_features(runner, net, ids) for ids in sequences]
+    together = batch_features(model, net, sequences)
+    for (inputs, final), (want_inputs, want_final) in zip(together, alone):
+        assert inputs.shape == want_inputs.shape and final.shape == want_final.shape
+        torch.testing.assert_close(inputs, want_inputs, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(final, want_final, rtol=1e-4, atol=1e-5)
+    room = sum(i.nbytes + f.nbytes for i, f in alone[:2])
+    data = _Data([], [], runner, "", "", None, None, None, 1.0, cache_limit=room,
+                 padded_reads=True)
+    read = data.features_of(net, sequences)
+    assert len(data.cache) == 2 and tuple(sequences[2]) not in data.cache
+    torch.testing.assert_close(read[2][1], alone[2][1], rtol=1e-4, atol=1e-5)

@@ -50,7 +50,7 @@ from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.drafter import target_features
 from specdecode.heads.networks import (NETWORKS, feature_layers, make_network, packed,
                                        packed_rows, parameter_count)
-from specdecode.models.base import Needs
+from specdecode.models.base import ForwardOutput, Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,
                                       use_device, work_dir)
@@ -68,6 +68,9 @@ CACHE_BYTES = 2 << 30
 MAX_HELD_OUT = 200
 #: the kinds whose training takes several conversations packed into one step (``--pack``)
 PACKABLE = ("hydra", "eagle")
+#: conversations the hf runner reads in one padded forward when a step meets an unread one: on
+#: a GPU one conversation's prefill is bound by kernel launches, so 32 cost about what one does
+READ_AHEAD = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +131,28 @@ def conversation_features(runner, net, ids) -> tuple[torch.Tensor, torch.Tensor]
     return inputs.float().clone(), final.float().clone()
 
 
+def batch_features(model, net, sequences: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`conversation_features` of several conversations in one forward of a transformers
+    model, padded on the right (a causal row reads no padding, so each conversation's rows are
+    its own prefill's, up to the batched kernels' rounding)."""
+    lengths = [len(ids) for ids in sequences]
+    device = next(model.parameters()).device
+    tokens = torch.zeros(len(sequences), max(lengths), dtype=torch.long, device=device)
+    mask = torch.zeros_like(tokens)
+    for row, ids in enumerate(sequences):
+        tokens[row, :len(ids)] = torch.tensor(ids, device=device)
+        mask[row, :len(ids)] = 1
+    with torch.inference_mode():
+        states = model(input_ids=tokens, attention_mask=mask, output_hidden_states=True,
+                       use_cache=False, logits_to_keep=1).hidden_states
+        read = []
+        for row, n in enumerate(lengths):
+            out = ForwardOutput(None, states[-1][row, :n].float(),
+                                {layer: states[layer][row, :n] for layer in net.feature_layers})
+            read.append((target_features(net, out), out.final_hidden))
+    return [(inputs.float().clone(), final.clone()) for inputs, final in read]
+
+
 def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
                  anchors: torch.Tensor | None = None, starts=None):
     """{depth: loss} for one conversation, or several packed (``starts``, where each begins:
@@ -159,6 +184,8 @@ def evaluate(net, data: "_Data", depth: int) -> list[float]:
     """Per depth: the share of held-out answer positions where the head's top shortlist token
     is the target's greedy token (teacher forcing)."""
     hits, total = [0] * depth, [0] * depth
+    for first in range(0, len(data.evaluation), READ_AHEAD):
+        data.read_ahead(net, [ids for ids, _ in data.evaluation[first:first + READ_AHEAD]])
     for ids, prompt_len in data.evaluation:
         inputs, final = data.features(net, ids)
         net.reset()
@@ -206,6 +233,8 @@ class _Data:
     coverage: float
     #: bytes of features kept between epochs (:func:`_cache_bytes`, fixed at the start)
     cache_limit: int = CACHE_BYTES
+    #: whether several conversations are read in one padded forward (the hf runner's model)
+    padded_reads: bool = False
 
     #: conversations' features kept for the next epoch, up to ``cache_limit``, and their bytes
     cache: dict = field(default_factory=dict)
@@ -216,14 +245,31 @@ class _Data:
         return self.full_head if self.head_ids is None else self.full_head[self.head_ids]
 
     def features(self, net, ids) -> tuple[torch.Tensor, torch.Tensor]:
-        key = tuple(ids)
-        if key not in self.cache:
-            inputs, final = conversation_features(self.runner, net, ids)
+        return self.features_of(net, [ids])[0]
+
+    def features_of(self, net, sequences: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The features of ``sequences``: the cached ones, the others read (the hf runner's in
+        one padded forward, :func:`batch_features`) and kept while the cache has room."""
+        keys = [tuple(ids) for ids in sequences]
+        unread = list(dict.fromkeys(key for key in keys if key not in self.cache))
+        if len(unread) > 1 and self.padded_reads:
+            fresh = batch_features(self.runner.model, net, unread)
+        else:
+            fresh = [conversation_features(self.runner, net, key) for key in unread]
+        passing = {}
+        for key, (inputs, final) in zip(unread, fresh):
             if self.cache_held + inputs.nbytes + final.nbytes > self.cache_limit:
-                return inputs, final
+                passing[key] = (inputs, final)
+                continue
             self.cache[key] = (inputs, final)
             self.cache_held += inputs.nbytes + final.nbytes
-        return self.cache[key]
+        return [self.cache[key] if key in self.cache else passing[key] for key in keys]
+
+    def read_ahead(self, net, upcoming: list) -> None:
+        """Reads the unread of ``upcoming`` together while the cache has room for them (the
+        hf runner: a step then finds its conversation read)."""
+        if self.padded_reads and self.cache_held < self.cache_limit:
+            self.features_of(net, upcoming)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -408,7 +454,7 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
     return _Data(train, evaluation, runner, source, reader,
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage,
-                 _cache_bytes(full_head.device))
+                 _cache_bytes(full_head.device), padded_reads=runner.name == "hf")
 
 
 def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
@@ -438,13 +484,16 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
     while time.monotonic() < deadline:
         step = state["step"]
         chosen = [train[int(order[(step * args.pack + i) % len(train)])] for i in range(args.pack)]
+        if args.pack == 1 and tuple(chosen[0][0]) not in data.cache:
+            data.read_ahead(net, [train[int(order[(step + i) % len(train)])][0]
+                                  for i in range(READ_AHEAD)])
         elapsed = (time.monotonic() - start) / max(deadline - start, 1.0)
         for group in optim.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1.0 - 0.9 * min(elapsed, 1.0))
         net.reset()
         anchors = starts = None
         if len(chosen) > 1:  # --pack: one after another, each seeing only itself
-            read = [data.features(net, ids) for ids, _ in chosen]
+            read = data.features_of(net, [ids for ids, _ in chosen])
             ids, starts = packed([ids for ids, _ in chosen])
             inputs, final = torch.cat([r[0] for r in read]), torch.cat([r[1] for r in read])
             outputs = net.train_outputs(inputs, torch.tensor(ids), depth, starts)
