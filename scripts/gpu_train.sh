@@ -44,11 +44,17 @@ init() {  # the shipped artifact of kind $1 where INIT names it
     esac
 }
 common=(--model "$model" --no-progress)
+# trainers started together each see the whole GPU free: a third of it shared between them
+# for their feature caches (a quarter each, the default, filled 139 of an H200's 141 GB)
+free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -1)
+cache=()
+[ -z "$free_mib" ] || cache=(--feature-cache $(( free_mib / 1024 / (3 * $(echo $trainers | wc -w)) )))
 heads() {  # NAME KIND [FLAGS...]: one heads trainer in the background
     local name=$1 kind=$2
     shift 2
     $spec train heads --kind "$kind" "${common[@]}" --shard "$shard" --max-minutes "$minutes" \
-        --workdir "$work/$name" --out "$out/smollm2-$name-heads.safetensors" "$@" \
+        --workdir "$work/$name" --out "$out/smollm2-$name-heads.safetensors" \
+        "${cache[@]}" "$@" \
         > "$work/$name.log" 2>&1 &
 }
 for name in $trainers; do

@@ -196,6 +196,9 @@ def test_bad_parts_are_named():
         AutoConfig(parts="suffix")
     with pytest.raises(SpecDecodeError, match="repeat"):
         AutoConfig(parts="suffix,suffix")
+    with pytest.raises(SpecDecodeError, match="repeat"):
+        AutoConfig(parts="suffix+suffix")
+    assert AutoConfig(parts="suffix+eagle").part_names == ["suffix", "eagle"]
     with pytest.raises(SpecDecodeError, match="registered exact method"):
         AutoProposer(AutoConfig(parts="suffix,auto"), None)
     with pytest.raises(SpecDecodeError, match="explore_every"):

@@ -19,6 +19,8 @@ from specdecode.cli import main
     (["train", "heads", "--kind", "deer", "--pack", "4"],
      "--pack packs conversations for hydra and eagle only; leave it out for deer"),
     (["train", "heads", "--kind", "eagle", "--pack", "0"], "--pack must be >= 1, got 0"),
+    (["train", "heads", "--kind", "hydra", "--feature-cache", "-1"],
+     "--feature-cache must be >= 0 gigabytes, got -1.0"),
     (["train", "corpus", "--data", "/nonexistent/shard.jsonl", "--out", "c.safetensors"],
      "shard /nonexistent/shard.jsonl does not exist; write one with `specdecode train data"),
     (["train", "corpus", "--data", "x.jsonl", "--out", "c.safetensors", "--max-tokens", "-1"],

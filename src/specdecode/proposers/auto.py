@@ -45,6 +45,7 @@ acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from bisect import bisect_right
@@ -79,8 +80,9 @@ SHARED_FIELDS = ("heads", "min_path_prob", "corpus")
 
 @dataclass(frozen=True)
 class AutoConfig:
-    parts: str = param("suffix,hydra", "the proposers to choose between, comma-separated "
-                                       "registered exact methods (model-free and learned)")
+    parts: str = param("suffix,hydra", "the proposers to choose between, registered exact "
+                                       "methods (model-free and learned) separated by ',' or "
+                                       "'+' (a bench variant: auto:parts=suffix+eagle)")
     heads: str = param("auto", "trained heads for the parts that take them ('auto': the newest "
                                "for this target, or the one shipped for the default model)")
     min_path_prob: float = param(0.35, "handed to the parts that grow trees by path "
@@ -100,7 +102,7 @@ class AutoConfig:
 
     @property
     def part_names(self) -> list[str]:
-        return [name.strip() for name in self.parts.split(",") if name.strip()]
+        return [name.strip() for name in re.split(r"[,+]", self.parts) if name.strip()]
 
 
 class _Record:

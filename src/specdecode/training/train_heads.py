@@ -105,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sees only itself): what fills a GPU, where one conversation a step "
                              "is bound by kernel launches")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
+    parser.add_argument("--feature-cache", type=float, default=None, metavar="GB",
+                        help="most gigabytes of features kept between epochs (default: 2 on "
+                             "the CPU; on a GPU a quarter of its free memory, up to 16: pass a "
+                             "share when several trainers start on one GPU together)")
     parser.add_argument("--out", default=None,
                         help="artifact path (default: the user cache, where the method finds it)")
     parser.add_argument("--workdir", default=None,
@@ -207,9 +211,12 @@ def evaluate(net, data: "_Data", depth: int) -> list[float]:
     return [round(h / max(t, 1), 4) for h, t in zip(hits, total)]
 
 
-def _cache_bytes(device: torch.device) -> int:
-    """Bytes of features kept between epochs: CACHE_BYTES of the CPU's memory, or a quarter of
-    a GPU's free memory (up to 16 GB: every conversation of a large shard)."""
+def _cache_bytes(device: torch.device, gigabytes: float | None = None) -> int:
+    """Bytes of features kept between epochs: ``gigabytes`` (``--feature-cache``), else
+    CACHE_BYTES of the CPU's memory, or a quarter of a GPU's free memory (up to 16 GB: every
+    conversation of a large shard)."""
+    if gigabytes is not None:
+        return int(gigabytes * (1 << 30))
     if device.type != "cuda":
         return CACHE_BYTES
     return min(16 << 30, torch.cuda.mem_get_info(device)[0] // 4)
@@ -406,6 +413,8 @@ def _checked_depth(args: argparse.Namespace) -> int:
     require(depth >= 1, f"--depth must be >= 1, got {depth}")
     require(args.layers >= 1, f"--layers must be >= 1, got {args.layers}")
     require(args.pack >= 1, f"--pack must be >= 1, got {args.pack}")
+    require(args.feature_cache is None or args.feature_cache >= 0,
+            f"--feature-cache must be >= 0 gigabytes, got {args.feature_cache}")
     require(args.pack == 1 or args.kind in PACKABLE,
             f"--pack packs conversations for {' and '.join(PACKABLE)} only; leave it out for "
             f"{args.kind}")
@@ -454,7 +463,8 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
     return _Data(train, evaluation, runner, source, reader,
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage,
-                 _cache_bytes(full_head.device), padded_reads=runner.name == "hf")
+                 _cache_bytes(full_head.device, args.feature_cache),
+                 padded_reads=runner.name == "hf")
 
 
 def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
