@@ -45,7 +45,7 @@ init() {  # the shipped artifact of kind $1 where INIT names it
 }
 common=(--model "$model" --no-progress)
 # trainers started together each see the whole GPU free: a third of it shared between them
-# for their feature caches (a quarter each, the default, filled 139 of an H200's 141 GB)
+# for their feature caches (a quarter each, the default, took 142.5 of an H200's 143.8 GB)
 free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -1)
 cache=()
 [ -z "$free_mib" ] || cache=(--feature-cache $(( free_mib / 1024 / (3 * $(echo $trainers | wc -w)) )))
