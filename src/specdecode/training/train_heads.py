@@ -7,9 +7,10 @@
 2. features: the target reads a conversation when a step first needs it, one prefill of the
    runner the heads will draft for (``--runner``, the default one: native int4 for SmolLM2),
    so training sees the features drafting will read: its final hidden states (what its LM
-   head reads, the teacher's distribution) and, for EAGLE-3 and deer, chosen layers'.
-   They are kept in memory for later epochs up to 2 GB (past that, read again: a prefill is a
-   quarter of a step), so the data may be any size.
+   head reads, the teacher's distribution) and, for EAGLE-3 and deer, chosen layers'. The
+   ``hf`` runner (a GPU's) reads the step's conversations with the next ones, 32 in one padded
+   forward. They are kept in memory for later epochs up to ``--feature-cache`` (2 GB on a
+   CPU; past that, read again: a prefill is a quarter of a step), so the data may be any size.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
    training conversations; its coverage of the held-out answers is measured and stored.
 4. training, teacher forcing over whole conversations: at every position t and depth k the
