@@ -130,7 +130,7 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None) -> s
     layers = feature_layers(kind, runner.num_layers)
     settings = {"feature_layers": layers} if layers else {}
     if kind == "deer":
-        settings["anchor_input"] = True
+        settings.update(anchor_input=True, row_inputs=True)
     net = make_network(kind, embed.shape[1], embed, **settings)
     data = []
     for prompt in repetitive_prompts():

@@ -19,7 +19,7 @@ from specdecode.models.hf import HFRunner
 from specdecode.registry import get
 from specdecode.sampling import SamplingParams
 from specdecode.training.runs import descend
-from specdecode.training.train_heads import depth_losses
+from specdecode.training.train_heads import _warm_start, depth_losses, step_loss
 
 from conftest import repetitive_prompts, tiny_heads
 from test_draft_heads import check_sampled_distribution, perturbed
@@ -158,19 +158,77 @@ def test_the_anchor_input_starts_silent_and_older_artifacts_load_without_it(tiny
     assert loaded.anchor_in is None and "anchor_input" in loaded.settings()
 
 
-def test_training_lowers_the_loss():
+def test_the_row_inputs_start_as_one_mask_and_older_artifacts_load_without_them(tiny, tmp_path):
+    """A network with ``row_inputs`` starts as the one without (every row's mask the shared
+    one, the root's map zero); trained, its rows' masks and the root's map change the block; an
+    artifact written before it came (one mask, no ``row_inputs``) loads as it was."""
+    torch.manual_seed(0)
+    embed = tiny.get_input_embeddings().weight
+    old = make_network("deer", 32, embed, feature_layers=(1,), anchor_input=True)
+    new = make_network("deer", 32, embed, feature_layers=(1,), anchor_input=True, row_inputs=True)
+    assert new.mask.shape == (BLOCK, 32) and old.mask.shape == (32,)
+    shared = {k: v for k, v in old.state_dict().items() if k != "mask"}
+    assert new.load_state_dict(shared, strict=False).missing_keys == ["mask", "root_in.weight"]
+    feats, ids = torch.randn(12, 64), torch.randint(embed.shape[0], (12,))
+    with torch.no_grad():
+        old.anchor_in.weight.normal_(0, 0.1)
+        new.anchor_in.weight.copy_(old.anchor_in.weight)
+        torch.testing.assert_close(new.train_outputs(feats, ids, BLOCK)[2],
+                                   old.train_outputs(feats, ids, BLOCK)[2])
+        new.root_in.weight.normal_(0, 0.1)
+        new.mask[3].normal_(0, 1.0)
+        moved = new.train_outputs(feats, ids, BLOCK)
+        assert not torch.allclose(moved[0], old.train_outputs(feats, ids, BLOCK)[0])
+    runner = HFRunner(tiny)
+    path = save_heads(tmp_path / "old.safetensors", old, None, runner.fingerprint(), {})
+    loaded = load_heads(str(path), runner, "deer", embed)[0]
+    assert loaded.root_in is None and loaded.mask.shape == (32,)
+    assert loaded.settings()["row_inputs"] is False
+
+
+def test_init_takes_an_older_artifacts_weights_and_its_mask_for_every_row(tiny, tmp_path):
+    """`train heads --init` with an artifact written before the row inputs: every weight of
+    the same name and shape, and its one mask vector as every row's mask."""
+    torch.manual_seed(0)
+    embed = tiny.get_input_embeddings().weight
+    runner = HFRunner(tiny)
+    old = make_network("deer", 32, embed, feature_layers=(1,), anchor_input=True)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(torch.randn_like(p))
+    path = save_heads(tmp_path / "old.safetensors", old, None, runner.fingerprint(), {})
+    new = make_network("deer", 32, embed, feature_layers=(1,), anchor_input=True, row_inputs=True)
+    _warm_start(new, str(path), runner.fingerprint())
+    stored = load_heads(str(path), runner, "deer", embed)[0].state_dict()
+    for name, value in new.state_dict().items():
+        if name == "root_in.weight":
+            assert not value.any()  # not in the old artifact: its zero start
+        elif name != "embed":
+            torch.testing.assert_close(value, stored[name].expand(value.shape))
+
+
+@pytest.mark.parametrize("row_inputs", [False, True])
+def test_training_lowers_the_loss(row_inputs):
     torch.manual_seed(0)
     embed = torch.randn(40, 64)
     head = torch.randn(40, 64)
-    net = make_network("deer", 64, embed, block=4)
+    net = make_network("deer", 64, embed, block=4, anchor_input=True, row_inputs=row_inputs)
     optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
     feats, ids = torch.randn(24, 64), torch.randint(40, (24,))
     losses = []
     for step in range(30):
         per_depth = depth_losses(net.train_outputs(feats, ids, 4), feats, head)
-        losses.append(descend(sum(per_depth.values()) / len(per_depth), optim,
-                              net.parameters(), step))
+        losses.append(descend(step_loss("deer", per_depth), optim, net.parameters(), step))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_the_loss_weighs_the_blocks_first_rows_most():
+    """DEER's second stage and DFlash: row k's loss weighted 0.8^k (normalised)."""
+    one, none = torch.tensor(1.0), torch.tensor(0.0)
+    first = step_loss("deer", {0: one, **{k: none for k in range(1, 8)}})
+    last = step_loss("deer", {**{k: none for k in range(7)}, 7: one})
+    assert float(first / last) == pytest.approx(0.8 ** -7)
+    assert float(step_loss("deer", {k: one for k in range(8)})) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("shortlist", [False, True])

@@ -43,7 +43,7 @@ def perturbed(kind: str, size: int = 128, vocab: int = 50, seed: int = 0):
     torch.manual_seed(seed)
     settings = {"feature_layers": (2, 5, 7)} if kind == "eagle3" else {}
     if kind == "deer":
-        settings["anchor_input"] = True  # as `train heads` makes it
+        settings.update(anchor_input=True, row_inputs=True)  # as `train heads` makes it
     net = make_network(kind.removesuffix("3"), size, torch.randn(vocab, size), **settings)
     with torch.no_grad():
         for p in net.parameters():
@@ -201,18 +201,19 @@ def test_native_clover_steps_compute_the_torch_networks_steps(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
-@pytest.mark.parametrize("layers", [1, 2])
-def test_native_deer_blocks_are_the_torch_networks_blocks(layers, fmt, monkeypatch):
+@pytest.mark.parametrize("layers,row_inputs", [(1, True), (2, True), (1, False)])
+def test_native_deer_blocks_are_the_torch_networks_blocks(layers, row_inputs, fmt, monkeypatch):
     """DEER's layers fused on the kernels (NativeDeerDrafter) draft the torch network's block,
     step after step (the context's keys and values written from the fused features of three
-    target layers, the anchor's row added to the block, a cache grown on the way): bf16 within
-    0.8%, int8 within its rounding."""
+    target layers, the anchor's row added to the block, and with ``row_inputs`` a mask a row
+    and the root's mapped embedding; a cache grown on the way): bf16 within 0.8%, int8 within
+    its rounding."""
     if not kernels.available():
         pytest.skip("the native kernels do not build here")
     monkeypatch.setattr(native_blocks, "INITIAL_ROWS", 16)
     torch.manual_seed(layers)
     net = make_network("deer", 128, torch.randn(50, 128), layers=layers, feature_layers=(1, 3),
-                       anchor_input=True)
+                       anchor_input=True, row_inputs=row_inputs)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -167,10 +167,12 @@ class NativeDeerDrafter(_LayersOnKernels):
 
     def __init__(self, net: DeerDrafter, fmt: str = "int8"):
         super().__init__(net, list(net.blocks), fmt)
-        anchor_in = None if net.anchor_in is None else _linear(net.anchor_in.weight, fmt).kernel()
+        anchor_in, root_in = (None if map_ is None else _linear(map_.weight, fmt).kernel()
+                              for map_ in (net.anchor_in, net.root_in))
         self.drafter = kernels.deer_drafter(
             self.stack, _linear(net.fuse.weight, fmt).kernel(),
             [_linear(block.attn.kv.weight, fmt).kernel() for block in net.blocks], anchor_in,
+            root_in,
             torch.cat([_weight(norm) for norm in net.part_norms]), _weight(net.context_norm),
             _weight(net.out_norm), net.mask.detach().float(), self.embed, self.heads,
             self.max_depth, self.eps)

@@ -586,9 +586,10 @@ class DeerDrafter(_BlockNetwork):
 
     def __init__(self, size: int, embed: torch.Tensor, inner: int | None = None, layers: int = 1,
                  block: int = 8, feature_layers: tuple[int, ...] | list[int] = (),
-                 anchor_input: bool = False):
+                 anchor_input: bool = False, row_inputs: bool = False):
         super().__init__(size, embed, inner)
         self.layers, self.max_depth, self.anchor_input = layers, block, anchor_input
+        self.row_inputs = row_inputs
         self.feature_layers = tuple(int(layer) for layer in feature_layers)
         parts = len(self.feature_layers) + 1
         # intermediate layers' outputs are un-normed residual streams: each part gets a norm
@@ -602,7 +603,16 @@ class DeerDrafter(_BlockNetwork):
         self.anchor_in = nn.Linear(size, size, bias=False) if anchor_input else None
         if self.anchor_in is not None:
             nn.init.zeros_(self.anchor_in.weight)
-        self.mask = nn.Parameter(self.embed.float().mean(0).clone())
+        # row_inputs: each block row its own mask vector, and the root's embedding through its
+        # own map added to every row (zero at first), as the anchor's: with one or two layers,
+        # a mask row otherwise learns the root only through attention, and which row it is only
+        # from the rotary embedding (a row's top-1 agreement stayed far below a Hydra head's
+        # reading the same two inputs). Artifacts written before it came have neither.
+        mean = self.embed.float().mean(0)
+        self.mask = nn.Parameter((mean.expand(block, size) if row_inputs else mean).clone())
+        self.root_in = nn.Linear(size, size, bias=False) if row_inputs else None
+        if self.root_in is not None:
+            nn.init.zeros_(self.root_in.weight)
         self.blocks = nn.ModuleList(Block(size, self.inner) for _ in range(layers))
         self.out_norm = RMSNorm(size)
         self.reset()
@@ -610,7 +620,7 @@ class DeerDrafter(_BlockNetwork):
     def settings(self) -> dict:
         return {"size": self.size, "inner": self.inner, "layers": self.layers,
                 "block": self.max_depth, "feature_layers": list(self.feature_layers),
-                "anchor_input": self.anchor_input}
+                "anchor_input": self.anchor_input, "row_inputs": self.row_inputs}
 
     def reset(self) -> None:
         self.caches = [KVCache() for _ in self.blocks]
@@ -627,10 +637,12 @@ class DeerDrafter(_BlockNetwork):
         values) [heads, n, D]; ``context_allowed`` [A, n]. Returns the mask rows' features
         [A, block, H]."""
         a, rows = len(roots), self.max_depth + 1
-        x = torch.cat([self.embeddings(roots)[:, None],
-                       self.mask.expand(a, self.max_depth, self.size)], 1)
+        root_rows = self.embeddings(roots)
+        x = torch.cat([root_rows[:, None], self.mask.expand(a, self.max_depth, self.size)], 1)
         if self.anchor_in is not None:
             x = x + self.anchor_in(anchor_rows)[:, None]
+        if self.root_in is not None:
+            x = x + self.root_in(root_rows)[:, None]
         positions = anchors[:, None] + 1 + torch.arange(rows)
         for block, (keys, values) in zip(self.blocks, context):
             x = x + _block_attention(block.attn, block.attn_norm(x), positions, keys, values,

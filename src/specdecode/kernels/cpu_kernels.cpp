@@ -1271,24 +1271,26 @@ struct EagleHead {
 // NativeDeerDrafter) a call a step, as EagleHead: the committed positions' features, each part
 // normed on its own, fused and normed (the context's memory); each layer's keys and values of
 // that memory written into the drafter's cache with their rotary embedding (DFlash's
-// conditioning); then the block (the root's embedding and `block` mask rows, plus the anchor's
-// own memory row where the drafter has `anchor_in`) through the layers, every row seeing the
+// conditioning); then the block (the root's embedding and `block` mask rows, one mask for all or
+// one a row, plus the anchor's own memory row where the drafter has `anchor_in` and the root's
+// embedding where it has `root_in`, each through its map) through the layers, every row seeing the
 // context and the whole block; returns the block's rows after the root, normed by `out_norm`.
 struct DeerDrafter {
   LayerStack stack;
   PackedLinear fuse;
   std::vector<PackedLinear> context_kv;
-  c10::optional<PackedLinear> anchor_in;
+  c10::optional<PackedLinear> anchor_in, root_in;
   at::Tensor part_weight, context_weight, out_weight, mask, unit, embed;
   int64_t hidden, heads, block;
   double eps;
 
   DeerDrafter(LayerStack stack, PackedLinear fuse, std::vector<PackedLinear> context_kv,
-              c10::optional<PackedLinear> anchor_in, at::Tensor part_weight,
-              at::Tensor context_weight, at::Tensor out_weight, at::Tensor mask, at::Tensor embed,
-              int64_t heads, int64_t block, double eps)
+              c10::optional<PackedLinear> anchor_in, c10::optional<PackedLinear> root_in,
+              at::Tensor part_weight, at::Tensor context_weight, at::Tensor out_weight,
+              at::Tensor mask, at::Tensor embed, int64_t heads, int64_t block, double eps)
       : stack(std::move(stack)), fuse(std::move(fuse)), context_kv(std::move(context_kv)),
-        anchor_in(std::move(anchor_in)), part_weight(std::move(part_weight)),
+        anchor_in(std::move(anchor_in)), root_in(std::move(root_in)),
+        part_weight(std::move(part_weight)),
         context_weight(std::move(context_weight)), out_weight(std::move(out_weight)),
         mask(std::move(mask)), embed(std::move(embed)), heads(heads), block(block), eps(eps) {
     hidden = this->embed.size(1);
@@ -1311,9 +1313,10 @@ struct DeerDrafter {
     for (int64_t layer = 0; layer < layers; layer++)
       rope_store(at::cat({no_queries, context_kv[layer](memory, c10::nullopt, isa)}, -1), cos, sin,
                  heads, heads, k_cache.select(0, layer), v_cache.select(0, layer), slots, isa);
-    at::Tensor x = at::cat({embed.index_select(0, at::tensor({root}, at::kLong)).to(at::kFloat),
-                            mask.expand({block, hidden})});
+    const at::Tensor root_row = embed.index_select(0, at::tensor({root}, at::kLong)).to(at::kFloat);
+    at::Tensor x = at::cat({root_row, mask.expand({block, hidden})});
     if (anchor_in) x = x + (*anchor_in)(memory.slice(0, n - 1), c10::nullopt, isa);
+    if (root_in) x = x + (*root_in)(root_row, c10::nullopt, isa);
     // the block: rows at slots past + n .. past + n + block, each seeing all of them
     const int64_t rows = block + 1, start = past + n;
     const at::Tensor block_slots = at::arange(start, start + rows, at::kLong);
@@ -1374,8 +1377,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("expand", &EagleHead::expand, nogil);
   py::class_<DeerDrafter>(m, "DeerDrafter")
       .def(py::init<LayerStack, PackedLinear, std::vector<PackedLinear>, c10::optional<PackedLinear>,
-                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                    double>())
+                    c10::optional<PackedLinear>, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, int64_t, int64_t, double>())
       .def("ingest", &DeerDrafter::ingest, nogil);
   py::class_<HydraHeads>(m, "HydraHeads")
       .def(py::init<std::vector<PackedLinear>, std::vector<c10::optional<at::Tensor>>,

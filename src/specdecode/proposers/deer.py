@@ -4,7 +4,10 @@ conditioned on the target's features as in DFlash (block diffusion drafting with
 hidden states as context).
 
 The drafter (heads/networks.py, ``DeerDrafter``) is one decoder layer of the target's width
-whose input is the root's embedding and ``block`` mask rows; they attend to each other both
+whose input is the root's embedding and ``block`` mask rows (each row its own mask vector, with
+the root's embedding and the last committed position's fused features, each through its own
+map, added to every row: with one layer, a row otherwise learns them only through attention);
+they attend to each other both
 ways and to keys and values made from the target's features of every committed position (a low
 and a middle layer's outputs and the final hidden states, each normed, concatenated and
 projected). ONE forward gives a distribution per block position, scored through the FR-Spec
@@ -23,8 +26,9 @@ regeneration"), as here: every step drafts afresh from the committed context.
 Trained by ``specdecode train heads --kind deer``: every position of the target's own
 conversations is an anchor, the block after it all masked, and each mask row learns the
 target's distribution there (KL, over the shortlist): DEER's first stage, AR-style
-continuation distillation. Its second stage (weighted suffix masking with a loss decaying
-along the block) is not done: the first stage's loss weighs every block position alike.
+continuation distillation, with its second stage's (and DFlash's) loss decaying along the
+block (row k weighted 0.8^k). The second stage's suffix masking (blocks partly unmasked) is not
+done: drafting always sees an all-masked block.
 
 Defaults: a block of 8 (DEER drafts up to 32 on a GPU; here a verify row costs about a fifth of
 a one-token forward and the deeper positions are rarely right), a tree of at most 16 nodes,

@@ -23,7 +23,8 @@
    EAGLE-1's feature regression (EAGLE-3 drops it). deer (the block drafter) reads a low and
    a middle layer's hidden states besides the final ones, and learns from ``--anchors`` random
    answer positions a step, each the root of an all-masked block whose row k is scored against
-   the target's distribution at the k-th position after it (DEER's first stage).
+   the target's distribution at the k-th position after it (DEER's first stage), the loss of
+   row k weighted 0.8^k (its second stage's emphasis on the block's first positions).
    AdamW, lr 1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one
    conversation a step, or for hydra and eagle ``--pack`` N of them one after another (each
    row seeing its own conversation only), so that a GPU step is not bound by kernel launches.
@@ -61,8 +62,9 @@ from specdecode.training.self_data import (frequency_shortlist, shortlist_covera
 #: training depth per kind: Hydra's heads, the unrolled steps of Clover and EAGLE-3's
 #: training-time test (the paper unrolls 7; here 4 for the CPU's sake, docs/draft-heads.md)
 DEPTHS = {"hydra": 4, "clover": 4, "eagle": 4, "deer": 8}
-#: EAGLE-3's weight of the loss at unrolled step k: 0.8^k
-EAGLE_STEP_DECAY = 0.8
+#: the weight of the loss at draft depth k, 0.8^k: EAGLE-3's for its unrolled steps; deer's
+#: block rows too (DEER's second stage and DFlash weigh a block's first positions most)
+STEP_DECAY = 0.8
 #: most bytes of features kept between epochs (a prefill is a quarter of a training step)
 CACHE_BYTES = 2 << 30
 #: most held-out conversations (evaluating one costs a prefill and a forward of the network)
@@ -179,8 +181,11 @@ def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
 
 
 def step_loss(kind: str, losses: dict) -> torch.Tensor:
-    """The depths' losses as one: their mean, or EAGLE-3's weights 0.8^k (normalised)."""
-    weights = {k: EAGLE_STEP_DECAY ** k if kind == "eagle" else 1.0 for k in losses}
+    """The depths' losses as one: their mean, or (eagle, deer) weights decaying 0.8^k along
+    the draft, normalised: EAGLE-3's for its unrolled steps, and DEER's second stage and DFlash's
+    emphasis on a block's first positions, where verification decides (a mean let the deep,
+    rarely predictable rows set a one-layer drafter's weights)."""
+    weights = {k: STEP_DECAY ** k if kind in ("eagle", "deer") else 1.0 for k in losses}
     return sum(weights[k] * loss for k, loss in losses.items()) / sum(weights.values())
 
 
@@ -344,16 +349,24 @@ def _norms_like_the_target(net, target) -> None:
 
 def _warm_start(net, path: str, fingerprint: str) -> None:
     """``net``'s weights that ``path`` (an artifact of its kind for this target) holds under the
-    same name and shape; the rest keep their initial values."""
+    same name and shape, or one that broadcasts to it (deer's one mask vector, for a network
+    with a mask a row); the rest keep their initial values."""
     from specdecode.training.artifacts import load_artifact
 
     stored = load_artifact(path, artifact_kind(net.kind), fingerprint).tensors
     own = net.state_dict()
-    taken = {name: stored[f"net.{name}"] for name, value in own.items()
-             if f"net.{name}" in stored and stored[f"net.{name}"].shape == value.shape}
+    taken = {name: stored[f"net.{name}"].to(value.dtype).expand(value.shape).clone()
+             for name, value in own.items()
+             if f"net.{name}" in stored and _broadcasts(stored[f"net.{name}"].shape, value.shape)}
     require(bool(taken), f"{path} holds none of this network's weights; leave out --init")
     net.load_state_dict({**own, **taken})
     print(f"--init: {len(taken)} of {len(own)} tensors from {path}")
+
+
+def _broadcasts(stored: torch.Size, own: torch.Size) -> bool:
+    """Whether a stored tensor of shape ``stored`` fills one of shape ``own``: the same shape,
+    or its trailing dimensions with the leading ones added."""
+    return stored == own or (len(stored) < len(own) and stored == own[len(own) - len(stored):])
 
 
 def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse.Namespace,
@@ -396,7 +409,8 @@ def network_settings(args: argparse.Namespace, num_layers: int) -> dict:
     layers = feature_layers(args.kind, num_layers)
     settings = {"feature_layers": layers} if layers else {}
     if args.kind == "deer":
-        settings.update(layers=args.layers, block=args.depth or DEPTHS["deer"], anchor_input=True)
+        settings.update(layers=args.layers, block=args.depth or DEPTHS["deer"], anchor_input=True,
+                        row_inputs=True)
     return settings
 
 
