@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", default=None, metavar="ARTIFACT",
                         help="start from a heads artifact of this kind and target: every weight "
                              "whose name and shape match (e.g. an EAGLE-1 artifact's layer for "
-                             "an EAGLE-3 network; its new fusion starts fresh)")
+                             "an EAGLE-3 network; its new fusion starts fresh), or whose shape "
+                             "broadcasts (an older deer's one mask for every row)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
