@@ -600,9 +600,7 @@ class DeerDrafter(_BlockNetwork):
         # inputs hold what the target knows of the next tokens before any attention (zero at
         # first: the untrained path changes nothing, and learns from the first step).
         # Artifacts written before it came have none.
-        self.anchor_in = nn.Linear(size, size, bias=False) if anchor_input else None
-        if self.anchor_in is not None:
-            nn.init.zeros_(self.anchor_in.weight)
+        self.anchor_in = _silent_map(size) if anchor_input else None
         # row_inputs: each block row its own mask vector, and the root's embedding through its
         # own map added to every row (zero at first), as the anchor's: with one or two layers,
         # a mask row otherwise learns the root only through attention, and which row it is only
@@ -610,9 +608,7 @@ class DeerDrafter(_BlockNetwork):
         # reading the same two inputs). Artifacts written before it came have neither.
         mean = self.embed.float().mean(0)
         self.mask = nn.Parameter((mean.expand(block, size) if row_inputs else mean).clone())
-        self.root_in = nn.Linear(size, size, bias=False) if row_inputs else None
-        if self.root_in is not None:
-            nn.init.zeros_(self.root_in.weight)
+        self.root_in = _silent_map(size) if row_inputs else None
         self.blocks = nn.ModuleList(Block(size, self.inner) for _ in range(layers))
         self.out_norm = RMSNorm(size)
         self.reset()
@@ -680,6 +676,14 @@ class DeerDrafter(_BlockNetwork):
         out = self._blocks(tokens[anchors + 1], anchors, memory[anchors], context, allowed)
         return {k: out[anchors < n - k - 1, k] for k in range(min(depth_limit, self.max_depth))
                 if bool((anchors < n - k - 1).any())}
+
+
+def _silent_map(size: int) -> nn.Linear:
+    """A map added to a network's input that starts at zero: the untrained path changes
+    nothing, and learns from the first step."""
+    map_ = nn.Linear(size, size, bias=False)
+    nn.init.zeros_(map_.weight)
+    return map_
 
 
 def _block_attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor,

@@ -254,10 +254,9 @@ def deer_drafter(stack, fuse, context_kv, anchor_in, root_in, part_norms, contex
     decoder layers (a ``layer_stack``), the fusing map, each layer's context k/v map, the
     anchor's and the root's maps or None (``packed_linear``s), the norms' weights (the parts'
     side by side), the mask row [H] or rows [block, H], the target's input embeddings [V, H],
-    the attention heads and the block's
-    length; ``ingest(features, root, positions, k_cache, v_cache, past, cos_table, sin_table,
-    isa)`` writes the context's keys and values and returns the block's rows after the root,
-    normed."""
+    the attention heads and the block's length; ``ingest(features, root, positions, k_cache,
+    v_cache, past, cos_table, sin_table, isa)`` writes the context's keys and values and returns
+    the block's rows after the root, normed."""
     return load().DeerDrafter(stack, fuse, context_kv, anchor_in, root_in, part_norms,
                               context_norm, out_norm, mask, embed, heads, block, eps)
 

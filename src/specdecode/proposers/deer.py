@@ -7,10 +7,9 @@ The drafter (heads/networks.py, ``DeerDrafter``) is one decoder layer of the tar
 whose input is the root's embedding and ``block`` mask rows (each row its own mask vector, with
 the root's embedding and the last committed position's fused features, each through its own
 map, added to every row: with one layer, a row otherwise learns them only through attention);
-they attend to each other both
-ways and to keys and values made from the target's features of every committed position (a low
-and a middle layer's outputs and the final hidden states, each normed, concatenated and
-projected). ONE forward gives a distribution per block position, scored through the FR-Spec
+they attend to each other both ways and to keys and values made from the target's features of
+every committed position (a low and a middle layer's outputs and the final hidden states, each
+normed, concatenated and projected). ONE forward gives a distribution per block position, scored through the FR-Spec
 shortlist of the target's frozen LM head like the other heads. Nothing is autoregressive on
 the draft side, so a whole block costs one small forward whatever its length; the price is
 that position k does not see what was drafted before it.
