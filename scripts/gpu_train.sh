@@ -12,6 +12,8 @@
 #                  `train data --runner hf` write one
 #   TRAINERS       which run (default "dllm deer eagle hydra"; also "deer2": deer of 2 layers)
 #   PACK           eagle's and hydra's `--pack` (default 1): conversations a training step
+#   DEER_PACK      deer's `--pack` (default PACK): its attention spans the whole pack, so its
+#                  memory grows with the pack's square
 #   ANCHORS        deer's `--anchors` (default 192)
 #   INIT           kinds that start from the shipped artifact of their kind (default "eagle")
 #   SPECDECODE     the CLI (default `specdecode`)
@@ -63,8 +65,10 @@ for name in $trainers; do
                   --batch 48 --minutes "$minutes" --checkpoint-every 200 \
                   --workdir "$work/dllm" --out "$out/smollm2-dllm-delta.safetensors" \
                   > "$work/dllm.log" 2>&1 & ;;
-        deer) heads deer deer --anchors "${ANCHORS:-192}" $(init deer) ;;
-        deer2) heads deer2 deer --layers 2 --anchors "${ANCHORS:-192}" ;;
+        deer) heads deer deer --anchors "${ANCHORS:-192}" --pack "${DEER_PACK:-${PACK:-1}}" \
+                  $(init deer) ;;
+        deer2) heads deer2 deer --layers 2 --anchors "${ANCHORS:-192}" \
+                   --pack "${DEER_PACK:-${PACK:-1}}" ;;
         eagle|hydra) heads "$name" "$name" --pack "${PACK:-1}" $(init "$name") ;;
         *) echo "unknown trainer $name" >&2; exit 2 ;;
     esac

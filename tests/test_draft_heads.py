@@ -557,12 +557,13 @@ def test_held_out_agreement_counts_answer_positions_only():
     assert expected[0] > expected[1]  # the copied rows count
 
 
-@pytest.mark.parametrize("kind", ["hydra", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["hydra", "eagle", "eagle3", "deer"])
 def test_packed_conversations_train_as_each_alone(kind):
     """``train heads --pack``: conversations packed one after another give, on the rows that
     score a token of their own conversation, the outputs each gives alone (a row sees its own
     conversation only, at positions from its start), and the packed loss reads those rows
-    only: the mean of the per-conversation losses weighted by their rows."""
+    only: the mean of the per-conversation losses weighted by their rows. deer's rows are its
+    anchors': every position of each conversation here, offset by where it starts."""
     from specdecode.training.train_heads import depth_losses
 
     net = perturbed(kind).eval()
@@ -575,14 +576,19 @@ def test_packed_conversations_train_as_each_alone(kind):
     tokens, starts = packed(ids)
     assert starts == [0, 9, 14] and len(tokens) == 26
     head = torch.randn(50, net.size, generator=gen)
+    anchors = torch.cat([torch.arange(n - 1) + s for n, s in zip(lengths, starts)])
+    packed_input = (anchors, starts) if kind == "deer" else (starts,)
     with torch.no_grad():
-        together = net.train_outputs(torch.cat(feats), torch.tensor(tokens), depth, starts)
+        together = net.train_outputs(torch.cat(feats), torch.tensor(tokens), depth,
+                                     *packed_input)
         alone = [net.train_outputs(f, torch.tensor(i), depth) for f, i in zip(feats, ids)]
         for k in range(depth):
-            keep = packed_rows(len(tokens), starts, k, len(together[k]))
-            rows = torch.cat([a[k] for a in alone])
-            torch.testing.assert_close(together[k][keep], rows, rtol=1e-5, atol=1e-5)
-        joint = depth_losses(together, torch.cat(finals), head, starts=starts)
+            rows = len(together[k]) if kind != "deer" else anchors[:len(together[k])]
+            keep = packed_rows(len(tokens), starts, k, rows)
+            torch.testing.assert_close(together[k][keep], torch.cat([a[k] for a in alone]),
+                                       rtol=1e-5, atol=1e-5)
+        joint = depth_losses(together, torch.cat(finals), head,
+                             anchors if kind == "deer" else None, starts)
         parts = [depth_losses(a, f, head) for a, f in zip(alone, finals)]
     for k in range(depth):
         counts = [len(a[k]) for a in alone]

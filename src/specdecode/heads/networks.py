@@ -80,14 +80,14 @@ def _segments(n: int, starts, device=None) -> torch.Tensor:
     return marks.cumsum(0)
 
 
-def packed_rows(n: int, starts, depth: int, rows: int) -> torch.Tensor | None:
-    """Which of the first ``rows`` rows of depth ``depth`` score a token of their own
-    conversation (t and t + depth + 1 in one), for ``n`` packed positions; None: all (one
-    conversation)."""
+def packed_rows(n: int, starts, depth: int, rows: int | torch.Tensor) -> torch.Tensor | None:
+    """Which of the first ``rows`` rows (or of the rows at these positions: deer's anchors) of
+    depth ``depth`` score a token of their own conversation (t and t + depth + 1 in one), for
+    ``n`` packed positions; None: all (one conversation)."""
     if starts is None or len(starts) == 1:
         return None
     segment = _segments(n, starts)
-    t = torch.arange(rows)
+    t = torch.arange(rows) if isinstance(rows, int) else rows
     return segment[t] == segment[t + depth + 1]
 
 
@@ -629,7 +629,8 @@ class DeerDrafter(_BlockNetwork):
     def _blocks(self, roots: torch.Tensor, anchors: torch.Tensor, anchor_rows: torch.Tensor,
                 context, context_allowed) -> torch.Tensor:
         """Blocks after roots [A] at the positions after ``anchors`` [A] (their last context
-        rows, whose fused features are ``anchor_rows`` [A, H]): ``context`` per layer (keys,
+        rows' positions from their conversation's start, whose fused features are
+        ``anchor_rows`` [A, H]): ``context`` per layer (keys,
         values) [heads, n, D]; ``context_allowed`` [A, n]. Returns the mask rows' features
         [A, block, H]."""
         a, rows = len(roots), self.max_depth + 1
@@ -663,17 +664,26 @@ class DeerDrafter(_BlockNetwork):
         out = torch.stack([state[d] for state, d in zip(parent_states, depths)])
         return list(parent_states), out
 
-    def train_outputs(self, features, tokens, depth_limit: int, anchors=None):
+    def train_outputs(self, features, tokens, depth_limit: int, anchors=None, starts=None):
         """Positions t as anchors (``anchors``, ascending; default every one): {k: block row
         k after root t + 1, scoring token t + k + 2}, each block attending to the context rows
-        0 .. t. Row i of depth k is ``anchors[i]``'s (those with a token t + k + 1 to score)."""
+        0 .. t. Row i of depth k is ``anchors[i]``'s (those with a token t + k + 1 to score).
+        ``starts``: where each of several conversations packed one after another begins; a
+        block then sees its own conversation only, at positions from its start (the rows that
+        would score another conversation's token are ``packed_rows``'s to leave out)."""
         n = len(tokens)
-        positions = torch.arange(n)
-        anchors = positions[:n - 1] if anchors is None else anchors
+        index = torch.arange(n)
+        anchors = index[:n - 1] if anchors is None else anchors
+        allowed = index[None, :] <= anchors[:, None]
+        positions = index
+        if starts is not None:
+            segment = _segments(n, starts, features.device)
+            positions = index - torch.tensor(starts, device=features.device)[segment]
+            allowed = allowed & (segment[None, :] == segment[anchors][:, None])
         memory = self._context(features)
         context = [block.attn.keys_values(memory, positions) for block in self.blocks]
-        allowed = positions[None, :] <= anchors[:, None]
-        out = self._blocks(tokens[anchors + 1], anchors, memory[anchors], context, allowed)
+        out = self._blocks(tokens[anchors + 1], positions[anchors], memory[anchors], context,
+                           allowed)
         return {k: out[anchors < n - k - 1, k] for k in range(min(depth_limit, self.max_depth))
                 if bool((anchors < n - k - 1).any())}
 

@@ -26,8 +26,9 @@
    the target's distribution at the k-th position after it (DEER's first stage), the loss of
    row k weighted 0.8^k (its second stage's emphasis on the block's first positions).
    AdamW, lr 1e-3 after 20 warm-up steps, decaying linearly to a tenth over the budget; one
-   conversation a step, or for hydra and eagle ``--pack`` N of them one after another (each
-   row seeing its own conversation only), so that a GPU step is not bound by kernel launches.
+   conversation a step, or ``--pack`` N of them one after another (each row seeing its own
+   conversation only; deer: ``--anchors`` of each), so that a GPU step is not bound by kernel
+   launches.
 5. evaluation on the held-out conversations: per depth, how often the head's top token is the
    target's greedy token (teacher forcing: the acceptance of a chain's node given its parent
    was accepted); stored with the artifact.
@@ -70,7 +71,7 @@ CACHE_BYTES = 2 << 30
 #: most held-out conversations (evaluating one costs a prefill and a forward of the network)
 MAX_HELD_OUT = 200
 #: the kinds whose training takes several conversations packed into one step (``--pack``)
-PACKABLE = ("hydra", "eagle")
+PACKABLE = ("hydra", "eagle", "deer")
 #: conversations the hf runner reads in one padded forward when a step meets an unread one: on
 #: a GPU one conversation's prefill is bound by kernel launches, so 32 cost about what one does
 READ_AHEAD = 32
@@ -104,9 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deer: blocks trained per conversation a step (random answer "
                              "positions)")
     parser.add_argument("--pack", type=int, default=1,
-                        help="hydra, eagle: conversations packed into one training step (each "
-                             "sees only itself): what fills a GPU, where one conversation a step "
-                             "is bound by kernel launches")
+                        help="hydra, eagle, deer: conversations packed into one training "
+                             "step (each sees only itself): what fills a GPU, where one "
+                             "conversation a step is bound by kernel launches")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     parser.add_argument("--feature-cache", type=float, default=None, metavar="GB",
                         help="most gigabytes of features kept between epochs (default: 2 on "
@@ -172,7 +173,7 @@ def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
     losses = {}
     for k, out in outputs.items():
         rows = torch.arange(len(out), device=out.device) if anchors is None else anchors[:len(out)]
-        keep = packed_rows(len(features), starts, k, len(out))
+        keep = packed_rows(len(features), starts, k, len(out) if anchors is None else rows)
         if keep is not None:
             rows, out = rows[keep.to(out.device)], out[keep.to(out.device)]
         teacher = teachers[rows + k + 1]
@@ -432,7 +433,7 @@ def _checked_depth(args: argparse.Namespace) -> int:
     require(args.feature_cache is None or args.feature_cache >= 0,
             f"--feature-cache must be >= 0 gigabytes, got {args.feature_cache}")
     require(args.pack == 1 or args.kind in PACKABLE,
-            f"--pack packs conversations for {' and '.join(PACKABLE)} only; leave it out for "
+            f"--pack packs conversations for {', '.join(PACKABLE)} only; leave it out for "
             f"{args.kind}")
     require(args.shard is None or Path(args.shard).is_file(),
             f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
@@ -522,7 +523,12 @@ def _train(net, optim, data: _Data, depth: int, state: dict, checkpoint: Checkpo
             read = data.features_of(net, [ids for ids, _ in chosen])
             ids, starts = packed([ids for ids, _ in chosen])
             inputs, final = torch.cat([r[0] for r in read]), torch.cat([r[1] for r in read])
-            outputs = net.train_outputs(inputs, torch.tensor(ids), depth, starts)
+            if args.kind == "deer":
+                anchors = torch.cat([_anchors(prompt_len, len(one), args.anchors) + start
+                                     for (one, prompt_len), start in zip(chosen, starts)])
+                outputs = net.train_outputs(inputs, torch.tensor(ids), depth, anchors, starts)
+            else:
+                outputs = net.train_outputs(inputs, torch.tensor(ids), depth, starts)
         else:
             ids, prompt_len = chosen[0]
             inputs, final = data.features(net, ids)
