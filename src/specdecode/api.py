@@ -24,6 +24,7 @@ from typing import Any
 
 from specdecode import registry
 from specdecode.constraints import Vocabulary, make_constraint
+from specdecode.detokenize import IncrementalText
 from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
@@ -204,6 +205,7 @@ class TextStream:
         self._stop_found = False
         #: log-probabilities handed out with pieces so far
         self._reported = 0
+        self._detokenizer: IncrementalText | None = None
 
     def __iter__(self) -> Iterator[str]:
         steps = self.steps()
@@ -238,7 +240,9 @@ class TextStream:
         tokenizer = self.decoder.tokenizer
         if tokenizer is None:
             return ""
-        full = tokenizer.decode(self.generation.tokens, skip_special_tokens=True)
+        if self._detokenizer is None:
+            self._detokenizer = IncrementalText(tokenizer)
+        full = self._detokenizer.text(self.generation.tokens)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             full, self._stop_found = full[:cut], True

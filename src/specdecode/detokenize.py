@@ -1,0 +1,47 @@
+"""The text of a growing list of tokens at a bounded cost a step.
+
+A stream's text after each step must be what decoding all its tokens gives (``decode(tokens,
+skip_special_tokens=True)``: multi-byte characters joined across tokens, the tokenizer's own
+cleanup of spaces before punctuation). Decoding them all again each step costs a step time
+that grows with the answer: 0.03 ms at 128 tokens, 0.9 ms at 2,048 and 3.8 ms at 8,192 on
+SmolLM2's tokenizer (Zen 5), beside a 3 ms forward. Here the text of a settled head is kept
+and only the tail is decoded; the head grows only where decoding it apart from the tail gives
+the tail's text unchanged, which a tokenizer whose tokens' text depends on what comes before
+them (SentencePiece's leading-space rule) never passes: it then decodes the whole tail each
+step, as before, with the same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: tokens kept behind the end of the settled head: a character split across tokens, or a
+#: cleanup rule joining a space to what follows, reaches a few tokens, not sixteen
+SETTLE = 16
+
+
+class IncrementalText:
+    """``text(tokens)`` is ``tokenizer.decode(tokens, skip_special_tokens=True)`` for one list
+    of tokens that only grows between calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.settled = 0  # tokens whose text is kept in settled_text
+        self.settled_text = ""
+        self._next_try = 2 * SETTLE  # where moving the head forward is next tried
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text(self, tokens: Sequence[int]) -> str:
+        tail = self._decode(tokens[self.settled:])
+        if len(tokens) >= self._next_try:
+            cut = len(tokens) - SETTLE
+            head = self._decode(tokens[self.settled:cut])
+            if head + self._decode(tokens[cut:]) == tail:
+                self.settled, self.settled_text = cut, self.settled_text + head
+                tail = tail[len(head):]
+            # tried at most once every SETTLE tokens, so a tokenizer that never passes pays
+            # about one decode a step, as it did before
+            self._next_try = len(tokens) + SETTLE
+        return self.settled_text + tail
