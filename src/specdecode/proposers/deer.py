@@ -31,8 +31,10 @@ done: drafting always sees an all-masked block.
 
 Defaults: a block of 8 (DEER drafts up to 32 on a GPU; here a verify row costs about a fifth of
 a one-token forward and the deeper positions are rarely right), a tree of at most 16 nodes,
-growth stops below a path probability of 0.05 (a node costs only its verify row: the block's
-rows are all scored by the one forward).
+growth stops below a path probability of 0.15 (a node costs no drafter call, the block's rows
+all scored by the one forward, but its verify row, and at T > 0 its draw: 0.05 sent 6 rows a
+step at T = 0.7 for 1.44 tokens, 0.15 sends 2.6 for 1.30 and made 0.84x -> 0.93x `ar`, greedy
+0.92x -> 0.95x, docs/draft-heads.md "Session 25").
 
 ``-c drafter=dllm``: DEER's own drafter, a dLLM, instead of the learned network: the project's
 small dLLM (the target adapted by the ``specdecode train dllm`` LoRA delta, ``-c dllm=auto`` or
@@ -80,7 +82,7 @@ class DeerConfig(HeadTreeConfig):
                                   "nodes ranked per growth round")
     max_forwards: int = param(16, "with penalties: most growth rounds per step after the "
                                   "first (each only ranks block rows already scored)")
-    min_path_prob: float = param(0.05, "stop growing (a chain: stop) below this path "
+    min_path_prob: float = param(0.15, "stop growing (a chain: stop) below this path "
                                        "probability of the draft")
     drafter: str = param("heads", "what drafts the block: heads (the learned network on the "
                                   "target's features, `heads`) or dllm (the target adapted into "
