@@ -205,7 +205,8 @@ class TextStream:
         self._stop_found = False
         #: log-probabilities handed out with pieces so far
         self._reported = 0
-        self._detokenizer: IncrementalText | None = None
+        self._tail_decoder = (None if decoder.tokenizer is None
+                              else IncrementalText(decoder.tokenizer))
 
     def __iter__(self) -> Iterator[str]:
         steps = self.steps()
@@ -237,12 +238,9 @@ class TextStream:
     def feed(self) -> str:
         """The new text after the generation committed a chunk (a server stepping the
         generation itself calls this after each :meth:`Generation.advance`)."""
-        tokenizer = self.decoder.tokenizer
-        if tokenizer is None:
+        if self._tail_decoder is None:  # no tokenizer
             return ""
-        if self._detokenizer is None:
-            self._detokenizer = IncrementalText(tokenizer)
-        full = self._detokenizer.text(self.generation.tokens)
+        full = self._tail_decoder.text(self.generation.tokens)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             full, self._stop_found = full[:cut], True

@@ -80,15 +80,14 @@ def _segments(n: int, starts, device=None) -> torch.Tensor:
     return marks.cumsum(0)
 
 
-def packed_rows(n: int, starts, depth: int, rows: int | torch.Tensor) -> torch.Tensor | None:
-    """Which of the first ``rows`` rows (or of the rows at these positions: deer's anchors) of
-    depth ``depth`` score a token of their own conversation (t and t + depth + 1 in one), for
-    ``n`` packed positions; None: all (one conversation)."""
+def packed_rows(n: int, starts, depth: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of depth ``depth``, at the positions ``rows`` (0, 1, ...; deer's anchors),
+    score a token of their own conversation (t and t + depth + 1 in one), for ``n`` packed
+    positions; None: all (one conversation)."""
     if starts is None or len(starts) == 1:
         return None
     segment = _segments(n, starts)
-    t = torch.arange(rows) if isinstance(rows, int) else rows
-    return segment[t] == segment[t + depth + 1]
+    return segment[rows] == segment[rows + depth + 1]
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def depth_losses(outputs: dict, features: torch.Tensor, head: torch.Tensor,
     losses = {}
     for k, out in outputs.items():
         rows = torch.arange(len(out), device=out.device) if anchors is None else anchors[:len(out)]
-        keep = packed_rows(len(features), starts, k, len(out) if anchors is None else rows)
+        keep = packed_rows(len(features), starts, k, rows)
         if keep is not None:
             rows, out = rows[keep.to(out.device)], out[keep.to(out.device)]
         teacher = teachers[rows + k + 1]
