@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from specdecode.api import Decoder
 from specdecode.bench.datasets import load_questions, sample_per_task
 from specdecode.draft import Draft
@@ -42,12 +44,14 @@ def accepted(draft: Draft, tokens) -> int:
 
 class Recorder:
     """Wraps ``AutoProposer._choose`` and ``observe``: each verify step's drafts by arm, as
-    (rows, depth, accepted)."""
+    (rows, depth, accepted), and under "confidence" the target's probability of the token it
+    committed last before the step (known before drafting, at no cost)."""
 
     def __init__(self, learned: str):
         self.learned = learned
-        self.steps: list[dict[str, tuple[int, int, int]]] = []
+        self.steps: list[dict] = []
         self._drafts: dict[str, Draft] = {}
+        self._confidence = None
         choose, observe = auto.AutoProposer._choose, auto.AutoProposer.observe
         recorder = self
 
@@ -61,9 +65,14 @@ class Recorder:
 
         def recording_observe(proposer, feedback):
             if not feedback.prefill and recorder._drafts:
-                recorder.steps.append({arm: (len(d), d.max_depth, accepted(d, feedback.tokens))
-                                       for arm, d in recorder._drafts.items()})
+                step = {arm: (len(d), d.max_depth, accepted(d, feedback.tokens))
+                        for arm, d in recorder._drafts.items()}
+                step["confidence"] = recorder._confidence
+                recorder.steps.append(step)
                 recorder._drafts = {}
+            last_row = 1 + feedback.accepted[-1] if feedback.accepted else 0
+            probs = torch.softmax(feedback.logits[last_row].float(), -1)
+            recorder._confidence = float(probs.max())
             return observe(proposer, feedback)
 
         auto.AutoProposer._choose = recording_choose
@@ -164,6 +173,18 @@ def main() -> None:
         gained = sum(a[2] for a in asked) - base
         rows = sum(a[0] for a in asked) - sum(a[0] for a in alone)
         print(f"  depth {d}{'+' if d == 4 else ''}: {len(group)} steps, {base / len(group):.3f}, "
+              f"+{gained / len(group):.3f} tokens, +{rows / len(group):.2f} rows")
+    print("by the target's probability of the token it committed last: steps, what asking "
+          f"{args.learned} adds (tokens, rows)")
+    for tenth in range(10):
+        group = [s for s in steps if min(int(10 * s["confidence"]), 9) == tenth]
+        if not group:
+            continue
+        alone = [sent(s, False, args.learned) for s in group]
+        asked = [sent(s, True, args.learned) for s in group]
+        gained = sum(a[2] for a in asked) - sum(a[2] for a in alone)
+        rows = sum(a[0] for a in asked) - sum(a[0] for a in alone)
+        print(f"  {tenth / 10:.1f}-{(tenth + 1) / 10:.1f}: {len(group)} steps, "
               f"+{gained / len(group):.3f} tokens, +{rows / len(group):.2f} rows")
 
 
