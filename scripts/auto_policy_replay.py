@@ -9,13 +9,18 @@ part's, the learned part's, and their merged tree) are scored against them: how 
 would have had accepted, and how many rows it would have sent. A policy (which steps also ask
 the learned part) is then replayed on those steps and priced with a step model (the steps are
 this run's: a policy sending other drafts would cut the answers into other steps, so a replay
-estimates, it does not reproduce): ``--base-ms`` a step besides drafting and draft rows, ``--row-ms`` a draft row,
-``--suffix-ms`` the model-free part's drafting and bookkeeping, ``--learned-ms`` the learned
-part's drafting when asked (several, comma-separated: each is priced on the same steps). The defaults are this machine's (Zen 5, both threads; session 26,
-docs/draft-heads.md): a verify row from the in-loop step profile (3.17 against 2.80 ms for 1.78
-more rows), the parts' milliseconds from the bench records and timing wrappers. ``oracle``
-picks, per step, whichever of the two choices costs less per token: about the best a rule
-deciding before drafting could do.
+estimates, it does not reproduce):
+
+- ``--base-ms``: a step besides drafting and draft rows;
+- ``--row-ms``: a draft row;
+- ``--suffix-ms``: the model-free part's drafting and bookkeeping;
+- ``--learned-ms``: the learned part's drafting when asked (several, comma-separated: each is
+  priced on the same steps).
+
+The defaults are this machine's (Zen 5, both threads; session 26, docs/draft-heads.md): a
+verify row from the in-loop step profile (3.17 against 2.80 ms for 1.78 more rows), the parts'
+milliseconds from the bench records. ``oracle`` picks, per step, whichever of the two choices
+costs less per token: about the best a rule deciding before drafting could do.
 """
 
 from __future__ import annotations
