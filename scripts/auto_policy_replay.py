@@ -48,12 +48,12 @@ def accepted(draft: Draft, tokens) -> int:
 
 
 class Recorder:
-    """Wraps ``AutoProposer._choose`` and ``observe``: each verify step's drafts by arm, as
-    (rows, depth, accepted), and under "confidence" the target's probability of the token it
-    committed last before the step (known before drafting, at no cost)."""
+    """Wraps ``AutoProposer._choose`` and ``observe``: each verify step's drafts by arm (the
+    arms ``_choose`` weighed, its merged tree included), as (rows, depth, accepted), and under
+    "confidence" the target's probability of the token it committed last before the step
+    (known before drafting, at no cost)."""
 
-    def __init__(self, learned: str):
-        self.learned = learned
+    def __init__(self):
         self.steps: list[dict] = []
         self._drafts: dict[str, Draft] = {}
         self._confidence = None
@@ -61,12 +61,16 @@ class Recorder:
         recorder = self
 
         def recording_choose(proposer, drafts, rates, budget):
-            recorder._drafts = {proposer.names[i]: d for i, d in drafts.items()}
-            made = [drafts[i] for i in sorted(drafts, key=lambda i: -rates[i]) if len(drafts[i])]
-            if len(made) == 2:
-                recorder._drafts["merged"] = auto.merged(made).truncated(budget.max_depth,
-                                                                         budget.max_nodes)
-            return choose(proposer, drafts, rates, budget)
+            scored_before = len(proposer._walks)
+            best = choose(proposer, drafts, rates, budget)
+            # the arm sent (unless none was) and the others, which auto scores as text comes
+            arms = [(walk.record, walk.draft) for walk in proposer._walks[scored_before:]]
+            if best[2] is not None:
+                arms.append((best[2], best[0]))
+            names = {id(record): name for record, name in zip(proposer.records, proposer.names)}
+            names[id(proposer.merged_record)] = "merged"
+            recorder._drafts = {names[id(record)]: draft for record, draft in arms}
+            return best
 
         def recording_observe(proposer, feedback):
             if not feedback.prefill and recorder._drafts:
@@ -142,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     learned_costs = [float(ms) for ms in args.learned_ms.split(",")]
 
-    recorder = Recorder(args.learned)
+    recorder = Recorder()
     loaded = load_model()
     decoder = Decoder(make_runner(loaded), loaded.tokenizer, "auto",
                       parts=f"suffix+{args.learned}", explore_every=1)
