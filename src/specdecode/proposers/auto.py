@@ -305,9 +305,9 @@ class AutoProposer(Proposer):
         """(draft, arm name, its record, its part's controller) of the best arm in hand, from
         the parts' ``drafts`` and their expected tokens per second ``rates_made``; every other
         arm's draft is scored against the committed tokens as they come."""
-        arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i])
-                for i in sorted(drafts)]
-        rates = [rates_made[i] for i in sorted(drafts)]
+        order = sorted(drafts)
+        arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i]) for i in order]
+        rates = [rates_made[i] for i in order]
         made = [(rate, a) for rate, a in zip(rates, arms) if len(a[0])]
         if self.config.merge and len(made) >= 2:
             name = "+".join(a[1] for _, a in made)  # in the order of config.parts
