@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from specdecode.models.llama_drafter import LlamaDrafter
 from specdecode.models.loading import LoadedModel, make_runner
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights
 
-from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+from conftest import alone_logits, repetitive_prompts, write_gguf
 from tiny_models import tiny_llama, tiny_model
 
 #: a context length that prompts in these tests cross (attention scores 64 cached keys at a
@@ -252,54 +251,6 @@ def test_safetensors_checkpoint(tmp_path):
     prompt = repetitive_prompts()[0]
     assert (native.prefill(prompt).logits[0] - HFRunner(model).prefill(prompt).logits[0]).abs().max() < 1e-4
     assert native.fingerprint() == HFRunner(model).fingerprint()
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's row permutation of q/k projections (convert_hf_to_gguf.py)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def write_gguf(model, path, arch="llama"):
-    """Write ``model`` as llama.cpp would: Q8_0 embeddings and head, Q4_1 projections, f32
-    norms. The model's weights become the file's dequantised ones, so both hold the same."""
-    import gguf
-
-    c = model.config
-    writer = gguf_writer(c, path, arch)
-    q = gguf.GGMLQuantizationType
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            if name == "lm_head.weight" and c.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}.get(name)
-            if gguf_name is None:
-                gguf_name = f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
-            w = param.float().numpy()
-            heads = (c.num_attention_heads if "q_proj" in name else
-                     c.num_key_value_heads if "k_proj" in name else 0)
-            if w.ndim == 1:
-                writer.add_tensor(gguf_name, w)
-                continue
-            qtype = q.Q8_0 if parts[-2] in ("embed_tokens", "lm_head") else q.Q4_1
-            data = gguf.quants.quantize(_permute(w, heads) if heads else w, qtype)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-            back = gguf.quants.dequantize(data, qtype)
-            param.copy_(torch.from_numpy(_unpermute(back, heads) if heads else back))
-    close_gguf(writer)
-    return path
 
 
 @pytest.fixture(scope="module")

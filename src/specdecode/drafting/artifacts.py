@@ -1,7 +1,9 @@
 """Which draft model drafts, and loading it: a distilled artifact of ``specdecode train draft``
 (a few of the target's own layers sharing its embedding table, with a frequency-ranked
 shortlist as LM head, as in FR-Spec, Zhao et al., 2025) or a local Hugging Face checkpoint
-folder with the target's vocabulary, run by the native runner (default) or ``transformers``.
+folder with the target's vocabulary, run by the native runner (default) or ``transformers``;
+or a GGUF file (a path or a named model, as llama.cpp's ``-md``), which the native runner
+reads itself, one tensor at a time, with no ``transformers`` model built.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from specdecode.registry import param
 
 #: artifact kind written by ``specdecode train draft``
 ARTIFACT_KIND = "draft_model"
+#: GGUF tokenizer metadata a GGUF draft must share with a GGUF target: what the files' headers
+#: hold without parsing the vocabulary's strings (the token and merge counts, the token types)
+TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens.count",
+                    "tokenizer.ggml.merges.count", "tokenizer.ggml.token_type")
 
 
 @dataclass(frozen=True)
@@ -27,8 +33,11 @@ class DraftSource:
     """Which draft and what runs it: the settings of ``draft_model`` and ``dyspec``."""
 
     draft: str = param("distilled", "the draft: 'distilled' (the artifact `specdecode train draft` "
-                                    "made for this target), an artifact .safetensors path, or a "
-                                    "local Hugging Face checkpoint folder with the same vocabulary")
+                                    "made for this target), an artifact .safetensors path, a "
+                                    "local Hugging Face checkpoint folder, a .gguf file or a "
+                                    "named model (`specdecode models`, e.g. qwen2.5-coder-0.5b) "
+                                    "with the same vocabulary; GGUF drafts run on the native "
+                                    "runner")
     draft_runner: str = param("native", "what runs the draft: native (the native runner, see "
                                         "draft_weights; Llama-family drafts) or hf (transformers, "
                                         "float32)")
@@ -46,7 +55,8 @@ class DraftSource:
 
 @dataclass
 class LoadedDraft:
-    model: torch.nn.Module
+    #: the causal LM module; None for a GGUF draft (the native runner reads the file itself)
+    model: torch.nn.Module | None
     #: vocabulary ids the draft's LM head covers (a shortlist), or None = the whole vocabulary
     head_ids: torch.Tensor | None
     acceptance_head: AcceptanceHead | None
@@ -104,18 +114,90 @@ def load_draft(spec: str, runner: Runner) -> LoadedDraft:
             raise SpecDecodeError(f"cannot load draft checkpoint {path}: {exc}") from None
         loaded = LoadedDraft(model.eval(), None, None, "")
     else:
-        raise SpecDecodeError(f"draft {spec!r} is neither 'distilled', an artifact .safetensors "
-                              "file nor a checkpoint folder")
+        raise SpecDecodeError(f"draft {spec!r} is neither 'distilled', a named model, a .gguf "
+                              "file, an artifact .safetensors file nor a checkpoint folder")
     loaded.source = str(path)
-    check_vocabulary(loaded.model, runner)
+    check_vocabulary(embedding_rows(loaded.model), runner)
     return loaded
 
 
-def check_vocabulary(model: torch.nn.Module, runner: Runner) -> None:
-    size = int(model.get_input_embeddings().weight.shape[0])
+def embedding_rows(model: torch.nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def check_vocabulary(size: int, runner: Runner) -> None:
+    """A draft's vocabulary (its embedding rows, which may exceed its tokenizer's real tokens)
+    must be the target's: the verifier compares their distributions id by id."""
     require(size == runner.vocab_size,
             f"the draft model's vocabulary has {size} tokens but the target's has "
             f"{runner.vocab_size}; a draft must share the target's tokenizer and vocabulary")
+
+
+def gguf_draft_file(spec: str) -> Path | None:
+    """The GGUF file ``spec`` names (a named model's, or a .gguf path), or None where ``spec``
+    names another kind of draft."""
+    from specdecode.models.loading import NAMED_MODELS
+
+    if spec in NAMED_MODELS:
+        return Path(NAMED_MODELS[spec]())  # a named model not installed says how to install it
+    if not spec.endswith(".gguf"):
+        return None
+    path = Path(spec)
+    require(path.is_file(), f"draft GGUF file {path} does not exist; pass an existing file as "
+                            "-c draft=FILE.gguf, or a named model (`specdecode models` lists them)")
+    return path
+
+
+def check_tokenizer(path: Path, fields: dict, runner: Runner) -> None:
+    """Refuse a GGUF draft whose tokenizer metadata (``fields``: its header's) differs from a
+    GGUF target's in ``TOKENIZER_FIELDS``; a target not read from a GGUF file, or a field one
+    file lacks, has nothing cheap to compare."""
+    from specdecode.models.gguf_reader import read_header
+
+    source = getattr(runner, "source", "")
+    if not source.endswith(".gguf"):
+        return
+    target = read_header(Path(source))[0]
+    for key in TOKENIZER_FIELDS:
+        mine, theirs = fields.get(key), target.get(key)
+        if mine is None or theirs is None or mine == theirs:
+            continue
+        shown = ("they differ" if isinstance(mine, list) else
+                 f"{mine!r} in the draft, {theirs!r} in the target")
+        raise SpecDecodeError(f"the draft {path.name} has another tokenizer than the target "
+                              f"{Path(source).name} ({key}: {shown}); a draft must share the "
+                              "target's tokenizer and vocabulary")
+
+
+def native_weights(weights: str, config) -> str:
+    """``draft_weights`` for a draft of ``config``: auto is int4 (the cheapest one-token
+    forward) where its sizes are whole int4 groups, else fp32."""
+    from specdecode.models.llama import LlamaShape
+
+    if weights != "auto":
+        return weights
+    return "int4" if LlamaShape.from_config(config).fits_int4 else "fp32"
+
+
+def open_gguf_draft(path: Path, source: DraftSource,
+                    runner: Runner) -> tuple[NativeDraftLM, LoadedDraft]:
+    """A GGUF draft on the native runner, checked against the target before its weights are
+    read; its cache holds the target's context (or the draft's own, when shorter)."""
+    from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.llama import LlamaRunner, LlamaShape
+    from specdecode.models.llama_drafter import LlamaDrafter
+
+    require(source.draft_runner == "native",
+            f"the GGUF draft {path.name} runs on the native runner: drop -c draft_runner=hf, or "
+            "give a Hugging Face checkpoint folder to draft through transformers")
+    file = GGUFFile(path)
+    check_vocabulary(int(file.config.vocab_size), runner)
+    check_tokenizer(path, file.fields, runner)
+    longest = LlamaShape.from_config(file.config).max_context
+    context = getattr(runner, "max_context", None)  # None: the native default
+    draft = LlamaRunner.from_gguf(path, native_weights(source.draft_weights, file.config),
+                                  max_context=None if context is None else min(context, longest))
+    return NativeDraftLM(LlamaDrafter(draft)), LoadedDraft(None, None, None, str(path))
 
 
 def open_draft(source: DraftSource, runner: Runner,
@@ -123,20 +205,21 @@ def open_draft(source: DraftSource, runner: Runner,
     """The draft ``source`` names (or ``draft_model``, a causal LM module), checked against
     the target, in the draft cache of its ``draft_runner``."""
     if draft_model is None:
+        gguf = gguf_draft_file(source.draft)
+        if gguf is not None:
+            return open_gguf_draft(gguf, source, runner)
         loaded = load_draft(source.draft, runner)
     else:
-        check_vocabulary(draft_model, runner)
+        check_vocabulary(embedding_rows(draft_model), runner)
         loaded = LoadedDraft(draft_model.eval(), None, None, type(draft_model).__name__)
     if source.draft_runner == "hf":
         return DraftLM(loaded.model, loaded.head_ids), loaded
-    from specdecode.models.llama import LlamaRunner, LlamaShape, runs
+    from specdecode.models.llama import LlamaRunner, runs
     from specdecode.models.llama_drafter import LlamaDrafter
 
     config = loaded.model.config
     require(runs(config), f"the native runner does not run the draft {loaded.source} "
                           f"({config.model_type}); use -c draft_runner=hf")
-    weights = source.draft_weights
-    if weights == "auto":
-        weights = "int4" if LlamaShape.from_config(config).fits_int4 else "fp32"
+    weights = native_weights(source.draft_weights, config)
     drafter = LlamaDrafter(LlamaRunner.from_transformers(loaded.model, weights))
     return NativeDraftLM(drafter, loaded.head_ids), loaded

@@ -30,7 +30,9 @@ The draft (``draft``): ``distilled`` (default) loads the artifact ``specdecode t
 wrote for this target (a few of the target's own layers, distilled; it shares the target's
 embedding table and drafts over a frequency-ranked shortlist of the vocabulary, as in FR-Spec,
 Zhao et al., 2025, so its LM head costs a fraction of the target's); or a path to such an
-artifact; or a local Hugging Face checkpoint folder of any causal LM with the same vocabulary.
+artifact; or a local Hugging Face checkpoint folder of any causal LM with the same vocabulary;
+or, as llama.cpp's ``-md``, a GGUF file (a ``.gguf`` path, or a named model such as
+``qwen2.5-coder-0.5b``, the draft of ``qwen2.5-coder-1.5b``), read by the native runner itself.
 """
 
 from __future__ import annotations

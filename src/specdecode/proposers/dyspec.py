@@ -5,10 +5,10 @@ Draft probability predicts acceptance, so the tree is grown best-first by path p
 under a node budget, siblings drawn without replacement so that sampling stays exact
 (drafting/tree.py has the rule).
 
-The same draft model and artifacts as ``draft_model`` (see draft_model.py), on the native
-runner by default (int4 where its sizes allow), whose tree rows attend to their ancestors
-through the same slot tables as the target's verify pass; ``draft_runner=hf`` runs it through
-``transformers`` with a mask.
+The same drafts as ``draft_model`` (distilled artifacts, checkpoint folders, GGUF files and
+named models; see draft_model.py), on the native runner by default (int4 where its sizes
+allow), whose tree rows attend to their ancestors through the same slot tables as the target's
+verify pass; ``draft_runner=hf`` runs a checkpoint's through ``transformers`` with a mask.
 A node is worth its verify row only if it is likely to be accepted: ``min_path_prob`` stops the
 growth when the best candidate's value falls below it (EAGLE-2's observation that draft
 confidence predicts acceptance), so an uncertain step sends a small tree or none.

@@ -1,0 +1,141 @@
+"""A GGUF file as the draft of ``draft_model`` and ``dyspec`` (as llama.cpp's ``-md``): tiny
+random-weight files written here, one the target and others drafts, greedy output identical to
+``ar``, seeded sampling repeating, a draft of another vocabulary or tokenizer refused, a missing
+file refused; and the real pair (Qwen2.5-Coder 1.5B with its 0.5B draft) when installed (slow).
+
+The files' vocabulary has 90 tokens and their embedding tables 96 rows (as Qwen2.5's tables are
+wider than its tokenizer): a draft whose rows equal the target's is accepted.
+
+Methods run as a :class:`Generation` of their proposer, each draft as long as the proposer makes
+it (no draft sizing from measured costs), so that seeded runs repeat whatever the timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.api import Decoder
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.models import loading
+from specdecode.models.llama import LlamaRunner
+from specdecode.sampling import SamplingParams
+
+from conftest import repetitive_prompts, write_gguf
+from tiny_models import noisy_copy, tiny_llama
+
+TOKENS = [f"t{i}" for i in range(90)]
+TREE = {"tree_nodes": 10, "max_depth": 5, "expand_width": 3, "min_path_prob": 0.0}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The target and its drafts: a noisy copy (agrees often: accepted tokens, cache reuse and
+    rejections all happen), a different small model (rarely agrees), one of another vocabulary,
+    one of another tokenizer."""
+    folder = tmp_path_factory.mktemp("gguf-drafts")
+    target = tiny_llama(seed=0)
+    return {
+        "target": write_gguf(target, folder / "target.gguf", tokens=TOKENS),
+        "close": write_gguf(noisy_copy(target, 0.3, seed=1), folder / "close.gguf", tokens=TOKENS),
+        "other": write_gguf(tiny_llama(seed=3, layers=1), folder / "other.gguf", tokens=TOKENS),
+        "narrow": write_gguf(tiny_llama(vocab_size=80, seed=2, layers=1), folder / "narrow.gguf",
+                             tokens=TOKENS[:80]),
+        "retokenized": write_gguf(tiny_llama(seed=4, layers=1), folder / "retokenized.gguf",
+                                  tokens=TOKENS + ["x"] * 6),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(files):
+    return LlamaRunner.from_gguf(files["target"], "int4")
+
+
+def proposer(target, method, draft=None, **config):
+    if draft is not None:
+        config["draft"] = draft
+    return Decoder(target, None, method, eos_token_ids=[], **config).proposer
+
+
+def generation(target, proposer, prompt, n, **sampling) -> Generation:
+    return Generation(target, proposer, prompt, n, SamplingParams(**sampling))
+
+
+def ar(target, prompt, n):
+    return generation(target, proposer(target, "ar"), prompt, n).run()
+
+
+@pytest.mark.parametrize("method,config", [("draft_model", {}), ("dyspec", TREE)])
+@pytest.mark.parametrize("which,weights", [("close", "auto"), ("other", "fp32")])
+def test_greedy_identical_to_ar(target, files, method, config, which, weights):
+    drafter = proposer(target, method, str(files[which]), draft_weights=weights, **config)
+    assert drafter.draft_source == str(files[which])
+    assert drafter.lm.runner.runner.weights == ("int4" if weights == "auto" else weights)
+    accepted = 0
+    for prompt in repetitive_prompts()[:3]:
+        gen = generation(target, drafter, prompt, 32)
+        assert gen.run() == ar(target, prompt, 32), (method, which, prompt)
+        accepted += gen.stats.accepted_tokens
+    if which == "close":
+        assert accepted > 0  # the draft's cache stayed aligned through accepted tokens
+
+
+@pytest.mark.parametrize("method,config", [("draft_model", {"controller": "confidence"}),
+                                           ("dyspec", TREE)])
+def test_seeded_sampling_repeats(target, files, method, config):
+    drafter = proposer(target, method, str(files["close"]), **config)
+    prompt = repetitive_prompts()[1]
+    runs = [generation(target, drafter, prompt, 30, temperature=0.9, top_k=40, seed=seed).run()
+            for seed in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_a_named_model_is_its_file(target, files, monkeypatch):
+    monkeypatch.setitem(loading.NAMED_MODELS, "tiny-draft", lambda: files["close"])
+    drafter = proposer(target, "draft_model", "tiny-draft")
+    assert drafter.draft_source == str(files["close"])
+    prompt = repetitive_prompts()[0]
+    assert generation(target, drafter, prompt, 16).run() == ar(target, prompt, 16)
+
+
+def test_another_vocabulary_is_refused_naming_both_sizes(target, files):
+    with pytest.raises(SpecDecodeError, match="draft model's vocabulary has 80 tokens but the "
+                                              "target's has 96"):
+        proposer(target, "draft_model", str(files["narrow"]))
+
+
+def test_another_tokenizer_is_refused(target, files):
+    with pytest.raises(SpecDecodeError, match=r"another tokenizer than the target target.gguf "
+                                              r"\(tokenizer.ggml.tokens.count: 96 in the draft, "
+                                              r"90 in the target\)"):
+        proposer(target, "dyspec", str(files["retokenized"]))
+
+
+def test_missing_file_and_hf_runner_are_refused(target, files, tmp_path):
+    with pytest.raises(SpecDecodeError, match=r"draft GGUF file \S*nope.gguf does not exist"):
+        proposer(target, "draft_model", str(tmp_path / "nope.gguf"))
+    with pytest.raises(SpecDecodeError, match="runs on the native runner: drop -c draft_runner=hf"):
+        proposer(target, "draft_model", str(files["close"]), draft_runner="hf")
+
+
+@pytest.mark.slow
+def test_real_pair_identical_to_ar():
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) drafted by Qwen2.5-Coder-0.5B-Instruct, both on the
+    native runner: 24 greedy tokens of two prompts, as ``ar``'s."""
+    from specdecode.models.parted import PARTED_MODELS, is_assembled
+
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        if not is_assembled(PARTED_MODELS[name]):
+            pytest.skip(f"{name} is not installed: `{PARTED_MODELS[name].install_command}`")
+    loaded = loading.load_model("qwen2.5-coder-1.5b")
+    runner = loading.make_runner(loaded)
+    drafter = proposer(runner, "draft_model", "qwen2.5-coder-0.5b")
+    accepted = 0
+    for question in ("Write a Python function that reverses a string.",
+                     "What is the capital of France?"):
+        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                      add_generation_prompt=True)
+        gen = generation(runner, drafter, prompt, 24)
+        assert gen.run() == ar(runner, prompt, 24), question
+        accepted += gen.stats.accepted_tokens
+    assert accepted > 0
