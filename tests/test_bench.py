@@ -180,8 +180,9 @@ def ngram_run(request, tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp(request.param)
     # greedy also checks repeats: two passes, new proposers each
     extra = ["--temperature", "0.9"] if request.param == "sampled" else ["--repeats", "2"]
+    # full drafts: the simulator replays a proposer's drafts as it makes them
     plan = bench_cli.plan(bench_args(tmp, "--methods", "ngram", "--peers", "none",
-                                     "--max-new-tokens", "32", *extra))
+                                     "--max-new-tokens", "32", "--draft-budget", "full", *extra))
     summary = bench_cli.bench(tiny_target(tiny_model, eos=()), plan, progress=False)
     return summary, tmp / "out" / "records.jsonl"
 

@@ -50,7 +50,10 @@ def drafts(target, tmp_path_factory):
 def decoder(target, method, draft, controller=None, **config):
     if controller:
         config["controller"] = controller
-    dec = Decoder(target, None, method, eos_token_ids=[], draft=draft, **config)
+    # full drafts: these test the draft paths, which sizing by row costs would mostly skip on
+    # a tiny target (a draft forward costs about what the target's does)
+    dec = Decoder(target, None, method, eos_token_ids=[], draft=draft, draft_budget="full",
+                  **config)
     # specdecpp needs a trained head; an untrained one still exercises the stopping rule
     dec.proposer.acceptance_head = AcceptanceHead(dec.proposer.lm.hidden_size, 1)
     return dec

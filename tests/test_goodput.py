@@ -8,7 +8,8 @@ import pytest
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.estimates import Acceptance, RowCosts
-from specdecode.server.goodput import Batching, Candidate, allocate
+from specdecode.server.goodput import Batching
+from specdecode.sizing import Candidate, allocate
 
 
 def goodput(candidates, costs, fixed_rows, caps, overhead_s=0.0):

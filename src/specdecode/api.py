@@ -29,6 +29,7 @@ from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
+from specdecode.sizing import method_sizing
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 #: keyword arguments that build the request's constraint (:func:`make_constraint`)
@@ -129,8 +130,11 @@ class Decoder:
 
     def __init__(self, model, tokenizer=None, method: str | None = None,
                  eos_token_ids: Sequence[int] | None = None, *, make_proposer=None,
-                 vocabulary: Vocabulary | None = None, **config):
-        """``make_proposer(method name, config, runner)``: builds the proposer instead of the
+                 vocabulary: Vocabulary | None = None, draft_budget: str = "goodput", **config):
+        """``draft_budget``: ``goodput`` (each step's draft capped where expected tokens per
+        second of the runner's row costs is highest, down to none where drafts do not pay:
+        specdecode/sizing.py) or ``full`` (drafts as the proposer makes them).
+        ``make_proposer(method name, config, runner)``: builds the proposer instead of the
         method's class (the server hands shared state, such as the global suffix tree, this
         way). ``vocabulary``: the tokens as constraints see them (default: built from
         ``tokenizer`` on the first constrained request). A lossy method's (``self.method.lossy``,
@@ -146,6 +150,8 @@ class Decoder:
             self.proposer = make_proposer(self.method.name, self.config, self.runner)
         self.eos_token_ids = list(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self._vocabulary = vocabulary
+        #: the method's draft sizing on this runner (None: drafts as the proposer makes them)
+        self.sizing = method_sizing(self.method, self.runner, draft_budget)
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -174,8 +180,9 @@ class Decoder:
         if self.method.lossy:  # its own decode loop (specdecode/lossy/)
             return self.proposer.generation(self.encode(prompt, chat), max_new_tokens, params,
                                             self.eos_token_ids)
+        sizer = None if self.sizing is None else self.sizing.sequence(params)
         return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
-                          params, self.eos_token_ids)
+                          params, self.eos_token_ids, sizer=sizer)
 
     def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
                stop: Sequence[str] = (), **sampling) -> TextStream:

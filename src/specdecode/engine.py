@@ -36,6 +36,7 @@ from specdecode.errors import require
 from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
+from specdecode.sizing import SequenceSizer
 from specdecode.verify import VerifyResult, verify
 
 #: most forced tokens committed in a row before the next target forward (they ride in its
@@ -166,7 +167,10 @@ class Generation:
 
     def __init__(self, runner: Runner, proposer: Proposer, prompt_ids: Sequence[int],
                  max_new_tokens: int, sampling: SamplingParams = GREEDY,
-                 eos_token_ids: Sequence[int] = (), controller: Controller | None = None):
+                 eos_token_ids: Sequence[int] = (), controller: Controller | None = None,
+                 sizer: SequenceSizer | None = None):
+        """``sizer``: caps each draft by expected tokens per second of the runner's row costs
+        (specdecode/sizing.py); None: the controller's budget (and :attr:`draft_cap`) alone."""
         check_request(runner, prompt_ids, max_new_tokens)
         self.runner = runner
         self.proposer = proposer
@@ -191,6 +195,10 @@ class Generation:
         #: (deepest node, most nodes) the next :meth:`next_call` may draft (a server's goodput
         #: budget); None = the controller's budget alone
         self.draft_cap: tuple[int, int] | None = None
+        self.sizer = sizer
+        #: when the step being run began, and the seconds its drafting took (for the sizer)
+        self._step_started = 0.0
+        self._draft_s = 0.0
         self._context = list(self.prompt_ids)
         self._generator = None
         self._call: Call | None = None
@@ -244,13 +252,18 @@ class Generation:
             return self._call
         left = self.max_new_tokens - len(self.tokens)
         budget = self.controller.budget().capped(left - 1)
-        if self.draft_cap is not None:
-            budget = budget.capped(self.draft_cap[0]).capped_nodes(self.draft_cap[1])
+        cap = self.draft_cap
+        if self.sizer is not None and budget.max_depth > 0:
+            cap = self.sizer.cap(budget.max_depth, budget.max_nodes)
+        if cap is not None:
+            budget = budget.capped(cap[0]).capped_nodes(cap[1])
+        self._step_started = t0
         if budget.max_depth > 0:
             draft = self.proposer.propose(context, budget).truncated(budget.max_depth,
                                                                      budget.max_nodes)
-        else:  # nothing may be drafted (the last token, a loaded server): skip the drafting
-            draft = Draft.empty()
+        else:  # nothing may be drafted (the last token, a loaded server, drafts that do not
+            draft = Draft.empty()  # pay): skip the drafting
+        self._draft_s = time.perf_counter() - t0
         if self.constraint is not None:
             kept = self.constraint.prune(draft, keep_rejected_leaves=not self.sampling.greedy
                                          and draft.probs is not None)
@@ -297,6 +310,9 @@ class Generation:
         self.proposer.observe(Feedback(tuple(before), draft, out.logits, accepted, tokens, out))
         if not forced:
             self.controller.observe(len(draft), len(result.accepted))
+            if self.sizer is not None:
+                self.sizer.observe(draft, len(result.accepted), self._draft_s,
+                                   t1 - self._step_started)
         stats.propose_s += time.perf_counter() - t1
         chunk = self._emit_verified(result)
         # count what was committed: tokens accepted past end-of-sequence are dropped; a forced

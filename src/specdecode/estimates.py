@@ -18,8 +18,9 @@ DECAY = 0.98
 #: steps of evidence the method's estimate counts for in a sequence's (a new sequence
 #: starts from its method's)
 PRIOR_STEPS = 4.0
-#: a level never drafted yet: chance of acceptance and rows, so a method is tried where drafts
-#: are cheap and learnt from
+#: a level never drafted yet: its chance of acceptance relative to the level above (at depth 1:
+#: its chance), and its rows, so a method is tried where drafts are cheap and learnt from; below
+#: the deepest level seen, the ratio of the two deepest seen levels
 UNSEEN_RATE = 0.5
 UNSEEN_ROWS = 1.0
 
@@ -73,15 +74,19 @@ class Acceptance:
         """(chance of accepting depth k, rows at depth k) for k = 1..max_depth, each level's
         chance no higher than the one before (accepting k needs k - 1)."""
         out = []
-        chance = 1.0
+        chance, ratio = 1.0, UNSEEN_RATE
         for k in range(max_depth):
             offered, reached, rows = self._at(k)
-            if prior is not None:
+            if prior is not None and k < len(prior.offered) and prior.offered[k]:
                 p_rate, p_rows = prior.level(k)
                 offered, reached, rows = (offered + PRIOR_STEPS, reached + PRIOR_STEPS * p_rate,
                                           rows + PRIOR_STEPS * p_rows)
+            # a level never drafted: the last level's chance, times its ratio to the one before
+            # (the deepest seen levels say how fast acceptance falls off past them)
             rate, width = ((reached / offered, rows / offered) if offered
-                           else (UNSEEN_RATE ** (k + 1), UNSEEN_ROWS))
+                           else (chance * ratio, UNSEEN_ROWS))
+            if chance > 0 and offered:
+                ratio = min(1.0, rate / chance) if k else rate
             chance = min(chance, rate)
             out.append((chance, max(width, 1.0)))
         return out

@@ -35,7 +35,7 @@ RUNNERS_CONTEXT = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import add_model_arguments, add_sampling_arguments
+    from specdecode.cli import add_draft_budget_argument, add_model_arguments, add_sampling_arguments
 
     parser.add_argument("--methods", default=None,
                         help="comma-separated methods (default: every exact method; lossy ones "
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_runner_arguments(parser)
     add_diffusion_arguments(parser)
     add_model_arguments(parser)
+    add_draft_budget_argument(parser)
     add_sampling_arguments(parser)
 
 
@@ -205,6 +206,7 @@ def plan(args: argparse.Namespace) -> Plan:
             f"the lossy methods ({', '.join(lossy)}) decode greedily only; drop them or the "
             "sampling options")
     options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           draft_budget=args.draft_budget,
                            repeats=args.repeats, seed=0 if args.seed is None else args.seed,
                            max_minutes=args.max_minutes)
     return Plan(questions, methods, args.methods is not None, peers, options,
@@ -218,7 +220,7 @@ def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> t
     for name, method, config in plan.methods:
         try:
             contenders.append(MethodContender(name, method, config, target.runner,
-                                              target.eos_token_ids))
+                                              target.eos_token_ids, plan.options.draft_budget))
         except SpecDecodeError as exc:
             if plan.methods_named:
                 raise

@@ -38,6 +38,7 @@ import torch
 from specdecode.engine import Generation
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
+from specdecode.sizing import method_sizing
 
 PEERS = ("hf", "hf-pld", "llama.cpp", "llama.cpp-pld")
 #: transformers' documented example value and llama-cpp-python's default
@@ -75,7 +76,8 @@ class MethodContender:
     """One registered method: its proposer lives across requests, as in a ``Decoder``. A lossy
     method (kind ``lossy``) runs its own decode loop (specdecode/lossy/)."""
 
-    def __init__(self, name: str, method, config, runner: Runner, eos: Sequence[int]):
+    def __init__(self, name: str, method, config, runner: Runner, eos: Sequence[int],
+                 draft_budget: str = "goodput"):
         self.name = name
         self.method = method
         self.config = config
@@ -83,21 +85,26 @@ class MethodContender:
         self.eos = list(eos)
         self.proposer = method.proposer(config, runner)
         self.kind = "lossy" if method.lossy else "method"
+        self.draft_budget = draft_budget
+        #: its drafts' sizing by the runner's row costs (specdecode/sizing.py), as a Decoder's
+        self.sizing = method_sizing(method, runner, draft_budget)
 
     def unsupported(self, sampling: SamplingParams) -> str | None:
         return None
 
     def fresh(self) -> MethodContender:
         """A contender with a new proposer (for the warm-up and each repeat pass)."""
-        return MethodContender(self.name, self.method, self.config, self.runner, self.eos)
+        return MethodContender(self.name, self.method, self.config, self.runner, self.eos,
+                               self.draft_budget)
 
     def run(self, prompt_ids, max_new_tokens, sampling) -> Outcome:
         start = time.perf_counter()
         if self.method.lossy:
             gen = self.proposer.generation(prompt_ids, max_new_tokens, sampling, self.eos)
         else:
+            sizer = None if self.sizing is None else self.sizing.sequence(sampling)
             gen = Generation(self.runner, self.proposer, prompt_ids, max_new_tokens,
-                             sampling, self.eos)
+                             sampling, self.eos, sizer=sizer)
         gen.run()
         wall = time.perf_counter() - start
         s = gen.stats

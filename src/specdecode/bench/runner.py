@@ -65,6 +65,8 @@ class BenchOptions:
     warmup: bool = True
     #: start no question but the first after this many minutes of a pass (None: every question)
     max_minutes: float | None = None
+    #: how our methods' drafts are sized (specdecode/sizing.py: goodput | full)
+    draft_budget: str = "goodput"
 
 
 def request_seed(base: int, question_id, turn: int) -> int:

@@ -167,6 +167,12 @@ class Runner(ABC):
         """Identifies the target's weights (for trained artifacts); runners override."""
         return f"{self.name}:{self.vocab_size}:{self.num_layers}"
 
+    def cost_key(self) -> str | None:
+        """What this runner's forward cost depends on, where its weights are a file on disk
+        (its row-cost curve is then kept between processes: models/row_costs.py); None where
+        they are not (the curve is measured once per process)."""
+        return None
+
     # ---- optional: early exit, for self-speculative proposers (LayerSkip, DEL) -------------
     # Runners that implement these set ``supports_early_exit``; proposers check it up front.
 

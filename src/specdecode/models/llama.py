@@ -498,6 +498,13 @@ class LlamaRunner(Runner):
         sample = embed[:: max(1, embed.shape[0] // 64), :8].double().sum().item()
         return f"hf:{self.shape.arch.model_type}:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
 
+    def cost_key(self) -> str | None:
+        path = Path(self.source) if self.source else None
+        if path is None or not path.is_file():
+            return None
+        stat = path.stat()
+        return f"native:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}"
+
     @property
     def pending_rows(self) -> int:
         return self.cache.pending

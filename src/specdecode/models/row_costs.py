@@ -6,20 +6,36 @@ layers read their weights once for all rows, so the curve starts flat and turns 
 rows' arithmetic outweighs the weights' memory traffic (docs/native-runner.md). The curve is
 measured on a scratch replica (the runner's own cache is never touched): one sequence's root
 and a chain of ``rows - 1`` draft tokens a forward, after a one-token prompt.
+
+:func:`cached_row_costs` measures a curve once per model file, weight format, machine (its CPU)
+and thread count and keeps it under ``~/.cache/specdecode/row-costs`` (the first request on the
+1.5B model pays a few seconds for it, later processes none); a runner that is not a file (a
+model built in memory) is measured once per process.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import torch
+
+from specdecode.cache import cache_root
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Runner
 
 #: row counts measured by default (a forward of the native runner holds at most 256 draft rows)
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: row counts one sequence's drafts are sized over (the server's packed forwards use DEFAULT_ROWS)
+SEQUENCE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: timed forwards per row count (after one warm-up forward of the most rows); the median is
 #: kept, as other processes only ever slow a forward down
 REPEATS = 3
@@ -43,3 +59,63 @@ def measure_row_costs(runner: Runner, rows: Sequence[int] = DEFAULT_ROWS,
 
     seconds(max(rows))  # warms up the allocator and the caches; not kept
     return {n: statistics.median(seconds(n) for _ in range(repeats)) for n in rows}
+
+
+#: curves measured in this process, by key (runners that are no file are measured once here)
+_MEASURED: dict[str, dict[int, float]] = {}
+
+
+def cached_row_costs(runner: Runner, rows: Sequence[int] = SEQUENCE_ROWS) -> dict[int, float]:
+    """:func:`measure_row_costs` of ``runner`` at ``rows``, measured only where neither this
+    process nor the cache folder has the curve of this file, format, CPU and thread count."""
+    key = _curve_key(runner)
+    known = dict(_MEASURED.get(key, {}))
+    file = _cache_file(key) if runner.cost_key() is not None else None
+    if not set(rows) <= known.keys() and file is not None and file.is_file():
+        try:
+            known.update({int(r): float(s) for r, s in json.loads(file.read_text())["seconds"].items()})
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again
+    missing = sorted(set(rows) - known.keys())
+    if missing:
+        if file is not None:
+            print(f"specdecode: measuring the {runner.name} runner's forward cost by rows "
+                  f"({', '.join(map(str, missing))}); once for this model, format, CPU and "
+                  f"thread count", file=sys.stderr)
+        known.update(measure_row_costs(runner, missing))
+        if file is not None:
+            _write(file, key, known)
+    _MEASURED[key] = known
+    return {r: known[r] for r in rows}
+
+
+def _curve_key(runner: Runner) -> str:
+    """What the curve depends on: the weights (their file, or the runner's fingerprint), the
+    CPU and the threads its forwards use."""
+    # a runner that is no file: its kind, format and weights' fingerprint (runners of the same
+    # weights then share one curve in a process, so seeded requests repeat across decoders)
+    weights = runner.cost_key() or (f"{runner.name}:{getattr(runner, 'weights', '')}:"
+                                    f"{runner.fingerprint()}")
+    return f"{weights}|{_cpu_name()}|threads={torch.get_num_threads()}"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_file(key: str) -> Path:
+    return cache_root() / "row-costs" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def _write(file: Path, key: str, seconds: dict[int, float]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")  # another process may write it too
+    tmp.write_text(json.dumps({"key": key, "seconds": {str(r): s for r, s in sorted(seconds.items())}},
+                              indent=1))
+    tmp.replace(file)

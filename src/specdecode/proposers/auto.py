@@ -11,7 +11,7 @@ sees every committed token and a head drafter every committed feature; ``needs``
 of the parts' ``needs``.
 
 What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost curve,
-:func:`specdecode.models.row_costs.measure_row_costs`, measured once on a replica), the seconds
+:func:`specdecode.models.row_costs.cached_row_costs`, measured once on a replica), the seconds
 of the step besides the forward and the drafting (learnt from the time between two ``propose``
 calls, as a fixed part and a part per draft row: the verify pass's LM head rows, the
 verification and the parts' bookkeeping grow with the rows, which the forward's curve does not
@@ -58,13 +58,11 @@ from specdecode.control import Budget, Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Needs, Runner
-from specdecode.models.row_costs import measure_row_costs
+from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, RowCosts
 
-#: rows at which the row-cost curve is measured: drafts here stay below 64 nodes
-COST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 #: weight of the newest observation of a part's drafting seconds
 RECENT = 0.1
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
@@ -189,7 +187,7 @@ class AutoProposer(Proposer):
                 f"{config.parts!r}")
         self.needs = Needs(any(p.needs.final_hidden for p in self.parts),
                            tuple(sorted({layer for p in self.parts for layer in p.needs.layers})))
-        self.costs = row_costs or RowCosts(measure_row_costs(runner, COST_ROWS))
+        self.costs = row_costs or RowCosts(cached_row_costs(runner))
         self.controllers = [p.make_controller() for p in self.parts]
         self.records = [_Record() for _ in self.parts]
         self.merged_record = _Record()

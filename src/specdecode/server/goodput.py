@@ -1,4 +1,6 @@
-"""Draft budgets by goodput: how many draft rows each sequence of a packed forward may send.
+"""Draft budgets by goodput: how many draft rows each sequence of a packed forward may send
+(the allocation itself, one mechanism for one sequence and for many, is
+:func:`specdecode.sizing.allocate`).
 
 A packed forward of R rows costs c(R) (the runner's row-cost curve, measured at start-up by
 :func:`specdecode.models.row_costs.measure_row_costs`). A sequence drafting to depth d commits
@@ -21,16 +23,14 @@ chooses one draft length for the batch the same way).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdecode.errors import require
 from specdecode.estimates import RowCosts
 from specdecode.models.base import Runner
+from specdecode.sizing import DRAFT_BUDGETS
 
-#: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
-DRAFT_BUDGETS = ("goodput", "full")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Batching:
     max_draft_rows: int = 64
     #: most prompt rows one step prefills, all new sequences together (one part at least)
     prefill_rows: int = 256
-    #: the runner's forward seconds by rows, where known (None: measured at start-up)
+    #: the runner's forward seconds by rows, where known (None: measured at start-up, once for
+    #: a model file, format, CPU and thread count: models/row_costs.py)
     row_curve: Mapping[int, float] | None = None
 
     def __post_init__(self):
@@ -61,52 +62,6 @@ class Batching:
             return None
         if self.row_curve is not None:
             return RowCosts(self.row_curve)
-        from specdecode.models.row_costs import measure_row_costs
+        from specdecode.models.row_costs import DEFAULT_ROWS, cached_row_costs
 
-        return RowCosts(measure_row_costs(runner))
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One decoding sequence of the next forward: its draft levels (chance, rows) in depth
-    order, and the seconds its proposer takes to draft at all."""
-
-    levels: Sequence[tuple[float, float]]
-    draft_s: float = 0.0
-
-
-def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
-             overhead_s: float = 0.0) -> list[tuple[int, int]]:
-    """Each candidate's (max depth, max draft rows) for the next forward. ``fixed_rows``: the
-    rows it runs anyway (every candidate's root, prompt parts); ``overhead_s``: the step's
-    seconds besides the forward."""
-    gain = float(len(candidates))
-    rows = float(fixed_rows)
-    spent = overhead_s
-    best, best_at = gain / (costs(rows) + spent), 0
-    order: list[tuple[int, int]] = []
-    heap = [(-levels[0][0] / levels[0][1], i, 0)
-            for i, c in enumerate(candidates) if (levels := c.levels) and levels[0][0] > 0]
-    heapq.heapify(heap)
-    drafting = set()
-    while heap:
-        _, i, k = heapq.heappop(heap)
-        chance, width = candidates[i].levels[k]
-        gain += chance
-        rows += width
-        if i not in drafting:
-            drafting.add(i)
-            spent += candidates[i].draft_s
-        order.append((i, k))
-        goodput = gain / (costs(rows) + spent)
-        if goodput > best:
-            best, best_at = goodput, len(order)
-        if k + 1 < len(candidates[i].levels) and candidates[i].levels[k + 1][0] > 0:
-            nxt = candidates[i].levels[k + 1]
-            heapq.heappush(heap, (-nxt[0] / nxt[1], i, k + 1))
-    depth = [0] * len(candidates)
-    width = [0.0] * len(candidates)
-    for i, k in order[:best_at]:
-        depth[i] = k + 1
-        width[i] += candidates[i].levels[k][1]
-    return [(d, max(d, round(w))) for d, w in zip(depth, width)]
+        return RowCosts(cached_row_costs(runner, DEFAULT_ROWS))

@@ -12,8 +12,8 @@ from specdecode.errors import SpecDecodeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import add_model_arguments
-    from specdecode.server.goodput import DRAFT_BUDGETS, Batching
+    from specdecode.cli import add_draft_budget_argument, add_model_arguments
+    from specdecode.server.goodput import Batching
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
@@ -28,10 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences generated at once, each on its own KV cache over shared "
                              "weights, all in one forward a step on the native runner (in turn "
                              "on hf; 1 = strictly one after another)")
-    parser.add_argument("--draft-budget", choices=DRAFT_BUDGETS, default="goodput",
-                        help="goodput: each step caps every sequence's draft by expected tokens "
-                             "per second of the whole forward (drafts shrink as the batch "
-                             "grows, down to none); full: drafts as the methods make them")
+    add_draft_budget_argument(parser)
     parser.add_argument("--max-draft-rows", type=int, default=Batching.max_draft_rows,
                         help="most draft rows one sequence sends in one step")
     parser.add_argument("--prefill-rows", type=int, default=Batching.prefill_rows,

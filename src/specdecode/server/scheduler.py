@@ -42,7 +42,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance
-from specdecode.server.goodput import Batching, Candidate, allocate
+from specdecode.server.goodput import Batching
+from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate
 from specdecode.server.metrics import Metrics
 from specdecode.server.diffusion import served_method
 from specdecode.server.protocol import ApiError
@@ -58,10 +59,6 @@ DECODERS_PER_SLOT = 8
 #: prompt rows prefilled per turn (rounded down to a multiple of the runner's granule): a
 #: short request beside a long prompt waits for one such part per step of its own
 PREFILL_PART_ROWS = 128
-#: draft levels past the deepest its method has drafted that a sequence may try
-EXPLORE_LEVELS = 4
-#: weight of the newest step in the decayed means of step overhead and drafting time
-RECENT = 0.1
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def packaged_dir() -> Path:
 
 
 def user_dir() -> Path:
-    from specdecode.models.loading import cache_root
+    from specdecode.cache import cache_root
 
     return cache_root() / "artifacts"
 

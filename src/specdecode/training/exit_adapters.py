@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters, Path]:
     """Both phases, the evaluation and the artifact; returns the adapters and their path."""
     from specdecode.api import as_runner
-    from specdecode.models.loading import cache_root
+    from specdecode.cache import cache_root
 
     began = time.monotonic()
     deadline = began + args.max_minutes * 60

@@ -1,0 +1,161 @@
+"""Drafts sized by what a row costs: how deep and how wide each verify step's draft may be.
+
+A forward of R rows costs c(R), the runner's row-cost curve (models/row_costs.py: measured once
+per model file, format, CPU and thread count). A draft to depth d commits 1 + q_1 + ... + q_d
+tokens in expectation, where q_k is the chance that the verify step accepts k or more draft
+tokens, and pays the rows it puts at depths 1..d and the proposer's drafting. Each step the
+draft is capped at the depth and node count that maximise
+
+    goodput = expected committed tokens / (c(rows) + drafting seconds + the step's other seconds)
+
+:func:`allocate` does this for any number of sequences sharing one forward (the server's packed
+forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the library, the CLI
+and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
+drafts do not pay on this model and machine stops drafting (then every ``EXPLORE_EVERY`` steps
+it drafts once as it likes, so its estimate can recover when the text starts to repeat).
+Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
+its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
+Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
+
+A seeded sampled request sizes its drafts from the curve and its own acceptance alone, without
+the seconds measured as it runs and without its method's record of earlier requests, so that it
+repeats: its draft sizes, and so its random draws, then depend on nothing that varies between
+runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specdecode.draft import Draft
+from specdecode.errors import require
+from specdecode.estimates import Acceptance, RowCosts
+from specdecode.models.base import Runner
+
+#: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
+DRAFT_BUDGETS = ("goodput", "full")
+#: draft levels past the deepest its method has drafted that a request may try
+EXPLORE_LEVELS = 4
+#: steps without a draft after which one draft is sent as the proposer makes it
+EXPLORE_EVERY = 16
+#: weight of the newest step in the decayed means of drafting and overhead seconds
+RECENT = 0.1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One decoding sequence of the next forward: its draft levels (chance, rows) in depth
+    order, and the seconds its proposer takes to draft at all."""
+
+    levels: Sequence[tuple[float, float]]
+    draft_s: float = 0.0
+
+
+def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
+             overhead_s: float = 0.0) -> list[tuple[int, int]]:
+    """Each candidate's (max depth, max draft rows) for the next forward. ``fixed_rows``: the
+    rows it runs anyway (every candidate's root, prompt parts); ``overhead_s``: the step's
+    seconds besides the forward."""
+    gain = float(len(candidates))
+    rows = float(fixed_rows)
+    spent = overhead_s
+    best, best_at = gain / (costs(rows) + spent), 0
+    order: list[tuple[int, int]] = []
+    heap = [(-levels[0][0] / levels[0][1], i, 0)
+            for i, c in enumerate(candidates) if (levels := c.levels) and levels[0][0] > 0]
+    heapq.heapify(heap)
+    drafting = set()
+    while heap:
+        _, i, k = heapq.heappop(heap)
+        chance, width = candidates[i].levels[k]
+        gain += chance
+        rows += width
+        if i not in drafting:
+            drafting.add(i)
+            spent += candidates[i].draft_s
+        order.append((i, k))
+        goodput = gain / (costs(rows) + spent)
+        if goodput > best:
+            best, best_at = goodput, len(order)
+        if k + 1 < len(candidates[i].levels) and candidates[i].levels[k + 1][0] > 0:
+            nxt = candidates[i].levels[k + 1]
+            heapq.heappush(heap, (-nxt[0] / nxt[1], i, k + 1))
+    depth = [0] * len(candidates)
+    width = [0.0] * len(candidates)
+    for i, k in order[:best_at]:
+        depth[i] = k + 1
+        width[i] += candidates[i].levels[k][1]
+    return [(d, max(d, round(w))) for d, w in zip(depth, width)]
+
+
+def method_sizing(method, runner: Runner, draft_budget: str = "goodput") -> DraftSizing | None:
+    """The sizing of a registered ``method``'s drafts on ``runner`` for ``draft_budget``; None
+    where nothing is sized (``full``; ``ar`` and lossy methods send no drafts to size)."""
+    require(draft_budget in DRAFT_BUDGETS,
+            f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
+    if draft_budget != "goodput" or method.lossy or method.name == "ar":
+        return None
+    from specdecode.models.row_costs import cached_row_costs
+
+    return DraftSizing(RowCosts(cached_row_costs(runner)))
+
+
+class DraftSizing:
+    """One method's sizing on one runner, shared by its requests: the runner's row-cost curve,
+    the method's acceptance by depth (each new request's prior), its drafting seconds a step
+    and a step's seconds besides the forward and the drafting."""
+
+    def __init__(self, costs: RowCosts):
+        self.costs = costs
+        self.acceptance = Acceptance()
+        self.draft_s = 0.0
+        self.overhead_s = 0.0
+
+    def sequence(self, sampling) -> SequenceSizer:
+        """The sizer of one request of ``sampling`` (a seeded sampled one is sized repeatably:
+        see the module docstring)."""
+        return SequenceSizer(self, repeatable=not sampling.greedy and sampling.seed is not None)
+
+
+class SequenceSizer:
+    """Caps one request's drafts, step by step (the engine asks :meth:`cap` before drafting
+    and tells :meth:`observe` after verifying)."""
+
+    def __init__(self, sizing: DraftSizing, repeatable: bool = False):
+        self.sizing = sizing
+        #: sized from the curve and its own acceptance only (no seconds, no method record)
+        self.repeatable = repeatable
+        self.acceptance = Acceptance()
+        #: steps since the last draft sent
+        self.idle = 0
+
+    def cap(self, max_depth: int, max_nodes: int) -> tuple[int, int]:
+        """(max depth, max draft nodes) for the next draft, within the budget's."""
+        sizing = self.sizing
+        prior = None if self.repeatable else sizing.acceptance
+        seen = len((prior or self.acceptance).offered)
+        deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
+        if deepest <= 0:
+            return 0, 0
+        if self.idle >= EXPLORE_EVERY:
+            return max_depth, max_nodes
+        levels = self.acceptance.levels(deepest, prior)
+        draft_s, overhead_s = (0.0, 0.0) if self.repeatable else (sizing.draft_s, sizing.overhead_s)
+        depth, rows = allocate([Candidate(levels, draft_s)], sizing.costs, 1, overhead_s)[0]
+        return depth, min(rows, max_nodes)
+
+    def observe(self, draft: Draft, accepted: int, draft_s: float, step_s: float) -> None:
+        """After a verify step: its draft, the draft tokens accepted, the seconds drafting took
+        and the whole step's."""
+        sizing = self.sizing
+        if len(draft):
+            self.idle = 0
+            self.acceptance.observe(draft, accepted)
+            sizing.acceptance.observe(draft, accepted)
+            sizing.draft_s += RECENT * (draft_s - sizing.draft_s)
+        else:
+            self.idle += 1
+        other = step_s - sizing.costs(1 + len(draft)) - draft_s
+        sizing.overhead_s += RECENT * (max(0.0, other) - sizing.overhead_s)

@@ -1,0 +1,129 @@
+"""Drafts sized by what a row costs (specdecode/sizing.py), for one request: the same
+allocation as the server's, on the runner's row-cost curve cached per file, format, CPU and
+thread count (models/row_costs.py)."""
+
+import json
+
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.estimates import RowCosts
+from specdecode.models import row_costs
+from specdecode.models.llama import LlamaRunner
+from specdecode.sampling import GREEDY, SamplingParams
+from specdecode.sizing import EXPLORE_EVERY, DraftSizing
+
+from conftest import repetitive_prompts
+
+SEEDED = SamplingParams(temperature=0.8, seed=1)
+
+
+def run_steps(sizer, accepted_of, steps: int, step_s: float = 1.0):
+    """Steps of a proposer that drafts a 6-token chain whenever allowed; ``accepted_of(depth)``
+    is what the verifier accepts of a draft that deep. The caps given, in order."""
+    caps = []
+    for _ in range(steps):
+        depth, nodes = sizer.cap(6, 6)
+        caps.append(depth)
+        draft = Draft.chain(list(range(min(depth, nodes))))
+        sizer.observe(draft, min(accepted_of(draft.max_depth), draft.max_depth), 0.0, step_s)
+    return caps
+
+
+def test_cheap_rows_and_good_drafts_draft_deep():
+    sizer = DraftSizing(RowCosts({1: 1.0, 8: 1.05, 64: 2.0})).sequence(GREEDY)
+    caps = run_steps(sizer, lambda depth: depth, 30)
+    assert caps[-1] == 6
+
+
+def test_drafts_stop_where_rows_cost_a_forward_and_return_to_explore():
+    """Each row costs as much as a whole one-row forward and a draft is accepted one time in
+    ten: no draft pays, so the request decodes as ar, drafting once every EXPLORE_EVERY steps
+    to see whether that changed."""
+    sizer = DraftSizing(RowCosts({1: 1.0, 2: 2.0, 64: 64.0})).sequence(GREEDY)
+    calls = iter(range(10**6))
+    caps = run_steps(sizer, lambda depth: 1 if next(calls) % 10 == 0 else 0, 5 * EXPLORE_EVERY)
+    late = caps[EXPLORE_EVERY:]
+    assert late.count(0) >= len(late) - 5, caps
+    assert any(c == 6 for c in late), "never explored"
+
+
+def test_drafting_seconds_count_against_a_draft():
+    """The same rows and acceptance; only the proposer's drafting seconds differ."""
+    costs = RowCosts({1: 1.0, 8: 1.2, 64: 3.0})
+    cheap, dear = DraftSizing(costs).sequence(GREEDY), DraftSizing(costs).sequence(GREEDY)
+    for sizer, draft_s in ((cheap, 0.01), (dear, 2.0)):
+        for _ in range(20):
+            depth, _ = sizer.cap(6, 6)
+            draft = Draft.chain([0] * depth)
+            sizer.observe(draft, min(1, depth), draft_s if depth else 0.0, 1.5)
+    assert cheap.cap(6, 6)[0] >= 1 and dear.cap(6, 6)[0] == 0
+
+
+def test_untimed_sizing_ignores_measured_seconds():
+    sizing = DraftSizing(RowCosts({1: 1.0, 8: 1.2, 64: 3.0}))
+    sizing.draft_s, sizing.overhead_s = 50.0, 0.0
+    assert sizing.sequence(GREEDY).cap(6, 6)[0] == 0
+    assert sizing.sequence(SEEDED).cap(6, 6)[0] > 0
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    return LlamaRunner.from_transformers(tiny_model, "int4")
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram", "recycling", "lookahead"])
+def test_sized_drafts_stay_exact_and_full_ones_too(runner, method):
+    for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
+        for budget in ("goodput", "full"):
+            decoder = Decoder(runner, None, method, eos_token_ids=[], draft_budget=budget)
+            assert (decoder.sizing is None) == (budget == "full")
+            assert decoder.start(prompt, 40).run() == ar, (method, budget)
+
+
+def test_seeded_sampling_repeats_under_sized_drafts(runner):
+    prompt = repetitive_prompts()[0]
+    runs = [Decoder(runner, None, "suffix", eos_token_ids=[]).start(
+        prompt, 40, temperature=0.8, seed=7).run() for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_a_bad_draft_budget_is_refused(runner):
+    with pytest.raises(SpecDecodeError, match="draft_budget must be one of goodput, full"):
+        Decoder(runner, None, "suffix", draft_budget="some")
+
+
+def test_row_costs_are_measured_once_per_file_and_kept(tmp_path, monkeypatch, runner):
+    """A runner on a file keeps its curve in the cache folder: a later process (here: a cleared
+    memo) reads it instead of measuring; another thread count is another curve."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"weights")
+    monkeypatch.setattr(type(runner), "cost_key", lambda self: f"file:{weights}:int4")
+    measured = []
+
+    def measure(r, rows, repeats=row_costs.REPEATS):
+        measured.append(tuple(rows))
+        return {n: 0.001 * (1 + n / 64) for n in rows}
+
+    monkeypatch.setattr(row_costs, "measure_row_costs", measure)
+    monkeypatch.setattr(row_costs, "_MEASURED", {})
+    first = row_costs.cached_row_costs(runner, (1, 8, 64))
+    monkeypatch.setattr(row_costs, "_MEASURED", {})
+    assert row_costs.cached_row_costs(runner, (1, 8)) == {1: first[1], 8: first[8]}
+    assert measured == [(1, 8, 64)]
+    row_costs.cached_row_costs(runner, (1, 8, 256))  # only the new point is measured
+    assert measured[-1] == (256,)
+    [kept] = (tmp_path / "specdecode" / "row-costs").glob("*.json")
+    assert set(json.loads(kept.read_text())["seconds"]) == {"1", "8", "64", "256"}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        row_costs.cached_row_costs(runner, (1, 8))
+    finally:
+        torch.set_num_threads(threads)
+    assert measured[-1] == (1, 8)
