@@ -270,13 +270,15 @@ def qwen_small_runner(qwen_small):
 def test_greedy_identical_on_qwen_coder_0_5b(qwen_small, qwen_small_runner, method, request):
     """Every exact method on Qwen2.5-Coder-0.5B, the real draft of the model we measure on
     (its own Q5_0/Q8_0/Q4_K/Q6_K file), with its drafts sized by the row costs as users get
-    them; no draft model or heads are trained for it: stand-ins run the model-based methods."""
+    them; no heads are trained for it: stand-ins run the head methods."""
     from specdecode.api import eos_ids
     from specdecode.models.loading import make_runner
 
     runner = qwen_small_runner
     if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
         runner = make_runner(qwen_small, "native", "fp32")
+    # the draft methods draft with the model's own GGUF file (`-c draft=qwen2.5-coder-0.5b`)
+    config = ({"draft": "qwen2.5-coder-0.5b"} if needs_draft_model(method)
+              else stand_in_artifacts(method, runner))
     check_greedy_identical(runner, runner, qwen_small.tokenizer, method, dev_prompts()[1:4], 32,
-                           eos_ids(qwen_small, qwen_small.tokenizer),
-                           stand_in_artifacts(method, runner))
+                           eos_ids(qwen_small, qwen_small.tokenizer), config)

@@ -21,6 +21,8 @@ from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, Me
                                          llama_cpp_available, llama_cpp_unsupported)
 from specdecode.bench.datasets import Question, load_questions, sample_per_task
 from specdecode.bench.diffusion import add_arguments as add_diffusion_arguments
+from specdecode.bench.llama_server_peer import CONFIGS as SERVER_CONFIGS
+from specdecode.bench.llama_server_peer import LlamaServerPeer
 from specdecode.bench.llama_tools import TOOLS_ENV
 from specdecode.bench.metrics import accepted_histograms, summarize
 from specdecode.bench.peer_process import PeerFailed
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="output folder (created; files in it are replaced)")
     parser.add_argument("--peers", default="all",
-                        help=f"comma-separated peers from {', '.join(PEERS)}; 'all' (default: "
+                        help=f"comma-separated peers from {', '.join(PEERS + tuple(SERVER_CONFIGS))}; 'all' (default: "
                              "those available) or 'none'")
     parser.add_argument("-c", "--config", action="append", default=[], metavar="METHOD.KEY=VALUE",
                         help="method config field (repeatable), e.g. -c ngram.max_ngram=4")
@@ -93,8 +95,12 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --perplexity: the text (default: the summarization articles "
                              "of --data, the Spec-Bench dev half)")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR",
-                        help="the folder of llama.cpp's llama-bench and llama-perplexity "
-                             f"(default: ${TOOLS_ENV}, then PATH; docs/bench.md builds them)")
+                        help="the folder of llama.cpp's llama-bench, llama-perplexity and "
+                             f"llama-server (default: ${TOOLS_ENV}, then PATH; docs/bench.md "
+                             "builds them)")
+    parser.add_argument("--peer-draft", default="qwen2.5-coder-0.5b", metavar="MODEL",
+                        help="the draft model of the llama-server-draft peer: a named model or "
+                             "a .gguf file (default: qwen2.5-coder-0.5b)")
     parser.add_argument("--project-from", default=None, metavar="RUN",
                         help="a bench run (its --out folder or records.jsonl): project each "
                              "method's speedup on the row costs measured with --runners, or on "
@@ -118,6 +124,9 @@ class Plan:
     peers: list[str] | None
     options: BenchOptions
     out: Path
+    #: llama-server for its peers (None: not found) and the draft file of llama-server-draft
+    llama_server: Path | None = None
+    peer_draft: Path | None = None
 
 
 def parse_methods(spec: str | None, config_pairs: list[str]) -> list[tuple]:
@@ -155,9 +164,9 @@ def parse_peers(spec: str, model: str) -> list[str] | None:
     if spec == "none":
         return []
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PEERS]
+    unknown = [n for n in names if n not in PEERS + tuple(SERVER_CONFIGS)]
     require(not unknown, f"unknown peer(s) {', '.join(map(repr, unknown))}; known peers: "
-                         f"{', '.join(PEERS)} (or 'all', 'none')")
+                         f"{', '.join(PEERS + tuple(SERVER_CONFIGS))} (or 'all', 'none')")
     if any(n.startswith("llama.cpp") for n in names):
         require(llama_cpp_available(),
                 "the llama.cpp peers need llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
@@ -196,6 +205,7 @@ def plan(args: argparse.Namespace) -> Plan:
     questions = sample_per_task(load_questions(args.data), args.per_task)
     methods = parse_methods(args.methods, args.config)
     peers = parse_peers(args.peers, args.model)
+    llama_server, peer_draft = server_peers(peers, args)
     sampling = SamplingParams(**sampling_options(args))
     require(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     require(args.repeats >= 1, f"--repeats must be at least 1, got {args.repeats}")
@@ -210,7 +220,31 @@ def plan(args: argparse.Namespace) -> Plan:
                            repeats=args.repeats, seed=0 if args.seed is None else args.seed,
                            max_minutes=args.max_minutes)
     return Plan(questions, methods, args.methods is not None, peers, options,
-                prepare_out(args.out))
+                prepare_out(args.out), llama_server, peer_draft)
+
+
+def server_peers(peers: list[str] | None, args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """llama-server's binary and the draft file its draft peer needs (None where not found:
+    a named peer is then an error, an unnamed one a note)."""
+    from specdecode.bench.llama_tools import find_tool
+
+    named = [p for p in peers or () if p in SERVER_CONFIGS]
+    binary = find_tool("llama-server", args.llama_cpp)
+    require(binary is not None or not named,
+            f"the {', '.join(named)} peer(s) need llama-server (--llama-cpp DIR, ${TOOLS_ENV} or "
+            "PATH; docs/bench.md builds it)")
+    require(not named or gguf_path_for(args.model) is not None,
+            f"the llama-server peers need a GGUF file; --model {args.model!r} is not one")
+    draft = None
+    if binary is not None and (peers is None or "llama-server-draft" in named):
+        try:
+            draft = gguf_path_for(args.peer_draft)
+        except SpecDecodeError:
+            if "llama-server-draft" in named:
+                raise
+        require(draft is not None or "llama-server-draft" not in named,
+                f"--peer-draft {args.peer_draft!r} is not a GGUF file or a named model")
+    return binary, draft
 
 
 def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> tuple[list, list[str]]:
@@ -226,9 +260,19 @@ def build_contenders(target: Target, plan: Plan, questions: list[Question]) -> t
                 raise
             notes.append(f"{name}: {exc}")
     wanted = plan.peers
-    for peer in PEERS if wanted is None else wanted:
+    for peer in PEERS + tuple(SERVER_CONFIGS) if wanted is None else wanted:
         explicit = wanted is not None
-        if peer.startswith("hf"):
+        if peer in SERVER_CONFIGS:
+            if plan.llama_server is None or target.gguf_path is None or (
+                    peer == "llama-server-draft" and plan.peer_draft is None):
+                notes.append(f"{peer}: " + ("llama-server not found" if plan.llama_server is None
+                                            else "no GGUF file (or draft file)"))
+                continue
+            contender = LlamaServerPeer(peer, plan.llama_server, target.gguf_path,
+                                        target.eos_token_ids,
+                                        llama_n_ctx(target, questions, plan.options.max_new_tokens),
+                                        plan.peer_draft)
+        elif peer.startswith("hf"):
             if target.hf_model is None:
                 require(not explicit, f"peer {peer!r} needs a transformers model")
                 notes.append(f"{peer}: no transformers model behind this runner")
