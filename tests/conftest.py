@@ -159,11 +159,14 @@ def alone_logits(runner, prompt, tokens):
 _TINY_HEADS: dict[tuple[str, str], str] = {}
 
 
-def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None) -> str:
+def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None,
+               steps: int = 60) -> str:
     """A head artifact of ``kind`` trained for a few seconds on ``target`` (a tiny model or
     runner): its own greedy continuations of the repetitive prompts, through the real trainer's
     loss, so drafts are accepted often enough to exercise trees. ``shortlist``: the token ids
-    it scores (FR-Spec's ``head_ids``; default every token). Cached per target."""
+    it scores (FR-Spec's ``head_ids``; default every token); ``steps``: training steps (0: the
+    untrained network, for a real model's vocabulary, where training takes minutes). Cached
+    per target."""
     import tempfile
 
     from specdecode.api import Decoder, as_runner
@@ -173,7 +176,7 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None) -> s
                                                  step_loss)
 
     runner = as_runner(target)
-    key = (kind, runner.fingerprint(), shortlist)
+    key = (kind, runner.fingerprint(), shortlist, steps)
     if key in _TINY_HEADS:
         return _TINY_HEADS[key]
     torch.manual_seed(0)
@@ -186,12 +189,12 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None) -> s
         settings.update(anchor_input=True, row_inputs=True)
     net = make_network(kind, embed.shape[1], embed, **settings)
     data = []
-    for prompt in repetitive_prompts():
+    for prompt in repetitive_prompts() if steps else ():
         prompt = [t % runner.vocab_size for t in prompt]
         ids = prompt + Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
         data.append((torch.tensor(ids), *conversation_features(runner, net, ids)))
     optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    for step in range(60):
+    for step in range(steps):
         ids, inputs, final = data[step % len(data)]
         net.reset()
         losses = depth_losses(net.train_outputs(inputs, ids, DEPTHS[kind]), final, head)

@@ -497,3 +497,15 @@ def test_roofline_micro_kernels_build_apart_and_count_macs():
     ext = roofline.peak_kernels()
     assert not hasattr(kernels.load(), "int8_peak_macs")  # benchmark code stays out of the runner
     assert ext.int8_peak_macs(200_000) > 1e9 and ext.q4_mix_peak_macs(50_000) > 1e9
+
+
+def test_code_edit_joins_spec_bench_as_a_task_of_its_own():
+    from specdecode.bench.datasets import load_workloads, sample_per_task
+
+    questions = sample_per_task(load_workloads("spec-bench,code-edit"), 2)
+    tasks = [q.task for q in questions]
+    assert tasks.count("code_edit") == 2 and len(set(tasks)) == 7
+    edit = next(q for q in questions if q.task == "code_edit")
+    assert "def area(width, height)" in edit.turns[0]
+    with pytest.raises(SpecDecodeError, match="repeats question ids"):
+        load_workloads("code-edit,code-edit")

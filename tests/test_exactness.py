@@ -265,6 +265,13 @@ def qwen_small_runner(qwen_small):
     return make_runner(qwen_small)  # native int4: the file's blocks as they are where they can be
 
 
+@pytest.fixture(scope="module")
+def qwen_small_precise(qwen_small):
+    from specdecode.models.loading import make_runner
+
+    return make_runner(qwen_small, "native", "fp32")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_on_qwen_coder_0_5b(qwen_small, qwen_small_runner, method, request):
@@ -272,13 +279,18 @@ def test_greedy_identical_on_qwen_coder_0_5b(qwen_small, qwen_small_runner, meth
     (its own Q5_0/Q8_0/Q4_K/Q6_K file), with its drafts sized by the row costs as users get
     them; no heads are trained for it: stand-ins run the head methods."""
     from specdecode.api import eos_ids
-    from specdecode.models.loading import make_runner
 
     runner = qwen_small_runner
     if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
-        runner = make_runner(qwen_small, "native", "fp32")
-    # the draft methods draft with the model's own GGUF file (`-c draft=qwen2.5-coder-0.5b`)
-    config = ({"draft": "qwen2.5-coder-0.5b"} if needs_draft_model(method)
-              else stand_in_artifacts(method, runner))
+        runner = request.getfixturevalue("qwen_small_precise")
+    # the draft methods draft with the model's own GGUF file (`-c draft=qwen2.5-coder-0.5b`);
+    # the head methods with untrained heads over the first ids (training stand-ins over its
+    # 151,936-token head takes minutes): full trees, so every path of the tree code runs
+    config = {}
+    if needs_draft_model(method):
+        config = {"draft": "qwen2.5-coder-0.5b"}
+    elif needs_heads(method):
+        config = {"heads": tiny_heads(registry.get(method).proposer.head_kind, runner,
+                                      tuple(range(4096)), steps=0), "min_path_prob": 0.0}
     check_greedy_identical(runner, runner, qwen_small.tokenizer, method, dev_prompts()[1:4], 32,
                            eos_ids(qwen_small, qwen_small.tokenizer), config)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, MethodContender,
                                          llama_cpp_available, llama_cpp_unsupported)
-from specdecode.bench.datasets import Question, load_questions, sample_per_task
+from specdecode.bench.datasets import Question, load_questions, load_workloads, sample_per_task
 from specdecode.bench.diffusion import add_arguments as add_diffusion_arguments
 from specdecode.bench.llama_server_peer import CONFIGS as SERVER_CONFIGS
 from specdecode.bench.llama_server_peer import LlamaServerPeer
 from specdecode.bench.llama_tools import TOOLS_ENV
+from specdecode.models.parted import MEASURED_MODEL
 from specdecode.bench.metrics import accepted_histograms, summarize
 from specdecode.bench.peer_process import PeerFailed
 from specdecode.bench.report import fmt, markdown, plots
@@ -46,9 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "variants NAME:KEY=VALUE[:KEY=VALUE...] such as "
                              "draft_model:controller=heuristic; 'ar' is always run, as the "
                              "reference")
-    parser.add_argument("--data", default=None, metavar="FILE",
-                        help="question file in Spec-Bench's JSON-lines format (default: the "
-                             "packaged Spec-Bench dev half, 240 questions, 6 tasks)")
+    parser.add_argument("--data", default=None, metavar="FILE[,...]",
+                        help="question file(s) in Spec-Bench's JSON-lines format, comma-"
+                             "separated, or the built-in 'spec-bench' (the default: the "
+                             "packaged Spec-Bench dev half, 240 questions, 6 tasks) and "
+                             "'code-edit' (an edit instruction over small Python functions), "
+                             "e.g. --data spec-bench,code-edit")
     parser.add_argument("--per-task", type=int, default=None, metavar="N",
                         help="the first N questions of each task (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -67,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_runner_arguments(parser)
     add_diffusion_arguments(parser)
     add_model_arguments(parser)
+    # the bench measures on the model users run (`specdecode models install` it); --model
+    # smollm2 is the quick run
+    parser.set_defaults(model=MEASURED_MODEL)
     add_draft_budget_argument(parser)
     add_sampling_arguments(parser)
 
@@ -202,7 +209,7 @@ def plan(args: argparse.Namespace) -> Plan:
     from specdecode.cli import sampling_options
     from specdecode.sampling import SamplingParams
 
-    questions = sample_per_task(load_questions(args.data), args.per_task)
+    questions = sample_per_task(load_workloads(args.data), args.per_task)
     methods = parse_methods(args.methods, args.config)
     peers = parse_peers(args.peers, args.model)
     llama_server, peer_draft = server_peers(peers, args)

@@ -21,11 +21,13 @@ MT_BENCH_CATEGORIES = frozenset(
 #: Spec-Bench's report order; tasks outside it follow alphabetically
 TASK_ORDER = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 DEFAULT_DATA = "spec_bench_dev.jsonl"
+#: ``--data`` names of the built-in workloads besides files
+SPEC_BENCH, CODE_EDIT = "spec-bench", "code-edit"
 
 
 @dataclass(frozen=True)
 class Question:
-    question_id: int
+    question_id: int | str
     category: str
     turns: tuple[str, ...]
     #: reference answers where the file has them (Spec-Bench's maths questions: GSM8K's
@@ -47,6 +49,28 @@ def task_sort_key(task: str) -> tuple[int, str]:
 
 def default_data_path() -> Path:
     return Path(str(resources.files("specdecode") / "data" / DEFAULT_DATA))
+
+
+def load_workloads(spec: str | None) -> list[Question]:
+    """``--data``: comma-separated parts, each a question file, ``spec-bench`` (the packaged
+    dev half, the default) or ``code-edit`` (one edit instruction over different small Python
+    functions, bench/code_edit.py: answers that repeat their prompt, as an agent's edits do)."""
+    questions: list[Question] = []
+    for part in (spec or SPEC_BENCH).split(","):
+        part = part.strip()
+        questions += code_edit_questions() if part == CODE_EDIT else load_questions(
+            None if part == SPEC_BENCH else part)
+    ids = [q.question_id for q in questions]
+    require(len(set(ids)) == len(ids), f"--data {spec!r} repeats question ids; give each "
+                                       "question file once")
+    return questions
+
+
+def code_edit_questions() -> list[Question]:
+    from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
+
+    return [Question(f"code-edit-{i}", "code_edit", (INSTRUCTION.format(code=code),))
+            for i, code in enumerate(FUNCTIONS)]
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:

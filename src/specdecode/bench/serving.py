@@ -43,6 +43,7 @@ from specdecode.bench.serving_servers import (LLAMA_SERVER, OURS, ServerProcess,
 from specdecode.bench.serving_workloads import (SAMPLINGS, WORKLOADS, Request, Sampling,
                                                 build_workload, sampling_of)
 from specdecode.errors import SpecDecodeError, require
+from specdecode.models.parted import MEASURED_MODEL
 
 #: chunks after which a hanging-up client closes its stream (the first carries only the role)
 HANG_UP_AFTER = 3
@@ -77,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="threads of each server (OMP_NUM_THREADS for ours, -t/-tb for "
                              "llama-server)")
-    parser.add_argument("--model", default="smollm2",
-                        help="our server's --model; llama-server gets its GGUF file")
+    parser.add_argument("--model", default=MEASURED_MODEL,
+                        help=f"our server's --model (default {MEASURED_MODEL}, the model we "
+                             "measure on; 'smollm2' for a quick run); llama-server gets its "
+                             "GGUF file")
     parser.add_argument("--data", default=None, metavar="FILE",
                         help="Spec-Bench question file (default: the packaged dev half)")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR",

@@ -71,6 +71,8 @@ QWEN_CODER_0_5B = PartedModel(
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     "Qwen2.5-Coder-0.5B-Instruct, Q5_0/Q8_0/Q4_K/Q6_K (491 MB; Apache-2.0): the 1.5B's draft")
 PARTED_MODELS = {m.name: m for m in (QWEN_CODER_1_5B, QWEN_CODER_0_5B)}
+#: the model the benchmarks measure on by default
+MEASURED_MODEL = QWEN_CODER_1_5B.name
 
 
 def models_folder() -> Path:
