@@ -14,7 +14,7 @@ from specdecode.estimates import RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import EXPLORE_EVERY, DraftSizing
+from specdecode.sizing import EXPLORE_EVERY, DraftSizing, DraftTime
 
 from conftest import repetitive_prompts
 
@@ -65,7 +65,7 @@ def test_drafting_seconds_count_against_a_draft():
 
 def test_untimed_sizing_ignores_measured_seconds():
     sizing = DraftSizing(RowCosts({1: 1.0, 8: 1.2, 64: 3.0}))
-    sizing.draft_s, sizing.overhead_s = 50.0, 0.0
+    sizing.draft_time.observe(4, 50.0)
     assert sizing.sequence(GREEDY).cap(6, 6)[0] == 0
     assert sizing.sequence(SEEDED).cap(6, 6)[0] > 0
 
@@ -127,3 +127,35 @@ def test_row_costs_are_measured_once_per_file_and_kept(tmp_path, monkeypatch, ru
     finally:
         torch.set_num_threads(threads)
     assert measured[-1] == (1, 8)
+
+
+def test_drafting_seconds_per_level_are_told_from_the_fixed_part():
+    """A draft model's seconds grow with the depth it drafts to; a lookup's do not."""
+    per_token, lookup = DraftTime(), DraftTime()
+    for depth in [1, 2, 3, 4, 5] * 4:
+        per_token.observe(depth, 0.002 + 0.013 * depth)
+        lookup.observe(depth, 0.0004)
+    fixed, level = per_token.line()
+    assert fixed == pytest.approx(0.002) and level == pytest.approx(0.013)
+    assert lookup.line() == (pytest.approx(0.0004), 0.0)
+    same = DraftTime()
+    for _ in range(5):
+        same.observe(3, 0.03)
+    assert same.line() == (pytest.approx(0.03), 0.0)  # one depth: no slope to tell
+
+
+def test_a_costly_draft_per_level_is_kept_short():
+    """The same nearly free rows and the same acceptance (each level accepted 80% of the time
+    given the one before); a draft that costs 40% of a forward a level (a 0.5B draft of a 1.5B
+    target) is sized shorter than one whose levels cost nothing."""
+    costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
+    caps = []
+    for level_s in (0.0, 0.4):
+        sizing = DraftSizing(costs)
+        for depth in [1, 2, 3, 4, 5, 6] * 4:
+            sizing.draft_time.observe(depth, 0.01 + level_s * depth)
+        sizer = sizing.sequence(GREEDY)
+        for accepted in [0, 1, 1, 2, 2, 3, 3, 4, 5, 6] * 5:
+            sizer.acceptance.observe(Draft.chain([0] * 6), accepted)
+        caps.append(sizer.cap(6, 6)[0])
+    assert caps[0] == 6 and 1 <= caps[1] < caps[0], caps

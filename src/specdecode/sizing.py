@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.estimates import Acceptance, RowCosts
+from specdecode.estimates import DECAY, Acceptance, RowCosts
 from specdecode.models.base import Runner
 
 #: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
@@ -47,10 +47,12 @@ RECENT = 0.1
 @dataclass(frozen=True)
 class Candidate:
     """One decoding sequence of the next forward: its draft levels (chance, rows) in depth
-    order, and the seconds its proposer takes to draft at all."""
+    order, the seconds its proposer takes to draft at all, and the seconds each level adds
+    (a draft model drafts a token a forward; a lookup's draft costs the same at any depth)."""
 
     levels: Sequence[tuple[float, float]]
     draft_s: float = 0.0
+    level_s: float = 0.0
 
 
 def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
@@ -75,6 +77,7 @@ def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
         if i not in drafting:
             drafting.add(i)
             spent += candidates[i].draft_s
+        spent += candidates[i].level_s
         order.append((i, k))
         goodput = gain / (costs(rows) + spent)
         if goodput > best:
@@ -102,15 +105,39 @@ def method_sizing(method, runner: Runner, draft_budget: str = "goodput") -> Draf
     return DraftSizing(RowCosts(cached_row_costs(runner)))
 
 
+class DraftTime:
+    """A proposer's drafting seconds as a line in the depth it drafts to, fitted by decayed
+    least squares (``DECAY`` a step): a fixed part and a part per level."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weight, depth, depth^2, seconds, depth x seconds
+
+    def observe(self, depth: int, seconds: float) -> None:
+        for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+            self.sums[i] = self.sums[i] * DECAY + value
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds a level), neither negative; flat where the depths seen do
+        not spread enough to tell the two apart."""
+        n, d, dd, t, dt = self.sums
+        if n == 0:
+            return 0.0, 0.0
+        spread = n * dd - d * d
+        if spread <= 0.25 * n * n:  # depths within about one level of each other
+            return t / n, 0.0
+        per_level = max(0.0, (n * dt - d * t) / spread)
+        return max(0.0, (t - per_level * d) / n), per_level
+
+
 class DraftSizing:
     """One method's sizing on one runner, shared by its requests: the runner's row-cost curve,
-    the method's acceptance by depth (each new request's prior), its drafting seconds a step
+    the method's acceptance by depth (each new request's prior), its drafting seconds by depth
     and a step's seconds besides the forward and the drafting."""
 
     def __init__(self, costs: RowCosts):
         self.costs = costs
         self.acceptance = Acceptance()
-        self.draft_s = 0.0
+        self.draft_time = DraftTime()
         self.overhead_s = 0.0
 
     def sequence(self, sampling) -> SequenceSizer:
@@ -135,15 +162,18 @@ class SequenceSizer:
         """(max depth, max draft nodes) for the next draft, within the budget's."""
         sizing = self.sizing
         prior = None if self.repeatable else sizing.acceptance
-        seen = len((prior or self.acceptance).offered)
+        seen = max(len(self.acceptance.offered), len(prior.offered) if prior else 0)
         deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
         if deepest <= 0:
             return 0, 0
         if self.idle >= EXPLORE_EVERY:
             return max_depth, max_nodes
         levels = self.acceptance.levels(deepest, prior)
-        draft_s, overhead_s = (0.0, 0.0) if self.repeatable else (sizing.draft_s, sizing.overhead_s)
-        depth, rows = allocate([Candidate(levels, draft_s)], sizing.costs, 1, overhead_s)[0]
+        if self.repeatable:
+            candidate, overhead_s = Candidate(levels), 0.0
+        else:
+            candidate, overhead_s = Candidate(levels, *sizing.draft_time.line()), sizing.overhead_s
+        depth, rows = allocate([candidate], sizing.costs, 1, overhead_s)[0]
         return depth, min(rows, max_nodes)
 
     def observe(self, draft: Draft, accepted: int, draft_s: float, step_s: float) -> None:
@@ -154,7 +184,7 @@ class SequenceSizer:
             self.idle = 0
             self.acceptance.observe(draft, accepted)
             sizing.acceptance.observe(draft, accepted)
-            sizing.draft_s += RECENT * (draft_s - sizing.draft_s)
+            sizing.draft_time.observe(draft.max_depth, draft_s)
         else:
             self.idle += 1
         other = step_s - sizing.costs(1 + len(draft)) - draft_s
