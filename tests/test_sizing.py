@@ -14,7 +14,7 @@ from specdecode.estimates import RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import EXPLORE_EVERY, DraftSizing, DraftTime
+from specdecode.sizing import EXPLORE_EVERY, EXPLORE_NODES, DraftSizing, DraftTime
 
 from conftest import repetitive_prompts
 
@@ -41,14 +41,14 @@ def test_cheap_rows_and_good_drafts_draft_deep():
 
 def test_drafts_stop_where_rows_cost_a_forward_and_return_to_explore():
     """Each row costs as much as a whole one-row forward and a draft is accepted one time in
-    ten: no draft pays, so the request decodes as ar, drafting once every EXPLORE_EVERY steps
-    to see whether that changed."""
+    ten: no draft pays, so the request decodes as ar, sending a small draft once every
+    EXPLORE_EVERY steps to see whether that changed."""
     sizer = DraftSizing(RowCosts({1: 1.0, 2: 2.0, 64: 64.0})).sequence(GREEDY)
     calls = iter(range(10**6))
     caps = run_steps(sizer, lambda depth: 1 if next(calls) % 10 == 0 else 0, 5 * EXPLORE_EVERY)
     late = caps[EXPLORE_EVERY:]
     assert late.count(0) >= len(late) - 5, caps
-    assert any(c == 6 for c in late), "never explored"
+    assert any(c == EXPLORE_NODES for c in late), "never explored"
 
 
 def test_drafting_seconds_count_against_a_draft():
