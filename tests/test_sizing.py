@@ -159,3 +159,8 @@ def test_a_costly_draft_per_level_is_kept_short():
             sizer.acceptance.observe(Draft.chain([0] * 6), accepted)
         caps.append(sizer.cap(6, 6)[0])
     assert caps[0] == 6 and 1 <= caps[1] < caps[0], caps
+
+
+def test_a_point_slowed_by_other_work_is_settled_below_bigger_forwards():
+    assert row_costs.settled({1: 0.11, 2: 0.16, 8: 0.113, 16: 0.25, 64: 0.9, 128: 0.66}) == {
+        1: 0.11, 2: 0.113, 8: 0.113, 16: 0.25, 64: 0.66, 128: 0.66}

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -36,14 +35,16 @@ from specdecode.models.base import Runner
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: row counts one sequence's drafts are sized over (the server's packed forwards use DEFAULT_ROWS)
 SEQUENCE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-#: timed forwards per row count (after one warm-up forward of the most rows); the median is
+#: timed forwards per row count (after one warm-up forward of the most rows); the fastest is
 #: kept, as other processes only ever slow a forward down
-REPEATS = 3
+REPEATS = 5
 
 
 def measure_row_costs(runner: Runner, rows: Sequence[int] = DEFAULT_ROWS,
                       repeats: int = REPEATS) -> dict[int, float]:
-    """{rows: median seconds of one forward of that many rows} on a replica of ``runner``."""
+    """{rows: seconds of one forward of that many rows} on a replica of ``runner``: the fastest
+    of ``repeats``, and never more than a forward of more rows took (a forward that took longer
+    than a bigger one was slowed by something else: see :func:`settled`)."""
     require(len(rows) > 0 and all(isinstance(n, int) and n >= 1 for n in rows),
             f"row counts must be positive integers, got {list(rows)}")
     require(repeats >= 1, f"repeats must be at least 1, got {repeats}")
@@ -58,9 +59,21 @@ def measure_row_costs(runner: Runner, rows: Sequence[int] = DEFAULT_ROWS,
         return took
 
     seconds(max(rows))  # warms up the allocator and the caches; not kept
-    return {n: statistics.median(seconds(n) for _ in range(repeats)) for n in rows}
+    return settled({n: min(seconds(n) for _ in range(repeats)) for n in rows})
 
 
+def settled(points: dict[int, float]) -> dict[int, float]:
+    """The curve made non-decreasing in rows, each point lowered to the least of the points at
+    more rows (more rows never cost less: a point above a later one was slowed down)."""
+    out, least = {}, float("inf")
+    for n in sorted(points, reverse=True):
+        least = min(least, points[n])
+        out[n] = least
+    return dict(sorted(out.items()))
+
+
+#: how curves are measured (kept curves of another version are measured again)
+CURVE_VERSION = "v2: fastest of 5, settled"
 #: curves measured in this process, by key (runners that are no file are measured once here)
 _MEASURED: dict[str, dict[int, float]] = {}
 
@@ -82,7 +95,7 @@ def cached_row_costs(runner: Runner, rows: Sequence[int] = SEQUENCE_ROWS) -> dic
             print(f"specdecode: measuring the {runner.name} runner's forward cost by rows "
                   f"({', '.join(map(str, missing))}); once for this model, format, CPU and "
                   f"thread count", file=sys.stderr)
-        known.update(measure_row_costs(runner, missing))
+        known = settled({**known, **measure_row_costs(runner, missing)})
         if file is not None:
             _write(file, key, known)
     _MEASURED[key] = known
@@ -96,7 +109,7 @@ def _curve_key(runner: Runner) -> str:
     # weights then share one curve in a process, so seeded requests repeat across decoders)
     weights = runner.cost_key() or (f"{runner.name}:{getattr(runner, 'weights', '')}:"
                                     f"{runner.fingerprint()}")
-    return f"{weights}|{_cpu_name()}|threads={torch.get_num_threads()}"
+    return f"{CURVE_VERSION}|{weights}|{_cpu_name()}|threads={torch.get_num_threads()}"
 
 
 def _cpu_name() -> str:
