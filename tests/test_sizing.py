@@ -141,7 +141,7 @@ def test_drafting_seconds_per_level_are_told_from_the_fixed_part():
     same = DraftTime()
     for _ in range(5):
         same.observe(3, 0.03)
-    assert same.line() == (pytest.approx(0.03), 0.0)  # one depth: no slope to tell
+    assert same.line() == (0.0, pytest.approx(0.01))  # one depth: all of it a level
 
 
 def test_a_costly_draft_per_level_is_kept_short():

@@ -119,14 +119,16 @@ class DraftTime:
             self.sums[i] = self.sums[i] * DECAY + value
 
     def line(self) -> tuple[float, float]:
-        """(fixed seconds, seconds a level), neither negative; flat where the depths seen do
-        not spread enough to tell the two apart."""
+        """(fixed seconds, seconds a level), neither negative. Where the depths seen do not
+        spread enough to tell the two apart, all of it a level: a proposer that drafts a
+        token a forward then sizes a shorter draft by what it saves (a lookup's seconds are
+        small either way)."""
         n, d, dd, t, dt = self.sums
-        if n == 0:
+        if n == 0 or d == 0:
             return 0.0, 0.0
         spread = n * dd - d * d
         if spread <= 0.25 * n * n:  # depths within about one level of each other
-            return t / n, 0.0
+            return 0.0, t / d
         per_level = max(0.0, (n * dt - d * t) / spread)
         return max(0.0, (t - per_level * d) / n), per_level
 
