@@ -102,7 +102,7 @@ def test_methods_match_ar_on_a_directly_loaded_file(files, method):
 
 def held_bytes(runner: LlamaRunner) -> int:
     """Bytes of every weight the runner holds (int4 layers, embedding table, norms)."""
-    total = runner.embed.numel() * 4 + runner.final_norm.numel() * 4 + runner.head.nbytes
+    total = runner.embed.nbytes + runner.final_norm.numel() * 4 + runner.head.nbytes
     for layer in runner.layers:
         total += sum(getattr(layer, n).nbytes for n in ("qkv", "o", "gate_up", "down"))
         total += sum(t.numel() * 4 for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias,

@@ -153,7 +153,9 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     numbers = [t.to(dtype) for t in (scale, minimum) if t is not None]
     width = TILE * group + TILE * numbers[0].element_size() * len(numbers)
     packed = torch.empty(-(-n // TILE), groups, width, dtype=torch.uint8)
-    step = 256  # tiles at a time: bounded temporaries for large matrices
+    # tiles at a time: about 4 MB of codes, so a wide matrix's temporaries stay small too (a
+    # model's last layer packs while every other layer is held: they are the load's peak)
+    step = max(1, (1 << 22) // (TILE * codes.shape[1]))
     for first in range(0, packed.shape[0], step):
         rows = slice(first * TILE, (first + step) * TILE)
         c = _tiles(codes[rows].view(torch.uint8) ^ 0x80)  # [T, c, K]: code + 128

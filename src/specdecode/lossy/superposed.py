@@ -171,7 +171,7 @@ class Superposed(LossyMethod):
         scores = torch.tensor([d.score for d in live])
         weights = torch.softmax(scores, 0)  # the drafts' normalised probabilities
         last = torch.tensor([d.tokens[-1] for d in live])
-        x = (weights[:, None] * runner.embed[last]).sum(0, keepdim=True)  # [1, H]
+        x = (weights[:, None] * runner.embed.rows(last)).sum(0, keepdim=True)  # [1, H]
         runner.cache.check_room(1, "one superposed token")
         hidden, _ = runner.run_embedded(x, AttentionPlan.chain(runner.cache.length, 1))
         runner.cache.append(1)

@@ -307,6 +307,25 @@ def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def dequantized_rows(raw: np.ndarray, e: TensorEntry, blocks: bool) -> torch.Tensor:
+    """float32 rows of matrix ``e`` from their bytes ``raw`` [rows, bytes a row], the values
+    ``weights.as_float`` gives of the tensor the runner reads: with ``blocks`` (the int4 and
+    int8 runners' :meth:`GGUFFile.read_blocks`) 4-bit types through :class:`Q4Blocks` (Q4_K's
+    scale products rounded to float16, as int4 holds them) and the block int8 types through
+    :class:`Int8BlockWeight` (exactly), else as :meth:`GGUFFile.read` with ``blocks=False``
+    (``gguf``'s dequantisation). The same functions on fewer rows: every block decodes on its
+    own, so a row has the same bits whichever rows are read with it. Not for llama.cpp's
+    permuted q/k rows or Gemma's 1 + w norms (the token embedding is neither)."""
+    try:
+        if blocks and e.qtype in Q4_TYPES:
+            return q4_nibbles(raw, e.qtype).dequantize()
+        if blocks and e.qtype in INT8_BLOCK_TYPES:
+            return decode_gguf_blocks(raw, e.qtype).dequantize()
+        return _dequantized(raw, e)
+    except (ValueError, NotImplementedError, KeyError) as exc:
+        raise SpecDecodeError(f"cannot read tensor {e.gguf_name} ({e.qtype}): {exc}") from None
+
+
 class _Skipped:
     def __init__(self, n: int):
         self.n = n

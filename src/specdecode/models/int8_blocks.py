@@ -50,8 +50,9 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
 #: weights of one block, per GGUF type
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
                  "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
-#: decode this many blocks at a time (bounds numpy's temporaries on large tensors)
-_CHUNK_BLOCKS = 1 << 15
+#: decode this many blocks at a time: numpy's temporaries stay at a few MB (a 1.5B model's
+#: last layer decodes while every other layer is held: its temporaries are the load's peak)
+_CHUNK_BLOCKS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class Int8BlockWeight:
         every float w, -0.0 included): every weight is unchanged."""
         require(len(parts) > 0 and len({p.codes.shape[1] for p in parts}) == 1,
                 "block int8 parts must share their input size")
+        if len(parts) == 1:  # (a copy of a whole LM head would be its size again in flight)
+            return parts[0]
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None

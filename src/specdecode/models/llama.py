@@ -53,11 +53,13 @@ from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.base import (NOTHING, Call, ForwardOutput, Needs, PrefillCall, Runner,
                                     VerifyCall)
+from specdecode.models.embedding import embedding_table
 from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
 from specdecode.models.quant import INT4_GROUP, LibraryLinear, Q4Weight, check_format
-from specdecode.models.weights import FileTensors, _linear_for, as_float, check_fits, resident_bytes
+from specdecode.models.weights import (FileTensors, _linear_for, as_float, check_fits,
+                                        resident_bytes, return_freed_memory)
 
 #: prefill runs prompts in blocks of this many rows (bounds the attention score buffer)
 PREFILL_BLOCK = 128
@@ -296,9 +298,10 @@ class LlamaRunner(Runner):
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
         require(not missing, f"checkpoint lacks {', '.join(missing)}: not a "
                              f"{shape.arch.model_type} checkpoint")
-        self.embed = _dense(tensors, "model.embed_tokens.weight").contiguous()  # [V, H]
-        require(tuple(self.embed.shape) == (shape.vocab_size, shape.hidden_size),
-                f"embedding is {tuple(self.embed.shape)}, config says "
+        # [V, H], a GGUF file's rows read from the file when looked up (models/embedding.py)
+        self.embed = embedding_table(tensors, "model.embed_tokens.weight")
+        require(self.embed.shape == (shape.vocab_size, shape.hidden_size),
+                f"embedding is {self.embed.shape}, config says "
                 f"({shape.vocab_size}, {shape.hidden_size})")
         # Gemma: embeddings times sqrt(hidden), as float32 (modeling_gemma3's embed_scale)
         self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5)
@@ -383,6 +386,7 @@ class LlamaRunner(Runner):
         shape, arch = self.shape, self.shape.arch
         scale = shape.query_scale
         head_linear = linear([tensors[head]])
+        return_freed_memory()  # (each matrix's temporaries: see the function)
         layers = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
@@ -413,6 +417,7 @@ class LlamaRunner(Runner):
             except KeyError as exc:
                 raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a {arch.model_type} "
                                       "checkpoint of the configured size") from None
+            return_freed_memory()
         return head_linear, layers
 
     # ---- constructors ---------------------------------------------------------------------
@@ -494,8 +499,8 @@ class LlamaRunner(Runner):
     def fingerprint(self) -> str:
         # The same string the hf runner gives for the same weights: artifacts trained against
         # one runner serve the other (the embedding table is float32 in every weight format).
-        embed = self.embed
-        sample = embed[:: max(1, embed.shape[0] // 64), :8].double().sum().item()
+        rows = self.embed.shape[0]
+        sample = self.embed.rows(range(0, rows, max(1, rows // 64)))[:, :8].double().sum().item()
         return f"hf:{self.shape.arch.model_type}:{self.vocab_size}:{self.num_layers}:{sample:.6e}"
 
     def cost_key(self) -> str | None:
@@ -703,7 +708,8 @@ class LlamaRunner(Runner):
         return self._capped(self.head(normed.float().contiguous()))
 
     def input_embeddings(self) -> torch.Tensor:
-        return self.embed
+        # dequantised for the caller (a drafter sharing it keeps it): the runner holds no copy
+        return self.embed.dense()
 
     def output_embeddings(self) -> torch.Tensor:
         return as_float(self._head_weights[self._head_name])
@@ -764,7 +770,7 @@ class LlamaRunner(Runner):
         layers = self.prefill_layers if prefill else self.layers
         stop = len(layers) if stop is None else stop
         tokens = [token for item in items for token in item.tokens]
-        x = self.embed[torch.tensor(tokens)] if embedded is None else embedded  # [n, H] float32
+        x = self.embed.rows(tokens) if embedded is None else embedded  # [n, H] float32
         if self.embed_scale is not None:
             x = x * self.embed_scale
         positions, plan = _packed_plan(items)
@@ -821,7 +827,7 @@ class LlamaRunner(Runner):
 
     def embed_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
         """[n, H] float32 the first layer's input rows of ``tokens``."""
-        x = self.embed[torch.tensor(list(tokens), dtype=torch.long)]
+        x = self.embed.rows(tokens)
         return x if self.embed_scale is None else x * self.embed_scale
 
     def attention_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:

@@ -66,10 +66,8 @@ def int4_copy(runner: Runner):
                 f"the native target was built from {source or 'tensors in memory'}, not a GGUF "
                 "file, so there is nothing to read its int4 copy from; load the model from its "
                 "GGUF file, or run the target on the hf runner (--runner hf)")
-        copy = LlamaRunner.from_gguf(source, "int4", max_context=runner.max_context)
-        if copy.embed.shape == runner.embed.shape and torch.equal(copy.embed, runner.embed):
-            copy.embed = runner.embed  # one float table for both (the lookup only reads it)
-        return copy
+        # (its embedding rows are read from the file like the target's: no second table)
+        return LlamaRunner.from_gguf(source, "int4", max_context=runner.max_context)
     if isinstance(runner, HFRunner):
         config = runner.model.config
         try:
