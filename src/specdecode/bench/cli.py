@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,16 +323,11 @@ def llama_n_ctx(target: Target, questions: list[Question], max_new_tokens: int) 
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     import torch
 
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with " \
+    from specdecode.models.row_costs import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with " \
            f"{torch.get_num_threads()} threads"
 
 

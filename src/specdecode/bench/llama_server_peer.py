@@ -25,7 +25,8 @@ import httpx
 
 from specdecode.bench.contenders import LLAMA_CPP_THREADS, Outcome, cut
 from specdecode.bench.peer_process import PeerFailed
-from specdecode.bench.serving_servers import ServerProcess, free_port
+from specdecode.bench.serving_servers import (LLAMA_SERVER, ServerProcess, ServerSpec, command,
+                                              free_port)
 from specdecode.sampling import SamplingParams
 
 #: peer name -> llama-server arguments ({draft}: the draft model's file)
@@ -47,11 +48,10 @@ class LlamaServerPeer:
                  draft: Path | None = None, threads: int = LLAMA_CPP_THREADS):
         self.name = name
         self.eos = frozenset(eos)
-        extra = [a.format(draft=draft) for a in CONFIGS[name]]
+        spec = ServerSpec(LLAMA_SERVER, extra=tuple(a.format(draft=draft) for a in CONFIGS[name]))
         port = free_port()
-        self.argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                     "--parallel", "1", "-c", str(context), "-t", str(threads), "-tb",
-                     str(threads), "--no-cache-prompt", "--no-webui", "--log-disable", *extra]
+        # the serving bench's llama-server command, with one slot
+        self.argv = command(spec, port, 1, context, threads, str(gguf), gguf, binary)
         self.server = ServerProcess(self.argv, port, threads)
         self.started = False
 

@@ -109,10 +109,11 @@ def _curve_key(runner: Runner) -> str:
     # weights then share one curve in a process, so seeded requests repeat across decoders)
     weights = runner.cost_key() or (f"{runner.name}:{getattr(runner, 'weights', '')}:"
                                     f"{runner.fingerprint()}")
-    return f"{CURVE_VERSION}|{weights}|{_cpu_name()}|threads={torch.get_num_threads()}"
+    return f"{CURVE_VERSION}|{weights}|{cpu_name()}|threads={torch.get_num_threads()}"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
