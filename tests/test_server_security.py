@@ -1,6 +1,6 @@
-"""`specdecode serve` against hostile and careless clients (issue 26), on loopback.
+"""`specdecode serve` against hostile and careless clients, on loopback.
 
-Every request of the issue is replayed with raw HTTP and must get its 4xx in OpenAI's error
+Every hostile or careless request is replayed with raw HTTP and must get its 4xx in OpenAI's error
 shape, after which the server must still answer ``/health`` and a completion. Then: requests
 never name files (the same answer whatever exists on the disk), per-request configs stay in
 the server's ranges and memory budget, the per-slot proposer cache is bounded in bytes, a
@@ -62,7 +62,7 @@ def expect_error(r: httpx.Response, status: int, needle: str, param=...) -> dict
     return error
 
 
-# ---- every request of the issue: its 4xx, and the server still serves ----------------------
+# ---- every hostile request: its 4xx, and the server still serves ----------------------
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -1,5 +1,5 @@
 """The serving benchmark (scripts/serving_bench.py, specdecode/bench/serving*.py): workloads,
-percentiles, mismatch counting, the report and the aims, without a server; the openai clients
+percentiles, mismatch counting, the report and the targets, without a server; the openai clients
 (mixed streams, hang-ups, time limit) against the real server on loopback with a tiny model;
 and (slow) one small sweep against `specdecode serve` in its own process."""
 
@@ -13,8 +13,8 @@ from specdecode.bench import serving
 from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
 from specdecode.bench.datasets import Question
 from specdecode.bench.serving_client import Batch, Outcome, run_batch
-from specdecode.bench.serving_report import (aims, identical, markdown, mismatches, percentile,
-                                             problems, summarize)
+from specdecode.bench.serving_report import (identical, markdown, mismatches, percentile,
+                                             problems, summarize, targets)
 from specdecode.bench.serving_servers import LLAMA_SERVER, OURS, ServerSpec, command
 from specdecode.bench.serving_workloads import (Request, build_workload, interleave_tasks,
                                                 sampling_of)
@@ -158,11 +158,11 @@ def test_report_table_has_a_row_per_cell_with_the_gain_over_one_client():
     assert "- a check" in text and "- command: python scripts/serving_bench.py" in text
 
 
-def test_aims_are_checked_where_the_cells_exist():
+def test_targets_are_checked_where_the_cells_exist():
     cells = [cell("specdecode ar", 1, 50.0), cell("specdecode ar", 16, 150.0),
              cell("specdecode suffix", 1, 80.0), cell("specdecode suffix", 16, 400.0),
              cell("llama-server", 16, 200.0)]
-    found = aims(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER)
+    found = targets(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER)
     assert "specdecode ar, code-edit, greedy: 16 clients give 3.00x one client (NOT met: " \
            "at least 4x)" in found
     assert "specdecode suffix, code-edit, greedy: 16 clients give 5.00x one client (met: " \
@@ -330,4 +330,4 @@ def test_an_interrupted_run_still_reports_the_cells_it_measured():
     text = markdown({}, cells, [])
     assert "| 4 | skipped: the run was interrupted here |" in text
     assert "| 16 | skipped: not run |" in text
-    assert aims(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER) == []
+    assert targets(cells, "specdecode suffix", "specdecode ar", LLAMA_SERVER) == []

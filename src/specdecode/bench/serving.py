@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 from specdecode.bench.serving_client import Outcome, run_batch
-from specdecode.bench.serving_report import (aims, identical, markdown, mismatches,
-                                             summarize)
+from specdecode.bench.serving_report import (identical, markdown, mismatches,
+                                             summarize, targets)
 from specdecode.bench.serving_servers import (LLAMA_SERVER, OURS, ServerProcess, ServerSpec,
                                               command, free_port, llama_server_binary,
                                               sequence_outcomes, version, wait_idle)
@@ -420,9 +420,9 @@ def write_reports(out: Path, meta: dict, sweep: Sweep, started: float, default_l
     meta["load average after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meta["duration_s"] = round(time.time() - started, 1)
     notes = exactness_notes(sweep, default_label, ar_label)
-    goals = aims(cells, default_label, ar_label, LLAMA_SERVER)
+    goals = targets(cells, default_label, ar_label, LLAMA_SERVER)
     (out / "serving.json").write_text(json.dumps(
-        {"meta": meta, "exactness": notes, "aims": goals, "cells": cells}, indent=2) + "\n")
+        {"meta": meta, "exactness": notes, "targets": goals, "cells": cells}, indent=2) + "\n")
     report = markdown(meta, cells, notes + goals)
     (out / "serving.md").write_text(report)
     print(report)

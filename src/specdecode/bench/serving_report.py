@@ -96,7 +96,7 @@ def cell_key(cell: dict) -> tuple:
 
 
 def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
-    """The report: the run's facts, the table (one row per cell), disconnect tests, aims."""
+    """The report: the run's facts, the table (one row per cell), disconnect tests, targets."""
     lines = ["# Serving benchmark: many clients at once through the openai client", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", "tok/s: completion tokens of all responses over the batch's wall time; vs 1: "
@@ -140,7 +140,7 @@ def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
                          f"{_fmt(d['busy_after'], 'd')} | {d['resent_correct']}/{d['resent']} | "
                          f"{d.get('server_outcomes') or '-'} |")
     if checks:
-        lines += ["", "## Exactness and the issue's aims", ""] + [f"- {a}" for a in checks]
+        lines += ["", "## Exactness and targets", ""] + [f"- {a}" for a in checks]
     problems_ = [f"{c['server']} {c['workload']} {c['sampling']} x{c['concurrency']}: {p}"
                  for c in cells for p in c.get("problems", [])]
     if problems_:
@@ -148,8 +148,8 @@ def markdown(meta: dict, cells: list[dict], checks: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def aims(cells: list[dict], default_label: str, ar_label: str, llama_label: str) -> list[str]:
-    """The issue's aims, each checked where the run has the cells to check it: at 16 clients
+def targets(cells: list[dict], default_label: str, ar_label: str, llama_label: str) -> list[str]:
+    """The serving targets, each checked where the run has the cells to check it: at 16 clients
     at least 4x one client's tok/s; the default method never below ar; ahead of
     llama-server."""
     by = {(c["server"], c["workload"], c["sampling"], c["concurrency"]): c for c in cells

@@ -18,7 +18,7 @@ linear layers. Here the same networks run as
   norm of a fed-back state, the fusion with a token's embedding, the output norm), the attention
   plans and rotary rows in the same C++ call (cpu_kernels.cpp ``EagleHead``, ``DeerDrafter``):
   after a target forward has flushed the caches, each small operation left in Python cost
-  several microseconds (session 21, docs/draft-heads.md).
+  several microseconds (docs/draft-heads.md).
 
 Weights are int4 (Q4_1's blocks), int8 (Q8_0's) or bf16, like
 :func:`~specdecode.heads.native.to_native`; the drafts may differ slightly from the torch

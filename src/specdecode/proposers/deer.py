@@ -34,7 +34,7 @@ a one-token forward and the deeper positions are rarely right), a tree of at mos
 growth stops below a path probability of 0.15 (a node costs no drafter call, the block's rows
 all scored by the one forward, but its verify row, and at T > 0 its draw: 0.05 sent 6 rows a
 step at T = 0.7 for 1.44 tokens, 0.15 sends 2.6 for 1.30 and made 0.84x -> 0.93x `ar`, greedy
-0.92x -> 0.95x, docs/draft-heads.md "Session 25").
+0.92x -> 0.95x, docs/results/HISTORY.md).
 
 ``-c drafter=dllm``: DEER's own drafter, a dLLM, instead of the learned network: the project's
 small dLLM (the target adapted by the ``specdecode train dllm`` LoRA delta, ``-c dllm=auto`` or

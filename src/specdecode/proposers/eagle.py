@@ -21,8 +21,8 @@ Defaults: a dynamic tree of at most 8 nodes grown best-first by path probability
 nodes read per layer call, at most 2 calls a step after the first, and growth stops below a path
 probability of 0.2 (EAGLE-2 uses 60 nodes on a GPU, where rows are nearly free; on a CPU
 every verify row and every layer call costs a share of a one-token forward: the figures are in
-docs/draft-heads.md; 0.2 rather than the other heads' 0.35 since the head's GPU retraining of
-session 23, whose probabilities are surer: 1.10x against 1.06x `ar` greedy, 1.05x against 1.03x
+docs/draft-heads.md; 0.2 rather than the other heads' 0.35 since the head's GPU retraining,
+whose probabilities are surer: 1.10x against 1.06x `ar` greedy, 1.05x against 1.03x
 at T = 0.7).
 """
 
