@@ -98,9 +98,11 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return request, config
 
 
-def encode_prompt(tokenizer, prompt, chat: bool = True) -> list[int]:
+def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None = None
+                  ) -> list[int]:
     """Token ids of a prompt: text (chat-templated when ``chat`` and the tokenizer has a
-    template), chat messages, or ids as they are. Needs no model, so a server front end that
+    template), chat messages, or ids as they are. ``tools``: OpenAI function definitions the
+    chat template shows the model (messages only). Needs no model, so a server front end that
     only routes requests (``specdecode serve --replicas``) encodes with it too."""
     if isinstance(prompt, str):
         require(prompt.strip() != "", "the prompt is empty; give some text")
@@ -110,15 +112,16 @@ def encode_prompt(tokenizer, prompt, chat: bool = True) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         require(tokenizer is not None, "chat messages need a tokenizer")
-        return _template(tokenizer, list(prompt))
+        return _template(tokenizer, list(prompt), tools)
     if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise SpecDecodeError("prompt must be text, a list of chat messages or a list of token ids")
 
 
-def _template(tokenizer, messages: list[dict]) -> list[int]:
+def _template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                            tokenize=True)
     except Exception as exc:  # jinja errors: malformed messages
         raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)

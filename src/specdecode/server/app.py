@@ -45,6 +45,7 @@ from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest
                                         decode_json, error_body, new_id, now, parse)
 from specdecode.server.memory import SharedMemory
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
+from specdecode.server.tools import StreamDeltas, ToolError, check_template, parse_tool_calls
 
 log = logging.getLogger("specdecode.server")
 
@@ -228,6 +229,7 @@ class Frontend:
             except SpecDecodeError as exc:  # the grammar engine's own message
                 param = ("specdecode.ban" if set(asked) == {"banned"} else
                          "response_format" if req.response_format is not None else
+                         "tools" if getattr(req, "tool_request", None) is not None else
                          f"specdecode.{next(iter(asked))}")
                 raise ApiError(400, str(exc), param=param) from None
         return options
@@ -294,13 +296,18 @@ class Frontend:
                                 "the prompt", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
 
-    def encode(self, prompt, chat: bool) -> list[int]:
-        """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own); every
-        failure is a 400."""
+    def encode(self, prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own);
+        ``tools``: the function definitions the chat template shows the model. Every failure
+        is a 400."""
         self.check_size(prompt, chat)
         tokenizer = self._tokenizers.get()
         try:
-            return encode_prompt(tokenizer, prompt, chat)
+            if tools:
+                check_template(tokenizer)
+            return encode_prompt(tokenizer, prompt, chat, tools)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
         except Exception as exc:  # the tokenizer's own errors: what it could not encode
@@ -349,6 +356,16 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
         "verify_steps": steps,
         "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
     }
+
+
+def with_tool_calls(choice: dict, result: GenerationResult) -> None:
+    """A chat choice's message as content and the tool calls parsed from its text."""
+    content, calls = parse_tool_calls(result.text)
+    choice["message"]["content"] = content
+    if calls:
+        choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
+        if result.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
 
 
 class ClientWatch:
@@ -435,6 +452,11 @@ class Endpoint:
                 "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
                 "text_offset": None}
 
+    def parses_tools(self, req) -> bool:
+        """The response's text is parsed for tool calls (server/tools.py)."""
+        tools = getattr(req, "tool_request", None) if self.chat else None
+        return tools is not None and tools.parses
+
     def envelope(self, rid: str, model: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": rid, "object": kind, "created": now(), "model": model,
@@ -449,7 +471,8 @@ class Endpoint:
             if not req.messages:
                 raise ApiError(400, "'messages' must hold at least one message", param="messages")
             messages = [m.as_template_input() for m in req.messages]
-            prompts = [await run_in_threadpool(server.encode, messages, True)]
+            tools = req.tool_request.offered if req.tool_request is not None else None
+            prompts = [await run_in_threadpool(server.encode, messages, True, tools)]
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                          else req.max_tokens)
             param = "messages"
@@ -495,6 +518,9 @@ class Endpoint:
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
                                        logprobs=r.logprobs)
                            for i, r in enumerate(results)]
+        if self.parses_tools(req):
+            for choice, result in zip(body["choices"], results):
+                with_tool_calls(choice, result)
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
@@ -514,15 +540,7 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
-        sent = StreamedLogprobs(len(job.specs))
-
-        def chunk(index: int, text: str, finish: str | None, role=False, logprobs=None) -> str:
-            body = self.envelope(rid, req.model, chunk=True)
-            choice = self.choice(index, text, finish, delta=True, logprobs=logprobs)
-            if role:
-                choice["delta"] = {"role": "assistant", "content": ""}
-            body["choices"] = [choice]
-            return sse(body)
+        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req))
 
         async def events() -> AsyncIterator[str]:
             results: list[GenerationResult | None] = [None] * len(job.specs)
@@ -531,7 +549,7 @@ class Endpoint:
             try:
                 if self.chat:
                     for i in range(len(job.specs)):
-                        yield chunk(i, "", None, role=True)
+                        yield chunks.chunk(i, {"role": "assistant", "content": ""})
                 while True:
                     kind, index, payload = event
                     if kind == "error":
@@ -541,11 +559,12 @@ class Endpoint:
                         if first_text:
                             first_text = False
                             metrics.first_token.observe(time.perf_counter() - job.arrived)
-                        yield chunk(index, payload, None, logprobs=sent.of(index, payload))
+                        for text in chunks.text(index, payload):
+                            yield text
                     elif kind == "done":
                         results[index] = payload
-                        rest = sent.rest(index, payload)
-                        yield chunk(index, "", payload.finish_reason, logprobs=rest)
+                        for text in chunks.end(index, payload):
+                            yield text
                         if all(r is not None for r in results):
                             if include_usage:
                                 body = self.envelope(rid, req.model, chunk=True)
@@ -561,6 +580,38 @@ class Endpoint:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Chunks:
+    """The server-sent events of one streamed response: each choice's text pieces, as they
+    come or as content and tool calls (:class:`~.tools.StreamDeltas`), with their
+    log-probabilities (a piece's ride with its first chunk), and each choice's end."""
+
+    def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int, tools: bool):
+        self.endpoint, self.rid, self.model = endpoint, rid, model
+        self.sent = StreamedLogprobs(choices)
+        self.deltas = StreamDeltas(choices, tools)
+
+    def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+        body = self.endpoint.envelope(self.rid, self.model, chunk=True)
+        choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
+                                      logprobs=logprobs)
+        if self.endpoint.chat:
+            choice["delta"] = delta
+        body["choices"] = [choice]
+        return sse(body)
+
+    def text(self, index: int, piece: str) -> list[str]:
+        parts, logprobs = self.deltas.text(index, piece), self.sent.of(index, piece)
+        if logprobs and not parts:  # text held back: its tokens' log-probabilities go now
+            parts = [{"content": ""}]
+        return [self.chunk(index, d, logprobs=logprobs if i == 0 else None)
+                for i, d in enumerate(parts)]
+
+    def end(self, index: int, result: GenerationResult) -> list[str]:
+        parts, finish = self.deltas.finish(index, result.finish_reason)
+        return [self.chunk(index, d) for d in parts] + [
+            self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result))]
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -20,7 +20,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from specdecode.server.tools import ToolError, ToolRequest, check_conversation, template_arguments
 
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
@@ -226,12 +228,29 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(Strict):
+    name: str
+    #: JSON text, as OpenAI sends it
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    """A call an assistant message made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: an assistant message's calls; a tool message's answer names the call it answers
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             for i, part in enumerate(content):
@@ -244,13 +263,54 @@ class Message(Strict):
                                         "field; send {\"type\": \"text\", \"text\": \"...\"}",
                                    param="messages")
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    #: function definitions (server/tools.py checks them, with ``tool_choice``)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _tools: ToolRequest | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def check_tools(self):
+        """``tools``, ``tool_choice`` and the messages' tool fields (a :class:`ToolError`,
+        which ``parse`` turns into a 400 naming the field)."""
+        self._tools = ToolRequest.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        check_conversation(self.messages)
+        return self
+
+    @property
+    def tool_request(self) -> ToolRequest | None:
+        """The checked tools (None: the request offers none)."""
+        return self._tools
+
+    def constraint(self) -> dict[str, Any]:
+        """``tool_choice: "required"`` or a named function adds the calls' grammar."""
+        out = super().constraint()
+        grammar = self._tools.grammar() if self._tools is not None else None
+        if grammar is not None:
+            taken = [k for k in ("json_object", "json_schema", "regex", "grammar") if k in out]
+            if taken:
+                raise ApiError(400, f"tool_choice {self.tool_choice!r} constrains the output to "
+                                    "tool calls, and the request also constrains it "
+                                    f"({taken[0].replace('_', ' ')}); give one of them",
+                               param="tool_choice")
+            out["grammar"] = grammar
+        return out
 
     def top_logprobs_count(self) -> int | None:
         """OpenAI's chat form: ``logprobs`` true, ``top_logprobs`` alternatives (0..20)."""
@@ -362,6 +422,8 @@ def parse(schema: type[Strict], payload: Any) -> Strict:
         if isinstance(refused, LossyRefused):
             raise ApiError(400, str(refused), param="specdecode.allow_lossy",
                            code="lossy_method") from None
+        if isinstance(refused, ToolError):
+            raise ApiError(400, str(refused), param=refused.param) from None
         loc = [str(part) for part in first["loc"]]
         param = loc[0] if loc else None
         if first["type"] == "extra_forbidden":

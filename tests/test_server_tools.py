@@ -1,0 +1,314 @@
+"""Tool calls in the server: the ``<tool_call>`` parser on hand-written texts (whole and split
+at every place), the request checks (400s naming the field), and requests end to end through
+the real ``openai`` client: the tiny model under a tool-capable template (a named function or
+``required`` is a grammar, so even random weights give a call that parses), and the real
+Qwen2.5-Coder-0.5B, whose own template handles tools (greedy answers identical between
+methods, streamed as returned whole)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from specdecode.server.tools import (ToolCall, ToolCallParser, ToolError, ToolRequest,
+                                     StreamDeltas, check_template, parse_tool_calls)
+
+from tiny_server import MODEL, build_tokenizer, make_server, openai_client, tiny_served_model
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "A forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+SECOND = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+# ---- the parser ------------------------------------------------------------------------------
+
+def calls_of(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (CALL, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    (CALL + "\n" + SECOND, None, [("get_weather", {"city": "Paris", "days": 3}),
+                                   ("get_time", {})]),
+    # text before a call is the content; the whitespace between them goes
+    ("Let me look that up.\n\n" + CALL, "Let me look that up.",
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    # text after a call stays, with its own leading whitespace
+    (CALL + "\nDone.", "\nDone.", [("get_weather", {"city": "Paris", "days": 3})]),
+    # arguments written as JSON text are read as the object they spell
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None,
+     [("f", {"a": 1})]),
+    # no call: the text exactly, whitespace and all
+    ("  Just text.\n", "  Just text.\n", []),
+    ("", "", []),
+    # malformed blocks stay content, markup and all, and the whitespace before them too
+    ("Try:\n<tool_call>\n{name: get_weather}\n</tool_call>",
+     "Try:\n<tool_call>\n{name: get_weather}\n</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
+    # a block cut before its end (max_tokens) is text as written
+    ("x " + CALL[:40], "x " + CALL[:40], []),
+    # what only looks like a tag's start is not lost
+    ("a < b and <tool", "a < b and <tool", []),
+    ("<tool_calls> are fun", "<tool_calls> are fun", []),
+    ("</tool_call> alone", "</tool_call> alone", []),
+])
+def test_parse_whole_texts(text, content, calls):
+    got_content, got_calls = parse_tool_calls(text)
+    assert got_content == content
+    assert calls_of(got_calls) == calls
+    assert all(c.id.startswith("call_") for c in got_calls)
+
+
+def parse_in_pieces(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    parser = ToolCallParser()
+    events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+    return ("".join(e for e in events if isinstance(e, str)),
+            calls_of([e for e in events if isinstance(e, ToolCall)]))
+
+
+@pytest.mark.parametrize("text", [
+    "Sure.\n" + CALL + "\n" + SECOND + "\n",
+    "a <tool_call>{oops}</tool_call> <tool b",
+    "One " + CALL + " two " + CALL[:50],
+])
+def test_any_split_gives_what_the_whole_text_gives(text):
+    content, calls = parse_tool_calls(text)
+    expected = (content or "", calls_of(calls))
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 7):  # two cuts: every first cut, a spread of second
+            assert parse_in_pieces([text[:i], text[i:j], text[j:]]) == expected, (i, j)
+    assert parse_in_pieces(list(text)) == expected  # one character at a time
+
+
+def test_markup_never_streams_as_content_and_partial_tags_wait():
+    parser = ToolCallParser()
+    assert parser.feed("Checking <tool") == ["Checking"]  # the space may precede a call
+    assert parser.feed("_call>\n{\"name\": ") == []
+    events = parser.feed('"get_time", "arguments": {}}\n</tool_call>')
+    assert [type(e) for e in events] == [ToolCall] and parser.calls == 1
+    assert parser.feed("\n") == [] and parser.finish() == []  # trailing space after a call
+
+
+def test_stream_deltas_are_openai_shaped():
+    deltas = StreamDeltas(1, parse=True)
+    out = []
+    for piece in ("Hi.", "\n<tool_", "call>\n" + CALL[12:], "\n" + SECOND):
+        out += deltas.text(0, piece)
+    last, finish = deltas.finish(0, "stop")
+    out += last
+    assert finish == "tool_calls"
+    assert out[0] == {"content": "Hi."}
+    head, args = out[1]["tool_calls"][0], out[2]["tool_calls"][0]
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert args == {"index": 0, "function": {"arguments": '{"city": "Paris", "days": 3}'}}
+    assert out[3]["tool_calls"][0]["index"] == 1 and len(out) == 5
+    plain = StreamDeltas(1, parse=False)
+    assert plain.text(0, CALL) == [{"content": CALL}] and plain.finish(0, "stop") == ([], "stop")
+
+
+# ---- the request -----------------------------------------------------------------------------
+
+def test_a_named_or_required_choice_is_a_grammar_over_the_offered_functions():
+    named = ToolRequest.of(TOOLS, NAMED)
+    assert named.choice == "function" and named.offered == TOOLS
+    assert "get_weather" in named.grammar() and "get_time" not in named.grammar()
+    assert "(" not in named.grammar().splitlines()[0]  # exactly one call
+    required = ToolRequest.of(TOOLS, "required")
+    assert "get_time" in required.grammar() and '("\\n" call)*' in required.grammar()
+    assert "*" not in ToolRequest.of(TOOLS, "required", False).grammar().splitlines()[0]
+    assert ToolRequest.of(TOOLS).grammar() is None  # auto: the model is free
+    none = ToolRequest.of(TOOLS, "none")
+    assert none.offered is None and not none.parses
+
+
+@pytest.mark.parametrize("tools, choice, param, words", [
+    ([{"type": "code_interpreter"}], None, "tools", "not a function definition"),
+    (["get_weather"], None, "tools", "not a function definition"),
+    ([], None, "tools", "empty"),
+    ([{"type": "function", "function": {"name": "get weather!"}}], None, "tools", "letters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "none"}}], None, "tools",
+     "JSON schema object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
+     "tools", "describe an object"),
+    ([{"type": "function", "function": {"name": "f", "params": {}}}], None, "tools",
+     "unknown field 'params'"),
+    (TOOLS + TOOLS[:1], None, "tools", "more than once"),
+    (None, "auto", "tool_choice", "needs 'tools'"),
+    (TOOLS, "always", "tool_choice", "not one of"),
+    (TOOLS, {"type": "function", "function": {"name": "get_news"}}, "tool_choice",
+     "does not define"),
+    (TOOLS, {"type": "function", "name": "get_weather"}, "tool_choice", "must be"),
+])
+def test_bad_tools_are_refused_naming_the_field(tools, choice, param, words):
+    with pytest.raises(ToolError, match=words) as caught:
+        ToolRequest.of(tools, choice)
+    assert caught.value.param == param
+
+
+def test_a_template_without_tools_is_refused_by_name():
+    with pytest.raises(ToolError, match="does not support tools"):
+        check_template(build_tokenizer())
+    check_template(tool_tokenizer())
+
+
+# ---- the served tiny model -------------------------------------------------------------------
+
+#: a Hermes-style template for the tiny tokenizer: the tools' names in a system turn, calls and
+#: results as Qwen2.5's template writes them
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}\nCall: <tool_call>\n{}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tool_tokenizer():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tool_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    with make_server(model, tokenizer) as background:
+        yield background
+
+
+def ask(client, method="ngram", max_tokens=100, **kwargs):
+    kwargs.setdefault("tools", TOOLS)
+    return client.chat.completions.create(
+        model=MODEL, messages=kwargs.pop("messages", QUESTION), max_tokens=max_tokens,
+        extra_body={"specdecode": {"method": method, "return_token_ids": True}}, **kwargs)
+
+
+def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish reason) put together from a stream's deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or ():
+            if call.id is not None:
+                assert call.type == "function" and call.function.name
+                calls[call.index] = [call.function.name, call.function.arguments or ""]
+            else:
+                calls[call.index][1] += call.function.arguments
+        finish = choice.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "suffix"])
+def test_a_named_function_gives_one_call_matching_its_schema(client, method):
+    out = ask(client, method, tool_choice=NAMED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # every method exact: the same tokens as plain decoding under the same grammar
+    reference = ask(client, "ar", tool_choice=NAMED).choices[0].model_extra["token_ids"]
+    assert choice.model_extra["token_ids"] == reference
+
+
+def test_a_stream_carries_the_calls_of_the_whole_response(client):
+    whole = ask(client, tool_choice=NAMED).choices[0]
+    content, calls, finish = streamed(client, tool_choice=NAMED)
+    assert finish == whole.finish_reason == "tool_calls"
+    assert content == whole.message.content
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_required_calls_offered_functions(client):
+    out = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0]
+    [call] = out.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    if call.function.name == "get_weather":
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    else:
+        assert json.loads(call.function.arguments) == {}
+
+
+def test_auto_and_none_return_what_plain_decoding_gives(client):
+    """The tiny model's random text holds no call: ``auto`` returns it as content; ``none``
+    does not tell the model of the tools, so its prompt (and answer) are the plain ones."""
+    auto = ask(client, max_tokens=12)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+    none = ask(client, max_tokens=12, tool_choice="none")
+    plain = ask(client, max_tokens=12, tools=None)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+
+
+def test_a_conversation_with_calls_and_results_is_served(client):
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    out = ask(client, max_tokens=8, messages=messages)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"tools": [{"type": "retrieval"}]}, "tools", "not a function definition"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+     "tool_choice", "does not define"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"messages": [{"role": "tool", "content": "24 C"}]}, "messages", "no 'tool_call_id'"),
+    ({"messages": [{"role": "tool", "content": "24 C", "tool_call_id": "call_9"}]}, "messages",
+     "no earlier assistant message"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages",
+     "only assistant messages"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "give one of them"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}],
+      "tool_choice": "required"}, "tools", "invalid"),
+]
+
+
+@pytest.mark.parametrize("change, param, words", BAD)
+def test_bad_tool_requests_get_a_400_naming_the_field(served, client, change, param, words):
+    body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, **change}
+    response = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert ask(client, max_tokens=2).choices[0].finish_reason == "length"  # still serving
+
+
+def test_a_model_whose_template_has_no_tools_gets_a_400():
+    plain = build_tokenizer()
+    with make_server(tiny_served_model(plain), plain, parallel=1) as background:
+        body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "tools": TOOLS}
+        response = httpx.post(background.url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400
+        assert "does not support tools" in response.json()["error"]["message"]
+        body["tool_choice"] = "none"  # not offered: the template never sees them
+        assert httpx.post(background.url + "/v1/chat/completions", json=body,
+                          timeout=30).status_code == 200
