@@ -72,6 +72,8 @@ class GenerationStats:
     forced_tokens: int = 0
     #: draft nodes a constraint rejected before the target saw them
     pruned_nodes: int = 0
+    #: prompt tokens whose rows a server's prompt cache held (not prefilled again)
+    cached_tokens: int = 0
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0
@@ -114,6 +116,7 @@ class GenerationStats:
             "pruned_nodes": self.pruned_nodes,
             "accepted_histogram": {str(k): v for k, v in self.histogram.items()},
             "accepted_per_depth": self.accepted_per_depth,
+            "cached_tokens": self.cached_tokens,
             "prefill_s": round(self.prefill_s, 4),
             "propose_s": round(self.propose_s, 4),
             "verify_s": round(self.verify_s, 4),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -122,6 +123,27 @@ class Runner(ABC):
         the runner as it would; earlier parts return None. Every part is given the same
         ``needs``."""
         raise SpecDecodeError(f"the {self.name} runner prefills a prompt in one call only")
+
+    #: True where the KV rows an earlier prompt and answer left in the cache are bitwise the
+    #: rows a prefill of the same tokens writes (the prompt and decode layers row invariant),
+    #: so a prompt that starts with those tokens may start after them (a server's prompt cache:
+    #: :meth:`keep_prefix`, :meth:`saved_rows`, :meth:`load_rows`)
+    reuses_prefix: bool = False
+
+    def keep_prefix(self, length: int) -> None:
+        """Keep the first ``length`` committed rows as the first rows of the next prompt, which
+        then starts with :meth:`prefill_part` at ``length``."""
+        raise SpecDecodeError(f"the {self.name} runner cannot reuse an earlier prompt's rows")
+
+    def saved_rows(self, length: int) -> Any:
+        """A copy of the first ``length`` committed rows, for :meth:`load_rows` of this runner or
+        a replica of it."""
+        raise SpecDecodeError(f"the {self.name} runner cannot reuse an earlier prompt's rows")
+
+    def load_rows(self, saved: Any, length: int) -> None:
+        """Hold the first ``length`` rows of ``saved`` (:meth:`saved_rows`) as its committed rows,
+        as :meth:`keep_prefix` leaves them."""
+        raise SpecDecodeError(f"the {self.name} runner cannot reuse an earlier prompt's rows")
 
     @abstractmethod
     def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:

@@ -101,6 +101,20 @@ class KVCache(ABC):
         keeps its slots, to be written over)."""
 
 
+@dataclass(frozen=True)
+class SavedRows:
+    """A copy of a :class:`BlockedKVCache`'s first ``length`` rows: its key blocks holding them
+    [layer, kv head, blocks, D, 16] and their values [layer, kv head, length, D]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
 class BlockedKVCache(KVCache):
     """The native runner's static cache: keys [layer, kv head, slot / 16, D, slot % 16] (a score
     is one fma chain over D, 16 slots a register), values [layer, kv head, slot, D]. Empty, not
@@ -113,6 +127,23 @@ class BlockedKVCache(KVCache):
         self.keys = torch.empty(layers, kv_heads, capacity // KEY_BLOCK, head_dim, KEY_BLOCK,
                                 dtype=dtype)
         self.values = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype)
+
+    def saved_rows(self, length: int) -> SavedRows:
+        """A copy of the first ``length`` committed rows."""
+        require(0 <= length <= self.length, f"the cache holds {self.length} rows, not {length}")
+        blocks = -(-length // KEY_BLOCK)
+        return SavedRows(self.keys[:, :, :blocks].clone(), self.values[:, :, :length].clone(), length)
+
+    def load_rows(self, saved: SavedRows, length: int) -> None:
+        """Hold the first ``length`` rows of ``saved`` as the committed rows (the rest forgotten)."""
+        require(self.pending == 0 and 0 <= length <= saved.length and length <= self.capacity
+                and saved.keys.shape[:2] == self.keys.shape[:2]
+                and saved.keys.dtype == self.keys.dtype,
+                f"{length} saved rows do not fit this cache")
+        blocks = -(-length // KEY_BLOCK)
+        self.keys[:, :, :blocks] = saved.keys[:, :, :blocks]
+        self.values[:, :, :length] = saved.values[:, :, :length]
+        self.length = length
 
     def _move_after(self, src: torch.Tensor) -> None:
         dst = torch.arange(self.length, self.length + len(src))

@@ -56,7 +56,7 @@ from specdecode.models.base import (NOTHING, Call, ForwardOutput, Needs, Prefill
 from specdecode.models.embedding import embedding_table
 from specdecode.models.gguf_reader import Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
-from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
+from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache, SavedRows
 from specdecode.models.quant import INT4_GROUP, LibraryLinear, Q4Weight, check_format
 from specdecode.models.weights import (FileTensors, _linear_for, as_float, check_fits,
                                         resident_bytes, return_freed_memory)
@@ -528,6 +528,26 @@ class LlamaRunner(Runner):
     def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
         return self.run_packed([(self, VerifyCall(root, draft, needs))])[0]
 
+    @property
+    def reuses_prefix(self) -> bool:
+        # int4 and int8 prompts run the decode layers: a row is the same bits in a prompt block
+        # or a verify step; fp32 and bf16 prompts run ATen's GEMMs, whose rows are not
+        return self.prefill_layers is self.layers
+
+    def keep_prefix(self, length: int) -> None:
+        require(self.reuses_prefix and self.cache.pending == 0,
+                f"the {self.weights} runner's prompts run other layers than its decode steps: "
+                "an earlier prompt's rows are not what a prefill writes")
+        self.cache.rewind(length)
+        self._prefill_blocks = []
+
+    def saved_rows(self, length: int) -> SavedRows:
+        return self.cache.saved_rows(length)
+
+    def load_rows(self, saved: SavedRows, length: int) -> None:
+        self.keep_prefix(0)
+        self.cache.load_rows(saved, length)
+
     #: every format's decode layers are row invariant, so verify rows of many sequences share a
     #: forward; so do prompt blocks where the prompt layers are the decode layers (int4, int8).
     #: fp32 and bf16 prompts go through ATen's GEMMs, which are not: each of their prompt
@@ -586,7 +606,8 @@ class LlamaRunner(Runner):
         ids, start, stop = call.ids, call.start, call.stop
         require(0 < len(ids) <= self.max_context,
                 f"prefill needs 1..{self.max_context} tokens, got {len(ids)}")
-        require(start % PREFILL_BLOCK == 0 and start < stop <= len(ids)
+        # a part of a prompt whose prefill is row invariant may start after any cached prefix
+        require((start % PREFILL_BLOCK == 0 or self.reuses_prefix) and start < stop <= len(ids)
                 and (start == 0 or start == cache.length),
                 f"prefill part {start}:{stop} of {len(ids)} rows must start at 0 or where the "
                 f"last part stopped ({cache.length}), at a multiple of {PREFILL_BLOCK}")

@@ -44,6 +44,7 @@ from specdecode.server.diffusion import check_request as check_diffusion
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, SamplingFields,
                                         decode_json, error_body, new_id, now, parse)
 from specdecode.server.memory import SharedMemory
+from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
 from specdecode.server.tools import StreamDeltas, ToolError, check_template, parse_tool_calls
 
@@ -92,6 +93,9 @@ class Settings:
     artifacts: dict[str, str] = field(default_factory=dict)
     #: how sequences share forwards: draft budgets, draft rows and prompt rows a step
     batching: Batching = field(default_factory=Batching)
+    #: memory for earlier prompts' rows that the slots wrote over (:mod:`.prompt_cache`);
+    #: 0 = no prompt cache at all
+    prompt_cache_bytes: int = 1024 * 2**20
 
 
 @dataclass(frozen=True)
@@ -328,9 +332,12 @@ class Server(Frontend):
                  catalogue: Catalogue | None = None, dllm: Dllm | None = None):
         memory = memory or SharedMemory()
         metrics = Metrics()
+        prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics)
+                        if settings.prompt_cache_bytes else None)
         scheduler = Scheduler(runners, tokenizer, eos_token_ids,
                               make_factory(memory.make_proposer, dllm), settings.max_queue,
-                              metrics, settings.proposer_memory_bytes, settings.batching)
+                              metrics, settings.proposer_memory_bytes, settings.batching,
+                              prompt_cache)
         super().__init__(scheduler, ModelInfo.of(runners[0]), tokenizer, settings, metrics,
                          memory, catalogue, dllm)
         self.eos_token_ids = list(eos_token_ids)
@@ -345,6 +352,10 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
     committed = sum(sum(r.stats.accepted_lengths) for r in results)
     return {
         "prompt_tokens": prompt_tokens,
+        # OpenAI's field: prompt tokens whose rows were cached (not prefilled again), for
+        # every choice
+        "prompt_tokens_details": {"cached_tokens": min((r.stats.cached_tokens for r in results),
+                                                       default=0)},
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "method": results[0].method if results else None,

@@ -61,6 +61,17 @@ class Metrics:
         self.forward_rows = Histogram(
             "specdecode_forward_rows", "rows in one target forward (roots, draft nodes, prompt "
             "rows)", buckets=ROW_BUCKETS, registry=registry)
+        self.prompt_cache_hit_tokens = Counter(
+            "specdecode_prompt_cache_hit_tokens", "prompt tokens whose rows were reused from an "
+            "earlier request (not prefilled again)", registry=registry)
+        self.prompt_cache_evictions = Counter(
+            "specdecode_prompt_cache_evictions", "saved prompts dropped to make room",
+            registry=registry)
+        self.prompt_cache_bytes = Gauge(
+            "specdecode_prompt_cache_bytes", "bytes of saved prompt rows (beyond the slots' own "
+            "caches)", registry=registry)
+        self.prompt_cache_entries = Gauge(
+            "specdecode_prompt_cache_entries", "saved prompts", registry=registry)
         self.queued = Gauge("specdecode_queued_sequences", "sequences waiting for a slot",
                             registry=registry)
         self.active = Gauge("specdecode_active_sequences", "sequences being generated",

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="proposer memory each slot keeps for per-request method configs "
                              "(least recently used dropped first); a request whose config "
                              "needs more gets 400")
+    parser.add_argument("--prompt-cache-mb", type=int, default=1024,
+                        help="memory for the rows of earlier prompts and answers that the slots "
+                             "wrote over, kept for requests that start with them (least "
+                             "recently used dropped first); the slots' own rows are reused "
+                             "besides; 0: no prompt cache, every prompt prefilled whole")
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
@@ -117,13 +122,15 @@ def settings_of(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
-        proposer_memory_bytes=args.proposer_memory_mb * 2**20, batching=batching_of(args))
+        proposer_memory_bytes=args.proposer_memory_mb * 2**20, batching=batching_of(args),
+        prompt_cache_bytes=args.prompt_cache_mb * 2**20)
     registry.get(settings.method).make_config(settings.config)
     for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
         if getattr(args, flag) < 1:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_queue < 0:
-        raise SpecDecodeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for flag in ("max_queue", "prompt_cache_mb"):
+        if getattr(args, flag) < 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.replicas and args.dllm != "none":
         raise SpecDecodeError("--dllm is served by the single-process server; drop --replicas "
                               "or --dllm")

@@ -41,6 +41,7 @@ from specdecode.server.app import DISCONNECT_POLL_S, Frontend, ModelInfo, Settin
 from specdecode.server.goodput import Batching
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
+from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError
 from specdecode.server.scheduler import Job, Scheduler, SequenceSpec
 from specdecode.server.shared_memory import SyncedMemory
@@ -110,6 +111,8 @@ class ReplicaConfig:
     proposer_budget: int = 128 * 2**20
     #: each replica's batching (``--draft-budget``, ``--max-draft-rows``, ``--prefill-rows``)
     batching: Batching = Batching()
+    #: each replica's prompt store (``--prompt-cache-mb``, in bytes; 0: no prompt cache)
+    prompt_cache_bytes: int = 0
 
 
 class EngineReplica:
@@ -128,9 +131,12 @@ class EngineReplica:
             self.memory = SyncedMemory(actor, config.suffix, config.sync_interval)
         else:
             self.memory = SharedMemory(None, config.suffix)
+        metrics = Metrics()
+        prompt_cache = (PromptCache(config.prompt_cache_bytes, metrics)
+                        if config.prompt_cache_bytes else None)
         self.scheduler = Scheduler(runners, tokenizer, eos, self.memory.make_proposer,
-                                   config.max_queue, Metrics(), config.proposer_budget,
-                                   config.batching)
+                                   config.max_queue, metrics, config.proposer_budget,
+                                   config.batching, prompt_cache)
         self.tokenizer = tokenizer
         self.model = ModelInfo.of(runners[0])
         # the first forward of a process pays one-off costs; keep them out of the first request
@@ -518,7 +524,7 @@ def replica_config(args, suffix) -> ReplicaConfig:
         NamedModel(args.model, args.runner, args.weights), suffix, args.parallel,
         threads, args.max_queue, args.sync_interval, args.shared_memory,
         None if args.suffix_cache is None else str(args.suffix_cache),
-        args.proposer_memory_mb * 2**20, batching_of(args))
+        args.proposer_memory_mb * 2**20, batching_of(args), args.prompt_cache_mb * 2**20)
 
 
 def app(args: dict[str, str]):

@@ -17,8 +17,13 @@ scheduler caps its draft by goodput (:mod:`.goodput`): expected committed tokens
 the whole forward, from the runner's measured row-cost curve and the sequence's recent
 acceptance; drafts shrink as the batch grows, down to none.
 
+A new request goes to the free slot whose cache shares the longest prefix with its prompt,
+and prefills only the rest (:mod:`.prompt_cache`: the slots' own rows, and a bounded store of
+rows saved before a slot wrote over them).
+
 Speculation stays exact: each generation sees only its own runner, proposer and random
-generator; packing and interleaving change the order of work, never its result.
+generator; packing and interleaving change the order of work, never its result, and a reused
+prefix holds bitwise the rows its prefill would write.
 
 A disconnected client's sequences are cancelled between steps: closing the generation runs
 ``proposer.finish`` and frees the slot.
@@ -45,6 +50,7 @@ from specdecode.estimates import Acceptance
 from specdecode.server.goodput import Batching
 from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate
 from specdecode.server.metrics import Metrics
+from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.diffusion import served_method
 from specdecode.server.protocol import ApiError
 
@@ -140,6 +146,8 @@ class _Decoder:
 @dataclass
 class _Slot:
     runner: Runner
+    #: the tokens whose rows the runner's cache holds, for the next request (the prompt cache)
+    held: Any = field(default_factory=lambda: held_ids(()))
     #: (method, config) -> _Decoder, least recently used first
     decoders: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
@@ -154,7 +162,8 @@ class _Slot:
 class Scheduler:
     def __init__(self, runners: list[Runner], tokenizer, eos_token_ids: list[int],
                  make_proposer: ProposerFactory, max_queue: int, metrics: Metrics,
-                 proposer_budget: int = 128 * 2**20, batching: Batching = Batching()):
+                 proposer_budget: int = 128 * 2**20, batching: Batching = Batching(),
+                 prompt_cache: PromptCache | None = None):
         if not runners:
             raise SpecDecodeError("the scheduler needs at least one runner")
         if max_queue < 0:
@@ -166,6 +175,8 @@ class Scheduler:
         self.metrics = metrics
         #: proposer memory each slot may keep (bytes, by the specs' estimates)
         self.proposer_budget = proposer_budget
+        #: earlier prompts' rows, reused by prompts that start with them (None: no reuse)
+        self.prompt_cache = prompt_cache
         self.max_draft_rows = batching.max_draft_rows
         self.prefill_rows = batching.prefill_rows
         #: the runner's forward seconds by rows (None: drafts as the proposers make them)
@@ -241,7 +252,7 @@ class Scheduler:
                     if seq.job.cancelled.is_set():
                         self.metrics.sequences.labels(seq.spec.method, "cancelled").inc()
                         continue
-                    seq.slot = self._free.pop()
+                    seq.slot = self._take_slot(seq)
                     self._busy += 1
                     admitted.append(seq)
                 self.metrics.queued.set(len(self._pending))
@@ -262,6 +273,30 @@ class Scheduler:
         slot.decoders[key] = decoder  # the most recently used, last
         return decoder
 
+    def _take_slot(self, seq: _Sequence) -> _Slot:
+        """The free slot whose cache shares the longest prefix with the sequence's prompt (the
+        emptiest among equals, so that the others keep what they hold)."""
+        if self.prompt_cache is None:
+            return self._free.pop()
+        prompt = held_ids(seq.spec.prompt_ids)
+        best = max(range(len(self._free)), key=lambda i: (
+            common_prefix(self._free[i].held, prompt), -len(self._free[i].held)))
+        return self._free.pop(best)
+
+    def _place(self, seq: _Sequence) -> int:
+        """The prompt cache's part of starting a sequence: the longest cached prefix of its
+        prompt put in its slot's cache; its length (0: the prompt is prefilled whole)."""
+        slot = seq.slot
+        held, slot.held = slot.held, held_ids(())  # the rows are this sequence's from now on
+        if self.prompt_cache is None or not slot.runner.reuses_prefix:
+            return 0
+        # a lossy method runs a loop of its own; a proposer reading the prompt rows' features
+        # would miss the reused rows'
+        lossy = seq.decoder.method.lossy
+        needs = None if lossy else seq.decoder.proposer.needs
+        reuse = not lossy and not needs.final_hidden and not needs.layers
+        return self.prompt_cache.place(slot.runner, held, held_ids(seq.spec.prompt_ids), reuse)
+
     def _part_rows(self, runner: Runner) -> int:
         granule = runner.prefill_granule
         return max(granule, PREFILL_PART_ROWS // granule * granule) if granule else 0
@@ -272,6 +307,7 @@ class Scheduler:
         self.metrics.queue_wait.observe(time.perf_counter() - seq.job.arrived)
         try:
             seq.decoder = self._decoder(seq.slot, spec)
+            reused = self._place(seq)
             sampling = SamplingParams(**spec.sampling)
             if seq.decoder.method.lossy:  # its own decode loop (specdecode/lossy/)
                 seq.generation = seq.decoder.proposer.generation(
@@ -286,6 +322,7 @@ class Scheduler:
                 seq.solo = seq.stream.steps()
             else:
                 seq.generation.begin()
+                seq.prefilled = seq.generation.stats.cached_tokens = reused
         except Exception as exc:
             self._fail(seq, exc, "could not start a sequence")
             return
@@ -448,6 +485,7 @@ class Scheduler:
         if seq.generation is not None:
             seq.generation.close()
             stats = seq.generation.stats
+            self._keep_rows(seq, outcome)
         if outcome is None:
             result: GenerationResult = seq.stream.finish()
             outcome = result.finish_reason
@@ -458,6 +496,16 @@ class Scheduler:
             self._busy -= 1
             self.metrics.active.set(self._busy)
         seq.slot = None
+
+    def _keep_rows(self, seq: _Sequence, outcome: str | None) -> None:
+        """Remember which tokens the slot's rows hold after a sequence that left its cache
+        whole (finished or cancelled between steps), for the next request's prompt."""
+        runner = seq.slot.runner
+        if (self.prompt_cache is None or seq.solo is not None or outcome == "error"
+                or not runner.reuses_prefix or runner.pending_rows):
+            return
+        context = seq.spec.prompt_ids + seq.generation.tokens
+        seq.slot.held = held_ids(context[:runner.cache_len])
 
     def _drain(self) -> None:
         """Shutdown: close running generations, fail everything still waiting."""

@@ -1,0 +1,168 @@
+"""The prompt cache: a prompt that starts with an earlier prompt and answer prefills only the
+rest, from the rows its slot still holds or from the shared store, and gets bitwise the answer
+a full prefill gives (greedy and seeded), within the store's memory budget."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import LlamaRunner
+from specdecode.server import BackgroundServer
+from specdecode.server.app import Server, Settings, create_app
+from specdecode.server.goodput import Batching
+from specdecode.server.prompt_cache import MIN_SAVED_TOKENS
+from test_server import wait_idle
+from tiny_models import tiny_llama
+from tiny_server import CORPUS, EOS, MODEL
+
+#: a free row curve: drafts always pay, so verify steps write tree rows the cache then holds
+FLAT = {1: 1.0, 4096: 1.0001}
+SYSTEM = " ".join(CORPUS * 3)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=512, seed=3)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return LlamaRunner.from_transformers(model, "int4", max_context=448)
+
+
+# ---- the runner: rows of an earlier prompt and answer are the rows a prefill writes ---------
+
+def prefill_logits(runner, ids, start=0):
+    return runner.prefill_part(ids, start, len(ids)).logits
+
+
+@pytest.mark.parametrize("kept", [0, 1, 57, 128, 150])
+def test_a_prompt_after_kept_rows_gives_a_full_prefills_bits(runner, kept):
+    first = [(7 * i) % 90 + 3 for i in range(140)]
+    token = int(runner.prefill(first).logits[-1].argmax())
+    history = list(first)
+    for step in range(8):  # an answer's rows: verify steps of a root and a drafted chain
+        drafted = [(token + step) % 90 + 3, 4]
+        logits = runner.forward(token, Draft.chain(drafted)).logits
+        runner.commit([0])  # the first drafted node accepted: its row moves next to the root's
+        history += [token, drafted[0]]
+        token = int(logits[1].argmax())
+    assert runner.cache_len == len(history)
+    prompt = history[:kept] + [(5 * i) % 80 + 4 for i in range(170 - kept)]
+    runner.keep_prefix(kept)
+    reused = prefill_logits(runner, prompt, kept)
+    fresh = runner.replica()
+    assert torch.equal(reused, prefill_logits(fresh, prompt))
+    # the next step too: the reused rows are read by every later row
+    step = runner.forward(5, Draft.chain([6, 7])).logits
+    assert torch.equal(step, fresh.forward(5, Draft.chain([6, 7])).logits)
+
+
+def test_saved_rows_load_into_a_replica(runner):
+    prompt = [(11 * i) % 85 + 3 for i in range(200)]
+    runner.prefill(prompt[:150])
+    saved = runner.saved_rows(150)
+    other = runner.replica()
+    other.prefill([9] * 30)  # rows of something else, written over
+    other.load_rows(saved, 133)
+    assert other.cache_len == 133
+    assert torch.equal(prefill_logits(other, prompt, 133), prefill_logits(runner.replica(), prompt))
+
+
+def test_a_runner_whose_prompts_run_other_layers_refuses(model):
+    fp32 = LlamaRunner.from_transformers(model, "fp32")
+    assert not fp32.reuses_prefix
+    fp32.prefill([3, 4, 5, 6])
+    with pytest.raises(SpecDecodeError, match="prompts run other layers"):
+        fp32.keep_prefix(2)
+
+
+# ---- the server --------------------------------------------------------------------------
+
+def serve(model, parallel, tokenizer, **settings):
+    first = LlamaRunner.from_transformers(model, "int4", max_context=448)
+    runners = [first] + [first.replica() for _ in range(parallel - 1)]
+    options = dict(model_id=MODEL, method="suffix", batching=Batching(row_curve=FLAT))
+    options.update(settings)
+    return BackgroundServer(create_app(Server(runners, tokenizer, [EOS], Settings(**options))))
+
+
+def chat(url, messages, **options):
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, **options}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    usage = response["usage"]
+    return response["choices"][0]["message"]["content"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def conversation(url, opening, turns, **options):
+    """A chat of ``turns`` user turns, each sent with the whole history: (answers, cached)."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    answers, cached = [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{opening} {CORPUS[turn % 4]}"})
+        text, hit = chat(url, messages, **options)
+        messages.append({"role": "assistant", "content": text})
+        answers.append(text)
+        cached.append(hit)
+    return answers, cached
+
+
+def metric(url, name):
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_conversation_reuses_its_history_and_answers_the_same(model, tokenizer, options):
+    with serve(model, 2, tokenizer, prompt_cache_bytes=0) as served:
+        plain, none = conversation(served.url, "Hello there.", 3, **options)
+    with serve(model, 2, tokenizer) as served:
+        cached, hits = conversation(served.url, "Hello there.", 3, **options)
+        reused = metric(served.url, "specdecode_prompt_cache_hit_tokens_total")
+    assert cached == plain
+    assert none == [0, 0, 0]
+    # the system prompt and every earlier turn come from the slot's rows
+    assert hits[0] == 0 and hits[1] > 40 and hits[2] > hits[1], hits
+    assert reused == sum(hits)
+
+
+def test_rows_a_slot_wrote_over_come_back_from_the_store(model, tokenizer):
+    # one slot: conversation B writes over A's rows; A's next turn finds them in the store
+    def interleaved(url):
+        a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": CORPUS[0]}]
+        b = [{"role": "user", "content": CORPUS[2] + " " + CORPUS[1] * 3}]
+        first, _ = chat(url, a)
+        other, _ = chat(url, b)
+        a += [{"role": "assistant", "content": first}, {"role": "user", "content": CORPUS[3]}]
+        return [first, other, *chat(url, a)]
+
+    with serve(model, 1, tokenizer, prompt_cache_bytes=0) as served:
+        plain = interleaved(served.url)
+    with serve(model, 1, tokenizer) as served:
+        cached = interleaved(served.url)
+        wait_idle(served)
+        saved = metric(served.url, "specdecode_prompt_cache_entries")
+    assert cached[:3] == plain[:3]
+    assert cached[3] > MIN_SAVED_TOKENS, "A's history did not come from the store"
+    assert saved >= 1
+
+
+def test_the_store_keeps_to_its_budget(model, tokenizer):
+    # a budget of about one saved prompt: each conversation written over evicts the one before
+    runner = LlamaRunner.from_transformers(model, "int4", max_context=448)
+    runner.prefill(list(range(3, 200)))
+    one_prompt = runner.saved_rows(197).nbytes
+    with serve(model, 1, tokenizer, prompt_cache_bytes=int(one_prompt * 1.5)) as served:
+        for i in range(4):
+            chat(served.url, [{"role": "user", "content": f"{i} " + CORPUS[i] * 6}])
+        wait_idle(served)
+        held = metric(served.url, "specdecode_prompt_cache_bytes")
+        evicted = metric(served.url, "specdecode_prompt_cache_evictions_total")
+    assert 0 < held <= one_prompt * 1.5
+    assert evicted >= 1
