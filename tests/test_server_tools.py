@@ -203,11 +203,12 @@ def ask(client, method="ngram", max_tokens=100, **kwargs):
         extra_body={"specdecode": {"method": method, "return_token_ids": True}}, **kwargs)
 
 
-def streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+def streamed(client, max_tokens=100, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
     """(content, [(name, arguments)], finish reason) put together from a stream's deltas."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(
-            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS, **kwargs):
+            model=MODEL, messages=QUESTION, max_tokens=max_tokens, stream=True, tools=TOOLS,
+            **kwargs):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for call in choice.delta.tool_calls or ():
@@ -312,3 +313,71 @@ def test_a_model_whose_template_has_no_tools_gets_a_400():
         body["tool_choice"] = "none"  # not offered: the template never sees them
         assert httpx.post(background.url + "/v1/chat/completions", json=body,
                           timeout=30).status_code == 200
+
+
+# ---- the real Qwen2.5-Coder-0.5B, whose own template handles tools ----------------------------
+
+@pytest.fixture(scope="module")
+def qwen():
+    """Qwen2.5-Coder-0.5B (scripts/setup.sh installs it), skipped where it is not installed."""
+    from specdecode.models.loading import load_model
+    from specdecode.models.parted import PARTED_MODELS, is_assembled
+
+    model = PARTED_MODELS["qwen2.5-coder-0.5b"]
+    if not is_assembled(model):
+        pytest.skip(f"qwen2.5-coder-0.5b is not installed: `{model.install_command}`")
+    return load_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="module")
+def qwen_client(qwen):
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import make_runner
+    from specdecode.server import BackgroundServer
+    from specdecode.server.app import Server, Settings, create_app
+
+    server = Server([make_runner(qwen)], qwen.tokenizer, eos_ids(qwen, qwen.tokenizer),
+                    Settings(model_id=MODEL, method="suffix"))
+    with BackgroundServer(create_app(server)) as background:
+        yield openai_client(background)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", [NAMED, "auto"])
+def test_qwen_calls_parse_alike_for_every_method_streamed_or_not(qwen_client, tool_choice):
+    answers = {method: ask(qwen_client, method, 48, tool_choice=tool_choice).choices[0]
+               for method in ("ar", "suffix")}
+    assert answers["ar"].model_extra["token_ids"] == answers["suffix"].model_extra["token_ids"]
+    choice = answers["suffix"]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert arguments["city"] == "Paris"
+    content, calls, finish = streamed(qwen_client, tool_choice=tool_choice, max_tokens=48)
+    assert (content, calls, finish) == (None, [("get_weather", call.function.arguments)],
+                                        "tool_calls")
+
+
+@pytest.mark.slow
+def test_qwen_answers_from_a_tool_result(qwen, qwen_client):
+    """The call and its result go back through Qwen's template (the arguments as the object
+    they spell, the result in its <tool_response>), and the model answers (the 0.5B calls
+    the function again rather than answering in text: what it writes, not what we parse)."""
+    from specdecode.server.protocol import ChatRequest, parse
+
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C all three days"}]
+    request = parse(ChatRequest, {"model": MODEL, "messages": messages, "tools": TOOLS})
+    prompt = qwen.tokenizer.apply_chat_template(
+        [m.as_template_input() for m in request.messages], tools=TOOLS, tokenize=False,
+        add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris", "days": 3}}' in prompt
+    assert "<tool_response>\nSunny, 24 C all three days\n</tool_response>" in prompt
+    out = ask(qwen_client, "suffix", 48, messages=messages).choices[0]
+    assert out.message.content or out.message.tool_calls
+    assert out.finish_reason in ("stop", "tool_calls")
