@@ -244,6 +244,19 @@ def test_a_stream_carries_the_calls_of_the_whole_response(client):
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+def test_logprobs_stream_whole_beside_the_calls(client):
+    whole = ask(client, tool_choice=NAMED, logprobs=True).choices[0]
+    assert len(whole.logprobs.content) == len(whole.model_extra["token_ids"])
+    pieces = []
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS,
+            tool_choice=NAMED, logprobs=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            pieces += chunk.choices[0].logprobs.content
+    assert [(p.token, round(p.logprob, 5)) for p in pieces] == \
+        [(p.token, round(p.logprob, 5)) for p in whole.logprobs.content]
+
+
 def test_required_calls_offered_functions(client):
     out = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0]
     [call] = out.message.tool_calls
@@ -290,6 +303,8 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}],
       "tool_choice": "required"}, "tools", "invalid"),
+    # offered tools (auto) leave other constraints' errors to their own field
+    ({"tools": TOOLS, "specdecode": {"regex": "("}}, "specdecode.regex", "regex"),
 ]
 
 

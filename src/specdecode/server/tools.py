@@ -84,6 +84,11 @@ class ToolRequest:
         return [{"type": "function", "function": f.definition} for f in self.functions]
 
     @property
+    def constrains(self) -> bool:
+        """The output is held to tool calls by a grammar (``required``, a named function)."""
+        return self.choice in ("required", "function")
+
+    @property
     def parses(self) -> bool:
         """The output is parsed for calls (not with ``tool_choice: "none"``)."""
         return self.choice != "none"
@@ -91,7 +96,7 @@ class ToolRequest:
     def grammar(self) -> str | None:
         """A Lark grammar (llguidance's, with ``%json`` schemas) for the output ``tool_choice``
         demands, or None when the model is free (``auto``, ``none``)."""
-        if self.choice not in ("required", "function"):
+        if not self.constrains:
             return None
         chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
         rules = []
