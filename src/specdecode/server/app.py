@@ -367,6 +367,8 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
         "pruned_nodes": sum(r.stats.pruned_nodes for r in results),
         "verify_steps": steps,
         "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
+        # seconds from a choice's start to its first token (its prompt's prefill), the longest
+        "prompt_s": round(max((r.stats.prefill_s for r in results), default=0.0), 4),
     }
 
 
