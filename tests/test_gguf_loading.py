@@ -181,7 +181,7 @@ def test_tokenizer_from_metadata_encodes_like_transformers(monkeypatch, tmp_path
             assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
         assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 == reference.apply_chat_template(messages, add_generation_prompt=True))
-    assert list(tmp_path.glob("specdecode/tok-*-tokenizer"))
+    assert list(tmp_path.glob("specdecode/tok-*-tokenizer-added"))
 
 
 # ---- the writer ---------------------------------------------------------------------------------
@@ -250,3 +250,20 @@ def test_blocks_repack_to_the_bytes_of_pack_q4(qtype, rows):
     assert torch.equal(blocks.codes().codes, codes)
     assert torch.equal(blocks.scale.float(), scale) and torch.equal(blocks.minimum.float(), minimum)
     assert torch.equal(pack_blocks(blocks), kernels.pack_q4(codes, scale, minimum))
+
+
+@pytest.mark.slow
+def test_the_files_added_tokens_stay_whole():
+    """Qwen's chat template writes <tool_call> around every earlier call: the model's own
+    tokenizer keeps it one token (151657), and so must the one read from the file."""
+    from specdecode.models.loading import load_model
+    from specdecode.models.parted import PARTED_MODELS, is_assembled
+
+    model = PARTED_MODELS["qwen2.5-coder-0.5b"]
+    if not is_assembled(model):
+        pytest.skip(f"qwen2.5-coder-0.5b is not installed: `{model.install_command}`")
+    tokenizer = load_model("qwen2.5-coder-0.5b").tokenizer
+    assert tokenizer.encode("<tool_call>\n{}\n</tool_call>") == [151657, 198, 16094, 151658]
+    assert tokenizer.encode("<|fim_prefix|>def") == [151659, 750]
+    assert tokenizer.encode("a <b> tag") == [64, 366, 65, 29, 4772]  # not added: left alone
+    assert tokenizer.decode([151657]) == "<tool_call>"

@@ -142,23 +142,43 @@ def _save_atomically(obj, folder: Path) -> None:
         tmp.replace(folder)
 
 
+#: llama.cpp's GGUF token types of a model's added tokens (CONTROL, USER_DEFINED)
+ADDED_TOKEN_TYPES = (3, 4)
+
+
 def gguf_tokenizer(path: Path, fields: dict):
     """The tokenizer (and chat template) of a GGUF file's ``tokenizer.*`` metadata (``fields``:
     its header's), converted by ``transformers`` (``load_gguf_checkpoint`` without tensors: no
-    weight is read) and cached. None when the file has no tokenizer."""
+    weight is read) with the file's added tokens kept whole, and cached. None when the file has
+    no tokenizer."""
     from transformers import AutoTokenizer
 
     if "tokenizer.ggml.model" not in fields:
         return None
-    cached = cache_root() / f"{path.stem}-{_file_key(path)}-tokenizer"
+    cached = cache_root() / f"{path.stem}-{_file_key(path)}-tokenizer-added"
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise SpecDecodeError(f"cannot read the tokenizer of GGUF file {path}: {exc}") from None
+    keep_added_tokens(tokenizer, fields.get("tokenizer.ggml.token_type", ()))
     _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def keep_added_tokens(tokenizer, types) -> None:
+    """Register the file's added tokens of markup (``<...>``) that the conversion left out, so
+    that text holding one encodes as that one token, as the model's own tokenizer does
+    (transformers registers only the special tokens it knows: Qwen's ``<tool_call>``, which
+    its chat template writes for every earlier call, came out as four ordinary tokens)."""
+    from tokenizers import AddedToken
+
+    known = set(tokenizer.get_added_vocab())
+    ids = [i for i, kind in enumerate(types) if kind in ADDED_TOKEN_TYPES]
+    markup = [t for t in tokenizer.convert_ids_to_tokens(ids)
+              if t and t not in known and t.startswith("<") and t.endswith(">")]
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in markup])
 
 
 def transformers_cost(config) -> int:
