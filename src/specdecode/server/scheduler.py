@@ -307,7 +307,6 @@ class Scheduler:
         self.metrics.queue_wait.observe(time.perf_counter() - seq.job.arrived)
         try:
             seq.decoder = self._decoder(seq.slot, spec)
-            reused = self._place(seq)
             sampling = SamplingParams(**spec.sampling)
             if seq.decoder.method.lossy:  # its own decode loop (specdecode/lossy/)
                 seq.generation = seq.decoder.proposer.generation(
@@ -320,9 +319,10 @@ class Scheduler:
             seq.stream = TextStream(seq.decoder, seq.generation, spec.stop)
             if seq.decoder.method.lossy:
                 seq.solo = seq.stream.steps()
+                self._place(seq)  # what the slot held is saved before the loop writes over it
             else:
-                seq.generation.begin()
-                seq.prefilled = seq.generation.stats.cached_tokens = reused
+                seq.generation.begin()  # (its clock starts: the placing counts as the prompt's)
+                seq.prefilled = seq.generation.stats.cached_tokens = self._place(seq)
         except Exception as exc:
             self._fail(seq, exc, "could not start a sequence")
             return
