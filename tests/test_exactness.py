@@ -108,12 +108,15 @@ def dev_prompts(n_per_task: int = 1) -> list[str]:
 
 @pytest.mark.slow
 def test_ar_matches_transformers_generate(real_model):
+    # the prompts and length of test_greedy_identical_on_real_model: our side is the reference
+    # every method there is compared with (ar_tokens decodes it once per session), so the
+    # reference itself is proved equal to transformers' greedy generate at no extra decode
     decoder = Decoder(real_model.model, real_model.tokenizer, "ar")
-    for prompt in dev_prompts()[:3]:
+    for prompt in dev_prompts()[::2]:
         ids = decoder.encode(prompt)
-        ours = decoder.generate(prompt, 48).token_ids
+        ours = ar_tokens(real_model.model, real_model.tokenizer, None, prompt, 32)
         theirs = real_model.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                                           max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+                                           max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
         assert ours == theirs
 
 
