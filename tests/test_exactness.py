@@ -295,5 +295,7 @@ def test_greedy_identical_on_qwen_coder_0_5b(qwen_small, qwen_small_runner, meth
     elif needs_heads(method):
         config = {"heads": tiny_heads(registry.get(method).proposer.head_kind, runner,
                                       tuple(range(4096)), steps=0), "min_path_prob": 0.0}
-    check_greedy_identical(runner, runner, qwen_small.tokenizer, method, dev_prompts()[1:4], 32,
+    # two prompts: the translation (short, 21 tokens to its end of sequence, names copied from
+    # the prompt for retrieval drafts) and the summarization (709 prompt tokens: long context)
+    check_greedy_identical(runner, runner, qwen_small.tokenizer, method, dev_prompts()[1:3], 32,
                            eos_ids(qwen_small, qwen_small.tokenizer), config)
