@@ -30,6 +30,7 @@ al., 2023), verified by recursive rejection (``verifier=specinfer``) or SpecTr's
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,9 +46,21 @@ from specdecode.proposers.base import Feedback, Proposer
 from specdecode.registry import param, register
 
 
+#: target runner -> its int4 copy, made once (packing a model's weights takes seconds) and
+#: dropped with the target; every drafter gets a replica of it: the same weights, its own cache
+_INT4_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def int4_copy(runner: Runner):
     """The target's weights as a native int4 :class:`LlamaRunner` with its own KV cache, or a
     :class:`SpecDecodeError` saying why there can be none."""
+    copy = _INT4_COPIES.get(runner)
+    if copy is None:
+        copy = _INT4_COPIES[runner] = _make_int4_copy(runner)
+    return copy.replica()
+
+
+def _make_int4_copy(runner: Runner):
     from specdecode import kernels
     from specdecode.models.hf import HFRunner
     from specdecode.models.llama import LlamaRunner, LlamaShape
