@@ -17,7 +17,7 @@ estimates, it does not reproduce):
 - ``--learned-ms``: the learned part's drafting when asked (several, comma-separated: each is
   priced on the same steps).
 
-The defaults are this machine's (Zen 5, both threads; session 26, docs/draft-heads.md): a
+The defaults are a Zen 5's (both threads, SmolLM2-135M; docs/results/HISTORY.md, draft heads): a
 verify row from the in-loop step profile (3.17 against 2.80 ms for 1.78 more rows), the parts'
 milliseconds from the bench records. ``oracle`` picks, per step, whichever of the two choices
 costs less per token: about the best a rule deciding before drafting could do.
