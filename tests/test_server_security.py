@@ -12,6 +12,7 @@ parts give the same tokens as one prefill. The long-prompt stall itself is timed
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import re
 
@@ -259,6 +260,13 @@ def test_the_slot_cache_drops_least_recently_used_proposers_by_count_and_by_byte
 
 
 def rss_bytes() -> int:
+    """The process's resident memory, once what it no longer holds is freed and the heap's
+    free pages are given back (else garbage of earlier tests, collected or not in between,
+    moves the reading by hundreds of MB in a process of several GB)."""
+    from specdecode.models.weights import return_freed_memory
+
+    gc.collect()
+    return_freed_memory()
     with open("/proc/self/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read())[1]) * 1024
 
