@@ -104,14 +104,18 @@ def held_bytes(runner: LlamaRunner) -> int:
     """Bytes of every weight the runner holds (int4 layers, embedding table, norms)."""
     total = runner.embed.nbytes + runner.final_norm.numel() * 4 + runner.head.nbytes
     for layer in runner.layers:
-        total += sum(getattr(layer, n).nbytes for n in ("qkv", "o", "gate_up", "down"))
+        total += sum(getattr(layer, n).nbytes for n in ("qkv", "o", "gate_up", "down")
+                     if getattr(layer, n) is not None)
+        if layer.moe is not None:
+            total += layer.moe.router.nbytes + sum(gate_up.nbytes + down.nbytes
+                                                   for gate_up, down in layer.moe.experts)
         total += sum(t.numel() * 4 for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias,
                                              layer.q_norm, layer.k_norm, layer.post_attn_norm,
                                              layer.post_mlp_norm) if t is not None)
     return total
 
 
-@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-qwen3moe"])
 def test_resident_bytes_are_what_the_runner_holds(files, shape):
     path = files(shape, "Q4_1")
     assert resident_bytes(GGUFFile(path), "int4") == held_bytes(LlamaRunner.from_gguf(path, "int4"))
@@ -211,6 +215,8 @@ def test_named_shapes_are_real_models_sizes():
     assert 1.6e9 < weights("1.7b") < 1.8e9
     assert 6.4e9 < weights("7b") < 6.9e9  # Llama-2-7B's 6.7e9 with a 49152-token vocabulary
     assert 6.7e9 < weights("qwen2.5-7b") < 7.0e9  # Qwen2.5-7B's 7.6e9 less 0.7e9 of vocabulary
+    # Qwen3-30B-A3B's 30.5e9 less 0.4e9 of vocabulary (embedding and head)
+    assert 30.0e9 < weights("qwen3-30b-a3b") < 30.3e9
 
 
 # ---- bad input ----------------------------------------------------------------------------------

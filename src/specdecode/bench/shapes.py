@@ -52,6 +52,11 @@ class Shape:
     rope_base: float = 10000.0
     #: Gemma 3: every sixth layer global, the rest see this many positions
     sliding_window: int = 0
+    #: mixture of experts: experts per layer (0: dense MLPs), experts per token, and each
+    #: expert's intermediate size; their matrices stacked as llama.cpp writes them
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
 
 
 #: named shapes: real models' layouts with the default tokenizer's vocabulary
@@ -64,11 +69,16 @@ SHAPES = {
     "7b": Shape("llama", 32, 4096, 11008, 32, 32, context=4096),
     # Qwen2.5-7B
     "qwen2.5-7b": Shape("qwen2", 28, 3584, 18944, 28, 4, context=32768, rope_base=1e6),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token (3.3 B of 30.5 B parameters active)
+    "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 6144, 32, 4, head_dim=128, context=40960,
+                           rope_base=1e6, experts=128, experts_used=8, expert_ffn=768),
     # tiny shapes for tests: widths a multiple of 256 (a K-quant super-block)
     "tiny": Shape("llama", 2, 256, 512, 4, 2, context=512),
     "tiny-qwen2": Shape("qwen2", 2, 256, 512, 4, 2, context=512),
     "tiny-qwen3": Shape("qwen3", 2, 256, 512, 4, 2, head_dim=128, context=512),  # as Qwen3: 128
     "tiny-gemma3": Shape("gemma3", 6, 256, 512, 4, 2, head_dim=64, context=512, sliding_window=32),
+    "tiny-qwen3moe": Shape("qwen3moe", 2, 256, 512, 4, 2, head_dim=64, context=512, experts=8,
+                           experts_used=2, expert_ffn=256),
 }
 MIXES = ("Q4_1", "Q4_0", "Q4_K_M", "Q8_0")
 #: standard deviation of the random weights (typical of trained 1B-8B checkpoints)
@@ -144,16 +154,23 @@ def _tensor_plan(shape: Shape, vocab: int, mix: str):
             plan.append((p + kind + ".weight", (rows, shape.hidden), t(kind)))
             if shape.arch == "qwen2":
                 plan.append((p + kind + ".bias", (rows,), "F32"))
-        if shape.arch in ("qwen3", "gemma3"):
+        if shape.arch in ("qwen3", "gemma3", "qwen3moe"):
             plan += [(p + "attn_q_norm.weight", (head_dim,), "F32"),
                      (p + "attn_k_norm.weight", (head_dim,), "F32")]
         plan.append((p + "attn_output.weight", (shape.hidden, q), t("attn_output")))
         if shape.arch == "gemma3":
             plan.append((p + "post_attention_norm.weight", (shape.hidden,), "F32"))
         plan.append((p + "ffn_norm.weight", (shape.hidden,), "F32"))
-        plan += [(p + "ffn_gate.weight", (shape.ffn, shape.hidden), t("ffn_gate")),
-                 (p + "ffn_up.weight", (shape.ffn, shape.hidden), t("ffn_up")),
-                 (p + "ffn_down.weight", (shape.hidden, shape.ffn), t("ffn_down"))]
+        if shape.experts:  # the router stays float32 in llama.cpp's quantisations
+            e, ff = shape.experts, shape.expert_ffn
+            plan += [(p + "ffn_gate_inp.weight", (e, shape.hidden), "F32"),
+                     (p + "ffn_gate_exps.weight", (e, ff, shape.hidden), t("ffn_gate")),
+                     (p + "ffn_up_exps.weight", (e, ff, shape.hidden), t("ffn_up")),
+                     (p + "ffn_down_exps.weight", (e, shape.hidden, ff), t("ffn_down"))]
+        else:
+            plan += [(p + "ffn_gate.weight", (shape.ffn, shape.hidden), t("ffn_gate")),
+                     (p + "ffn_up.weight", (shape.ffn, shape.hidden), t("ffn_up")),
+                     (p + "ffn_down.weight", (shape.hidden, shape.ffn), t("ffn_down"))]
         if shape.arch == "gemma3":
             plan.append((p + "post_ffw_norm.weight", (shape.hidden,), "F32"))
     plan.append(("output_norm.weight", (shape.hidden,), "F32"))
@@ -200,6 +217,10 @@ def add_hyperparameters(writer, shape: Shape, rms_eps: float) -> None:
     writer.add_layer_norm_rms_eps(rms_eps)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
 
 
 def _write_tensor_table(writer, plan) -> None:
@@ -210,8 +231,9 @@ def _write_tensor_table(writer, plan) -> None:
         if qtype == "F32":
             writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            nbytes = _byte_size(qtype, *dims)
-            writer.add_tensor_info(name, (dims[0], nbytes // dims[0]), np.dtype(np.uint8), nbytes,
+            rows = int(np.prod(dims[:-1]))
+            nbytes = _byte_size(qtype, rows, dims[-1])
+            writer.add_tensor_info(name, (*dims[:-1], nbytes // rows), np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType[qtype])
 
 
@@ -251,11 +273,13 @@ def write_shape(path, shape: str | Shape, mix: str = "Q4_1", seed: int = 0,
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, qtype in plan:
-        if qtype == "F32":  # norms near 1 (Gemma stores 1 + w), biases near 0
+        if qtype == "F32" and len(dims) > 1:  # a router: logits of a few units
+            data = (rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32)
+        elif qtype == "F32":  # norms near 1 (Gemma stores 1 + w), biases near 0
             centre = 0.0 if name.endswith(".bias") else 1.0
             data = (centre + 0.1 * rng.standard_normal(dims)).astype(np.float32)
         else:
-            data = random_blocks(qtype, *dims, rng)
+            data = random_blocks(qtype, int(np.prod(dims[:-1])), dims[-1], rng)
         writer.write_tensor_data(data)
     writer.close()
     return path

@@ -1,0 +1,104 @@
+"""Mixture-of-experts MLP layers on the native kernels, row invariant.
+
+A sparse MoE layer (Shazeer et al. 2017, "Outrageously Large Neural Networks"; the top-k
+softmax router of Mixtral, Jiang et al. 2024, and Qwen3-MoE) replaces a transformer layer's MLP
+with ``E`` expert MLPs and a router: each row's router logits (a linear layer [E, H]) go through
+a softmax, the row takes its ``k`` most probable experts (weights renormalised to sum to one
+where the model says so, ``norm_topk_prob``) and its output is the weighted sum of those
+experts' MLPs. Only ``k`` of ``E`` experts' weights are read per row, which is why such models
+(Qwen3-30B-A3B: 128 experts, 8 per token, 3.3B of 30.5B parameters active) suit CPUs.
+
+Row invariance, which exact speculation rests on, holds by construction: the router is a dense
+float32 kernel (a row's logits do not depend on the rows beside it), softmax and top-k are per
+row, every expert's linear layers are the runner's row-invariant kernels run over the rows that
+chose that expert, and each row adds its experts' outputs in one fixed order (ascending expert
+index, as ``transformers``' ``index_add_`` loop does). So a draft row that picks other experts
+than the rows beside it still gets the bits it gets alone; what it changes is the cost: a verify
+step of ``n`` rows reads the union of their experts (``bench --runners`` measures the curve).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode import kernels
+from specdecode.errors import require
+from specdecode.models.quant import DenseLinear
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A config's mixture-of-experts sizes (``transformers``' names in brackets)."""
+
+    #: experts per MoE layer (num_experts; Mixtral: num_local_experts)
+    experts: int
+    #: experts each row takes (num_experts_per_tok)
+    per_token: int
+    #: each expert MLP's intermediate size (moe_intermediate_size; Mixtral: intermediate_size)
+    expert_size: int
+    #: the k chosen weights are renormalised to sum to 1 (norm_topk_prob; Mixtral: always)
+    normalize: bool
+    #: per layer: whether its MLP is the MoE block (decoder_sparse_step, mlp_only_layers)
+    sparse: tuple[bool, ...]
+
+    @classmethod
+    def from_config(cls, config, arch) -> MoEShape | None:
+        """The MoE sizes of ``config``, None for a dense model (``arch``: its
+        :class:`~specdecode.models.architectures.Architecture`)."""
+        experts = int(getattr(config, arch.experts_attr, 0) or 0) if arch.experts_attr else 0
+        if experts == 0:
+            return None
+        per_token = int(config.num_experts_per_tok)
+        require(0 < per_token <= experts,
+                f"num_experts_per_tok must be 1..{experts} (the experts), got {per_token}")
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        layers = config.num_hidden_layers
+        return cls(
+            experts=experts, per_token=per_token,
+            expert_size=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
+            normalize=bool(getattr(config, arch.normalize_attr)) if arch.normalize_attr else True,
+            sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+
+
+class MoEMLP:
+    """A MoE layer's MLP: the router (float32 dense kernel) and each expert's gate/up and down
+    layers in the runner's weight format. Called on normed rows [n, H], it returns the weighted
+    sum of each row's experts [n, H] float32."""
+
+    def __init__(self, router: torch.Tensor, experts: list[tuple[object, object]], per_token: int,
+                 normalize: bool, activation):
+        """``router`` [E, H] float; ``experts``: per expert its (gate_up, down) linear layers;
+        ``activation``: the kernel of the gate (``kernels.swiglu``)."""
+        require(router.shape[0] == len(experts),
+                f"the router scores {router.shape[0]} experts but the layer has {len(experts)}")
+        self.router = DenseLinear(router, "fp32")
+        self.experts = experts
+        self.per_token = per_token
+        self.normalize = normalize
+        self.activation = activation
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, k] float32, experts [n, k]) each row takes, by descending probability."""
+        probs = torch.softmax(self.router(h), dim=-1)
+        weights, chosen = torch.topk(probs, self.per_token, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(h)
+        out = torch.zeros_like(h)
+        for expert in torch.unique(chosen).tolist():  # ascending: each row's fixed order
+            rows, slot = torch.nonzero(chosen == expert, as_tuple=True)
+            gate_up, down = self.experts[expert]
+            y = down(self.activation(gate_up(h[rows].contiguous())))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+
+def activation_kernel(name: str):
+    """The gate activation's kernel by ``transformers``' name."""
+    return kernels.geglu if name == "gelu_pytorch_tanh" else kernels.swiglu

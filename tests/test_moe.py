@@ -1,0 +1,188 @@
+"""Mixture-of-experts layers (Qwen3-MoE) on the native runner: logits against transformers,
+rows that choose other experts still bitwise what they are alone, every method exact against
+``ar``, and GGUF files with llama.cpp's stacked expert tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdecode.api import Decoder
+from specdecode.draft import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import LlamaRunner
+from specdecode.models.moe import MoEMLP
+from specdecode.models.quant import WEIGHT_FORMATS
+
+from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+from test_architectures import assert_close, reference
+from test_exactness import METHODS, tiny_overrides
+from tiny_models import tiny_model
+
+#: 8 experts, 2 per row; every layer sparse, or layer 0 dense and raw top-k weights
+VARIANTS = {
+    "sparse": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   norm_topk_prob=True),
+    "mixed": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                  norm_topk_prob=False, mlp_only_layers=[0]),
+}
+
+
+def build(variant: str = "sparse", seed: int = 0, **kw):
+    return tiny_model("qwen3_moe", seed=seed, **{**VARIANTS[variant], **kw})
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Every expert set a MoE layer gives a row, as a list of tuples."""
+    seen = []
+    route = MoEMLP.route
+
+    def recording(self, h):
+        weights, chosen = route(self, h)
+        seen.extend(tuple(sorted(row)) for row in chosen.tolist())
+        return weights, chosen
+
+    monkeypatch.setattr(MoEMLP, "route", recording)
+    return seen
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_of_chains_and_trees_match_transformers(variant):
+    model = build(variant, seed=3)
+    native = LlamaRunner.from_transformers(model)
+    assert [layer.moe is None for layer in native.layers] == [variant == "mixed", False]
+    rng = random.Random(0)
+    prompt = [rng.randrange(96) for _ in range(20)]
+    assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
+    tree = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]])
+    logits = native.forward(5, tree).logits
+    for node in range(-1, len(tree)):
+        path = tree.path_to(node) if node >= 0 else []
+        assert_close(logits[node + 1], reference(model, prompt + [5] + [tree.tokens[i] for i in path]))
+
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+def test_rows_choosing_other_experts_keep_their_bits(weights, routes):
+    runner = LlamaRunner.from_transformers(build(seed=5), weights)
+    rng = random.Random(1)
+    prompt = [rng.randrange(96) for _ in range(9)]
+    draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
+    runner.prefill(prompt)
+    routes.clear()
+    together = runner.forward(7, draft).logits
+    runner.commit([])
+    # the verify rows do not all read the same experts: the case row invariance must survive
+    assert len(set(routes)) > 4, routes
+    for node in [i for i in range(len(draft)) if not draft.children(i)]:
+        path = draft.path_to(node)
+        rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
+        for row, i in zip(rows, [-1] + path):
+            assert torch.equal(row, together[i + 1]), (weights, node, i)
+
+
+def test_greedy_tokens_identical_to_transformers_generate():
+    model = build("mixed", seed=4)
+    native = LlamaRunner.from_transformers(model)
+    for prompt in repetitive_prompts()[:2]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 16).run() == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_equals_ar(method):
+    from test_architectures import PRECISE_TARGET
+
+    from specdecode.models.hf import HFRunner
+
+    model = build(seed=6)
+    runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
+    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
+        assert decoder.start(prompt, 20).run() == ar, (method, prompt)
+
+
+def test_bad_expert_counts_are_named():
+    with pytest.raises(SpecDecodeError, match="num_experts_per_tok must be 1..8"):
+        LlamaRunner.from_transformers(build(num_experts_per_tok=9))
+
+
+# ---- GGUF files: experts stacked in one tensor per layer and matrix -----------------------------
+
+_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+         "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+_STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def write_moe_gguf(model, path) -> None:
+    """``model`` as llama.cpp's converter writes a Qwen3-MoE: each layer's experts stacked into
+    ``ffn_{gate,up,down}_exps`` [experts, out, in] in Q4_1, the router in float32, Q8_0
+    embeddings and head. The model's weights become the file's dequantised ones."""
+    import gguf
+
+    c, q = model.config, gguf.GGMLQuantizationType
+    writer = gguf_writer(c, path, "qwen3moe")
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    state = model.state_dict()
+
+    def add(name: str, w: torch.Tensor, qtype) -> torch.Tensor:
+        data = w.float().numpy()
+        if qtype == q.F32:
+            writer.add_tensor(name, data)
+            return w
+        data = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        return torch.from_numpy(gguf.quants.dequantize(data, qtype)).reshape(w.shape)
+
+    with torch.no_grad():
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+            state[name].copy_(add(gguf_name, state[name], q.F32 if "norm" in name else q.Q8_0))
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for hf, short in _GGUF.items():
+                w = state[p + hf + ".weight"]
+                w.copy_(add(f"blk.{i}.{short}.weight", w, q.F32 if w.ndim == 1 or hf == "mlp.gate" else q.Q4_1))
+            for proj, short in _STACKED.items():
+                parts = [state[f"{p}mlp.experts.{j}.{proj}.weight"] for j in range(c.num_experts)]
+                back = add(f"blk.{i}.{short}.weight", torch.stack(parts), q.Q4_1)
+                for part, value in zip(parts, back):
+                    part.copy_(value)
+    close_gguf(writer)
+
+
+def test_gguf_file_reads_like_the_model(tmp_path):
+    from specdecode.models.gguf_reader import GGUFFile, read_gguf
+
+    model = build(seed=8, norm_topk_prob=True)
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(model, path)
+    config, tensors = read_gguf(path)
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, config.norm_topk_prob) == ("qwen3_moe", 8, 2, 64, True)
+    # each expert a contiguous slice of its layer's one stacked tensor, in expert order
+    entries = [GGUFFile(path).entries[f"model.layers.1.mlp.experts.{j}.down_proj.weight"]
+               for j in range(8)]
+    assert {e.shape for e in entries} == {(64, 64)}
+    assert all(b.offset == a.offset + a.nbytes for a, b in zip(entries, entries[1:]))
+    state = model.state_dict()
+    assert set(tensors) == set(state)
+    for key, w in tensors.items():
+        assert torch.equal(w.dequantize() if hasattr(w, "dequantize") else w, state[key]), key
+    prompt = repetitive_prompts()[2]
+    assert_close(LlamaRunner.from_gguf(path).prefill(prompt).logits[0], reference(model, prompt))
+    runner = LlamaRunner.from_gguf(path, "int4")
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar
+
