@@ -90,5 +90,5 @@ def test_every_numeric_field_of_a_served_policy_has_a_server_range():
     for name in served_policies():
         for f in dataclasses.fields(served_method(name).config):
             if limits.is_numeric(f):
-                low, high = limits.RANGES[name][f.name]
+                low, high = limits.bounds(f)
                 assert low <= f.default <= high, f"{name}.{f.name}"

@@ -144,7 +144,7 @@ def test_a_response_from_one_replica_reaches_the_others_drafts(cluster):
     config = registry.get("suffix").make_config()
     before = frontend.memory.stats()["version"]
     prompt = frontend.encode("Tell me about the lazy dog and the quick brown fox", chat=True)
-    spec = SequenceSpec(prompt, 48, (), {}, "suffix", config)
+    spec = SequenceSpec(prompt, 48, (), {}, registry.get("suffix"), config)
 
     async def generate():
         events = [e async for e in handle.generate.remote([spec])]

@@ -190,18 +190,18 @@ def test_a_config_error_found_after_queueing_names_the_config(served):
 # ---- per-request config bounds ------------------------------------------------------------
 
 def test_every_numeric_config_field_of_every_method_has_a_server_range():
-    """A new method (or field) without a range in limits.RANGES fails here."""
+    """A new method (or field) a request may set without bounds fails here."""
     missing = []
     for name in registry.names():
         for f in dataclasses.fields(registry.get(name).config):
-            if not limits.is_numeric(f) or f.name in limits.STARTUP_ONLY.get(name, ()):
+            if not limits.is_numeric(f) or limits.startup_only(f):
                 continue
-            low, high = limits.RANGES.get(name, {}).get(f.name, (None, None))
-            if low is None:
+            if limits.bounds(f) is None:
                 missing.append(f"{name}.{f.name}")
             else:
+                low, high = limits.bounds(f)
                 assert low <= f.default <= high, f"{name}.{f.name}: default outside its range"
-    assert not missing, f"give these fields a range in server/limits.py: {missing}"
+    assert not missing, f"give these fields param(..., bounds=(low, high)): {missing}"
 
 
 def test_every_text_config_field_is_an_artifact_field_or_free_text_of_bounded_length():
@@ -210,7 +210,7 @@ def test_every_text_config_field_is_an_artifact_field_or_free_text_of_bounded_le
             if isinstance(f.default, str) and f.name in ARTIFACT_FIELDS:
                 assert f.default in ARTIFACT_FIELDS[f.name], f"{name}.{f.name}"
     with pytest.raises(ApiError, match="longer than 64"):
-        limits.check_overrides("recycling", {"tree": "chain" + "1" * 100})
+        limits.check_overrides(registry.get("recycling"), {"tree": "chain" + "1" * 100})
 
 
 @pytest.mark.parametrize("method,field,value", [
@@ -227,7 +227,7 @@ def test_out_of_range_values_are_refused_naming_the_field(served, method, field,
 
 def test_a_config_over_the_memory_budget_is_refused_before_anything_is_allocated(model, tokenizer):
     vocab = model.config.vocab_size
-    small = limits.proposer_bytes("recycling", registry.get("recycling").make_config(), vocab)
+    small = limits.proposer_bytes(registry.get("recycling").make_config(), vocab)
     made = []
     with make_server(model, tokenizer, proposer_memory_bytes=small + 1) as served:
         served_app = served.server.config.app

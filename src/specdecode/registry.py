@@ -10,7 +10,9 @@ runs it only for a request that opts in, the bench reports it in a table of its 
 agreement with ``ar``, and the exactness tests skip it by this marker.
 
 Config fields carry their documentation in ``field(metadata={"help": ...})`` (see :func:`param`)
-so ``specdecode methods`` can print every default with its reason.
+so ``specdecode methods`` can print every default with its reason, and what a server lets one
+request ask of them: the range of a number, whether only the operator sets it, the memory it
+makes the proposer take. The server reads these from the field, never from a table of methods.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +30,23 @@ from specdecode.errors import SpecDecodeError
 DEFAULT_METHOD = "suffix"
 
 
-def param(default: Any, help: str) -> Any:
-    """A config field with its documentation (shown by ``specdecode methods``)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def param(default: Any, help: str, *, bounds: tuple[float, float] | None = None,
+          startup_only: bool = False, memory: Callable[[Any, int], int] | None = None) -> Any:
+    """A config field with its documentation (shown by ``specdecode methods``) and its limits
+    on a server (:mod:`specdecode.server.limits`).
+
+    ``bounds``: the inclusive range one request may ask for, well above the paper's setting and
+    the default; every number a request may set needs one, so that one request cannot make
+    every verify step search thousands of nodes. ``startup_only``: the field shapes state that
+    every request shares, or names a file or cores of the server, so only ``specdecode serve
+    -c`` sets it. ``memory(value, vocabulary size)``: the bytes the proposer allocates for the
+    value, where it is large enough to count against the server's proposer memory."""
+    metadata: dict[str, Any] = {"help": help, "startup_only": startup_only}
+    if bounds is not None:
+        metadata["bounds"] = bounds
+    if memory is not None:
+        metadata["memory"] = memory
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)

@@ -123,18 +123,20 @@ CHEAP_MODELS = ("draft", "int4")
 
 @dataclass(frozen=True)
 class ArbitrageConfig(DraftSource):
+    # startup only: the int4 copy is a second model in memory, the router a file the server
+    # reads; the operator picks both
     cheap: str = param("draft", "the cheap model: 'draft' (the draft model named by draft, "
                                 "draft_runner and draft_weights) or 'int4' (the target's own "
                                 "int4 copy, as quantized drafts with: run the target precise, "
-                                "--weights fp32)")
+                                "--weights fp32)", startup_only=True)
     router: str = param("trained", "the router: 'trained' (the artifact `specdecode train "
                                    "router` made for this target and cheap model) or an "
-                                   "artifact path")
+                                   "artifact path", startup_only=True)
     threshold: float = param(2.0, "the target rewrites a step when the router's advantage "
                                   "estimate exceeds this (nats per token; the paper's tau; "
-                                  "docs/lossy.md sweeps it)")
+                                  "docs/lossy.md sweeps it)", bounds=(-100.0, 100.0))
     max_step_tokens: int = param(32, "longest step: a step ends at a newline, end-of-sequence "
-                                     "or this many tokens")
+                                     "or this many tokens", bounds=(1, 128))
 
     def __post_init__(self):
         super().__post_init__()

@@ -119,9 +119,10 @@ class LossyGeneration:
 
 
 def adapters_param(what: str, command: str, otherwise: str = ""):
-    """The ``adapters`` setting of a method with trained pieces (default 'auto')."""
+    """The ``adapters`` setting of a method with trained pieces (default 'auto'); set when the
+    server starts, as a path would be a file the server opens."""
     return param("auto", f"{what}: 'auto' (the artifact `specdecode {command}` made for this "
-                         f"target) or an artifact path{otherwise}")
+                         f"target) or an artifact path{otherwise}", startup_only=True)
 
 
 def trained_artifact(spec: str, runner: Runner, kind: str, command: str, fallback: str = ""):

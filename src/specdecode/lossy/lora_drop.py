@@ -157,9 +157,11 @@ class LoraDropConfig:
     adapters: str = adapters_param("the LoRA correctors", "train lora-drop",
                                    ", or 'none' (reuse the anchor's delta uncorrected)")
     drop_cycle: int = param(4, "every drop_cycle-th token runs the whole model (an anchor); the "
-                               "others skip the droppable layers (the paper's drop_cycle)")
+                               "others skip the droppable layers (the paper's drop_cycle)",
+                            bounds=(1, 64))
     layer_stride: int = param(4, "layers i > 0 with i % layer_stride != 0 are droppable (the "
-                                 "paper's code: every layer but the first and each fourth)")
+                                 "paper's code: every layer but the first and each fourth)",
+                              bounds=(1, 1024))
 
     def __post_init__(self):
         require(self.drop_cycle >= 1, f"drop_cycle must be >= 1, got {self.drop_cycle}")

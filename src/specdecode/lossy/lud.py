@@ -173,9 +173,11 @@ def lexical_unit(probs: torch.Tensor, threshold: float) -> list[int]:
 class LudConfig:
     adapters: str = adapters_param("the fine-tuned delta", "train lud")
     placeholders: int = param(3, "slots appended each step (units of up to placeholders + 1 "
-                                 "tokens); at most the number the adapters were trained with")
+                                 "tokens); at most the number the adapters were trained with",
+                              bounds=(0, 16))
     threshold: float = param(0.9, "a slot's token joins the unit when it and every prediction "
-                                  "before it have at least this probability (the paper's alpha)")
+                                  "before it have at least this probability (the paper's alpha)",
+                             bounds=(0.0, 1.0))
 
     def __post_init__(self):
         require(self.placeholders >= 0, f"placeholders must be >= 0, got {self.placeholders}")

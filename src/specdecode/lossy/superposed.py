@@ -51,11 +51,11 @@ NGRAM_SHARE = 0.5
 
 @dataclass(frozen=True)
 class SuperposedConfig:
-    n_drafts: int = param(3, "drafts kept and superposed at each step (paper: 3)")
+    n_drafts: int = param(3, "drafts kept and superposed at each step (paper: 3)", bounds=(1, 16))
     n_token_sample: int = param(9, "the model's most likely next tokens each draft may extend "
-                                   "with (paper: 9)")
+                                   "with (paper: 9)", bounds=(1, 64))
     alpha: float = param(0.54, "weight of the n-gram log-probability in the geometric "
-                               "interpolation (paper: 0.54)")
+                               "interpolation (paper: 0.54)", bounds=(0.0, 1.0))
     ngram_weights: tuple = param((0.01, 0.04, 0.15, 0.18, 0.12),
                                  "mixture weights of the 2..6-gram distributions (paper's)")
 

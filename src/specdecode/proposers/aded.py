@@ -136,11 +136,12 @@ def search(matrix: TrigramMatrix, context, simulations: int, branch: int, c_puct
 class ADEDConfig:
     simulations: int = param(4, "PUCT rounds per step; each visits one leaf, so this also bounds "
                                 "the draft tree (4 was fastest on dev, 24 accepted most: "
-                                "docs/parallel-decoding.md)")
-    branch: int = param(4, "successors expanded per node, the tri-gram matrix's top-k")
+                                "docs/parallel-decoding.md)", bounds=(1, 256))
+    branch: int = param(4, "successors expanded per node, the tri-gram matrix's top-k",
+                        bounds=(1, 32))
     c_puct: float = param(1.0, "exploration weight of PUCT (AlphaZero's usual 1.0; the paper "
-                               "gives no value we could read)")
-    max_depth: int = param(12, "deepest draft node")
+                               "gives no value we could read)", bounds=(0.0, 100.0))
+    max_depth: int = param(12, "deepest draft node", bounds=(1, 64))
     learn_from_target: bool = param(False, "also count the target's argmax at every draft node "
                                            "as a tri-gram (ours, as in Token Recycling; off: it "
                                            "did not change tau on dev)")

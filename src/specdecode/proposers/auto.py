@@ -81,18 +81,21 @@ SHARED_FIELDS = ("heads", "min_path_prob", "corpus")
 
 @dataclass(frozen=True)
 class AutoConfig:
+    # startup only: which proposers one request builds, and so the memory it takes
     parts: str = param("suffix,hydra", "the proposers to choose between, registered exact "
                                        "methods (model-free and learned) separated by ',' or "
-                                       "'+' (a bench variant: auto:parts=suffix+eagle)")
+                                       "'+' (a bench variant: auto:parts=suffix+eagle)",
+                       startup_only=True)
     heads: str = param("auto", "trained heads for the parts that take them ('auto': the newest "
                                "for this target, or the one shipped for the default model)")
     min_path_prob: float = param(0.35, "handed to the parts that grow trees by path "
-                                       "probability (hydra's default)")
+                                       "probability (hydra's default)", bounds=(0.0, 1.0))
     corpus: str = param("none", "target-written text for the parts that draft from one "
                                 "(suffix's corpus: a file, 'auto' or 'none')")
     merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
-                                   "anyway, so its acceptance estimate stays current")
+                                   "anyway, so its acceptance estimate stays current",
+                               bounds=(1, 1024))
 
     def __post_init__(self):
         names = self.part_names

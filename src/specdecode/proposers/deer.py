@@ -76,14 +76,15 @@ class DeerConfig(HeadTreeConfig):
     shape: str = param("tree", "tree: best-first by path probability over the block's "
                                "per-position distributions; chain: each position's top token "
                                "(greedy) or draw")
-    tree_nodes: int = param(16, "draft size per verify step (node budget)")
-    max_depth: int = param(8, "deepest draft node (at most the trained block)")
+    tree_nodes: int = param(16, "draft size per verify step (node budget)", bounds=(1, 128))
+    max_depth: int = param(8, "deepest draft node (at most the trained block)", bounds=(1, 32))
     expand_width: int = param(16, "with penalties (each node ranked on its own path): tree "
-                                  "nodes ranked per growth round")
+                                  "nodes ranked per growth round", bounds=(1, 64))
     max_forwards: int = param(16, "with penalties: most growth rounds per step after the "
-                                  "first (each only ranks block rows already scored)")
+                                  "first (each only ranks block rows already scored)",
+                              bounds=(1, 32))
     min_path_prob: float = param(0.15, "stop growing (a chain: stop) below this path "
-                                       "probability of the draft")
+                                       "probability of the draft", bounds=(0.0, 1.0))
     drafter: str = param("heads", "what drafts the block: heads (the learned network on the "
                                   "target's features, `heads`) or dllm (the target adapted into "
                                   "a block-diffusion model, `dllm`: a full-size forward)")

@@ -34,14 +34,14 @@ class HeadTreeConfig:
     heads: str = param("auto", "trained heads: 'auto' (the newest artifact `specdecode train "
                                "heads` made for this target, or the one shipped for the default "
                                "model) or a path to one")
-    tree_nodes: int = param(8, "draft tree size per verify step (node budget)")
-    max_depth: int = param(6, "deepest draft node")
-    expand_width: int = param(8, "most tree nodes the network reads in one call")
-    max_forwards: int = param(2, "most network calls per step after the first")
+    tree_nodes: int = param(8, "draft tree size per verify step (node budget)", bounds=(1, 128))
+    max_depth: int = param(6, "deepest draft node", bounds=(1, 32))
+    expand_width: int = param(8, "most tree nodes the network reads in one call", bounds=(1, 64))
+    max_forwards: int = param(2, "most network calls per step after the first", bounds=(1, 32))
     min_path_prob: float = param(0.35, "stop growing when the best candidate's path probability "
                                        "(its expected acceptance) is below this: an uncertain "
                                        "step sends a small tree or none (verify rows are not "
-                                       "free on a CPU, docs/draft-heads.md)")
+                                       "free on a CPU, docs/draft-heads.md)", bounds=(0.0, 1.0))
     draft_weights: str = param("int4", "the network's linear maps on the native kernels: int4 "
                                        "(as fast as int8 or faster, the same acceptance) | int8 "
                                        "| bf16, or fp32 (plain torch); the drafts may change, "

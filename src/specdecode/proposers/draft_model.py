@@ -56,17 +56,19 @@ from specdecode.registry import param, register
 class DraftModelConfig(DraftSource):
     num_speculative_tokens: int = param(5, "draft length of the fixed controller and the "
                                            "heuristic's starting length (transformers' heuristic "
-                                           "schedule starts at 5)")
+                                           "schedule starts at 5)", bounds=(1, 32))
     controller: str = param("fixed", "draft length controller: fixed | heuristic | confidence | "
                                      "specdecpp")
     max_speculative_tokens: int = param(12, "longest draft the adaptive controllers allow "
                                             "(SpecDec++ uses 20 for 7B drafts; 12 bounds the "
-                                            "wasted draft steps on CPU)")
+                                            "wasted draft steps on CPU)", bounds=(1, 64))
     confidence_threshold: float = param(0.4, "confidence controller: stop after a token with "
                                              "draft probability below this (transformers' "
-                                             "assistant_confidence_threshold default)")
+                                             "assistant_confidence_threshold default)",
+                                        bounds=(0.0, 1.0))
     stop_threshold: float = param(0.3, "specdecpp controller: stop when the predicted P(some "
-                                       "drafted token is rejected) exceeds this (paper: 0.3)")
+                                       "drafted token is rejected) exceeds this (paper: 0.3)",
+                                  bounds=(0.0, 1.0))
 
     def __post_init__(self):
         super().__post_init__()

@@ -52,17 +52,22 @@ from specdecode.training.adapters import resolve_adapters
 class DelConfig:
     candidate_layers: str = param("auto", "comma-separated exit layers to track and choose from, "
                                           "or auto (the adapters' layers, else 8 spread layers)")
-    max_speculative_tokens: int = param(8, "longest draft considered by the TPL choice")
+    max_speculative_tokens: int = param(8, "longest draft considered by the TPL choice",
+                                        bounds=(1, 32))
     confidence_threshold: float = param(0.4, "stop drafting after a token whose exit-head "
-                                             "probability is below this (0 = never)")
-    decay: float = param(0.9, "weight of the previous updates in each layer's acceptance counts")
+                                             "probability is below this (0 = never)",
+                                        bounds=(0.0, 1.0))
+    decay: float = param(0.9, "weight of the previous updates in each layer's acceptance counts",
+                         bounds=(0.0, 1.0))
     idle_shadow_every: int = param(4, "while not speculating, compute shadow tokens every this "
-                                      "many rounds (each costs an LM head call; the paper: 1)")
-    prior_weight: float = param(4.0, "trials the prior acceptance rate is worth")
+                                      "many rounds (each costs an LM head call; the paper: 1)",
+                                   bounds=(1, 1024))
+    prior_weight: float = param(4.0, "trials the prior acceptance rate is worth", bounds=(0.0, 1e6))
     head_cost: float = param(HEAD_COST, "cost of one LM head application, in layers (0 in the "
-                                        "paper; measured on SmolLM2 / CPU)")
+                                        "paper; measured on SmolLM2 / CPU)", bounds=(0.0, 1000.0))
     verify_token_cost: float = param(VERIFY_TOKEN_COST, "extra verify cost per draft token, as a "
-                                                        "fraction of a one-token forward (0 in the paper)")
+                                                        "fraction of a one-token forward (0 in "
+                                                        "the paper)", bounds=(0.0, 100.0))
     adapters: str = param("auto", "'auto' (a trained exit-adapter artifact for this target, if "
                                   "found), 'none' (final norm + LM head), or an artifact path")
 

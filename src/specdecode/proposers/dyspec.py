@@ -37,16 +37,17 @@ from specdecode.registry import param, register
 
 @dataclass(frozen=True)
 class DySpecConfig(DraftSource):
-    tree_nodes: int = param(16, "draft tree size per verify step (node budget)")
-    max_depth: int = param(8, "deepest draft node")
-    expand_width: int = param(4, "most tree nodes the draft model reads in one forward")
+    tree_nodes: int = param(16, "draft tree size per verify step (node budget)", bounds=(1, 128))
+    max_depth: int = param(8, "deepest draft node", bounds=(1, 32))
+    expand_width: int = param(4, "most tree nodes the draft model reads in one forward",
+                              bounds=(1, 64))
     max_forwards: int = param(6, "most draft forwards per step after the catch-up (bounds the "
                                  "draft's cost like a 7-token chain; the tree placed so far is "
-                                 "sent when they run out)")
+                                 "sent when they run out)", bounds=(1, 32))
     min_path_prob: float = param(0.2, "stop growing when the best candidate's path probability "
                                       "(its expected acceptance) is below this (0: fill the "
                                       "node budget; 0.2 is much faster than 0 on the dev "
-                                      "half, docs/draft-model.md)")
+                                      "half, docs/draft-model.md)", bounds=(0.0, 1.0))
 
     def __post_init__(self):
         super().__post_init__()

@@ -40,7 +40,7 @@ class EagleConfig(HeadTreeConfig):
     ``min_path_prob``."""
 
     min_path_prob: float = param(0.2, "stop growing when the best candidate's path probability "
-                                      "(its expected acceptance) is below this")
+                                      "(its expected acceptance) is below this", bounds=(0.0, 1.0))
 
 
 @register("eagle", EagleConfig,

@@ -34,10 +34,11 @@ from specdecode.training.adapters import resolve_adapters
 @dataclass(frozen=True)
 class EarlyExitConfig:
     exit_layer: int = param(0, "layer whose output drafts (1 .. layers-1); 0 = auto: the adapter "
-                               "layer with the best expected tokens per layer, else half the model")
+                               "layer with the best expected tokens per layer, else half the model",
+                            bounds=(0, 1024))
     num_speculative_tokens: int = param(2, "draft length (short: an early exit of a model never "
                                            "trained for it rarely keeps agreeing for long; 2 "
-                                           "measured fastest, docs/bench.md)")
+                                           "measured fastest, docs/bench.md)", bounds=(1, 32))
     adapters: str = param("auto", "'auto' (a trained exit-adapter artifact for this target, if "
                                   "found), 'none' (final norm + LM head), or an artifact path")
 

@@ -52,7 +52,7 @@ class HierSpecConfig(QuantizedConfig):
     proposer: str = param("suffix", "the cheap tree proposer of level 1 (a model-free method: "
                                     "suffix, ngram, recycling, lookahead...)")
     tree_nodes: int = param(24, "most nodes of the cheap tree the int4 copy verifies in one "
-                                "forward (the paper's 70B script: 30)")
+                                "forward (the paper's 70B script: 30)", bounds=(1, 128))
 
     def __post_init__(self):
         super().__post_init__()

@@ -24,8 +24,9 @@ from specdecode.registry import param, register
 
 @dataclass(frozen=True)
 class HydraConfig(HeadTreeConfig):
-    max_depth: int = param(4, "deepest draft node (at most the number of trained heads)")
-    max_forwards: int = param(4, "most head calls per step after the first")
+    max_depth: int = param(4, "deepest draft node (at most the number of trained heads)",
+                           bounds=(1, 32))
+    max_forwards: int = param(4, "most head calls per step after the first", bounds=(1, 32))
 
 
 @register("hydra", HydraConfig,

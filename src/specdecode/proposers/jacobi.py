@@ -50,7 +50,7 @@ class JacobiConfig:
     window: int = param(2, "W, tokens guessed and refined per step (one chain of verify rows); "
                            "on text Jacobi accepts barely more than one token per step "
                            "whatever W, so the smallest real window is the fastest "
-                           "(docs/parallel-decoding.md has the sweep)")
+                           "(docs/parallel-decoding.md has the sweep)", bounds=(1, 64))
 
     def __post_init__(self):
         check_window(self.window)

@@ -89,11 +89,12 @@ class LookaheadConfig:
     window: int = param(1, "W, future positions decoded in parallel by the lookahead branch "
                            "(reference README: 7 on GPUs; every row costs on this CPU's runner, "
                            "and W = 1 was fastest on the dev half, W = 4 accepted most: "
-                           "docs/parallel-decoding.md)")
+                           "docs/parallel-decoding.md)", bounds=(1, 32))
     ngram: int = param(3, "N, n-gram size: the window keeps N - 1 Jacobi iterations and drafts "
-                          "N - 1 tokens per candidate (reference README: 5; 3 was fastest here)")
+                          "N - 1 tokens per candidate (reference README: 5; 3 was fastest here)",
+                       bounds=(3, 16))
     guesses: int = param(2, "G, n-grams kept per first token and verified per step (reference "
-                            "README: 7; 2 was fastest here)")
+                            "README: 7; 2 was fastest here)", bounds=(0, 64))
     pool_from_context: bool = param(True, "also pool every n-gram of the prompt and of the "
                                           "output (the reference's POOL_FROM_PROMPT; on here: it "
                                           "raised tau on the dev half)")

@@ -25,11 +25,11 @@ from specdecode.registry import param, register
 @dataclass(frozen=True)
 class NgramConfig:
     max_ngram: int = param(3, "longest n-gram matched (transformers' default is 2; 3 finds "
-                              "fewer but better matches on Spec-Bench)")
-    min_ngram: int = param(1, "shortest n-gram matched")
+                              "fewer but better matches on Spec-Bench)", bounds=(1, 16))
+    min_ngram: int = param(1, "shortest n-gram matched", bounds=(1, 16))
     num_speculative_tokens: int = param(3, "draft length (transformers' default is 10; 3 was "
                                            "the fastest on the CPU kernel runner, "
-                                           "docs/bench.md)")
+                                           "docs/bench.md)", bounds=(1, 64))
 
     def __post_init__(self):
         require(self.min_ngram >= 1, f"min_ngram must be >= 1, got {self.min_ngram}")

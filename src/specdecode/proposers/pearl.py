@@ -57,11 +57,13 @@ from specdecode.registry import param, register
 class PearlConfig:
     gamma: int = param(10, "tokens the drafter drafts per round while the target verifies (the "
                            "paper's window, best near the ratio of a verify to a draft forward; "
-                           "docs/quantized.md compares 5, 10 and 16)")
-    drafter_threads: int = param(1, "OpenMP threads of the drafter's thread")
+                           "docs/quantized.md compares 5, 10 and 16)", bounds=(1, 64))
+    # startup only: the server's own cores, the operator's to share out
+    drafter_threads: int = param(1, "OpenMP threads of the drafter's thread",
+                                 bounds=(1, 256), startup_only=True)
     target_threads: int = param(0, "OpenMP threads of the thread running the request (the "
                                    "target's) while it runs; 0: the threads it had less the "
-                                   "drafter's, at least 1")
+                                   "drafter's, at least 1", bounds=(0, 256), startup_only=True)
 
     def __post_init__(self):
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")

@@ -100,13 +100,14 @@ class QuantizedConfig:
     controller: str = param("heuristic", "draft length controller: heuristic | confidence | "
                                          "fixed (docs/quantized.md compares them)")
     num_speculative_tokens: int = param(6, "draft length of the fixed controller and the "
-                                           "heuristic's starting length")
-    max_speculative_tokens: int = param(16, "longest chain any controller drafts")
+                                           "heuristic's starting length", bounds=(1, 32))
+    max_speculative_tokens: int = param(16, "longest chain any controller drafts", bounds=(1, 64))
     confidence_threshold: float = param(0.5, "confidence controller: stop after a token whose "
-                                             "int4 probability is below this")
+                                             "int4 probability is below this", bounds=(0.0, 1.0))
     drafts: int = param(1, "k: i.i.d. chains drafted side by side when sampling (SpecTr's k "
                            "draft sequences), each num_speculative_tokens long (the adaptive "
-                           "controllers read one chain's acceptance); greedy drafts one")
+                           "controllers read one chain's acceptance); greedy drafts one",
+                        bounds=(1, 8))
     verifier: str = param("specinfer", "sampled acceptance rule for k > 1 chains: specinfer "
                                        "(recursive rejection) or spectr (SpecTr's K-SEQ)")
 

@@ -186,7 +186,9 @@ def draft_tree(matrix: torch.Tensor, template: CompiledTemplate, root: int, max_
 class RecyclingConfig:
     # not "top_k": specdecode.generate() routes that name to the sampling options
     candidates: int = param(8, "k, the candidate successors kept per token in the adjacency "
-                               "matrix (paper: 8)")
+                               "matrix (paper: 8)", bounds=(1, 64),
+                            # the int64 [V, candidates] successor matrix and its [V] row flags
+                            memory=lambda candidates, vocab: vocab * (8 * candidates + 1))
     tree: str = param("chain2", "static tree template: 2.2.2 (the paper's, 80 nodes, depth 6), "
                                 "chain<D> (the first candidate, D deep) or best<N> (the N nodes "
                                 "most often accepted on SmolLM2); chain2 measured fastest on "

@@ -47,7 +47,8 @@ GUESS_SEED_OFFSET = 0x5D1
 @dataclass(frozen=True)
 class SJDConfig:
     window: int = param(2, "W, tokens guessed per step (paper: 16 image tokens; text accepts "
-                           "~1 per step, so the fewest rows pay: docs/parallel-decoding.md)")
+                           "~1 per step, so the fewest rows pay: docs/parallel-decoding.md)",
+                        bounds=(1, 64))
 
     def __post_init__(self):
         check_window(self.window)

@@ -44,21 +44,27 @@ __all__ = ["SuffixCache", "SuffixConfig", "SuffixProposer"]
 
 @dataclass(frozen=True)
 class SuffixConfig:
+    # startup only (max_tree_depth, max_cached_requests): they size the global tree every
+    # request of a server shares
     max_tree_depth: int = param(64, "longest suffix stored in the trees, and so the longest "
-                                    "match + draft (paper: 64)")
+                                    "match + draft (paper: 64)", startup_only=True)
     max_spec_tokens: int = param(32, "most draft tokens per step (with depth 64 and factor 1 a "
-                                     "chain cannot exceed 32; tuned on dev: = 64, > 16)")
+                                     "chain cannot exceed 32; tuned on dev: = 64, > 16)",
+                                 bounds=(1, 128))
     max_spec_factor: float = param(1.0, "draft at most factor * match length + offset tokens: "
-                                         "longer matches earn longer drafts (paper's alpha: 1.0)")
+                                         "longer matches earn longer drafts (paper's alpha: 1.0)",
+                                   bounds=(0.0, 16.0))
     max_spec_offset: float = param(0.0, "added to factor * match length; negative values cut "
-                                         "short-match drafts (paper: 0)")
+                                         "short-match drafts (paper: 0)", bounds=(-64.0, 64.0))
     min_token_prob: float = param(0.1, "prune draft tokens whose estimated probability "
-                                       "(count ratio along the path) is below this (paper: 0.1)")
+                                       "(count ratio along the path) is below this (paper: 0.1)",
+                                  bounds=(0.0, 1.0))
     mode: str = param("tree", "'tree': best-first draft tree by path probability; 'path': "
                               "follow the most frequent child (a chain)")
     max_cached_requests: int = param(DEFAULT_MAX_CACHED_REQUESTS,
                                      "earlier responses kept in the global tree, oldest evicted "
-                                     "first; 0 disables it (bounds memory, docs/suffix.md)")
+                                     "first; 0 disables it (bounds memory, docs/suffix.md)",
+                                     startup_only=True)
     corpus: str = param("none", "target-written text that drafts where the request and the "
                                 "global tree have nothing: a `specdecode train corpus` file, "
                                 "'auto' (the newest for the target, if any) or 'none' "

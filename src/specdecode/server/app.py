@@ -169,9 +169,9 @@ class Frontend:
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
-    def resolve_method(self, req: SamplingFields) -> tuple[str, Any, int]:
-        """(method name, its config, its proposer's estimated bytes) for a request; a request's
-        config fields are checked against the server's limits (:mod:`.limits`) and its artifact
+    def resolve_method(self, req: SamplingFields) -> tuple[registry.Method, Any, int]:
+        """(method, its config, its proposer's estimated bytes) for a request; a request's
+        config fields are checked against their limits (:mod:`.limits`) and its artifact
         names looked up in the catalogue (:mod:`.artifacts`) before the config is built."""
         base, plus, alias = req.model.partition("+")
         if base not in (self.settings.model_id, "default"):
@@ -192,7 +192,7 @@ class Frontend:
                            code="unknown_method") from None
         overrides = dict(self.settings.config) if name == self.settings.method else {}
         asked = dict(req.specdecode.config) if req.specdecode else {}
-        limits.check_overrides(name, asked)
+        limits.check_overrides(method, asked)
         for field in ARTIFACT_FIELDS:
             if field in asked:
                 asked[field] = self.catalogue.resolve(method, field, asked[field])
@@ -201,17 +201,17 @@ class Frontend:
             config = method.make_config(overrides)
         except (SpecDecodeError, TypeError) as exc:
             raise ApiError(400, str(exc), param="specdecode.config") from None
-        limits.check_ranges(name, config, asked)
+        limits.check_ranges(method, config, asked)
         artifact_bytes = sum(self.catalogue.loaded_bytes(method, f, getattr(config, f))
                              for f in ARTIFACT_FIELDS if hasattr(config, f))
-        needed = limits.proposer_bytes(name, config, self.runner_info.vocab_size, artifact_bytes)
+        needed = limits.proposer_bytes(config, self.runner_info.vocab_size, artifact_bytes)
         budget = self.settings.proposer_memory_bytes
         if needed > budget:
             raise ApiError(400, f"this config of method '{name}' needs about {needed / 2**20:.0f} "
                                 f"MiB of proposer memory; this server allows {budget / 2**20:.0f} "
                                 "MiB per slot (--proposer-memory-mb): ask for a smaller one",
                            param="specdecode.config")
-        return name, config, needed
+        return method, config, needed
 
     def sampling(self, req: SamplingFields) -> dict[str, Any]:
         options = req.sampling()
@@ -265,8 +265,8 @@ class Frontend:
                            param="n")
         method, config, proposer_bytes = self.resolve_method(req)
         sampling = self.sampling(req)
-        if is_diffusion(method):
-            check_diffusion(method, self.dllm, sampling)
+        if is_diffusion(method.name):
+            check_diffusion(method.name, self.dllm, sampling)
         stop = tuple(req.stop_list())
         specs = []
         for ids in prompts:

@@ -3,7 +3,7 @@
 model alias ``MODEL+diffusion:POLICY``) and is decoded by the dLLM with that policy.
 
 The dLLM is chosen when the server starts (``specdecode serve --dllm auto|PATH``), never by a
-request: a delta is a file the server would open (server/limits.py's rule for artifacts).
+request: a delta is a file the server would open (the server's rule for artifacts).
 Without one the policies are refused with that fix. A policy's output is the dLLM's, not the
 AR model's: the server runs it as a lossy method (its own decode loop, a block a step beside
 the packed forward, streamed a block at a time), so a request must opt in with

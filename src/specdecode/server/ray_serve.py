@@ -353,7 +353,7 @@ class ReplicaPool:
         """Choice ``index`` ends (``kind``: done, error or cancelled): counts, gauges, metrics,
         and the job's last event for it."""
         choice = choices[index]
-        method = job.specs[index].method
+        method = job.specs[index].method.name
         if choice.state == "running":
             self.running -= 1
         elif choice.state == "waiting":

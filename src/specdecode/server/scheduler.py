@@ -51,7 +51,6 @@ from specdecode.server.goodput import Batching
 from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
-from specdecode.server.diffusion import served_method
 from specdecode.server.protocol import ApiError
 
 log = logging.getLogger("specdecode.server")
@@ -75,7 +74,7 @@ class SequenceSpec:
     max_tokens: int
     stop: tuple[str, ...]
     sampling: dict[str, Any]
-    method: str
+    method: registry.Method
     #: the method's frozen config dataclass
     config: Any
     #: upper estimate of the proposer's memory (:func:`.limits.proposer_bytes`)
@@ -250,7 +249,7 @@ class Scheduler:
                 while self._pending and self._free:
                     seq = self._pending.popleft()
                     if seq.job.cancelled.is_set():
-                        self.metrics.sequences.labels(seq.spec.method, "cancelled").inc()
+                        self.metrics.sequences.labels(seq.spec.method.name, "cancelled").inc()
                         continue
                     seq.slot = self._take_slot(seq)
                     self._busy += 1
@@ -263,13 +262,12 @@ class Scheduler:
         self._drain()
 
     def _decoder(self, slot: _Slot, spec: SequenceSpec) -> _Decoder:
-        key = (spec.method, repr(spec.config))
+        key = _key(spec)
         decoder = slot.decoders.pop(key, None)
         if decoder is None:
             slot.make_room(spec.proposer_bytes, self.proposer_budget)
-            proposer = self.make_proposer(spec.method, spec.config, slot.runner)
-            decoder = _Decoder(served_method(spec.method), proposer, self.tokenizer,
-                               spec.proposer_bytes)
+            proposer = self.make_proposer(spec.method.name, spec.config, slot.runner)
+            decoder = _Decoder(spec.method, proposer, self.tokenizer, spec.proposer_bytes)
         slot.decoders[key] = decoder  # the most recently used, last
         return decoder
 
@@ -490,7 +488,7 @@ class Scheduler:
             result: GenerationResult = seq.stream.finish()
             outcome = result.finish_reason
             seq.job.post("done", seq.index, result)
-        self.metrics.observe_sequence(seq.spec.method, outcome, stats)
+        self.metrics.observe_sequence(seq.spec.method.name, outcome, stats)
         with self._cond:
             self._free.append(seq.slot)
             self._busy -= 1
@@ -521,7 +519,7 @@ class Scheduler:
 
 
 def _key(spec: SequenceSpec) -> tuple[str, str]:
-    return spec.method, repr(spec.config)
+    return spec.method.name, repr(spec.config)
 
 
 def _rows(call: Call) -> int:

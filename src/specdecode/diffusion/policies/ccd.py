@@ -24,8 +24,8 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class CcdConfig:
-    history: int = param(2, "steps a position's argmax must have held (ours)")
-    threshold: float = param(0.6, "its mean probability over those steps (ours)")
+    history: int = param(2, "steps a position's argmax must have held (ours)", bounds=(1, 64))
+    threshold: float = param(0.6, "its mean probability over those steps (ours)", bounds=(0.0, 1.0))
 
     def __post_init__(self):
         require(self.history >= 1, f"history must be >= 1, got {self.history}")

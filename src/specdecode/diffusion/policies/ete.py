@@ -26,8 +26,10 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class EteConfig:
-    threshold: float = param(0.9, "exploit: commit positions at least this confident")
-    bits_per_round: float = param(1.0, "explore: further entropy (bits) a round may commit (ours)")
+    threshold: float = param(0.9, "exploit: commit positions at least this confident",
+                             bounds=(0.0, 1.0))
+    bits_per_round: float = param(1.0, "explore: further entropy (bits) a round may commit (ours)",
+                                  bounds=(0.0, 64.0))
 
     def __post_init__(self):
         require(self.bits_per_round >= 0, f"bits_per_round must be >= 0, got {self.bits_per_round}")

@@ -24,7 +24,8 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class FreeDaveConfig:
-    draft_steps: int = param(8, "draft states verified per forward (the paper's default)")
+    draft_steps: int = param(8, "draft states verified per forward (the paper's default)",
+                             bounds=(1, 32))
 
     def __post_init__(self):
         require(self.draft_steps >= 1, f"draft_steps must be >= 1, got {self.draft_steps}")

@@ -19,9 +19,12 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class LocalLeapConfig:
-    anchor_threshold: float = param(0.9, "confidence that makes a position an anchor (paper)")
-    relaxed_threshold: float = param(0.7, "confidence a neighbour of an anchor needs (ours)")
-    radius: int = param(2, "how far from an anchor a neighbour may be, in positions (ours)")
+    anchor_threshold: float = param(0.9, "confidence that makes a position an anchor (paper)",
+                                    bounds=(0.0, 1.0))
+    relaxed_threshold: float = param(0.7, "confidence a neighbour of an anchor needs (ours)",
+                                     bounds=(0.0, 1.0))
+    radius: int = param(2, "how far from an anchor a neighbour may be, in positions (ours)",
+                        bounds=(0, 64))
 
     def __post_init__(self):
         require(self.relaxed_threshold <= self.anchor_threshold,

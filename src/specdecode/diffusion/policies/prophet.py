@@ -21,9 +21,10 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class ProphetConfig:
-    early_gap: float = param(7.5, "logit gap to go all in during the block's first third")
-    middle_gap: float = param(5.0, "logit gap during the second third")
-    late_gap: float = param(2.5, "logit gap in the last third")
+    early_gap: float = param(7.5, "logit gap to go all in during the block's first third",
+                             bounds=(0.0, 100.0))
+    middle_gap: float = param(5.0, "logit gap during the second third", bounds=(0.0, 100.0))
+    late_gap: float = param(2.5, "logit gap in the last third", bounds=(0.0, 100.0))
 
 
 @register_policy("prophet", ProphetConfig,

@@ -16,7 +16,7 @@ from specdecode.registry import param
 @dataclass(frozen=True)
 class ThresholdConfig:
     threshold: float = param(0.9, "commit positions whose argmax probability is at least this "
-                                  "(Fast-dLLM's default 0.9)")
+                                  "(Fast-dLLM's default 0.9)", bounds=(0.0, 1.0))
 
     def __post_init__(self):
         require(0.0 < self.threshold <= 1.0, f"threshold must be in (0, 1], got {self.threshold}")

@@ -27,10 +27,13 @@ from specdecode.registry import param
 
 @dataclass(frozen=True)
 class WindowConfig:
-    inner: int = param(32, "active positions recomputed each step (i_win_size)")
-    outer: int = param(128, "positions attended to, the buffer's edge (o_win_size)")
-    refresh: int = param(32, "steps between full passes that refresh the buffer (refresh_cycle)")
-    threshold: float = param(0.9, "commit active positions at least this confident")
+    inner: int = param(32, "active positions recomputed each step (i_win_size)", bounds=(1, 256))
+    outer: int = param(128, "positions attended to, the buffer's edge (o_win_size)",
+                       bounds=(1, 1024))
+    refresh: int = param(32, "steps between full passes that refresh the buffer (refresh_cycle)",
+                         bounds=(1, 1024))
+    threshold: float = param(0.9, "commit active positions at least this confident",
+                             bounds=(0.0, 1.0))
 
     def __post_init__(self):
         require(1 <= self.inner <= self.outer, "need 1 <= inner <= outer")
