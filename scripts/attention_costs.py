@@ -52,7 +52,7 @@ def kernel_table(variants: dict, repeats: int) -> None:
             q = torch.randn(m, heads, d)
             slots = torch.tensor([[past + j for j in range(m)]] * m, dtype=torch.int32)
             lens = torch.arange(1, m + 1, dtype=torch.int32)
-            outs = [ext.attention(q, k[0], v[0], past, slots, lens, 0, kernels.isa())
+            outs = [ext.attention(q, k[0], v[0], past, slots, lens, 0, 0.0, kernels.isa())
                     for ext in variants.values()]
             assert torch.equal(outs[0], outs[1]), "the variants disagree"
             times = {name: [] for name in variants}
@@ -62,7 +62,7 @@ def kernel_table(variants: dict, repeats: int) -> None:
                     flush.add_(1.0)
                     start = time.perf_counter()
                     for layer in range(layers):
-                        ext.attention(q, k[layer], v[layer], past, slots, lens, 0, kernels.isa())
+                        ext.attention(q, k[layer], v[layer], past, slots, lens, 0, 0.0, kernels.isa())
                     times[name].append(time.perf_counter() - start)
             on, off = (statistics.median(times[name]) * 1e3 for name in variants)
             print(f"  past {past:5d} rows {m}: {on:6.2f} / {off:6.2f}  ({on / off:.2f}x)", flush=True)

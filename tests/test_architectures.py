@@ -1,7 +1,7 @@
-"""Qwen2, Qwen3 and Gemma 3 on the native runner: each tiny random-weight model of that config
-against transformers (logits of chains and trees, greedy tokens), bitwise row invariance in
-every weight format across a sliding window, every method exact against ``ar``, and GGUF files
-of these architectures (Gemma's stored 1 + w norms, Q4_K blocks)."""
+"""Qwen2, Qwen3, Gemma 2 and Gemma 3 on the native runner: each tiny random-weight model of that
+config against transformers (logits of chains and trees, greedy tokens), bitwise row invariance
+in every weight format across a sliding window, every method exact against ``ar``, and GGUF
+files of these architectures (Gemma's stored 1 + w norms, Q4_K blocks)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ ARCHS = {
     "gemma3-softcap": dict(model_type="gemma3_text", sliding_window=WINDOW,
                            layer_types=["sliding_attention", "full_attention"],
                            final_logit_softcapping=5.0, tie_word_embeddings=True),
+    # Gemma 2: layer 0 sliding, layer 1 global, one rope base, no head norms; the attention
+    # scores soft-capped at 0.25, near the tiny model's scores, so that tanh bends them (the
+    # real models' 50.0 would barely touch them: the tests could not tell it from no cap);
+    # query_pre_attn_scalar the head size (as in the 2B and 9B); transformers' eager attention
+    # (its sdpa path skips the cap)
+    "gemma2": dict(model_type="gemma2", attn_logit_softcapping=0.25, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=16, attn_implementation="eager"),
+    "gemma2-window": dict(model_type="gemma2", attn_logit_softcapping=0.25,
+                          final_logit_softcapping=5.0, query_pre_attn_scalar=16,
+                          attn_implementation="eager", sliding_window=WINDOW,
+                          tie_word_embeddings=True),
 }
 TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
 
@@ -96,7 +107,7 @@ def test_greedy_ar_tokens_identical_to_transformers_generate(name):
 
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
-@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap"])
+@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap", "gemma2-window"])
 def test_position_alone_equals_position_in_tree_bitwise(name, weights):
     runner = LlamaRunner.from_transformers(build(name, seed=5), weights)
     rng = random.Random(1)
@@ -119,7 +130,8 @@ PRECISE_TARGET = ("quantized", "hierspec", "pearl")
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap", "gemma2",
+                                  "gemma2-window"])
 def test_every_method_equals_ar_on_the_native_runner(name, method):
     model = build(name, seed=6)
     runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
@@ -130,8 +142,8 @@ def test_every_method_equals_ar_on_the_native_runner(name, method):
 
 
 def test_unsupported_pieces_are_named():
-    with pytest.raises(SpecDecodeError, match="attn logit softcapping.*--runner hf"):
-        LlamaRunner.from_transformers(build("gemma3", attn_logit_softcapping=50.0))
+    with pytest.raises(SpecDecodeError, match="bidirectional attention.*--runner hf"):
+        LlamaRunner.from_transformers(build("gemma3", use_bidirectional_attention=True))
     with pytest.raises(SpecDecodeError, match="'gelu'.*--runner hf"):
         LlamaRunner.from_transformers(build("qwen3", hidden_act="gelu"))
 
@@ -161,9 +173,13 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
     import gguf
 
     c = model.config
-    names = {**_GGUF, **(_GEMMA if arch == "gemma3" else {})}
+    gemma = arch in ("gemma2", "gemma3")
+    names = {**_GGUF, **(_GEMMA if gemma else {})}
     q = gguf.GGMLQuantizationType
     writer = gguf_writer(c, path, arch)
+    if arch == "gemma2":  # as llama.cpp's converter writes them
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     rng = np.random.default_rng(0)
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -177,7 +193,7 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
                 gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
             w = param.float().numpy()
             if w.ndim == 1:
-                shift = 1 if arch == "gemma3" and "norm" in name else 0
+                shift = 1 if gemma and "norm" in name else 0
                 writer.add_tensor(gguf_name, w + shift)
                 param.copy_(torch.from_numpy((w + shift) - shift))  # as a reader gets it back
                 continue
@@ -192,7 +208,8 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
     close_gguf(writer)
 
 
-@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3")])
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3"),
+                                       ("gemma2-window", "gemma2")])
 def test_gguf_files_read_like_the_model(tmp_path, name, arch):
     from specdecode.models.gguf_reader import read_gguf
 
@@ -205,7 +222,8 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
     write_gguf(model, path, arch, q4k=("down_proj",))
     config, tensors = read_gguf(path)
     assert config.model_type == model.config.model_type
-    for field in ("sliding_window", "layer_types", "head_dim", "rope_theta"):
+    for field in ("sliding_window", "layer_types", "head_dim", "rope_theta",
+                  "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
         assert getattr(config, field, None) == getattr(model.config, field, None), field
     state = model.state_dict()
     for key, w in tensors.items():

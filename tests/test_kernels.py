@@ -293,10 +293,10 @@ def test_bfloat16_cache_reads_exactly_what_float32_holds(ext, isa):
     # tree rows: row r sees the slots of rows r % 3, r % 3 + 3, .. r (odd and even slots gathered)
     table, lens = strided_paths(past, 3)
     for window in (0, 9):
-        assert torch.equal(ext.attention(q, k16, v16, past, table, lens, window, isa),
-                           ext.attention(q, k32, v32, past, table, lens, window, isa)), window
+        assert torch.equal(ext.attention(q, k16, v16, past, table, lens, window, 0.0, isa),
+                           ext.attention(q, k32, v32, past, table, lens, window, 0.0, isa)), window
     with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
-        ext.attention(q, k16, v32, past, table, lens, 0, isa)
+        ext.attention(q, k16, v32, past, table, lens, 0, 0.0, isa)
 
 
 def test_rope_store_rounds_the_cache_to_nearest_even(ext, isa):
@@ -341,11 +341,11 @@ def test_sliding_window_attention(ext, isa, window, dtype):
     # rows in tree order: row r's keys are the cached ones, then the slots of rows 0, 2, 4 ..
     # up to r (every other row), so a row's window covers slots that are not contiguous
     table, lens = strided_paths(past, 2)
-    out = ext.attention(q, blocked, cached_values, past, table, lens, window, isa)
-    assert torch.equal(out, ext.attention(q, blocked, cached_values, past, table, lens, window, GENERIC))
+    out = ext.attention(q, blocked, cached_values, past, table, lens, window, 0.0, isa)
+    assert torch.equal(out, ext.attention(q, blocked, cached_values, past, table, lens, window, 0.0, GENERIC))
     for r in (0, 1, 33, ROWS - 1):
         alone = ext.attention(q[r:r + 1].contiguous(), blocked, cached_values, past, table[r:r + 1].contiguous(),
-                              lens[r:r + 1], window, isa)
+                              lens[r:r + 1], window, 0.0, isa)
         assert torch.equal(alone[0], out[r]), r
         slots = list(range(past)) + table[r, :lens[r]].tolist()
         seen = torch.tensor(slots[-window:] if window else slots)  # the last `window` positions
@@ -353,6 +353,48 @@ def test_sliding_window_attention(ext, isa, window, dtype):
         expected = torch.einsum("hl,hld->hd", torch.softmax(scores, -1),
                                 values[:, seen].repeat_interleave(2, 0))
         assert (out[r] - expected.reshape(-1)).abs().max() < 1e-4
+
+
+# head sizes 32 (the AVX-512 blocks) and 24 (attend_one in every variant); no window and one
+# that tree rows cross
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,window", [(32, 0), (32, 20), (24, 0), (24, 20)])
+def test_soft_capped_attention(ext, isa, d, window, dtype):
+    """Scores cap * tanh(score / cap) before the softmax (Gemma 2): every variant the baseline's
+    bits, a tree row alone the bits it has among others, a chain row the bits it has alone after
+    its earlier rows are committed (its keys then read as cached blocks), and plain PyTorch's
+    answer. Random scores here are several times the cap, so tanh bends them."""
+    gen = torch.Generator().manual_seed(d + window)
+    heads, kv, cap, past, softcap = 4, 2, 304, 90, 2.0
+    keys, values, blocked, cached_values = caches(kv, d, cap, dtype, gen)
+    q = torch.randn(ROWS, heads, d, generator=gen)
+
+    def attention(rows, past, table, lens, level=isa):
+        return ext.attention(rows, blocked, cached_values, past, table, lens, window, softcap, level)
+
+    def expected(r, slots):
+        seen = torch.tensor(slots[-window:] if window else slots)
+        scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(2, 0))
+        capped = softcap * torch.tanh(scores / softcap)
+        return torch.einsum("hl,hld->hd", torch.softmax(capped, -1),
+                            values[:, seen].repeat_interleave(2, 0)).reshape(-1)
+
+    table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
+    out = attention(q, past, table, lens)
+    assert torch.equal(out, attention(q, past, table, lens, GENERIC))
+    assert not torch.allclose(out, ext.attention(q, blocked, cached_values, past, table, lens,
+                                                 window, 0.0, isa), atol=1e-3)
+    for r in (0, 1, 33, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past, table[r:r + 1].contiguous(), lens[r:r + 1])
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past)) + table[r, :lens[r]].tolist())).abs().max() < 1e-4
+    chain = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
+    out = attention(q, past, chain, torch.arange(1, ROWS + 1, dtype=torch.int32))
+    for r in (0, 17, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past + r, torch.tensor([[past + r]], dtype=torch.int32),
+                          torch.tensor([1], dtype=torch.int32))
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
 
 
 # head sizes: 16, 64 and one the AVX-512 blocks do not fit; groups of query heads per key/value
@@ -370,7 +412,7 @@ def test_attention_rows_see_their_keys_in_order(ext, isa, d, heads, kv, dtype):
             m = len(rows)
             table = (past + torch.arange(m, dtype=torch.int32)).expand(m, m).contiguous()
             return ext.attention(rows, blocked, cached_values, past, table,
-                                 torch.arange(1, m + 1, dtype=torch.int32), 0, level)
+                                 torch.arange(1, m + 1, dtype=torch.int32), 0, 0.0, level)
 
         out = chain(q, isa)
         assert torch.equal(out, chain(q, GENERIC)), past
@@ -378,7 +420,7 @@ def test_attention_rows_see_their_keys_in_order(ext, isa, d, heads, kv, dtype):
             # the same row alone, its earlier rows committed: the same keys, the same bits
             alone = ext.attention(q[r:r + 1].contiguous(), blocked, cached_values, past + r,
                                   torch.tensor([[past + r]], dtype=torch.int32),
-                                  torch.tensor([1], dtype=torch.int32), 0, isa)
+                                  torch.tensor([1], dtype=torch.int32), 0, 0.0, isa)
             assert torch.equal(alone[0], out[r]), (past, r)
             n = past + r + 1
             scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, :n].repeat_interleave(group, 0))
@@ -430,7 +472,7 @@ def test_thread_count_changes_no_bit(ext, isa, two_threads):
 
     def run_all():
         return [ext.q4_linear(x, q4, None, n, isa), ext.dense_linear(x, dense, None, None, n, isa),
-                ext.attention(q, keys, values, past, table, lens, 0, isa),
+                ext.attention(q, keys, values, past, table, lens, 0, 0.0, isa),
                 ext.rms_norm(x, torch.rand(k, generator=gen), 1e-5, isa),
                 ext.swiglu(gate_up, isa), ext.geglu(gate_up, isa), *rope_store()]
 

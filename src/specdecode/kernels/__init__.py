@@ -4,7 +4,8 @@
 of a decode or verify forward that adds numbers up: the linear layers of each weight format
 (fp32, bf16, block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512
 VNNI, or AMX tiles for several int4 rows), RMSNorm, SwiGLU, rotary embedding with the cache
-write, tree attention (optionally over a sliding window), GeGLU and logit soft-capping. Each
+write, tree attention (optionally over a sliding window, optionally with its scores
+soft-capped), GeGLU and logit soft-capping. Each
 output element is computed by one thread in an order of additions fixed by the model's sizes
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits).
@@ -211,9 +212,10 @@ def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, isa())
 
 
-def attention(q, k_cache, v_cache, past, slots, lens, window=0):
-    """``window`` > 0: each row sees only its last ``window`` positions (sliding-window layers)."""
-    return load().attention(q, k_cache, v_cache, past, slots, lens, window, isa())
+def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0):
+    """``window`` > 0: each row sees only its last ``window`` positions (sliding-window layers);
+    ``softcap`` > 0: scores are softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    return load().attention(q, k_cache, v_cache, past, slots, lens, window, softcap, isa())
 
 
 
@@ -276,7 +278,7 @@ def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's
     next ``len(slots[s])`` rows; its row i writes slot ``slots[s][i]`` and sees the slots before
     ``pasts[s]``, then ``keys[s][i, :lens[s][i]]``. Checked once; its ``rope_store(layer, qkv,
-    cos, sin, heads, kv_heads, isa)`` and ``attention(layer, q, window, isa)`` run every sequence's
-    rows on its own cache of that layer."""
+    cos, sin, heads, kv_heads, isa)`` and ``attention(layer, q, window, softcap, isa)`` run
+    every sequence's rows on its own cache of that layer."""
     return load().PackedPlan(k_caches, v_caches, pasts, slots, keys, lens)
 

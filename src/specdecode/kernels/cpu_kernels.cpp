@@ -301,7 +301,7 @@ static void value_blocks(const RowKeys* rows, const KV* vc, int64_t d, int64_t s
 // scores: R x NH x stride floats, stride a multiple of 16 at least every row's len
 template <int NH, int R, typename KV>
 static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc, int64_t d,
-                                float* scores, int64_t stride) {
+                                float* scores, int64_t stride, float cap) {
   static_assert(R * NH <= 12, "a pass holds 2 x R x NH accumulators");
   int64_t shared = rows[0].cached, blocked = rows[0].cached;
   for (int r = 1; r < R; r++) {
@@ -316,7 +316,11 @@ static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc,
   for (int r = 0; r < R; r++) {
     float* sc = scores + r * NH * stride;
     gathered_scores<NH, KV>(rows[r], kt, d, sc, stride);
-    for (int h = 0; h < NH; h++) denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len);
+    for (int h = 0; h < NH; h++) {
+      // soft-capping (cap > 0) as attend_one does it: the same elementwise bits
+      if (cap > 0.0f) softcap_values(sc + h * stride, sc + h * stride, rows[r].len, cap);
+      denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len);
+    }
   }
   int64_t c0 = 0;
   for (; c0 + 32 <= d; c0 += 32) value_blocks<NH, R, 2, KV>(rows, vc, d, shared, c0, scores, stride, denom);
@@ -328,12 +332,12 @@ static inline int64_t block_rows(int64_t nh) { return std::min<int64_t>(4, 12 / 
 
 template <int NH, typename KV>
 static void attend_block_rows(const RowKeys* rows, int64_t count, const KV* kt,
-                              const KV* vc, int64_t d, float* scores, int64_t stride) {
+                              const KV* vc, int64_t d, float* scores, int64_t stride, float cap) {
   switch (count) {
-    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride); break;
-    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride); break;
-    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride); break;
-    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride); break;
+    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride, cap); break;
+    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride, cap); break;
+    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride, cap); break;
+    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride, cap); break;
   }
 }
 
@@ -342,16 +346,16 @@ static void attend_block_rows(const RowKeys* rows, int64_t count, const KV* kt,
 // x 4 x stride floats.
 template <typename KV>
 static void attend_rows(const RowKeys* rows, int64_t count, const KV* kt, const KV* vc,
-                        int64_t d, float* scores, int64_t stride, int64_t nh) {
+                        int64_t d, float* scores, int64_t stride, int64_t nh, float cap) {
   RowKeys part[4];
   for (int64_t h = 0; h < nh; h += 4) {
     for (int64_t r = 0; r < count; r++)
       part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};
     switch (std::min<int64_t>(4, nh - h)) {
-      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride); break;
-      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride); break;
-      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride); break;
-      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride); break;
+      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride, cap); break;
+      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride, cap); break;
+      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride, cap); break;
+      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride, cap); break;
     }
   }
 }
@@ -816,10 +820,11 @@ static void rope_store_segments(const float* src, const float* cos, const float*
 // a block of rows of one segment (a block never mixes two caches) and a key/value head, with the
 // query heads that share it. A row's result depends on its own keys alone (see
 // attend_block_avx512), so how the rows of a call fall into segments and blocks changes no bit.
+// ``softcap`` > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0: none.
 template <typename KV>
 static void attend_segments(const float* qp, float* op, const std::vector<Segment<KV>>& segs,
                             int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t window,
-                            int64_t isa) {
+                            double softcap, int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
   const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
@@ -863,9 +868,10 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
         }
         if (!blocked)
           DISPATCH(isa, attend_group, row.q, kt, vc, d, row.cached, row.slots, row.len,
-                   scores.data(), row.out, group);
+                   scores.data(), row.out, group, (float)softcap);
       }
-      if (blocked) k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group);
+      if (blocked)
+        k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group, (float)softcap);
     }
   });
 }
@@ -903,11 +909,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 
 // q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values), float32
 // or bfloat16; row r sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]];
-// with a sliding ``window`` > 0 only its last ``window`` positions. Returns [m, H * D]. The
-// one-segment case of attend_segments.
+// with a sliding ``window`` > 0 only its last ``window`` positions; ``softcap`` > 0 soft-caps
+// the scores (0: none). Returns [m, H * D]. The one-segment case of attend_segments.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
-                     int64_t isa) {
+                     double softcap, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
   const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
   const int64_t cap = v_cache.size(1), width = slots.size(1);
@@ -923,11 +929,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   if (k_cache.scalar_type() == at::kFloat)
     attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(),
                            {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past,
-                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, isa);
+                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, isa);
   else
     attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(),
                               {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m,
-                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, isa);
+                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, isa);
   return out;
 }
 
@@ -1013,7 +1019,8 @@ struct PackedPlan {
   }
 
   // attention of every sequence's rows on its own cache of layer `layer`; [rows, H * D]
-  at::Tensor attention(int64_t layer, const at::Tensor& q, int64_t window, int64_t isa) const {
+  at::Tensor attention(int64_t layer, const at::Tensor& q, int64_t window, double softcap,
+                       int64_t isa) const {
     TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
                 q.size(0) == rows && q.size(2) == d && q.size(1) % kv == 0,
                 "q must be [rows, H, D], H a multiple of the caches' key/value heads");
@@ -1021,10 +1028,10 @@ struct PackedPlan {
     auto out = at::empty({rows, heads * d}, q.options());
     if (bf16)
       attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(), segments<uint16_t>(layer),
-                                heads, d, kv, cap, window, isa);
+                                heads, d, kv, cap, window, softcap, isa);
     else
       attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(), segments<float>(layer),
-                             heads, d, kv, cap, window, isa);
+                             heads, d, kv, cap, window, softcap, isa);
     return out;
   }
 };
@@ -1093,7 +1100,7 @@ struct LayerStack {
     for (int64_t i = first; i < last; i++) {
       const at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
       const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads, isa);
-      x = o[i](plan.attention(i, q, window[i], isa), x, isa);
+      x = o[i](plan.attention(i, q, window[i], 0.0, isa), x, isa);  // no soft-capping
       const at::Tensor up = gate_up[i](rms_norm(x, mlp_norm[i], eps, isa), c10::nullopt, isa);
       x = down[i](swiglu(up, isa), x, isa);
     }

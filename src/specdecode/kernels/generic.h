@@ -362,7 +362,9 @@ static void q4_columns_generic(const int8_t* xq, const float* dx, const float* s
 // cached in blocks of 16 slots, kt [capacity / 16][D][16], so that a score is one fma chain
 // over d in order whether it is computed 16 keys at a time (slots before the forward) or alone
 // (its own rows). Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]),
-// then / sum p. KV: float, or uint16_t for a bfloat16 cache (read exactly as float32).
+// then / sum p. KV: float, or uint16_t for a bfloat16 cache (read exactly as float32). A
+// ``cap`` > 0 soft-caps each score to cap * tanh(score / cap) before the softmax (softcap_values,
+// elementwise: a score's bits depend on that score alone); 0 skips it.
 static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
   return (slot / 16) * d * 16 + i * 16 + slot % 16;
 }
@@ -370,7 +372,7 @@ static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
 template <typename KV>
 static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
                        int64_t past, const int32_t* slots, int64_t len, float* scores,
-                       float* out) {
+                       float* out, float cap) {
   int64_t j0 = 0;
   for (; j0 + 16 <= past; j0 += 16) {
     float acc[16] = {};
@@ -387,6 +389,7 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
     for (int64_t i = 0; i < d; i++) acc = FMA(q[i], load_weight(kt[key_at(s, i, d)]), acc);
     scores[j] = acc;
   }
+  if (cap > 0.0f) softcap_values(scores, scores, len, cap);  // Gemma 2's logit soft-capping
   const float mx = ROW_MAX(scores, len);
   for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
   const float denom = lane_sum(scores, len);
@@ -404,7 +407,7 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
 template <typename KV>
 static void attend_group(const float* q, const KV* kt, const KV* vc, int64_t d,
                          int64_t past, const int32_t* slots, int64_t len, float* scores,
-                         float* out, int64_t nh) {
+                         float* out, int64_t nh, float cap) {
   for (int64_t h = 0; h < nh; h++)
-    attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d);
+    attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d, cap);
 }

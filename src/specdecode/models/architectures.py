@@ -9,15 +9,20 @@ the same place ``transformers``' modeling file reads it:
     qwen2   + biases on the q, k and v projections (modeling_qwen2)
     qwen3   + an RMSNorm over each head of q and of k before the rotary embedding, no biases
             (modeling_qwen3)
-    gemma3  + (1 + w) RMSNorm weights, q/k head norms, norms after attention and after the MLP
-            as well as before them, a GeGLU MLP (gelu_pytorch_tanh), embeddings times
-            sqrt(hidden), a query scale of query_pre_attn_scalar ** -0.5, and interleaved
-            sliding-window layers whose rotary base is rope_local_base_freq (modeling_gemma3)
+    gemma2  + (1 + w) RMSNorm weights, norms after attention and after the MLP as well as
+            before them, a GeGLU MLP (gelu_pytorch_tanh), embeddings times sqrt(hidden), a
+            query scale of query_pre_attn_scalar ** -0.5, attention scores soft-capped to
+            cap * tanh(score / cap) before the softmax (attn_logit_softcapping, in the
+            attention kernel), and sliding-window layers alternating with global ones, all
+            with one rotary base (modeling_gemma2)
+    gemma3  gemma2's pieces without the attention soft-capping, with q/k head norms, five
+            sliding-window layers to each global one, and a rotary base of
+            rope_local_base_freq in the sliding-window layers (modeling_gemma3)
 
 Per-layer facts that a config carries for every family (``layer_types`` with
-``sliding_window``, ``final_logit_softcapping``) are read from the config by the runner, so a
-Qwen2 config with sliding-window layers runs them as Gemma's do. A new family is one more entry
-here (and its GGUF tensor names), not a copy of the forward.
+``sliding_window``, ``attn_logit_softcapping``, ``final_logit_softcapping``) are read from the
+config by the runner, so a Qwen2 config with sliding-window layers runs them as Gemma's do. A
+new family is one more entry here (and its GGUF tensor names), not a copy of the forward.
 """
 
 from __future__ import annotations
@@ -57,18 +62,24 @@ class Architecture:
     gguf_norm_plus_one: bool = False
 
 
+#: llama.cpp's names of Gemma's norms (blk.N.<name>) that differ from the common ones
+_GEMMA_GGUF_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+
 ARCHITECTURES = {a.model_type: a for a in (
     Architecture("llama", "llama", gguf_permuted_qk=True),
     Architecture("qwen2", "qwen2", qkv_bias=True),
     Architecture("qwen3", "qwen3", qk_norm=True),
+    Architecture("gemma2", "gemma2", norm_offset=1.0, post_norms=True,
+                 activation_attr="hidden_activation", scale_embeddings=True,
+                 query_scale_attr="query_pre_attn_scalar", gguf_layer_names=_GEMMA_GGUF_NAMES,
+                 gguf_norm_plus_one=True),
     Architecture("gemma3_text", "gemma3", qk_norm=True, norm_offset=1.0, post_norms=True,
                  activation_attr="hidden_activation", scale_embeddings=True,
                  query_scale_attr="query_pre_attn_scalar",
                  local_rope_base_attr="rope_local_base_freq",
-                 gguf_layer_names={"ffn_norm": "pre_feedforward_layernorm",
-                                   "post_attention_norm": "post_attention_layernorm",
-                                   "post_ffw_norm": "post_feedforward_layernorm"},
-                 gguf_norm_plus_one=True),
+                 gguf_layer_names=_GEMMA_GGUF_NAMES, gguf_norm_plus_one=True),
 )}
 #: GGUF ``general.architecture`` -> Architecture
 GGUF_ARCHITECTURES = {a.gguf_name: a for a in ARCHITECTURES.values()}

@@ -2,7 +2,7 @@
 
 :class:`GGUFFile` opens a file's header (the ``gguf`` package's reader maps the file; only
 the header's pages are read), builds a ``transformers`` config from its metadata (Llama,
-Qwen2, Qwen3 or Gemma 3 text) and reads one tensor at a time, under its Hugging Face
+Qwen2, Qwen3, Gemma 2 or Gemma 3 text) and reads one tensor at a time, under its Hugging Face
 parameter name, so the native runner builds from a GGUF file exactly as from a checkpoint,
 in the memory of one tensor beyond what it keeps. A tensor's bytes are read with ``pread``
 into a buffer of its own, not through the map: mapped pages count as the process's resident
@@ -74,7 +74,15 @@ Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 #: transformers config class per architecture
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+            "gemma2": "Gemma2Config",
             "gemma3_text": "Gemma3TextConfig"}
+
+
+def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """Gemma 2's query_pre_attn_scalar, which a GGUF file does not hold, by llama.cpp's rule
+    (from gemma_pytorch's configs): hidden / heads for the 46-layer 27B (144), the head size
+    for the others (256 for 2B and 9B)."""
+    return hidden // heads if layers == 46 else head_dim
 
 
 def hf_name(gguf_name: str, layer_names: dict = _LAYER_NAMES) -> str | None:
@@ -392,6 +400,13 @@ class GGUFFile:
         # base 10000, every sixth layer global)
         window = field(f"{arch}.attention.sliding_window")
         extra = {} if window is None else {"sliding_window": int(window)}
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
+            if field(f"{arch}.{cap}") is not None:
+                extra[cap] = float(field(f"{arch}.{cap}"))
+        if self.spec.model_type == "gemma2":
+            extra["query_pre_attn_scalar"] = gemma2_query_scalar(
+                int(field(f"{arch}.block_count")), hidden, heads,
+                int(field(f"{arch}.attention.key_length", hidden // heads)))
         return getattr(transformers, _CONFIGS[self.spec.model_type])(
             **extra,
             vocab_size=self.entries["model.embed_tokens.weight"].shape[0],

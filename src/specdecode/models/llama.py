@@ -3,10 +3,11 @@
 The architecture is LLaMA's (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
 Language Models"), as ``transformers``' ``modeling_llama`` computes it: RMSNorm, rotary position
 embeddings with the checkpoint's rope settings, grouped-query attention, a SwiGLU MLP and a tied
-or separate LM head. Qwen2, Qwen3 and Gemma 3 run through the same forward with the pieces
-they change switched on (q/k/v biases, q/k head norms, (1 + w) norms, norms after attention and
-MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base, logit
-soft-capping): ``models/architectures.py`` holds them as data. The static cache written at
+or separate LM head. Qwen2, Qwen3, Gemma 2 and Gemma 3 run through the same forward with the
+pieces they change switched on (q/k/v biases, q/k head norms, (1 + w) norms, norms after
+attention and MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base,
+soft-capping of the attention scores, in the attention kernel, and of the final logits):
+``models/architectures.py`` holds them as data. The static cache written at
 explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
 draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch invariance*: a
 token's logits are bitwise the same whether it is computed alone (``ar``), in a chain or in a
@@ -106,6 +107,9 @@ class LlamaShape:
     query_scale: float
     #: final logits are cap * tanh(logits / cap); 0 = none
     logit_softcap: float
+    #: attention scores are cap * tanh(scores / cap) before the softmax, in the attention
+    #: kernel (Gemma 2: 50); 0 = none
+    attn_softcap: float
 
     @property
     def fits_int4(self) -> bool:
@@ -127,9 +131,8 @@ class LlamaShape:
         act = getattr(config, arch.activation_attr, "silu")
         require(act in ACTIVATIONS, f"the native runner's MLP gate is {' or '.join(ACTIVATIONS)}, "
                                     f"not '{act}'; use --runner hf")
-        for attr in ("attn_logit_softcapping", "use_bidirectional_attention"):
-            require(not getattr(config, attr, None),
-                    f"the native runner has no {attr.replace('_', ' ')}; use --runner hf")
+        require(not getattr(config, "use_bidirectional_attention", None),
+                "the native runner has no bidirectional attention; use --runner hf")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layers = config.num_hidden_layers
@@ -149,6 +152,7 @@ class LlamaShape:
             windows=tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds),
             query_scale=float(scale_by) ** -0.5,
             logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+            attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
         )
 
 
@@ -342,7 +346,7 @@ class LlamaRunner(Runner):
                     and layer.q_norm is None and layer.post_attn_norm is None
                     and layer.post_mlp_norm is None and not layer.local_rope
                     for layer in layers for name in ("qkv", "o", "gate_up", "down"))
-        if not plain or s.activation != "silu" or not kernels.available():
+        if not plain or s.activation != "silu" or s.attn_softcap or not kernels.available():
             return None
         linears = {name: [getattr(layer, name).kernel() for layer in layers]
                    for name in ("qkv", "o", "gate_up", "down")}
@@ -822,7 +826,7 @@ class LlamaRunner(Runner):
                 qkv = self._head_norms(qkv, layer)
             cos, sin = rope[layer.local_rope]  # [n, D]
             q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads, kernels.isa())  # [n, H, D]
-            attended = plan.attention(i, q, layer.window, kernels.isa())  # [n, H D]
+            attended = plan.attention(i, q, layer.window, s.attn_softcap, kernels.isa())  # [n, H D]
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
             hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
             x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
