@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE) on the native runner: logits against transformers,
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE) on the native runner: logits against transformers,
 rows that choose other experts still bitwise what they are alone, every method exact against
 ``ar``, and GGUF files with llama.cpp's stacked expert tensors."""
 
@@ -21,17 +21,22 @@ from test_architectures import assert_close, reference
 from test_exactness import METHODS, tiny_overrides
 from tiny_models import tiny_model
 
-#: 8 experts, 2 per row; every layer sparse, or layer 0 dense and raw top-k weights
+#: 8 experts, 2 or 3 per row: every layer sparse; layer 0 dense and raw top-k weights;
+#: Qwen2-MoE's sigmoid-gated shared expert beside them
 VARIANTS = {
-    "sparse": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                   norm_topk_prob=True),
-    "mixed": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                  norm_topk_prob=False, mlp_only_layers=[0]),
+    "sparse": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=64, norm_topk_prob=True),
+    "mixed": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3,
+                  moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0]),
+    "shared": dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                   norm_topk_prob=False),
 }
 
 
 def build(variant: str = "sparse", seed: int = 0, **kw):
-    return tiny_model("qwen3_moe", seed=seed, **{**VARIANTS[variant], **kw})
+    spec = {**VARIANTS[variant], **kw}
+    return tiny_model(spec.pop("model_type"), seed=seed, **spec)
 
 
 @pytest.fixture
@@ -54,6 +59,8 @@ def test_logits_of_chains_and_trees_match_transformers(variant):
     model = build(variant, seed=3)
     native = LlamaRunner.from_transformers(model)
     assert [layer.moe is None for layer in native.layers] == [variant == "mixed", False]
+    assert all((layer.moe.shared is not None) == (variant == "shared") for layer in native.layers
+               if layer.moe is not None)
     rng = random.Random(0)
     prompt = [rng.randrange(96) for _ in range(20)]
     assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
@@ -65,8 +72,9 @@ def test_logits_of_chains_and_trees_match_transformers(variant):
 
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
-def test_rows_choosing_other_experts_keep_their_bits(weights, routes):
-    runner = LlamaRunner.from_transformers(build(seed=5), weights)
+@pytest.mark.parametrize("variant", ["sparse", "shared"])
+def test_rows_choosing_other_experts_keep_their_bits(variant, weights, routes):
+    runner = LlamaRunner.from_transformers(build(variant, seed=5), weights)
     rng = random.Random(1)
     prompt = [rng.randrange(96) for _ in range(9)]
     draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
@@ -94,12 +102,13 @@ def test_greedy_tokens_identical_to_transformers_generate():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_equals_ar(method):
+@pytest.mark.parametrize("variant", ["sparse", "shared"])
+def test_every_method_equals_ar(variant, method):
     from test_architectures import PRECISE_TARGET
 
     from specdecode.models.hf import HFRunner
 
-    model = build(seed=6)
+    model = build(variant, seed=6)
     runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
     decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
     for prompt in repetitive_prompts()[:2]:
@@ -117,21 +126,28 @@ def test_bad_expert_counts_are_named():
 _GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-         "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+         "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+#: matrices llama.cpp keeps in float32 (routers)
+_FLOAT = ("mlp.gate", "mlp.shared_expert_gate")
 _STACKED = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
-def write_moe_gguf(model, path) -> None:
-    """``model`` as llama.cpp's converter writes a Qwen3-MoE: each layer's experts stacked into
-    ``ffn_{gate,up,down}_exps`` [experts, out, in] in Q4_1, the router in float32, Q8_0
-    embeddings and head. The model's weights become the file's dequantised ones."""
+def write_moe_gguf(model, path, arch: str = "qwen3moe") -> None:
+    """``model`` as llama.cpp's converter writes a Qwen3-MoE or Qwen2-MoE: each layer's experts
+    stacked into ``ffn_{gate,up,down}_exps`` [experts, out, in] in Q4_1, routers in float32,
+    the shared expert's matrices in Q4_1, Q8_0 embeddings and head. The model's weights become
+    the file's dequantised ones."""
     import gguf
 
     c, q = model.config, gguf.GGMLQuantizationType
-    writer = gguf_writer(c, path, "qwen3moe")
+    writer = gguf_writer(c, path, arch)
     writer.add_expert_count(c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     state = model.state_dict()
 
     def add(name: str, w: torch.Tensor, qtype) -> torch.Tensor:
@@ -151,8 +167,11 @@ def write_moe_gguf(model, path) -> None:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             for hf, short in _GGUF.items():
-                w = state[p + hf + ".weight"]
-                w.copy_(add(f"blk.{i}.{short}.weight", w, q.F32 if w.ndim == 1 or hf == "mlp.gate" else q.Q4_1))
+                for kind in ("weight", "bias"):
+                    w = state.get(f"{p}{hf}.{kind}")
+                    if w is not None:
+                        float32 = w.ndim == 1 or hf in _FLOAT
+                        w.copy_(add(f"blk.{i}.{short}.{kind}", w, q.F32 if float32 else q.Q4_1))
             for proj, short in _STACKED.items():
                 parts = [state[f"{p}mlp.experts.{j}.{proj}.weight"] for j in range(c.num_experts)]
                 back = add(f"blk.{i}.{short}.weight", torch.stack(parts), q.Q4_1)
@@ -161,15 +180,19 @@ def write_moe_gguf(model, path) -> None:
     close_gguf(writer)
 
 
-def test_gguf_file_reads_like_the_model(tmp_path):
+@pytest.mark.parametrize("variant,arch", [("sparse", "qwen3moe"), ("shared", "qwen2moe")])
+def test_gguf_file_reads_like_the_model(tmp_path, variant, arch):
     from specdecode.models.gguf_reader import GGUFFile, read_gguf
 
-    model = build(seed=8, norm_topk_prob=True)
+    # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's
+    model = build(variant, seed=8, norm_topk_prob=arch == "qwen3moe", moe_intermediate_size=64)
     path = tmp_path / "moe.gguf"
-    write_moe_gguf(model, path)
+    write_moe_gguf(model, path, arch)
     config, tensors = read_gguf(path)
+    c = model.config
     assert (config.model_type, config.num_experts, config.num_experts_per_tok,
-            config.moe_intermediate_size, config.norm_topk_prob) == ("qwen3_moe", 8, 2, 64, True)
+            config.moe_intermediate_size, config.norm_topk_prob) == (
+        c.model_type, 8, 2, 64, arch == "qwen3moe")
     # each expert a contiguous slice of its layer's one stacked tensor, in expert order
     entries = [GGUFFile(path).entries[f"model.layers.1.mlp.experts.{j}.down_proj.weight"]
                for j in range(8)]

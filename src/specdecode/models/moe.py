@@ -1,12 +1,14 @@
 """Mixture-of-experts MLP layers on the native kernels, row invariant.
 
 A sparse MoE layer (Shazeer et al. 2017, "Outrageously Large Neural Networks"; the top-k
-softmax router of Mixtral, Jiang et al. 2024, and Qwen3-MoE) replaces a transformer layer's MLP
+softmax router of Mixtral, Jiang et al. 2024, Qwen2-MoE and Qwen3-MoE) replaces a transformer layer's MLP
 with ``E`` expert MLPs and a router: each row's router logits (a linear layer [E, H]) go through
 a softmax, the row takes its ``k`` most probable experts (weights renormalised to sum to one
 where the model says so, ``norm_topk_prob``) and its output is the weighted sum of those
-experts' MLPs. Only ``k`` of ``E`` experts' weights are read per row, which is why such models
-(Qwen3-30B-A3B: 128 experts, 8 per token, 3.3B of 30.5B parameters active) suit CPUs.
+experts' MLPs. Qwen2-MoE adds a shared expert every row runs, its output weighted by a
+sigmoid gate (a linear layer [1, H]). Only ``k`` of ``E`` experts' weights are read per row,
+which is why such models (Qwen3-30B-A3B: 128 experts, 8 per token, 3.3B of 30.5B parameters
+active) suit CPUs.
 
 Row invariance, which exact speculation rests on, holds by construction: the router is a dense
 float32 kernel (a row's logits do not depend on the rows beside it), softmax and top-k are per
@@ -42,6 +44,8 @@ class MoEShape:
     normalize: bool
     #: per layer: whether its MLP is the MoE block (decoder_sparse_step, mlp_only_layers)
     sparse: tuple[bool, ...]
+    #: the shared expert's intermediate size (shared_expert_intermediate_size); 0: none
+    shared_size: int = 0
 
     @classmethod
     def from_config(cls, config, arch) -> MoEShape | None:
@@ -60,18 +64,21 @@ class MoEShape:
             experts=experts, per_token=per_token,
             expert_size=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
             normalize=bool(getattr(config, arch.normalize_attr)) if arch.normalize_attr else True,
-            sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+            sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+            shared_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
 
 
 class MoEMLP:
     """A MoE layer's MLP: the router (float32 dense kernel) and each expert's gate/up and down
-    layers in the runner's weight format. Called on normed rows [n, H], it returns the weighted
-    sum of each row's experts [n, H] float32."""
+    layers in the runner's weight format, and the shared expert if there is one. Called on normed
+    rows [n, H], it returns the weighted sum of each row's experts [n, H] float32."""
 
     def __init__(self, router: torch.Tensor, experts: list[tuple[object, object]], per_token: int,
-                 normalize: bool, activation):
+                 normalize: bool, activation, shared: tuple[object, object] | None = None,
+                 shared_gate: torch.Tensor | None = None):
         """``router`` [E, H] float; ``experts``: per expert its (gate_up, down) linear layers;
-        ``activation``: the kernel of the gate (``kernels.swiglu``)."""
+        ``activation``: the kernel of the gate (``kernels.swiglu``); ``shared``: the shared
+        expert's (gate_up, down), weighted by sigmoid(``shared_gate`` [1, H] . h)."""
         require(router.shape[0] == len(experts),
                 f"the router scores {router.shape[0]} experts but the layer has {len(experts)}")
         self.router = DenseLinear(router, "fp32")
@@ -79,6 +86,8 @@ class MoEMLP:
         self.per_token = per_token
         self.normalize = normalize
         self.activation = activation
+        self.shared = shared
+        self.shared_gate = None if shared_gate is None else DenseLinear(shared_gate, "fp32")
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k] float32, experts [n, k]) each row takes, by descending probability."""
@@ -96,6 +105,9 @@ class MoEMLP:
             gate_up, down = self.experts[expert]
             y = down(self.activation(gate_up(h[rows].contiguous())))
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared is not None:
+            gate_up, down = self.shared
+            out = out + torch.sigmoid(self.shared_gate(h)) * down(self.activation(gate_up(h)))
         return out
 
 

@@ -67,6 +67,9 @@ class FileTensors(Mapping):
             raise KeyError(name)
         return self.file.read_blocks(name) if self.blocks else self.file.read(name, blocks=False)
 
+    def __contains__(self, name) -> bool:  # (Mapping's would read the tensor)
+        return name in self.file.entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.file.entries)
 
