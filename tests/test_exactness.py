@@ -143,7 +143,7 @@ def stand_in_artifacts(method: str, runner) -> dict:
 def skip_without_artifacts(method: str, runner) -> None:
     """Skip, naming what is missing, when ``method``'s defaults need an artifact nobody
     trained for ``runner``'s model."""
-    from specdecode.training.artifacts import find_artifacts
+    from specdecode.artifacts import find_artifacts
 
     if needs_draft_model(method) and not find_artifacts("draft_model", runner.fingerprint()):
         pytest.skip("no distilled draft model for this model: `specdecode train draft` "
@@ -209,8 +209,10 @@ def test_greedy_identical_on_the_default_runner(real_model, default_runner, meth
     assert isinstance(default_runner, LlamaRunner) and default_runner.weights == "int4"
     if method in PRECISE_TARGET:  # drafted by the int4 copy of an fp32 target
         default_runner = request.getfixturevalue("real_precise_runner")
+    # translation (short, ends at its end of sequence) and RAG (3,381 characters of context);
+    # the QA prompt's short answer proves nothing the translation does not
     check_greedy_identical(default_runner, default_runner, real_model.tokenizer, method,
-                           dev_prompts()[1::2], 64, eos_ids(real_model.model, real_model.tokenizer))
+                           dev_prompts()[1::4], 64, eos_ids(real_model.model, real_model.tokenizer))
 
 
 @pytest.fixture(scope="module")
