@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from specdecode import kernels
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
@@ -209,3 +210,19 @@ def test_gguf_file_reads_like_the_model(tmp_path, variant, arch):
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar
 
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
+def test_the_fused_experts_kernel_computes_the_torch_loops_bits(weights):
+    moe = LlamaRunner.from_transformers(build("mixed", seed=10), weights).layers[1].moe
+    assert moe.fused is not None
+    h = torch.randn(13, 64)
+    w, chosen = moe.route(h)
+    chosen, order = chosen.sort(dim=-1)
+    w = w.gather(-1, order)
+    fused = moe.fused.forward(h, chosen, w, kernels.isa())
+    assert torch.equal(fused, moe._experts(h, chosen, w))
+    # each row alone: the same bits as among the others
+    for r in range(len(h)):
+        assert torch.equal(moe.fused.forward(h[r:r + 1], chosen[r:r + 1], w[r:r + 1], kernels.isa()),
+                           fused[r:r + 1])

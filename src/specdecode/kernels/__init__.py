@@ -230,6 +230,14 @@ def packed_linear(packed, kind, n, group=32, minimum=False, half=False):
     return load().PackedLinear(packed, kind, n, group, minimum, half)
 
 
+def moe_experts(gate_up, down, gelu: bool):
+    """A mixture-of-experts layer's experts as one kernel call (cpu_kernels.cpp's
+    ``MoEExperts``): per expert its gate/up and down ``packed_linear``s; ``forward(h, picks,
+    weights, isa)`` gives each row of ``h`` [n, H] the sum of its picks' [n, k] expert outputs
+    times their weights [n, k], added in the order of the picks."""
+    return load().MoEExperts(gate_up, down, gelu)
+
+
 def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv_heads,
                 head_dim, hidden, eps):
     """Decoder layers as one kernel call (cpu_kernels.cpp's ``LayerStack``): per layer its

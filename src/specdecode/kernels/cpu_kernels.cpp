@@ -1108,6 +1108,72 @@ struct LayerStack {
   }
 };
 
+// A mixture-of-experts layer's experts (models/moe.py) in one call: each expert's gate/up, the
+// gate's activation and its down layer over the rows that picked it, each pick's output times
+// its weight, then each row's picks added in the order given (the caller sorts them by expert).
+// Every step is a kernel or elementwise on one row, so a row's result does not depend on the
+// rows beside it; one call instead of a dozen torch operations an expert.
+struct MoEExperts {
+  std::vector<PackedLinear> gate_up, down;
+  bool gelu;
+
+  MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, bool gelu)
+      : gate_up(std::move(gate_up)), down(std::move(down)), gelu(gelu) {
+    TORCH_CHECK(this->gate_up.size() == this->down.size() && !this->gate_up.empty(),
+                "every expert needs a gate/up and a down layer");
+  }
+
+  // h [n, H] float32; picks [n, k] int64 expert indices; weights [n, k] float32
+  at::Tensor forward(const at::Tensor& h, const at::Tensor& picks, const at::Tensor& weights,
+                     int64_t isa) const {
+    check_rows(h, h.size(1), "moe");
+    TORCH_CHECK(picks.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat &&
+                picks.dim() == 2 && picks.sizes() == weights.sizes() && picks.size(0) == h.size(0),
+                "moe takes picks [n, k] int64 and weights [n, k] float32 for h's n rows");
+    const int64_t n = h.size(0), k = picks.size(1), hidden = h.size(1);
+    const int64_t experts = (int64_t)gate_up.size();
+    const auto pc = picks.contiguous();
+    const auto wc = weights.contiguous();
+    const int64_t* pp = pc.data_ptr<int64_t>();
+    const float* wp = wc.data_ptr<float>();
+    std::vector<std::vector<int64_t>> taken(experts);  // each expert's picks, row order
+    for (int64_t i = 0; i < n * k; i++) {
+      TORCH_CHECK(0 <= pp[i] && pp[i] < experts, "moe: expert ", pp[i], " of ", experts);
+      taken[pp[i]].push_back(i);
+    }
+    auto terms = at::empty({n * k, hidden}, h.options());
+    float* tp = terms.data_ptr<float>();
+    for (int64_t e = 0; e < experts; e++) {
+      if (taken[e].empty()) continue;
+      const int64_t m = (int64_t)taken[e].size();
+      auto rows = at::empty({m}, pc.options());
+      int64_t* rp = rows.data_ptr<int64_t>();
+      for (int64_t j = 0; j < m; j++) rp[j] = taken[e][j] / k;
+      const at::Tensor y = down[e](gated(gate_up[e](h.index_select(0, rows), c10::nullopt, isa),
+                                         isa, gelu), c10::nullopt, isa);
+      const float* yp = y.data_ptr<float>();
+      for (int64_t j = 0; j < m; j++) {
+        const int64_t pick = taken[e][j];
+        const float w = wp[pick];
+        float* dst = tp + pick * hidden;
+        const float* src = yp + j * hidden;
+        for (int64_t c = 0; c < hidden; c++) dst[c] = src[c] * w;
+      }
+    }
+    auto out = at::empty({n, hidden}, h.options());
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < n; r++) {
+      float* dst = op + r * hidden;
+      std::copy(tp + r * k * hidden, tp + (r * k + 1) * hidden, dst);
+      for (int64_t s = 1; s < k; s++) {
+        const float* src = tp + (r * k + s) * hidden;
+        for (int64_t c = 0; c < hidden; c++) dst[c] = dst[c] + src[c];
+      }
+    }
+    return out;
+  }
+};
+
 // Hydra's heads (heads/networks.py HydraHeads, heads/native_hydra.py) in one call a draft step:
 // head d reads the committed feature and the embeddings of a node's path (the root's next token
 // first, d + 1 tokens), x = fuse_d(feature, embeddings), out = x + silu(res_d(x) + bias_d). The
@@ -1370,6 +1436,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, nogil);
   m.def("attention", &attention, nogil);
   m.def("parallel_threads", &parallel_threads, nogil);
+  py::class_<MoEExperts>(m, "MoEExperts")
+      .def(py::init<std::vector<PackedLinear>, std::vector<PackedLinear>, bool>())
+      .def("forward", &MoEExperts::forward, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
       .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>());
   py::class_<LayerStack>(m, "LayerStack")

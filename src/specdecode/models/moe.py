@@ -14,7 +14,7 @@ Row invariance, which exact speculation rests on, holds by construction: the rou
 float32 kernel (a row's logits do not depend on the rows beside it), softmax and top-k are per
 row, every expert's linear layers are the runner's row-invariant kernels run over the rows that
 chose that expert, and each row adds its experts' outputs in one fixed order (ascending expert
-index, as ``transformers``' ``index_add_`` loop does). So a draft row that picks other experts
+index, as ``transformers``' ``index_add_`` loop does), elementwise. So a draft row that picks other experts
 than the rows beside it still gets the bits it gets alone; what it changes is the cost: a verify
 step of ``n`` rows reads the union of their experts (``bench --runners`` measures the curve).
 """
@@ -74,18 +74,25 @@ class MoEMLP:
     rows [n, H], it returns the weighted sum of each row's experts [n, H] float32."""
 
     def __init__(self, router: torch.Tensor, experts: list[tuple[object, object]], per_token: int,
-                 normalize: bool, activation, shared: tuple[object, object] | None = None,
+                 normalize: bool, activation: str, shared: tuple[object, object] | None = None,
                  shared_gate: torch.Tensor | None = None):
         """``router`` [E, H] float; ``experts``: per expert its (gate_up, down) linear layers;
-        ``activation``: the kernel of the gate (``kernels.swiglu``); ``shared``: the shared
-        expert's (gate_up, down), weighted by sigmoid(``shared_gate`` [1, H] . h)."""
+        ``activation``: the gate's (``transformers``' name); ``shared``: the shared expert's
+        (gate_up, down), weighted by sigmoid(``shared_gate`` [1, H] . h)."""
         require(router.shape[0] == len(experts),
                 f"the router scores {router.shape[0]} experts but the layer has {len(experts)}")
         self.router = DenseLinear(router, "fp32")
         self.experts = experts
         self.per_token = per_token
         self.normalize = normalize
-        self.activation = activation
+        self.activation = activation_kernel(activation)
+        # the experts in one kernel call where every layer is one of the kernels' (the decode
+        # layers); prompt layers through ATen's GEMMs (fp32, bf16) loop in Python
+        layers = [layer for pair in experts for layer in pair]
+        self.fused = (kernels.moe_experts([g.kernel() for g, _ in experts],
+                                          [d.kernel() for _, d in experts],
+                                          activation == "gelu_pytorch_tanh")
+                      if all(hasattr(layer, "kernel") for layer in layers) else None)
         self.shared = shared
         self.shared_gate = None if shared_gate is None else DenseLinear(shared_gate, "fp32")
 
@@ -99,15 +106,38 @@ class MoEMLP:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(h)
-        out = torch.zeros_like(h)
-        for expert in torch.unique(chosen).tolist():  # ascending: each row's fixed order
-            rows, slot = torch.nonzero(chosen == expert, as_tuple=True)
-            gate_up, down = self.experts[expert]
-            y = down(self.activation(gate_up(h[rows].contiguous())))
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        # each row's picks in ascending expert order, the order its outputs are added in
+        chosen, order = chosen.sort(dim=-1)
+        weights = weights.gather(-1, order)
+        if self.fused is not None:
+            out = self.fused.forward(h, chosen, weights, kernels.isa())
+        else:
+            out = self._experts(h, chosen, weights)
         if self.shared is not None:
             gate_up, down = self.shared
             out = out + torch.sigmoid(self.shared_gate(h)) * down(self.activation(gate_up(h)))
+        return out
+
+    def _experts(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The fused kernel's sum in torch operations, for layers outside the kernels."""
+        n, k = len(h), self.per_token
+        picks = chosen.flatten()  # [n k]: row r's picks at r k .. r k + k - 1
+        weighted = weights.flatten()[:, None]
+        by_expert = torch.argsort(picks, stable=True)
+        counts = torch.bincount(picks, minlength=len(self.experts)).tolist()
+        terms = h.new_empty(n * k, h.shape[1])  # each pick's weighted expert output
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                taken = by_expert[start:start + count]
+                gate_up, down = self.experts[expert]
+                y = down(self.activation(gate_up(h[taken // k])))
+                terms[taken] = y * weighted[taken]
+                start += count
+        terms = terms.view(n, k, -1)
+        out = terms[:, 0]
+        for slot in range(1, k):
+            out = out + terms[:, slot]
         return out
 
 
