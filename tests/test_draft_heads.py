@@ -20,8 +20,9 @@ from specdecode.heads import native_blocks
 from specdecode.heads.native import to_native
 from specdecode.heads.native_blocks import NativeCloverHeads, NativeDeerDrafter, NativeEagleHead
 from specdecode.heads.native_hydra import NativeHydraHeads
-from specdecode.heads.networks import (MLP, NETWORKS, RMSNorm, eagle3_layers, make_network,
-                                       packed, packed_rows)
+from specdecode.heads.layers import MLP, RMSNorm
+from specdecode.heads.networks import NETWORKS, eagle3_layers, make_network
+from specdecode.heads.packing import packed, packed_rows
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.registry import get

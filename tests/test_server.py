@@ -516,7 +516,7 @@ def test_suffix_global_tree_is_shared_saved_and_loaded(model, tokenizer, tmp_pat
 
 def test_a_suffix_cache_of_another_depth_is_refused(tmp_path):
     from specdecode.errors import SpecDecodeError
-    from specdecode.suffix_tree import SuffixCache
+    from specdecode.suffix_cache import SuffixCache
 
     path = tmp_path / "deep.json"
     SuffixCache(max_tree_depth=32).save(path)

@@ -26,7 +26,7 @@ from specdecode import registry
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Settings, create_app
 from specdecode.server.loadtest import run_load
-from specdecode.suffix_tree import SuffixCache
+from specdecode.suffix_cache import SuffixCache
 from test_server import chat
 from tiny_server import EOS, MODEL, make_server, openai_client
 

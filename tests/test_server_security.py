@@ -28,7 +28,8 @@ from specdecode.models.hf import HFRunner
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server import limits
-from specdecode.server.app import LOOPBACK_HOSTS, Server, Settings, create_app
+from specdecode.server.app import Server, Settings, create_app
+from specdecode.server.frontend import LOOPBACK_HOSTS
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue, Entry
 from specdecode.server.options import allowed_hosts
 from specdecode.server.protocol import ApiError

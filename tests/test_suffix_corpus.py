@@ -11,7 +11,8 @@ import pytest
 from specdecode.api import Decoder
 from specdecode.errors import SpecDecodeError
 from specdecode.suffix_corpus import corpus_tree, read_corpus, save_corpus
-from specdecode.suffix_tree import SuffixCache, SuffixTree
+from specdecode.suffix_cache import SuffixCache
+from specdecode.suffix_tree import SuffixTree
 
 from conftest import repetitive_prompts
 

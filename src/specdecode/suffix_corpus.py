@@ -13,7 +13,7 @@ sequences' tokens concatenated (``tokens``, int32) and their boundaries (``offse
 tied to the fingerprint of the target that wrote them (another model's text would draft, still
 exactly, but rarely be accepted; another tokenizer's ids would draft nonsense). Its suffix tree is
 built once per process and file and shared, read only, by every cache that uses it
-(:meth:`specdecode.suffix_tree.SuffixCache.use_corpus`).
+(:meth:`specdecode.suffix_cache.SuffixCache.use_corpus`).
 
 Made by ``specdecode train corpus --data SHARD --out FILE``; ``suffix`` (and ``auto``'s suffix
 part) drafts from it with ``corpus=FILE``, or ``corpus=auto`` for the newest one for its target.

@@ -8,8 +8,8 @@ a time, which is bound by reading weights and by Python's dispatch of many small
   the native kernels with int4 weights (Q4_1's blocks, as the default runner's: an eighth of
   float32's bytes), int8 (Q8_0's blocks: a quarter) or bf16 (half), bias and residual added in
   the kernel's output;
-- the networks' own :class:`~specdecode.heads.networks.RMSNorm` by the kernels' RMSNorm and
-  their SwiGLU :class:`~specdecode.heads.networks.MLP` by the kernels' fused gate (one call for
+- the networks' own :class:`~specdecode.heads.layers.RMSNorm` by the kernels' RMSNorm and
+  their SwiGLU :class:`~specdecode.heads.layers.MLP` by the kernels' fused gate (one call for
   the five small operations of each).
 
 So a new drafter built of these parts (or of any ``nn.Linear``) drafts on the kernels with no
@@ -24,7 +24,7 @@ from torch import nn
 
 from specdecode import kernels
 from specdecode.errors import require
-from specdecode.heads.networks import MLP, RMSNorm
+from specdecode.heads.layers import MLP, RMSNorm
 
 #: weight formats of a converted network: the kernels' int4, int8 or bf16, or fp32 = left in
 #: torch (int4 is the heads' default: a draft step reads its weights a row or a few at a time,

@@ -35,8 +35,9 @@ from types import SimpleNamespace
 import torch
 
 from specdecode import kernels
+from specdecode.heads.layers import Block, rope_table
 from specdecode.heads.native import scoring_layer
-from specdecode.heads.networks import Block, CloverHeads, DeerDrafter, EagleHead, _rope_table
+from specdecode.heads.networks import CloverHeads, DeerDrafter, EagleHead
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
 
 #: context rows the cache holds at first; it doubles when a longer context comes
@@ -109,7 +110,7 @@ class _LayersOnKernels:
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, cos) and (-sin, sin) [capacity, D] of every position the cache has a slot
         for (a row's position is below its slot's), the table's two halves kept apart."""
-        table = _rope_table(self.head_dim, self.cache.capacity)
+        table = rope_table(self.head_dim, self.cache.capacity)
         if self._rope_halves[0] is not table:
             self._rope_halves = (table, table[:, 0].contiguous(), table[:, 1].contiguous())
         return self._rope_halves[1:]

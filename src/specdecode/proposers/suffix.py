@@ -7,8 +7,9 @@ Model-free: each step matches the last m tokens of the context (m = 1 .. max_tre
 two suffix trees with counts, the request's own (prompt + output so far) and a global one over
 earlier responses, drafts from every match up to ``min(max_spec_tokens,
 floor(max_spec_factor * m + max_spec_offset))`` tokens, and keeps the draft with the highest
-score (sum of estimated token probabilities). The data structure, the tie-breaks and a worked
-example are in :mod:`specdecode.suffix_tree`.
+score (sum of estimated token probabilities). The data structure and a worked example are in
+:mod:`specdecode.suffix_tree`, the choice among matches and its tie-breaks in
+:mod:`specdecode.suffix_cache`.
 
 Defaults are the paper's / ArcticInference's (``max_tree_depth=64``, ``max_spec_factor=1.0``,
 ``max_spec_offset=0``, ``min_token_prob=0.1``, tree drafts), except ``max_spec_tokens=32``
@@ -37,7 +38,8 @@ from specdecode.errors import require
 from specdecode.proposers.base import Proposer
 from specdecode.registry import param, register
 from specdecode.suffix_corpus import corpus_tree
-from specdecode.suffix_tree import DEFAULT_MAX_CACHED_REQUESTS, SuffixCache, SuffixDraft
+from specdecode.suffix_cache import DEFAULT_MAX_CACHED_REQUESTS, SuffixCache
+from specdecode.suffix_tree import SuffixDraft
 
 __all__ = ["SuffixCache", "SuffixConfig", "SuffixProposer"]
 

@@ -9,9 +9,10 @@ its method with the model alias ``smollm2+ngram`` or ``"specdecode": {"method": 
 "config": {...}}``; ``usage`` carries its speculation statistics.
 
 Layout: :mod:`.protocol` (OpenAI schemas and errors), :mod:`.scheduler` (runner slots, bounded
-queue, round-robin stepping, long prompts prefilled in parts), :mod:`.app` (routes, streaming,
-Host and content-type checks), :mod:`.limits` (what a request's method config may ask for),
-:mod:`.artifacts` (the trained artifacts requests pick by name), :mod:`.metrics`,
+queue, round-robin stepping, long prompts prefilled in parts), :mod:`.frontend` (settings,
+a request checked and turned into sequences), :mod:`.endpoints` (the OpenAI endpoints, JSON or
+streamed), :mod:`.app` (routes, errors, Host checks), :mod:`.limits` (what a request's method
+config may ask for), :mod:`.artifacts` (the trained artifacts requests pick by name), :mod:`.metrics`,
 :mod:`.memory` (the suffix proposer's global tree shared by every request, saved and loaded),
 :mod:`.options` (the flags, parsed and checked), :mod:`.loadtest`. With ``--replicas N`` (Ray
 Serve): :mod:`.ray_serve` (engine replicas behind the same routes) and :mod:`.shared_memory` (one suffix memory for every replica).
@@ -34,7 +35,8 @@ def build(args: argparse.Namespace):
     first so bad flags fail in a second, not after the model load."""
     from specdecode.api import eos_ids
     from specdecode.models.loading import load_model, make_runner
-    from specdecode.server.app import Server, create_app
+    from specdecode.server.app import create_app
+    from specdecode.server.frontend import Server
     from specdecode.server.memory import SharedMemory
 
     settings, suffix = settings_of(args)

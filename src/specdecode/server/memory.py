@@ -3,7 +3,7 @@
 SuffixDecoding (Oliaro et al., 2024, arXiv 2411.04975) wins most when responses repeat earlier
 responses (agents, code edits, self-refinement); that needs the global tree to see *every*
 request the server answers, whichever slot ran it. So the server builds one
-:class:`~specdecode.suffix_tree.SuffixCache` (thread-safe, bounded: ``max_cached_requests``
+:class:`~specdecode.suffix_cache.SuffixCache` (thread-safe, bounded: ``max_cached_requests``
 responses, oldest evicted first) and hands it to every proposer whose constructor takes a
 ``global_cache``. With ``--suffix-cache PATH`` it is loaded at start, when the file exists, and
 saved there (atomically) on shutdown, so a restarted server drafts well from its first request.
@@ -22,7 +22,7 @@ from pathlib import Path
 from specdecode import registry
 from specdecode.errors import require
 from specdecode.models.base import Runner
-from specdecode.suffix_tree import SuffixCache
+from specdecode.suffix_cache import SuffixCache
 
 log = logging.getLogger("specdecode.server")
 

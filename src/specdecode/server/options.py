@@ -1,4 +1,4 @@
-"""The ``specdecode serve`` options: the flags, and the checked :class:`~.app.Settings` they
+"""The ``specdecode serve`` options: the flags, and the checked :class:`~.frontend.Settings` they
 make. Below both users: the ``serve`` command (:mod:`specdecode.server`) and Ray Serve's entry
 point (:func:`.ray_serve.app`) parse the same flags.
 """
@@ -113,7 +113,7 @@ def settings_of(args: argparse.Namespace):
     """(Settings, the server's ``suffix`` config) for parsed ``serve`` arguments, checked."""
     from specdecode import registry
     from specdecode.cli import parse_config
-    from specdecode.server.app import Settings
+    from specdecode.server.frontend import Settings
 
     settings = Settings(
         model_id=args.served_model_name or served_name(args.model),
@@ -143,7 +143,7 @@ def allowed_hosts(names: str | None, host: str) -> tuple[str, ...] | None:
     """``--allowed-hosts`` -> the Host names answered (None: any)."""
     import ipaddress
 
-    from specdecode.server.app import LOOPBACK_HOSTS
+    from specdecode.server.frontend import LOOPBACK_HOSTS
 
     if names is None:
         try:

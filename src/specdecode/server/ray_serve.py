@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
-from specdecode.server.app import DISCONNECT_POLL_S, Frontend, ModelInfo, Settings
+from specdecode.server.endpoints import DISCONNECT_POLL_S
+from specdecode.server.frontend import Frontend, ModelInfo, Settings
 from specdecode.server.goodput import Batching
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics

@@ -7,7 +7,7 @@ reference, and drafting must not wait for the network: it runs at every verify s
 - one Ray actor, :class:`MemoryLog`, owns the shared state: the finished responses in arrival
   order, each with a version number, and the global tree built from them (for saving). It is
   bounded like a replica's tree, by ``max_cached_requests`` responses, oldest dropped first;
-- each replica keeps its own local :class:`~specdecode.suffix_tree.SuffixCache` (drafting reads
+- each replica keeps its own local :class:`~specdecode.suffix_cache.SuffixCache` (drafting reads
   only this one, under its lock, as in one process) through :class:`SyncedMemory`:
   **push**: when a response joins the local global tree (the proposer's ``finish``), its token
   ids go to the actor, fire and forget (one ``.remote()`` call, nothing awaited);
@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 from specdecode.server.memory import SharedMemory
-from specdecode.suffix_tree import SuffixCache
+from specdecode.suffix_cache import SuffixCache
 
 log = logging.getLogger("specdecode.server")
 

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from specdecode.errors import require
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.drafter import target_features
-from specdecode.heads.networks import (NETWORKS, feature_layers, make_network, packed,
-                                       packed_rows, parameter_count)
+from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
+from specdecode.heads.packing import packed, packed_rows
 from specdecode.models.base import ForwardOutput, Needs
 from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,

@@ -1,0 +1,336 @@
+"""OpenAI's chat and completion endpoints over a front end (:mod:`.frontend`): a request is
+parsed and checked, its sequences queued as one job, and the job's events leave as one JSON
+body or as server-sent events (``data: {...}`` ... ``data: [DONE]``), with usage, log
+probabilities and tool calls in OpenAI's shapes. A waiting client that disconnects cancels its
+job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from specdecode.api import GenerationResult
+from specdecode.server.frontend import Frontend
+from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
+                                        new_id, now, parse)
+from specdecode.server.scheduler import Job
+from specdecode.server.tools import StreamDeltas, parse_tool_calls
+
+#: seconds between checks that a waiting (non-streaming) client is still connected
+DISCONNECT_POLL_S = 0.25
+#: OpenAI's log-probability for a token that cannot occur (JSON has no -inf)
+OPENAI_UNLIKELY = -9999.0
+
+
+def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's token counts plus this request's own speculation statistics."""
+    completion = sum(len(r.token_ids) for r in results)
+    steps = sum(len(r.stats.accepted_lengths) for r in results)
+    committed = sum(sum(r.stats.accepted_lengths) for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        # OpenAI's field: prompt tokens whose rows were cached (not prefilled again), for
+        # every choice
+        "prompt_tokens_details": {"cached_tokens": min((r.stats.cached_tokens for r in results),
+                                                       default=0)},
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "method": results[0].method if results else None,
+        "draft_tokens": sum(r.stats.draft_tokens for r in results),
+        "accepted_tokens": sum(r.stats.accepted_tokens for r in results),
+        "target_forwards": sum(r.stats.target_forwards for r in results),
+        "forced_tokens": sum(r.stats.forced_tokens for r in results),
+        "pruned_nodes": sum(r.stats.pruned_nodes for r in results),
+        "verify_steps": steps,
+        "mean_accepted_length": round(committed / steps, 4) if steps else 0.0,
+        # seconds from a choice's start to its first token (its prompt's prefill), the longest
+        "prompt_s": round(max((r.stats.prefill_s for r in results), default=0.0), 4),
+    }
+
+
+def with_tool_calls(choice: dict, result: GenerationResult) -> None:
+    """A chat choice's message as content and the tool calls parsed from its text."""
+    content, calls = parse_tool_calls(result.text)
+    choice["message"]["content"] = content
+    if calls:
+        choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
+        if result.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+
+class ClientWatch:
+    """Notices a client that hung up while its (non-streaming) response is being generated;
+    streaming responses are cancelled by Starlette itself when the client goes."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def next_event(self, job: Job) -> tuple[str, int, Any]:
+        """The job's next event; cancels the job if the client is gone meanwhile."""
+        while True:
+            if time.monotonic() - self.checked >= DISCONNECT_POLL_S:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    job.cancel()
+                    raise ApiError(499, "client closed the request")
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class StreamedLogprobs:
+    """Per choice of a stream, the log-probabilities sent so far: a text piece carries those of
+    its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left."""
+
+    def __init__(self, choices: int):
+        self.sent = [0] * choices
+
+    def of(self, index: int, piece: str) -> list | None:
+        logprobs = getattr(piece, "logprobs", None)
+        if logprobs is not None:
+            self.sent[index] += len(logprobs)
+        return logprobs
+
+    def rest(self, index: int, result: GenerationResult) -> list | None:
+        return None if result.logprobs is None else result.logprobs[self.sent[index]:]
+
+
+class Endpoint:
+    """One completion-style endpoint: how its chunks and final body look."""
+
+    def __init__(self, server: Frontend, chat: bool):
+        self.server = server
+        self.chat = chat
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def choice(self, index: int, text: str, finish: str | None, delta: bool,
+               logprobs: list | None = None) -> dict:
+        """One choice; ``logprobs``: the :class:`~specdecode.engine.TokenLogprob` of its tokens
+        (None = not asked for)."""
+        lp = None if logprobs is None else self.logprobs(logprobs)
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        body = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": index, key: body, "logprobs": lp, "finish_reason": finish}
+
+    def logprobs(self, entries: list) -> dict:
+        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists."""
+        vocab = self.server.vocabulary
+        def text(token: int) -> str:
+            return vocab.token_bytes[token].decode("utf-8", "replace")
+
+        def value(logprob: float) -> float:
+            return max(logprob, OPENAI_UNLIKELY)  # -inf (a masked token) is not JSON
+
+        if self.chat:
+            return {"content": [
+                {"token": text(e.token), "logprob": value(e.logprob),
+                 "bytes": list(vocab.token_bytes[e.token]),
+                 "top_logprobs": [{"token": text(t), "logprob": value(v),
+                                   "bytes": list(vocab.token_bytes[t])} for t, v in e.top]}
+                for e in entries], "refusal": None}
+        return {"tokens": [text(e.token) for e in entries],
+                "token_logprobs": [value(e.logprob) for e in entries],
+                "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
+                "text_offset": None}
+
+    def parses_tools(self, req) -> bool:
+        """The response's text is parsed for tool calls (server/tools.py)."""
+        tools = getattr(req, "tool_request", None) if self.chat else None
+        return tools is not None and tools.parses
+
+    def envelope(self, rid: str, model: str, chunk: bool) -> dict:
+        kind = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": rid, "object": kind, "created": now(), "model": model,
+                "system_fingerprint": self.server.fingerprint}
+
+    async def handle(self, request: Request) -> Response:
+        server = self.server
+        payload = await read_json(request, server.settings.max_body_bytes)
+        if self.chat:
+            req = parse(ChatRequest, payload)
+            req.unsupported()
+            if not req.messages:
+                raise ApiError(400, "'messages' must hold at least one message", param="messages")
+            messages = [m.as_template_input() for m in req.messages]
+            tools = req.tool_request.offered if req.tool_request is not None else None
+            prompts = [await run_in_threadpool(server.encode, messages, True, tools)]
+            requested = (req.max_completion_tokens if req.max_completion_tokens is not None
+                         else req.max_tokens)
+            param = "messages"
+        else:
+            req = parse(CompletionRequest, payload)
+            req.unsupported()
+            if not req.prompts():
+                raise ApiError(400, "'prompt' must not be empty", param="prompt")
+            prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
+            requested, param = req.max_tokens, "prompt"
+        specs = server.specs(req, prompts, requested, param)
+        capacity = server.backend.parallel + server.settings.max_queue
+        if len(specs) > capacity:  # could never be admitted: retrying would not help
+            raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "
+                                f"this server takes at most {capacity} at once", param="n")
+        job = Job(specs, asyncio.get_running_loop())
+        server.backend.submit(job)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        server.metrics.prompt_tokens.inc(prompt_tokens)
+        if req.stream:
+            return await self.stream(request, job, req, prompt_tokens)
+        try:
+            return await self.collect(request, job, req, prompt_tokens)
+        finally:
+            job.cancel()  # a no-op when every sequence is done; stops the rest otherwise
+            server.metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
+
+    async def collect(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+        results: list[GenerationResult | None] = [None] * len(job.specs)
+        first_text = True
+        watch = ClientWatch(request)
+        while any(r is None for r in results):
+            kind, index, payload = await watch.next_event(job)
+            if kind == "error":
+                raise payload
+            if kind == "text" and first_text:
+                first_text = False
+                self.server.metrics.first_token.observe(time.perf_counter() - job.arrived)
+            if kind == "done":
+                results[index] = payload
+        rid = new_id("chatcmpl" if self.chat else "cmpl")
+        body = self.envelope(rid, req.model, chunk=False)
+        body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
+                                       logprobs=r.logprobs)
+                           for i, r in enumerate(results)]
+        if self.parses_tools(req):
+            for choice, result in zip(body["choices"], results):
+                with_tool_calls(choice, result)
+        if req.specdecode and req.specdecode.return_token_ids:
+            for choice, result in zip(body["choices"], results):
+                choice["token_ids"] = result.token_ids
+        body["usage"] = usage(prompt_tokens, results)
+        return JSONResponse(body)
+
+    async def stream(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+        # wait for the start (or the first error) while we can still answer with a status code
+        try:
+            first = await ClientWatch(request).next_event(job)
+        except BaseException:
+            job.cancel()
+            raise
+        if first[0] == "error":
+            job.cancel()
+            raise first[2]
+        rid = new_id("chatcmpl" if self.chat else "cmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        metrics = self.server.metrics
+        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req))
+
+        async def events() -> AsyncIterator[str]:
+            results: list[GenerationResult | None] = [None] * len(job.specs)
+            first_text = True
+            event = first
+            try:
+                if self.chat:
+                    for i in range(len(job.specs)):
+                        yield chunks.chunk(i, {"role": "assistant", "content": ""})
+                while True:
+                    kind, index, payload = event
+                    if kind == "error":
+                        yield sse(payload.body())
+                        break
+                    if kind == "text":
+                        if first_text:
+                            first_text = False
+                            metrics.first_token.observe(time.perf_counter() - job.arrived)
+                        for text in chunks.text(index, payload):
+                            yield text
+                    elif kind == "done":
+                        results[index] = payload
+                        for text in chunks.end(index, payload):
+                            yield text
+                        if all(r is not None for r in results):
+                            if include_usage:
+                                body = self.envelope(rid, req.model, chunk=True)
+                                body["choices"] = []
+                                body["usage"] = usage(prompt_tokens, results)
+                                yield sse(body)
+                            break
+                    event = await job.events.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel()  # the client left, or we are done: free the slots either way
+                metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Chunks:
+    """The server-sent events of one streamed response: each choice's text pieces, as they
+    come or as content and tool calls (:class:`~.tools.StreamDeltas`), with their
+    log-probabilities (a piece's ride with its first chunk), and each choice's end."""
+
+    def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int, tools: bool):
+        self.endpoint, self.rid, self.model = endpoint, rid, model
+        self.sent = StreamedLogprobs(choices)
+        self.deltas = StreamDeltas(choices, tools)
+
+    def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+        body = self.endpoint.envelope(self.rid, self.model, chunk=True)
+        choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
+                                      logprobs=logprobs)
+        if self.endpoint.chat:
+            choice["delta"] = delta
+        body["choices"] = [choice]
+        return sse(body)
+
+    def text(self, index: int, piece: str) -> list[str]:
+        parts, logprobs = self.deltas.text(index, piece), self.sent.of(index, piece)
+        if logprobs and not parts:  # text held back: its tokens' log-probabilities go now
+            parts = [{"content": ""}]
+        return [self.chunk(index, d, logprobs=logprobs if i == 0 else None)
+                for i, d in enumerate(parts)]
+
+    def end(self, index: int, result: GenerationResult) -> list[str]:
+        parts, finish = self.deltas.finish(index, result.finish_reason)
+        return [self.chunk(index, d) for d in parts] + [
+            self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result))]
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body's JSON value: ``Content-Type: application/json`` only (415 otherwise: a web
+    page can send text/plain across origins without asking, never JSON), at most ``limit``
+    bytes (413), valid, shallow and encodable (400, :func:`~.protocol.decode_json`)."""
+    kind = request.headers.get("content-type", "")
+    if kind.partition(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
+                            f"{ascii(kind[:60]) if kind else 'none'})",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {declared} bytes; this server accepts at most "
+                            f"{limit} (--max-body-bytes)", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)",
+                           code="request_too_large")
+    if not body:
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    return decode_json(bytes(body))
