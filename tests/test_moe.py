@@ -226,3 +226,26 @@ def test_the_fused_experts_kernel_computes_the_torch_loops_bits(weights):
     for r in range(len(h)):
         assert torch.equal(moe.fused.forward(h[r:r + 1], chosen[r:r + 1], w[r:r + 1], kernels.isa()),
                            fused[r:r + 1])
+
+
+def test_the_bench_counts_the_experts_a_token_reads(tmp_path):
+    from specdecode.bench.roofline import layer_linears
+    from specdecode.bench.runners import gguf_streamed_bytes, weight_bytes
+    from specdecode.bench.shapes import SHAPES, write_shape
+    from specdecode.models.gguf_reader import GGUFFile
+
+    path = write_shape(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q4_1", vocab=512)
+    entries = GGUFFile(path).entries
+    shape = SHAPES["tiny-qwen3moe"]
+    experts = sum(e.nbytes for name, e in entries.items() if ".experts." in name)
+    rest = sum(e.nbytes for name, e in entries.items()
+               if ".experts." not in name and name != "model.embed_tokens.weight")
+    share = shape.experts_used / shape.experts
+    assert gguf_streamed_bytes(path) == int(rest + experts * share)
+    runner = LlamaRunner.from_gguf(path, "int4")
+    assert len(layer_linears(runner.layers[0])) == 3 + 2 * shape.experts_used
+    # per layer: attention, the router and a token's share of the experts (all the same size)
+    per_layer = [layer.qkv.nbytes + layer.o.nbytes + layer.moe.router.nbytes
+                 + share * sum(g.nbytes + d.nbytes for g, d in layer.moe.experts)
+                 for layer in runner.layers]
+    assert weight_bytes(runner) == runner.head.nbytes + sum(per_layer)

@@ -38,7 +38,15 @@ def peak_kernels():
 
 
 def layer_linears(layer) -> list:
-    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+    """The linear layers one row goes through in ``layer``: q/k/v, o and the MLP's; in a
+    mixture-of-experts layer the router, as many experts as a row takes (the first ones: every
+    expert is the same size) and the shared expert."""
+    moe = layer.moe
+    if moe is None:
+        return [layer.qkv, layer.o, layer.gate_up, layer.down]
+    shared = [*moe.shared, moe.shared_gate] if moe.shared is not None else []
+    picked = [linear for pair in moe.experts[:moe.per_token] for linear in pair]
+    return [layer.qkv, layer.o, moe.router, *picked, *shared]
 
 
 def row_macs(linear) -> int:
@@ -71,8 +79,11 @@ def cached_layer_gmacs(runner, size: int) -> float:
 
 def measure_roofline(int4_runner, sizes) -> dict | None:
     """The roofline's rates for an int4 runner (GMAC/s), None where the CPU extension has no
-    AVX-512 VNNI build (its micro-kernels are VNNI code)."""
+    AVX-512 VNNI build (its micro-kernels are VNNI code) and for mixture-of-experts models (a
+    forward's rows read different experts: no one count of multiply-adds a row)."""
     if kernels.isa() != kernels.ISA_LEVELS.index("avx512"):
+        return None
+    if any(layer.moe is not None for layer in int4_runner.layers):
         return None
     ext = peak_kernels()
     return {"peak_gmacs": ext.int8_peak_macs(PEAK_ITERATIONS) / 1e9,

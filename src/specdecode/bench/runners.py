@@ -31,11 +31,11 @@ from pathlib import Path
 
 from specdecode.bench.contenders import (LLAMA_CPP_THREADS, HFGenerate, IsolatedLlamaCpp,
                                          MethodContender, llama_cpp_available)
-from specdecode.bench.datasets import Question
 from specdecode.bench.report import fmt
 from specdecode.bench.roofline import layer_linears, measure_roofline, roofline_markdown
 from specdecode.bench.runner import encode_messages
 from specdecode.draft import Draft
+from specdecode.questions import Question
 from specdecode.sampling import SamplingParams
 
 FORWARD_SIZES = (1, 8, 16, 64)
@@ -290,12 +290,17 @@ def _ar_end_to_end(contenders: dict, prompts: list[list[int]], max_new_tokens: i
 def gguf_streamed_bytes(path: Path) -> int:
     """Bytes of a GGUF file's tensors that llama.cpp reads for one token: all of them but the
     token embedding, of which it reads one row (unless the file has no ``output.weight``: then
-    the embedding is the LM head too)."""
+    the embedding is the LM head too), and of a mixture-of-experts layer's stacked experts
+    (``*_exps``) the share a token picks (expert_used_count of expert_count)."""
     import gguf
 
-    tensors = gguf.GGUFReader(path).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    used, count = (reader.fields.get(f"{arch}.{key}") for key in ("expert_used_count", "expert_count"))
+    share = used.contents() / count.contents() if used and count else 1.0
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
+                   for t in reader.tensors if tied or t.name != "token_embd.weight"))
 
 
 def runners_markdown(result: dict, meta: dict) -> str:
