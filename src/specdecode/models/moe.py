@@ -34,13 +34,13 @@ from specdecode.models.quant import DenseLinear
 class MoEShape:
     """A config's mixture-of-experts sizes (``transformers``' names in brackets)."""
 
-    #: experts per MoE layer (num_experts; Mixtral: num_local_experts)
+    #: experts per MoE layer (the architecture's ``experts_attr``: num_experts)
     experts: int
     #: experts each row takes (num_experts_per_tok)
     per_token: int
-    #: each expert MLP's intermediate size (moe_intermediate_size; Mixtral: intermediate_size)
+    #: each expert MLP's intermediate size (moe_intermediate_size)
     expert_size: int
-    #: the k chosen weights are renormalised to sum to 1 (norm_topk_prob; Mixtral: always)
+    #: the k chosen weights are renormalised to sum to 1 (norm_topk_prob)
     normalize: bool
     #: per layer: whether its MLP is the MoE block (decoder_sparse_step, mlp_only_layers)
     sparse: tuple[bool, ...]
