@@ -249,3 +249,15 @@ def test_the_bench_counts_the_experts_a_token_reads(tmp_path):
                  + share * sum(g.nbytes + d.nbytes for g, d in layer.moe.experts)
                  for layer in runner.layers]
     assert weight_bytes(runner) == runner.head.nbytes + sum(per_layer)
+
+
+def test_a_file_transformers_builds_wrong_is_named_with_the_fix(tmp_path):
+    from specdecode.bench.shapes import write_shape
+    from specdecode.models.loading import load_gguf
+
+    # transformers' GGUF loader leaves Qwen3-MoE's moe_intermediate_size at its default (768)
+    path = write_shape(tmp_path / "moe.gguf", "tiny-qwen3moe", "Q4_1", vocab=512)
+    loaded = load_gguf(path)
+    assert loaded.config.moe_intermediate_size == 256  # the native runner reads it right
+    with pytest.raises(SpecDecodeError, match="transformers cannot build.*--runner native"):
+        loaded.model

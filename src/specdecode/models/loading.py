@@ -219,6 +219,10 @@ def _gguf_transformers_model(path: Path, config=None, available: int | None = No
                                                      dtype=torch.float32)
     except (ValueError, OSError, KeyError) as exc:
         raise SpecDecodeError(f"cannot load GGUF file {path}: {exc}") from None
+    except RuntimeError as exc:  # a config transformers' GGUF loader reads wrong (tensor sizes)
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise SpecDecodeError(f"transformers cannot build the model of {path.name} ({first}); "
+                              "the native runner reads it: --runner native") from None
     _save_atomically(model, cached)
     return model.eval()
 
