@@ -21,6 +21,7 @@ what the turn's prompt would cost if its history were free.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -173,8 +174,7 @@ def run_server(label: str, args: argparse.Namespace, chats: list[Conversation], 
         stream_chat(server.url, model, [{"role": "user", "content": "Hello"}], None, 8)
         records = []
         for chat in chats:
-            fresh = Conversation(chat.workload, chat.name, chat.system, chat.turns, chat.tools,
-                                 dict(chat.files))
+            fresh = dataclasses.replace(chat, files=dict(chat.files))  # its edits its own
             done = run_conversation(server.url, model, fresh, args.max_tokens, args.rounds)
             print(f"{label} | {chat.name} | prompt s, ttft s, cached tokens: " + ", ".join(
                 f"{r['prompt_s'] or 0:.2f} {r['ttft_s']:.2f} {r['cached_tokens']}" for r in done),
