@@ -51,8 +51,8 @@ from collections import defaultdict
 import torch
 
 from specdecode.api import Decoder
-from specdecode.bench.datasets import load_questions, sample_per_task
-from specdecode.cli import parse_config
+from specdecode.questions import load_questions, sample_per_task
+from specdecode.cli_options import parse_config
 from specdecode.models.loading import load_model, make_runner
 
 PARTS = ("linears", "shortlist", "torch ops", "drafter", "tree")

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from specdecode.api import Decoder, eos_ids
-from specdecode.bench.datasets import load_questions, sample_per_task, task_of
 from specdecode.heads.artifact import load_heads
 from specdecode.models.loading import load_model, make_runner
+from specdecode.questions import load_questions, sample_per_task, task_of
 from specdecode.training.target_data import Settings, Writer, read_shard
 from specdecode.training.train_heads import conversation_features, evaluate
 

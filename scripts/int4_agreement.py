@@ -24,7 +24,7 @@ import time
 import torch
 
 from specdecode.api import Decoder
-from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.questions import load_questions, sample_per_task
 from specdecode.models.base import Needs
 from specdecode.models.loading import load_model, make_runner
 

@@ -30,7 +30,7 @@ import argparse
 import time
 
 from specdecode.api import Decoder
-from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.questions import load_questions, sample_per_task
 from specdecode.models.loading import load_model, make_runner
 from specdecode.proposers.auto import AutoProposer
 

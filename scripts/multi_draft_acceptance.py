@@ -22,10 +22,10 @@ import json
 import torch
 
 from specdecode.api import Decoder
-from specdecode.bench.datasets import load_questions, sample_per_task
 from specdecode.draft import Draft
 from specdecode.models.base import Needs
 from specdecode.models.loading import load_model, make_runner
+from specdecode.questions import load_questions, sample_per_task
 from specdecode.sampling import SamplingParams
 from specdecode.verify import verify
 

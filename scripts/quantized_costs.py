@@ -18,7 +18,7 @@ import argparse
 import json
 
 from specdecode.api import Decoder
-from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.questions import load_questions, sample_per_task
 from specdecode.models.loading import load_model, make_runner
 
 #: rows -> ms per forward, both cores, idle (docs/native-runner.md, "Both cores, 2 threads")

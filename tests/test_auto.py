@@ -13,8 +13,8 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import NOTHING, Needs
+from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.auto import AutoConfig, AutoProposer, merged
-from specdecode.proposers.base import Feedback, Proposer
 from specdecode.estimates import RowCosts
 
 #: the target's greedy text: token i follows the first i tokens

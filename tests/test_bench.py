@@ -12,7 +12,7 @@ import pytest
 from specdecode import kernels, registry
 from specdecode.bench import cli as bench_cli
 from specdecode.bench import simulate
-from specdecode.bench.datasets import load_questions, sample_per_task
+from specdecode.questions import load_questions, sample_per_task
 from specdecode.bench.metrics import FIELDS
 from specdecode.bench.runner import Target
 from specdecode.cli import main
@@ -500,7 +500,8 @@ def test_roofline_micro_kernels_build_apart_and_count_macs():
 
 
 def test_code_edit_joins_spec_bench_as_a_task_of_its_own():
-    from specdecode.bench.datasets import load_workloads, sample_per_task
+    from specdecode.bench.datasets import load_workloads
+    from specdecode.questions import sample_per_task
 
     questions = sample_per_task(load_workloads("spec-bench,code-edit"), 2)
     tasks = [q.task for q in questions]

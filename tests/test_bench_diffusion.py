@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specdecode.bench import diffusion
-from specdecode.bench.datasets import Question
+from specdecode.questions import Question
 from specdecode.diffusion.model import DiffusionModel
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner

@@ -155,7 +155,7 @@ def test_find_dllm_names_a_file_none_or_the_newest_for_the_model(tmp_path, monke
 
     from specdecode.diffusion import dllm
     from specdecode.models.hf import HFRunner
-    from specdecode.training import artifacts
+    from specdecode import artifacts
 
     model = frozen_llama()
     loaded = SimpleNamespace(model=model)

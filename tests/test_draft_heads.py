@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdecode.api import Decoder
+from specdecode.artifacts import float_rows, int8_rows
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifact import load_heads, save_heads
@@ -27,7 +28,6 @@ from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.registry import get
 from specdecode.sampling import SamplingParams
-from specdecode.training.artifacts import float_rows, int8_rows
 from specdecode.training.self_data import frequency_shortlist, shortlist_coverage
 
 from conftest import repetitive_prompts, tiny_heads
@@ -420,7 +420,7 @@ def test_the_default_model_ships_every_trained_artifact():
     """A fresh install runs every model-based method on the default model: the package holds
     the exit adapters, the distilled draft and the three head networks, all trained for one
     target (the real-model exactness tests load them by fingerprint)."""
-    from specdecode.training.artifacts import packaged_dir, read_metadata
+    from specdecode.artifacts import packaged_dir, read_metadata
 
     shipped = {}
     for path in packaged_dir().glob("*.safetensors"):

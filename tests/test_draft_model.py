@@ -16,8 +16,8 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.proposers.base import Feedback
 from specdecode.drafting.artifacts import load_draft
+from specdecode.proposer import Feedback
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.sampling import NodeDistributions, SamplingParams
 from transformers import AutoModelForCausalLM

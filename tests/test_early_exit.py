@@ -7,11 +7,11 @@ import torch
 
 from specdecode.api import Decoder
 from specdecode.draft import Draft
+from specdecode.drafting.exit_adapters import ExitAdapters
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
 from specdecode.drafting.exits import tokens_per_layer
-from specdecode.training.adapters import ExitAdapters
 
 from conftest import repetitive_prompts
 from tiny_models import tiny_llama

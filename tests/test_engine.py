@@ -10,8 +10,8 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.models.hf import HFRunner
+from specdecode.proposer import Proposer
 from specdecode.proposers.ar import Autoregressive, ArConfig
-from specdecode.proposers.base import Proposer
 
 from conftest import repetitive_prompts
 

@@ -1,4 +1,4 @@
-"""No import cycles between the modules of specdecode.
+"""No import cycles between the modules of specdecode, and no import that points up its layers.
 
 Every import counts, at any level (inside functions and ``if TYPE_CHECKING:`` blocks too): an
 import moved into a function to dodge a cycle still ties the two files together. Shared types
@@ -14,6 +14,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "specdecode"
+
+#: DESIGN.md's layers, lowest first; a name is a module or a package of specdecode (without the
+#: prefix), and a module is in the layer of the longest name that is it or a package above it.
+#: An import points up when the imported module's layer is above the importer's: a lower part
+#: that needs a higher one to load (the runtime reading the trainers' files, the server using
+#: the CLI as a library). The commands of ``bench`` and ``train`` are in their packages' layers.
+LAYERS: list[tuple[str, ...]] = [
+    # what every part shares: errors, drafts, sampling, verification, the registry, artifacts
+    ("errors", "draft", "sampling", "verify", "control", "estimates", "constraints",
+     "detokenize", "registry", "cache", "artifacts", "agreement", "questions"),
+    ("kernels", "models"),
+    # the proposer interface and draft sizing, below the loop that drives them
+    ("proposer", "sizing"),
+    ("engine",),
+    # the methods and what they share
+    ("drafting", "heads", "suffix_tree", "suffix_cache", "suffix_corpus", "proposers", "lossy",
+     "diffusion"),
+    ("api",),
+    # the options several commands share
+    ("cli_options",),
+    ("training",),
+    ("bench", "server"),
+    # the ``specdecode`` command, with diffusion/cli.py, its ``generate --diffusion`` branch
+    ("cli", "model_cli", "__main__", "diffusion.cli"),
+]
 
 
 def module_name(path: Path) -> str:
@@ -47,6 +72,25 @@ def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
     return {name: imported(name, path, known) for name, path in mods.items()}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest ``LAYERS`` name that is ``module`` or a package above it."""
+    name = module.removeprefix(PACKAGE + ".")
+    best, rank = -1, None
+    for level, names in enumerate(LAYERS):
+        for entry in names:
+            if (name == entry or name.startswith(entry + ".")) and len(entry) > best:
+                best, rank = len(entry), level
+    assert rank is not None, f"{module} is in no layer: add it (or its package) to LAYERS"
+    return rank
+
+
+def up_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import whose target is in a higher layer (the package
+    ``specdecode`` itself, its version and exports, is in none)."""
+    return sorted((m, n) for m, targets in edges.items() if m != PACKAGE for n in targets
+                  if n != PACKAGE and layer_of(n) > layer_of(m))
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -123,3 +167,10 @@ def test_no_import_cycles():
     found = cycles(graph())
     assert not found, ("import cycles (move what both sides share into a module below them):\n"
                        + "\n".join(" -> ".join(cycle) for cycle in found))
+
+
+def test_no_import_points_up_the_layers():
+    found = up_imports(graph())
+    assert not found, ("imports pointing up the layers (move what the lower module needs below "
+                       "it; LAYERS lists the order):\n"
+                       + "\n".join(f"{m} ({layer_of(m)}) -> {n} ({layer_of(n)})" for m, n in found))

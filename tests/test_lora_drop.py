@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdecode.api import Decoder
+from specdecode.artifacts import save_artifact
 from specdecode.engine import GenerationStats
 from specdecode.errors import SpecDecodeError
 from specdecode.lossy.lora_drop import (CORRECTORS_KIND, Correctors, LoraDrop, LoraDropConfig,
@@ -19,7 +20,6 @@ from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY
 from specdecode.training import lora_drop as trainer
-from specdecode.training.artifacts import save_artifact
 from specdecode.training.runs import Checkpoint
 from tiny_models import tiny_llama
 
@@ -170,7 +170,7 @@ LORA_DROP_TOKEN_FLOOR = 0.045
 def test_lora_drop_stays_near_ar_on_the_default_model(real_model):
     from specdecode.api import eos_ids
     from specdecode.bench.quality import token_agreement
-    from specdecode.training.artifacts import find_artifacts
+    from specdecode.artifacts import find_artifacts
 
     from test_lossy import short_dev_prompts
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specdecode import registry
+from specdecode.agreement import token_agreement
 from specdecode.api import Decoder
-from specdecode.bench.quality import math_correct, rouge_l, token_agreement
+from specdecode.bench.quality import math_correct, rouge_l
 from specdecode.cli import main
 from specdecode.engine import GenerationStats
 from specdecode.errors import SpecDecodeError
@@ -146,7 +147,7 @@ def test_superposed_needs_the_native_runner(tiny_model):
 # ---- quality floors on the real default model --------------------------------------------------
 
 def dev_prompts(count: int) -> list[str]:
-    from specdecode.bench.datasets import load_questions, sample_per_task
+    from specdecode.questions import load_questions, sample_per_task
 
     return [q.turns[0] for q in sample_per_task(load_questions(), 1)][:count]
 
@@ -288,7 +289,7 @@ class Words:
 
 
 def test_lossy_table_scores_against_ar_and_the_best_exact_method():
-    from specdecode.bench.datasets import Question
+    from specdecode.questions import Question
     from specdecode.bench.quality import lossy_summary
     from specdecode.bench.report import markdown
 
@@ -338,7 +339,7 @@ def test_arbitrage_stays_near_ar_on_the_default_model(real_model, default_runner
     of positions, and some draft steps are kept (else it is ar, slower)."""
     from specdecode.api import eos_ids
     from specdecode.lossy.arbitrage import ROUTER_KIND
-    from specdecode.training.artifacts import find_artifacts
+    from specdecode.artifacts import find_artifacts
 
     if not find_artifacts(ROUTER_KIND, default_runner.fingerprint()):
         pytest.skip("no Arbitrage router for the default model: `specdecode train router`")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdecode.api import Decoder
+from specdecode.artifacts import save_artifact
 from specdecode.engine import GenerationStats
 from specdecode.errors import SpecDecodeError
 from specdecode.lossy.lud import (ADAPTERS_KIND, Lud, LudConfig, UnitAdapters, lexical_unit,
@@ -20,7 +21,6 @@ from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY
 from specdecode.training import lud as trainer
-from specdecode.training.artifacts import save_artifact
 from specdecode.training.runs import Checkpoint
 from tiny_models import tiny_llama
 
@@ -179,7 +179,7 @@ LUD_TOKEN_FLOOR = 0.55
 def test_lud_stays_near_ar_on_the_default_model(real_model):
     from specdecode.api import eos_ids
     from specdecode.bench.quality import token_agreement
-    from specdecode.training.artifacts import find_artifacts
+    from specdecode.artifacts import find_artifacts
 
     from test_lossy import short_dev_prompts
 

@@ -261,3 +261,11 @@ def test_a_file_transformers_builds_wrong_is_named_with_the_fix(tmp_path):
     assert loaded.config.moe_intermediate_size == 256  # the native runner reads it right
     with pytest.raises(SpecDecodeError, match="transformers cannot build.*--runner native"):
         loaded.model
+
+
+def test_the_row_cost_curve_runs_rows_that_pick_different_experts(routes):
+    from specdecode.models.row_costs import measure_row_costs
+
+    measure_row_costs(LlamaRunner.from_transformers(build(seed=11), "int4"), rows=(8,), repeats=1)
+    # a forward of one repeated token would read one row's experts and cost one row's
+    assert len(set(routes)) > 4, routes

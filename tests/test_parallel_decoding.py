@@ -16,8 +16,8 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
+from specdecode.proposer import Feedback
 from specdecode.proposers.aded import ADEDConfig, ADEDProposer, TrigramMatrix, search
-from specdecode.proposers.base import Feedback
 from specdecode.proposers.jacobi import JacobiConfig, JacobiProposer
 from specdecode.proposers.lookahead import LookaheadConfig, LookaheadProposer, NgramPool
 from specdecode.proposers.sjd import SJDConfig, SJDProposer

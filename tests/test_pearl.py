@@ -24,7 +24,7 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
-from specdecode.proposers.base import Feedback
+from specdecode.proposer import Feedback
 
 PROMPTS = ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [1, 5, 9, 200, 300, 41, 7, 88, 5, 9, 200])
 

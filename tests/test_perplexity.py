@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecode.bench import perplexity as ppl
-from specdecode.bench.datasets import Question
+from specdecode.questions import Question
 from specdecode.bench.runner_set import RunnerSet
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError

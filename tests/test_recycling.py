@@ -10,7 +10,7 @@ import specdecode
 from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.proposers.base import Feedback
+from specdecode.proposer import Feedback
 from specdecode.proposers.recycling import (RANK_ACCEPT, RecyclingConfig, RecyclingProposer,
                                             best_tree, compile_template, draft_tree,
                                             template_paths)

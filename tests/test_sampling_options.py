@@ -30,8 +30,8 @@ from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
+from specdecode.proposer import Proposer
 from specdecode.proposers.ar import ArConfig, Autoregressive
-from specdecode.proposers.base import Proposer
 from specdecode.sampling import NodeDistributions, SamplingParams
 from specdecode.verify import verify
 

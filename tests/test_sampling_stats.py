@@ -31,11 +31,11 @@ from scipy.stats import chi2
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from specdecode.proposer import Proposer
 import specdecode.verify as verify_module
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.models.base import NOTHING, ForwardOutput, Runner
-from specdecode.proposers.base import Proposer
 from specdecode.sampling import NodeDistributions, SamplingParams, apply_penalties, sample
 from specdecode.verify import VerifyResult, verify
 

@@ -11,7 +11,7 @@ import pytest
 
 from specdecode.bench import serving
 from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
-from specdecode.bench.datasets import Question
+from specdecode.questions import Question
 from specdecode.bench.serving_client import Batch, Outcome, run_batch
 from specdecode.bench.serving_report import (identical, markdown, mismatches, percentile,
                                              problems, summarize, targets)

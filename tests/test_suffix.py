@@ -16,7 +16,7 @@ from specdecode import registry
 from specdecode.api import Decoder
 from specdecode.control import Budget
 from specdecode.errors import SpecDecodeError
-from specdecode.proposers.base import Feedback
+from specdecode.proposer import Feedback
 from specdecode.proposers.suffix import SuffixCache, SuffixConfig, SuffixProposer
 from specdecode.suffix_tree import OPEN, SuffixTree
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.artifacts import find_artifacts, load_artifact, read_metadata, save_artifact
 from specdecode.errors import SpecDecodeError
-from specdecode.training.artifacts import find_artifacts, load_artifact, read_metadata, save_artifact
 
 
 def test_artifact_round_trip_and_refusal(tmp_path):
@@ -75,7 +75,7 @@ def test_trainer_learns_saves_resumes_and_refuses(tmp_path):
     from specdecode.api import Decoder
     from specdecode.models.hf import HFRunner
     from tiny_models import tiny_llama
-    from specdecode.training.adapters import ExitAdapters
+    from specdecode.drafting.exit_adapters import ExitAdapters
     from specdecode.training.exit_adapters import train
 
     model = tiny_llama(layers=3, seed=5)

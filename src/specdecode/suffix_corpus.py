@@ -8,15 +8,16 @@ corpus built from its shards stands in for the history until there is one: the s
 list openers and answer skeletons the model uses again and again. ADED (Liu et al., 2024) and
 REST warm-start their retrieval the same way, from a corpus.
 
-A corpus is an artifact (:mod:`specdecode.training.artifacts`) of kind ``suffix_corpus``: the
+A corpus is an artifact (:mod:`specdecode.artifacts`) of kind ``suffix_corpus``: the
 sequences' tokens concatenated (``tokens``, int32) and their boundaries (``offsets``, int64),
 tied to the fingerprint of the target that wrote them (another model's text would draft, still
 exactly, but rarely be accepted; another tokenizer's ids would draft nonsense). Its suffix tree is
 built once per process and file and shared, read only, by every cache that uses it
 (:meth:`specdecode.suffix_cache.SuffixCache.use_corpus`).
 
-Made by ``specdecode train corpus --data SHARD --out FILE``; ``suffix`` (and ``auto``'s suffix
-part) drafts from it with ``corpus=FILE``, or ``corpus=auto`` for the newest one for its target.
+Made by ``specdecode train corpus --data SHARD --out FILE`` (:mod:`specdecode.training.corpus`);
+``suffix`` (and ``auto``'s suffix part) drafts from it with ``corpus=FILE``, or ``corpus=auto``
+for the newest one for its target.
 Off by default: on the 2-core CPU runner it raised the accepted length by 8% (greedy and T=0.7)
 for 1-2% of speed, small beside the seconds and memory its tree takes at start (docs/suffix.md,
 "A corpus").
@@ -24,19 +25,15 @@ for 1-2% of speed, small beside the seconds and memory its tree takes at start (
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from specdecode.artifacts import find_artifacts, load_artifact, read_metadata, save_artifact
 from specdecode.errors import require
 from specdecode.suffix_tree import SuffixTree
-from specdecode.training.artifacts import (find_artifacts, load_artifact, read_metadata,
-                                           save_artifact)
 
 KIND = "suffix_corpus"
 
@@ -83,50 +80,3 @@ def corpus_tree(spec: str, runner, max_depth: int) -> SuffixTree | None:
     require(path.is_file(), f"suffix corpus {spec} does not exist; give 'auto', 'none' or a "
                             f"file made by `specdecode train corpus`")
     return _tree(str(path), path.stat().st_mtime_ns, fingerprint, max_depth)
-
-
-# ---- ``specdecode train corpus`` -------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, nargs="+", metavar="SHARD",
-                        help="JSON-lines shards written by `specdecode train data`")
-    parser.add_argument("--out", required=True, metavar="FILE", help="the corpus artifact")
-    parser.add_argument("--model", default="smollm2",
-                        help="the target that wrote the shards: 'smollm2' (default), a .gguf "
-                             "file or a checkpoint folder (its fingerprint goes in the file)")
-    parser.add_argument("--max-tokens", type=int, default=0,
-                        help="stop after this many tokens, whole conversations (0: all)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from specdecode.models.hf import HFRunner
-    from specdecode.models.loading import load_model
-    from specdecode.training.target_data import read_shard
-
-    require(args.max_tokens >= 0, "--max-tokens must be at least 0 (0: every conversation)")
-    started = time.monotonic()
-    sequences: list[list[int]] = []
-    total = 0
-    for shard in args.data:
-        require(Path(shard).is_file(), f"shard {shard} does not exist; write one with "
-                                       f"`specdecode train data --out {shard}`")
-        conversations = read_shard(Path(shard))
-        for index in sorted(conversations):
-            ids = conversations[index][0]
-            if args.max_tokens and total + len(ids) > args.max_tokens:
-                break
-            sequences.append(ids)
-            total += len(ids)
-    require(bool(sequences), f"the shards {' '.join(args.data)} hold no conversations"
-                             + (f" within --max-tokens {args.max_tokens}" if args.max_tokens else ""))
-    loaded = load_model(args.model)
-    vocab = len(loaded.tokenizer)
-    require(max(max(s) for s in sequences) < vocab,
-            f"the shards hold token ids beyond {args.model}'s vocabulary ({vocab}): they were "
-            f"written by another model; give that model with --model")
-    path = save_corpus(args.out, sequences, HFRunner(loaded.model).fingerprint(),
-                       {"shards": [Path(s).name for s in args.data]})
-    print(json.dumps({"out": str(path), "conversations": len(sequences), "tokens": total,
-                      "bytes": path.stat().st_size,
-                      "seconds": round(time.monotonic() - started, 1)}))
-    return 0

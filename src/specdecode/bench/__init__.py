@@ -1,6 +1,7 @@
 """The benchmark harness (``specdecode bench``) and the offline simulator (``specdecode simulate``).
 
-    datasets.py   Spec-Bench question files: reading, checking, tasks, per-task samples
+    datasets.py   the ``--data`` workloads: question files (read and checked by
+                  specdecode/questions.py), the Spec-Bench dev half, code-edit
     contenders.py what is timed: our methods through the engine, and the peers
                   (transformers generate / prompt lookup, llama.cpp plain / prompt lookup)
     peer_process.py  each llama.cpp peer in a process of its own: a crash fails the peer only

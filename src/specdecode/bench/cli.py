@@ -18,7 +18,8 @@ from pathlib import Path
 
 from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, MethodContender,
                                          llama_cpp_available, llama_cpp_unsupported)
-from specdecode.bench.datasets import Question, load_questions, load_workloads, sample_per_task
+from specdecode.bench.datasets import load_workloads
+from specdecode.questions import Question, load_questions, sample_per_task
 from specdecode.bench.diffusion import add_arguments as add_diffusion_arguments
 from specdecode.bench.llama_server_peer import CONFIGS as SERVER_CONFIGS
 from specdecode.bench.llama_server_peer import LlamaServerPeer
@@ -37,7 +38,8 @@ RUNNERS_CONTEXT = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import add_draft_budget_argument, add_model_arguments, add_sampling_arguments
+    from specdecode.cli_options import (add_draft_budget_argument, add_model_arguments,
+                                        add_sampling_arguments)
 
     parser.add_argument("--methods", default=None,
                         help="comma-separated methods (default: every exact method; lossy ones "
@@ -140,7 +142,7 @@ def parse_methods(spec: str | None, config_pairs: list[str]) -> list[tuple]:
     ``name:key=value:...`` whose fields override the method's ``-c`` ones, so several configs
     of one method run interleaved in one run (a sweep, each length controller)."""
     from specdecode import registry
-    from specdecode.cli import parse_config
+    from specdecode.cli_options import parse_config
 
     labels = registry.names(lossy=False) if spec is None else [n.strip() for n in spec.split(",") if n.strip()]
     require(len(labels) > 0, "--methods is empty; give names such as ar,ngram "
@@ -205,7 +207,7 @@ def prepare_out(out: str) -> Path:
 
 
 def plan(args: argparse.Namespace) -> Plan:
-    from specdecode.cli import sampling_options
+    from specdecode.cli_options import sampling_options
     from specdecode.sampling import SamplingParams
 
     questions = sample_per_task(load_workloads(args.data), args.per_task)
@@ -388,7 +390,7 @@ def bench(target: Target, plan: Plan, progress: bool = True, meta: dict | None =
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdecode.cli import load_target
+    from specdecode.cli_options import load_target
     from specdecode.models.hf import HFRunner
 
     checked = plan(args)

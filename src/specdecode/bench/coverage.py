@@ -87,8 +87,8 @@ def measure(runner, tokenizer, eos, prompts: list[list[int]], tokens: int, k: in
 
 
 def main() -> None:
-    from specdecode.bench.datasets import load_questions, sample_per_task
-    from specdecode.cli import add_model_arguments, load_target
+    from specdecode.questions import load_questions, sample_per_task
+    from specdecode.cli_options import add_model_arguments, load_target
     from specdecode.bench.runner import encode_messages
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -3,7 +3,7 @@ the AR model's ``ar`` and ``suffix``, in one run on the same questions' first tu
 
 For each contender: denoising steps a token (for ``ar`` and ``suffix``, target forwards a token,
 the prefill's included: it writes the first token), tokens/s, agreement with ``one_per_step`` (the reference policy, always
-run first) and with ``ar`` (position by position, as ``bench.quality.token_agreement``), and
+run first) and with ``ar`` (position by position, as ``agreement.token_agreement``), and
 maths accuracy (GSM8K's final number) on the maths questions among them. The dLLM is the
 delta of ``--dllm`` merged into fp32 weights; ``ar`` and ``suffix`` run on the same weights
 without it, so the comparison is of decoders, not of formats. Writes ``diffusion.json``,
@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdecode.bench.datasets import Question
-from specdecode.bench.quality import math_correct, token_agreement
+from specdecode.agreement import token_agreement
+from specdecode.questions import Question
+from specdecode.bench.quality import math_correct
 from specdecode.errors import require
 
 #: the AR model's methods measured beside the policies
@@ -60,7 +61,7 @@ def add_arguments(parser) -> None:
 def parse_policies(spec: str) -> list[tuple[str, object, object]]:
     """(label, PolicyInfo, frozen config) per contender, ``one_per_step`` first; unknown
     policies and fields fail here, before any model loads."""
-    from specdecode.cli import parse_config
+    from specdecode.cli_options import parse_config
     from specdecode.diffusion.registry import get_policy, policy_names
 
     labels = ([n for n in policy_names() if n not in NOT_IN_ALL] if spec.strip() == "all" else
@@ -209,9 +210,9 @@ def load_contenders(args):
     """(diffusion model, AR runner, tokenizer, eos ids, block size, what the dLLM is) for
     ``--model``, ``--dllm``, ``--weights`` and ``--block-size``."""
     from specdecode.api import eos_ids
-    from specdecode.diffusion.cli import default_mask_id
     from specdecode.diffusion.decode import DEFAULT_BLOCK_SIZE
     from specdecode.diffusion.dllm import dllm_runner, find_dllm
+    from specdecode.diffusion.model import default_mask_id
     from specdecode.diffusion.model import DiffusionModel
     from specdecode.models.loading import load_model, make_runner
 

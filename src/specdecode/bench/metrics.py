@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from specdecode.bench.datasets import task_sort_key
+from specdecode.questions import task_sort_key
 
 FIELDS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted", "identical_fraction")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from specdecode.bench.datasets import load_questions
+from specdecode.questions import load_questions
 
 CHAT_TURNS = (
     "I want to write a small command-line tool in Python that counts words in text files. "

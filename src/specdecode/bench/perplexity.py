@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.bench.datasets import Question
+from specdecode.questions import Question
 from specdecode.draft import Draft
 from specdecode.errors import require
 

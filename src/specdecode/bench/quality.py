@@ -1,8 +1,8 @@
 """Quality of a lossy method's output, against ``ar``'s (docs/lossy.md).
 
-- ``token_agreement``: positions where the output equals ``ar``'s, over the longer one's
-  length (1.0 only for identical outputs; a token dropped early shifts the rest and costs them
-  all, as a reader would see it).
+- ``token_agreement`` (:mod:`specdecode.agreement`): positions where the output equals
+  ``ar``'s, over the longer one's length (1.0 only for identical outputs; a token dropped early
+  shifts the rest and costs them all, as a reader would see it).
 - whole-answer agreement: the share of question turns whose tokens equal ``ar``'s.
 - ``math_correct``: the last number of the answer equals the reference's (GSM8K's ``#### N``).
 - ``rouge_l``: ROUGE-L F1 (Lin, 2004) over lower-cased words, of a summary against ``ar``'s.
@@ -13,14 +13,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from specdecode.agreement import token_agreement
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def token_agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
-    longest = max(len(tokens), len(reference))
-    if longest == 0:
-        return 1.0
-    return sum(a == b for a, b in zip(tokens, reference)) / longest
 
 
 def last_number(text: str) -> float | None:

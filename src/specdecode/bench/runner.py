@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdecode.bench.datasets import Question
 from specdecode.bench.peer_process import PeerFailed
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
+from specdecode.questions import Question
 from specdecode.sampling import SamplingParams
 
 #: tokens decoded by each contender in the warm-up

@@ -359,7 +359,7 @@ def check_counts(args: argparse.Namespace, levels: list[int]) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.bench.cli import gguf_path_for, prepare_out
-    from specdecode.bench.datasets import load_questions
+    from specdecode.questions import load_questions
     from specdecode.models.loading import load_model
 
     started = time.time()

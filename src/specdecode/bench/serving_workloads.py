@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
-from specdecode.bench.datasets import Question, task_sort_key
+from specdecode.questions import Question, task_sort_key
 from specdecode.errors import require
 
 WORKLOADS = ("spec-bench", "code-edit")

@@ -33,9 +33,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdecode.bench.datasets import task_sort_key
+from specdecode.questions import task_sort_key
 from specdecode.errors import SpecDecodeError, require
-from specdecode.proposers.base import Feedback
+from specdecode.proposer import Feedback
 
 
 class NeedsModel(SpecDecodeError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from specdecode.errors import require
 
@@ -27,20 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "model as it is; 'none' the AR model as it is; or a file")
 
 
-def default_mask_id(tokenizer, vocab_size: int) -> int:
-    """The tokenizer's mask token; else an added token no chat uses (SmolLM2's
-    ``<empty_output>``); else the vocabulary's last id."""
-    for candidate in (getattr(tokenizer, "mask_token_id", None),
-                      (getattr(tokenizer, "get_vocab", dict)() or {}).get("<empty_output>")):
-        if isinstance(candidate, int) and 0 <= candidate < vocab_size:
-            return candidate
-    return vocab_size - 1
-
-
 def generate(args: argparse.Namespace, config: dict, options: dict, load_target) -> int:
     """The ``generate`` command's diffusion branch: ``config`` the policy's fields (-c),
     ``options`` the constraint keywords, ``load_target(args)`` (runner, tokenizer, eos ids)."""
     from specdecode.api import encode_prompt
+    from specdecode.cli_options import load_diffusion_target
     from specdecode.constraints import Vocabulary, make_constraint
     from specdecode.diffusion.decode import DEFAULT_BLOCK_SIZE, diffuse
     from specdecode.diffusion.model import DiffusionModel
@@ -78,32 +68,6 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
           f"({result.steps_per_token:.2f} a token), {result.tokens_per_s:.1f} tokens/s, mask id "
           f"{mask}")
     return 0
-
-
-def load_diffusion_target(args: argparse.Namespace, load_target):
-    """(runner, tokenizer, eos ids, mask id, block size or None): the ``--dllm`` delta merged
-    (whose mask id and block size are the defaults then), or the target as it is."""
-    from specdecode.api import eos_ids
-    from specdecode.diffusion.dllm import dllm_runner, find_dllm
-    from specdecode.models.loading import load_model
-
-    loaded = load_model(args.model) if args.dllm != "none" else None
-    path = find_dllm(loaded, args.dllm) if loaded is not None else None
-    if path is None:
-        if args.dllm == "auto":
-            print(f"specdecode: no dLLM delta for {args.model} (`specdecode train dllm`): the AR "
-                  "model runs as it is", file=sys.stderr)
-        runner, tokenizer, eos = load_target(args)
-        mask = args.mask_id if args.mask_id is not None else default_mask_id(tokenizer,
-                                                                             runner.vocab_size)
-        return runner, tokenizer, eos, mask, args.block_size
-    require(args.runner in ("auto", "native"), "a dLLM delta runs on the native runner; drop "
-                                               "--runner or pass --dllm none")
-    weights = "fp32" if args.weights == "auto" else args.weights
-    runner, delta = dllm_runner(loaded, path, weights)
-    mask = args.mask_id if args.mask_id is not None else int(delta.config["mask_id"])
-    block = args.block_size or delta.config.get("block_size")
-    return runner, loaded.tokenizer, eos_ids(loaded, loaded.tokenizer), mask, block
 
 
 def print_policies() -> None:

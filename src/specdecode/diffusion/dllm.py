@@ -92,7 +92,7 @@ class DiffusionDelta(nn.Module):
         return out
 
     def save(self, path: str | Path, fingerprint: str) -> Path:
-        from specdecode.training.artifacts import save_artifact
+        from specdecode.artifacts import save_artifact
 
         tensors = {f"{part}.{key}": p.detach().to(torch.float16).contiguous()
                    for part, table in (("down", self.down), ("up", self.up))
@@ -103,7 +103,7 @@ class DiffusionDelta(nn.Module):
     @classmethod
     def load(cls, path: str | Path, model: nn.Module, fingerprint: str) -> DiffusionDelta:
         """The delta in ``path`` (made by ``specdecode train dllm`` for this model)."""
-        from specdecode.training.artifacts import load_artifact
+        from specdecode.artifacts import load_artifact
 
         art = load_artifact(path, KIND, fingerprint)
         c = art.config
@@ -230,7 +230,7 @@ def find_dllm(loaded, spec: str) -> Path | None:
     this model (the user cache, then the package's ``data/adapters``), or None where there is
     none; ``'none'``, None (the AR model as it is)."""
     from specdecode.models.hf import HFRunner
-    from specdecode.training.artifacts import find_artifacts
+    from specdecode.artifacts import find_artifacts
 
     if spec == "none":
         return None

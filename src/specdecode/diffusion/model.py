@@ -20,7 +20,7 @@ Two choices, both from the AR-to-diffusion adaptation papers (DiffuGPT/DiffuLLaM
   the AR model's.)
 
 The mask token is an id the model's vocabulary has and the text never uses (``mask_id``): the
-tiny test models' last id; for SmolLM2 its unused ``<empty_output>`` (``diffusion/cli.py``).
+tiny test models' last id; for SmolLM2 its unused ``<empty_output>`` (:func:`default_mask_id`).
 Attention runs in the native kernels through :class:`AttentionPlan` key lists: a row lists its
 block's slots, so the kernels need nothing new. Several *states* of one block (FreeDave's
 drafts) run in one forward, each a copy of the block at scratch slots past the committed rows,
@@ -36,6 +36,16 @@ import torch
 
 from specdecode.errors import require
 from specdecode.models.kv_cache import AttentionPlan
+
+
+def default_mask_id(tokenizer, vocab_size: int) -> int:
+    """The tokenizer's mask token; else an added token no chat uses (SmolLM2's
+    ``<empty_output>``); else the vocabulary's last id."""
+    for candidate in (getattr(tokenizer, "mask_token_id", None),
+                      (getattr(tokenizer, "get_vocab", dict)() or {}).get("<empty_output>")):
+        if isinstance(candidate, int) and 0 <= candidate < vocab_size:
+            return candidate
+    return vocab_size - 1
 
 
 class DiffusionModel:

@@ -92,7 +92,7 @@ def build_distilled(config: dict, tensors: dict[str, torch.Tensor],
 def load_draft(spec: str, runner: Runner) -> LoadedDraft:
     """'distilled', an artifact path or a checkpoint folder -> the draft, checked against the
     target's vocabulary."""
-    from specdecode.training.artifacts import load_artifact, newest_artifact
+    from specdecode.artifacts import load_artifact, newest_artifact
 
     fingerprint = runner.fingerprint()
     if spec == "distilled":

@@ -1,4 +1,4 @@
-"""Trained draft heads as artifacts (see :mod:`specdecode.training.artifacts`): one kind per
+"""Trained draft heads as artifacts (see :mod:`specdecode.artifacts`): one kind per
 network (``hydra_heads``, ``clover_heads``, ``eagle_heads``), tied to the target's fingerprint.
 
 A file holds the network's weights (matrices in int8 with float16 row scales), the FR-Spec
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from specdecode.artifacts import int8_rows, load_artifact, newest_artifact, save_artifact
 from specdecode.errors import require
 from specdecode.heads.networks import HeadNetwork, make_network
-from specdecode.training.artifacts import int8_rows, load_artifact, newest_artifact, save_artifact
 
 #: minutes `specdecode train heads` takes by default (said in the "train one" message)
 TRAIN_MINUTES = 12

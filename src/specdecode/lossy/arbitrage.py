@@ -102,7 +102,7 @@ class Router:
 def load_router(spec: str, runner: Runner, cheap: str = "draft") -> Router:
     """``'trained'`` (the newest router trained for this target with this ``cheap`` model) or
     an artifact path."""
-    from specdecode.training.artifacts import find_artifacts, load_artifact, read_metadata
+    from specdecode.artifacts import find_artifacts, load_artifact, read_metadata
 
     fingerprint = runner.fingerprint()
     if spec == "trained":

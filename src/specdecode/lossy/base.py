@@ -129,7 +129,7 @@ def trained_artifact(spec: str, runner: Runner, kind: str, command: str, fallbac
     """The artifact of ``kind`` an ``adapters`` setting names: 'auto' (the newest trained for
     this target) or a path; refused, naming ``specdecode COMMAND`` (which makes one) and
     ``fallback`` (another choice), where there is none."""
-    from specdecode.training.artifacts import load_artifact, newest_artifact
+    from specdecode.artifacts import load_artifact, newest_artifact
 
     fingerprint = runner.fingerprint()
     fix = f"make one with `specdecode {command}` (minutes on 2 CPU cores)"

@@ -5,7 +5,9 @@ row's expected accepted tokens against what the row adds to the forward; on a CP
 layers read their weights once for all rows, so the curve starts flat and turns linear once the
 rows' arithmetic outweighs the weights' memory traffic (docs/native-runner.md). The curve is
 measured on a scratch replica (the runner's own cache is never touched): one sequence's root
-and a chain of ``rows - 1`` draft tokens a forward, after a one-token prompt.
+and a chain of ``rows - 1`` draft tokens a forward, after a one-token prompt. The tokens are
+spread over the vocabulary, as a draft's differ: a mixture-of-experts layer reads the union of
+its rows' experts, so rows of one token would cost what a single row does.
 
 :func:`cached_row_costs` measures a curve once per model file, weight format, machine (its CPU)
 and thread count and keeps it under ``~/.cache/specdecode/row-costs`` (the first request on the
@@ -50,10 +52,12 @@ def measure_row_costs(runner: Runner, rows: Sequence[int] = DEFAULT_ROWS,
     require(repeats >= 1, f"repeats must be at least 1, got {repeats}")
     scratch = runner.replica()
     scratch.prefill([0])
+    # distinct tokens, a prime stride apart
+    tokens = [(i * 7919) % runner.vocab_size for i in range(1, max(rows))]
 
     def seconds(n: int) -> float:
         start = time.perf_counter()
-        scratch.forward(0, Draft.chain([0] * (n - 1)))
+        scratch.forward(0, Draft.chain(tokens[:n - 1]))
         took = time.perf_counter() - start
         scratch.commit([])
         return took
@@ -73,7 +77,7 @@ def settled(points: dict[int, float]) -> dict[int, float]:
 
 
 #: how curves are measured (kept curves of another version are measured again)
-CURVE_VERSION = "v2: fastest of 5, settled"
+CURVE_VERSION = "v3: fastest of 5, settled, distinct tokens"
 #: curves measured in this process, by key (runners that are no file are measured once here)
 _MEASURED: dict[str, dict[int, float]] = {}
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer, target_argmax
+from specdecode.proposer import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdecode.draft import Draft
-from specdecode.proposers.base import Proposer
+from specdecode.proposer import Proposer
 from specdecode.registry import register
 
 

@@ -59,7 +59,7 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Needs, Runner
 from specdecode.models.row_costs import cached_row_costs
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, RowCosts
 

@@ -60,7 +60,7 @@ from specdecode.drafting.tree import grow_block_tree
 from specdecode.errors import require
 from specdecode.heads.drafter import BlockDraftLM
 from specdecode.models.quant import check_format
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
 from specdecode.registry import param, register
 from specdecode.sampling import sample

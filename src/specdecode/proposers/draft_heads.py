@@ -23,7 +23,7 @@ from specdecode.heads.artifact import load_heads
 from specdecode.errors import require
 from specdecode.heads.drafter import HeadDraftLM, target_features, target_needs
 from specdecode.heads.native import DRAFT_WEIGHTS
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param
 
 

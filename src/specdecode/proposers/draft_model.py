@@ -49,7 +49,7 @@ from specdecode.drafting.artifacts import DraftSource, open_draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
 from specdecode.models.base import Runner
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.draft import Draft
+from specdecode.drafting.exit_adapters import resolve_adapters
 from specdecode.drafting.exits import (HEAD_COST, VERIFY_TOKEN_COST, check_exit_layer,
                                        require_early_exit, tokens_per_layer)
 from specdecode.errors import require
 from specdecode.models.base import Needs
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
-from specdecode.training.adapters import resolve_adapters
 
 @dataclass(frozen=True)
 class DelConfig:

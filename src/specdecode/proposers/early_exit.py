@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdecode.draft import Draft
+from specdecode.drafting.exit_adapters import resolve_adapters
 from specdecode.drafting.exits import best_fixed_layer, check_exit_layer, require_early_exit
 from specdecode.errors import require
-from specdecode.proposers.base import Proposer
+from specdecode.proposer import Proposer
 from specdecode.registry import param, register
-from specdecode.training.adapters import resolve_adapters
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from specdecode.control import Budget, Controller, DraftSignal
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import NOTHING, Runner
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.quantized import CONTROLLERS, QuantizedConfig, int4_session
 from specdecode.registry import param, register
 from specdecode.sampling import NodeDistributions

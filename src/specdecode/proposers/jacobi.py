@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer, target_argmax
+from specdecode.proposer import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
 
 #: longest window accepted; a window is one chain of verify rows, and rows cost target work

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Feedback, Proposer, target_argmax
+from specdecode.proposer import Feedback, Proposer, target_argmax
 from specdecode.registry import param, register
 
 #: bounds on the window and n-gram size: the window alone costs (W - 1) + W (N - 2) rows

@@ -18,7 +18,7 @@ import numpy as np
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Proposer
+from specdecode.proposer import Proposer
 from specdecode.registry import param, register
 
 

@@ -48,7 +48,7 @@ from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Runner
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.quantized import int4_session
 from specdecode.registry import param, register
 

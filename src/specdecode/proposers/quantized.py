@@ -42,7 +42,7 @@ from specdecode.drafting.caches import NativeDraftLM
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
-from specdecode.proposers.base import Feedback, Proposer
+from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.draft import Draft
-from specdecode.proposers.base import Feedback
+from specdecode.proposer import Feedback
 from specdecode.proposers.jacobi import JacobiProposer, check_window
 from specdecode.registry import param, register
 from specdecode.sampling import NodeDistributions, sample

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.proposers.base import Proposer
+from specdecode.proposer import Proposer
 from specdecode.registry import param, register
 from specdecode.suffix_corpus import corpus_tree
 from specdecode.suffix_cache import DEFAULT_MAX_CACHED_REQUESTS, SuffixCache

@@ -5,7 +5,7 @@ Some config fields name what a proposer loads: ``heads`` (hydra, clover, eagle),
 from an HTTP request a path would let any client make the server open any file on its disk (and
 learn from the error whether it exists and what it holds). So the server builds a catalogue at
 start: the artifacts trained for its target in the package and the user cache
-(:func:`~specdecode.training.artifacts.find_artifacts`' folders), plus those given with
+(:func:`~specdecode.artifacts.find_artifacts`' folders), plus those given with
 ``specdecode serve --artifact NAME=PATH``, each under a name (a file's stem, or NAME). A request
 gives a name from the catalogue, or a keyword the method resolves itself (``auto``, ``none``,
 ``distilled``); anything else gets the same 400, whatever is on the disk.
@@ -51,7 +51,7 @@ def field_kinds(method, field: str) -> tuple[str, ...]:
 
         return (artifact_kind(method.proposer.head_kind),)
     if field == "adapters":
-        from specdecode.training.adapters import KIND
+        from specdecode.drafting.exit_adapters import KIND
 
         return (KIND,)
     if field == "draft":
@@ -76,7 +76,7 @@ class Catalogue:
     def for_target(cls, fingerprint: str, given: dict[str, str] | None = None) -> Catalogue:
         """The artifacts found for the target ``fingerprint`` (user cache, package) and those
         ``given`` as name -> path by the operator (checked here: a bad path fails at start)."""
-        from specdecode.training.artifacts import packaged_dir, read_metadata, user_dir
+        from specdecode.artifacts import packaged_dir, read_metadata, user_dir
 
         entries, seen = [], set()
         for folder in (user_dir(), packaged_dir()):

@@ -12,7 +12,7 @@ from specdecode.errors import SpecDecodeError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import add_draft_budget_argument, add_model_arguments
+    from specdecode.cli_options import add_draft_budget_argument, add_model_arguments
     from specdecode.server.goodput import Batching
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -112,7 +112,7 @@ def served_name(model: str) -> str:
 def settings_of(args: argparse.Namespace):
     """(Settings, the server's ``suffix`` config) for parsed ``serve`` arguments, checked."""
     from specdecode import registry
-    from specdecode.cli import parse_config
+    from specdecode.cli_options import parse_config
     from specdecode.server.frontend import Settings
 
     settings = Settings(

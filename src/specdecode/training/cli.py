@@ -20,7 +20,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("specdecode.training.target_data",
              "target-written conversations, many per forward of the native runner, into a "
              "resumable JSON-lines shard"),
-    "corpus": ("specdecode.suffix_corpus",
+    "corpus": ("specdecode.training.corpus",
                "a corpus for suffix's global tree from target-written shards (`train data`)"),
     "router": ("specdecode.training.router",
                "the Arbitrage router (lossy): the target's advantage over the cheap draft per step"),

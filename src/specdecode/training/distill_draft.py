@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.artifacts import int8_rows, save_artifact, user_dir
 from specdecode.control import AcceptanceHead
 from specdecode.errors import require
-from specdecode.training.artifacts import int8_rows, save_artifact, user_dir
 from specdecode.training.runs import TimeBar, descend, work_dir
 from specdecode.training.self_data import frequency_shortlist, target_conversations
 

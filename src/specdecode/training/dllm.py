@@ -121,10 +121,10 @@ def shard_conversations(paths: Sequence[str]) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdecode.diffusion.cli import default_mask_id
+    from specdecode.diffusion.model import default_mask_id
     from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
-    from specdecode.training.artifacts import user_dir
+    from specdecode.artifacts import user_dir
     from specdecode.training.self_data import target_conversations
 
     require(args.minutes > 0 and args.checkpoint_every > 0, "--minutes and --checkpoint-every "

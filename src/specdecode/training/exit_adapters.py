@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.drafting.exit_adapters import ExitAdapters
 from specdecode.errors import SpecDecodeError, require
-from specdecode.training.adapters import ExitAdapters
 from specdecode.training.runs import Checkpoint, target_key, work_dir
 
 DEFAULT_LAYERS = "6,9,12,15,18,21,24,27"

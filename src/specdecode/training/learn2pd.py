@@ -34,14 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdecode.api import encode_prompt
-    from specdecode.cli import load_target
-    from specdecode.diffusion.cli import load_diffusion_target
+    from specdecode.cli_options import load_diffusion_target
     from specdecode.diffusion.learn2pd_filter import train_filter, trajectories
     from specdecode.diffusion.model import DiffusionModel
     from specdecode.training.router import training_prompts
 
     runner, tokenizer, eos, mask, block = load_diffusion_target(
-        argparse.Namespace(**vars(args), runner="native", weights="auto"), load_target)
+        argparse.Namespace(**vars(args), runner="native", weights="auto"))
     prompts = [encode_prompt(tokenizer, text)
                for _, text in training_prompts(args.data, args.holdout)[:args.prompts]]
     x, y = trajectories(DiffusionModel(runner, mask), prompts, args.gen_tokens, block or 32, eos)

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.artifacts import save_artifact, user_dir
 from specdecode.errors import require
 from specdecode.lossy.lora_drop import (CORRECTORS_KIND, Correctors, droppable_layers,
                                         full_positions, run_layer)
-from specdecode.training.artifacts import save_artifact, user_dir
 from specdecode.training.runs import (FrozenTargetRun, TimeBar, add_run_arguments,
                                       frozen_target_run, target_key, train_steps)
 from specdecode.training.self_data import target_conversations

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.artifacts import save_artifact, user_dir
 from specdecode.errors import require
 from specdecode.lossy.lud import ADAPTERS_KIND, UnitAdapters, lexical_unit
-from specdecode.training.artifacts import save_artifact, user_dir
 from specdecode.training.runs import (TimeBar, add_run_arguments, frozen_target_run,
                                       target_key, train_steps)
 from specdecode.training.self_data import target_conversations

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def training_prompts(data, holdout: int) -> list[tuple[int, str]]:
-    from specdecode.bench.datasets import load_questions
+    from specdecode.questions import load_questions
 
     seen: dict[str, int] = {}
     chosen = []
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.lossy.arbitrage import (FEATURES, ROUTER_KIND, Arbitrage, ArbitrageConfig,
                                             Router)
     from specdecode.models.loading import load_model, make_runner
-    from specdecode.training.artifacts import save_artifact, user_dir
+    from specdecode.artifacts import save_artifact, user_dir
     from specdecode.training.exit_adapters import encode
 
     require(args.questions > 0 and args.gen_tokens > 1 and args.max_minutes > 0,

@@ -156,7 +156,7 @@ def frozen_target_run(args, work_name: str, piece: str, make: Callable[[torch.nn
     settings and ``shared``."""
     from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
-    from specdecode.training.artifacts import user_dir
+    from specdecode.artifacts import user_dir
 
     loaded = load_model(args.model)
     model = loaded.model.eval().requires_grad_(False)

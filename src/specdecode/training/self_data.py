@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.artifacts import user_dir
 from specdecode.errors import require
-from specdecode.training.artifacts import user_dir
 
 #: user-turn openers: the target completes them, so its self-written prompts cover the tasks
 #: Spec-Bench measures (chat, translation, summarization, QA, maths, retrieval-style reading)

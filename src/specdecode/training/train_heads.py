@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.artifacts import float_rows, int8_rows, user_dir
 from specdecode.errors import require
 from specdecode.heads.artifact import artifact_kind, save_heads
 from specdecode.heads.drafter import target_features
 from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
 from specdecode.heads.packing import packed, packed_rows
 from specdecode.models.base import ForwardOutput, Needs
-from specdecode.training.artifacts import float_rows, int8_rows, user_dir
 from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,
                                       use_device, work_dir)
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
@@ -353,7 +353,7 @@ def _warm_start(net, path: str, fingerprint: str) -> None:
     """``net``'s weights that ``path`` (an artifact of its kind for this target) holds under the
     same name and shape, or one that broadcasts to it (deer's one mask vector, for a network
     with a mask a row); the rest keep their initial values."""
-    from specdecode.training.artifacts import load_artifact
+    from specdecode.artifacts import load_artifact
 
     stored = load_artifact(path, artifact_kind(net.kind), fingerprint).tensors
     own = net.state_dict()

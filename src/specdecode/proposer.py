@@ -7,6 +7,9 @@ What it reads from the target's passes besides the logits it declares in ``needs
 asks the runner for it and hands it over in :class:`Feedback`.
 State that outlives a request (a global suffix tree, a token-recycling matrix) stays on the
 instance, so one proposer serving many requests learns across them.
+
+This module sits below both its users: the engine (which drives a proposer) and every method
+in ``specdecode/proposers/`` (each a subclass).
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ For exit layer l with output h (before any norm):
     logits = lm_head(normed)                             # the target's own head, frozen
 
 ``up`` starts at zero and ``RMSNorm_l`` at the final norm's weight, so an untrained adapter is
-exactly the plain early exit (final norm + LM head). Rank 64 keeps one layer's adapter at about
+exactly the plain early exit (final norm + LM head). ``specdecode train exit-adapters``
+(training/exit_adapters.py) trains them. Rank 64 keeps one layer's adapter at about
 74k parameters for SmolLM2 (576 wide): a few hundred kilobytes for a set of layers in fp16.
 
 An :class:`ExitAdapters` set is saved as an artifact of kind ``exit_adapters`` (see
-:mod:`specdecode.training.artifacts`) whose config also records each layer's measured agreement
+:mod:`specdecode.artifacts`) whose config also records each layer's measured agreement
 with the full model, which the proposers use to choose their exit layer.
 """
 
@@ -26,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.artifacts import find_artifacts, load_artifact, save_artifact
 from specdecode.errors import SpecDecodeError, require
-from specdecode.training.artifacts import find_artifacts, load_artifact, save_artifact
 
 KIND = "exit_adapters"
 

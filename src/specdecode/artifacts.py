@@ -1,7 +1,7 @@
 """Trained artifacts: small safetensors files tied to the target they were trained for.
 
 Every trainer (exit adapters, distilled draft models, heads) saves through :func:`save_artifact`
-and every method loads through :func:`load_artifact`. A file holds the tensors plus three
+and every method loads through :func:`load_artifact`, so this module sits below both. A file holds the tensors plus three
 metadata strings:
 
     specdecode.kind          what it is ("exit_adapters", "draft_model", ...)
@@ -50,7 +50,7 @@ class Artifact:
 
 def packaged_dir() -> Path:
     """Artifacts shipped inside the package (small, reproducible by a documented command)."""
-    return Path(__file__).resolve().parent.parent / "data" / "adapters"
+    return Path(__file__).resolve().parent / "data" / "adapters"
 
 
 def user_dir() -> Path:
