@@ -81,6 +81,7 @@ def gguf_writer(config, path, arch: str):
                   context=config.max_position_embeddings, rope_base=config.rope_theta,
                   sliding_window=getattr(config, "sliding_window", None) or 0)
     add_hyperparameters(writer, shape, config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)  # (transformers' GGUF loader needs it)
     return writer
 
 

@@ -18,12 +18,14 @@ from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner, Q4Weight
 from specdecode.models.quant import WEIGHT_FORMATS
 
-from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
+from conftest import _permute, alone_logits, close_gguf, gguf_writer, repetitive_prompts
 from tiny_models import tiny_model
 
 from test_exactness import METHODS, tiny_overrides
 
 WINDOW = 8
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 #: tiny configs: every piece an architecture switches on, sliding windows short enough for
 #: short prompts to cross them
 ARCHS = {
@@ -51,6 +53,27 @@ ARCHS = {
                           attn_implementation="eager", sliding_window=WINDOW,
                           tie_word_embeddings=True),
 }
+ARCHS.update({
+    # Llama 3.1+: llama3 rope scaling (frequencies 1, 2 and 3-7 of 8: kept, smoothed, divided)
+    "llama3": dict(model_type="llama", rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    # Mistral: its sliding window in every layer (no layer_types)
+    "mistral": dict(model_type="mistral", sliding_window=WINDOW),
+    "ministral": dict(model_type="ministral", sliding_window=WINDOW,
+                      layer_types=["sliding_attention", "full_attention"]),
+    # Phi-3: fused q/k/v and gate/up, a window in every layer, rotary on 12 of 16 dimensions
+    # (Phi-4-mini's 0.75), longrope's short factors (float32 numbers, as a GGUF file holds
+    # them) with an attention factor of sqrt(1 + ln 4 / ln 1024)
+    "phi3": dict(model_type="phi3", sliding_window=WINDOW, partial_rotary_factor=0.75,
+                 max_position_embeddings=4096, original_max_position_embeddings=1024,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+                               "long_factor": [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]}),
+    # Granite: its four multipliers (powers of two: a GGUF file holds them as float32)
+    "granite": dict(model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.25,
+                    attention_multiplier=0.125, logits_scaling=8.0),
+    "olmo2": dict(model_type="olmo2"),
+    # SmolLM3: layer 1 without rotary embedding
+    "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0]),
+})
 TREE = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11, 12], [9, 10, 13]])
 
 
@@ -107,7 +130,8 @@ def test_greedy_ar_tokens_identical_to_transformers_generate(name):
 
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
-@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap", "gemma2-window"])
+@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma3-softcap", "gemma2-window",
+                                  "mistral", "phi3", "granite", "olmo2", "smollm3"])
 def test_position_alone_equals_position_in_tree_bitwise(name, weights):
     runner = LlamaRunner.from_transformers(build(name, seed=5), weights)
     rng = random.Random(1)
@@ -131,7 +155,7 @@ PRECISE_TARGET = ("quantized", "hierspec", "pearl")
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3", "gemma3-softcap", "gemma2",
-                                  "gemma2-window"])
+                                  "gemma2-window", "phi3", "granite", "olmo2", "smollm3"])
 def test_every_method_equals_ar_on_the_native_runner(name, method):
     model = build(name, seed=6)
     runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
@@ -157,6 +181,38 @@ _GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_att
          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm"}
 _GEMMA = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
+_FAMILY_NAMES = {"phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+                 "olmo2": {"post_attention_layernorm": "post_attention_norm",
+                           "post_feedforward_layernorm": "post_ffw_norm"}}
+#: families whose q/k rows llama.cpp's converter permutes (LlamaModel.permute)
+_PERMUTED = ("llama", "granite", "smollm3")
+
+
+def add_family_metadata(writer, c, arch: str) -> None:
+    """What llama.cpp's converter writes beyond the common hyper-parameters: Llama 3's
+    rope_freqs (LlamaModel.generate_extra_tensors), Phi-3's rotary dimensions, original
+    context and longrope factors (Phi3MiniModel), Granite's four scales (GraniteModel)."""
+    scaling = getattr(c, "rope_scaling", None) or {}
+    if scaling.get("rope_type") == "llama3":
+        freqs = c.rope_theta ** -(np.arange(0, c.head_dim, 2, dtype=np.float32) / c.head_dim)
+        wavelength = 2 * np.pi / freqs
+        old = scaling["original_max_position_embeddings"]
+        smooth = (old / wavelength - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        factors = np.where(wavelength < old / scaling["high_freq_factor"], 1.0,
+                           np.where(wavelength > old / scaling["low_freq_factor"], scaling["factor"],
+                                    1 / ((1 - smooth) / scaling["factor"] + smooth)))
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
+        writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+    if arch == "granite":
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
 
 
 def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -166,17 +222,21 @@ def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
+def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | None = None) -> None:
     """``model`` as llama.cpp writes it: Q8_0 embeddings, Q5_0 q/k/v, Q4_K for the matrices
     named in ``q4k`` (random blocks), Q4_1 for the rest, f32 norms (Gemma's as 1 + w) and
-    biases. The model's weights become the file's dequantised ones."""
+    biases; ``extra``: more tensors (GGUF name: float32 array). The model's weights become the
+    file's dequantised ones."""
     import gguf
 
     c = model.config
     gemma = arch in ("gemma2", "gemma3")
-    names = {**_GGUF, **(_GEMMA if gemma else {})}
+    names = {**_GGUF, **(_GEMMA if gemma else {}), **_FAMILY_NAMES.get(arch, {})}
     q = gguf.GGMLQuantizationType
     writer = gguf_writer(c, path, arch)
+    add_family_metadata(writer, c, arch)
+    for gguf_name, value in (extra or {}).items():
+        writer.add_tensor(gguf_name, value)
     if arch == "gemma2":  # as llama.cpp's converter writes them
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
@@ -203,27 +263,39 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = ()) -> None:
                 qtype = (q.Q8_0 if "embed" in name or "lm_head" in name else
                          q.Q5_0 if "self_attn" in name and "o_proj" not in name else q.Q4_1)
                 data = gguf.quants.quantize(w, qtype)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+            heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(
+                name.split(".")[-2], 0) if arch in _PERMUTED else 0
+            # (a block never spans rows: the permuted rows of the quantised matrix are the
+            # quantised rows of the permuted one)
+            writer.add_tensor(gguf_name, _permute(data, heads) if heads else data, raw_dtype=qtype)
             param.copy_(torch.from_numpy(gguf.quants.dequantize(data, qtype)))
     close_gguf(writer)
 
 
 @pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3"),
-                                       ("gemma2-window", "gemma2")])
+                                       ("gemma2-window", "gemma2"), ("phi3", "phi3"),
+                                       ("granite", "granite"), ("olmo2", "olmo2"),
+                                       ("smollm3", "smollm3")])
 def test_gguf_files_read_like_the_model(tmp_path, name, arch):
     from specdecode.models.gguf_reader import read_gguf
 
     # intermediate 256: the down projection's rows are one Q4_K super-block. A GGUF file has
     # no layer types (llama.cpp makes every sixth Gemma 3 layer global, as transformers'
     # default does): six layers with the default pattern
-    gemma = {"layers": 6, "layer_types": None} if arch == "gemma3" else {}
-    model = build(name, seed=8, intermediate_size=256, **gemma)
+    # SmolLM3: llama.cpp leaves out the rotary embedding of every fourth layer, as
+    # transformers' default no_rope_layers does
+    pattern = {"gemma3": {"layers": 6, "layer_types": None},
+               "smollm3": {"layers": 4, "no_rope_layers": None}}.get(arch, {})
+    model = build(name, seed=8, intermediate_size=256, **pattern)
     path = tmp_path / f"{name}.gguf"
     write_gguf(model, path, arch, q4k=("down_proj",))
     config, tensors = read_gguf(path)
     assert config.model_type == model.config.model_type
     for field in ("sliding_window", "layer_types", "head_dim", "rope_theta",
-                  "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+                  "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                  "partial_rotary_factor", "rope_scaling", "original_max_position_embeddings",
+                  "no_rope_layers", "embedding_multiplier", "residual_multiplier",
+                  "attention_multiplier", "logits_scaling"):
         assert getattr(config, field, None) == getattr(model.config, field, None), field
     state = model.state_dict()
     for key, w in tensors.items():

@@ -237,10 +237,10 @@ def test_missing_and_truncated_files(files, tmp_path):
 
 
 def test_unknown_architecture_names_it_and_the_fallback(tmp_path):
-    path = write_shape(tmp_path / "phi.gguf", Shape("phi3", 1, 256, 512, 4, 2, vocab=512), "Q4_1")
-    with pytest.raises(SpecDecodeError, match=r"'phi3'.*--runner hf"):
+    path = write_shape(tmp_path / "falcon.gguf", Shape("falcon", 1, 256, 512, 4, 2, vocab=512), "Q4_1")
+    with pytest.raises(SpecDecodeError, match=r"'falcon'.*--runner hf"):
         LlamaRunner.from_gguf(path, "int4")
-    assert load_gguf(path).config is None  # the hf runner's to try (transformers knows phi3)
+    assert load_gguf(path).config is None  # the hf runner's to try (transformers knows falcon)
 
 
 @pytest.mark.parametrize("qtype,rows", [("Q4_0", 48), ("Q4_1", 40), ("Q4_K", 16), ("Q4_K", 7)])

@@ -295,8 +295,8 @@ def test_gguf_int4_runner_is_exact_against_its_own_ar(gguf_model):
 # ---- bad input ----------------------------------------------------------------------------------
 
 def test_gguf_of_another_architecture_names_it_and_the_fallback(tmp_path):
-    path = write_gguf(tiny(seed=10, layers=1), tmp_path / "other.gguf", arch="phi3")
-    with pytest.raises(SpecDecodeError, match=r"'phi3'.*--runner hf"):
+    path = write_gguf(tiny(seed=10, layers=1), tmp_path / "other.gguf", arch="falcon")
+    with pytest.raises(SpecDecodeError, match=r"'falcon'.*--runner hf"):
         LlamaRunner.from_gguf(path)
 
 
@@ -330,14 +330,15 @@ def test_unknown_weight_format_and_runner():
 
 
 def test_other_architectures_are_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import PhiConfig, PhiForCausalLM
 
-    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=4,
-                                             num_key_value_heads=2))
-    with pytest.raises(SpecDecodeError, match="'mistral'.*--runner hf"):
+    # Phi-2: LayerNorm and a parallel attention and MLP, not pieces the native runner has
+    model = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2))
+    with pytest.raises(SpecDecodeError, match="'phi'.*--runner hf"):
         LlamaRunner.from_transformers(model)
-    loaded = LoadedModel(model, None, "mistral")
+    loaded = LoadedModel(model, None, "phi")
     assert isinstance(make_runner(loaded, "auto"), HFRunner)
 
 

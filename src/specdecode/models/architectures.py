@@ -18,6 +18,21 @@ the same place ``transformers``' modeling file reads it:
     gemma3  gemma2's pieces without the attention soft-capping, with q/k head norms, five
             sliding-window layers to each global one, and a rotary base of
             rope_local_base_freq in the sliding-window layers (modeling_gemma3)
+    mistral the llama forward with its sliding_window in every layer (modeling_mistral);
+            ministral: the window in the layers its layer_types name (modeling_ministral).
+            llama.cpp writes both as ``llama`` files (without the window)
+    phi3    + q/k/v and gate/up fused in one matrix each (split at load), a window in every
+            layer, a partial rotary embedding (partial_rotary_factor: Phi-4-mini turns 96 of
+            128 dimensions; the kernels turn whole heads, so q and k rows are reordered to
+            put the passed dimensions where cos is 1 and sin 0), longrope's short factors
+            (modeling_phi3)
+    granite + embeddings times embedding_multiplier, each residual branch times
+            residual_multiplier (folded into o and down), attention_multiplier as the query
+            scale, logits divided by logits_scaling (modeling_granite)
+    olmo2   norms after attention and after the MLP only, none before them, and q/k norms over
+            the whole q and k projections (modeling_olmo2)
+    smollm3 the llama forward with no rotary embedding in the layers no_rope_layers marks 0
+            (every fourth; modeling_smollm3)
 
 Per-layer facts that a config carries for every family (``layer_types`` with
 ``sliding_window``, ``attn_logit_softcapping``, ``final_logit_softcapping``) are read from the
@@ -34,8 +49,9 @@ from dataclasses import dataclass, field
 class Architecture:
     #: transformers' ``model_type``
     model_type: str
-    #: GGUF ``general.architecture``
-    gguf_name: str
+    #: GGUF ``general.architecture``; None: llama.cpp writes the family as another's files
+    #: (Mistral and Ministral as ``llama``)
+    gguf_name: str | None
     #: q, k and v projections have biases (Qwen2)
     qkv_bias: bool = False
     #: RMSNorm over each head of q and k, before the rotary embedding (Qwen3, Gemma 3)
@@ -60,6 +76,26 @@ class Architecture:
     gguf_layer_names: dict = field(default_factory=dict)
     #: GGUF files store Gemma's norm weights as 1 + w (llama.cpp's converter adds the 1)
     gguf_norm_plus_one: bool = False
+    #: a ``sliding_window`` the config sets applies to every layer (Mistral, Phi-3: their
+    #: configs have no ``layer_types``); None leaves every layer global
+    window_every_layer: bool = False
+    #: q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj`` (Phi-3), split at load
+    fused_projections: bool = False
+    #: norms before attention and before the MLP (all but OLMo 2, which norms only after)
+    pre_norms: bool = True
+    #: the q and k norms run over the whole q and k projections, not over each head (OLMo 2)
+    qk_norm_whole: bool = False
+    #: the power of the query_scale_attr value q is scaled by: -0.5 its inverse square root
+    #: (Gemma), 1 the value itself (Granite's attention_multiplier)
+    query_scale_power: float = -0.5
+    #: config attributes of Granite's multipliers: embeddings times the first, each residual
+    #: branch (attention, MLP) times the second, logits divided by the third
+    embedding_multiplier_attr: str | None = None
+    residual_multiplier_attr: str | None = None
+    logits_divisor_attr: str | None = None
+    #: config attribute of a per-layer list, 0 where the layer has no rotary embedding
+    #: (SmolLM3's no_rope_layers)
+    rope_layers_attr: str | None = None
 
 
 #: llama.cpp's names of Gemma's norms (blk.N.<name>) that differ from the common ones
@@ -69,6 +105,8 @@ _GEMMA_GGUF_NAMES = {"ffn_norm": "pre_feedforward_layernorm",
 
 ARCHITECTURES = {a.model_type: a for a in (
     Architecture("llama", "llama", gguf_permuted_qk=True),
+    Architecture("mistral", None, window_every_layer=True),
+    Architecture("ministral", None),
     Architecture("qwen2", "qwen2", qkv_bias=True),
     Architecture("qwen3", "qwen3", qk_norm=True),
     Architecture("gemma2", "gemma2", norm_offset=1.0, post_norms=True,
@@ -80,8 +118,20 @@ ARCHITECTURES = {a.model_type: a for a in (
                  query_scale_attr="query_pre_attn_scalar",
                  local_rope_base_attr="rope_local_base_freq",
                  gguf_layer_names=_GEMMA_GGUF_NAMES, gguf_norm_plus_one=True),
+    Architecture("phi3", "phi3", window_every_layer=True, fused_projections=True,
+                 gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    Architecture("granite", "granite", gguf_permuted_qk=True,
+                 query_scale_attr="attention_multiplier", query_scale_power=1.0,
+                 embedding_multiplier_attr="embedding_multiplier",
+                 residual_multiplier_attr="residual_multiplier",
+                 logits_divisor_attr="logits_scaling"),
+    Architecture("olmo2", "olmo2", qk_norm=True, qk_norm_whole=True, pre_norms=False,
+                 post_norms=True,
+                 gguf_layer_names={"post_attention_norm": "post_attention_layernorm",
+                                   "post_ffw_norm": "post_feedforward_layernorm"}),
+    Architecture("smollm3", "smollm3", gguf_permuted_qk=True, rope_layers_attr="no_rope_layers"),
 )}
 #: GGUF ``general.architecture`` -> Architecture
-GGUF_ARCHITECTURES = {a.gguf_name: a for a in ARCHITECTURES.values()}
+GGUF_ARCHITECTURES = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
 #: MLP gate activations with a kernel (transformers' names)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

@@ -2,7 +2,7 @@
 
 :class:`GGUFFile` opens a file's header (the ``gguf`` package's reader maps the file; only
 the header's pages are read), builds a ``transformers`` config from its metadata (Llama,
-Qwen2, Qwen3, Gemma 2 or Gemma 3 text) and reads one tensor at a time, under its Hugging Face
+Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2 or SmolLM3) and reads one tensor at a time, under its Hugging Face
 parameter name, so the native runner builds from a GGUF file exactly as from a checkpoint,
 in the memory of one tensor beyond what it keeps. A tensor's bytes are read with ``pread``
 into a buffer of its own, not through the map: mapped pages count as the process's resident
@@ -27,8 +27,15 @@ they are.
 
 llama.cpp stores Llama's query and key projections with their rows permuted for its interleaved
 rotary embedding; the inverse permutation (the one ``transformers`` applies) restores the
-Hugging Face layout. It stores Gemma's norm weights as 1 + w; 1 is subtracted, as
-``transformers`` does, so the tensors mean what a Hugging Face checkpoint's do.
+Hugging Face layout (Llama, Granite, SmolLM3). It stores Gemma's norm weights as 1 + w; 1 is
+subtracted, as ``transformers`` does, so the tensors mean what a Hugging Face checkpoint's do.
+Phi-3's fused attn_qkv and ffn_up (gate and up) are read as transformers' qkv_proj and
+gate_up_proj. Llama 3.1+ files hold their llama3 rope scaling only as ``rope_freqs.weight``,
+a factor per rotary frequency (read under that name: the runner divides the frequencies by
+it); Phi-3's ``rope_factors_long/short.weight`` become its config's longrope factors. A file
+whose architecture or tensor types cannot be read is refused from its header, naming them; a
+file with tensors the native runner has no place for is refused by :meth:`GGUFFile.check_native`
+only, so the hf runner still reads it.
 """
 
 from __future__ import annotations
@@ -47,11 +54,20 @@ from specdecode.models.architectures import GGUF_ARCHITECTURES
 from specdecode.models.int8_blocks import Int8BlockWeight, decode_gguf_blocks
 from specdecode.models.quant import Q4Weight
 
+#: llama.cpp's llama3 rope scaling (Llama 3.1-3.3): a factor per rotary frequency, which the
+#: frequency is divided by. transformers has no tensor for it (its config holds the scaling's
+#: parameters): the runner reads it under this name
+ROPE_FACTORS = "rope_freqs.weight"
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "rope_freqs.weight": ROPE_FACTORS,
 }
+#: Phi-3's longrope factors, which its transformers config holds (rope_scaling's long_factor
+#: and short_factor): read into the config, not kept as tensors
+_LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor",
+                     "rope_factors_short.weight": "short_factor"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -72,10 +88,25 @@ _READ_ROWS = 512
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
 INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def _readable_types() -> tuple[str, ...]:
+    """GGUF types a tensor may have: float32 and float16, and those the ``gguf`` package
+    dequantises (every llama.cpp quantisation: K-quants, I-quants, ...)."""
+    import gguf.quants
+
+    return ("F32", "F16", *(t.name for t in gguf.quants._type_traits))
+
+
 #: transformers config class per architecture
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
             "gemma2": "Gemma2Config",
-            "gemma3_text": "Gemma3TextConfig"}
+            "gemma3_text": "Gemma3TextConfig",
+            "phi3": "Phi3Config", "granite": "GraniteConfig", "olmo2": "Olmo2Config",
+            "smollm3": "SmolLM3Config"}
+#: Granite's multipliers: config attribute -> GGUF key (after ``{arch}.``)
+_GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
 def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
@@ -344,7 +375,9 @@ class GGUFFile:
 
     ``config``: the ``transformers`` config its metadata describes; ``entries``: Hugging Face
     parameter name -> :class:`TensorEntry`; ``fields``: the metadata (key -> value) other than
-    arrays of strings (the tokenizer's vocabulary and merges)."""
+    arrays of strings (the tokenizer's vocabulary and merges); ``unknown``: the GGUF names of
+    tensors the native runner has no place for (:meth:`check_native` refuses them; the hf
+    runner reads such a file through ``transformers``)."""
 
     def __init__(self, path):
         path = Path(path)
@@ -364,27 +397,45 @@ class GGUFFile:
         layer_names = {**_LAYER_NAMES, **spec.gguf_layer_names}
         size = path.stat().st_size
         self.entries: dict[str, TensorEntry] = {}
-        unknown = []
+        self.unknown: list[str] = []
+        longrope: dict[str, TensorEntry] = {}
+        readable = _readable_types()
         for entry in tensors:
-            name = hf_name(entry.gguf_name, layer_names)
-            if name is None:
-                unknown.append(entry.gguf_name)
-                continue
             require(entry.offset + entry.nbytes <= size,
                     f"{path}: tensor {entry.gguf_name} ends at byte {entry.offset + entry.nbytes} "
                     f"but the file has {size}: the file is truncated or corrupt")
-            self.entries[name] = entry
-        require(not unknown, f"{path.name} has tensors the native runner does not know "
-                f"({', '.join(unknown[:4])}); use the hf runner (--runner hf)")
+            require(entry.qtype in readable,
+                    f"{path.name}: tensor {entry.gguf_name} is of GGUF type {entry.qtype}, which "
+                    f"cannot be read; the readable types are {', '.join(readable)}")
+            name = hf_name(entry.gguf_name, layer_names)
+            if entry.gguf_name in _LONGROPE_FACTORS:
+                longrope[_LONGROPE_FACTORS[entry.gguf_name]] = entry
+            elif name is None:
+                self.unknown.append(entry.gguf_name)
+            else:
+                self.entries[name] = entry
         require("model.embed_tokens.weight" in self.entries,
                 f"{path.name} has no token_embd.weight: not a complete model file")
-        self.config = self._config(arch)
+        self.config = self._config(arch, {key: self._vector(e) for key, e in longrope.items()})
+
+    def check_native(self) -> None:
+        """Refuse a file with tensors the native runner has no place for, naming them."""
+        require(not self.unknown, f"{self.path.name} has tensors the native runner does not "
+                f"know ({', '.join(self.unknown[:4])}); use the hf runner (--runner hf)")
+
+    def _vector(self, e: TensorEntry) -> list[float]:
+        """The values of a small one-dimensional tensor."""
+        raw = np.fromfile(self.path, np.uint8, e.nbytes, offset=e.offset)
+        require(raw.size == e.nbytes, f"{self.path}: tensor {e.gguf_name} is cut short: the "
+                                      "file is truncated or corrupt")
+        return _dequantized(raw, e).tolist()
 
     def field(self, key, default=None):
         value = self.fields.get(key)
         return default if value is None else value
 
-    def _config(self, arch: str):
+    def _config(self, arch: str, longrope: dict[str, list[float]]):
+        """The transformers config; ``longrope``: Phi-3's long and short rope factors."""
         import transformers
 
         field = self.field
@@ -407,6 +458,19 @@ class GGUFFile:
             extra["query_pre_attn_scalar"] = gemma2_query_scalar(
                 int(field(f"{arch}.block_count")), hidden, heads,
                 int(field(f"{arch}.attention.key_length", hidden // heads)))
+        if longrope:
+            # Phi-3's config holds exactly these three (Phi3Config validates it); the attention
+            # factor follows from the two context lengths, as llama.cpp's converter computed it
+            rope = {"type": "longrope", **longrope}
+            extra["original_max_position_embeddings"] = int(
+                field(f"{arch}.rope.scaling.original_context_length"))
+        rotary = field(f"{arch}.rope.dimension_count")
+        head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
+        if self.spec.model_type == "phi3" and rotary is not None:
+            extra["partial_rotary_factor"] = int(rotary) / head_dim
+        if self.spec.model_type == "granite":
+            extra.update({attr: float(field(f"{arch}.{key}")) for attr, key in _GRANITE_KEYS.items()
+                          if field(f"{arch}.{key}") is not None})
         return getattr(transformers, _CONFIGS[self.spec.model_type])(
             **extra,
             vocab_size=self.entries["model.embed_tokens.weight"].shape[0],
@@ -415,7 +479,7 @@ class GGUFFile:
             num_hidden_layers=int(field(f"{arch}.block_count")),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=rope or None,
@@ -516,5 +580,6 @@ def read_gguf(path, blocks_only: bool = False):
     reads one tensor at a time through :class:`GGUFFile`); ``blocks_only``: only the tensors
     kept as 4-bit blocks."""
     f = GGUFFile(path)
+    f.check_native()
     return f.config, {name: f.read(name) for name, e in f.entries.items()
                       if not blocks_only or e.qtype in Q4_TYPES}

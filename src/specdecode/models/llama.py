@@ -3,11 +3,16 @@
 The architecture is LLaMA's (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation
 Language Models"), as ``transformers``' ``modeling_llama`` computes it: RMSNorm, rotary position
 embeddings with the checkpoint's rope settings, grouped-query attention, a SwiGLU MLP and a tied
-or separate LM head. Qwen2, Qwen3, Gemma 2 and Gemma 3 run through the same forward with the
-pieces they change switched on (q/k/v biases, q/k head norms, (1 + w) norms, norms after
-attention and MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base,
-soft-capping of the attention scores, in the attention kernel, and of the final logits):
-``models/architectures.py`` holds them as data. The static cache written at
+or separate LM head. Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2 and
+SmolLM3 run through the same forward with the pieces they change switched on (q/k/v biases,
+q/k norms over each head or over all of q and k, (1 + w) norms, norms after attention and MLP
+with or without norms before them, GeGLU, scaled embeddings, residual and logit multipliers,
+sliding-window layers with their own rotary base, layers without rotary embedding, a partial
+rotary embedding, fused projections split at load, soft-capping of the attention scores, in
+the attention kernel, and of the final logits): ``models/architectures.py`` holds them as
+data. Rope scaling comes from the config through transformers' own initialisers (llama3,
+linear, yarn; longrope's short factors, within original_max_position_embeddings), or from a
+GGUF file's rope_freqs factors (Llama 3.1+), which the frequencies are divided by. The static cache written at
 explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
 draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch invariance*: a
 token's logits are bitwise the same whether it is computed alone (``ar``), in a chain or in a
@@ -55,7 +60,7 @@ from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architec
 from specdecode.models.base import (NOTHING, Call, ForwardOutput, Needs, PrefillCall, Runner,
                                     VerifyCall)
 from specdecode.models.embedding import embedding_table
-from specdecode.models.gguf_reader import Q4Blocks
+from specdecode.models.gguf_reader import ROPE_FACTORS, Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache, SavedRows
 from specdecode.models.quant import INT4_GROUP, LibraryLinear, Q4Weight, check_format
@@ -82,8 +87,12 @@ KV_CACHE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat1
 #: positions the KV cache holds when none is asked for (a file may declare 131072: its cache
 #: would take more memory than its weights); ``max_context`` asks for more, up to the file's
 DEFAULT_MAX_CONTEXT = 4096
-#: rope types whose frequencies do not depend on the sequence length
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+#: rope types whose frequencies do not depend on the sequence length, and longrope (Phi-3),
+#: whose short factors serve every position up to original_max_position_embeddings
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+#: the rotary tables of a layer: the global ones, the sliding-window layers' own (Gemma 3),
+#: or none (cos 1, sin 0: SmolLM3's layers without rotary embedding)
+GLOBAL_ROPE, LOCAL_ROPE, NO_ROPE = "global", "local", "none"
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,21 @@ class LlamaShape:
     #: attention scores are cap * tanh(scores / cap) before the softmax, in the attention
     #: kernel (Gemma 2: 50); 0 = none
     attn_softcap: float
+    #: dimensions of each head the rotary embedding turns (partial_rotary_factor: Phi-4-mini
+    #: turns 96 of 128); the others pass through
+    rotary_dim: int = 0
+    #: per layer: whether it has a rotary embedding (SmolLM3: every fourth has none)
+    rotary: tuple[bool, ...] = ()
+    #: positions the rotary tables serve exactly; 0 = any. Longrope's short factors (Phi-3)
+    #: hold up to original_max_position_embeddings, past which transformers switches to the
+    #: long ones
+    rope_limit: int = 0
+    #: embeddings are multiplied by this (Gemma: sqrt(hidden), Granite: embedding_multiplier)
+    embed_scale: float = 1.0
+    #: each residual branch (attention, MLP) is multiplied by this (Granite)
+    residual_scale: float = 1.0
+    #: logits are divided by this (Granite's logits_scaling)
+    logit_divisor: float = 1.0
 
     @property
     def fits_int4(self) -> bool:
@@ -128,6 +152,10 @@ class LlamaShape:
         require(not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False),
                 "the native runner has no attention or MLP biases besides Qwen2's q/k/v; use "
                 "--runner hf")
+        require(not ((getattr(config, "partial_rotary_factor", None) or 1.0) < 1.0
+                     and (arch.qk_norm or arch.qkv_bias)),
+                "the native runner turns a partial rotary embedding's dimensions by reordering "
+                "q and k rows, not their norms or biases; use --runner hf")
         act = getattr(config, arch.activation_attr, "silu")
         require(act in ACTIVATIONS, f"the native runner's MLP gate is {' or '.join(ACTIVATIONS)}, "
                                     f"not '{act}'; use --runner hf")
@@ -140,7 +168,13 @@ class LlamaShape:
         unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
         require(not unknown, f"the native runner has no {', '.join(unknown)} layers; use --runner hf")
         window = getattr(config, "sliding_window", None) or 0
+        if arch.window_every_layer and window and not getattr(config, "layer_types", None):
+            kinds = ["sliding_attention"] * layers
         scale_by = getattr(config, arch.query_scale_attr) if arch.query_scale_attr else head_dim
+        rotary = getattr(config, arch.rope_layers_attr) if arch.rope_layers_attr else [1] * layers
+        scaling = getattr(config, "rope_scaling", None) or {}
+        longrope = scaling.get("rope_type", scaling.get("type")) == "longrope"
+        attr = lambda name, default: (getattr(config, name) if name else default)  # noqa: E731
         return cls(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
@@ -150,9 +184,17 @@ class LlamaShape:
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             arch=arch, activation=act,
             windows=tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds),
-            query_scale=float(scale_by) ** -0.5,
+            query_scale=float(scale_by) ** arch.query_scale_power,
             logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
             attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+            rotary_dim=int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)),
+            rotary=tuple(bool(r) for r in rotary),
+            rope_limit=int(getattr(config, "original_max_position_embeddings", None)
+                           or config.max_position_embeddings) if longrope else 0,
+            embed_scale=(config.hidden_size ** 0.5 if arch.scale_embeddings
+                         else float(attr(arch.embedding_multiplier_attr, 1.0))),
+            residual_scale=float(attr(arch.residual_multiplier_attr, 1.0)),
+            logit_divisor=float(attr(arch.logits_divisor_attr, 1.0)),
         )
 
 
@@ -168,8 +210,10 @@ def runs(config) -> bool:
 
 
 def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2], attention scaling) from the checkpoint's rope
-    settings, computed by ``transformers``' own rope initialisers; ``local``: those of the
+    """(inverse frequencies [rotary dims / 2], attention scaling) from the checkpoint's rope
+    settings, computed by ``transformers``' own rope initialisers (llama3, linear and yarn
+    scaling from ``rope_scaling``; longrope with its short factors, as transformers computes
+    every position below original_max_position_embeddings); ``local``: those of the
     sliding-window layers of an architecture that gives them their own base (Gemma 3: the
     default rope at ``rope_local_base_freq``, as modeling_gemma3 builds it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -198,6 +242,8 @@ def _dense_parts(parts: list) -> torch.Tensor:
 
 def _scaled(weight, factor: float):
     """``weight`` times ``factor`` (exact for a power of two, such as 1/sqrt(64))."""
+    if factor == 1.0:
+        return weight
     if isinstance(weight, Q4Weight):
         return Q4Weight(weight.codes, weight.scale * factor, weight.minimum * factor)
     if isinstance(weight, Q4Blocks):
@@ -209,12 +255,54 @@ def _scaled(weight, factor: float):
     return weight.float() * factor
 
 
-def context_size(shape: LlamaShape, asked: int | None) -> int:
-    """Positions the cache holds: ``asked``, or min(the model's, ``DEFAULT_MAX_CONTEXT``)."""
+def _rows(weight, index):
+    """Rows ``index`` (a slice or a tensor of row numbers) of a matrix in any of the forms a
+    runner is given: float, :class:`Q4Weight`, :class:`Q4Blocks` or :class:`Int8BlockWeight`."""
+    if isinstance(weight, Q4Weight):
+        return Q4Weight(weight.codes[index], weight.scale[index], weight.minimum[index])
+    if isinstance(weight, Q4Blocks):
+        return weight.rows(index if isinstance(index, slice) else index.numpy())
+    if isinstance(weight, Int8BlockWeight):
+        return Int8BlockWeight(weight.codes[index], weight.scale[index],
+                               None if weight.minimum is None else weight.minimum[index],
+                               weight.group)
+    return weight[index]
+
+
+def rotary_order(shape: LlamaShape, heads: int) -> torch.Tensor | None:
+    """Row order of a q or k projection of ``heads`` heads that makes a partial rotary
+    embedding the kernels' whole-head one: the kernels turn dimension j with j + D/2, where
+    transformers turns the first R dimensions of a head (j with j + R/2) and passes the other
+    D - R through. Each head's rows become [R/2 turned | half the passed | R/2 turned | the
+    other half], and their cos and sin are 1 and 0 there. q and k are reordered alike, so q.k
+    is the same sum. None when the rotary embedding covers the whole head."""
+    d, r = shape.head_dim, shape.rotary_dim
+    if r == d:
+        return None
+    half, rest = r // 2, (d - r) // 2
+    within = torch.cat([torch.arange(half), r + torch.arange(rest), half + torch.arange(half),
+                        r + rest + torch.arange(rest)])
+    return (torch.arange(heads)[:, None] * d + within).flatten()
+
+
+def longest_context(shape: LlamaShape, max_draft: int = 256) -> tuple[int, str]:
+    """(the most positions the cache may hold, why): the model's context length, or with
+    rotary tables that serve ``shape.rope_limit`` positions, as many as leave room for a draft
+    of ``max_draft`` rows within them."""
+    if not shape.rope_limit:
+        return shape.max_context, "the model's context length"
+    return (shape.rope_limit // KEY_BLOCK * KEY_BLOCK - max_draft,
+            f"longrope's short factors hold {shape.rope_limit} positions, {max_draft} of them "
+            "for a draft; past them transformers uses the long factors: use --runner hf")
+
+
+def context_size(shape: LlamaShape, asked: int | None, max_draft: int = 256) -> int:
+    """Positions the cache holds: ``asked``, or min(the longest it may hold,
+    ``DEFAULT_MAX_CONTEXT``) (:func:`longest_context`)."""
+    limit, why = longest_context(shape, max_draft)
     if asked is None:
-        return min(shape.max_context, DEFAULT_MAX_CONTEXT)
-    require(0 < asked <= shape.max_context,
-            f"max_context must be 1..{shape.max_context} (the model's context length), got {asked}")
+        return min(limit, DEFAULT_MAX_CONTEXT)
+    require(0 < asked <= limit, f"max_context must be 1..{limit} ({why}), got {asked}")
     return int(asked)
 
 
@@ -247,8 +335,9 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None = None
     #: positions a row sees (itself included) in a sliding-window layer; 0 = all
     window: int = 0
-    #: the layer's rotary tables: the local ones (Gemma 3's sliding layers) or the global ones
-    local_rope: bool = False
+    #: the layer's rotary tables (``GLOBAL_ROPE``, ``LOCAL_ROPE``: Gemma 3's sliding layers,
+    #: ``NO_ROPE``: SmolLM3's layers without one)
+    rope: str = GLOBAL_ROPE
 
 
 @dataclass(frozen=True)
@@ -296,7 +385,7 @@ class LlamaRunner(Runner):
         self.weights = weights
         self.source = source
         self.vocab_size = shape.vocab_size
-        self.max_context = context_size(shape, max_context)
+        self.max_context = context_size(shape, max_context, max_draft)
         self.num_layers = shape.num_layers
 
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in tensors]
@@ -307,9 +396,9 @@ class LlamaRunner(Runner):
         require(self.embed.shape == (shape.vocab_size, shape.hidden_size),
                 f"embedding is {self.embed.shape}, config says "
                 f"({shape.vocab_size}, {shape.hidden_size})")
-        # Gemma: embeddings times sqrt(hidden), as float32 (modeling_gemma3's embed_scale)
-        self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5)
-                            if shape.arch.scale_embeddings else None)
+        # Gemma: embeddings times sqrt(hidden), as float32 (modeling_gemma3's embed_scale);
+        # Granite: times embedding_multiplier
+        self.embed_scale = torch.tensor(shape.embed_scale) if shape.embed_scale != 1.0 else None
         self.final_norm = self._norm_weight(tensors, "model.norm.weight")
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
@@ -330,9 +419,11 @@ class LlamaRunner(Runner):
                 tensors, head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
 
         self.capacity = cache_rows(self.max_context, max_draft)
-        # rotary tables per kind of layer: False the global ones, True the sliding layers' own
-        self.rope = {local: self._rope_tables(config, local)
-                     for local in {layer.local_rope for layer in self.layers}}
+        # rotary tables per kind of layer (GLOBAL_ROPE, LOCAL_ROPE, NO_ROPE); a GGUF file of
+        # Llama 3.1+ holds the llama3 scaling as factors its frequencies are divided by
+        factors = tensors.get(ROPE_FACTORS)
+        self.rope = {kind: self._rope_tables(config, kind, factors)
+                     for kind in {layer.rope for layer in self.layers}}
         self._stack = self._layer_stack()
         self._new_cache()
 
@@ -344,7 +435,8 @@ class LlamaRunner(Runner):
         s, layers = self.shape, self.layers
         plain = all(hasattr(getattr(layer, name), "kernel") and layer.qkv_bias is None
                     and layer.q_norm is None and layer.post_attn_norm is None
-                    and layer.post_mlp_norm is None and not layer.local_rope
+                    and layer.post_mlp_norm is None and layer.rope == GLOBAL_ROPE
+                    and layer.attn_norm is not None
                     for layer in layers for name in ("qkv", "o", "gate_up", "down"))
         if not plain or s.activation != "silu" or s.attn_softcap or not kernels.available():
             return None
@@ -356,15 +448,28 @@ class LlamaRunner(Runner):
             [layer.window for layer in layers], s.num_heads, s.num_kv_heads, s.head_dim,
             s.hidden_size, s.rms_eps)
 
-    def _rope_tables(self, config, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [capacity, D] of every position."""
-        d = self.shape.head_dim
-        inv_freq, attention_scaling = rope_frequencies(config, local)
-        require(inv_freq.numel() * 2 == d,
-                f"rope has {inv_freq.numel() * 2} dimensions but heads have {d}; "
-                "partial rotary embeddings need --runner hf")
+    def _rope_tables(self, config, kind: str, factors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [capacity, D] of every position for layers of rope ``kind``; the
+        dimensions a partial rotary embedding passes through (:func:`rotary_order`), and every
+        one of a layer without rotary embedding, get cos 1 and sin 0. ``factors``: llama.cpp's
+        rope_freqs, the global frequencies are divided by them."""
+        s = self.shape
+        inv_freq, attention_scaling = torch.zeros(0), 1.0
+        if kind != NO_ROPE:
+            inv_freq, attention_scaling = rope_frequencies(config, kind == LOCAL_ROPE)
+            require(inv_freq.numel() * 2 == s.rotary_dim,
+                    f"rope has {inv_freq.numel() * 2} dimensions but the config turns "
+                    f"{s.rotary_dim} of each head; use --runner hf")
+        if factors is not None and kind == GLOBAL_ROPE:
+            factors = as_float(factors)
+            require(factors.shape == inv_freq.shape,
+                    f"{ROPE_FACTORS} has {factors.numel()} factors for {inv_freq.numel()} "
+                    "rotary frequencies")
+            inv_freq = inv_freq / factors
         freqs = torch.arange(self.capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        passed = (s.head_dim - 2 * inv_freq.numel()) // 2
+        cos = torch.cat([freqs.cos() * attention_scaling, torch.ones(self.capacity, passed)], -1)
+        sin = torch.cat([freqs.sin() * attention_scaling, torch.zeros(self.capacity, passed)], -1)
         # q * cos + rotate_half(q) * sin with rotate_half(q) = (-q2, q1), as transformers
         # computes it, is q * (c, c) + (q2, q1) * (-s, s)
         return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
@@ -392,37 +497,60 @@ class LlamaRunner(Runner):
         head_linear = linear([tensors[head]])
         return_freed_memory()  # (each matrix's temporaries: see the function)
         layers = []
+        h, kv, ffn = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+                      shape.intermediate_size)
+        q_order, k_order = rotary_order(shape, shape.num_heads), rotary_order(shape, shape.num_kv_heads)
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
             norm = lambda name, factor=1.0: self._norm_weight(tensors, p + name, factor)  # noqa: E731
             # the attention scale folded into q: into its head norm where it has one (a norm
             # would undo it in the projection), else into the projection (and its bias)
             q_factor = 1.0 if arch.qk_norm else scale
+            # Granite's residual multiplier folded into each branch's last linear layer, or
+            # into its post norm where it has one (a norm would undo it in the layer)
+            branch = 1.0 if arch.post_norms else shape.residual_scale
+            q, k, v = self._projections(tensors, p, "self_attn.qkv_proj", "self_attn.{}_proj",
+                                        "qkv", (h, kv, kv))
+            if q_order is not None:
+                q, k = _rows(q, q_order), _rows(k, k_order)
             try:
                 layers.append(_Layer(
-                    attn_norm=norm("input_layernorm.weight"),
-                    qkv=linear([_scaled(tensors[p + "self_attn.q_proj.weight"], q_factor)]
-                               + [tensors[p + f"self_attn.{x}_proj.weight"] for x in "kv"]),
-                    o=linear([tensors[p + "self_attn.o_proj.weight"]]),
-                    mlp_norm=norm("pre_feedforward_layernorm.weight" if arch.post_norms
-                                  else "post_attention_layernorm.weight"),
-                    gate_up=linear([tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]),
-                    down=linear([tensors[p + "mlp.down_proj.weight"]]),
+                    attn_norm=norm("input_layernorm.weight") if arch.pre_norms else None,
+                    qkv=linear([_scaled(q, q_factor), k, v]),
+                    o=linear([_scaled(tensors[p + "self_attn.o_proj.weight"], branch)]),
+                    mlp_norm=(norm("pre_feedforward_layernorm.weight" if arch.post_norms
+                                   else "post_attention_layernorm.weight")
+                              if arch.pre_norms else None),
+                    gate_up=linear(self._projections(
+                        tensors, p, "mlp.gate_up_proj", "mlp.{}_proj", ("gate", "up"), (ffn, ffn))),
+                    down=linear([_scaled(tensors[p + "mlp.down_proj.weight"], branch)]),
                     qkv_bias=torch.cat([_dense(tensors, p + "self_attn.q_proj.bias") * q_factor]
                                        + [_dense(tensors, p + f"self_attn.{x}_proj.bias") for x in "kv"])
                     if arch.qkv_bias else None,
                     q_norm=norm("self_attn.q_norm.weight", scale) if arch.qk_norm else None,
                     k_norm=norm("self_attn.k_norm.weight") if arch.qk_norm else None,
-                    post_attn_norm=norm("post_attention_layernorm.weight") if arch.post_norms else None,
-                    post_mlp_norm=norm("post_feedforward_layernorm.weight") if arch.post_norms else None,
+                    post_attn_norm=norm("post_attention_layernorm.weight", shape.residual_scale)
+                    if arch.post_norms else None,
+                    post_mlp_norm=norm("post_feedforward_layernorm.weight", shape.residual_scale)
+                    if arch.post_norms else None,
                     window=shape.windows[i],
-                    local_rope=bool(shape.windows[i]) and arch.local_rope_base_attr is not None,
+                    rope=(NO_ROPE if not shape.rotary[i] else
+                          LOCAL_ROPE if shape.windows[i] and arch.local_rope_base_attr else GLOBAL_ROPE),
                 ))
             except KeyError as exc:
                 raise SpecDecodeError(f"checkpoint lacks {exc.args[0]}: not a {arch.model_type} "
                                       "checkpoint of the configured size") from None
             return_freed_memory()
         return head_linear, layers
+
+    def _projections(self, tensors, p: str, fused: str, name: str, parts, sizes) -> list:
+        """The matrices ``name.format(part)`` of layer prefix ``p``, in order: each its own
+        tensor, or (Phi-3) consecutive rows of the one tensor ``fused``, ``sizes`` rows each."""
+        if not self.shape.arch.fused_projections:
+            return [tensors[p + name.format(part) + ".weight"] for part in parts]
+        whole = tensors[p + fused + ".weight"]
+        bounds = torch.tensor((0, *sizes)).cumsum(0).tolist()
+        return [_rows(whole, slice(a, b)) for a, b in zip(bounds, bounds[1:])]
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -478,8 +606,9 @@ class LlamaRunner(Runner):
 
         check_format(weights)
         file = GGUFFile(path)
+        file.check_native()
         shape = LlamaShape.from_config(file.config)
-        context = context_size(shape, max_context)
+        context = context_size(shape, max_context, max_draft)
         kv = kv_cache_bytes(shape, cache_rows(context, max_draft), weights)
         check_fits(f"{Path(path).name} on the native runner ({weights})",
                    {f"weights {weights}": resident_bytes(file, weights),
@@ -745,6 +874,8 @@ class LlamaRunner(Runner):
         return self._capped((head or self.head)(self._norm(hidden, self.final_norm)))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.shape.logit_divisor != 1.0:  # Granite's logits_scaling
+            logits = logits / self.shape.logit_divisor
         cap = self.shape.logit_softcap
         return kernels.softcap(logits, cap) if cap else logits
 
@@ -752,13 +883,20 @@ class LlamaRunner(Runner):
         return kernels.rms_norm(x.contiguous(), weight, self.shape.rms_eps)
 
     def _head_norms(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        """qkv [n, (H + 2 KH) D] with every head of q and of k RMS-normalised over D."""
+        """qkv [n, (H + 2 KH) D] with every head of q and of k RMS-normalised over D (OLMo 2:
+        the whole of q and of k)."""
         s = self.shape
         n, d = len(qkv), s.head_dim
         q_end, k_end = s.num_heads * d, (s.num_heads + s.num_kv_heads) * d
-        q = self._norm(qkv[:, :q_end].reshape(-1, d), layer.q_norm)  # [n H, D]
-        k = self._norm(qkv[:, q_end:k_end].reshape(-1, d), layer.k_norm)  # [n KH, D]
+        qd, kd = (q_end, k_end - q_end) if s.arch.qk_norm_whole else (d, d)
+        q = self._norm(qkv[:, :q_end].reshape(-1, qd), layer.q_norm)  # [n H, D] or [n, H D]
+        k = self._norm(qkv[:, q_end:k_end].reshape(-1, kd), layer.k_norm)  # [n KH, D] or [n, KH D]
         return torch.cat([q.view(n, -1), k.view(n, -1), qkv[:, k_end:]], 1)
+
+    def _input_norm(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """``x`` normed by ``weight``, or ``x`` itself where the layer has no such norm (OLMo 2
+        norms only after attention and the MLP)."""
+        return x if weight is None else self._norm(x, weight)
 
     def _residual(self, linear, h: torch.Tensor, x: torch.Tensor, post_norm) -> torch.Tensor:
         """x + linear(h), with the output normed first where the architecture says so (the add
@@ -802,7 +940,7 @@ class LlamaRunner(Runner):
         rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
         capture = {layer for item in items for layer in item.capture if 0 < layer <= stop}
         if self._stack is not None and layers is self.layers:
-            x, captured = self._stacked(x, plan, stop, capture, rope[False])
+            x, captured = self._stacked(x, plan, stop, capture, rope[GLOBAL_ROPE])
         else:
             x, captured = self._layers(x, layers[:stop], plan, capture, rope)
         bounds = [0]
@@ -819,16 +957,16 @@ class LlamaRunner(Runner):
         activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers, first):
-            qkv = layer.qkv(self._norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
+            qkv = layer.qkv(self._input_norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             if layer.q_norm is not None:
                 qkv = self._head_norms(qkv, layer)
-            cos, sin = rope[layer.local_rope]  # [n, D]
+            cos, sin = rope[layer.rope]  # [n, D]
             q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads, kernels.isa())  # [n, H, D]
             attended = plan.attention(i, q, layer.window, s.attn_softcap, kernels.isa())  # [n, H D]
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
-            hidden = activation(layer.gate_up(self._norm(x, layer.mlp_norm)))
+            hidden = activation(layer.gate_up(self._input_norm(x, layer.mlp_norm)))
             x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
             if i + 1 in capture:
                 captured[i + 1] = x.clone()
@@ -857,7 +995,7 @@ class LlamaRunner(Runner):
 
     def attention_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """[n, H] what layer ``layer``'s q/k/v projections read of its input rows ``x``."""
-        return self._norm(x, self.layers[layer].attn_norm)
+        return self._input_norm(x, self.layers[layer].attn_norm)
 
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, plan: AttentionPlan, first: int, last: int,
@@ -871,7 +1009,7 @@ class LlamaRunner(Runner):
         The cache's books are the caller's."""
         positions, packed = _packed_plan([SequenceRows(self.cache, (), plan)])
         if adapter is None and self._stack is not None:
-            cos, sin = self.rope[False]
+            cos, sin = self.rope[GLOBAL_ROPE]
             return self._stack.forward(x.contiguous(), first, last, packed, cos[positions],
                                        sin[positions], kernels.isa())
         rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}

@@ -243,7 +243,9 @@ def load_gguf(path: Path) -> LoadedModel:
         raise SpecDecodeError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
                               f"{exc}") from None
     if fields.get("general.architecture") in GGUF_ARCHITECTURES:  # others: the hf runner's
-        config = GGUFFile(path).config
+        file = GGUFFile(path)
+        # a file with tensors the native runner has no place for is the hf runner's as well
+        config = None if file.unknown else file.config
     return LoadedModel(None, gguf_tokenizer(path, fields), str(path), path, config,
                        loader=lambda: _gguf_transformers_model(path, config))
 
