@@ -192,17 +192,11 @@ def add_family_metadata(writer, c, arch: str) -> None:
     """What llama.cpp's converter writes beyond the common hyper-parameters: Llama 3's
     rope_freqs (LlamaModel.generate_extra_tensors), Phi-3's rotary dimensions, original
     context and longrope factors (Phi3MiniModel), Granite's four scales (GraniteModel)."""
+    from specdecode.bench.shapes import llama3_rope_factors
+
     scaling = getattr(c, "rope_scaling", None) or {}
     if scaling.get("rope_type") == "llama3":
-        freqs = c.rope_theta ** -(np.arange(0, c.head_dim, 2, dtype=np.float32) / c.head_dim)
-        wavelength = 2 * np.pi / freqs
-        old = scaling["original_max_position_embeddings"]
-        smooth = (old / wavelength - scaling["low_freq_factor"]) / (
-            scaling["high_freq_factor"] - scaling["low_freq_factor"])
-        factors = np.where(wavelength < old / scaling["high_freq_factor"], 1.0,
-                           np.where(wavelength > old / scaling["low_freq_factor"], scaling["factor"],
-                                    1 / ((1 - smooth) / scaling["factor"] + smooth)))
-        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(c.head_dim, c.rope_theta, scaling))
     if arch == "phi3":
         writer.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
         writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)

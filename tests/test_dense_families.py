@@ -117,3 +117,27 @@ def test_a_layer_without_rotary_embedding_is_one():
     assert [layer.rope for layer in runner.layers] == ["global", "none"]
     cos, sin = runner.rope["none"]
     assert torch.equal(cos, torch.ones_like(cos)) and not sin.any()
+
+
+def test_the_3b_shape_writes_llama_3_2s_rope_freqs(tmp_path):
+    """bench/shapes.py's Llama-3.2-3B shape (here one narrow layer of its 128-wide heads)
+    writes the rope_freqs its llama3 scaling gives: the runner's frequencies are those of
+    transformers' llama3 initialiser for Llama-3.2's rope_scaling."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specdecode.bench.shapes import SHAPES, write_shape
+    from specdecode.models.gguf_reader import ROPE_FACTORS, read_gguf
+
+    shape = replace(SHAPES["3b"], layers=1, hidden=256, ffn=512, heads=2, kv_heads=1, vocab=512)
+    path = write_shape(tmp_path / "3b-narrow.gguf", shape, "Q4_1")
+    config, tensors = read_gguf(path)
+    scaling = {"rope_type": "llama3", **SHAPES["3b"].llama3_rope}
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](
+        LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, rope_theta=500000.0,
+                    rope_scaling=scaling), "cpu")
+    base = 500000.0 ** -(torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    torch.testing.assert_close(base / tensors[ROPE_FACTORS], expected.float(), rtol=1e-6, atol=0)
+    assert len(LlamaRunner.from_gguf(path, "int4").prefill([1, 2, 3]).logits[0]) == 512

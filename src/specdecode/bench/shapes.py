@@ -57,14 +57,19 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
+    #: Llama 3.1+'s rope scaling (transformers' rope_scaling of type llama3), written as the
+    #: rope_freqs factors llama.cpp's converter computes from it; None: no scaling
+    llama3_rope: dict | None = None
 
 
 #: named shapes: real models' layouts with the default tokenizer's vocabulary
 SHAPES = {
     # SmolLM2-1.7B
     "1.7b": Shape("llama", 24, 2048, 8192, 32, 32, tied=True, context=8192, rope_base=130000.0),
-    # Llama-3.2-3B's layout (its rope-scaling tensor left out)
-    "3b": Shape("llama", 28, 3072, 8192, 24, 8, tied=True, context=131072, rope_base=500000.0),
+    # Llama-3.2-3B's layout, its llama3 rope scaling as the rope_freqs tensor
+    "3b": Shape("llama", 28, 3072, 8192, 24, 8, tied=True, context=131072, rope_base=500000.0,
+                llama3_rope={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}),
     # Llama-2-7B (Mistral-7B differs by 8 kv heads and ffn 14336)
     "7b": Shape("llama", 32, 4096, 11008, 32, 32, context=4096),
     # Qwen2.5-7B
@@ -141,11 +146,27 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator,
     return b.reshape(rows, -1)
 
 
+def llama3_rope_factors(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """float32 [head_dim / 2]: the factor llama.cpp divides each rotary frequency by for
+    llama3 rope scaling (``scaling``: transformers' rope_scaling), as its converter computes
+    them (LlamaModel.generate_extra_tensors): 1 for wavelengths below original / high, factor
+    above original / low, and a smooth blend between."""
+    freqs = base ** -(np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    wavelength = 2 * np.pi / freqs
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    smooth = (original / wavelength - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0,
+                    np.where(wavelength > original / low, factor, blend)).astype(np.float32)
+
+
 def _tensor_plan(shape: Shape, vocab: int, mix: str):
     """(GGUF name, [rows, cols] or [n], GGUF type) of every tensor, in llama.cpp's order."""
     head_dim = shape.head_dim or shape.hidden // shape.heads
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
-    plan = [("token_embd.weight", (vocab, shape.hidden), tensor_type("token_embd", 0, 1, mix))]
+    plan = [("rope_freqs.weight", (head_dim // 2,), "F32")] if shape.llama3_rope else []
+    plan.append(("token_embd.weight", (vocab, shape.hidden), tensor_type("token_embd", 0, 1, mix)))
     for i in range(shape.layers):
         t = lambda kind: tensor_type(kind, i, shape.layers, mix)  # noqa: E731
         p = f"blk.{i}."
@@ -273,7 +294,9 @@ def write_shape(path, shape: str | Shape, mix: str = "Q4_1", seed: int = 0,
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, dims, qtype in plan:
-        if qtype == "F32" and len(dims) > 1:  # a router: logits of a few units
+        if name == "rope_freqs.weight":
+            data = llama3_rope_factors(dims[0] * 2, shape.rope_base, shape.llama3_rope)
+        elif qtype == "F32" and len(dims) > 1:  # a router: logits of a few units
             data = (rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32)
         elif qtype == "F32":  # norms near 1 (Gemma stores 1 + w), biases near 0
             centre = 0.0 if name.endswith(".bias") else 1.0
