@@ -2,11 +2,12 @@
 
 :class:`GGUFFile` opens a file's header (the ``gguf`` package's reader maps the file; only
 the header's pages are read), builds a ``transformers`` config from its metadata (Llama,
-Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2 or SmolLM3) and reads one tensor at a time, under its Hugging Face
-parameter name, so the native runner builds from a GGUF file exactly as from a checkpoint,
-in the memory of one tensor beyond what it keeps. A tensor's bytes are read with ``pread``
-into a buffer of its own, not through the map: mapped pages count as the process's resident
-memory once touched, and would add the whole file to it. Tensors in a 4-bit block format stay 4-bit
+Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2 or SmolLM3) and reads one tensor
+at a time, under its Hugging Face parameter name, so the native runner builds from a GGUF
+file exactly as from a checkpoint, in the memory of one tensor beyond what it keeps. A
+tensor's bytes are read with ``pread`` into a buffer of its own, not through the map: mapped
+pages count as the process's resident memory once touched, and would add the whole file to
+it. Tensors in a 4-bit block format stay 4-bit
 (:class:`Q4Weight`: codes 0..15 with a scale and a minimum per 32 weights, the int4 format):
 
     Q4_0  w = d * (q - 8) per block of 32: scale d, minimum -8 d, exactly
