@@ -12,12 +12,12 @@ rotary embedding, fused projections split at load, soft-capping of the attention
 the attention kernel, and of the final logits): ``models/architectures.py`` holds them as
 data. Rope scaling comes from the config through transformers' own initialisers (llama3,
 linear, yarn; longrope's short factors, within original_max_position_embeddings), or from a
-GGUF file's rope_freqs factors (Llama 3.1+), which the frequencies are divided by. The static cache written at
-explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
-draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch invariance*: a
-token's logits are bitwise the same whether it is computed alone (``ar``), in a chain or in a
-64-node tree, so every speculative method reproduces this runner's ``ar`` exactly, not just up
-to rounding.
+GGUF file's rope_freqs factors (Llama 3.1+), which the frequencies are divided by. The static
+cache written at explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree
+attention over a draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch
+invariance*: a token's logits are bitwise the same whether it is computed alone (``ar``), in a
+chain or in a 64-node tree, so every speculative method reproduces this runner's ``ar``
+exactly, not just up to rounding.
 
 It holds by construction, on every x86-64 CPU: every operation of a decode or verify forward
 that adds numbers up (the linear layers of every weight format, RMSNorm, SwiGLU, attention)
