@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's reader)
 
 ROWS = 64
 #: types gguf can quantise (the K-quants it only dequantises: random blocks for those)
-QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,8 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(qtype, 4)
     signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K")
     low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if signed else (0, (1 << bits) - 1)
+    if qtype == "MXFP4":  # e2m1 values doubled
+        low, high = -12, 12
     assert low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
 
 

@@ -191,6 +191,12 @@ def geglu(gate_up):
     return load().geglu(gate_up, isa())
 
 
+def oss_glu(gate_up):
+    """gpt-oss's experts' activation of [n, 2 I] (gate then up): (clamp(up, -7, 7) + 1) *
+    g * sigmoid(1.702 g), g = min(gate, 7)."""
+    return load().oss_glu(gate_up, isa())
+
+
 def softcap(x, cap):
     return load().softcap(x, cap, isa())
 
@@ -212,10 +218,12 @@ def rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return load().rope_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, isa())
 
 
-def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0):
+def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0, sinks=None):
     """``window`` > 0: each row sees only its last ``window`` positions (sliding-window layers);
-    ``softcap`` > 0: scores are softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
-    return load().attention(q, k_cache, v_cache, past, slots, lens, window, softcap, isa())
+    ``softcap`` > 0: scores are softcap * tanh(score / softcap) before the softmax (Gemma 2);
+    ``sinks`` [H] float32: each head's attention sink, a logit that joins the softmax's
+    denominator and carries no value (gpt-oss)."""
+    return load().attention(q, k_cache, v_cache, past, slots, lens, window, softcap, isa(), sinks)
 
 
 
@@ -230,12 +238,19 @@ def packed_linear(packed, kind, n, group=32, minimum=False, half=False):
     return load().PackedLinear(packed, kind, n, group, minimum, half)
 
 
-def moe_experts(gate_up, down, gelu: bool):
+#: the gate activations ``moe_experts`` takes (cpu_kernels.cpp's ``GateMode``), by the name
+#: models/moe.py gives them
+GATE_MODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gpt_oss": 2}
+
+
+def moe_experts(gate_up, down, activation: str, gate_up_bias=(), down_bias=()):
     """A mixture-of-experts layer's experts as one kernel call (cpu_kernels.cpp's
-    ``MoEExperts``): per expert its gate/up and down ``packed_linear``s; ``forward(h, picks,
-    weights, isa)`` gives each row of ``h`` [n, H] the sum of its picks' [n, k] expert outputs
-    times their weights [n, k], added in the order of the picks."""
-    return load().MoEExperts(gate_up, down, gelu)
+    ``MoEExperts``): per expert its gate/up and down ``packed_linear``s, and (gpt-oss) their
+    float32 biases; ``activation``: one of ``GATE_MODES``; ``forward(h, picks, weights, isa)``
+    gives each row of ``h`` [n, H] the sum of its picks' [n, k] expert outputs times their
+    weights [n, k], added in the order of the picks."""
+    return load().MoEExperts(gate_up, down, GATE_MODES[activation], list(gate_up_bias),
+                             list(down_bias))
 
 
 def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv_heads,
@@ -286,7 +301,7 @@ def packed_plan(k_caches, v_caches, pasts, slots, keys, lens):
     sequence s has the caches ``k_caches[s]`` and ``v_caches[s]`` (every layer's) and the call's
     next ``len(slots[s])`` rows; its row i writes slot ``slots[s][i]`` and sees the slots before
     ``pasts[s]``, then ``keys[s][i, :lens[s][i]]``. Checked once; its ``rope_store(layer, qkv,
-    cos, sin, heads, kv_heads, isa)`` and ``attention(layer, q, window, softcap, isa)`` run
+    cos, sin, heads, kv_heads, isa)`` and ``attention(layer, q, window, softcap, isa, sinks=None)`` run
     every sequence's rows on its own cache of that layer."""
     return load().PackedPlan(k_caches, v_caches, pasts, slots, keys, lens)
 

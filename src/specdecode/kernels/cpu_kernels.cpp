@@ -246,9 +246,11 @@ static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* 
 }
 
 // scores -> exp(score - max) in place; returns their sum through 16 lanes (generic.h's order;
-// the maximum is exact in any order)
-static float softmax_numerators(float* sc, int64_t len) {
-  const __m512 top = _mm512_set1_ps(row_max_avx512(sc, len));
+// the maximum is exact in any order), plus the sink's exp where there is one (as attend_one)
+static float softmax_numerators(float* sc, int64_t len, const float* sink) {
+  const float most = row_max_avx512(sc, len);
+  const float mx = sink && *sink > most ? *sink : most;
+  const __m512 top = _mm512_set1_ps(mx);
   __m512 part = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
     const __mmask16 live = (__mmask16)((1u << std::min<int64_t>(16, len - j)) - 1);
@@ -258,7 +260,7 @@ static float softmax_numerators(float* sc, int64_t len) {
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, part);
-  return tree16(lanes);
+  return sink ? tree16(lanes) + exp_fixed(*sink - mx) : tree16(lanes);
 }
 
 // value columns c0 .. c0 + 16 B of every row and head: positions below `shared` (cached for
@@ -301,7 +303,7 @@ static void value_blocks(const RowKeys* rows, const KV* vc, int64_t d, int64_t s
 // scores: R x NH x stride floats, stride a multiple of 16 at least every row's len
 template <int NH, int R, typename KV>
 static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc, int64_t d,
-                                float* scores, int64_t stride, float cap) {
+                                float* scores, int64_t stride, float cap, const float* sinks) {
   static_assert(R * NH <= 12, "a pass holds 2 x R x NH accumulators");
   int64_t shared = rows[0].cached, blocked = rows[0].cached;
   for (int r = 1; r < R; r++) {
@@ -319,7 +321,7 @@ static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc,
     for (int h = 0; h < NH; h++) {
       // soft-capping (cap > 0) as attend_one does it: the same elementwise bits
       if (cap > 0.0f) softcap_values(sc + h * stride, sc + h * stride, rows[r].len, cap);
-      denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len);
+      denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len, sinks ? sinks + h : nullptr);
     }
   }
   int64_t c0 = 0;
@@ -332,30 +334,33 @@ static inline int64_t block_rows(int64_t nh) { return std::min<int64_t>(4, 12 / 
 
 template <int NH, typename KV>
 static void attend_block_rows(const RowKeys* rows, int64_t count, const KV* kt,
-                              const KV* vc, int64_t d, float* scores, int64_t stride, float cap) {
+                              const KV* vc, int64_t d, float* scores, int64_t stride, float cap,
+                              const float* sinks) {
   switch (count) {
-    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride, cap); break;
-    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride, cap); break;
-    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride, cap); break;
-    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride, cap); break;
+    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
+    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
+    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
+    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
   }
 }
 
 // `count` rows (at most block_rows(nh)) for the nh heads that share a key/value head, 4 heads
 // at a time; a row's q and out point at its first head of the group. scores: block_rows(nh)
-// x 4 x stride floats.
+// x 4 x stride floats. sinks: the nh heads' attention sinks (null: none).
 template <typename KV>
 static void attend_rows(const RowKeys* rows, int64_t count, const KV* kt, const KV* vc,
-                        int64_t d, float* scores, int64_t stride, int64_t nh, float cap) {
+                        int64_t d, float* scores, int64_t stride, int64_t nh, float cap,
+                        const float* sinks) {
   RowKeys part[4];
   for (int64_t h = 0; h < nh; h += 4) {
     for (int64_t r = 0; r < count; r++)
       part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};
+    const float* hs = sinks ? sinks + h : nullptr;
     switch (std::min<int64_t>(4, nh - h)) {
-      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride, cap); break;
-      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride, cap); break;
-      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride, cap); break;
-      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride, cap); break;
+      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
+      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
+      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
+      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
     }
   }
 }
@@ -666,9 +671,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   return y;
 }
 
-// act(gate) * up for [rows, 2 I] (gate then up): SwiGLU (silu) or GeGLU (gelu_tanh)
-at::Tensor gated(const at::Tensor& gate_up, int64_t isa, bool gelu) {
-  const char* name = gelu ? "geglu" : "swiglu";
+// the gate activations of gated(): SwiGLU, GeGLU, gpt-oss's clamped SwiGLU
+enum GateMode : int64_t { GATE_SILU = 0, GATE_GELU = 1, GATE_OSS = 2 };
+
+// act(gate) * up for [rows, 2 I] (gate then up): SwiGLU (silu), GeGLU (gelu_tanh) or gpt-oss's
+// (up + 1) * clamped swish
+at::Tensor gated(const at::Tensor& gate_up, int64_t isa, int64_t mode) {
+  TORCH_CHECK(mode == GATE_SILU || mode == GATE_GELU || mode == GATE_OSS, "unknown gate mode ", mode);
+  const char* name = mode == GATE_GELU ? "geglu" : mode == GATE_OSS ? "oss_glu" : "swiglu";
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, " takes [rows, 2 I]");
   check_rows(gate_up, gate_up.size(1), name);
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
@@ -676,17 +686,21 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t isa, bool gelu) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t r0, int64_t r1) {
-    if (gelu)
+    if (mode == GATE_GELU)
       DISPATCH(isa, geglu_rows, gp + r0 * 2 * inter, yp + r0 * inter, r1 - r0, inter);
+    else if (mode == GATE_OSS)
+      DISPATCH(isa, oss_glu_rows, gp + r0 * 2 * inter, yp + r0 * inter, r1 - r0, inter);
     else
       DISPATCH(isa, swiglu_rows, gp + r0 * 2 * inter, yp + r0 * inter, r1 - r0, inter);
   });
   return y;
 }
 
-at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, false); }
+at::Tensor swiglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, GATE_SILU); }
 
-at::Tensor geglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, true); }
+at::Tensor geglu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, GATE_GELU); }
+
+at::Tensor oss_glu(const at::Tensor& gate_up, int64_t isa) { return gated(gate_up, isa, GATE_OSS); }
 
 at::Tensor softcap(const at::Tensor& x, double cap, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && cap > 0, "softcap takes contiguous float32 and a positive cap");
@@ -821,10 +835,11 @@ static void rope_store_segments(const float* src, const float* cos, const float*
 // query heads that share it. A row's result depends on its own keys alone (see
 // attend_block_avx512), so how the rows of a call fall into segments and blocks changes no bit.
 // ``softcap`` > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0: none.
+// ``sinks``: each query head's attention sink logit [heads] (gpt-oss; null: none).
 template <typename KV>
 static void attend_segments(const float* qp, float* op, const std::vector<Segment<KV>>& segs,
                             int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t window,
-                            double softcap, int64_t isa) {
+                            double softcap, const float* sinks, int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
   const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
@@ -848,6 +863,7 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
       const int64_t kvh = i % kv, past = seg.past, r0 = blocks[i / kv].second;
       const int64_t r1 = std::min(seg.r1, r0 + per_block);
       const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
+      const float* group_sinks = sinks ? sinks + kvh * group : nullptr;
       k_avx512::RowKeys rows[4];
       for (int64_t r = r0; r < r1; r++) {
         const int64_t first = r * heads + kvh * group, len = past + seg.lens[r - seg.r0];
@@ -868,10 +884,11 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
         }
         if (!blocked)
           DISPATCH(isa, attend_group, row.q, kt, vc, d, row.cached, row.slots, row.len,
-                   scores.data(), row.out, group, (float)softcap);
+                   scores.data(), row.out, group, (float)softcap, group_sinks);
       }
       if (blocked)
-        k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group, (float)softcap);
+        k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group, (float)softcap,
+                              group_sinks);
     }
   });
 }
@@ -907,15 +924,25 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// a layer's attention sinks [heads] float32 as attend_segments takes them (null: none)
+static const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == heads,
+              "attention sinks must be float32 [", heads, "] (one a query head)");
+  return sinks->data_ptr<float>();
+}
+
 // q [m, H, D]; caches [KH, capacity / 16, D, 16] (keys), [KH, capacity, D] (values), float32
 // or bfloat16; row r sees positions 0..past-1 (slots 0..past-1) and then slots[r, :lens[r]];
 // with a sliding ``window`` > 0 only its last ``window`` positions; ``softcap`` > 0 soft-caps
-// the scores (0: none). Returns [m, H * D]. The one-segment case of attend_segments.
+// the scores (0: none); ``sinks`` [H] float32: each head's attention sink (gpt-oss; none: no
+// sinks). Returns [m, H * D]. The one-segment case of attend_segments.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      int64_t past, const at::Tensor& slots, const at::Tensor& lens, int64_t window,
-                     double softcap, int64_t isa) {
+                     double softcap, int64_t isa, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be [m, H, D]");
   const int64_t m = q.size(0), heads = q.size(1), d = q.size(2), kv = k_cache.size(0);
+  const float* sk = sink_logits(sinks, heads);
   const int64_t cap = v_cache.size(1), width = slots.size(1);
   check_caches(k_cache, v_cache, d);
   TORCH_CHECK(heads % kv == 0, "q's heads are not a multiple of the cache's key/value heads");
@@ -929,11 +956,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   if (k_cache.scalar_type() == at::kFloat)
     attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(),
                            {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past,
-                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, isa);
+                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, sk, isa);
   else
     attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(),
                               {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m,
-                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, isa);
+                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, sk, isa);
   return out;
 }
 
@@ -1018,20 +1045,22 @@ struct PackedPlan {
     return q;
   }
 
-  // attention of every sequence's rows on its own cache of layer `layer`; [rows, H * D]
+  // attention of every sequence's rows on its own cache of layer `layer`; [rows, H * D];
+  // sinks: the layer's attention sinks [H] (gpt-oss; none: no sinks)
   at::Tensor attention(int64_t layer, const at::Tensor& q, int64_t window, double softcap,
-                       int64_t isa) const {
+                       int64_t isa, const c10::optional<at::Tensor>& sinks = c10::nullopt) const {
     TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
                 q.size(0) == rows && q.size(2) == d && q.size(1) % kv == 0,
                 "q must be [rows, H, D], H a multiple of the caches' key/value heads");
     const int64_t heads = q.size(1);
+    const float* sk = sink_logits(sinks, heads);
     auto out = at::empty({rows, heads * d}, q.options());
     if (bf16)
       attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(), segments<uint16_t>(layer),
-                                heads, d, kv, cap, window, softcap, isa);
+                                heads, d, kv, cap, window, softcap, sk, isa);
     else
       attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(), segments<float>(layer),
-                             heads, d, kv, cap, window, softcap, isa);
+                             heads, d, kv, cap, window, softcap, sk, isa);
     return out;
   }
 };
@@ -1112,15 +1141,30 @@ struct LayerStack {
 // gate's activation and its down layer over the rows that picked it, each pick's output times
 // its weight, then each row's picks added in the order given (the caller sorts them by expert).
 // Every step is a kernel or elementwise on one row, so a row's result does not depend on the
-// rows beside it; one call instead of a dozen torch operations an expert.
+// rows beside it; one call instead of a dozen torch operations an expert. ``mode``: gated()'s
+// activation; biases (gpt-oss): per expert its gate/up [2 I] and down [H] bias, added to the
+// layer's output before the activation and before the weighting (empty lists: none).
 struct MoEExperts {
   std::vector<PackedLinear> gate_up, down;
-  bool gelu;
+  int64_t mode;
+  std::vector<at::Tensor> gate_up_bias, down_bias;
 
-  MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, bool gelu)
-      : gate_up(std::move(gate_up)), down(std::move(down)), gelu(gelu) {
-    TORCH_CHECK(this->gate_up.size() == this->down.size() && !this->gate_up.empty(),
+  MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down, int64_t mode,
+             std::vector<at::Tensor> gate_up_bias, std::vector<at::Tensor> down_bias)
+      : gate_up(std::move(gate_up)), down(std::move(down)), mode(mode),
+        gate_up_bias(std::move(gate_up_bias)), down_bias(std::move(down_bias)) {
+    const size_t experts = this->gate_up.size();
+    TORCH_CHECK(this->down.size() == experts && experts > 0,
                 "every expert needs a gate/up and a down layer");
+    TORCH_CHECK(this->gate_up_bias.size() == this->down_bias.size() &&
+                (this->gate_up_bias.empty() || this->gate_up_bias.size() == experts),
+                "expert biases: a gate/up and a down bias for every expert, or none");
+    for (size_t e = 0; e < this->gate_up_bias.size(); e++)
+      TORCH_CHECK(this->gate_up_bias[e].scalar_type() == at::kFloat &&
+                  this->gate_up_bias[e].numel() == this->gate_up[e].n &&
+                  this->down_bias[e].scalar_type() == at::kFloat &&
+                  this->down_bias[e].numel() == this->down[e].n,
+                  "expert ", e, "'s biases must be float32 of its layers' output sizes");
   }
 
   // h [n, H] float32; picks [n, k] int64 expert indices; weights [n, k] float32
@@ -1149,8 +1193,11 @@ struct MoEExperts {
       auto rows = at::empty({m}, pc.options());
       int64_t* rp = rows.data_ptr<int64_t>();
       for (int64_t j = 0; j < m; j++) rp[j] = taken[e][j] / k;
-      const at::Tensor y = down[e](gated(gate_up[e](h.index_select(0, rows), c10::nullopt, isa),
-                                         isa, gelu), c10::nullopt, isa);
+      const bool biased = !gate_up_bias.empty();
+      at::Tensor mixed = gate_up[e](h.index_select(0, rows), c10::nullopt, isa);
+      if (biased) mixed = mixed + gate_up_bias[e];
+      at::Tensor y = down[e](gated(mixed, isa, mode), c10::nullopt, isa);
+      if (biased) y = y + down_bias[e];
       const float* yp = y.data_ptr<float>();
       for (int64_t j = 0; j < m; j++) {
         const int64_t pick = taken[e][j];
@@ -1430,14 +1477,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, nogil);
   m.def("swiglu", &swiglu, nogil);
   m.def("geglu", &geglu, nogil);
+  m.def("oss_glu", &oss_glu, nogil);
   m.def("softcap", &softcap, nogil);
   m.def("draw_tokens", &draw_tokens, nogil);
   m.def("top_probs", &top_probs, nogil);
   m.def("rope_store", &rope_store, nogil);
-  m.def("attention", &attention, nogil);
+  m.def("attention", &attention, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("past"), py::arg("slots"), py::arg("lens"), py::arg("window"), py::arg("softcap"),
+        py::arg("isa"), py::arg("sinks") = py::none());
   m.def("parallel_threads", &parallel_threads, nogil);
   py::class_<MoEExperts>(m, "MoEExperts")
-      .def(py::init<std::vector<PackedLinear>, std::vector<PackedLinear>, bool>())
+      .def(py::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("forward", &MoEExperts::forward, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
       .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>());
@@ -1464,5 +1515,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("rope_store", &PackedPlan::rope_store, nogil)
-      .def("attention", &PackedPlan::attention, nogil);
+      .def("attention", &PackedPlan::attention, nogil, py::arg("layer"), py::arg("q"),
+           py::arg("window"), py::arg("softcap"), py::arg("isa"), py::arg("sinks") = py::none());
 }

@@ -110,6 +110,20 @@ static void geglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
   }
 }
 
+// gpt-oss's clamped SwiGLU for [m, 2I] rows (gate then up): g = min(gate, 7),
+// u = clamp(up, -7, 7), out = (u + 1) * g * sigmoid(1.702 g) (modeling_gpt_oss's experts)
+static void oss_glu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
+  for (int64_t r = 0; r < m; r++) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    for (int64_t i = 0; i < inter; i++) {
+      const float gate = g[i] > 7.0f ? 7.0f : g[i];
+      const float up = u[i] > 7.0f ? 7.0f : (u[i] < -7.0f ? -7.0f : u[i]);
+      y[r * inter + i] = (up + 1.0f) * (gate / (1.0f + exp_fixed(-1.702f * gate)));
+    }
+  }
+}
+
 // cap * tanh(x / cap) elementwise (logit soft-capping)
 static void softcap_values(const float* x, float* y, int64_t n, float cap) {
   for (int64_t i = 0; i < n; i++) y[i] = tanh_fixed(x[i] / cap) * cap;
@@ -364,7 +378,9 @@ static void q4_columns_generic(const int8_t* xq, const float* dx, const float* s
 // (its own rows). Values [capacity][D]: out[i] = sum over keys in order of fma(p, v[i], out[i]),
 // then / sum p. KV: float, or uint16_t for a bfloat16 cache (read exactly as float32). A
 // ``cap`` > 0 soft-caps each score to cap * tanh(score / cap) before the softmax (softcap_values,
-// elementwise: a score's bits depend on that score alone); 0 skips it.
+// elementwise: a score's bits depend on that score alone); 0 skips it. A ``sink`` (gpt-oss's
+// attention sink, null: none) is one more logit of the head's own in the softmax: it joins the
+// maximum and the denominator and carries no value, so the row's weights sum to less than 1.
 static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
   return (slot / 16) * d * 16 + i * 16 + slot % 16;
 }
@@ -372,7 +388,7 @@ static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
 template <typename KV>
 static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
                        int64_t past, const int32_t* slots, int64_t len, float* scores,
-                       float* out, float cap) {
+                       float* out, float cap, const float* sink) {
   int64_t j0 = 0;
   for (; j0 + 16 <= past; j0 += 16) {
     float acc[16] = {};
@@ -390,9 +406,10 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
     scores[j] = acc;
   }
   if (cap > 0.0f) softcap_values(scores, scores, len, cap);  // Gemma 2's logit soft-capping
-  const float mx = ROW_MAX(scores, len);
+  const float top = ROW_MAX(scores, len);
+  const float mx = sink && *sink > top ? *sink : top;
   for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
-  const float denom = lane_sum(scores, len);
+  const float denom = sink ? lane_sum(scores, len) + exp_fixed(*sink - mx) : lane_sum(scores, len);
   for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
   for (int64_t jj = 0; jj < len; jj++) {
     const int64_t s = jj < past ? jj : slots[jj - past];
@@ -403,11 +420,13 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
   for (int64_t i = 0; i < d; i++) out[i] = out[i] / denom;
 }
 
-// attend_one for the nh query heads (q and out: nh rows of D) that share one key/value head
+// attend_one for the nh query heads (q and out: nh rows of D) that share one key/value head;
+// sinks: theirs (null: none)
 template <typename KV>
 static void attend_group(const float* q, const KV* kt, const KV* vc, int64_t d,
                          int64_t past, const int32_t* slots, int64_t len, float* scores,
-                         float* out, int64_t nh, float cap) {
+                         float* out, int64_t nh, float cap, const float* sinks) {
   for (int64_t h = 0; h < nh; h++)
-    attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d, cap);
+    attend_one(q + h * d, kt, vc, d, past, slots, len, scores, out + h * d, cap,
+               sinks ? sinks + h : nullptr);
 }

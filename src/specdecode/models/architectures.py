@@ -24,8 +24,8 @@ the same place ``transformers``' modeling file reads it:
     phi3    + q/k/v and gate/up fused in one matrix each (split at load), a window in every
             layer, a partial rotary embedding (partial_rotary_factor: Phi-4-mini turns 96 of
             128 dimensions; the kernels turn whole heads, so q and k rows are reordered to
-            put the passed dimensions where cos is 1 and sin 0), longrope's short factors
-            (modeling_phi3)
+            put the passed dimensions where cos is 1 and sin 0), longrope's short factors, or
+            its long ones for a cache past original_max_position_embeddings (modeling_phi3)
     granite + embeddings times embedding_multiplier, each residual branch times
             residual_multiplier (folded into o and down), attention_multiplier as the query
             scale, logits divided by logits_scaling (modeling_granite)
@@ -33,6 +33,16 @@ the same place ``transformers``' modeling file reads it:
             the whole q and k projections (modeling_olmo2)
     smollm3 the llama forward with no rotary embedding in the layers no_rope_layers marks 0
             (every fourth; modeling_smollm3)
+    qwen2_moe  qwen2 with mixture-of-experts MLPs: a router, 4 of 60 experts per row and a
+            sigmoid-gated shared expert in Qwen1.5-MoE-A2.7B (modeling_qwen2_moe; models/moe.py)
+    qwen3_moe  qwen3 with mixture-of-experts MLPs: a router and 8 of 128 experts per row in
+            Qwen3-30B-A3B (modeling_qwen3_moe)
+    gpt_oss + biases on q, k, v and o, a learned attention sink per head (a logit that joins
+            the softmax's denominator, in the attention kernel), sliding-window (128) layers
+            alternating with full ones, YaRN rope, and mixture-of-experts MLPs whose router
+            (with a bias) takes the top k logits and softmaxes those k, whose experts have
+            biases and gpt-oss's clamped SwiGLU, (up + 1) * g * sigmoid(1.702 g)
+            (modeling_gpt_oss: 4 of 32 experts per row in gpt-oss-20b, of 128 in 120b)
 
 Per-layer facts that a config carries for every family (``layer_types`` with
 ``sliding_window``, ``attn_logit_softcapping``, ``final_logit_softcapping``) are read from the
@@ -96,6 +106,23 @@ class Architecture:
     #: config attribute of a per-layer list, 0 where the layer has no rotary embedding
     #: (SmolLM3's no_rope_layers)
     rope_layers_attr: str | None = None
+    #: config attribute of the experts per MoE layer (models/moe.py); None: a dense model
+    experts_attr: str | None = None
+    #: config attribute saying whether each row's k expert weights are renormalised to sum to
+    #: 1; None: always
+    normalize_attr: str | None = None
+    #: whether llama.cpp's graph renormalises them (a GGUF file does not say: norm_w)
+    gguf_normalize: bool = True
+    #: the o projection has a bias too (gpt-oss's attention_bias)
+    o_bias: bool = False
+    #: a learned attention sink logit per head, ``self_attn.sinks`` (gpt-oss)
+    attn_sinks: bool = False
+    #: the router takes the top k logits and softmaxes those k (gpt-oss), not a softmax over
+    #: every expert then its top k; the router and the experts have biases
+    moe_topk_softmax: bool = False
+    #: the experts' gate activation when it is not ``activation_attr``'s (models/moe.py's
+    #: names: "gpt_oss")
+    expert_activation: str | None = None
 
 
 #: llama.cpp's names of Gemma's norms (blk.N.<name>) that differ from the common ones
@@ -130,6 +157,14 @@ ARCHITECTURES = {a.model_type: a for a in (
                  gguf_layer_names={"post_attention_norm": "post_attention_layernorm",
                                    "post_ffw_norm": "post_feedforward_layernorm"}),
     Architecture("smollm3", "smollm3", gguf_permuted_qk=True, rope_layers_attr="no_rope_layers"),
+    Architecture("qwen2_moe", "qwen2moe", qkv_bias=True, experts_attr="num_experts",
+                 normalize_attr="norm_topk_prob", gguf_normalize=False),
+    Architecture("qwen3_moe", "qwen3moe", qk_norm=True, experts_attr="num_experts",
+                 normalize_attr="norm_topk_prob"),
+    Architecture("gpt_oss", "gpt-oss", qkv_bias=True, o_bias=True, attn_sinks=True,
+                 experts_attr="num_local_experts", moe_topk_softmax=True,
+                 expert_activation="gpt_oss",
+                 gguf_layer_names={"post_attention_norm": "post_attention_layernorm"}),
 )}
 #: GGUF ``general.architecture`` -> Architecture
 GGUF_ARCHITECTURES = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}

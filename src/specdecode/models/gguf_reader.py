@@ -2,13 +2,13 @@
 
 :class:`GGUFFile` opens a file's header (the ``gguf`` package's reader maps the file; only
 the header's pages are read), builds a ``transformers`` config from its metadata (Llama,
-Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2 or SmolLM3) and reads one tensor
-at a time, under its Hugging Face parameter name, so the native runner builds from a GGUF
-file exactly as from a checkpoint, in the memory of one tensor beyond what it keeps. A
-tensor's bytes are read with ``pread`` into a buffer of its own, not through the map: mapped
-pages count as the process's resident memory once touched, and would add the whole file to
-it. Tensors in a 4-bit block format stay 4-bit
-(:class:`Q4Weight`: codes 0..15 with a scale and a minimum per 32 weights, the int4 format):
+Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2, SmolLM3, Qwen2-MoE, Qwen3-MoE or
+gpt-oss) and reads one tensor at a time, under its Hugging Face parameter name, so the native
+runner builds from a GGUF file exactly as from a checkpoint, in the memory of one tensor beyond
+what it keeps. A tensor's bytes are read with ``pread`` into a buffer of its own, not through
+the map: mapped pages count as the process's resident memory once touched, and would add the
+whole file to it. Tensors in a 4-bit block format stay 4-bit (:class:`Q4Weight`: codes 0..15
+with a scale and a minimum per 32 weights, the int4 format):
 
     Q4_0  w = d * (q - 8) per block of 32: scale d, minimum -8 d, exactly
     Q4_1  w = d * q + m per block of 32: exactly
@@ -33,10 +33,12 @@ subtracted, as ``transformers`` does, so the tensors mean what a Hugging Face ch
 Phi-3's fused attn_qkv and ffn_up (gate and up) are read as transformers' qkv_proj and
 gate_up_proj. Llama 3.1+ files hold their llama3 rope scaling only as ``rope_freqs.weight``,
 a factor per rotary frequency (read under that name: the runner divides the frequencies by
-it); Phi-3's ``rope_factors_long/short.weight`` become its config's longrope factors. A file
-whose architecture or tensor types cannot be read is refused from its header, naming them; a
-file with tensors the native runner has no place for is refused by :meth:`GGUFFile.check_native`
-only, so the hf runner still reads it.
+it); Phi-3's ``rope_factors_long/short.weight`` become its config's longrope factors.
+gpt-oss's stacked experts and their stacked biases are read one expert at a time, its MXFP4
+expert matrices as block int8 (exactly) for the int4 and int8 runners, ``attn_sinks`` as
+``self_attn.sinks``. A file whose architecture or tensor types cannot be read is refused from
+its header, naming them; a file with tensors the native runner has no place for is refused by
+:meth:`GGUFFile.check_native` only, so the hf runner still reads it.
 """
 
 from __future__ import annotations
@@ -81,14 +83,26 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+#: a MoE layer's experts stacked in one tensor [experts, out, in] (llama.cpp's converter
+#: merges them): read as each expert's matrix under its Hugging Face name
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT = re.compile(r"blk\.(\d+)\.experts\.(\d+)\.(\w+)\.(weight|bias)")
+#: layer vectors whose Hugging Face name has no ``.weight`` (gpt-oss's attention sinks)
+_BARE_NAMES = {"attn_sinks": "self_attn.sinks"}
 #: rows of a 4-bit tensor unpacked at a time (:meth:`GGUFFile.read_blocks`)
 _READ_ROWS = 512
 #: GGUF types kept as 4-bit blocks
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
-INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4")
 
 
 def _readable_types() -> tuple[str, ...]:
@@ -102,9 +116,10 @@ def _readable_types() -> tuple[str, ...]:
 #: transformers config class per architecture
 _CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
             "gemma2": "Gemma2Config",
-            "gemma3_text": "Gemma3TextConfig",
+            "gemma3_text": "Gemma3TextConfig", "qwen2_moe": "Qwen2MoeConfig",
+            "qwen3_moe": "Qwen3MoeConfig",
             "phi3": "Phi3Config", "granite": "GraniteConfig", "olmo2": "Olmo2Config",
-            "smollm3": "SmolLM3Config"}
+            "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig"}
 #: Granite's multipliers: config attribute -> GGUF key (after ``{arch}.``)
 _GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                  "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
@@ -120,7 +135,12 @@ def gemma2_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> 
 def hf_name(gguf_name: str, layer_names: dict = _LAYER_NAMES) -> str | None:
     if gguf_name in _NAMES:
         return _NAMES[gguf_name]
+    expert = _EXPERT.fullmatch(gguf_name)
+    if expert:
+        return "model.layers.{}.mlp.experts.{}.{}.{}".format(*expert.groups())
     match = _LAYER.fullmatch(gguf_name)
+    if match and match.group(2) in _BARE_NAMES and match.group(3) == "weight":
+        return f"model.layers.{match.group(1)}.{_BARE_NAMES[match.group(2)]}"
     if match and match.group(2) in layer_names:
         return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{match.group(3)}"
     return None
@@ -366,6 +386,20 @@ def dequantized_rows(raw: np.ndarray, e: TensorEntry, blocks: bool) -> torch.Ten
         raise SpecDecodeError(f"cannot read tensor {e.gguf_name} ({e.qtype}): {exc}") from None
 
 
+def _experts(entry: TensorEntry) -> list[TensorEntry]:
+    """``entry``, or the experts of a stacked expert tensor [experts, out, in] (gpt-oss's
+    biases: [experts, out]) each as a tensor of its own (named ``blk.N.experts.J.<its Hugging
+    Face name>``)."""
+    match = _LAYER.fullmatch(entry.gguf_name)
+    stacked_dims = 3 if match and match.group(3) == "weight" else 2
+    if not match or match.group(2) not in _EXPERT_NAMES or len(entry.shape) != stacked_dims:
+        return [entry]
+    count, size = entry.shape[0], entry.nbytes // entry.shape[0]
+    name = f"blk.{match.group(1)}.experts.{{}}.{_EXPERT_NAMES[match.group(2)]}.{match.group(3)}"
+    return [TensorEntry(name.format(j), entry.qtype, entry.shape[1:], entry.offset + j * size, size)
+            for j in range(count)]
+
+
 class _Skipped:
     def __init__(self, n: int):
         self.n = n
@@ -401,7 +435,7 @@ class GGUFFile:
         self.unknown: list[str] = []
         longrope: dict[str, TensorEntry] = {}
         readable = _readable_types()
-        for entry in tensors:
+        for entry in (part for whole in tensors for part in _experts(whole)):
             require(entry.offset + entry.nbytes <= size,
                     f"{path}: tensor {entry.gguf_name} ends at byte {entry.offset + entry.nbytes} "
                     f"but the file has {size}: the file is truncated or corrupt")
@@ -443,10 +477,7 @@ class GGUFFile:
         heads = int(field(f"{arch}.attention.head_count"))
         kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
         hidden = int(field(f"{arch}.embedding_length"))
-        rope = {}
-        scaling = field(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            rope = {"rope_type": scaling, "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
+        rope = self._rope_scaling(arch)
         # the same fields transformers' GGUF loader reads (integrations/ggml.py); the rest are
         # the config class's defaults, as there (Gemma 3: query_pre_attn_scalar 256, local rope
         # base 10000, every sixth layer global)
@@ -472,6 +503,14 @@ class GGUFFile:
         if self.spec.model_type == "granite":
             extra.update({attr: float(field(f"{arch}.{key}")) for attr, key in _GRANITE_KEYS.items()
                           if field(f"{arch}.{key}") is not None})
+        if self.spec.experts_attr:
+            extra.update({self.spec.experts_attr: int(field(f"{arch}.expert_count", 0)),
+                          "num_experts_per_tok": int(field(f"{arch}.expert_used_count", 0)),
+                          "moe_intermediate_size": int(field(f"{arch}.expert_feed_forward_length", 0)),
+                          "shared_expert_intermediate_size":
+                              int(field(f"{arch}.expert_shared_feed_forward_length", 0)),
+                          "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm",
+                                                       self.spec.gguf_normalize))})
         return getattr(transformers, _CONFIGS[self.spec.model_type])(
             **extra,
             vocab_size=self.entries["model.embed_tokens.weight"].shape[0],
@@ -489,6 +528,24 @@ class GGUFFile:
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_id=field("tokenizer.ggml.eos_token_id"),
         )
+
+    def _rope_scaling(self, arch: str) -> dict:
+        """The config's rope_scaling from the file's ``rope.scaling`` keys ({}: none)."""
+        key = f"{arch}.rope.scaling."
+        scaling = self.field(key + "type", "none")
+        if scaling in ("none", None):
+            return {}
+        rope = {"rope_type": scaling, "factor": float(self.field(key + "factor", 1.0))}
+        if scaling == "yarn":  # (gpt-oss) its original context and betas, where written
+            names = {"original_max_position_embeddings": "original_context_length",
+                     "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}
+            rope.update({name: self.field(key + written) for name, written in names.items()
+                         if self.field(key + written) is not None})
+            if self.spec.model_type == "gpt_oss":
+                # gpt-oss's own configs leave YaRN's correction range unrounded, which the file
+                # does not record (transformers' default rounds it, as llama.cpp does)
+                rope["truncate"] = False
+        return rope
 
     def raw(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """The file's bytes of tensor ``name`` (rows ``rows`` of a matrix), uint8 [rows, bytes

@@ -12,11 +12,15 @@ dequantises them in numpy with the float32 operations reproduced here):
     Q4_K   256 (8 x 32)     0..15      d * sc            -(dmin * m)  32
     Q5_K   256 (8 x 32)     0..31      d * sc            -(dmin * m)  32
     Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
+    MXFP4  32               -12..12    2^(e - 128)       -            32
 
 d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
-sub-block integers. Every product d * sc has at most 11 + 7 significant bits and every
-scale * code at most 23, so float32 holds them exactly: ``Int8BlockWeight.dequantize`` gives
-gguf's float32 weights bit for bit (gguf rounds only where it adds the minimum, and so does
+sub-block integers. MXFP4 (gpt-oss's experts) holds an e8m0 exponent byte e and 4-bit e2m1
+codes, whose values doubled are the integers 0, 1, 2, 3, 4, 6, 8, 12 and their negatives (hence
+the halved scale, as ggml's e8m0_to_fp32_half computes it: a power of two, exact in float32).
+Every product d * sc has at most 11 + 7 significant bits and every scale * code at most 23, so
+float32 holds them exactly: ``Int8BlockWeight.dequantize`` gives gguf's float32 weights bit for
+bit (gguf rounds only where it adds the minimum, and so does
 it). The int4 format (``quant.Int4Linear``) keeps float16 scales, which Q4_K's products do not
 always fit; this one does not round them.
 
@@ -46,10 +50,12 @@ GROUPS = (16, 32)
 INT8_GROUP = 32
 #: bytes of one block, per GGUF type this module decodes
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17}
 #: weights of one block, per GGUF type
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
-                 "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+                 "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32}
+#: MXFP4's e2m1 code -> its value doubled (ggml-common.h's kvalues_mxfp4)
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 #: decode this many blocks at a time: numpy's temporaries stay at a few MB (a 1.5B model's
 #: last layer decodes while every other layer is held: its temporaries are the load's peak)
 _CHUNK_BLOCKS = 1 << 12
@@ -203,6 +209,12 @@ def _decode(b: np.ndarray, qtype: str):
         high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
         codes = (low & 15).reshape(n, 8, 32) | ((high & 3).reshape(n, 8, 32) << 4)
         return codes.reshape(n, 256).astype(np.int8) - np.int8(32), d * sc, None
+    if qtype == "MXFP4":
+        # the exponent byte, then 16 bytes of codes laid out as Q4_0's; 2^(e - 128) is a
+        # float32 subnormal for e < 2 (ggml's e8m0_to_fp32_half builds it from the bits)
+        e = b[:, 0].astype(np.uint32)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+        return _MXFP4_VALUES[_nibbles(b[:, 1:])], bits.astype(np.uint32).view(np.float32), None
     raise SpecDecodeError(f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
 
 

@@ -9,12 +9,15 @@ q/k norms over each head or over all of q and k, (1 + w) norms, norms after atte
 with or without norms before them, GeGLU, scaled embeddings, residual and logit multipliers,
 sliding-window layers with their own rotary base, layers without rotary embedding, a partial
 rotary embedding, fused projections split at load, soft-capping of the attention scores, in
-the attention kernel, and of the final logits): ``models/architectures.py`` holds them as
-data. Rope scaling comes from the config through transformers' own initialisers (llama3,
-linear, yarn; longrope's short factors, within original_max_position_embeddings), or from a
-GGUF file's rope_freqs factors (Llama 3.1+), which the frequencies are divided by. The static
-cache written at explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree
-attention over a draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch
+the attention kernel, and of the final logits); so do the mixture-of-experts families
+(Qwen2-MoE, Qwen3-MoE, gpt-oss: ``models/moe.py``), gpt-oss with its o bias and its attention
+sinks (a logit per head in each row's softmax, in the attention kernel):
+``models/architectures.py`` holds them as data. Rope scaling comes from the config through
+transformers' own initialisers (llama3, linear, yarn; longrope's short factors, or its long
+ones for a cache past original_max_position_embeddings), or from a GGUF file's rope_freqs
+factors (Llama 3.1+), which the frequencies are divided by. The static cache written at
+explicit positions follows gpt-fast (pytorch-labs/gpt-fast, model.py); tree attention over a
+draft follows SpecInfer (Miao et al. 2023). What this file adds is *batch
 invariance*: a token's logits are bitwise the same whether it is computed alone (``ar``), in a
 chain or in a 64-node tree, so every speculative method reproduces this runner's ``ar``
 exactly, not just up to rounding.
@@ -63,6 +66,7 @@ from specdecode.models.embedding import embedding_table
 from specdecode.models.gguf_reader import ROPE_FACTORS, Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockWeight
 from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache, SavedRows
+from specdecode.models.moe import MoEMLP, MoEShape, activation_kernel, unstacked_experts
 from specdecode.models.quant import INT4_GROUP, LibraryLinear, Q4Weight, check_format
 from specdecode.models.weights import (FileTensors, _linear_for, as_float, check_fits,
                                         resident_bytes, return_freed_memory)
@@ -88,7 +92,7 @@ KV_CACHE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat1
 #: would take more memory than its weights); ``max_context`` asks for more, up to the file's
 DEFAULT_MAX_CONTEXT = 4096
 #: rope types whose frequencies do not depend on the sequence length, and longrope (Phi-3),
-#: whose short factors serve every position up to original_max_position_embeddings
+#: whose short or long factors the runner picks once, by its cache's length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 #: the rotary tables of a layer: the global ones, the sliding-window layers' own (Gemma 3),
 #: or none (cos 1, sin 0: SmolLM3's layers without rotary embedding)
@@ -119,14 +123,15 @@ class LlamaShape:
     #: attention scores are cap * tanh(scores / cap) before the softmax, in the attention
     #: kernel (Gemma 2: 50); 0 = none
     attn_softcap: float
+    #: mixture-of-experts sizes; None: every layer's MLP is dense
+    moe: MoEShape | None = None
     #: dimensions of each head the rotary embedding turns (partial_rotary_factor: Phi-4-mini
     #: turns 96 of 128); the others pass through
     rotary_dim: int = 0
     #: per layer: whether it has a rotary embedding (SmolLM3: every fourth has none)
     rotary: tuple[bool, ...] = ()
-    #: positions the rotary tables serve exactly; 0 = any. Longrope's short factors (Phi-3)
-    #: hold up to original_max_position_embeddings, past which transformers switches to the
-    #: long ones
+    #: positions longrope's short factors serve (Phi-3: original_max_position_embeddings);
+    #: 0 = a rope without such a limit
     rope_limit: int = 0
     #: embeddings are multiplied by this (Gemma: sqrt(hidden), Granite: embedding_multiplier)
     embed_scale: float = 1.0
@@ -138,7 +143,8 @@ class LlamaShape:
     @property
     def fits_int4(self) -> bool:
         """Whether every matrix's input size is a whole number of int4 groups."""
-        inputs = (self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size)
+        inputs = (self.hidden_size, self.num_heads * self.head_dim, self.intermediate_size,
+                  self.moe.expert_size if self.moe else INT4_GROUP)
         return all(size % INT4_GROUP == 0 for size in inputs)
 
     @classmethod
@@ -148,10 +154,11 @@ class LlamaShape:
                 f"the native runner supports {', '.join(SUPPORTED)} models, not '{model_type}'; "
                 "use the hf runner (--runner hf)")
         arch = ARCHITECTURES[model_type]
-        # Llama's attention_bias puts a bias on o_proj as well: not one of the pieces we have
-        require(not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False),
-                "the native runner has no attention or MLP biases besides Qwen2's q/k/v; use "
-                "--runner hf")
+        # Llama's attention_bias puts a bias on o_proj as well: a piece only gpt-oss's entry has
+        require(not (getattr(config, "attention_bias", False) and not arch.o_bias)
+                and not getattr(config, "mlp_bias", False),
+                "the native runner has no attention or MLP biases besides Qwen2's q/k/v and "
+                "gpt-oss's; use --runner hf")
         require(not ((getattr(config, "partial_rotary_factor", None) or 1.0) < 1.0
                      and (arch.qk_norm or arch.qkv_bias)),
                 "the native runner turns a partial rotary embedding's dimensions by reordering "
@@ -187,6 +194,7 @@ class LlamaShape:
             query_scale=float(scale_by) ** arch.query_scale_power,
             logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
             attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+            moe=MoEShape.from_config(config, arch),
             rotary_dim=int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)),
             rotary=tuple(bool(r) for r in rotary),
             rope_limit=int(getattr(config, "original_max_position_embeddings", None)
@@ -209,11 +217,12 @@ def runs(config) -> bool:
     return kernels.available()
 
 
-def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
+def rope_frequencies(config, local: bool = False, positions: int | None = None
+                     ) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary dims / 2], attention scaling) from the checkpoint's rope
     settings, computed by ``transformers``' own rope initialisers (llama3, linear and yarn
-    scaling from ``rope_scaling``; longrope with its short factors, as transformers computes
-    every position below original_max_position_embeddings); ``local``: those of the
+    scaling from ``rope_scaling``; longrope's short factors, or its long ones where the tables
+    hold ``positions`` past original_max_position_embeddings); ``local``: those of the
     sliding-window layers of an architecture that gives them their own base (Gemma 3: the
     default rope at ``rope_local_base_freq``, as modeling_gemma3 builds it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -228,7 +237,7 @@ def rope_frequencies(config, local: bool = False) -> tuple[torch.Tensor, float]:
     require(kind in _STATIC_ROPE,
             f"rope type '{kind}' changes with the sequence length; the native runner supports "
             f"{', '.join(_STATIC_ROPE)}: use --runner hf")
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu", positions)
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -285,24 +294,17 @@ def rotary_order(shape: LlamaShape, heads: int) -> torch.Tensor | None:
     return (torch.arange(heads)[:, None] * d + within).flatten()
 
 
-def longest_context(shape: LlamaShape, max_draft: int = 256) -> tuple[int, str]:
-    """(the most positions the cache may hold, why): the model's context length, or with
-    rotary tables that serve ``shape.rope_limit`` positions, as many as leave room for a draft
-    of ``max_draft`` rows within them."""
-    if not shape.rope_limit:
-        return shape.max_context, "the model's context length"
-    return (shape.rope_limit // KEY_BLOCK * KEY_BLOCK - max_draft,
-            f"longrope's short factors hold {shape.rope_limit} positions, {max_draft} of them "
-            "for a draft; past them transformers uses the long factors: use --runner hf")
-
-
 def context_size(shape: LlamaShape, asked: int | None, max_draft: int = 256) -> int:
-    """Positions the cache holds: ``asked``, or min(the longest it may hold,
-    ``DEFAULT_MAX_CONTEXT``) (:func:`longest_context`)."""
-    limit, why = longest_context(shape, max_draft)
+    """Positions the cache holds: ``asked``, or min(the model's, ``DEFAULT_MAX_CONTEXT``) and,
+    with longrope, at most what its short factors serve with a draft of ``max_draft`` rows (a
+    cache past them takes the long factors: :meth:`LlamaRunner._rope_tables`)."""
     if asked is None:
-        return min(limit, DEFAULT_MAX_CONTEXT)
-    require(0 < asked <= limit, f"max_context must be 1..{limit} ({why}), got {asked}")
+        default = min(shape.max_context, DEFAULT_MAX_CONTEXT)
+        if shape.rope_limit:
+            default = min(default, shape.rope_limit // KEY_BLOCK * KEY_BLOCK - max_draft)
+        return default
+    require(0 < asked <= shape.max_context,
+            f"max_context must be 1..{shape.max_context} (the model's context length), got {asked}")
     return int(asked)
 
 
@@ -323,6 +325,7 @@ class _Layer:
     qkv: object
     o: object
     mlp_norm: torch.Tensor
+    #: the dense MLP's layers (None in a mixture-of-experts layer)
     gate_up: object
     down: object
     #: Qwen2: the q/k/v biases [(H + 2 KH) D], q's scaled like its weight
@@ -338,6 +341,11 @@ class _Layer:
     #: the layer's rotary tables (``GLOBAL_ROPE``, ``LOCAL_ROPE``: Gemma 3's sliding layers,
     #: ``NO_ROPE``: SmolLM3's layers without one)
     rope: str = GLOBAL_ROPE
+    #: the mixture-of-experts MLP that replaces gate_up and down (models/moe.py)
+    moe: MoEMLP | None = None
+    #: gpt-oss: the o projection's bias [H] and each head's attention sink logit [heads]
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -436,7 +444,8 @@ class LlamaRunner(Runner):
         plain = all(hasattr(getattr(layer, name), "kernel") and layer.qkv_bias is None
                     and layer.q_norm is None and layer.post_attn_norm is None
                     and layer.post_mlp_norm is None and layer.rope == GLOBAL_ROPE
-                    and layer.attn_norm is not None
+                    and layer.attn_norm is not None and layer.moe is None
+                    and layer.o_bias is None and layer.sinks is None
                     for layer in layers for name in ("qkv", "o", "gate_up", "down"))
         if not plain or s.activation != "silu" or s.attn_softcap or not kernels.available():
             return None
@@ -452,11 +461,15 @@ class LlamaRunner(Runner):
         """(cos, sin) [capacity, D] of every position for layers of rope ``kind``; the
         dimensions a partial rotary embedding passes through (:func:`rotary_order`), and every
         one of a layer without rotary embedding, get cos 1 and sin 0. ``factors``: llama.cpp's
-        rope_freqs, the global frequencies are divided by them."""
+        rope_freqs, the global frequencies are divided by them. Longrope: the short factors
+        where the cache lies within what they serve (every position then turns as in
+        transformers), else the long ones for every position, as llama.cpp picks them by its
+        context size (transformers switches per forward, by the longest sequence in it)."""
         s = self.shape
         inv_freq, attention_scaling = torch.zeros(0), 1.0
         if kind != NO_ROPE:
-            inv_freq, attention_scaling = rope_frequencies(config, kind == LOCAL_ROPE)
+            inv_freq, attention_scaling = rope_frequencies(config, kind == LOCAL_ROPE,
+                                                           self.capacity)
             require(inv_freq.numel() * 2 == s.rotary_dim,
                     f"rope has {inv_freq.numel() * 2} dimensions but the config turns "
                     f"{s.rotary_dim} of each head; use --runner hf")
@@ -513,6 +526,7 @@ class LlamaRunner(Runner):
                                         "qkv", (h, kv, kv))
             if q_order is not None:
                 q, k = _rows(q, q_order), _rows(k, k_order)
+            sparse = shape.moe is not None and shape.moe.sparse[i]
             try:
                 layers.append(_Layer(
                     attn_norm=norm("input_layernorm.weight") if arch.pre_norms else None,
@@ -521,12 +535,17 @@ class LlamaRunner(Runner):
                     mlp_norm=(norm("pre_feedforward_layernorm.weight" if arch.post_norms
                                    else "post_attention_layernorm.weight")
                               if arch.pre_norms else None),
-                    gate_up=linear(self._projections(
+                    gate_up=None if sparse else linear(self._projections(
                         tensors, p, "mlp.gate_up_proj", "mlp.{}_proj", ("gate", "up"), (ffn, ffn))),
-                    down=linear([_scaled(tensors[p + "mlp.down_proj.weight"], branch)]),
+                    down=None if sparse else linear([_scaled(tensors[p + "mlp.down_proj.weight"],
+                                                             branch)]),
+                    moe=self._moe(tensors, p, linear) if sparse else None,
                     qkv_bias=torch.cat([_dense(tensors, p + "self_attn.q_proj.bias") * q_factor]
                                        + [_dense(tensors, p + f"self_attn.{x}_proj.bias") for x in "kv"])
                     if arch.qkv_bias else None,
+                    o_bias=(_dense(tensors, p + "self_attn.o_proj.bias") * branch
+                            if arch.o_bias else None),
+                    sinks=_dense(tensors, p + "self_attn.sinks").contiguous() if arch.attn_sinks else None,
                     q_norm=norm("self_attn.q_norm.weight", scale) if arch.qk_norm else None,
                     k_norm=norm("self_attn.k_norm.weight") if arch.qk_norm else None,
                     post_attn_norm=norm("post_attention_layernorm.weight", shape.residual_scale)
@@ -551,6 +570,30 @@ class LlamaRunner(Runner):
         whole = tensors[p + fused + ".weight"]
         bounds = torch.tensor((0, *sizes)).cumsum(0).tolist()
         return [_rows(whole, slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+    def _moe(self, tensors, prefix: str, linear) -> MoEMLP:
+        """Layer ``prefix``'s mixture-of-experts MLP: its router and every expert's gate/up and
+        down layers made by ``linear`` (gpt-oss: their biases too)."""
+        moe = self.shape.moe
+        found = unstacked_experts(tensors, prefix, moe.experts)
+
+        def mlp(p: str) -> tuple[object, object]:
+            return (linear([found[p + f"{x}_proj.weight"] for x in ("gate", "up")]),
+                    linear([found[p + "down_proj.weight"]]))
+
+        def biases(p: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.cat([_dense(found, p + f"{x}_proj.bias") for x in ("gate", "up")]),
+                    _dense(found, p + "down_proj.bias"))
+
+        names = [f"{prefix}mlp.experts.{j}." for j in range(moe.experts)]
+        shared = moe.shared_size > 0
+        return MoEMLP(_dense(found, prefix + "mlp.gate.weight"), [mlp(p) for p in names],
+                      moe.per_token, moe.normalize, moe.activation or self.shape.activation,
+                      shared=mlp(f"{prefix}mlp.shared_expert.") if shared else None,
+                      shared_gate=_dense(tensors, prefix + "mlp.shared_expert_gate.weight") if shared else None,
+                      router_bias=_dense(found, prefix + "mlp.gate.bias") if moe.topk_softmax else None,
+                      expert_biases=[biases(p) for p in names] if moe.topk_softmax else None,
+                      topk_softmax=moe.topk_softmax)
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -954,7 +997,7 @@ class LlamaRunner(Runner):
         """run_items' layer loop in Python (every format and architecture); ``layers`` are the
         model's layers from ``first`` on."""
         s = self.shape
-        activation = kernels.geglu if s.activation == "gelu_pytorch_tanh" else kernels.swiglu
+        activation = activation_kernel(s.activation)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers, first):
             qkv = layer.qkv(self._input_norm(x, layer.attn_norm))  # [n, (H + 2 KH) D]
@@ -964,10 +1007,17 @@ class LlamaRunner(Runner):
                 qkv = self._head_norms(qkv, layer)
             cos, sin = rope[layer.rope]  # [n, D]
             q = plan.rope_store(i, qkv, cos, sin, s.num_heads, s.num_kv_heads, kernels.isa())  # [n, H, D]
-            attended = plan.attention(i, q, layer.window, s.attn_softcap, kernels.isa())  # [n, H D]
+            attended = plan.attention(i, q, layer.window, s.attn_softcap, kernels.isa(),
+                                      layer.sinks)  # [n, H D]
             x = self._residual(layer.o, attended, x, layer.post_attn_norm)
-            hidden = activation(layer.gate_up(self._input_norm(x, layer.mlp_norm)))
-            x = self._residual(layer.down, hidden, x, layer.post_mlp_norm)
+            if layer.o_bias is not None:
+                x = x + layer.o_bias
+            h = self._input_norm(x, layer.mlp_norm)
+            if layer.moe is not None:
+                moe = layer.moe(h)
+                x = x + (moe if layer.post_mlp_norm is None else self._norm(moe, layer.post_mlp_norm))
+            else:
+                x = self._residual(layer.down, activation(layer.gate_up(h)), x, layer.post_mlp_norm)
             if i + 1 in capture:
                 captured[i + 1] = x.clone()
         return x, captured

@@ -1,0 +1,296 @@
+"""gpt-oss on the native runner: attention sinks in the attention kernel (row invariant, PyTorch's
+answer), the clamped SwiGLU and the experts' biases in the kernels, logits against
+transformers (eager attention: its sdpa path drops the sinks), rows bitwise what they are alone in
+every weight format, every method exact against ``ar``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdecode import kernels
+from specdecode.api import Decoder
+from specdecode.draft import Draft
+from specdecode.models.llama import LlamaRunner
+from specdecode.models.quant import WEIGHT_FORMATS
+
+from conftest import alone_logits, assert_row_invariant, close_gguf, gguf_writer, repetitive_prompts
+from test_architectures import assert_close, reference
+from test_exactness import METHODS, tiny_overrides
+from test_kernels import GENERIC, ROWS, caches, ext, isa, strided_paths  # noqa: F401 (fixtures)
+from tiny_models import tiny_model
+
+#: a window that prompts cross, so the sliding layer (layer 0) differs from the full one
+WINDOW = 6
+
+
+def build(seed: int = 0, **kw):
+    """A tiny gpt-oss: 8 experts, 2 a row, YaRN rope, a sliding layer then a full one. Sinks
+    are drawn at the scale of the scores and the experts' gate/up matrices scaled up, so that
+    the sinks move the softmax and the clamps at +-7 bite."""
+    config = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                  sliding_window=WINDOW, rope_scaling={
+                      "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 64})
+    model = tiny_model("gpt_oss", seed=seed, **{**config, **kw})
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(torch.randn_like(param))
+            if name.endswith("experts.gate_up_proj"):
+                param.mul_(30.0)
+    return model
+
+
+def test_logits_of_chains_and_trees_match_transformers():
+    model = build(seed=3)
+    native = LlamaRunner.from_transformers(model)
+    assert [layer.window for layer in native.layers] == [WINDOW, 0]
+    assert all(layer.sinks is not None and layer.o_bias is not None for layer in native.layers)
+    rng = random.Random(0)
+    prompt = [rng.randrange(96) for _ in range(20)]
+    assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
+    tree = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]])
+    logits = native.forward(5, tree).logits
+    for node in range(-1, len(tree)):
+        path = tree.path_to(node) if node >= 0 else []
+        assert_close(logits[node + 1], reference(model, prompt + [5] + [tree.tokens[i] for i in path]))
+
+
+def test_the_experts_clamps_are_reached():
+    """The random model exercises the activation's clamps (else a wrong clamp would pass)."""
+    model = build(seed=3)
+    mlp = model.model.layers[0].mlp
+    seen = []
+    hook = mlp.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    reference(model, repetitive_prompts()[0])
+    hook.remove()
+    h = seen[0].reshape(-1, model.config.hidden_size)
+    gate_up = torch.einsum("nh,ehf->enf", h, mlp.experts.gate_up_proj) + mlp.experts.gate_up_proj_bias[:, None]
+    assert (gate_up[..., 0::2] > 7).any() and (gate_up[..., 1::2].abs() > 7).any()
+
+
+@pytest.mark.parametrize("weights", WEIGHT_FORMATS)
+def test_rows_choosing_other_experts_keep_their_bits(weights):
+    runner = LlamaRunner.from_transformers(build(seed=5), weights)
+    rng = random.Random(1)
+    prompt = [rng.randrange(96) for _ in range(9)]
+    draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
+    runner.prefill(prompt)
+    together = runner.forward(7, draft).logits
+    runner.commit([])
+    for node in [i for i in range(len(draft)) if not draft.children(i)]:
+        path = draft.path_to(node)
+        rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
+        for row, i in zip(rows, [-1] + path):
+            assert torch.equal(row, together[i + 1]), (weights, node, i)
+
+
+def test_greedy_tokens_identical_to_transformers_generate():
+    model = build(seed=4)
+    native = LlamaRunner.from_transformers(model)
+    for prompt in repetitive_prompts()[:2]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 16).run() == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_equals_ar(method):
+    from test_architectures import PRECISE_TARGET
+
+    from specdecode.models.hf import HFRunner
+
+    model = build(seed=6)
+    runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
+    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
+        assert decoder.start(prompt, 20).run() == ar, (method, prompt)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
+def test_the_fused_experts_kernel_computes_the_torch_loops_bits(weights):
+    moe = LlamaRunner.from_transformers(build(seed=10), weights).layers[1].moe
+    assert moe.fused is not None and moe.expert_biases is not None
+    h = torch.randn(13, 64)
+    w, chosen = moe.route(h)
+    chosen, order = chosen.sort(dim=-1)
+    w = w.gather(-1, order)
+    fused = moe.fused.forward(h, chosen, w, kernels.isa())
+    assert torch.equal(fused, moe._experts(h, chosen, w))
+    for r in range(len(h)):
+        assert torch.equal(moe.fused.forward(h[r:r + 1], chosen[r:r + 1], w[r:r + 1], kernels.isa()),
+                           fused[r:r + 1])
+
+
+def test_routing_softmaxes_the_top_k_logits():
+    model = build(seed=11)
+    moe = LlamaRunner.from_transformers(model).layers[0].moe
+    router = model.model.layers[0].mlp.router
+    h = torch.randn(7, 64)
+    weights, chosen = moe.route(h)
+    with torch.no_grad():
+        scores, indices = router(h)
+    assert torch.equal(chosen, indices)
+    assert torch.allclose(weights, scores.gather(-1, indices), rtol=1e-6, atol=0)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+def test_oss_glu(ext, isa):
+    """gpt-oss's clamped SwiGLU: every variant the baseline's bits, row invariant, and
+    modeling_gpt_oss's formula (gate clamped above at 7, up to +-7)."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up = 6 * torch.randn(ROWS, 2 * 48, generator=gen)
+    out = assert_row_invariant(lambda rows: ext.oss_glu(rows, isa), gate_up)
+    assert torch.equal(out, ext.oss_glu(gate_up, GENERIC))
+    gate, up = gate_up[:, :48].clamp(max=7.0), gate_up[:, 48:].clamp(-7.0, 7.0)
+    assert torch.allclose(out, (up + 1) * gate * torch.sigmoid(1.702 * gate), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,window", [(32, 0), (32, 20), (24, 0), (24, 20)])
+def test_attention_with_sinks(ext, isa, d, window, dtype):
+    """Each head's sink logit joins its softmax's denominator (gpt-oss): every variant the
+    baseline's bits, a tree row alone the bits it has among others, a chain row the bits it
+    has alone after its earlier rows are committed, and PyTorch's answer (modeling_gpt_oss's
+    eager attention: the sink a last column of the scores, dropped after the softmax)."""
+    gen = torch.Generator().manual_seed(d + window)
+    heads, kv, cap, past = 4, 2, 304, 90
+    keys, values, blocked, cached_values = caches(kv, d, cap, dtype, gen)
+    q = torch.randn(ROWS, heads, d, generator=gen)
+    # sinks around the scores' scale: one above most scores (it takes the maximum), one below
+    sinks = torch.tensor([8.0, -3.0, 0.5, 2.0])
+
+    def attention(rows, past, table, lens, level=isa):
+        return ext.attention(rows, blocked, cached_values, past, table, lens, window, 0.0, level, sinks)
+
+    def expected(r, slots):
+        seen = torch.tensor(slots[-window:] if window else slots)
+        scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(2, 0))
+        probs = torch.softmax(torch.cat([scores, sinks[:, None]], -1), -1)[:, :-1]
+        return torch.einsum("hl,hld->hd", probs, values[:, seen].repeat_interleave(2, 0)).reshape(-1)
+
+    table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
+    out = attention(q, past, table, lens)
+    assert torch.equal(out, attention(q, past, table, lens, GENERIC))
+    assert not torch.allclose(out, ext.attention(q, blocked, cached_values, past, table, lens,
+                                                 window, 0.0, isa), atol=1e-3)
+    for r in (0, 1, 33, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past, table[r:r + 1].contiguous(), lens[r:r + 1])
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past)) + table[r, :lens[r]].tolist())).abs().max() < 1e-4
+    chain = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
+    out = attention(q, past, chain, torch.arange(1, ROWS + 1, dtype=torch.int32))
+    for r in (0, 17, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past + r, torch.tensor([[past + r]], dtype=torch.int32),
+                          torch.tensor([1], dtype=torch.int32))
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
+
+
+def test_sinks_of_the_wrong_size_are_refused(ext):
+    keys, values, blocked, cached_values = caches(2, 32, 304, torch.float32, torch.Generator())
+    q = torch.randn(2, 4, 32)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="attention sinks must be float32"):
+        ext.attention(q, blocked, cached_values, 0, table, lens, 0, 0.0, GENERIC, torch.zeros(3))
+
+
+# ---- GGUF files: llama.cpp's layout, experts in MXFP4 -------------------------------------------
+
+_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+
+
+def write_gpt_oss_gguf(model, path) -> None:
+    """``model`` as llama.cpp's converter writes gpt-oss: each layer's experts de-interleaved
+    into ``ffn_{gate,up}_exps`` and ``ffn_down_exps`` [experts, out, in] in MXFP4 with their
+    biases [experts, out] beside them, the router and its bias, ``attn_sinks``, Q8_0 attention
+    matrices, embeddings and head, YaRN's factor, original context and betas in the header. The
+    model's weights become the file's dequantised ones."""
+    import gguf
+
+    c, q = model.config, gguf.GGMLQuantizationType
+    writer = gguf_writer(c, path, "gpt-oss")
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(c.rope_scaling["factor"])
+    writer.add_rope_scaling_orig_ctx_len(c.rope_scaling["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(c.rope_scaling["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(c.rope_scaling["beta_slow"])
+    state = model.state_dict()
+
+    def add(name: str, w: torch.Tensor, qtype) -> torch.Tensor:
+        data = w.float().contiguous().numpy()
+        if qtype == q.F32:
+            writer.add_tensor(name, data)
+            return w
+        data = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        return torch.from_numpy(gguf.quants.dequantize(data, qtype)).reshape(w.shape)
+
+    with torch.no_grad():
+        for name, gguf_name in (("model.embed_tokens.weight", "token_embd.weight"),
+                                ("model.norm.weight", "output_norm.weight"),
+                                ("lm_head.weight", "output.weight")):
+            state[name].copy_(add(gguf_name, state[name], q.F32 if "norm" in name else q.Q8_0))
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for hf, short in _GGUF.items():
+                for kind in ("weight", "bias"):
+                    w = state.get(f"{p}{hf}.{kind}")
+                    if w is not None:
+                        float32 = w.ndim == 1 or hf == "mlp.router"
+                        w.copy_(add(f"blk.{i}.{short}.{kind}", w, q.F32 if float32 else q.Q8_0))
+            add(f"blk.{i}.attn_sinks.weight", state[p + "self_attn.sinks"], q.F32)
+            gate_up, down = state[p + "mlp.experts.gate_up_proj"], state[p + "mlp.experts.down_proj"]
+            bias = state[p + "mlp.experts.gate_up_proj_bias"]
+            for short, part in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                # [E, H, 2 I] (x @ W, interleaved) -> [E, I, H] rows of gate or of up
+                back = add(f"blk.{i}.ffn_{short}_exps.weight", gate_up[..., part].transpose(1, 2), q.MXFP4)
+                gate_up[..., part] = back.transpose(1, 2)
+                add(f"blk.{i}.ffn_{short}_exps.bias", bias[..., part], q.F32)
+            down.copy_(add(f"blk.{i}.ffn_down_exps.weight", down.transpose(1, 2), q.MXFP4).transpose(1, 2))
+            add(f"blk.{i}.ffn_down_exps.bias", state[p + "mlp.experts.down_proj_bias"], q.F32)
+    close_gguf(writer)
+
+
+def test_gguf_file_reads_like_the_model(tmp_path):
+    from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight
+
+    model = build(seed=8)
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(model, path)
+    file = GGUFFile(path)
+    file.check_native()
+    c, config = model.config, file.config
+    assert (config.model_type, config.num_local_experts, config.num_experts_per_tok,
+            config.sliding_window, config.layer_types) == ("gpt_oss", 8, 2, WINDOW, c.layer_types)
+    assert config.rope_scaling == {**c.rope_scaling, "rope_type": "yarn"}
+    # each expert's MXFP4 matrix as block int8 holds the file's values exactly
+    gate = file.read_blocks("model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert isinstance(gate, Int8BlockWeight) and gate.codes.abs().max() <= 12
+    assert torch.equal(gate.dequantize(), model.model.layers[1].mlp.experts.gate_up_proj[3, :, 0::2].t())
+    assert torch.equal(file.read("model.layers.1.mlp.experts.3.down_proj.bias"),
+                       model.model.layers[1].mlp.experts.down_proj_bias[3])
+    assert torch.equal(file.read("model.layers.0.self_attn.sinks"), model.model.layers[0].self_attn.sinks)
+    rng = random.Random(2)
+    prompt = [rng.randrange(96) for _ in range(20)]
+    assert_close(LlamaRunner.from_gguf(path).prefill(prompt).logits[0], reference(model, prompt))
+    for weights in ("int4", "int8"):
+        runner = LlamaRunner.from_gguf(path, weights)
+        assert all(isinstance(layer, Int8BlockLinear) for pair in runner.layers[0].moe.experts
+                   for layer in pair)
+        for prompt in repetitive_prompts()[:2]:
+            ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
+            assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar
