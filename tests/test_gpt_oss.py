@@ -153,28 +153,32 @@ def test_oss_glu(ext, isa):
     assert torch.allclose(out, (up + 1) * gate * torch.sigmoid(1.702 * gate), rtol=1e-5, atol=1e-5)
 
 
+# query heads per key/value head: 2, and gpt-oss's 8 (64 heads, 8 key/value heads)
+@pytest.mark.parametrize("group", [2, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,window", [(32, 0), (32, 20), (24, 0), (24, 20)])
-def test_attention_with_sinks(ext, isa, d, window, dtype):
+def test_attention_with_sinks(ext, isa, d, window, dtype, group):
     """Each head's sink logit joins its softmax's denominator (gpt-oss): every variant the
     baseline's bits, a tree row alone the bits it has among others, a chain row the bits it
     has alone after its earlier rows are committed, and PyTorch's answer (modeling_gpt_oss's
     eager attention: the sink a last column of the scores, dropped after the softmax)."""
     gen = torch.Generator().manual_seed(d + window)
-    heads, kv, cap, past = 4, 2, 304, 90
+    kv, cap, past = 2, 304, 90
+    heads = kv * group
     keys, values, blocked, cached_values = caches(kv, d, cap, dtype, gen)
     q = torch.randn(ROWS, heads, d, generator=gen)
-    # sinks around the scores' scale: one above most scores (it takes the maximum), one below
-    sinks = torch.tensor([8.0, -3.0, 0.5, 2.0])
+    # sinks across the scores' range (a row's largest score is about 15 here): the largest
+    # above most rows' scores (it takes the maximum), the smallest below
+    sinks = torch.linspace(-4.0, 16.0, heads)
 
     def attention(rows, past, table, lens, level=isa):
         return ext.attention(rows, blocked, cached_values, past, table, lens, window, 0.0, level, sinks)
 
     def expected(r, slots):
         seen = torch.tensor(slots[-window:] if window else slots)
-        scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(2, 0))
+        scores = torch.einsum("hd,hdl->hl", q[r], keys[:, :, seen].repeat_interleave(group, 0))
         probs = torch.softmax(torch.cat([scores, sinks[:, None]], -1), -1)[:, :-1]
-        return torch.einsum("hl,hld->hd", probs, values[:, seen].repeat_interleave(2, 0)).reshape(-1)
+        return torch.einsum("hl,hld->hd", probs, values[:, seen].repeat_interleave(group, 0)).reshape(-1)
 
     table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
     out = attention(q, past, table, lens)
