@@ -63,15 +63,19 @@ def test_mistral_is_written_as_a_llama_file(tmp_path):
     assert_close(runner.prefill(prompt).logits[0], reference(model, prompt))
 
 
-def test_longrope_context_stays_within_the_short_factors():
-    """Phi-3's short factors serve up to original_max_position_embeddings (1024 here): the
-    cache holds 1024 - 256 draft rows by default, and more is refused naming why."""
+def test_longrope_takes_the_long_factors_past_the_original_context():
+    """Phi-3's short factors serve up to original_max_position_embeddings (1024 here): by
+    default the cache holds 1024 less the 256 draft rows; a longer one turns every position
+    with the long factors, as transformers does a sequence longer than 1024 in one forward."""
+    import random
+
     model = build("phi3")
     assert LlamaRunner.from_transformers(model).max_context == 768
     assert LlamaRunner.from_transformers(model, max_draft=64).max_context == 960
-    with pytest.raises(SpecDecodeError, match=r"max_context must be 1\.\.768 \(longrope's short "
-                                              r"factors hold 1024 positions.*--runner hf"):
-        LlamaRunner.from_transformers(model, max_context=1000)
+    long = LlamaRunner.from_transformers(model, max_context=2048)
+    rng = random.Random(2)
+    prompt = [rng.randrange(96) for _ in range(1100)]
+    assert_close(long.prefill(prompt).logits[0], reference(model, prompt))
 
 
 def test_partial_rotary_with_head_norms_is_refused():

@@ -184,7 +184,7 @@ def open_gguf_draft(path: Path, source: DraftSource,
     """A GGUF draft on the native runner, checked against the target before its weights are
     read; its cache holds the target's context (or the draft's own, when shorter)."""
     from specdecode.models.gguf_reader import GGUFFile
-    from specdecode.models.llama import LlamaRunner, LlamaShape, longest_context
+    from specdecode.models.llama import LlamaRunner, LlamaShape
     from specdecode.models.llama_drafter import LlamaDrafter
 
     require(source.draft_runner == "native",
@@ -193,7 +193,7 @@ def open_gguf_draft(path: Path, source: DraftSource,
     file = GGUFFile(path)
     check_vocabulary(int(file.config.vocab_size), runner)
     check_tokenizer(path, file.fields, runner)
-    longest = longest_context(LlamaShape.from_config(file.config))[0]
+    longest = LlamaShape.from_config(file.config).max_context
     context = getattr(runner, "max_context", None)  # None: the native default
     draft = LlamaRunner.from_gguf(path, native_weights(source.draft_weights, file.config),
                                   max_context=None if context is None else min(context, longest))

@@ -63,7 +63,7 @@ def int4_copy(runner: Runner):
 def _make_int4_copy(runner: Runner):
     from specdecode import kernels
     from specdecode.models.hf import HFRunner
-    from specdecode.models.llama import LlamaRunner, LlamaShape, longest_context
+    from specdecode.models.llama import LlamaRunner, LlamaShape
 
     require(kernels.available(), "the int4 drafter needs the native kernels, which did not "
                                  "build on this machine (see `python -m specdecode.kernels`)")
@@ -89,10 +89,8 @@ def _make_int4_copy(runner: Runner):
             raise SpecDecodeError(f"no int4 copy of this target: {exc}") from None
         require(shape.fits_int4, "the model's sizes are not whole int4 groups of 32; it has no "
                                  "int4 copy")
-        # (a copy whose rotary tables hold fewer positions than the target drafts as far as
-        # they reach: Phi-3's longrope)
-        return LlamaRunner.from_transformers(
-            runner.model, "int4", max_context=min(runner.max_context, longest_context(shape)[0]))
+        return LlamaRunner.from_transformers(runner.model, "int4",
+                                             max_context=runner.max_context)
     raise SpecDecodeError(f"no int4 copy of a {type(runner).__name__} target; use the native "
                           "runner (--runner native --weights fp32)")
 
