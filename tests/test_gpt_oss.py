@@ -298,3 +298,55 @@ def test_gguf_file_reads_like_the_model(tmp_path):
         for prompt in repetitive_prompts()[:2]:
             ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
             assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar
+
+
+# ---- the released checkpoints' layout: experts in MXFP4 blocks and scales -----------------------
+
+def hf_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [..., out, in] as a gpt-oss checkpoint stores it: (``*_blocks`` uint8 [..., out,
+    in / 32, 16], byte i holding inputs 2i and 2i + 1 in its low and high nibbles; ``*_scales``
+    uint8 [..., out, in / 32]; the values they hold). Quantised by gguf's MXFP4 (whose blocks
+    hold inputs i and 16 + i in a byte) and repacked."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType.MXFP4
+    flat = w.reshape(-1, w.shape[-1]).float().contiguous().numpy()
+    data = gguf.quants.quantize(flat, kind).reshape(len(flat), -1, 17)
+    qs = torch.from_numpy(data[..., 1:].copy())
+    codes = torch.cat([qs & 15, qs >> 4], -1)  # [rows, in / 32, 32], input order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    values = torch.from_numpy(gguf.quants.dequantize(data.reshape(len(flat), -1), kind))
+    return (blocks.reshape(*w.shape[:-1], -1, 16), torch.from_numpy(data[..., 0].copy()).reshape(
+        *w.shape[:-1], -1), values.reshape(w.shape))
+
+
+def test_a_checkpoint_with_mxfp4_experts_runs_their_values(tmp_path):
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from specdecode.models.int8_blocks import Int8BlockLinear, decode_mxfp4_pairs
+
+    model = build(seed=9)
+    state = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # stored [E, out, in] as blocks: gate_up's rows are its 2 I outputs, interleaved
+                blocks, scales, values = hf_mxfp4(param.transpose(1, 2))
+                param.copy_(values.transpose(1, 2))
+                state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+                # transformers' own dequantisation of the blocks: the same values, bit for bit
+                assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), param)
+                assert torch.equal(decode_mxfp4_pairs(blocks[1], scales[1]).dequantize(),
+                                   param[1].t())
+            else:
+                state[name] = param.detach().clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model.config.save_pretrained(tmp_path)
+    prompt = repetitive_prompts()[3]
+    assert_close(LlamaRunner.from_safetensors(tmp_path).prefill(prompt).logits[0], reference(model, prompt))
+    runner = LlamaRunner.from_safetensors(tmp_path, "int4")
+    assert all(isinstance(layer, Int8BlockLinear) for pair in runner.layers[1].moe.experts for layer in pair)
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar

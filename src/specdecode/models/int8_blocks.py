@@ -209,13 +209,33 @@ def _decode(b: np.ndarray, qtype: str):
         high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
         codes = (low & 15).reshape(n, 8, 32) | ((high & 3).reshape(n, 8, 32) << 4)
         return codes.reshape(n, 256).astype(np.int8) - np.int8(32), d * sc, None
-    if qtype == "MXFP4":
-        # the exponent byte, then 16 bytes of codes laid out as Q4_0's; 2^(e - 128) is a
-        # float32 subnormal for e < 2 (ggml's e8m0_to_fp32_half builds it from the bits)
-        e = b[:, 0].astype(np.uint32)
-        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
-        return _MXFP4_VALUES[_nibbles(b[:, 1:])], bits.astype(np.uint32).view(np.float32), None
+    if qtype == "MXFP4":  # the exponent byte, then 16 bytes of codes laid out as Q4_0's
+        return _MXFP4_VALUES[_nibbles(b[:, 1:])], _e8m0_half(b[:, 0]), None
     raise SpecDecodeError(f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's scale exponents as float32 2^(e - 128), exactly: a subnormal for e < 2 (ggml's
+    e8m0_to_fp32_half builds it from the bits)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def decode_mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> Int8BlockWeight:
+    """A Hugging Face checkpoint's MXFP4 matrix (gpt-oss's ``*_blocks`` uint8 [out, in / 32,
+    16] and ``*_scales`` uint8 [out, in / 32]) as block int8, every weight exact. Byte i of a
+    block holds inputs 2i (low nibble) and 2i + 1 (high nibble), transformers'
+    ``convert_moe_packed_tensors`` layout; a weight is FP4(code) * 2^(s - 127), which is
+    the doubled e2m1 value times 2^(s - 128), as in a GGUF file's MXFP4."""
+    b = blocks.numpy()
+    require(b.dtype == np.uint8 and b.ndim == 3 and b.shape[2] == 16
+            and tuple(scales.shape) == b.shape[:2],
+            f"MXFP4 blocks must be uint8 [out, in / 32, 16] with scales [out, in / 32], got "
+            f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
+    codes = np.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)  # [out, in]
+    return Int8BlockWeight(torch.from_numpy(_MXFP4_VALUES[codes]),
+                           torch.from_numpy(_e8m0_half(scales.numpy())), None, 32)
 
 
 def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:

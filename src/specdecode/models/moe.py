@@ -33,6 +33,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import require
+from specdecode.models.int8_blocks import Int8BlockWeight, decode_mxfp4_pairs
 from specdecode.models.quant import DenseLinear
 from specdecode.models.weights import as_float
 
@@ -186,24 +187,44 @@ def unstacked_experts(tensors, prefix: str, experts: int):
     (``mlp.experts.J.{gate,up,down}_proj.{weight,bias}``, the router as ``mlp.gate.{weight,bias}``):
     ``tensors`` itself where it holds them so (checkpoints of the other families, GGUF files),
     else a dict made from gpt-oss's stacked ones: ``gate_up_proj`` [E, H, 2 I] with gate and
-    up interleaved (gate = [..., ::2]) and ``down_proj`` [E, I, H], both applied as x @ W."""
+    up interleaved (gate = [..., ::2]) and ``down_proj`` [E, I, H], both applied as x @ W, or
+    the released checkpoints' MXFP4 ``*_blocks`` and ``*_scales`` (rows: the outputs, gate and
+    up interleaved), kept as block int8 with their exact values."""
     stacked = prefix + "mlp.experts."
-    if stacked + "gate_up_proj" not in tensors:
+    packed = stacked + "gate_up_proj_blocks" in tensors
+    if stacked + "gate_up_proj" not in tensors and not packed:
         return tensors
-    gate_up = as_float(tensors[stacked + "gate_up_proj"])  # [E, H, 2 I]
     gate_up_bias = as_float(tensors[stacked + "gate_up_proj_bias"])  # [E, 2 I]
-    down = as_float(tensors[stacked + "down_proj"])  # [E, I, H]
     down_bias = as_float(tensors[stacked + "down_proj_bias"])  # [E, H]
-    require(gate_up.shape[0] == experts, f"{stacked}gate_up_proj holds {gate_up.shape[0]} experts, "
-                                         f"the config says {experts}")
+    require(len(gate_up_bias) == experts, f"{stacked}gate_up_proj_bias holds {len(gate_up_bias)} "
+                                          f"experts, the config says {experts}")
     out = {prefix + "mlp.gate.weight": tensors[prefix + "mlp.router.weight"],
            prefix + "mlp.gate.bias": tensors[prefix + "mlp.router.bias"]}
     for j in range(experts):
         p = f"{stacked}{j}."
-        out[p + "gate_proj.weight"] = gate_up[j, :, 0::2].t().contiguous()  # [I, H]
-        out[p + "up_proj.weight"] = gate_up[j, :, 1::2].t().contiguous()
         out[p + "gate_proj.bias"] = gate_up_bias[j, 0::2].contiguous()
         out[p + "up_proj.bias"] = gate_up_bias[j, 1::2].contiguous()
-        out[p + "down_proj.weight"] = down[j].t().contiguous()  # [H, I]
         out[p + "down_proj.bias"] = down_bias[j]
+    if packed:  # the released checkpoints: MXFP4 [E, out, in / 32, 16], kept exact as block int8
+        for j in range(experts):
+            p = f"{stacked}{j}."
+            gate_up = decode_mxfp4_pairs(tensors[stacked + "gate_up_proj_blocks"][j],
+                                         tensors[stacked + "gate_up_proj_scales"][j])  # [2 I, H]
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = (
+                _rows(gate_up, slice(0, None, 2)), _rows(gate_up, slice(1, None, 2)))
+            out[p + "down_proj.weight"] = decode_mxfp4_pairs(
+                tensors[stacked + "down_proj_blocks"][j], tensors[stacked + "down_proj_scales"][j])
+        return out
+    gate_up = as_float(tensors[stacked + "gate_up_proj"])  # [E, H, 2 I]
+    down = as_float(tensors[stacked + "down_proj"])  # [E, I, H]
+    for j in range(experts):
+        p = f"{stacked}{j}."
+        out[p + "gate_proj.weight"] = gate_up[j, :, 0::2].t().contiguous()  # [I, H]
+        out[p + "up_proj.weight"] = gate_up[j, :, 1::2].t().contiguous()
+        out[p + "down_proj.weight"] = down[j].t().contiguous()  # [H, I]
     return out
+
+
+def _rows(weight: Int8BlockWeight, rows: slice) -> Int8BlockWeight:
+    return Int8BlockWeight(weight.codes[rows].contiguous(), weight.scale[rows].contiguous(), None,
+                           weight.group)
