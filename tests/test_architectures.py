@@ -15,7 +15,8 @@ from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
-from specdecode.models.llama import LlamaRunner, Q4Weight
+from specdecode.models.llama import LlamaRunner
+from specdecode.models.quant import Q4Weight
 from specdecode.models.quant import WEIGHT_FORMATS
 
 from conftest import _permute, alone_logits, close_gguf, gguf_writer, repetitive_prompts

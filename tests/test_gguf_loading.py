@@ -14,7 +14,8 @@ from specdecode.api import Decoder, eos_ids
 from specdecode.bench.shapes import SHAPES, Shape, tensor_type, write_shape
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import GGUFFile
-from specdecode.models.llama import DEFAULT_MAX_CONTEXT, LlamaRunner, cache_rows, kv_cache_bytes
+from specdecode.models.llama import LlamaRunner
+from specdecode.models.native_shape import DEFAULT_MAX_CONTEXT, cache_rows, kv_cache_bytes
 from specdecode.models.loading import default_gguf_path, load_gguf, make_runner
 from specdecode.models.weights import resident_bytes
 

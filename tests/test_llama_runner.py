@@ -13,7 +13,8 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Needs
 from specdecode.models.hf import HFRunner
-from specdecode.models.llama import LlamaRunner, Q4Weight
+from specdecode.models.llama import LlamaRunner
+from specdecode.models.quant import Q4Weight
 from specdecode.models.llama_drafter import LlamaDrafter
 from specdecode.models.loading import LoadedModel, make_runner
 from specdecode.models.quant import WEIGHT_FORMATS, int4_weights

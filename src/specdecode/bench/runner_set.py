@@ -83,7 +83,8 @@ def build(model: str, weights: str, gguf_path: Path | None, with_hf: bool = True
     """The runners of ``model`` in the formats ``weights`` names (``auto``: every format where
     the float32 copy fits ``FLOAT_COPY_LIMIT``, else the default format)."""
     from specdecode.api import eos_ids
-    from specdecode.models.llama import DEFAULT_WEIGHTS, runs
+    from specdecode.models.llama import DEFAULT_WEIGHTS
+    from specdecode.models.native_shape import runs
     from specdecode.models.loading import load_model, make_runner
     from specdecode.models.quant import WEIGHT_FORMATS
 

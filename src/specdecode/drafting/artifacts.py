@@ -172,7 +172,7 @@ def check_tokenizer(path: Path, fields: dict, runner: Runner) -> None:
 def native_weights(weights: str, config) -> str:
     """``draft_weights`` for a draft of ``config``: auto is int4 (the cheapest one-token
     forward) where its sizes are whole int4 groups, else fp32."""
-    from specdecode.models.llama import LlamaShape
+    from specdecode.models.native_shape import LlamaShape
 
     if weights != "auto":
         return weights
@@ -184,7 +184,8 @@ def open_gguf_draft(path: Path, source: DraftSource,
     """A GGUF draft on the native runner, checked against the target before its weights are
     read; its cache holds the target's context (or the draft's own, when shorter)."""
     from specdecode.models.gguf_reader import GGUFFile
-    from specdecode.models.llama import LlamaRunner, LlamaShape
+    from specdecode.models.llama import LlamaRunner
+    from specdecode.models.native_shape import LlamaShape
     from specdecode.models.llama_drafter import LlamaDrafter
 
     require(source.draft_runner == "native",
@@ -214,7 +215,8 @@ def open_draft(source: DraftSource, runner: Runner,
         loaded = LoadedDraft(draft_model.eval(), None, None, type(draft_model).__name__)
     if source.draft_runner == "hf":
         return DraftLM(loaded.model, loaded.head_ids), loaded
-    from specdecode.models.llama import LlamaRunner, runs
+    from specdecode.models.llama import LlamaRunner
+    from specdecode.models.native_shape import runs
     from specdecode.models.llama_drafter import LlamaDrafter
 
     config = loaded.model.config

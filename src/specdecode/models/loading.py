@@ -288,7 +288,8 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", weights: str = "auto"
     ``max_context``: positions the native runner's KV cache holds (default min(the model's,
     ``llama.DEFAULT_MAX_CONTEXT``))."""
     from specdecode.models.hf import HFRunner
-    from specdecode.models.llama import DEFAULT_WEIGHTS, LlamaRunner, runs
+    from specdecode.models.llama import DEFAULT_WEIGHTS, LlamaRunner
+    from specdecode.models.native_shape import runs
     from specdecode.models.quant import WEIGHT_FORMATS
 
     if runner not in RUNNERS:

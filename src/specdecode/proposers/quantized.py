@@ -63,7 +63,8 @@ def int4_copy(runner: Runner):
 def _make_int4_copy(runner: Runner):
     from specdecode import kernels
     from specdecode.models.hf import HFRunner
-    from specdecode.models.llama import LlamaRunner, LlamaShape
+    from specdecode.models.llama import LlamaRunner
+    from specdecode.models.native_shape import LlamaShape
 
     require(kernels.available(), "the int4 drafter needs the native kernels, which did not "
                                  "build on this machine (see `python -m specdecode.kernels`)")
