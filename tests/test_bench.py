@@ -510,3 +510,23 @@ def test_code_edit_joins_spec_bench_as_a_task_of_its_own():
     assert "def area(width, height)" in edit.turns[0]
     with pytest.raises(SpecDecodeError, match="repeats question ids"):
         load_workloads("code-edit,code-edit")
+
+
+def test_cached_layer_rate_counts_a_q4_k_m_files_block_int8_layers(tmp_path, monkeypatch):
+    """A Q4_K_M file's q/k/v group holds v in Q6_K, which the int4 runner runs as block int8:
+    the roofline gives it inputs of its own size, not int4's packed groups."""
+    from specdecode.bench import roofline
+    from specdecode.bench.shapes import Shape, write_shape
+    from specdecode.models.int8_blocks import Int8BlockLinear
+    from specdecode.models.llama import LlamaRunner
+
+    # eight layers: Q4_K_M gives the first one's attn_v Q6_K
+    s = Shape("llama", 8, 256, 512, 4, 2, vocab=512, context=512)
+    runner = LlamaRunner.from_gguf(write_shape(tmp_path / "km.gguf", s, "Q4_K_M"), "int4")
+    assert isinstance(runner.layers[0].qkv, Int8BlockLinear)
+    clock = itertools.count()
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock) * 1e-3)
+    head_dim = s.hidden // s.heads
+    macs = (s.hidden * (s.heads + 2 * s.kv_heads) * head_dim + s.heads * head_dim * s.hidden
+            + 3 * s.hidden * s.ffn)
+    assert roofline.cached_layer_gmacs(runner, 16) == pytest.approx(16 * macs / 1e-3 / 1e9)
