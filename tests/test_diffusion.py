@@ -148,6 +148,15 @@ def test_learn2pd_filter_learns_the_oracle(model, tmp_path):
     assert max(result.commits) > 1 and len(result.tokens) == 24
 
 
+def test_learn2pd_runs_the_shipped_filter_by_default(model):
+    policy = get_policy("learn2pd").make()
+    assert sum(p.numel() for p in policy.net.parameters()) == 1281
+    # the shipped filter, trained on the default dLLM, commits several positions a step on a
+    # model of its own when a low threshold lets it
+    result = run(model, "learn2pd", PROMPTS[0], threshold=0.05)
+    assert len(result.tokens) == 24 and max(result.commits) > 1
+
+
 def test_registry_lists_every_policy_with_its_paper():
     assert policy_names()[0] == "one_per_step"
     assert {"threshold", "prophet", "localleap", "ete", "ccd", "freedave", "cfg",
@@ -170,8 +179,8 @@ def test_bad_input_names_the_problem(model):
     spec = make_constraint(Vocabulary(TOKENS, 96, [EOS]), regex="ab+")
     with pytest.raises(SpecDecodeError, match="does not follow grammars; use the cfg policy"):
         run(model, "threshold", PROMPTS[0], constraint=spec.start())
-    with pytest.raises(SpecDecodeError, match="needs its trained filter"):
-        get_policy("learn2pd").make()
+    with pytest.raises(SpecDecodeError, match="cannot load the Learn2PD filter nothing.pt"):
+        get_policy("learn2pd").make({"filter": "nothing.pt"})
     with pytest.raises(SpecDecodeError, match="no config field 'radius'"):
         get_policy("threshold").make({"radius": 2})
 

@@ -9,8 +9,7 @@ delta of ``--dllm`` merged into fp32 weights; ``ar`` and ``suffix`` run on the s
 without it, so the comparison is of decoders, not of formats. Writes ``diffusion.json``,
 ``diffusion.md``, ``diffusion-records.jsonl`` and ``diffusion.png`` (speed against quality).
 
-'all' is every policy but ``cfg`` (it needs a grammar) and ``learn2pd`` (it needs a trained
-filter: name it as ``learn2pd:filter=PATH``). A contender may be a variant
+'all' is every policy but ``cfg`` (it needs a grammar). A contender may be a variant
 ``policy:key=value:...`` such as ``threshold:threshold=0.7``.
 """
 
@@ -30,8 +29,7 @@ from specdecode.errors import require
 #: the AR model's methods measured beside the policies
 AR_METHODS = ("ar", "suffix")
 #: policies 'all' leaves out, and why
-NOT_IN_ALL = {"cfg": "needs a grammar", "learn2pd": "needs a trained filter "
-                                                    "(learn2pd:filter=PATH)"}
+NOT_IN_ALL = {"cfg": "needs a grammar"}
 REFERENCE = "one_per_step"
 
 

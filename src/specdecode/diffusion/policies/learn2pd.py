@@ -3,7 +3,12 @@ positions to commit. Each step every masked position's confidence features go th
 MLP trained to predict whether the position's argmax is already its final token
 (``diffusion/learn2pd_filter.py``); positions scoring at least ``threshold`` commit, the most
 confident alone when none does. With end-of-text prediction (EoTP), once an end-of-sequence
-token is committed the rest of the block is filled with it (the output ends there)."""
+token is committed the rest of the block is filled with it (the output ends there).
+
+Default filter: the one shipped for the default dLLM (SmolLM2-135M with its packaged
+delta, ``data/adapters/smollm2-learn2pd-filter.pt``). Its features are a position's confidences,
+not the model's states, so it runs on any dLLM; one trained on a dLLM's own trajectories
+(``specdecode train learn2pd``) fits that dLLM better."""
 
 from __future__ import annotations
 
@@ -11,22 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.artifacts import packaged_dir
 from specdecode.diffusion.learn2pd_filter import features, load_filter
 from specdecode.diffusion.registry import register_policy
 from specdecode.diffusion.step import Policy, StepView
-from specdecode.errors import require
 from specdecode.registry import param
+
+#: the filter trained on the default dLLM's trajectories (data/SOURCES.md)
+SHIPPED_FILTER = "smollm2-learn2pd-filter.pt"
 
 
 @dataclass(frozen=True)
 class Learn2PDConfig:
-    filter: str = param("", "the trained filter file (`specdecode train learn2pd` writes one)")
+    filter: str = param("", "the trained filter file (`specdecode train learn2pd` writes one); "
+                            "empty: the one shipped for the default dLLM")
     threshold: float = param(0.5, "filter probability at which a position commits")
     end_of_text: bool = param(True, "EoTP: fill the block after a committed end of sequence")
-
-    def __post_init__(self):
-        require(self.filter != "", "learn2pd needs its trained filter: -c filter=PATH (train one "
-                                   "with `specdecode train learn2pd`)")
 
 
 @register_policy("learn2pd", Learn2PDConfig, paper="Learn2PD (Bao et al., arXiv 2509.25188)",
@@ -34,7 +39,7 @@ class Learn2PDConfig:
 class Learn2PD(Policy):
     def __init__(self, config):
         super().__init__(config)
-        self.net = load_filter(config.filter)
+        self.net = load_filter(config.filter or packaged_dir() / SHIPPED_FILTER)
 
     @torch.inference_mode()
     def choose(self, view: StepView) -> dict[int, int]:
