@@ -13,7 +13,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import LlamaRunner
 
 from conftest import close_gguf, gguf_writer, repetitive_prompts
-from test_architectures import LLAMA3_ROPE, assert_close, build, reference, write_gguf
+from model_checks import assert_close, reference
+from test_architectures import build, write_gguf
 
 
 def test_llama3_gguf_rope_freqs_are_read_and_applied(tmp_path):

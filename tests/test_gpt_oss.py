@@ -16,10 +16,11 @@ from specdecode.draft import Draft
 from specdecode.models.llama import LlamaRunner
 from specdecode.models.quant import WEIGHT_FORMATS
 
-from conftest import alone_logits, assert_row_invariant, close_gguf, gguf_writer, repetitive_prompts
-from test_architectures import assert_close, reference
-from test_exactness import METHODS, tiny_overrides
-from test_kernels import GENERIC, ROWS, caches, ext, isa, strided_paths  # noqa: F401 (fixtures)
+from conftest import assert_row_invariant, close_gguf, gguf_writer, repetitive_prompts
+from model_checks import (assert_close, check_greedy_matches_generate, check_method_equals_ar,
+                          check_rows_alone_bitwise, check_tree_logits, reference)
+from test_exactness import METHODS
+from test_kernels import GENERIC, ROWS, caches, check_attention_variant, ext, isa  # noqa: F401 (fixtures)
 from tiny_models import tiny_model
 
 #: a window that prompts cross, so the sliding layer (layer 0) differs from the full one
@@ -51,13 +52,8 @@ def test_logits_of_chains_and_trees_match_transformers():
     assert [layer.window for layer in native.layers] == [WINDOW, 0]
     assert all(layer.sinks is not None and layer.o_bias is not None for layer in native.layers)
     rng = random.Random(0)
-    prompt = [rng.randrange(96) for _ in range(20)]
-    assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
-    tree = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]])
-    logits = native.forward(5, tree).logits
-    for node in range(-1, len(tree)):
-        path = tree.path_to(node) if node >= 0 else []
-        assert_close(logits[node + 1], reference(model, prompt + [5] + [tree.tokens[i] for i in path]))
+    check_tree_logits(model, native, [rng.randrange(96) for _ in range(20)],
+                      Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]]))
 
 
 def test_the_experts_clamps_are_reached():
@@ -75,42 +71,17 @@ def test_the_experts_clamps_are_reached():
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
 def test_rows_choosing_other_experts_keep_their_bits(weights):
-    runner = LlamaRunner.from_transformers(build(seed=5), weights)
-    rng = random.Random(1)
-    prompt = [rng.randrange(96) for _ in range(9)]
-    draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
-    runner.prefill(prompt)
-    together = runner.forward(7, draft).logits
-    runner.commit([])
-    for node in [i for i in range(len(draft)) if not draft.children(i)]:
-        path = draft.path_to(node)
-        rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
-        for row, i in zip(rows, [-1] + path):
-            assert torch.equal(row, together[i + 1]), (weights, node, i)
+    check_rows_alone_bitwise(LlamaRunner.from_transformers(build(seed=5), weights), 9)
 
 
 def test_greedy_tokens_identical_to_transformers_generate():
     model = build(seed=4)
-    native = LlamaRunner.from_transformers(model)
-    for prompt in repetitive_prompts()[:2]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 16).run() == out[0, len(prompt):].tolist()
+    check_greedy_matches_generate(model, LlamaRunner.from_transformers(model), repetitive_prompts()[:2], 16)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_equals_ar(method):
-    from test_architectures import PRECISE_TARGET
-
-    from specdecode.models.hf import HFRunner
-
-    model = build(seed=6)
-    runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
-    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
-    for prompt in repetitive_prompts()[:2]:
-        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
-        assert decoder.start(prompt, 20).run() == ar, (method, prompt)
+    check_method_equals_ar(build(seed=6), method, repetitive_prompts()[:2], 20)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
@@ -180,22 +151,9 @@ def test_attention_with_sinks(ext, isa, d, window, dtype, group):
         probs = torch.softmax(torch.cat([scores, sinks[:, None]], -1), -1)[:, :-1]
         return torch.einsum("hl,hld->hd", probs, values[:, seen].repeat_interleave(group, 0)).reshape(-1)
 
-    table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
-    out = attention(q, past, table, lens)
-    assert torch.equal(out, attention(q, past, table, lens, GENERIC))
-    assert not torch.allclose(out, ext.attention(q, blocked, cached_values, past, table, lens,
-                                                 window, 0.0, isa), atol=1e-3)
-    for r in (0, 1, 33, ROWS - 1):
-        alone = attention(q[r:r + 1].contiguous(), past, table[r:r + 1].contiguous(), lens[r:r + 1])
-        assert torch.equal(alone[0], out[r]), r
-        assert (out[r] - expected(r, list(range(past)) + table[r, :lens[r]].tolist())).abs().max() < 1e-4
-    chain = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
-    out = attention(q, past, chain, torch.arange(1, ROWS + 1, dtype=torch.int32))
-    for r in (0, 17, ROWS - 1):
-        alone = attention(q[r:r + 1].contiguous(), past + r, torch.tensor([[past + r]], dtype=torch.int32),
-                          torch.tensor([1], dtype=torch.int32))
-        assert torch.equal(alone[0], out[r]), r
-        assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
+    plain = lambda rows, past, table, lens: ext.attention(  # noqa: E731
+        rows, blocked, cached_values, past, table, lens, window, 0.0, isa)
+    check_attention_variant(q, past, attention, plain, expected)
 
 
 def test_sinks_of_the_wrong_size_are_refused(ext):

@@ -355,6 +355,29 @@ def test_sliding_window_attention(ext, isa, window, dtype):
         assert (out[r] - expected.reshape(-1)).abs().max() < 1e-4
 
 
+def check_attention_variant(q, past: int, attention, plain, expected) -> None:
+    """What a variant of attention's scores (soft-capping, sinks) keeps: ``attention(rows,
+    past, table, lens, level=isa)`` gives every ISA level the baseline's bits and other output
+    than ``plain`` (the same call without the variant), a tree row alone the bits it has among
+    others, a chain row the bits it has alone after its earlier rows are committed (its keys
+    then read as cached blocks), and within 1e-4 of ``expected(row, slots)`` (plain PyTorch)."""
+    table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
+    out = attention(q, past, table, lens)
+    assert torch.equal(out, attention(q, past, table, lens, GENERIC))
+    assert not torch.allclose(out, plain(q, past, table, lens), atol=1e-3)
+    for r in (0, 1, 33, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past, table[r:r + 1].contiguous(), lens[r:r + 1])
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past)) + table[r, :lens[r]].tolist())).abs().max() < 1e-4
+    chain = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
+    out = attention(q, past, chain, torch.arange(1, ROWS + 1, dtype=torch.int32))
+    for r in (0, 17, ROWS - 1):
+        alone = attention(q[r:r + 1].contiguous(), past + r, torch.tensor([[past + r]], dtype=torch.int32),
+                          torch.tensor([1], dtype=torch.int32))
+        assert torch.equal(alone[0], out[r]), r
+        assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
+
+
 # head sizes 32 (the AVX-512 blocks) and 24 (attend_one in every variant); no window and one
 # that tree rows cross
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -379,22 +402,9 @@ def test_soft_capped_attention(ext, isa, d, window, dtype):
         return torch.einsum("hl,hld->hd", torch.softmax(capped, -1),
                             values[:, seen].repeat_interleave(2, 0)).reshape(-1)
 
-    table, lens = strided_paths(past, 2)  # tree rows: every other row's slot, then their own
-    out = attention(q, past, table, lens)
-    assert torch.equal(out, attention(q, past, table, lens, GENERIC))
-    assert not torch.allclose(out, ext.attention(q, blocked, cached_values, past, table, lens,
-                                                 window, 0.0, isa), atol=1e-3)
-    for r in (0, 1, 33, ROWS - 1):
-        alone = attention(q[r:r + 1].contiguous(), past, table[r:r + 1].contiguous(), lens[r:r + 1])
-        assert torch.equal(alone[0], out[r]), r
-        assert (out[r] - expected(r, list(range(past)) + table[r, :lens[r]].tolist())).abs().max() < 1e-4
-    chain = (past + torch.arange(ROWS, dtype=torch.int32)).expand(ROWS, ROWS).contiguous()
-    out = attention(q, past, chain, torch.arange(1, ROWS + 1, dtype=torch.int32))
-    for r in (0, 17, ROWS - 1):
-        alone = attention(q[r:r + 1].contiguous(), past + r, torch.tensor([[past + r]], dtype=torch.int32),
-                          torch.tensor([1], dtype=torch.int32))
-        assert torch.equal(alone[0], out[r]), r
-        assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
+    plain = lambda rows, past, table, lens: ext.attention(  # noqa: E731
+        rows, blocked, cached_values, past, table, lens, window, 0.0, isa)
+    check_attention_variant(q, past, attention, plain, expected)
 
 
 # head sizes: 16, 64 and one the AVX-512 blocks do not fit; groups of query heads per key/value

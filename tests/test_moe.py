@@ -17,9 +17,10 @@ from specdecode.models.llama import LlamaRunner
 from specdecode.models.moe import MoEMLP
 from specdecode.models.quant import WEIGHT_FORMATS
 
-from conftest import alone_logits, close_gguf, gguf_writer, repetitive_prompts
-from test_architectures import assert_close, reference
-from test_exactness import METHODS, tiny_overrides
+from conftest import close_gguf, gguf_writer, repetitive_prompts
+from model_checks import (assert_close, check_greedy_matches_generate, check_method_equals_ar,
+                          check_rows_alone_bitwise, check_tree_logits, reference)
+from test_exactness import METHODS
 from tiny_models import tiny_model
 
 #: 8 experts, 2 or 3 per row: every layer sparse; layer 0 dense and raw top-k weights;
@@ -63,58 +64,29 @@ def test_logits_of_chains_and_trees_match_transformers(variant):
     assert all((layer.moe.shared is not None) == (variant == "shared") for layer in native.layers
                if layer.moe is not None)
     rng = random.Random(0)
-    prompt = [rng.randrange(96) for _ in range(20)]
-    assert_close(native.prefill(prompt).logits[0], reference(model, prompt))
-    tree = Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]])
-    logits = native.forward(5, tree).logits
-    for node in range(-1, len(tree)):
-        path = tree.path_to(node) if node >= 0 else []
-        assert_close(logits[node + 1], reference(model, prompt + [5] + [tree.tokens[i] for i in path]))
+    check_tree_logits(model, native, [rng.randrange(96) for _ in range(20)],
+                      Draft.from_paths([[3, 4, 5], [3, 7], [9, 10, 11]]))
 
 
 @pytest.mark.parametrize("weights", WEIGHT_FORMATS)
 @pytest.mark.parametrize("variant", ["sparse", "shared"])
 def test_rows_choosing_other_experts_keep_their_bits(variant, weights, routes):
     runner = LlamaRunner.from_transformers(build(variant, seed=5), weights)
-    rng = random.Random(1)
-    prompt = [rng.randrange(96) for _ in range(9)]
-    draft = Draft(tuple(rng.randrange(96) for _ in range(15)), tuple(rng.randrange(-1, i) for i in range(15)))
-    runner.prefill(prompt)
-    routes.clear()
-    together = runner.forward(7, draft).logits
-    runner.commit([])
-    # the verify rows do not all read the same experts: the case row invariance must survive
-    assert len(set(routes)) > 4, routes
-    for node in [i for i in range(len(draft)) if not draft.children(i)]:
-        path = draft.path_to(node)
-        rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
-        for row, i in zip(rows, [-1] + path):
-            assert torch.equal(row, together[i + 1]), (weights, node, i)
+    check_rows_alone_bitwise(runner, 9, before_forward=routes.clear)
+    # the verify step's 16 rows (layer 0's routes, the first after the prefill) did not all read
+    # the same experts: the case row invariance must survive
+    assert len(set(routes[:16])) > 2, routes[:16]
 
 
 def test_greedy_tokens_identical_to_transformers_generate():
     model = build("mixed", seed=4)
-    native = LlamaRunner.from_transformers(model)
-    for prompt in repetitive_prompts()[:2]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                                 max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert Decoder(native, None, "ar", eos_token_ids=[]).start(prompt, 16).run() == out[0, len(prompt):].tolist()
+    check_greedy_matches_generate(model, LlamaRunner.from_transformers(model), repetitive_prompts()[:2], 16)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("variant", ["sparse", "shared"])
 def test_every_method_equals_ar(variant, method):
-    from test_architectures import PRECISE_TARGET
-
-    from specdecode.models.hf import HFRunner
-
-    model = build(variant, seed=6)
-    runner = HFRunner(model) if method in PRECISE_TARGET else LlamaRunner.from_transformers(model, "int4")
-    decoder = Decoder(runner, None, method, eos_token_ids=[], **tiny_overrides(method, runner))
-    for prompt in repetitive_prompts()[:2]:
-        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
-        assert decoder.start(prompt, 20).run() == ar, (method, prompt)
+    check_method_equals_ar(build(variant, seed=6), method, repetitive_prompts()[:2], 20)
 
 
 def test_bad_expert_counts_are_named():
