@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specdecode import kernels
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.models.hf import HFRunner
@@ -63,6 +64,19 @@ def check_rows_alone_bitwise(runner: LlamaRunner, prompt_length: int,
         rows = alone_logits(runner, prompt, [7] + [draft.tokens[i] for i in path])
         for row, i in zip(rows, [-1] + path):
             assert torch.equal(row, together[i + 1]), (runner.weights, node, i)
+
+
+def check_fused_experts(moe, hidden_size: int) -> None:
+    """A MoE layer's fused experts kernel gives the bits of its torch loop, and each row alone
+    the bits it has among the others."""
+    assert moe.fused is not None
+    h = torch.randn(13, hidden_size)
+    chosen, weights = moe.picks(h)
+    fused = moe.fused.forward(h, chosen, weights, kernels.isa())
+    assert torch.equal(fused, moe._experts(h, chosen, weights))
+    for r in range(len(h)):
+        alone = moe.fused.forward(h[r:r + 1], chosen[r:r + 1], weights[r:r + 1], kernels.isa())
+        assert torch.equal(alone, fused[r:r + 1]), r
 
 
 def check_greedy_matches_generate(model, native: LlamaRunner, prompts: Sequence[Sequence[int]],

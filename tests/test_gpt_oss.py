@@ -17,8 +17,9 @@ from specdecode.models.llama import LlamaRunner
 from specdecode.models.quant import WEIGHT_FORMATS
 
 from conftest import assert_row_invariant, close_gguf, gguf_writer, repetitive_prompts
-from model_checks import (assert_close, check_greedy_matches_generate, check_method_equals_ar,
-                          check_rows_alone_bitwise, check_tree_logits, reference)
+from model_checks import (assert_close, check_fused_experts, check_greedy_matches_generate,
+                          check_method_equals_ar, check_rows_alone_bitwise, check_tree_logits,
+                          reference)
 from test_exactness import METHODS
 from test_kernels import GENERIC, ROWS, caches, check_attention_variant, ext, isa  # noqa: F401 (fixtures)
 from tiny_models import tiny_model
@@ -87,16 +88,8 @@ def test_every_method_equals_ar(method):
 @pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
 def test_the_fused_experts_kernel_computes_the_torch_loops_bits(weights):
     moe = LlamaRunner.from_transformers(build(seed=10), weights).layers[1].moe
-    assert moe.fused is not None and moe.expert_biases is not None
-    h = torch.randn(13, 64)
-    w, chosen = moe.route(h)
-    chosen, order = chosen.sort(dim=-1)
-    w = w.gather(-1, order)
-    fused = moe.fused.forward(h, chosen, w, kernels.isa())
-    assert torch.equal(fused, moe._experts(h, chosen, w))
-    for r in range(len(h)):
-        assert torch.equal(moe.fused.forward(h[r:r + 1], chosen[r:r + 1], w[r:r + 1], kernels.isa()),
-                           fused[r:r + 1])
+    assert moe.expert_biases is not None
+    check_fused_experts(moe, 64)
 
 
 def test_routing_softmaxes_the_top_k_logits():

@@ -135,11 +135,15 @@ class MoEMLP:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, chosen
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def picks(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [n, k], weights [n, k]) each row takes, in ascending expert order: the
+        order its experts' outputs are added in."""
         weights, chosen = self.route(h)
-        # each row's picks in ascending expert order, the order its outputs are added in
         chosen, order = chosen.sort(dim=-1)
-        weights = weights.gather(-1, order)
+        return chosen, weights.gather(-1, order)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.picks(h)
         if self.fused is not None:
             out = self.fused.forward(h, chosen, weights, kernels.isa())
         else:
