@@ -108,8 +108,10 @@ def held_bytes(runner: LlamaRunner) -> int:
         total += sum(getattr(layer, n).nbytes for n in ("qkv", "o", "gate_up", "down")
                      if getattr(layer, n) is not None)
         if layer.moe is not None:
-            total += layer.moe.router.nbytes + sum(gate_up.nbytes + down.nbytes
-                                                   for gate_up, down in layer.moe.experts)
+            moe = layer.moe
+            pairs = moe.experts + ([moe.shared] if moe.shared is not None else [])
+            total += moe.router.nbytes + sum(gate_up.nbytes + down.nbytes for gate_up, down in pairs)
+            total += moe.shared_gate.nbytes if moe.shared_gate is not None else 0
         total += sum(t.numel() * 4 for t in (layer.attn_norm, layer.mlp_norm, layer.qkv_bias,
                                              layer.q_norm, layer.k_norm, layer.post_attn_norm,
                                              layer.post_mlp_norm) if t is not None)

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from specdecode import kernels
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
@@ -18,8 +17,9 @@ from specdecode.models.moe import MoEMLP
 from specdecode.models.quant import WEIGHT_FORMATS
 
 from conftest import close_gguf, gguf_writer, repetitive_prompts
-from model_checks import (assert_close, check_greedy_matches_generate, check_method_equals_ar,
-                          check_rows_alone_bitwise, check_tree_logits, reference)
+from model_checks import (assert_close, check_fused_experts, check_greedy_matches_generate,
+                          check_method_equals_ar, check_rows_alone_bitwise, check_tree_logits,
+                          reference)
 from test_exactness import METHODS
 from tiny_models import tiny_model
 
@@ -156,6 +156,9 @@ def write_moe_gguf(model, path, arch: str = "qwen3moe") -> None:
 @pytest.mark.parametrize("variant,arch", [("sparse", "qwen3moe"), ("shared", "qwen2moe")])
 def test_gguf_file_reads_like_the_model(tmp_path, variant, arch):
     from specdecode.models.gguf_reader import GGUFFile, read_gguf
+    from specdecode.models.weights import resident_bytes
+
+    from test_gguf_loading import held_bytes
 
     # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's
     model = build(variant, seed=8, norm_topk_prob=arch == "qwen3moe", moe_intermediate_size=64)
@@ -178,6 +181,10 @@ def test_gguf_file_reads_like_the_model(tmp_path, variant, arch):
     prompt = repetitive_prompts()[2]
     assert_close(LlamaRunner.from_gguf(path).prefill(prompt).logits[0], reference(model, prompt))
     runner = LlamaRunner.from_gguf(path, "int4")
+    # the memory a file is refused by before it loads bounds what the runner holds, float32
+    # routers and the shared expert's gate included (the file's Q8_0 blocks are counted at
+    # block int8's most)
+    assert resident_bytes(GGUFFile(path), "int4") >= held_bytes(runner)
     for prompt in repetitive_prompts()[:2]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 20).run()
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 20).run() == ar
@@ -186,18 +193,7 @@ def test_gguf_file_reads_like_the_model(tmp_path, variant, arch):
 
 @pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
 def test_the_fused_experts_kernel_computes_the_torch_loops_bits(weights):
-    moe = LlamaRunner.from_transformers(build("mixed", seed=10), weights).layers[1].moe
-    assert moe.fused is not None
-    h = torch.randn(13, 64)
-    w, chosen = moe.route(h)
-    chosen, order = chosen.sort(dim=-1)
-    w = w.gather(-1, order)
-    fused = moe.fused.forward(h, chosen, w, kernels.isa())
-    assert torch.equal(fused, moe._experts(h, chosen, w))
-    # each row alone: the same bits as among the others
-    for r in range(len(h)):
-        assert torch.equal(moe.fused.forward(h[r:r + 1], chosen[r:r + 1], w[r:r + 1], kernels.isa()),
-                           fused[r:r + 1])
+    check_fused_experts(LlamaRunner.from_transformers(build("mixed", seed=10), weights).layers[1].moe, 64)
 
 
 def test_the_bench_counts_the_experts_a_token_reads(tmp_path):

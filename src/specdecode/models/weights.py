@@ -194,7 +194,8 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
                 total += layer(entry)
         elif len(entry.shape) == 1:
             total += entry.numel * 4
-        elif name.endswith("mlp.gate.weight"):  # a MoE router: float32, in whole tiles of rows
+        elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
+            # a MoE router or Qwen2-MoE's shared-expert gate: float32, in whole tiles of rows
             total += -(-entry.shape[0] // kernels.TILE) * kernels.TILE * entry.shape[1] * 4
         else:
             total += layer(entry)
