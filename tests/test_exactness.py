@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -259,8 +260,12 @@ def installed_model(name: str):
 
 
 #: the real models we measure on: the 0.5B (installed by scripts/setup.sh, so CI runs it) and
-#: the 1.5B (installed by `specdecode models install qwen2.5-coder-1.5b`; skipped without it)
-QWEN_CODER = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+#: the 1.5B (installed by `specdecode models install qwen2.5-coder-1.5b`; skipped without it,
+#: and in CI, whose 15-minute suite has no room for its three minutes)
+QWEN_CODER = ("qwen2.5-coder-0.5b",
+              pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.skipif(
+                  bool(os.environ.get("CI")), reason="CI runs the 0.5B's exactness test; the "
+                  "1.5B's (3 more minutes) runs where CI is unset")))
 
 
 @pytest.fixture(scope="module", params=QWEN_CODER)
@@ -279,7 +284,9 @@ def qwen_coder_runner(qwen_coder):
 def qwen_coder_precise(qwen_coder):
     from specdecode.models.loading import make_runner
 
-    return make_runner(qwen_coder, "native", "fp32")
+    # block int8 holds every block type of the file exactly: the precise target in 1.25 bytes a
+    # weight (fp32 holds 8, two copies: 14 GB for the 1.5B)
+    return make_runner(qwen_coder, "native", "int8")
 
 
 @pytest.mark.slow
