@@ -12,7 +12,7 @@ from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, Int8BlockLinear, Int8BlockWeight,
-                                           decode_gguf_blocks, quantize_int8_blocks)
+                                           Q6KWeight, decode_gguf_blocks, quantize_int8_blocks)
 from specdecode.models.quant import make_linear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's reader) is not installed")
@@ -129,6 +129,46 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
     zeros = torch.zeros(3, k)
     assert torch.equal(ext.q8_linear(zeros, packed, group, with_minimum, half, None, n, 0),
                        torch.zeros(3, n))
+
+
+def test_q6k_in_its_own_bytes_gives_block_int8s_bits(ext):
+    # a Q6_K matrix held in the file's 6.6 bits a weight computes block int8's numbers (1.25
+    # bytes a weight) bit for bit: every row count (the direct kernel below 13 rows, tiles
+    # decoded once from there), every position, every instruction set; 5 column tiles, so the
+    # decoded tiles' last pair is one tile
+    raw = gguf_blocks("Q6_K", 72, 512, seed=5)
+    weight = decode_gguf_blocks(raw, "Q6_K")
+    assert isinstance(weight, Q6KWeight)
+    assert torch.equal(weight.super_scale.float().repeat_interleave(16, 1)
+                       * weight.sub_scale.float(), weight.scale)
+    layer = Int8BlockLinear(weight)
+    plain = Int8BlockLinear(Int8BlockWeight(weight.codes, weight.scale, None, 16))
+    assert layer.q6k and not plain.q6k
+    assert layer.nbytes == 5 * 2 * kernels.Q6K_BLOCK  # 0.83 bytes a weight
+    assert layer.nbytes / plain.nbytes < 0.67
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    expected = ext.q8_linear(x, plain.packed, 16, False, False, None, 72, 0)
+    for isa in isas(ext):
+        got = assert_row_invariant(lambda rows: ext.q6k_linear(rows, layer.packed, None, 72, isa), x)
+        assert torch.equal(got, expected), isa
+    assert torch.equal(layer(x), plain(x))
+
+
+def test_q6k_stays_q6k_where_rows_are_taken_or_fused(ext):
+    parts = [decode_gguf_blocks(gguf_blocks("Q6_K", rows, 256, seed), "Q6_K")
+             for seed, rows in enumerate((32, 16))]
+    fused = Int8BlockWeight.cat(parts)
+    assert isinstance(fused, Q6KWeight)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    order = torch.arange(31, -1, -1)
+    taken = parts[0].take(order)
+    assert isinstance(taken, Q6KWeight)
+    assert torch.equal(taken.dequantize(), parts[0].dequantize()[order])
+    assert torch.equal(Int8BlockLinear(taken)(torch.ones(1, 256)),
+                       Int8BlockLinear(parts[0])(torch.ones(1, 256))[:, order])
+    # beside another type: block int8 in groups of 16, every weight unchanged
+    mixed = Int8BlockWeight.cat([parts[0], decode_gguf_blocks(gguf_blocks("Q4_K", 16, 256), "Q4_K")])
+    assert not isinstance(mixed, Q6KWeight) and not Int8BlockLinear(mixed).q6k
 
 
 def test_float16_scales_where_they_are_float16_numbers(ext):

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h", _HERE / "amx.h")
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h",
+            _HERE / "q6k_blocks.h", _HERE / "amx.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
 #: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
 #: the OS grants the tile state)
@@ -167,6 +168,48 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return packed
 
 
+#: bytes of a packed Q6_K block (16 columns x 256 inputs; q6k_blocks.h's Q6K_BLOCK)
+Q6K_BLOCK = 3392
+
+
+def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Tensor) -> torch.Tensor:
+    """GGUF Q6_K weights (w = d * sc * code; codes int8 [N, K] in -32..31, sc int8 [N, K / 16],
+    d float16 [N, K / 256]) -> uint8 [N / 16, K / 256, Q6K_BLOCK]: per tile and super-block,
+    16 groups of 16 inputs, each four 64-byte slices of u = code + 32 in VPDPBUSD's order (byte
+    4c + i of slice j: input 4j + i of column c) stored as the nibbles of slices 0 and 1, of 2 and
+    3, then their top two bits (slice j's at bits 2j); then the groups' sc, the columns' d, and
+    zero padding (kernels/q6k_blocks.h)."""
+    n, k = codes.shape
+    require(k % 256 == 0 and tuple(sub_scale.shape) == (n, k // 16)
+            and tuple(super_scale.shape) == (n, k // 256),
+            f"Q6_K weights: codes [N, a multiple of 256] with sc [N, K / 16] and d [N, K / 256], "
+            f"got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, {tuple(super_scale.shape)}")
+    supers = k // 256
+    packed = torch.zeros(-(-n // TILE), supers, Q6K_BLOCK, dtype=torch.uint8)
+    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time: temporaries of about 4 MB
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
+        u = (_tiles(codes[rows]).to(torch.int16) + 32).to(torch.uint8)  # [T, c, K]
+        u = u.view(-1, TILE, supers, 16, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [T, S, g, j, c, i]
+        u = u.reshape(*u.shape[:4], 64)
+        low, top = u & 15, u >> 4
+        groups = torch.cat([low[:, :, :, 0] | (low[:, :, :, 1] << 4),
+                            low[:, :, :, 2] | (low[:, :, :, 3] << 4),
+                            top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
+                            | (top[:, :, :, 3] << 6)], -1)  # [T, S, 16, 192]
+        block = packed[first:first + step]
+        block[..., :3072] = groups.reshape(*groups.shape[:2], 3072)
+        sc = _tiles(sub_scale[rows].contiguous()).view(-1, TILE, supers, 16).permute(0, 2, 3, 1)
+        block[..., 3072:3328] = sc.reshape(*sc.shape[:2], 256).view(torch.uint8)
+        d = _tiles(super_scale[rows].to(torch.float16)).transpose(1, 2).contiguous()  # [T, S, c]
+        block[..., 3328:3360] = d.view(torch.uint8)
+    return packed
+
+
+def q6k_linear(x, packed, n, residual=None):
+    return load().q6k_linear(x, packed, residual, n, isa())
+
+
 def q8_linear(x, packed, group, minimum, half, n, residual=None):
     return load().q8_linear(x, packed, group, minimum, half, residual, n, isa())
 
@@ -228,7 +271,7 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0, sin
 
 
 #: ``PackedLinear``'s kinds (cpu_kernels.cpp): the kernel a packed weight goes through
-INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND = 0, 1, 2
+INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, Q6K_KIND = 0, 1, 2, 3
 
 
 def packed_linear(packed, kind, n, group=32, minimum=False, half=False):

@@ -520,6 +520,9 @@ static void quantise_rows_avx512(const float* x, int64_t r0, int64_t r1, int64_t
 at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t group,
                      bool minimum, bool half, const c10::optional<at::Tensor>& residual,
                      int64_t n, int64_t isa);
+// q6k_blocks.h (included below, beside q8_blocks.h)
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa);
 
 namespace {
 
@@ -1066,24 +1069,27 @@ struct PackedPlan {
 };
 
 // One linear layer as the kernels hold it, whatever its format: int4 (Q4_1 tiles, q4_linear),
-// block int8 (q8_blocks.h, q8_linear) or dense fp32/bf16 tiles (dense_linear). A stack of
+// block int8 (q8_blocks.h, q8_linear), Q6_K (q6k_blocks.h, q6k_linear) or dense fp32/bf16
+// tiles (dense_linear). A stack of
 // layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
 // kernel, so the stack computes the same bits.
 struct PackedLinear {
-  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2 };
+  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, Q6K = 3 };
   at::Tensor packed;
   int64_t kind, n, group;
   bool minimum, half;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half)
       : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half) {
-    TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE, "unknown linear kind ", kind);
+    TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE || kind == Q6K,
+                "unknown linear kind ", kind);
   }
 
   at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                         int64_t isa) const {
     if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
     if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
+    if (kind == Q6K) return q6k_linear(x, packed, residual, n, isa);
     return dense_linear(x, packed, c10::nullopt, residual, n, isa);
   }
 };
@@ -1460,6 +1466,7 @@ int64_t parallel_threads(int64_t items) {
 }
 
 #include "q8_blocks.h"
+#include "q6k_blocks.h"
 
 // Every entry point that computes runs without Python's GIL (``nogil``), so a second Python
 // thread (PEARL's drafter, proposers/pearl.py) runs its own model meanwhile. pybind11 converts
@@ -1473,6 +1480,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, nogil);
   m.def("q4_linear", &q4_linear, nogil);
   m.def("q8_linear", &q8_linear, nogil);
+  m.def("q6k_linear", &q6k_linear, nogil);
   m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm, nogil);
   m.def("swiglu", &swiglu, nogil);

@@ -175,12 +175,13 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
 }
 
 // rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
-// (null if none), whose weights the passes after the first ask for, spread over their groups
+// (null if none), whose weights the passes after the first ask for, spread over their groups;
+// `next_bytes`: how many bytes of them (default: T tiles of this layout)
 template <int T, int G, bool MIN, bool HALF>
 static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8_t* next,
-                      int64_t t, const float* residual, float* y, int64_t n) {
+                      int64_t t, const float* residual, float* y, int64_t n, int64_t next_bytes = 0) {
   const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF), passes = (m + 3) / 4;
-  const int64_t lines = T * tile_bytes / 64;
+  const int64_t lines = (next_bytes > 0 ? next_bytes : T * tile_bytes) / 64;
   const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
     const int64_t first_line = (r0 / 4 - 1) * groups * per_group;

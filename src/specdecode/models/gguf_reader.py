@@ -54,7 +54,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
-from specdecode.models.int8_blocks import Int8BlockWeight, decode_gguf_blocks
+from specdecode.models.int8_blocks import decode_gguf_blocks
 from specdecode.models.quant import Q4Weight
 
 #: llama.cpp's llama3 rope scaling (Llama 3.1-3.3): a factor per rotary frequency, which the
@@ -599,9 +599,7 @@ class GGUFFile:
             heads = self._permuted_heads(name)
             if heads:
                 order = unpermute_rows(torch.arange(e.shape[0]), heads)
-                weight = Int8BlockWeight(weight.codes[order], weight.scale[order],
-                                         None if weight.minimum is None else weight.minimum[order],
-                                         weight.group)
+                weight = weight.take(order)
             return weight
         if e.qtype not in Q4_TYPES:
             return self.read(name, blocks=False)

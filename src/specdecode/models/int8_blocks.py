@@ -96,6 +96,11 @@ class Int8BlockWeight:
             w = w + self.minimum[..., None]
         return w.reshape(out, inp)
 
+    def take(self, index: torch.Tensor) -> Int8BlockWeight:
+        """Rows ``index`` (e.g. q/k rows unpermuted), in this weight's form."""
+        return Int8BlockWeight(self.codes[index], self.scale[index],
+                               None if self.minimum is None else self.minimum[index], self.group)
+
     def regroup(self, group: int) -> Int8BlockWeight:
         """The same weights in groups of ``group`` (a divisor of this one's): scales and
         minimums repeated, so every weight is unchanged."""
@@ -115,6 +120,11 @@ class Int8BlockWeight:
                 "block int8 parts must share their input size")
         if len(parts) == 1:  # (a copy of a whole LM head would be its size again in flight)
             return parts[0]
+        if all(isinstance(p, Q6KWeight) for p in parts):
+            return Q6KWeight(*(torch.cat([getattr(p, f) for p in parts])
+                               for f in ("codes", "scale")), None, 16,
+                             *(torch.cat([getattr(p, f) for p in parts])
+                               for f in ("sub_scale", "super_scale")))
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
@@ -123,6 +133,21 @@ class Int8BlockWeight:
                                  for p in parts])
         return Int8BlockWeight(torch.cat([p.codes for p in parts]),
                                torch.cat([p.scale for p in parts]), minimum, group)
+
+
+@dataclass(frozen=True)
+class Q6KWeight(Int8BlockWeight):
+    """A GGUF Q6_K matrix as block int8 (groups of 16, scale = d * sc) that also keeps the
+    factors of its scales, the 8-bit ``sub_scale`` sc int8 [out, in / 16] and the float16
+    ``super_scale`` d [out, in / 256], so that the kernels can hold it in the file's own 6.6 bits
+    a weight (``kernels.pack_q6k``) and compute block int8's bits from them."""
+
+    sub_scale: torch.Tensor
+    super_scale: torch.Tensor
+
+    def take(self, index: torch.Tensor) -> Q6KWeight:
+        return Q6KWeight(self.codes[index], self.scale[index], None, 16,
+                         self.sub_scale[index], self.super_scale[index])
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
@@ -264,6 +289,10 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
                 minimum = np.empty_like(scale)
             minimum[part] = m.reshape(-1, groups)
     as_torch = lambda a: None if a is None else torch.from_numpy(a.reshape(rows, -1))  # noqa: E731
+    if qtype == "Q6_K":  # the scales' factors too: sc (bytes 192..207) and d (208..209)
+        return Q6KWeight(as_torch(codes).view(rows, inp), as_torch(scale), None, group,
+                         as_torch(blocks[:, 192:208].view(np.int8).copy()),
+                         as_torch(blocks[:, 208:210].copy().view(np.float16)))
     return Int8BlockWeight(as_torch(codes).view(rows, inp), as_torch(scale), as_torch(minimum),
                            group)
 
@@ -289,8 +318,13 @@ class Int8BlockLinear:
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
-        self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
-                                             weight.group, self.half)
+        # a Q6_K matrix in its own 0.83 bytes a weight, not 1.25: the same numbers (q6k_blocks.h)
+        self.q6k = isinstance(weight, Q6KWeight)
+        if self.q6k:
+            self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
+        else:
+            self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
+                                                 weight.group, self.half)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8BlockLinear:
@@ -298,6 +332,8 @@ class Int8BlockLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         try:
+            if self.q6k:
+                return kernels.q6k_linear(x, self.packed, self.out_features, residual)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
@@ -307,6 +343,8 @@ class Int8BlockLinear:
 
     def kernel(self):
         """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
+        if self.q6k:
+            return kernels.packed_linear(self.packed, kernels.Q6K_KIND, self.out_features)
         return kernels.packed_linear(self.packed, kernels.BLOCK_INT8_KIND, self.out_features,
                                      self.group, self.has_minimum, self.half)
 
