@@ -123,9 +123,10 @@ def test_ar_matches_transformers_generate(real_model):
 
 @functools.cache
 def random_draft_dir(vocab_size: int) -> str:
-    """A tiny random draft model of ``vocab_size`` tokens saved as a checkpoint folder."""
+    """A tiny random draft model of ``vocab_size`` tokens saved as a checkpoint folder, with
+    positions for the dev prompts' long contexts (1,500 tokens of Gemma's RAG prompt)."""
     path = Path(tempfile.mkdtemp(prefix="specdecode-random-draft-"))
-    tiny_llama(vocab_size=vocab_size, seed=7, layers=1).save_pretrained(path)
+    tiny_llama(vocab_size=vocab_size, seed=7, layers=1, max_positions=4096).save_pretrained(path)
     return str(path)
 
 

@@ -131,27 +131,37 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
                        torch.zeros(3, n))
 
 
-def test_q6k_in_its_own_bytes_gives_block_int8s_bits(ext):
-    # a Q6_K matrix held in the file's 6.6 bits a weight computes block int8's numbers (1.25
-    # bytes a weight) bit for bit: every row count (the direct kernel below 13 rows, tiles
-    # decoded once from there), every position, every instruction set; 5 column tiles, so the
-    # decoded tiles' last pair is one tile
-    raw = gguf_blocks("Q6_K", 72, 512, seed=5)
-    weight = decode_gguf_blocks(raw, "Q6_K")
-    assert isinstance(weight, Q6KWeight)
-    assert torch.equal(weight.super_scale.float().repeat_interleave(16, 1)
-                       * weight.sub_scale.float(), weight.scale)
+@pytest.mark.parametrize("qtype,layout,bytes_a_weight", [("Q6_K", "q6k", 3392 / 4096),
+                                                         ("Q5_0", "five_bit", 352 / 512),
+                                                         ("Q5_1", "five_bit", 384 / 512),
+                                                         ("MXFP4", "five_bit", 352 / 512)])
+def test_small_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, layout, bytes_a_weight):
+    # a matrix of 5 or 6-bit codes held in the file's own bytes computes block int8's numbers
+    # (1.06-1.25 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
+    # tiles decoded once from there), every position, every instruction set; 5 column tiles, so
+    # the decoded tiles' last pair is one tile
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     layer = Int8BlockLinear(weight)
-    plain = Int8BlockLinear(Int8BlockWeight(weight.codes, weight.scale, None, 16))
-    assert layer.q6k and not plain.q6k
-    assert layer.nbytes == 5 * 2 * kernels.Q6K_BLOCK  # 0.83 bytes a weight
-    assert layer.nbytes / plain.nbytes < 0.67
+    assert layer.layout == layout
+    assert layer.nbytes == 80 * 512 * bytes_a_weight
+    group, minimum, half = weight.group, weight.minimum is not None, layer.half
+    block = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, group, half)
+    assert layer.nbytes / block.numel() < 0.7
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
-    expected = ext.q8_linear(x, plain.packed, 16, False, False, None, 72, 0)
+    expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
     for isa in isas(ext):
-        got = assert_row_invariant(lambda rows: ext.q6k_linear(rows, layer.packed, None, 72, isa), x)
+        got = assert_row_invariant(
+            lambda rows: ext.small_codes_linear(rows, layer.packed, group, minimum, None, 72, isa), x)
         assert torch.equal(got, expected), isa
-    assert torch.equal(layer(x), plain(x))
+    assert torch.equal(layer(x), expected)
+
+
+def test_codes_past_five_bits_stay_block_int8(ext):
+    assert Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q8_0", 16, 64), "Q8_0")).layout == "block"
+    assert Int8BlockLinear.quantize(torch.randn(16, 64)).layout == "block"
+    # Q6_K's values without the factors of their scales: block int8 in groups of 16
+    q6 = decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K")
+    assert Int8BlockLinear(Int8BlockWeight(q6.codes, q6.scale, None, 16)).layout == "block"
 
 
 def test_q6k_stays_q6k_where_rows_are_taken_or_fused(ext):
@@ -168,7 +178,7 @@ def test_q6k_stays_q6k_where_rows_are_taken_or_fused(ext):
                        Int8BlockLinear(parts[0])(torch.ones(1, 256))[:, order])
     # beside another type: block int8 in groups of 16, every weight unchanged
     mixed = Int8BlockWeight.cat([parts[0], decode_gguf_blocks(gguf_blocks("Q4_K", 16, 256), "Q4_K")])
-    assert not isinstance(mixed, Q6KWeight) and not Int8BlockLinear(mixed).q6k
+    assert not isinstance(mixed, Q6KWeight) and Int8BlockLinear(mixed).layout == "block"
 
 
 def test_float16_scales_where_they_are_float16_numbers(ext):

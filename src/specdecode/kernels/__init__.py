@@ -33,7 +33,7 @@ from specdecode.errors import SpecDecodeError, require
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h",
-            _HERE / "q6k_blocks.h", _HERE / "amx.h")
+            _HERE / "small_codes.h", _HERE / "amx.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
 #: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
 #: the OS grants the tile state)
@@ -168,7 +168,7 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return packed
 
 
-#: bytes of a packed Q6_K block (16 columns x 256 inputs; q6k_blocks.h's Q6K_BLOCK)
+#: bytes of a packed Q6_K block (16 columns x 256 inputs; small_codes.h's Q6K layout)
 Q6K_BLOCK = 3392
 
 
@@ -178,7 +178,7 @@ def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
     16 groups of 16 inputs, each four 64-byte slices of u = code + 32 in VPDPBUSD's order (byte
     4c + i of slice j: input 4j + i of column c) stored as the nibbles of slices 0 and 1, of 2 and
     3, then their top two bits (slice j's at bits 2j); then the groups' sc, the columns' d, and
-    zero padding (kernels/q6k_blocks.h)."""
+    zero padding (kernels/small_codes.h)."""
     n, k = codes.shape
     require(k % 256 == 0 and tuple(sub_scale.shape) == (n, k // 16)
             and tuple(super_scale.shape) == (n, k // 256),
@@ -206,8 +206,36 @@ def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
     return packed
 
 
-def q6k_linear(x, packed, n, residual=None):
-    return load().q6k_linear(x, packed, residual, n, isa())
+def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
+    """Block int8 weights in groups of 32 with float16 scales (and minimums) whose codes fit in
+    5 bits (-16..15 without minimums, 0..31 with: GGUF Q5_0, Q5_1, MXFP4) -> uint8 [N / 16,
+    K / 32, 352 or 384]: per tile and group, eight 64-byte slices of u = code + 16 (+ 0 with
+    minimums) in VPDPBUSD's order stored as the nibbles of slices 2i and 2i + 1, then their
+    fifth bits (slice j's at bit j), then the 16 scales and minimums as float16
+    (kernels/small_codes.h)."""
+    n, k = codes.shape
+    require(k % 32 == 0 and tuple(scale.shape) == (n, k // 32),
+            f"five-bit weights: codes [N, a multiple of 32] with scales [N, K / 32], got "
+            f"{tuple(codes.shape)}, {tuple(scale.shape)}")
+    groups = k // 32
+    numbers = [t for t in (scale, minimum) if t is not None]
+    packed = torch.zeros(-(-n // TILE), groups, 320 + 32 * len(numbers), dtype=torch.uint8)
+    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time: temporaries of about 4 MB
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
+        u = _tiles(codes[rows].to(torch.int16) + (0 if minimum is not None else 16)).to(torch.uint8)
+        u = u.view(-1, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, groups, 8, 64)
+        low, top = u & 15, u >> 4  # [T, g, j, 64]
+        parts = [low[:, :, 2 * i] | (low[:, :, 2 * i + 1] << 4) for i in range(4)]
+        parts.append(sum(top[:, :, j] << j for j in range(8)).to(torch.uint8))
+        parts += [_tiles(t[rows].to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
+                  for t in numbers]
+        torch.cat(parts, -1, out=packed[first:first + step])
+    return packed
+
+
+def small_codes_linear(x, packed, group, minimum, n, residual=None):
+    return load().small_codes_linear(x, packed, group, minimum, residual, n, isa())
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):
@@ -271,7 +299,7 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0, sin
 
 
 #: ``PackedLinear``'s kinds (cpu_kernels.cpp): the kernel a packed weight goes through
-INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, Q6K_KIND = 0, 1, 2, 3
+INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, SMALL_CODES_KIND = 0, 1, 2, 3
 
 
 def packed_linear(packed, kind, n, group=32, minimum=False, half=False):

@@ -438,28 +438,41 @@ static void store_tiles(const __m512 (&acc)[R][T], int rows, int64_t r0, int64_t
     }
 }
 
+// Where the pass of rows r0 .. r0 + 3 over a tile asks for the next tiles' weights (`lines`
+// cache lines from `next`): spread evenly over the groups of the passes after the first, so that
+// they arrive while those passes compute from cache. {null, 0}: the first pass (it asks for its
+// own stream), no next tiles, or none left to ask for. The row kernels' passes (Q4, block int8,
+// small codes) share it.
+struct Ahead {
+  const uint8_t* at;
+  int64_t lines;  // a group
+};
+static inline Ahead ahead_of_pass(int64_t r0, int64_t m, const uint8_t* next, int64_t lines,
+                                  int64_t groups) {
+  const int64_t passes = (m + 3) / 4;
+  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
+  const int64_t first_line = (r0 / 4 - 1) * groups * per_group;
+  if (r0 == 0 || !next || first_line >= lines) return {nullptr, 0};
+  // the last pass's share may run past the next tiles: ask for no more than they hold
+  return {next + first_line * 64, std::min(per_group, (lines - first_line) / groups)};
+}
+
 // rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for
 template <int T>
 static void q4_rows_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t m,
                          int64_t k_dim, const uint8_t* tile, const uint8_t* next, int64_t t,
                          const float* residual, float* y, int64_t n) {
-  const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK, passes = (m + 3) / 4;
-  // the next tiles' lines spread evenly over the groups of the later passes
-  const int64_t lines = T * tile_bytes / 64;
-  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
+  const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK;
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
     const int rows = (int)std::min<int64_t>(4, m - r0);
     const int8_t* x = xq + r0 * k_dim;
     const float *gx = dx + r0 * groups, *gs = sx + r0 * groups;
-    const int64_t first_line = (r0 / 4 - 1) * groups * per_group;
-    const uint8_t* ahead = r0 > 0 && next && first_line < lines ? next + first_line * 64 : nullptr;
-    // the last pass's share may run past the next tiles: ask for no more than they hold
-    const int64_t ahead_lines = ahead ? std::min(per_group, (lines - first_line) / groups) : 0;
+    const Ahead ahead = ahead_of_pass(r0, m, next, T * tile_bytes / 64, groups);
 #define Q4_ROWS_CASE(R)                                                                    \
   {                                                                                        \
     __m512 acc[R][T];                                                                      \
-    q4_tiles_vnni<R, T>(x, gx, gs, k_dim, tile, tile_bytes, ahead, ahead_lines, acc);      \
+    q4_tiles_vnni<R, T>(x, gx, gs, k_dim, tile, tile_bytes, ahead.at, ahead.lines, acc);   \
     store_tiles<R, T>(acc, R, r0, t, n, residual, y);                                      \
   }                                                                                        \
   break;
@@ -520,9 +533,10 @@ static void quantise_rows_avx512(const float* x, int64_t r0, int64_t r1, int64_t
 at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t group,
                      bool minimum, bool half, const c10::optional<at::Tensor>& residual,
                      int64_t n, int64_t isa);
-// q6k_blocks.h (included below, beside q8_blocks.h)
-at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const c10::optional<at::Tensor>& residual, int64_t n, int64_t isa);
+// small_codes.h (included below, beside q8_blocks.h)
+at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                              bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
+                              int64_t isa);
 
 namespace {
 
@@ -1069,19 +1083,19 @@ struct PackedPlan {
 };
 
 // One linear layer as the kernels hold it, whatever its format: int4 (Q4_1 tiles, q4_linear),
-// block int8 (q8_blocks.h, q8_linear), Q6_K (q6k_blocks.h, q6k_linear) or dense fp32/bf16
-// tiles (dense_linear). A stack of
+// block int8 (q8_blocks.h, q8_linear), block int8 in 5 or 6-bit codes (small_codes.h,
+// small_codes_linear) or dense fp32/bf16 tiles (dense_linear). A stack of
 // layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
 // kernel, so the stack computes the same bits.
 struct PackedLinear {
-  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, Q6K = 3 };
+  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, SMALL_CODES = 3 };
   at::Tensor packed;
   int64_t kind, n, group;
   bool minimum, half;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half)
       : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half) {
-    TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE || kind == Q6K,
+    TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE || kind == SMALL_CODES,
                 "unknown linear kind ", kind);
   }
 
@@ -1089,7 +1103,7 @@ struct PackedLinear {
                         int64_t isa) const {
     if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
     if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
-    if (kind == Q6K) return q6k_linear(x, packed, residual, n, isa);
+    if (kind == SMALL_CODES) return small_codes_linear(x, packed, group, minimum, residual, n, isa);
     return dense_linear(x, packed, c10::nullopt, residual, n, isa);
   }
 };
@@ -1466,7 +1480,7 @@ int64_t parallel_threads(int64_t items) {
 }
 
 #include "q8_blocks.h"
-#include "q6k_blocks.h"
+#include "small_codes.h"
 
 // Every entry point that computes runs without Python's GIL (``nogil``), so a second Python
 // thread (PEARL's drafter, proposers/pearl.py) runs its own model meanwhile. pybind11 converts
@@ -1480,7 +1494,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, nogil);
   m.def("q4_linear", &q4_linear, nogil);
   m.def("q8_linear", &q8_linear, nogil);
-  m.def("q6k_linear", &q6k_linear, nogil);
+  m.def("small_codes_linear", &small_codes_linear, nogil);
   m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm, nogil);
   m.def("swiglu", &swiglu, nogil);

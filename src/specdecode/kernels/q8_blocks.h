@@ -180,17 +180,14 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
 template <int T, int G, bool MIN, bool HALF>
 static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8_t* next,
                       int64_t t, const float* residual, float* y, int64_t n, int64_t next_bytes = 0) {
-  const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF), passes = (m + 3) / 4;
+  const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF);
   const int64_t lines = (next_bytes > 0 ? next_bytes : T * tile_bytes) / 64;
-  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const int64_t first_line = (r0 / 4 - 1) * groups * per_group;
-    const uint8_t* ahead = r0 > 0 && next && first_line < lines ? next + first_line * 64 : nullptr;
-    const int64_t ahead_lines = ahead ? std::min(per_group, (lines - first_line) / groups) : 0;
+    const k_avx512::Ahead ahead = k_avx512::ahead_of_pass(r0, m, next, lines, groups);
 #define Q8_ROWS_CASE(R)                                                          \
   {                                                                              \
     __m512 acc[R][T];                                                            \
-    tiles_vnni<R, T, G, MIN, HALF>(a, r0, tile, tile_bytes, ahead, ahead_lines, acc); \
+    tiles_vnni<R, T, G, MIN, HALF>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc); \
     k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);                  \
   }                                                                              \
   break;

@@ -299,6 +299,13 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 
 # ---- the linear layer -----------------------------------------------------------------------
 
+def _five_bit_codes(weight: Int8BlockWeight) -> bool:
+    """Whether ``weight``'s codes fit in 5 bits as the five-bit layout stores them: -16..15,
+    or 0..31 where there are minimums."""
+    low, high = (0, 31) if weight.minimum is not None else (-16, 15)
+    return weight.group == 32 and low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
+
+
 class Int8BlockLinear:
     """A linear layer of block int8 weights in the native kernels (see the module docstring)."""
 
@@ -318,10 +325,15 @@ class Int8BlockLinear:
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
-        # a Q6_K matrix in its own 0.83 bytes a weight, not 1.25: the same numbers (q6k_blocks.h)
-        self.q6k = isinstance(weight, Q6KWeight)
-        if self.q6k:
+        # the same numbers in the file's own bytes where the codes are 5 or 6 bits
+        # (kernels/small_codes.h): a Q6_K matrix in 0.83 bytes a weight, not 1.25; Q5_0, Q5_1
+        # or MXFP4 in 0.69-0.75, not 1.06-1.13
+        self.layout = ("q6k" if isinstance(weight, Q6KWeight)
+                       else "five_bit" if self.half and _five_bit_codes(weight) else "block")
+        if self.layout == "q6k":
             self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
+        elif self.layout == "five_bit":
+            self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum)
         else:
             self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
                                                  weight.group, self.half)
@@ -332,8 +344,9 @@ class Int8BlockLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         try:
-            if self.q6k:
-                return kernels.q6k_linear(x, self.packed, self.out_features, residual)
+            if self.layout != "block":
+                return kernels.small_codes_linear(x, self.packed, self.group, self.has_minimum,
+                                                  self.out_features, residual)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
@@ -343,10 +356,9 @@ class Int8BlockLinear:
 
     def kernel(self):
         """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
-        if self.q6k:
-            return kernels.packed_linear(self.packed, kernels.Q6K_KIND, self.out_features)
-        return kernels.packed_linear(self.packed, kernels.BLOCK_INT8_KIND, self.out_features,
-                                     self.group, self.has_minimum, self.half)
+        kind = kernels.BLOCK_INT8_KIND if self.layout == "block" else kernels.SMALL_CODES_KIND
+        return kernels.packed_linear(self.packed, kind, self.out_features, self.group,
+                                     self.has_minimum, self.half)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,94 @@
+"""Time a GGUF file's 5 and 6-bit matrices in their own layout against block int8, interleaved.
+
+    PYTHONPATH=src python scripts/small_codes_layouts.py                   # qwen2.5-coder-1.5b
+    PYTHONPATH=src python scripts/small_codes_layouts.py --model qwen2.5-coder-0.5b --rows 1 4 16
+
+Every weight matrix of the file in Q6_K, Q5_0, Q5_1 or MXFP4 (the token embedding aside: it is
+read by row) is built twice from the same blocks: ``Int8BlockLinear``, which holds it in the
+file's own bytes (kernels/small_codes.h: 0.83 bytes a weight for Q6_K, 0.69-0.75 for the
+five-bit types), and block int8 (kernels/q8_blocks.h: 1.25, 1.06-1.13). Both compute the same
+bits (asserted here as well). Per row count, all matrices in turn form one timing, as a decode
+step reads them one after another from memory; the two layouts alternate ``--repeat`` times
+and the medians are printed with their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode import kernels
+from specdecode.models.gguf_reader import GGUFFile
+from specdecode.models.int8_blocks import Int8BlockLinear
+from specdecode.models.loading import NAMED_MODELS
+
+TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4")
+
+
+class BlockInt8:
+    """The same weight as block int8, in q8_blocks.h's layout."""
+
+    def __init__(self, weight, like: Int8BlockLinear):
+        self.args = (weight.group, weight.minimum is not None, like.half, like.out_features)
+        self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
+                                             weight.group, like.half)
+        self.in_features = like.in_features
+
+    def __call__(self, x):
+        group, minimum, half, n = self.args
+        return kernels.q8_linear(x, self.packed, group, minimum, half, n)
+
+
+def layouts(path) -> tuple[list, list, dict]:
+    file = GGUFFile(path)
+    own, block, types = [], [], {}
+    for name, entry in file.entries.items():
+        if entry.qtype in TYPES and len(entry.shape) == 2 and "embed_tokens" not in name:
+            weight = file.read_blocks(name)
+            own.append(Int8BlockLinear(weight))
+            block.append(BlockInt8(weight, own[-1]))
+            types[entry.qtype] = types.get(entry.qtype, 0) + 1
+    return own, block, types
+
+
+def seconds(linears: list, rows: int) -> float:
+    inputs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in linears}
+    start = time.perf_counter()
+    for lin in linears:
+        lin(inputs[lin.in_features])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="a named model or GGUF file")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    own, block, types = layouts(NAMED_MODELS[args.model]() if args.model in NAMED_MODELS else args.model)
+    if not own:
+        raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
+    for a, b in zip(own, block):
+        x = torch.randn(3, a.in_features)
+        assert torch.equal(a(x), b(x)), "the two layouts must give the same bits"
+    megabytes = [sum(lin.packed.numel() for lin in group) / 1e6 for group in (own, block)]
+    print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "
+          f"{megabytes[0]:.0f} MB in the file's own bytes, {megabytes[1]:.0f} MB as block int8; "
+          f"{args.threads} threads; medians of {args.repeat}")
+    print("| rows | block int8 ms | own bytes ms | ratio |\n|---:|---:|---:|---:|")
+    for rows in args.rows:
+        times = {"own": [], "block": []}
+        for _ in range(args.repeat):
+            times["block"].append(seconds(block, rows))
+            times["own"].append(seconds(own, rows))
+        b, o = (statistics.median(times[k]) * 1e3 for k in ("block", "own"))
+        print(f"| {rows} | {b:.2f} | {o:.2f} | {o / b:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+// Block int8's numbers in the bytes of the file's own blocks (models/int8_blocks.py): codes of
+// 5 or 6 bits packed as they are, not widened to bytes.
+// Included once by cpu_kernels.cpp, after q8_blocks.h, whose activation quantisers and kernel
+// it uses.
+//
+// Two layouts, each the numbers of block int8 (q8_blocks.h) for the weights it holds:
+// - Q6K: a GGUF Q6_K matrix, w = d * sc * code, codes -32..31, an 8-bit sc per 16 inputs and
+//   a float16 d per 256: block int8 in groups of 16 with float32 scales d * sc (a float16 times
+//   an 8-bit integer, exact in float32), in 0.83 bytes a weight instead of 1.25.
+// - FIVE_BIT: block int8 in groups of 32 with float16 scales (and minimums) whose codes fit in 5
+//   bits (-16..15 without minimums, 0..31 with): GGUF Q5_0, Q5_1 and MXFP4, in 0.69 (0.75) bytes
+//   a weight instead of 1.06 (1.13).
+// Per row, column and group the integer dot product sum(code * xq) is exact and it is folded in
+// group order as block int8 folds it,
+//   acc = fma((float)isum, scale * dx, acc)   (acc = fma(minimum, dx * sum(xq), acc))
+// with the same scale and minimum: a row gets block int8's bits, in a call of any size and
+// position, on every instruction set (tested). Only the memory traffic differs.
+//
+// Packed weights (kernels.pack_q6k, kernels.pack_five_bit), uint8 [N / 16, K / (G x GROUPS), B]:
+// per 16-column tile and block of GROUPS groups of G inputs, each group's u = code + offset
+// (unsigned) in G / 4 slices of VPDPBUSD's operand order (byte 4c + i of slice j: input 4j + i
+// of column c), stored as their low four bits, slices 2i and 2i + 1 in the low and high nibbles
+// of 64 bytes, then their top bits in 64 more (slice j's at bits TOP j); then the block's scales:
+// - Q6K: GROUPS = 16 of G = 16, TOP = 2: 16 x 192 bytes, the groups' sc (16 x 16 bytes, group
+//   major), the columns' d (float16), 32 bytes of padding: B = 3392, 53 cache lines;
+// - FIVE_BIT: GROUPS = 1 of G = 32, TOP = 1: 320 bytes, the columns' scales (float16), their
+//   minimums (float16) if any: B = 352 or 384.
+// The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
+// (unsigned u times signed xq) gives sum(code * xq).
+
+// how far ahead of the group in use the first row pass asks for a tile's weights
+#define SMALL_CODES_PREFETCH 4096
+// the fewest rows for which a tile is decoded once to block int8's layout (measured on the
+// 1.5B's Q6_K matrices: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it)
+#ifndef SMALL_CODES_DECODE_MIN_ROWS
+#define SMALL_CODES_DECODE_MIN_ROWS 13
+#endif
+
+namespace small_codes {
+
+struct Q6K {
+  static constexpr int G = 16, TOP = 2, GROUPS = 16, OFFSET = 32;
+  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
+  static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
+  // block int8's layout it decodes to: groups of 16, float32 scales
+  static constexpr bool HALF = false;
+  // the 16 columns' scales of group g: d * sc
+  static inline float scale(const uint8_t* block, int g, int c) {
+    uint16_t d;
+    std::memcpy(&d, block + D_AT + 2 * c, 2);
+    return k_generic::half_to_float(d) * (float)reinterpret_cast<const int8_t*>(block + SC_AT)[16 * g + c];
+  }
+};
+
+struct FiveBit {
+  static constexpr int G = 32, TOP = 1, GROUPS = 1;
+  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUP_BYTES, MIN_AT = SC_AT + 32;
+  static constexpr int64_t block_bytes(bool minimum) { return MIN_AT + (minimum ? 32 : 0); }
+  static constexpr bool HALF = true;
+  static inline float scale(const uint8_t* block, int, int c) {
+    uint16_t h;
+    std::memcpy(&h, block + SC_AT + 2 * c, 2);
+    return k_generic::half_to_float(h);
+  }
+  static inline float minimum(const uint8_t* block, int c) {
+    uint16_t h;
+    std::memcpy(&h, block + MIN_AT + 2 * c, 2);
+    return k_generic::half_to_float(h);
+  }
+};
+
+// the code offsets: u = code + offset is what the packed bytes hold
+template <class F>
+constexpr int32_t offset(bool minimum) {
+  if constexpr (std::is_same_v<F, Q6K>) return Q6K::OFFSET;
+  else return minimum ? 0 : 16;  // 0..31 with minimums, -16..15 without
+}
+
+// a call's activations: quantised per row and per 32 inputs (quantise_rows), with each group's
+// offset term -offset * sum(xq) and (for minimums) dx * sum(xq)
+struct Acts {
+  const int8_t* xq;     // [m, k]
+  const float* dx;      // [m, k / 32]
+  const int32_t* bias;  // [m, k / G]
+  const float* sx;      // [m, k / 32]
+  int64_t k;
+};
+
+// u of input i of column c in a packed group
+template <class F>
+static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
+  const int j = i / 4, at = 4 * c + i % 4;
+  const int low = (grp[64 * (j / 2) + at] >> (4 * (j % 2))) & 15;
+  const int top = (grp[8 * F::G + at] >> (F::TOP * j)) & ((1 << F::TOP) - 1);
+  return low | top << 4;
+}
+
+// the portable kernel, compiled as it is and again for AVX2 (the same operations)
+template <class F, bool MIN>
+static inline __attribute__((always_inline)) void columns_portable(
+    const Acts& a, int64_t m, const uint8_t* packed, const float* residual, float* y,
+    int64_t n, int64_t t0, int64_t t1) {
+  const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
+  const int64_t bytes = F::block_bytes(MIN);
+  for (int64_t t = t0; t < t1; t++) {
+    for (int64_t r = 0; r < m; r++) {
+      float acc[16] = {};
+      for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* block = packed + (t * blocks + b) * bytes;
+        for (int g = 0; g < F::GROUPS; g++) {
+          const int64_t at = b * F::GROUPS + g;
+          const int8_t* xg = a.xq + r * a.k + at * F::G;
+          const float gx = a.dx[r * agroups + at * F::G / 32];
+          for (int c = 0; c < 16; c++) {
+            int32_t isum = a.bias[r * groups + at];
+            for (int i = 0; i < F::G; i++)
+              isum += unpacked<F>(block + g * F::GROUP_BYTES, c, i) * xg[i];
+            acc[c] = FMA((float)isum, F::scale(block, g, c) * gx, acc[c]);
+            if constexpr (MIN) {
+              if constexpr (!std::is_same_v<F, Q6K>) acc[c] = FMA(F::minimum(block, c), a.sx[r * agroups + at], acc[c]);
+            }
+          }
+        }
+      }
+      for (int c = 0; c < 16 && t * 16 + c < n; c++) {
+        const int64_t at = r * n + t * 16 + c;
+        y[at] = residual ? residual[at] + acc[c] : acc[c];
+      }
+    }
+  }
+}
+
+template <class F, bool MIN>
+static void columns_generic(const Acts& a, int64_t m, const uint8_t* packed,
+                            const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
+  columns_portable<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+template <class F, bool MIN>
+static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
+                         float* y, int64_t n, int64_t t0, int64_t t1) {
+  columns_portable<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+// slice j of a packed group as VPDPBUSD's unsigned operand: its nibbles, with its top bits
+// moved to bit 4 and up ((nibbles & 15) | top in one ternary-logic operation)
+template <class F, int J>
+static inline __m512i slice(const uint8_t* grp) {
+  const __m512i nibbles = _mm512_loadu_si512(grp + 64 * (J / 2));
+  const __m512i low = J % 2 ? _mm512_srli_epi16(nibbles, 4) : nibbles;
+  const __m512i tops = _mm512_loadu_si512(grp + 8 * F::G);
+  constexpr int shift = 4 - F::TOP * J;  // from bit TOP j to bit 4
+  const __m512i moved = shift > 0 ? _mm512_slli_epi16(tops, shift)
+                        : shift < 0 ? _mm512_srli_epi16(tops, -shift) : tops;
+  const __m512i top = _mm512_and_si512(moved, _mm512_set1_epi8((char)(((1 << F::TOP) - 1) << 4)));
+  return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x0f), 0xEC);  // (A & C) | B
+}
+
+// the 16 columns' scales of group g of a block (float32 numbers, as block int8's)
+template <class F>
+static inline __m512 scales16(const uint8_t* block, int g) {
+  if constexpr (std::is_same_v<F, Q6K>) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + Q6K::D_AT)));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + FiveBit::SC_AT)));
+  }
+}
+
+// every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)`
+template <class F, int J = 0, class Use>
+static inline void each_slice(const uint8_t* const* grp, Use&& use) {
+  if constexpr (J < F::G / 4) {
+    use(J, [&](int t) { return slice<F, J>(grp[t]); });
+    each_slice<F, J + 1>(grp, use);
+  }
+}
+
+// R rows x T column tiles a pass (as q8_blocks.h's tiles_vnni): each unpacked slice serves R
+// rows, each broadcast of four activation bytes T tiles; with few accumulators a group's
+// VPDPBUSD go into two chains. `ahead`: the next tiles' weights, `ahead_lines` cache lines a
+// group, which the passes after a tile's first ask for (null: the first pass, which asks for
+// its own stream SMALL_CODES_PREFETCH bytes ahead).
+template <class F, bool MIN, int R, int T>
+static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
+                       const uint8_t* ahead, int64_t ahead_lines, __m512 (&acc)[R][T]) {
+  constexpr int CH = R * T < 4 ? 2 : 1;
+  constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
+  const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    for (int g = 0; g < F::GROUPS; g++) {
+      const int64_t at = b * F::GROUPS + g;
+      if (ahead) {
+        for (int64_t line = 0; line < ahead_lines; line++)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + (at * ahead_lines + line) * 64), _MM_HINT_T0);
+      } else {  // the block's lines spread over its groups
+        for (int t = 0; t < T; t++)
+          for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
+            _mm_prefetch(reinterpret_cast<const char*>(tile + t * tile_bytes + b * bytes +
+                                                       SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
+      }
+      __m512i sum[CH][R][T];
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+          sum[0][r][t] = _mm512_set1_epi32(a.bias[(r0 + r) * groups + at]);
+          for (int ch = 1; ch < CH; ch++) sum[ch][r][t] = _mm512_setzero_si512();
+        }
+      const uint8_t* grp[T];
+      for (int t = 0; t < T; t++) grp[t] = tile + t * tile_bytes + b * bytes + g * F::GROUP_BYTES;
+      each_slice<F>(grp, [&](int j, auto unpack) {
+        __m512i w[T];
+        for (int t = 0; t < T; t++) w[t] = unpack(t);
+        for (int r = 0; r < R; r++) {
+          int32_t four;
+          std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * j, 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int t = 0; t < T; t++) sum[j % CH][r][t] = _mm512_dpbusd_epi32(sum[j % CH][r][t], w[t], xb);
+        }
+      });
+      for (int t = 0; t < T; t++) {
+        const uint8_t* block = tile + t * tile_bytes + b * bytes;
+        const __m512 scale = scales16<F>(block, g);
+        for (int r = 0; r < R; r++) {
+          __m512i isum = sum[0][r][t];
+          for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
+          const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * agroups + at * F::G / 32]));
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[r][t]);
+        }
+        if constexpr (MIN) {
+          const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + FiveBit::MIN_AT)));
+          for (int r = 0; r < R; r++)
+            acc[r][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][t]);
+        }
+      }
+    }
+  }
+}
+
+// rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
+// (null if none), whose weights the passes after the first ask for, spread over their groups
+template <class F, bool MIN, int T>
+static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8_t* next,
+                      int64_t t, const float* residual, float* y, int64_t n) {
+  const int64_t groups = a.k / F::G;
+  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  for (int64_t r0 = 0; r0 < m; r0 += 4) {
+    const k_avx512::Ahead ahead = k_avx512::ahead_of_pass(r0, m, next, T * tile_bytes / 64, groups);
+#define SMALL_CODES_ROWS_CASE(R)                                                   \
+  {                                                                                \
+    __m512 acc[R][T];                                                              \
+    tiles_vnni<F, MIN, R, T>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc); \
+    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);                    \
+  }                                                                                \
+  break;
+    switch (std::min<int64_t>(4, m - r0)) {
+      case 4: SMALL_CODES_ROWS_CASE(4)
+      case 3: SMALL_CODES_ROWS_CASE(3)
+      case 2: SMALL_CODES_ROWS_CASE(2)
+      default: SMALL_CODES_ROWS_CASE(1)
+    }
+#undef SMALL_CODES_ROWS_CASE
+  }
+}
+
+template <class F, bool MIN>
+static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
+                         float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  int64_t t = t0;
+  // two tiles a pass where rows are many enough to be bound by arithmetic, one stream of
+  // weights where few rows leave it bound by memory (as the Q4 and block int8 kernels)
+  for (; m > 4 && t + 2 <= t1; t += 2)
+    rows_vnni<F, MIN, 2>(a, m, packed + t * tile_bytes,
+                         t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
+  for (; t < t1; t++)
+    rows_vnni<F, MIN, 1>(a, m, packed + t * tile_bytes,
+                         t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
+}
+
+// a tile's groups in block int8's layout (q8_blocks.h, groups of F::G: the slices of u, then
+// the scales, float32 for Q6K and float16 as they are for FIVE_BIT, then the minimums), asking
+// for the tile's stream SMALL_CODES_PREFETCH bytes ahead
+template <class F, bool MIN>
+static void decode_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
+  constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
+  constexpr int64_t out_bytes = q8blocks::block_bytes(F::G, MIN, F::HALF);
+  for (int64_t b = 0; b < k / (F::G * F::GROUPS); b++) {
+    const uint8_t* block = tile + b * bytes;
+    for (int g = 0; g < F::GROUPS; g++) {
+      for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
+      const uint8_t* grp = block + g * F::GROUP_BYTES;
+      uint8_t* dst = out + (b * F::GROUPS + g) * out_bytes;
+      each_slice<F>(&grp, [&](int j, auto unpack) { _mm512_storeu_si512(dst + 64 * j, unpack(0)); });
+      if constexpr (F::HALF) {
+        std::memcpy(dst + 16 * F::G, block + FiveBit::SC_AT, MIN ? 64 : 32);  // scales, minimums
+      } else {
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst + 16 * F::G), scales16<F>(block, g));
+      }
+    }
+  }
+}
+
+// More rows than one pass holds: each pass would unpack the codes again, so a tile (two, as
+// q8_blocks.h pairs them) is decoded once into block int8's layout, in cache, and block int8's
+// kernel runs every row over it, its later passes asking for the next tiles' packed weights.
+// Its bits are the direct kernel's: the same integers and the same float operations.
+template <class F, bool MIN>
+static void columns_decoded(const q8blocks::Acts& a, int64_t m, const uint8_t* packed,
+                            const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  const int64_t decoded_bytes = a.k / F::G * q8blocks::block_bytes(F::G, MIN, F::HALF);
+  std::vector<uint8_t> decoded(2 * decoded_bytes);
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int64_t count = std::min<int64_t>(2, t1 - t);
+    for (int64_t i = 0; i < count; i++)
+      decode_tile<F, MIN>(packed + (t + i) * tile_bytes, a.k, decoded.data() + i * decoded_bytes);
+    const uint8_t* next = t + count < t1 ? packed + (t + count) * tile_bytes : nullptr;
+    const int64_t next_bytes = std::min<int64_t>(2, t1 - t - count) * tile_bytes;
+    if (count == 2)
+      q8blocks::rows_vnni<2, F::G, MIN, F::HALF>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
+    else
+      q8blocks::rows_vnni<1, F::G, MIN, F::HALF>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
+  }
+}
+#pragma GCC pop_options
+
+template <class F, bool MIN>
+static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Acts& a8, int64_t m,
+                    const uint8_t* packed, const float* residual, float* y, int64_t n,
+                    int64_t t0, int64_t t1) {
+  if (decoded) columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
+  else if (isa >= AVX512) columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  else if (isa == AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  else columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+}
+
+}  // namespace small_codes
+
+// y [m, n] = x [m, k] times small-code weights (+ residual [m, n]): group 16, the Q6K layout
+// packed [N / 16, K / 256, 3392]; group 32, the FIVE_BIT layout [N / 16, K / 32, 352 or 384
+// with `minimum`]
+at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                              bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
+                              int64_t isa) {
+  using namespace small_codes;
+  const bool q6k = group == 16;
+  TORCH_CHECK((q6k && !minimum) || group == 32, "small-code layouts: Q6_K (group 16, no minimums) "
+              "or five-bit codes (group 32), not group ", group);
+  const int64_t bytes = q6k ? Q6K::block_bytes(false) : FiveBit::block_bytes(minimum);
+  const int64_t inputs = q6k ? 256 : 32;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
+              packed.is_contiguous(), "small-code weights (group ", group, ") must be packed uint8 [N / 16, K / ",
+              inputs, ", ", bytes, "], got ", packed.sizes());
+  const int64_t tiles = packed.size(0), k = packed.size(1) * inputs, m = x.size(0);
+  check_rows(x, k, "small-code linear input");
+  TORCH_CHECK(tiles * 16 >= n && tiles * 16 < n + 16, "packed weights hold ", tiles * 16,
+              " columns, not ", n);
+  const float* res = residual_ptr(residual, m, n);
+  // more rows than a pass of the direct kernel: tiles decoded once to block int8's layout
+  const bool decoded = isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
+  const int32_t code_offset = q6k ? offset<Q6K>(false) : offset<FiveBit>(minimum);
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> dx(m * (k / 32)), sx(m * (k / 32));
+  std::vector<int32_t> bias(m * (k / group));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
+    if (isa >= AVX512)
+      k_avx512::quantise_rows_avx512(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
+    else
+      quantise_rows(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
+    for (int64_t r = r0; r < r1; r++)
+      for (int64_t g = 0; g < k / group; g++) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < group; i++) total += xq[r * k + g * group + i];
+        bias[r * (k / group) + g] = -code_offset * total;
+      }
+  });
+  const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k};
+  const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
+  auto y = at::empty({m, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else columns<FiveBit, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+  });
+  return y;
+}
