@@ -235,7 +235,9 @@ class LlamaRunner(PackedForwards, Runner):
         if path is None or not path.is_file():
             return None
         stat = path.stat()
-        return f"native:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}"
+        # and the kernels it runs on: a change to them (a layout's bytes) re-measures the curve
+        return (f"native:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}:"
+                f"{kernels.build_dir().name}")
 
     @property
     def pending_rows(self) -> int:
