@@ -24,7 +24,9 @@ bit (gguf rounds only where it adds the minimum, and so does
 it). The int4 format (``quant.Int4Linear``) keeps float16 scales, which Q4_K's products do not
 always fit; this one does not round them.
 
-``Int8BlockLinear`` multiplies by them in the native kernels (``kernels/q8_blocks.h``):
+``Int8BlockLinear`` multiplies by them in the native kernels (``kernels/q8_blocks.h``; where
+the codes are 5 or 6 bits, ``kernels/small_codes.h`` computes the same numbers from the file's
+own bytes):
 activations are quantised to int8 per row and per 32 inputs (as in the int4 kernel, and as
 finely as llama.cpp's own Q8_0/Q8_1 activations, finer than the per-256 Q8_K it pairs with
 K-quants), each group's integer dot product is exact, and one or two fused multiply-adds per
