@@ -631,6 +631,15 @@ void quantise_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq
     }
 }
 
+// quantise_rows with the CPU's widest registers (the same bytes either way)
+void quantise_rows_isa(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq, float* dx,
+                       float* sx, int64_t isa) {
+  if (isa >= AVX512)
+    k_avx512::quantise_rows_avx512(x, r0, r1, k, xq, dx, sx);
+  else
+    quantise_rows(x, r0, r1, k, xq, dx, sx);
+}
+
 // whether a kernel whose tiles pay from `min_rows` rows takes them for m rows: the isa level
 // may be passed in by hand, so the tiles' permission is checked here as well
 bool tiles_pay(int64_t m, int64_t isa, int64_t min_rows) {
@@ -655,10 +664,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   std::vector<float> dx(m * (k / 32)), sx(m * (k / 32));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
-    if (isa >= AVX512)
-      k_avx512::quantise_rows_avx512(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
-    else
-      quantise_rows(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
+    quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
   });
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();

@@ -351,10 +351,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
   std::vector<int32_t> bias(m * groups);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
-    if (isa >= AVX512)
-      k_avx512::quantise_rows_avx512(xp, r0, r1, k, xq.data(), dx.data(), sx32.data());
-    else
-      quantise_rows(xp, r0, r1, k, xq.data(), dx.data(), sx32.data());
+    quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx32.data(), isa);
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < groups; g++) {
         int32_t total = 0;

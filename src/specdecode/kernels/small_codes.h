@@ -374,10 +374,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   std::vector<int32_t> bias(m * (k / group));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
-    if (isa >= AVX512)
-      k_avx512::quantise_rows_avx512(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
-    else
-      quantise_rows(xp, r0, r1, k, xq.data(), dx.data(), sx.data());
+    quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
