@@ -6,10 +6,11 @@
 Every weight matrix of the file in Q6_K, Q5_0, Q5_1 or MXFP4 (the token embedding aside: it is
 read by row) is built twice from the same blocks: ``Int8BlockLinear``, which holds it in the
 file's own bytes (kernels/small_codes.h: 0.83 bytes a weight for Q6_K, 0.69-0.75 for the
-five-bit types), and block int8 (kernels/q8_blocks.h: 1.25, 1.06-1.13). Both compute the same
-bits (asserted here as well). Per row count, all matrices in turn form one timing, as a decode
-step reads them one after another from memory; the two layouts alternate ``--repeat`` times
-and the medians are printed with their ratio.
+five-bit types), and block int8 (kernels/q8_blocks.h: 1.25, 1.06-1.13). The five-bit types
+compute the same bits in both (asserted here as well); Q6_K folds its sub-block scales in
+integers in its own layout, against block int8's float fold per 16 inputs. Per row count, all
+matrices in turn form one timing, as a decode step reads them one after another from memory;
+the two layouts alternate ``--repeat`` times and the medians are printed with their ratio.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main() -> None:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):
         x = torch.randn(3, a.in_features)
-        assert torch.equal(a(x), b(x)), "the two layouts must give the same bits"
+        assert a.layout == "q6k" or torch.equal(a(x), b(x)), "five-bit codes: block int8's bits"
     megabytes = [sum(lin.packed.numel() for lin in group) / 1e6 for group in (own, block)]
     print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "
           f"{megabytes[0]:.0f} MB in the file's own bytes, {megabytes[1]:.0f} MB as block int8; "

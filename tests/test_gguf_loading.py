@@ -63,7 +63,8 @@ def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
 def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): the fused q/k/v layer runs as block
     int8 holding v's own values (gguf's dequantisation, bitwise) and q's and k's 4-bit blocks
-    widened exactly, so its v rows and q rows are those of each matrix alone."""
+    widened exactly, so its v rows and q rows are those of each matrix alone as block int8 (v
+    alone keeps Q6_K's layout, whose numbers fold its sub-block scales in integers)."""
     import gguf
 
     from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight
@@ -85,7 +86,8 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     assert isinstance(qkv, Int8BlockLinear)
     x = torch.randn(3, f.config.hidden_size)
     out = qkv(x)
-    assert torch.equal(out[:, -v.codes.shape[0]:], Int8BlockLinear(v)(x))
+    assert torch.equal(out[:, -v.codes.shape[0]:],
+                       Int8BlockLinear(Int8BlockWeight(v.codes, v.scale, None, v.group))(x))
     if runner.shape.arch.qk_norm:
         return  # the query scale goes into the head norm: q's rows are not q alone's
     q = f.read_blocks(p + "q_proj.weight").scaled(runner.shape.query_scale)

@@ -87,11 +87,11 @@ def test_cat_regroups_exactly():
         Int8BlockWeight.cat([parts[0], quantize_int8_blocks(torch.randn(2, 64))])
 
 
-def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[m, n]: how far int8 activations per row and per 32 inputs (x ~ dx * round(x / dx),
-    dx = max|x| / 127, so within dx / 2) can move x @ weight.T."""
+def activation_bound(x: torch.Tensor, weight: torch.Tensor, inputs: int = 32) -> torch.Tensor:
+    """[m, n]: how far int8 activations per row and per ``inputs`` inputs (x ~ dx * round(x /
+    dx), dx = max|x| / 127, so within dx / 2) can move x @ weight.T."""
     m, k = x.shape
-    half_step = (x.abs().view(m, -1, 32).amax(-1) / 254).repeat_interleave(32, 1)  # [m, k]
+    half_step = (x.abs().view(m, -1, inputs).amax(-1) / 254).repeat_interleave(inputs, 1)
     return half_step.double() @ weight.abs().double().T
 
 
@@ -101,8 +101,10 @@ def test_linear_within_the_activation_bound(ext, qtype):
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     w = weight.dequantize()
     exact = x.double() @ w.double().T
-    bound = activation_bound(x, w) * 1.0001 + 1e-6 * (x.abs().double() @ w.abs().double().T)
-    got = Int8BlockLinear(weight)(x).double()
+    layer = Int8BlockLinear(weight)
+    inputs = 256 if layer.layout == "q6k" else 32  # Q6_K against activations per super-block
+    bound = activation_bound(x, w, inputs) * 1.0001 + 1e-6 * (x.abs().double() @ w.abs().double().T)
+    got = layer(x).double()
     error = (got - exact).abs()
     assert (error <= bound).all(), float((error / bound).max())
     assert error.max() > 0  # the activations were quantised: not the float product
@@ -131,13 +133,12 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
                        torch.zeros(3, n))
 
 
-@pytest.mark.parametrize("qtype,layout,bytes_a_weight", [("Q6_K", "q6k", 3392 / 4096),
-                                                         ("Q5_0", "five_bit", 352 / 512),
+@pytest.mark.parametrize("qtype,layout,bytes_a_weight", [("Q5_0", "five_bit", 352 / 512),
                                                          ("Q5_1", "five_bit", 384 / 512),
                                                          ("MXFP4", "five_bit", 352 / 512)])
-def test_small_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, layout, bytes_a_weight):
-    # a matrix of 5 or 6-bit codes held in the file's own bytes computes block int8's numbers
-    # (1.06-1.25 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
+def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, layout, bytes_a_weight):
+    # a matrix of 5-bit codes held in the file's own bytes computes block int8's numbers
+    # (1.06-1.13 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
     # tiles decoded once from there), every position, every instruction set; 5 column tiles, so
     # the decoded tiles' last pair is one tile
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
@@ -151,9 +152,62 @@ def test_small_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, layout
     expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
     for isa in isas(ext):
         got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, layer.packed, group, minimum, None, 72, isa), x)
+            lambda rows: ext.small_codes_linear(rows, layer.packed, 1, minimum, None, 72, isa), x)
         assert torch.equal(got, expected), isa
     assert torch.equal(layer(x), expected)
+
+
+def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
+    """Q6_K's numbers (kernels/small_codes.h) computed apart from the kernels: activations
+    quantised per row and per 256 inputs, S = sum over a super-block's sub-blocks of sc times
+    the exact sum(code * xq), folded acc = fma(S, d * dx, acc) super-block after super-block
+    (each fma exact in float64, then rounded once to float32)."""
+    m, k = x.shape
+    n = weight.codes.shape[0]
+    blocks = x.view(m, k // 256, 256)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64)
+    dx = amax / 127.0
+    sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // 16, 16), weight.codes.to(torch.int64).view(n, k // 16, 16))
+    super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
+    assert super_sums.abs().max() < 2**28  # int32 in the kernels
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for b in range(k // 256):
+        scale = weight.super_scale[None, :, b].float() * dx[:, None, b]  # float32 product
+        acc = (super_sums[:, :, b].float().double() * scale.double() + acc.double()).float()
+    return acc
+
+
+def test_q6k_folds_sub_block_scales_in_integers(ext):
+    # Q6_K held in the file's own bytes (0.83 bytes a weight): its sub-block scales folded in
+    # integers against activations quantised per 256 inputs, the same bits from every row
+    # count and position (VNNI below Q6K_AMX_MIN_ROWS rows, the AMX tiles from there where the
+    # CPU has them: 64 rows run both) and every instruction set, and the numbers of a reference
+    # written apart from the kernels; 5 column tiles, 2 super-blocks
+    weight = decode_gguf_blocks(gguf_blocks("Q6_K", 72, 512, seed=5), "Q6_K")
+    layer = Int8BlockLinear(weight)
+    assert layer.layout == "q6k" and layer.nbytes == 80 * 512 * 3392 / 4096
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    x[3, :256] = 0  # a super-block of zeros: dx = 0
+    expected = ext.small_codes_linear(x, layer.packed, 0, False, None, 72, 0)
+    assert torch.equal(expected, q6k_reference(x, weight))
+    for isa in isas(ext):
+        got = assert_row_invariant(
+            lambda rows: ext.small_codes_linear(rows, layer.packed, 0, False, None, 72, isa), x)
+        assert torch.equal(got, expected), isa
+    assert torch.equal(layer(x), expected)
+    # the extreme codes and scales: code -32 times sc -128 (v = 4096, the largest weight byte
+    # pair), 31 times -128 (-3968) and -32 times 127 (-4064), against activations of +-127
+    codes = torch.tensor([[-32] * 256, [31] * 256, [-32] * 256, [31] * 256] * 4, dtype=torch.int8)
+    sub_scale = torch.tensor([[-128] * 16, [-128] * 16, [127] * 16, [127] * 16] * 4, dtype=torch.int8)
+    extreme = Q6KWeight(codes, sub_scale.float(), None, 16, sub_scale, torch.ones(16, 1, dtype=torch.float16))
+    signs = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    xe = torch.stack([signs, -signs, torch.ones(256)] * 6)
+    want = q6k_reference(xe, extreme)
+    packed = Int8BlockLinear(extreme).packed
+    for isa in isas(ext):
+        assert torch.equal(ext.small_codes_linear(xe, packed, 0, False, None, 16, isa), want), isa
 
 
 def test_codes_past_five_bits_stay_block_int8(ext):
@@ -258,6 +312,11 @@ def test_bad_input_gets_clear_errors(ext):
         Int8BlockWeight(codes, torch.zeros(4, 4), None, 32)
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
+    q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
+    with pytest.raises(RuntimeError, match=r"0 \(Q6_K\) or 1 \(five-bit codes\), not 7"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match="Q6_K layout has no minimums"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
 
 
 @pytest.mark.slow  # gguf's reader parses the file's 49,152-token vocabulary first (15-20 s)

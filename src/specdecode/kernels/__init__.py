@@ -234,8 +234,12 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     return packed
 
 
-def small_codes_linear(x, packed, group, minimum, n, residual=None):
-    return load().small_codes_linear(x, packed, group, minimum, residual, n, isa())
+#: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
+SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1}
+
+
+def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):
+    return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n, isa())
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):

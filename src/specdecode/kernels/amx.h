@@ -46,8 +46,9 @@ static bool amx_usable() {
   return usable;
 }
 
-// the tile registers' shapes for blocks of `rows` rows (palette 1): tiles 0-1 int32 sums
-// (rows x 16), 2-3 activations (rows x 32 bytes), 4-5 weights (8 x 64 bytes); pairs, so that
+// the tile registers' shapes for blocks of `rows` rows and multiplies of `inputs` (32, or 64 for
+// small_codes.h's Q6K) inputs (palette 1): tiles 0-1 int32 sums (rows x 16), 2-3 activations
+// (rows x inputs bytes), 4-7 weights (inputs / 4 x 64 bytes: 16 columns x 4 inputs a row); pairs, so that
 // one group's multiply runs while the previous group's sums are folded. A call configures them
 // once, for min(its rows, 16): a last block of fewer rows multiplies 16 (the call pads the
 // activations with zero rows) and folds its own. (Reconfiguring for that block, in every
@@ -59,13 +60,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-static void configure_tiles(int64_t m) {
+static void configure_tiles(int64_t m, int inputs = 32) {
   const uint8_t rows = (uint8_t)std::min<int64_t>(m, 16);
   TileConfig cfg;
   for (int i = 0; i < 2; i++) {
     cfg.rows[i] = rows, cfg.colsb[i] = 64;
-    cfg.rows[2 + i] = rows, cfg.colsb[2 + i] = 32;
-    cfg.rows[4 + i] = 8, cfg.colsb[4 + i] = 64;
+    cfg.rows[2 + i] = rows, cfg.colsb[2 + i] = (uint16_t)inputs;
+    cfg.rows[4 + i] = cfg.rows[6 + i] = (uint8_t)(inputs / 4), cfg.colsb[4 + i] = cfg.colsb[6 + i] = 64;
   }
   // ldtilecfg by hand: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the
   // stores of the shapes above may be dropped or moved past it
@@ -161,7 +162,8 @@ static void q4_rows_amx(const int8_t* xq, const float* dx, const float* sx, int6
 #pragma GCC unroll 16
   for (int r = 0; r < R; r++) out[r][0] = acc[r];
 }
-// (AMX_GROUP and TILE_LOAD stay defined: q8_blocks.h's tile kernel uses them, and undefines them)
+// (AMX_GROUP and TILE_LOAD stay defined: q8_blocks.h's tile kernel uses them, and small_codes.h's
+// TILE_LOAD; each undefines what it used last)
 
 // a per-thread buffer for one column tile's weight tiles, grown as needed (kept between calls:
 // a fresh allocation of this size would be a fresh mapping, page faults included, every call)
@@ -183,7 +185,8 @@ static void q4_block_amx(const int8_t* xq, const float* dx, const float* sx, int
   k_avx512::store_tiles<R, 1>(acc, R, r0, t, n, residual, y);
 }
 
-// CASE(1) .. CASE(16): a switch over a block's row count (q8_blocks.h's tile kernel uses it too)
+// CASE(1) .. CASE(16): a switch over a block's row count (q8_blocks.h's and small_codes.h's tile
+// kernels use it too; small_codes.h undefines it)
 #define EVERY_TILE_ROW_COUNT(CASE)                                                       \
   CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) \
   CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

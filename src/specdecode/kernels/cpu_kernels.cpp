@@ -502,24 +502,28 @@ static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, 
 }
 
 // quantise_rows (below) with 512-bit registers: the same operations, so the same bytes
+template <int G>
 static void quantise_rows_avx512(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq,
                                  float* dx, float* sx) {
-  const int64_t groups = k / 32;
+  const int64_t groups = k / G;
   const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
   for (int64_t r = r0; r < r1; r++)
     for (int64_t g = 0; g < groups; g++) {
-      const float* xg = x + r * k + g * 32;
-      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float* xg = x + r * k + g * G;
+      __m512 amaxes = _mm512_setzero_ps();
+      for (int i = 0; i < G; i += 16) amaxes = _mm512_max_ps(amaxes, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+      const float amax = _mm512_reduce_max_ps(amaxes);
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      // round to nearest even, as nearbyint does in the default rounding mode
-      const __m512i qa = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-      const __m512i qb = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + g * 32), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + g * 32 + 16), _mm512_cvtepi32_epi8(qb));
-      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      __m512i totals = _mm512_setzero_si512();
+      for (int i = 0; i < G; i += 16) {
+        // round to nearest even, as nearbyint does in the default rounding mode
+        const __m512i q = _mm512_max_epi32(
+            bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + g * G + i), _mm512_cvtepi32_epi8(q));
+        totals = _mm512_add_epi32(totals, q);
+      }
       dx[r * groups + g] = amax / 127.0f;
-      sx[r * groups + g] = dx[r * groups + g] * (float)total;
+      if (sx) sx[r * groups + g] = dx[r * groups + g] * (float)_mm512_reduce_add_epi32(totals);
     }
 }
 
@@ -534,7 +538,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
                      bool minimum, bool half, const c10::optional<at::Tensor>& residual,
                      int64_t n, int64_t isa);
 // small_codes.h (included below, beside q8_blocks.h)
-at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa);
 
@@ -610,34 +614,37 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // x ~ dx * xq per row and 32 inputs: dx = max|x| / 127, xq = round(x * 127 / max|x|)
+// (G = 256 for the Q6_K layout, small_codes.h); sx (null: not wanted) = dx * sum(xq)
+template <int G = 32>
 void quantise_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq, float* dx,
                    float* sx) {
-  const int64_t groups = k / 32;
+  const int64_t groups = k / G;
   for (int64_t r = r0; r < r1; r++)
     for (int64_t g = 0; g < groups; g++) {
-      const float* xg = x + r * k + g * 32;
+      const float* xg = x + r * k + g * G;
       float amax = 0.0f;
-      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xg[i]));
+      for (int i = 0; i < G; i++) amax = std::max(amax, std::fabs(xg[i]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t total = 0;
-      for (int i = 0; i < 32; i++) {
+      for (int i = 0; i < G; i++) {
         int32_t q = (int32_t)std::nearbyint(xg[i] * inv);
         q = std::min(127, std::max(-127, q));
-        xq[r * k + g * 32 + i] = (int8_t)q;
+        xq[r * k + g * G + i] = (int8_t)q;
         total += q;
       }
       dx[r * groups + g] = amax / 127.0f;
-      sx[r * groups + g] = dx[r * groups + g] * (float)total;
+      if (sx) sx[r * groups + g] = dx[r * groups + g] * (float)total;
     }
 }
 
 // quantise_rows with the CPU's widest registers (the same bytes either way)
+template <int G = 32>
 void quantise_rows_isa(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq, float* dx,
                        float* sx, int64_t isa) {
   if (isa >= AVX512)
-    k_avx512::quantise_rows_avx512(x, r0, r1, k, xq, dx, sx);
+    k_avx512::quantise_rows_avx512<G>(x, r0, r1, k, xq, dx, sx);
   else
-    quantise_rows(x, r0, r1, k, xq, dx, sx);
+    quantise_rows<G>(x, r0, r1, k, xq, dx, sx);
 }
 
 // whether a kernel whose tiles pay from `min_rows` rows takes them for m rows: the isa level
@@ -1089,8 +1096,8 @@ struct PackedPlan {
 };
 
 // One linear layer as the kernels hold it, whatever its format: int4 (Q4_1 tiles, q4_linear),
-// block int8 (q8_blocks.h, q8_linear), block int8 in 5 or 6-bit codes (small_codes.h,
-// small_codes_linear) or dense fp32/bf16 tiles (dense_linear). A stack of
+// block int8 (q8_blocks.h, q8_linear), the file's own 5 or 6-bit codes (small_codes.h,
+// small_codes_linear; `group` holds its layout code) or dense fp32/bf16 tiles (dense_linear). A stack of
 // layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
 // kernel, so the stack computes the same bits.
 struct PackedLinear {

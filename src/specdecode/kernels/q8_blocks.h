@@ -280,7 +280,6 @@ static void tiles_amx(const Acts& a, int64_t r0, const uint8_t* tile, __m512 (&o
   for (int r = 0; r < R; r++) out[r][0] = acc[r];
 }
 #undef AMX_GROUP  // (amx.h's)
-#undef TILE_LOAD
 
 // columns_vnni's contract on the tiles: column tiles t0..t1 of y for all m rows, in blocks of
 // 16 rows (the last block the rest; a.xq holds whole blocks of 16 rows)
@@ -300,7 +299,6 @@ static void columns_amx(const Acts& a, int64_t m, const uint8_t* packed, const f
   }
     switch (rows) { EVERY_TILE_ROW_COUNT(Q8_AMX_ROWS_CASE) }
 #undef Q8_AMX_ROWS_CASE
-#undef EVERY_TILE_ROW_COUNT  // (amx.h's)
   };
   for (int64_t t = t0; t < t1; t++) {
     for (int64_t r0 = 0; r0 < full; r0 += 16) block(16, r0, t);

@@ -1,20 +1,26 @@
-// Block int8's numbers in the bytes of the file's own blocks (models/int8_blocks.py): codes of
-// 5 or 6 bits packed as they are, not widened to bytes.
+// Weights of 5 or 6-bit codes in the bytes of the file's own blocks (models/int8_blocks.py), not
+// widened to bytes.
 // Included once by cpu_kernels.cpp, after q8_blocks.h, whose activation quantisers and kernel
 // it uses.
 //
-// Two layouts, each the numbers of block int8 (q8_blocks.h) for the weights it holds:
-// - Q6K: a GGUF Q6_K matrix, w = d * sc * code, codes -32..31, an 8-bit sc per 16 inputs and
-//   a float16 d per 256: block int8 in groups of 16 with float32 scales d * sc (a float16 times
-//   an 8-bit integer, exact in float32), in 0.83 bytes a weight instead of 1.25.
+// Two layouts:
 // - FIVE_BIT: block int8 in groups of 32 with float16 scales (and minimums) whose codes fit in 5
 //   bits (-16..15 without minimums, 0..31 with): GGUF Q5_0, Q5_1 and MXFP4, in 0.69 (0.75) bytes
-//   a weight instead of 1.06 (1.13).
-// Per row, column and group the integer dot product sum(code * xq) is exact and it is folded in
-// group order as block int8 folds it,
-//   acc = fma((float)isum, scale * dx, acc)   (acc = fma(minimum, dx * sum(xq), acc))
-// with the same scale and minimum: a row gets block int8's bits, in a call of any size and
-// position, on every instruction set (tested). Only the memory traffic differs.
+//   a weight instead of 1.06 (1.13). Block int8's numbers: per row, column and group the exact
+//   integer isum = sum(code * xq) is folded in group order as block int8 folds it,
+//     acc = fma((float)isum, scale * dx, acc)   (acc = fma(minimum, dx * sum(xq), acc)),
+//   activations quantised per 32 inputs; a row gets block int8's bits.
+// - Q6K: a GGUF Q6_K matrix, w = d * sc * code, codes -32..31, an 8-bit sc per 16 inputs and a
+//   float16 d per super-block of 256, in 0.83 bytes a weight. Its sub-block scales are integers,
+//   so they are folded in integers, as llama.cpp folds Q6_K against its Q8_K activations:
+//   activations quantised per row and per 256 inputs (dx), and per super-block
+//     S = sum over its 16 sub-blocks of sc * isum   (exact: |S| < 2^28)
+//     acc = fma((float)S, d * dx, acc)
+//   one float fold per 256 inputs instead of 16. On AMX the sub-block scales go into the weight
+//   tiles (v = sc * code, -4064..4096, split into bytes v = 256 hi + lo), so the tiles sum a whole
+//   super-block and only S is folded (q6k_columns_amx below).
+// Integer sums are exact in any order and the float operations depend on K alone, so a row's
+// output is the same in a call of any size and position, on every instruction set (tested).
 //
 // Packed weights (kernels.pack_q6k, kernels.pack_five_bit), uint8 [N / 16, K / (G x GROUPS), B]:
 // per 16-column tile and block of GROUPS groups of G inputs, each group's u = code + offset
@@ -35,56 +41,65 @@
 #ifndef SMALL_CODES_DECODE_MIN_ROWS
 #define SMALL_CODES_DECODE_MIN_ROWS 13
 #endif
+// the fewest rows for which Q6K takes the AMX tiles (where the CPU has them): each call decodes
+// its weights into tiles, which fewer rows do not repay (measured on the 1.5B's Q6_K downs and
+// head, 2 threads: AMX / VNNI 1.3x at 8 rows, 1.06-1.23x at 12, 0.89-1.0x at 16, 0.45-0.58x at
+// 64)
+#ifndef Q6K_AMX_MIN_ROWS
+#define Q6K_AMX_MIN_ROWS 14
+#endif
 
 namespace small_codes {
 
+// column c's float16 number at `at`
+static inline float half_at(const uint8_t* at, int c) {
+  uint16_t h;
+  std::memcpy(&h, at + 2 * c, 2);
+  return k_generic::half_to_float(h);
+}
+
+// SUPER: Q6K's sub-block scales folded in integers per super-block of 256 inputs; FIVE_BIT
+// computes block int8's numbers
 struct Q6K {
   static constexpr int G = 16, TOP = 2, GROUPS = 16, OFFSET = 32;
+  static constexpr bool SUPER = true;
   static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
-  // block int8's layout it decodes to: groups of 16, float32 scales
-  static constexpr bool HALF = false;
-  // the 16 columns' scales of group g: d * sc
-  static inline float scale(const uint8_t* block, int g, int c) {
-    uint16_t d;
-    std::memcpy(&d, block + D_AT + 2 * c, 2);
-    return k_generic::half_to_float(d) * (float)reinterpret_cast<const int8_t*>(block + SC_AT)[16 * g + c];
+  // column c's sc of group g, and its d
+  static inline int32_t sub_scale(const uint8_t* block, int g, int c) {
+    return reinterpret_cast<const int8_t*>(block + SC_AT)[16 * g + c];
   }
+  static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
 };
 
 struct FiveBit {
   static constexpr int G = 32, TOP = 1, GROUPS = 1;
+  static constexpr bool SUPER = false;
   static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUP_BYTES, MIN_AT = SC_AT + 32;
   static constexpr int64_t block_bytes(bool minimum) { return MIN_AT + (minimum ? 32 : 0); }
-  static constexpr bool HALF = true;
-  static inline float scale(const uint8_t* block, int, int c) {
-    uint16_t h;
-    std::memcpy(&h, block + SC_AT + 2 * c, 2);
-    return k_generic::half_to_float(h);
-  }
-  static inline float minimum(const uint8_t* block, int c) {
-    uint16_t h;
-    std::memcpy(&h, block + MIN_AT + 2 * c, 2);
-    return k_generic::half_to_float(h);
-  }
+  static inline float scale(const uint8_t* block, int, int c) { return half_at(block + SC_AT, c); }
+  static inline float minimum(const uint8_t* block, int, int c) { return half_at(block + MIN_AT, c); }
 };
 
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
 constexpr int32_t offset(bool minimum) {
-  if constexpr (std::is_same_v<F, Q6K>) return Q6K::OFFSET;
+  if constexpr (F::SUPER) return F::OFFSET;
   else return minimum ? 0 : 16;  // 0..31 with minimums, -16..15 without
 }
 
-// a call's activations: quantised per row and per 32 inputs (quantise_rows), with each group's
-// offset term -offset * sum(xq) and (for minimums) dx * sum(xq)
+// a call's activations: quantised per row and per 32 inputs (Q6K: per 256, quantise_rows), with
+// each group's offset term -offset * sum(xq) and (for minimums) dx * sum(xq)
 struct Acts {
   const int8_t* xq;     // [m, k]
-  const float* dx;      // [m, k / 32]
+  const float* dx;      // [m, k / 32] (Q6K: [m, k / 256])
   const int32_t* bias;  // [m, k / G]
   const float* sx;      // [m, k / 32]
   int64_t k;
 };
+
+template <class F>
+constexpr bool is_q6k = std::is_same_v<F, Q6K>;
 
 // u of input i of column c in a packed group
 template <class F>
@@ -107,20 +122,25 @@ static inline __attribute__((always_inline)) void columns_portable(
       float acc[16] = {};
       for (int64_t b = 0; b < blocks; b++) {
         const uint8_t* block = packed + (t * blocks + b) * bytes;
+        int32_t super_sum[16] = {};  // Q6K: S
         for (int g = 0; g < F::GROUPS; g++) {
           const int64_t at = b * F::GROUPS + g;
           const int8_t* xg = a.xq + r * a.k + at * F::G;
-          const float gx = a.dx[r * agroups + at * F::G / 32];
           for (int c = 0; c < 16; c++) {
             int32_t isum = a.bias[r * groups + at];
             for (int i = 0; i < F::G; i++)
               isum += unpacked<F>(block + g * F::GROUP_BYTES, c, i) * xg[i];
-            acc[c] = FMA((float)isum, F::scale(block, g, c) * gx, acc[c]);
-            if constexpr (MIN) {
-              if constexpr (!std::is_same_v<F, Q6K>) acc[c] = FMA(F::minimum(block, c), a.sx[r * agroups + at], acc[c]);
+            if constexpr (F::SUPER) {
+              super_sum[c] += F::sub_scale(block, g, c) * isum;
+            } else {
+              acc[c] = FMA((float)isum, F::scale(block, g, c) * a.dx[r * agroups + at], acc[c]);
+              if constexpr (MIN) acc[c] = FMA(F::minimum(block, g, c), a.sx[r * agroups + at], acc[c]);
             }
           }
         }
+        if constexpr (F::SUPER)
+          for (int c = 0; c < 16; c++)
+            acc[c] = FMA((float)super_sum[c], F::super_scale(block, c) * a.dx[r * blocks + b], acc[c]);
       }
       for (int c = 0; c < 16 && t * 16 + c < n; c++) {
         const int64_t at = r * n + t * 16 + c;
@@ -162,16 +182,14 @@ static inline __m512i slice(const uint8_t* grp) {
   return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x0f), 0xEC);  // (A & C) | B
 }
 
-// the 16 columns' scales of group g of a block (float32 numbers, as block int8's)
-template <class F>
-static inline __m512 scales16(const uint8_t* block, int g) {
-  if constexpr (std::is_same_v<F, Q6K>) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + Q6K::D_AT)));
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + FiveBit::SC_AT)));
-  }
+// the 16 columns' float16 numbers at `at`
+static inline __m512 halves16(const uint8_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+// the 16 columns' sc of group g of a Q6K block, as int32
+static inline __m512i sub_scales16(const uint8_t* block, int g) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g)));
 }
 
 // every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)`
@@ -188,6 +206,12 @@ static inline void each_slice(const uint8_t* const* grp, Use&& use) {
 // VPDPBUSD go into two chains. `ahead`: the next tiles' weights, `ahead_lines` cache lines a
 // group, which the passes after a tile's first ask for (null: the first pass, which asks for
 // its own stream SMALL_CODES_PREFETCH bytes ahead).
+// a Q6K super-block's fold for one row: acc = fma(S, d * dx, acc)
+static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(super_sum),
+                         _mm512_mul_ps(halves16(block + Q6K::D_AT), _mm512_set1_ps(dx)), acc);
+}
+
 template <class F, bool MIN, int R, int T>
 static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
                        const uint8_t* ahead, int64_t ahead_lines, __m512 (&acc)[R][T]) {
@@ -197,6 +221,10 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
+    __m512i super_sum[R][T];  // Q6K: S
+    if constexpr (F::SUPER)
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) super_sum[r][t] = _mm512_setzero_si512();
     for (int g = 0; g < F::GROUPS; g++) {
       const int64_t at = b * F::GROUPS + g;
       if (ahead) {
@@ -228,20 +256,35 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       });
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
-        const __m512 scale = scales16<F>(block, g);
-        for (int r = 0; r < R; r++) {
-          __m512i isum = sum[0][r][t];
-          for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
-          const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * agroups + at * F::G / 32]));
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[r][t]);
-        }
-        if constexpr (MIN) {
-          const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + FiveBit::MIN_AT)));
-          for (int r = 0; r < R; r++)
-            acc[r][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][t]);
+        if constexpr (F::SUPER) {
+          const __m512i sc = sub_scales16(block, g);
+          for (int r = 0; r < R; r++) {
+            __m512i isum = sum[0][r][t];
+            for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
+            super_sum[r][t] = _mm512_add_epi32(super_sum[r][t], _mm512_mullo_epi32(isum, sc));
+          }
+        } else {
+          const __m512 scale = halves16(block + FiveBit::SC_AT);
+          for (int r = 0; r < R; r++) {
+            __m512i isum = sum[0][r][t];
+            for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
+            const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * agroups + at]));
+            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[r][t]);
+          }
+          if constexpr (MIN) {
+            const __m512 mn = halves16(block + FiveBit::MIN_AT);
+            for (int r = 0; r < R; r++)
+              acc[r][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][t]);
+          }
         }
       }
     }
+    if constexpr (F::SUPER)
+      for (int t = 0; t < T; t++) {
+        const uint8_t* block = tile + t * tile_bytes + b * bytes;
+        for (int r = 0; r < R; r++)
+          acc[r][t] = fold_q6k(block, super_sum[r][t], a.dx[(r0 + r) * blocks + b], acc[r][t]);
+      }
   }
 }
 
@@ -286,13 +329,13 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
                          t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
 }
 
-// a tile's groups in block int8's layout (q8_blocks.h, groups of F::G: the slices of u, then
-// the scales, float32 for Q6K and float16 as they are for FIVE_BIT, then the minimums), asking
-// for the tile's stream SMALL_CODES_PREFETCH bytes ahead
+// a FIVE_BIT tile's groups in block int8's layout (q8_blocks.h, groups of 32: the slices of u,
+// then the scales and minimums, float16 as they are), asking for the tile's stream
+// SMALL_CODES_PREFETCH bytes ahead
 template <class F, bool MIN>
 static void decode_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
-  constexpr int64_t out_bytes = q8blocks::block_bytes(F::G, MIN, F::HALF);
+  constexpr int64_t out_bytes = q8blocks::block_bytes(F::G, MIN, true);
   for (int64_t b = 0; b < k / (F::G * F::GROUPS); b++) {
     const uint8_t* block = tile + b * bytes;
     for (int g = 0; g < F::GROUPS; g++) {
@@ -301,11 +344,7 @@ static void decode_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
       const uint8_t* grp = block + g * F::GROUP_BYTES;
       uint8_t* dst = out + (b * F::GROUPS + g) * out_bytes;
       each_slice<F>(&grp, [&](int j, auto unpack) { _mm512_storeu_si512(dst + 64 * j, unpack(0)); });
-      if constexpr (F::HALF) {
-        std::memcpy(dst + 16 * F::G, block + FiveBit::SC_AT, MIN ? 64 : 32);  // scales, minimums
-      } else {
-        _mm512_storeu_ps(reinterpret_cast<float*>(dst + 16 * F::G), scales16<F>(block, g));
-      }
+      std::memcpy(dst + 16 * F::G, block + FiveBit::SC_AT, MIN ? 64 : 32);  // scales, minimums
     }
   }
 }
@@ -318,7 +357,7 @@ template <class F, bool MIN>
 static void columns_decoded(const q8blocks::Acts& a, int64_t m, const uint8_t* packed,
                             const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
-  const int64_t decoded_bytes = a.k / F::G * q8blocks::block_bytes(F::G, MIN, F::HALF);
+  const int64_t decoded_bytes = a.k / F::G * q8blocks::block_bytes(F::G, MIN, true);
   std::vector<uint8_t> decoded(2 * decoded_bytes);
   for (int64_t t = t0; t < t1; t += 2) {
     const int64_t count = std::min<int64_t>(2, t1 - t);
@@ -327,54 +366,211 @@ static void columns_decoded(const q8blocks::Acts& a, int64_t m, const uint8_t* p
     const uint8_t* next = t + count < t1 ? packed + (t + count) * tile_bytes : nullptr;
     const int64_t next_bytes = std::min<int64_t>(2, t1 - t - count) * tile_bytes;
     if (count == 2)
-      q8blocks::rows_vnni<2, F::G, MIN, F::HALF>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
+      q8blocks::rows_vnni<2, F::G, MIN, true>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
     else
-      q8blocks::rows_vnni<1, F::G, MIN, F::HALF>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
+      q8blocks::rows_vnni<1, F::G, MIN, true>(a, m, decoded.data(), next, t, residual, y, n, next_bytes);
   }
 }
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+// Q6K on the AMX tiles. A column tile is decoded once a call into weight tiles whose bytes hold
+// v = sc * code of each input (the sub-block scale inside the weight, -4064..4096) as v = 256 hi
+// + lo, lo unsigned and hi signed: per 64 inputs (a K step) one tile of lo, one of hi, each 16
+// rows of 64 bytes in VPDPBUSD's operand order (the packed slices' own order). Then for every
+// block of 16 rows and super-block, TDPBSUD (activations x lo) and TDPBSSD (activations x hi)
+// sum all 256 inputs in two tiles, and S = lo sums + 256 hi sums is the direct kernel's exact
+// S, folded as it folds it.
+
+// bytes of one K step's two weight tiles
+constexpr int64_t Q6K_STEP_BYTES = 2 * 1024;
+
+// a Q6K tile's weight tiles (k / 64 steps of Q6K_STEP_BYTES), asking for the tile's stream
+// SMALL_CODES_PREFETCH bytes ahead
+static void decode_q6k_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
+  using F = Q6K;
+  constexpr int64_t bytes = F::block_bytes(false), lines = (bytes + 63) / 64;
+  // byte 16 L + 4 c + i of a slice belongs to column 4 L + c: its sc's place in the 16 bytes
+  // broadcast to every 128-bit lane
+  alignas(64) int8_t columns_of_bytes[64];
+  for (int at = 0; at < 64; at++) columns_of_bytes[at] = (int8_t)(4 * (at / 16) + at % 16 / 4);
+  const __m512i column_of_byte = _mm512_load_si512(columns_of_bytes);
+  const __m512i even = _mm512_set1_epi16(0x00ff), code_offset = _mm512_set1_epi16(F::OFFSET);
+  for (int64_t b = 0; b < k / 256; b++) {
+    const uint8_t* block = tile + b * bytes;
+    for (int g = 0; g < F::GROUPS; g++) {
+      for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
+      const __m512i sc = _mm512_shuffle_epi8(
+          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g))),
+          column_of_byte);
+      // sc of the even and the odd bytes, each in a 16-bit lane's low or high byte, the other 0
+      const __m512i sc_even = _mm512_and_si512(sc, even), sc_odd = _mm512_andnot_si512(even, sc);
+      const __m512i offset = _mm512_maddubs_epi16(code_offset, sc_even);  // offset * sc
+      const int64_t first = g * (F::G / 4);  // the group's first slice in its super-block
+      uint8_t* lo = out + (b * 4 + first / 16) * Q6K_STEP_BYTES + first % 16 * 64;
+      const uint8_t* grp = block + g * F::GROUP_BYTES;
+      each_slice<F>(&grp, [&](int j, auto unpack) {
+        const __m512i u = unpack(0);  // code + offset
+        const __m512i v_even = _mm512_sub_epi16(_mm512_maddubs_epi16(u, sc_even), offset);
+        const __m512i v_odd = _mm512_sub_epi16(_mm512_maddubs_epi16(u, sc_odd), offset);
+        // lo: the low bytes of both in their places; hi: the high bytes (arithmetic shift)
+        const __m512i low = _mm512_ternarylogic_epi32(v_even, _mm512_slli_epi16(v_odd, 8), even, 0xEC);
+        const __m512i high = _mm512_ternarylogic_epi32(_mm512_srai_epi16(v_even, 8), v_odd, even, 0xE4);
+        _mm512_store_si512(lo + 64 * j, low);
+        _mm512_store_si512(lo + 1024 + 64 * j, high);
+      });
+    }
+  }
+}
+
+// a per-thread buffer for one column tile's weight tiles (kept between calls, as amx.h's)
+static uint8_t* q6k_tile_buffer(int64_t k) {
+  thread_local std::vector<uint8_t> buffer;
+  const size_t need = (size_t)(k / 64) * Q6K_STEP_BYTES + 64;
+  if (buffer.size() < need) buffer.resize(need);
+  return reinterpret_cast<uint8_t*>(((uintptr_t)buffer.data() + 63) & ~(uintptr_t)63);
+}
+
+// R rows (of the min(m, 16) the tiles multiply) at r0 of a decoded column tile `weights`; each
+// super-block's sums folded while the next one multiplies. (Asking for the next tile's packed
+// bytes here, to overlap its stream with the tiles' work, made 16 rows 1.15-1.4x slower.)
+template <int R>
+static void q6k_rows_amx(const Acts& a, int64_t r0, const uint8_t* weights, const uint8_t* packed_tile,
+                         __m512 (&out)[R][1]) {
+  const int64_t blocks = a.k / 256, bytes = Q6K::block_bytes(false);
+  const int8_t* x = a.xq + r0 * a.k;
+  alignas(64) int32_t sums[2][2][16 * 16];  // [buffer][lo, hi]
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  auto multiply = [&](int64_t b, int buffer) {
+    const uint8_t* w = weights + b * 4 * Q6K_STEP_BYTES;
+    const int8_t* xb = x + b * 256;
+    _tile_zero(0);
+    _tile_zero(1);
+    TILE_LOAD(2, xb, a.k);
+    TILE_LOAD(4, w, 64);
+    TILE_LOAD(5, w + 1024, 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbssd(1, 2, 5);
+    TILE_LOAD(3, xb + 64, a.k);
+    TILE_LOAD(6, w + Q6K_STEP_BYTES, 64);
+    TILE_LOAD(7, w + Q6K_STEP_BYTES + 1024, 64);
+    _tile_dpbsud(0, 3, 6);
+    _tile_dpbssd(1, 3, 7);
+    TILE_LOAD(2, xb + 128, a.k);
+    TILE_LOAD(4, w + 2 * Q6K_STEP_BYTES, 64);
+    TILE_LOAD(5, w + 2 * Q6K_STEP_BYTES + 1024, 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbssd(1, 2, 5);
+    TILE_LOAD(3, xb + 192, a.k);
+    TILE_LOAD(6, w + 3 * Q6K_STEP_BYTES, 64);
+    TILE_LOAD(7, w + 3 * Q6K_STEP_BYTES + 1024, 64);
+    _tile_dpbsud(0, 3, 6);
+    _tile_dpbssd(1, 3, 7);
+    _tile_stored(0, sums[buffer][0], 64);
+    _tile_stored(1, sums[buffer][1], 64);
+  };
+  auto fold = [&](int64_t b, int buffer) {
+    const uint8_t* block = packed_tile + b * bytes;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+      const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[buffer][0] + 16 * r),
+                                         _mm512_slli_epi32(_mm512_load_si512(sums[buffer][1] + 16 * r), 8));
+      acc[r] = fold_q6k(block, s, a.dx[(r0 + r) * blocks + b], acc[r]);
+    }
+  };
+  for (int64_t b = 0; b < blocks; b++) {
+    multiply(b, b % 2);
+    if (b > 0) fold(b - 1, (b - 1) % 2);
+  }
+  fold(blocks - 1, (blocks - 1) % 2);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; r++) out[r][0] = acc[r];
+}
+
+// columns_vnni's contract for Q6K on the tiles: column tiles t0..t1 of y for all m rows, in
+// blocks of 16 rows (the last block the rest; a.xq holds whole blocks of 16 rows)
+static void q6k_columns_amx(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
+                            float* y, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = a.k / 256 * Q6K::block_bytes(false), full = m / 16 * 16;
+  uint8_t* weights = q6k_tile_buffer(a.k);
+  k_amx::configure_tiles(m, 64);
+  auto block = [&](int rows, int64_t r0, int64_t t) {
+#define Q6K_AMX_ROWS_CASE(R)                                              \
+  case R: {                                                               \
+    __m512 acc[R][1];                                                     \
+    q6k_rows_amx<R>(a, r0, weights, packed + t * tile_bytes, acc);        \
+    k_avx512::store_tiles<R, 1>(acc, R, r0, t, n, residual, y);           \
+    break;                                                                \
+  }
+    switch (rows) { EVERY_TILE_ROW_COUNT(Q6K_AMX_ROWS_CASE) }
+#undef Q6K_AMX_ROWS_CASE
+  };
+  for (int64_t t = t0; t < t1; t++) {
+    decode_q6k_tile(packed + t * tile_bytes, a.k, weights);
+    for (int64_t r0 = 0; r0 < full; r0 += 16) block(16, r0, t);
+    if (m > full) block((int)(m - full), full, t);
+  }
+  _tile_release();  // the tile state back to its initial (small) form for context switches
+}
+#undef TILE_LOAD             // (amx.h's)
+#undef EVERY_TILE_ROW_COUNT  // (amx.h's)
 #pragma GCC pop_options
 
 template <class F, bool MIN>
 static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Acts& a8, int64_t m,
                     const uint8_t* packed, const float* residual, float* y, int64_t n,
                     int64_t t0, int64_t t1) {
-  if (decoded) columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
-  else if (isa >= AVX512) columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  if constexpr (is_q6k<F>) {
+    if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
+  } else {
+    if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
+  }
+  if (isa >= AVX512) columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   else if (isa == AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   else columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
 }
 
+// the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
+enum Layout : int64_t { Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1 };
+
 }  // namespace small_codes
 
-// y [m, n] = x [m, k] times small-code weights (+ residual [m, n]): group 16, the Q6K layout
-// packed [N / 16, K / 256, 3392]; group 32, the FIVE_BIT layout [N / 16, K / 32, 352 or 384
-// with `minimum`]
-at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+// y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
+// [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`]
+at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa) {
   using namespace small_codes;
-  const bool q6k = group == 16;
-  TORCH_CHECK((q6k && !minimum) || group == 32, "small-code layouts: Q6_K (group 16, no minimums) "
-              "or five-bit codes (group 32), not group ", group);
+  TORCH_CHECK(layout == Q6K_LAYOUT || layout == FIVE_BIT_LAYOUT,
+              "small-code layouts: 0 (Q6_K) or 1 (five-bit codes), not ", layout);
+  const bool q6k = layout == Q6K_LAYOUT;
+  TORCH_CHECK(!q6k || !minimum, "the Q6_K layout has no minimums");
   const int64_t bytes = q6k ? Q6K::block_bytes(false) : FiveBit::block_bytes(minimum);
-  const int64_t inputs = q6k ? 256 : 32;
+  const int64_t inputs = q6k ? 256 : 32, group = q6k ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
-              packed.is_contiguous(), "small-code weights (group ", group, ") must be packed uint8 [N / 16, K / ",
+              packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
   const int64_t tiles = packed.size(0), k = packed.size(1) * inputs, m = x.size(0);
   check_rows(x, k, "small-code linear input");
   TORCH_CHECK(tiles * 16 >= n && tiles * 16 < n + 16, "packed weights hold ", tiles * 16,
               " columns, not ", n);
   const float* res = residual_ptr(residual, m, n);
-  // more rows than a pass of the direct kernel: tiles decoded once to block int8's layout
-  const bool decoded = isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
+  // FIVE_BIT with more rows than a pass of the direct kernel: tiles decoded once to block int8's
+  // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows
+  const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
+  const bool decoded = !q6k && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
   const int32_t code_offset = q6k ? offset<Q6K>(false) : offset<FiveBit>(minimum);
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * (k / 32)), sx(m * (k / 32));
+  std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
+  std::vector<float> dx(m * (k / (q6k ? 256 : 32))), sx(q6k ? 0 : m * (k / 32));
   std::vector<int32_t> bias(m * (k / group));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
-    quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
+    if (q6k) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
+    else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;

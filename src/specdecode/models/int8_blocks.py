@@ -25,14 +25,17 @@ it). The int4 format (``quant.Int4Linear``) keeps float16 scales, which Q4_K's p
 always fit; this one does not round them.
 
 ``Int8BlockLinear`` multiplies by them in the native kernels (``kernels/q8_blocks.h``; where
-the codes are 5 or 6 bits, ``kernels/small_codes.h`` computes the same numbers from the file's
-own bytes):
+the codes are 5 bits, ``kernels/small_codes.h`` computes the same numbers from the file's own
+bytes):
 activations are quantised to int8 per row and per 32 inputs (as in the int4 kernel, and as
-finely as llama.cpp's own Q8_0/Q8_1 activations, finer than the per-256 Q8_K it pairs with
-K-quants), each group's integer dot product is exact, and one or two fused multiply-adds per
-group fold it in, in group order: row invariant by construction, the same bits on every
-instruction set. ``quantize_int8_blocks`` makes the format from float weights (``--weights
-int8``): GGUF Q8_0's scheme, symmetric per 32 inputs with a float16 scale.
+finely as llama.cpp's own Q8_0/Q8_1 activations), each group's integer dot product is exact,
+and one or two fused multiply-adds per group fold it in, in group order: row invariant by
+construction, the same bits on every instruction set. A matrix that is Q6_K throughout
+(``Q6KWeight``) keeps the file's bytes and its own numbers (``kernels/small_codes.h``): its
+8-bit sub-block scales are folded in integers against activations quantised per 256 inputs,
+as llama.cpp folds Q6_K against its Q8_K, one fused multiply-add per 256 inputs instead of 16.
+``quantize_int8_blocks`` makes the format from float weights (``--weights int8``): GGUF Q8_0's
+scheme, symmetric per 32 inputs with a float16 scale.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ class Int8BlockWeight:
         return w.reshape(out, inp)
 
     def take(self, index: torch.Tensor) -> Int8BlockWeight:
-        """Rows ``index`` (e.g. q/k rows unpermuted), in this weight's form."""
+        """Rows ``index`` (a slice or a tensor of row numbers: q/k rows unpermuted, a head's
+        shortlist), in this weight's form."""
         return Int8BlockWeight(self.codes[index], self.scale[index],
                                None if self.minimum is None else self.minimum[index], self.group)
 
@@ -142,7 +146,7 @@ class Q6KWeight(Int8BlockWeight):
     """A GGUF Q6_K matrix as block int8 (groups of 16, scale = d * sc) that also keeps the
     factors of its scales, the 8-bit ``sub_scale`` sc int8 [out, in / 16] and the float16
     ``super_scale`` d [out, in / 256], so that the kernels can hold it in the file's own 6.6 bits
-    a weight (``kernels.pack_q6k``) and compute block int8's bits from them."""
+    a weight (``kernels.pack_q6k``) and fold sc in integers (``kernels/small_codes.h``)."""
 
     sub_scale: torch.Tensor
     super_scale: torch.Tensor
@@ -327,9 +331,9 @@ class Int8BlockLinear:
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
-        # the same numbers in the file's own bytes where the codes are 5 or 6 bits
-        # (kernels/small_codes.h): a Q6_K matrix in 0.83 bytes a weight, not 1.25; Q5_0, Q5_1
-        # or MXFP4 in 0.69-0.75, not 1.06-1.13
+        # the file's own bytes where the codes are 5 or 6 bits (kernels/small_codes.h): a Q6_K
+        # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
+        # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, block int8's numbers
         self.layout = ("q6k" if isinstance(weight, Q6KWeight)
                        else "five_bit" if self.half and _five_bit_codes(weight) else "block")
         if self.layout == "q6k":
@@ -347,7 +351,7 @@ class Int8BlockLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         try:
             if self.layout != "block":
-                return kernels.small_codes_linear(x, self.packed, self.group, self.has_minimum,
+                return kernels.small_codes_linear(x, self.packed, self.layout, self.has_minimum,
                                                   self.out_features, residual)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
@@ -358,9 +362,12 @@ class Int8BlockLinear:
 
     def kernel(self):
         """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
-        kind = kernels.BLOCK_INT8_KIND if self.layout == "block" else kernels.SMALL_CODES_KIND
-        return kernels.packed_linear(self.packed, kind, self.out_features, self.group,
-                                     self.has_minimum, self.half)
+        if self.layout == "block":
+            return kernels.packed_linear(self.packed, kernels.BLOCK_INT8_KIND, self.out_features,
+                                         self.group, self.has_minimum, self.half)
+        # (the small-code kernel takes its layout's code where block int8 takes its group)
+        return kernels.packed_linear(self.packed, kernels.SMALL_CODES_KIND, self.out_features,
+                                     kernels.SMALL_CODES_LAYOUTS[self.layout], self.has_minimum)
 
     @property
     def nbytes(self) -> int:

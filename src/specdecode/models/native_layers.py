@@ -56,9 +56,7 @@ def _rows(weight, index):
     if isinstance(weight, Q4Blocks):
         return weight.rows(index if isinstance(index, slice) else index.numpy())
     if isinstance(weight, Int8BlockWeight):
-        return Int8BlockWeight(weight.codes[index], weight.scale[index],
-                               None if weight.minimum is None else weight.minimum[index],
-                               weight.group)
+        return weight.take(index)  # a Q6_K head's shortlist keeps Q6_K's layout and numbers
     return weight[index]
 
 @dataclass
