@@ -319,6 +319,7 @@ def test_runner_measurement_on_a_tiny_model(tmp_path, monkeypatch):
     built = {"hf (fp32)": make_runner(loaded, "hf")}
     built.update({f"native {fmt}": make_runner(loaded, "native", fmt) for fmt in WEIGHT_FORMATS})
     monkeypatch.setattr(runners_module, "STREAM_MIB", 8)  # a quick bandwidth probe
+    monkeypatch.setattr(runners_module, "PROMPT_TOKENS", 40)
     result = measure_runners(built, loaded.tokenizer, [2], questions, context=24,
                              max_new_tokens=6, hf_model=loaded.model, progress=lambda _: None)
     runners = list(built)
@@ -340,9 +341,14 @@ def test_runner_measurement_on_a_tiny_model(tmp_path, monkeypatch):
     assert sizes["native fp32"] == 4 * weights and sizes["native bf16"] == 2 * weights
     assert sizes["native int4"] == weights // 32 * 20
     assert result["memory"]["stream_gbs"] > 0 and result["peers_failed"] == {}
+    # prompt processing for every runner, the LM head alone for the native ones (hf has none)
+    assert list(result["prompt_ms"]) == runners and all(v > 0 for v in result["prompt_ms"].values())
+    assert result["prompt_tokens"] == 40 and list(result["head_ms"]) == runners[1:]
+    assert all([int(k) for k in row] == list(FORWARD_SIZES) for row in result["head_ms"].values())
     report = runners_markdown(result, {"machine": "test"})
     assert "| native int4 |" in report and "| transformers generate |" in report
     assert "## One row against its memory bound" in report
+    assert "## Prompt processing (40 tokens from an empty cache" in report
     if kernels.isa() == kernels.ISA_LEVELS.index("avx512"):
         c = loaded.model.config
         expected = c.num_hidden_layers * layer_macs(c) + c.vocab_size * c.hidden_size
@@ -440,7 +446,7 @@ FAKE_LLAMA_BENCH = """#!/bin/sh
 cat <<'JSON'
 [{"n_prompt": 1, "n_gen": 0, "samples_ns": [2000000]}, {"n_prompt": 8, "n_gen": 0, "samples_ns": [4000000]},
  {"n_prompt": 16, "n_gen": 0, "samples_ns": [6000000]}, {"n_prompt": 64, "n_gen": 0, "samples_ns": [20000000]},
- {"n_prompt": 0, "n_gen": 32, "samples_ns": [64000000]}]
+ {"n_prompt": 256, "n_gen": 0, "samples_ns": [128000000]}, {"n_prompt": 0, "n_gen": 32, "samples_ns": [64000000]}]
 JSON
 """
 
@@ -478,6 +484,8 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
         gguf_path=path, llama_cpp_dir=str(tmp_path), progress=lambda _: None)
     bench_row = result["forward_ms"]["llama.cpp (llama-bench)"]
     assert bench_row == {"1": 2.0, "8": 4.0, "16": 6.0, "64": 20.0}
+    # its pp at depth 0, of the prompt the runner's context holds (256 tokens: this tiny model's)
+    assert result["prompt_tokens"] == 256 and result["prompt_ms"]["llama.cpp (llama-bench)"] == 128.0
     assert result["ar"]["llama.cpp (llama-bench) tg"]["decode_tokens_per_s"] == pytest.approx(500.0)
     # llama.cpp streams the file's tensors but the embedding (this file has its own head)
     import gguf
@@ -487,6 +495,7 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     assert result["memory"]["bytes"]["llama.cpp (llama-bench)"] == streamed
     report = runners_module.runners_markdown(result, {"machine": "test"})
     assert "| llama.cpp (llama-bench) | 2.0 | 4.0 | 6.0 | 20.0 | 3.00x |" in report
+    assert "| llama.cpp (llama-bench) | 128 | 2000 | - | - | - | - | - |" in report
 
 
 @pytest.mark.skipif(kernels.isa() < kernels.ISA_LEVELS.index("avx512"),

@@ -9,6 +9,10 @@ Measured on the same machine in the same run, with the same threads:
   ``Llama.eval`` of the same tokens with ``logits_all`` (a verify pass needs every row's
   logits) and llama.cpp's own ``llama-bench`` at the same depth (``llama_tools``), each in a
   process of its own (``peer_process``: a peer that crashes is named, the rest is kept);
+- prompt processing: a ``PROMPT_TOKENS``-token prompt from an empty cache (median of
+  ``PROMPT_RUNS``; shorter where a model's context is), each runner's ``prefill`` and
+  llama-bench's ``pp512`` at depth 0;
+- the LM head alone for each forward size (native runners): its share of a verify pass;
 - the memory bound of one row: the bytes of weights a decode row streams (the native runner's
   linear layers and LM head in its format; the GGUF file's tensors for llama.cpp) over the
   machine's read bandwidth, measured here (``stream_read_gbs``), and each one-row forward's
@@ -40,6 +44,9 @@ from specdecode.sampling import SamplingParams
 
 FORWARD_SIZES = (1, 8, 16, 64)
 TIMED_FORWARDS = 9
+#: the prompt whose processing is timed (llama-bench's pp512), and how many times
+PROMPT_TOKENS = 512
+PROMPT_RUNS = 3
 #: the stream-bandwidth buffer (MiB) and how many times it is read (the best counts)
 STREAM_MIB = 512
 STREAM_RUNS = 7
@@ -76,6 +83,36 @@ def runner_forward_ms(runner, context: list[int], tokens: list[int], size: int) 
         times.append(time.perf_counter() - start)
         runner.commit([])  # keeps only the root: the context grows by one token per forward
     return statistics.median(times[1:]) * 1000
+
+
+def runner_prompt_ms(runner, prompt: list[int]) -> float:
+    """One prefill of ``prompt`` from an empty cache, ms (median of PROMPT_RUNS after one)."""
+    times = []
+    for _ in range(PROMPT_RUNS + 1):
+        start = time.perf_counter()
+        runner.prefill(prompt)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1000
+
+
+def head_ms(runner, sizes) -> dict[str, float] | None:
+    """The LM head alone over ``sizes`` rows of hidden states, ms (median of TIMED_FORWARDS
+    after one); None for a runner without its own head (hf)."""
+    import torch
+
+    head = getattr(runner, "head", None)
+    if head is None:
+        return None
+    result = {}
+    for size in sizes:
+        x = torch.randn(size, runner.shape.hidden_size)
+        times = []
+        for _ in range(TIMED_FORWARDS + 1):
+            start = time.perf_counter()
+            head(x)
+            times.append(time.perf_counter() - start)
+        result[str(size)] = statistics.median(times[1:]) * 1000
+    return result
 
 
 class LlamaCppLatency:
@@ -148,14 +185,23 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
     ctx, tokens = ids[:context], ids[context:]
     failed: dict[str, str] = {}
     latency: dict[str, dict[int, float]] = {}
+    prompt_ms: dict[str, float] = {}
+    heads: dict[str, dict[str, float]] = {}
+    # (a model of a shorter context than PROMPT_TOKENS: a prompt that fits)
+    prompt_tokens = min([PROMPT_TOKENS] + [runner.max_context for runner in runners.values()])
     for name, runner in runners.items():
         latency[name] = {size: runner_forward_ms(runner, ctx, tokens, size)
                          for size in FORWARD_SIZES}
         progress(f"forward latency {name}: {latency[name]}")
+        prompt_ms[name] = runner_prompt_ms(runner, context_ids(prompts, prompt_tokens))
+        head = head_ms(runner, FORWARD_SIZES)
+        if head is not None:
+            heads[name] = head
+        progress(f"prompt of {prompt_tokens} {name}: {prompt_ms[name]:.0f} ms; LM head: {head}")
     llama_decode = None
     if gguf_path is not None:
         llama_decode = _llama_cpp_latency(gguf_path, ctx, tokens, threads, llama_cpp_dir,
-                                          latency, failed, progress)
+                                          latency, failed, progress, prompt_ms, prompt_tokens)
     memory = _memory_bound(runners, latency, gguf_path)
     roofline = (measure_roofline(runners["native int4"], FORWARD_SIZES)
                 if "native int4" in runners else None)
@@ -172,6 +218,7 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
                                         "identical_to_native_fp32": None}
     return {"context_tokens": context, "sizes": list(FORWARD_SIZES),
             "forward_ms": {name: {str(k): v for k, v in row.items()} for name, row in latency.items()},
+            "prompt_tokens": prompt_tokens, "prompt_ms": prompt_ms, "head_ms": heads,
             "memory": memory, "ar": ar_rows, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "roofline": roofline, "peers_failed": failed,
             "llama_bench_command": llama_decode["command"] if llama_decode else None}
@@ -179,10 +226,10 @@ def measure_runners(runners: dict, tokenizer, eos, questions: list[Question], co
 
 def _llama_cpp_latency(gguf_path: Path, ctx: list[int], tokens: list[int], threads: int,
                        llama_cpp_dir: str | None, latency: dict, failed: dict,
-                       progress) -> dict | None:
+                       progress, prompt_ms: dict, prompt_tokens: int) -> dict | None:
     """llama.cpp's rows of ``latency`` (llama-cpp-python where installed, llama-bench where
-    found), each peer in a process of its own; returns llama-bench's decode speed and command
-    (None without llama-bench)."""
+    found) and llama-bench's of ``prompt_ms``, each peer in a process of its own; returns
+    llama-bench's decode speed and command (None without llama-bench)."""
     from specdecode.bench.llama_tools import find_tool, llama_bench
     from specdecode.bench.peer_process import PeerFailed, PeerProcess
 
@@ -204,11 +251,14 @@ def _llama_cpp_latency(gguf_path: Path, ctx: list[int], tokens: list[int], threa
         return None
     try:
         found = llama_bench(bench_tool, gguf_path, FORWARD_SIZES, len(ctx), threads)
+        prompt = llama_bench(bench_tool, gguf_path, [prompt_tokens], 0, threads, gen_tokens=0)
     except PeerFailed as exc:
         failed[LLAMA_BENCH] = str(exc)
         return None
     latency[LLAMA_BENCH] = found["forward_ms"]
-    progress(f"forward latency {LLAMA_BENCH}: {found['forward_ms']}")
+    prompt_ms[LLAMA_BENCH] = prompt["forward_ms"][prompt_tokens]
+    progress(f"forward latency {LLAMA_BENCH}: {found['forward_ms']}; prompt of {prompt_tokens}: "
+             f"{prompt_ms[LLAMA_BENCH]:.0f} ms")
     return {"tokens_per_s": found["decode_tokens_per_s"], "command": found["command"]}
 
 
@@ -306,7 +356,7 @@ def gguf_streamed_bytes(path: Path) -> int:
 def runners_markdown(result: dict, meta: dict) -> str:
     lines = ["# specdecode bench --runners", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
-    lines += _latency_lines(result) + _memory_lines(result)
+    lines += _latency_lines(result) + _prompt_and_head_lines(result) + _memory_lines(result)
     if result.get("llama_bench_command"):
         lines += ["", f"llama-bench: `{result['llama_bench_command']}` (its pp rows ask for the "
                       "last row's logits only)."]
@@ -330,6 +380,25 @@ def _latency_lines(result: dict) -> list[str]:
         cells = [f"{row[str(s)]:.1f}" for s in sizes]
         lines.append(f"| {name} | " + " | ".join(cells)
                      + f" | {row[str(sizes[-2])] / row['1']:.2f}x |")
+    return lines
+
+
+def _prompt_and_head_lines(result: dict) -> list[str]:
+    """Prompt processing, and the LM head's part of each forward size."""
+    prompt_ms, heads = result.get("prompt_ms") or {}, result.get("head_ms") or {}
+    if not prompt_ms:
+        return []
+    sizes, tokens = result["sizes"], result["prompt_tokens"]
+    lines = ["", f"## Prompt processing ({tokens} tokens from an empty cache, median of "
+                 f"{PROMPT_RUNS}) and the LM head (ms, median of {TIMED_FORWARDS})", "",
+             "| runner | prompt (ms) | prompt tokens/s | " + " | ".join(f"head, {s} rows" for s in sizes)
+             + f" | head share of {sizes[-2]} rows |", "|---|" + "---:|" * (len(sizes) + 3)]
+    for name, ms in prompt_ms.items():
+        head = heads.get(name)
+        cells = ([f"{head[str(s)]:.1f}" for s in sizes]
+                 + [f"{head[str(sizes[-2])] / result['forward_ms'][name][str(sizes[-2])]:.0%}"]
+                 if head else ["-"] * (len(sizes) + 1))
+        lines.append(f"| {name} | {ms:.0f} | {tokens / ms * 1000:.0f} | " + " | ".join(cells) + " |")
     return lines
 
 
