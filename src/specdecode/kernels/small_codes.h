@@ -192,6 +192,12 @@ static inline __m512i sub_scales16(const uint8_t* block, int g) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g)));
 }
 
+// a Q6K super-block's fold for one row: acc = fma(S, d * dx, acc)
+static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(super_sum),
+                         _mm512_mul_ps(halves16(block + Q6K::D_AT), _mm512_set1_ps(dx)), acc);
+}
+
 // every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)`
 template <class F, int J = 0, class Use>
 static inline void each_slice(const uint8_t* const* grp, Use&& use) {
@@ -206,12 +212,6 @@ static inline void each_slice(const uint8_t* const* grp, Use&& use) {
 // VPDPBUSD go into two chains. `ahead`: the next tiles' weights, `ahead_lines` cache lines a
 // group, which the passes after a tile's first ask for (null: the first pass, which asks for
 // its own stream SMALL_CODES_PREFETCH bytes ahead).
-// a Q6K super-block's fold for one row: acc = fma(S, d * dx, acc)
-static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx, __m512 acc) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(super_sum),
-                         _mm512_mul_ps(halves16(block + Q6K::D_AT), _mm512_set1_ps(dx)), acc);
-}
-
 template <class F, bool MIN, int R, int T>
 static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
                        const uint8_t* ahead, int64_t ahead_lines, __m512 (&acc)[R][T]) {
