@@ -58,9 +58,17 @@ def build_dir(sources=_SOURCES) -> Path:
 
 
 @functools.cache
+def build_id() -> str:
+    """The runner's kernels build (its folder's name, a hash of the sources) as this process
+    loads it: what measurements on these kernels are keyed by. Taken once, with the build."""
+    return build_dir().name
+
+
+@functools.cache
 def load():
     """The compiled extension, built on first use; a SpecDecodeError naming the fix where the
     machine cannot build it."""
+    build_id()
     return compile_extension("specdecode_cpu_kernels", _SOURCES)
 
 

@@ -237,7 +237,7 @@ class LlamaRunner(PackedForwards, Runner):
         stat = path.stat()
         # and the kernels it runs on: a change to them (a layout's bytes) re-measures the curve
         return (f"native:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}:"
-                f"{kernels.build_dir().name}")
+                f"{kernels.build_id()}")
 
     @property
     def pending_rows(self) -> int:
