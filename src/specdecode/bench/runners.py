@@ -73,26 +73,29 @@ def context_ids(prompts: list[list[int]], length: int) -> list[int]:
     return ids[:length]
 
 
-def runner_forward_ms(runner, context: list[int], tokens: list[int], size: int) -> float:
+def median_ms(call, runs: int, after=lambda: None) -> float:
+    """``call``'s median time over ``runs`` timed calls after one untimed, ms; ``after`` runs
+    after each call, untimed."""
     times = []
-    runner.prefill(context)
-    for i in range(TIMED_FORWARDS + 1):
-        draft = Draft.chain(tokens[1:size]) if size > 1 else Draft.empty()
+    for _ in range(runs + 1):
         start = time.perf_counter()
-        runner.forward(tokens[0], draft)
+        call()
         times.append(time.perf_counter() - start)
-        runner.commit([])  # keeps only the root: the context grows by one token per forward
+        after()
     return statistics.median(times[1:]) * 1000
+
+
+def runner_forward_ms(runner, context: list[int], tokens: list[int], size: int) -> float:
+    runner.prefill(context)
+    draft = Draft.chain(tokens[1:size]) if size > 1 else Draft.empty()
+    # commit keeps only the root: the context grows by one token per forward
+    return median_ms(lambda: runner.forward(tokens[0], draft), TIMED_FORWARDS,
+                     after=lambda: runner.commit([]))
 
 
 def runner_prompt_ms(runner, prompt: list[int]) -> float:
     """One prefill of ``prompt`` from an empty cache, ms (median of PROMPT_RUNS after one)."""
-    times = []
-    for _ in range(PROMPT_RUNS + 1):
-        start = time.perf_counter()
-        runner.prefill(prompt)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1000
+    return median_ms(lambda: runner.prefill(prompt), PROMPT_RUNS)
 
 
 def head_ms(runner, sizes) -> dict[str, float] | None:
@@ -103,16 +106,8 @@ def head_ms(runner, sizes) -> dict[str, float] | None:
     head = getattr(runner, "head", None)
     if head is None:
         return None
-    result = {}
-    for size in sizes:
-        x = torch.randn(size, runner.shape.hidden_size)
-        times = []
-        for _ in range(TIMED_FORWARDS + 1):
-            start = time.perf_counter()
-            head(x)
-            times.append(time.perf_counter() - start)
-        result[str(size)] = statistics.median(times[1:]) * 1000
-    return result
+    return {str(size): median_ms(lambda x=torch.randn(size, runner.shape.hidden_size): head(x),
+                                 TIMED_FORWARDS) for size in sizes}
 
 
 class LlamaCppLatency:
