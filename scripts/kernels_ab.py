@@ -6,8 +6,9 @@
 A shared machine's speed drifts by tens of percent within minutes, so timings taken one run
 after another compare the hour, not the code. Here both builds live in one process: the
 revision's kernel sources (``git show REV:src/specdecode/kernels/...``) are built as an
-extension of their own beside the working tree's, one default-model runner (native int4) is
-built on each (``kernels.load`` pointed at its build while it is built and called), and the
+extension of their own beside the working tree's, one runner of ``--model`` (the default model;
+native, its default weights or ``--weights``) is built on each (``kernels.load`` pointed at its
+build while it is built and called), and the
 two take turns call by call, each first in every other turn. Reported: the median of each,
 for a forward of ``rows`` rows after ``past`` cached positions (equal logits asserted) and,
 with ``--prefill``, prompts of ``--prefill-lengths`` tokens. The Python side is the working
@@ -29,16 +30,17 @@ from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.models.loading import load_model, make_runner
 
-SOURCES = ("cpu_kernels.cpp", "generic.h", "q8_blocks.h", "amx.h")
-
-
 def build_revision(rev: str, folder: Path):
-    """The kernels extension built from revision ``rev``'s sources."""
-    for name in SOURCES:
-        text = subprocess.run(["git", "show", f"{rev}:src/specdecode/kernels/{name}"],
-                              check=True, capture_output=True, text=True).stdout
-        (folder / name).write_text(text)
-    return kernels.compile_extension("kernels_at_revision", [folder / name for name in SOURCES])
+    """The kernels extension built from revision ``rev``'s sources (the working tree's source
+    list; a header the revision lacks is one its kernels do not include)."""
+    paths = []
+    for name in (path.name for path in kernels._SOURCES):
+        shown = subprocess.run(["git", "show", f"{rev}:src/specdecode/kernels/{name}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            (folder / name).write_text(shown.stdout)
+            paths.append(folder / name)
+    return kernels.compile_extension("kernels_at_revision", paths)
 
 
 def alternate(calls: dict, turns: int) -> dict:
@@ -58,13 +60,15 @@ def main() -> None:
     parser.add_argument("--pasts", type=int, nargs="+", default=[100, 300, 800, 1600])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--model", default="smollm2", help="a model name or GGUF file")
+    parser.add_argument("--weights", default="auto", help="the native runner's weight format")
     parser.add_argument("--prefill", action="store_true", help="also time prompts")
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[100, 768])
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:
         builds = {"rev": build_revision(args.rev, Path(folder)), "tree": kernels.load()}
-    loaded = load_model()
+    loaded = load_model(args.model)
 
     def use(name: str):
         kernels.load = lambda ext=builds[name]: ext
@@ -72,7 +76,7 @@ def main() -> None:
     base = {}
     for name in builds:
         use(name)
-        base[name] = make_runner(loaded, "native", "auto", max(args.pasts) + 64)
+        base[name] = make_runner(loaded, "native", args.weights, max(args.pasts) + 64)
     print(f"ms, {args.rev} / working tree ({torch.get_num_threads()} threads)")
     for past in args.pasts:
         prompt = [1000 + (i * 7919) % 40000 for i in range(past)]

@@ -131,6 +131,18 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
     zeros = torch.zeros(3, k)
     assert torch.equal(ext.q8_linear(zeros, packed, group, with_minimum, half, None, n, 0),
                        torch.zeros(3, n))
+    # the largest products: codes -128 and 127 against activations of +-127 (AVX2 multiplies
+    # |code| by the signed activation in 16-bit pairs: they must not saturate)
+    extreme = torch.where(torch.arange(n)[:, None] % 2 == 0, -128, 127).expand(n, k).to(torch.int8)
+    packed = kernels.pack_q8_blocks(extreme, scale, minimum, group, half)
+    xe = torch.ones(4, k)
+    xe[1], xe[3, ::3] = -1, -1
+    outs = [ext.q8_linear(xe, packed, group, with_minimum, half, None, n, isa) for isa in isas(ext)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    stored = (lambda v: v.half().float()) if half else (lambda v: v)  # noqa: E731
+    w = Int8BlockWeight(extreme, stored(scale), None if minimum is None else stored(minimum),
+                        group).dequantize()
+    assert torch.allclose(outs[0].double(), xe.double() @ w.double().T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype,layout,bytes_a_weight", [("Q5_0", "five_bit", 352 / 512),

@@ -82,6 +82,27 @@ def test_q4_times_int8_activations(ext, isa, n, k):
     assert torch.equal(ext.q4_linear(torch.zeros(ROWS, k), packed, None, n, isa), torch.zeros(ROWS, n))
 
 
+@pytest.mark.parametrize("n", [75, 83])  # a last tile cut inside its first and second 8 columns
+def test_q4_extreme_codes_and_cut_tiles_with_a_residual(ext, isa, n):
+    """Codes of 15 against activations quantised to +-127 give the largest sums a group holds
+    (AVX2 adds a group's products in 16-bit lanes: they must not saturate)."""
+    k = 256
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.full((n, k), 15, dtype=torch.uint8)
+    codes[::3] = torch.randint(0, 16, (codes[::3].shape), generator=gen, dtype=torch.uint8)
+    scale, minimum = torch.rand(n, k // 32, generator=gen) / 8, -torch.rand(n, k // 32, generator=gen)
+    packed = kernels.pack_q4(codes, scale.half().float(), minimum.half().float())
+    x = torch.ones(ROWS, k)  # every input at +-max|x|: xq = +-127, one sign a row
+    x[1::2] = -1
+    x[2] = torch.randn(k, generator=gen).sign()
+    residual = torch.randn(ROWS, n, generator=gen)
+    out = assert_row_invariant(lambda rows: ext.q4_linear(rows, packed, None, n, isa), x)
+    assert torch.equal(out, ext.q4_linear(x, packed, None, n, GENERIC))
+    exact = x.double() @ int4_weights(codes, scale.half().float(), minimum.half().float()).double().T
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-3)
+    assert torch.equal(ext.q4_linear(x, packed, residual, n, isa), residual + out)
+
+
 def test_norm_and_swiglu(ext, isa):
     gen = torch.Generator().manual_seed(2)
     h = torch.randn(ROWS, 576, generator=gen)

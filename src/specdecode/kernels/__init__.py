@@ -1,6 +1,6 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h``, ``q8_blocks.h`` and ``amx.h``) holds every operation
+``cpu_kernels.cpp`` (with ``generic.h``, ``q4_avx2.h``, ``q8_blocks.h`` and ``amx.h``) holds every operation
 of a decode or verify forward that adds numbers up: the linear layers of each weight format
 (fp32, bf16, block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512
 VNNI, or AMX tiles for several int4 rows), RMSNorm, SwiGLU, rotary embedding with the cache
@@ -32,8 +32,8 @@ import torch
 from specdecode.errors import SpecDecodeError, require
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q8_blocks.h",
-            _HERE / "small_codes.h", _HERE / "amx.h")
+_SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q4_avx2.h",
+            _HERE / "q8_blocks.h", _HERE / "small_codes.h", _HERE / "amx.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
 #: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
 #: the OS grants the tile state)

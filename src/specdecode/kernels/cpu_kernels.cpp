@@ -64,6 +64,7 @@ WEIGHT_LOADERS
 namespace k_avx2 {
 WEIGHT_LOADERS
 #include "generic.h"
+#include "q4_avx2.h"
 }  // namespace k_avx2
 #pragma GCC pop_options
 
@@ -682,7 +683,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
     else if (isa >= AVX512)
       k_avx512::q4_columns_vnni(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
     else if (isa == AVX2)
-      k_avx2::q4_columns_generic(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
+      k_avx2::q4_columns_avx2(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
     else
       k_generic::q4_columns_generic(xq.data(), dx.data(), sx.data(), m, k, w, res, yp, n, t0, t1);
   });

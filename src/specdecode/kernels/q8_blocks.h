@@ -17,8 +17,8 @@
 //   acc = fma((float)isum, scale * dx, acc);  acc = fma(minimum, dx * sum_i xq_i, acc)
 // (dx: the row's scale of the 32 activations holding the group). Integer sums are exact in any
 // order, so only these float operations order the result: they depend on K and G alone, so a
-// row's output is the same in a call of any size and position, and the portable and AVX-512
-// VNNI variants give the same bits.
+// row's output is the same in a call of any size and position, and the portable, AVX2 and
+// AVX-512 VNNI variants give the same bits.
 
 // how far ahead of the block in use the first row pass asks for a tile's weights (bytes), as
 // the Q4 kernel does with Q4_PREFETCH (where the hardware prefetcher alone was measured to leave
@@ -57,9 +57,9 @@ struct Acts {
   int64_t k;
 };
 
-// the portable kernel, compiled as it is and again for AVX2 (the same operations)
+// the portable kernel (baseline x86-64)
 template <int G, bool MIN, bool HALF>
-static inline __attribute__((always_inline)) void columns_portable(
+static void columns_generic(
     const Acts& a, int64_t m, const uint8_t* packed, const float* residual, float* y,
     int64_t n, int64_t t0, int64_t t1) {
   constexpr int64_t B = block_bytes(G, MIN, HALF), S = HALF ? 32 : 64;
@@ -93,18 +93,88 @@ static inline __attribute__((always_inline)) void columns_portable(
   }
 }
 
-template <int G, bool MIN, bool HALF>
-static void columns_generic(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
-                            float* y, int64_t n, int64_t t0, int64_t t1) {
-  columns_portable<G, MIN, HALF>(a, m, packed, residual, y, n, t0, t1);
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+
+// 8 columns' float32 numbers at `at` (float32, or float16 widened exactly)
+template <bool HALF>
+static inline __m256 numbers8(const uint8_t* at) {
+  if constexpr (HALF) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(at));
+}
+
+// R rows of half h (8 columns) of one column tile, for CPUs without VPDPBUSD. VPMADDUBSW takes
+// an unsigned and a signed operand, and code + 128 times xq would overflow its 16-bit pairs, so
+// it multiplies |code| (0..128) by xq carrying the code's sign (-127..127): each pair is
+// code * xq summed over two inputs, |pair| <= 2 x 128 x 127 < 2^15, exact; VPMADDWD by ones
+// adds a column's pairs into its 32-bit sum. The group's integer is VPDPBUSD's (sum of code * xq)
+// and the folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
+// Q8_PREFETCH bytes ahead.
+template <int G, bool MIN, bool HALF, int R>
+static void half_tile_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h, bool prefetch,
+                           __m256 (&acc)[R][1]) {
+  constexpr int64_t B = block_bytes(G, MIN, HALF), S = HALF ? 32 : 64;
+  const int64_t groups = a.k / G, agroups = a.k / 32;
+  const __m256i ones = _mm256_set1_epi16(1), offset = _mm256_set1_epi8((char)0x80);
+  for (int r = 0; r < R; r++) acc[r][0] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blk = tile + g * B;
+    if (prefetch)
+      for (int64_t line = 0; line < B; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_PREFETCH + line), _MM_HINT_T0);
+    __m256i isum[R];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < G / 4; j++) {
+      const __m256i code = _mm256_xor_si256(  // code + 128 -> code
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)), offset);
+      const __m256i magnitude = _mm256_abs_epi8(code);
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        std::memcpy(&four, a.xq + (r0 + r) * a.k + g * G + 4 * j, 4);
+        const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), code);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+      }
+    }
+    const __m256 scale = numbers8<HALF>(blk + 16 * G + (HALF ? 16 : 32) * h);
+    for (int r = 0; r < R; r++) {
+      const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + g * G / 32]));
+      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][0]);
+    }
+    if constexpr (MIN) {
+      const __m256 minimum = numbers8<HALF>(blk + 16 * G + S + (HALF ? 16 : 32) * h);
+      for (int r = 0; r < R; r++)
+        acc[r][0] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(a.sx[(r0 + r) * groups + g]), acc[r][0]);
+    }
+  }
+}
+
+// each tile in passes of 4 rows over one half: the first pass streams the tile, the others
+// read it from cache
 template <int G, bool MIN, bool HALF>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
-  columns_portable<G, MIN, HALF>(a, m, packed, residual, y, n, t0, t1);
+  const int64_t tile_bytes = a.k / G * block_bytes(G, MIN, HALF);
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t r0 = 0; r0 < m; r0 += 4)
+      for (int h = 0; h < 2; h++) {
+        const uint8_t* tile = packed + t * tile_bytes;
+        const bool first = r0 == 0 && h == 0;
+#define Q8_AVX2_CASE(R)                                                          \
+  {                                                                              \
+    __m256 acc[R][1];                                                            \
+    half_tile_avx2<G, MIN, HALF, R>(a, r0, tile, h, first, acc);                 \
+    k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);    \
+  }                                                                              \
+  break;
+        switch (std::min<int64_t>(4, m - r0)) {
+          case 4: Q8_AVX2_CASE(4)
+          case 3: Q8_AVX2_CASE(3)
+          case 2: Q8_AVX2_CASE(2)
+          default: Q8_AVX2_CASE(1)
+        }
+#undef Q8_AVX2_CASE
+      }
 }
 #pragma GCC pop_options
 

@@ -110,9 +110,9 @@ static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
   return low | top << 4;
 }
 
-// the portable kernel, compiled as it is and again for AVX2 (the same operations)
+// the portable kernel (baseline x86-64)
 template <class F, bool MIN>
-static inline __attribute__((always_inline)) void columns_portable(
+static void columns_generic(
     const Acts& a, int64_t m, const uint8_t* packed, const float* residual, float* y,
     int64_t n, int64_t t0, int64_t t1) {
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
@@ -150,18 +150,120 @@ static inline __attribute__((always_inline)) void columns_portable(
   }
 }
 
-template <class F, bool MIN>
-static void columns_generic(const Acts& a, int64_t m, const uint8_t* packed,
-                            const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
-  columns_portable<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+
+// slice j of half h (8 columns) of a packed group as VPMADDUBSW's unsigned operand: its
+// nibbles, with its top bits moved to bit 4 and up
+template <class F, int J>
+static inline __m256i slice_avx2(const uint8_t* grp, int h) {
+  const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (J / 2) + 32 * h));
+  const __m256i low = _mm256_and_si256(J % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles, _mm256_set1_epi8(0x0f));
+  const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 8 * F::G + 32 * h));
+  constexpr int shift = 4 - F::TOP * J;  // from bit TOP j to bit 4
+  const __m256i moved = shift > 0 ? _mm256_slli_epi16(tops, shift)
+                        : shift < 0 ? _mm256_srli_epi16(tops, -shift) : tops;
+  return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << F::TOP) - 1) << 4))));
+}
+
+// every slice of a group's half, J = 0 .. G / 4 - 1, through `use(J as a type, slice)`
+template <class F, int J = 0, class Use>
+static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
+  if constexpr (J < F::G / 4) {
+    use(std::integral_constant<int, J>{}, slice_avx2<F, J>(grp, h));
+    each_slice_avx2<F, J + 1>(grp, h, use);
+  }
+}
+
+// R rows of half h (8 columns) of one column tile, for CPUs without VPDPBUSD: VPMADDUBSW
+// multiplies a slice by four activation bytes a column and adds pairs into 16-bit lanes;
+// CHUNK slices' products are added there exactly (Q6K: u <= 63, 2 x 2 x 63 x 127 = 32004;
+// FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before VPMADDWD by ones widens
+// them into the group's 32-bit sum, the integer VPDPBUSD gives. The folds are columns_vnni's.
+// `prefetch`: the pass that streams the tile asks for it SMALL_CODES_PREFETCH bytes ahead.
+template <class F, bool MIN, int R>
+static void half_tile_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h, bool prefetch,
+                           __m256 (&acc)[R][1]) {
+  constexpr int CHUNK = F::TOP == 2 ? 2 : 4;
+  constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
+  const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; r++) acc[r][0] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t* block = tile + b * bytes;
+    __m256i super_sum[R];  // Q6K: S
+    for (int r = 0; r < R; r++) super_sum[r] = _mm256_setzero_si256();
+    for (int g = 0; g < F::GROUPS; g++) {
+      const int64_t at = b * F::GROUPS + g;
+      if (prefetch)  // the block's lines spread over its groups
+        for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
+          _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
+      __m256i isum[R], part[R];
+      for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
+      each_slice_avx2<F>(block + g * F::GROUP_BYTES, h, [&](auto j, __m256i u) {
+        constexpr int J = decltype(j)::value;
+        for (int r = 0; r < R; r++) {
+          int32_t four;
+          std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
+          const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
+          part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
+          if constexpr (J % CHUNK == CHUNK - 1)
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+        }
+      });
+      if constexpr (F::SUPER) {
+        const __m256i sc = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g + 8 * h)));
+        for (int r = 0; r < R; r++) super_sum[r] = _mm256_add_epi32(super_sum[r], _mm256_mullo_epi32(isum[r], sc));
+      } else {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::SC_AT + 16 * h)));
+        for (int r = 0; r < R; r++) {
+          const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + at]));
+          acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][0]);
+        }
+        if constexpr (MIN) {
+          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::MIN_AT + 16 * h)));
+          for (int r = 0; r < R; r++)
+            acc[r][0] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][0]);
+        }
+      }
+    }
+    if constexpr (F::SUPER) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::D_AT + 16 * h)));
+      for (int r = 0; r < R; r++)
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super_sum[r]),
+                                    _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][0]);
+    }
+  }
+}
+
+// each tile in passes of 4 rows over one half: the first pass streams the tile, the others
+// read it from cache
 template <class F, bool MIN>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
-  columns_portable<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t r0 = 0; r0 < m; r0 += 4)
+      for (int h = 0; h < 2; h++) {
+        const uint8_t* tile = packed + t * tile_bytes;
+        const bool first = r0 == 0 && h == 0;
+#define SMALL_CODES_AVX2_CASE(R)                                                   \
+  {                                                                                \
+    __m256 acc[R][1];                                                              \
+    half_tile_avx2<F, MIN, R>(a, r0, tile, h, first, acc);                         \
+    k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);      \
+  }                                                                                \
+  break;
+        switch (std::min<int64_t>(4, m - r0)) {
+          case 4: SMALL_CODES_AVX2_CASE(4)
+          case 3: SMALL_CODES_AVX2_CASE(3)
+          case 2: SMALL_CODES_AVX2_CASE(2)
+          default: SMALL_CODES_AVX2_CASE(1)
+        }
+#undef SMALL_CODES_AVX2_CASE
+      }
 }
 #pragma GCC pop_options
 
