@@ -93,7 +93,6 @@ static void columns_generic(
   }
 }
 
-
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
