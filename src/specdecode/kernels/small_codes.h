@@ -175,83 +175,98 @@ static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
   }
 }
 
-// R rows of half h (8 columns) of one column tile, for CPUs without VPDPBUSD: VPMADDUBSW
-// multiplies a slice by four activation bytes a column and adds pairs into 16-bit lanes;
-// CHUNK slices' products are added there exactly (Q6K: u <= 63, 2 x 2 x 63 x 127 = 32004;
-// FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before VPMADDWD by ones widens
-// them into the group's 32-bit sum, the integer VPDPBUSD gives. The folds are columns_vnni's.
-// `prefetch`: the pass that streams the tile asks for it SMALL_CODES_PREFETCH bytes ahead.
-template <class F, bool MIN, int R>
-static void half_tile_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h, bool prefetch,
-                           __m256 (&acc)[R][1]) {
+// R rows x H halves (8 columns each, from half h0) of one column tile, for CPUs without
+// VPDPBUSD: VPMADDUBSW multiplies a slice by four activation bytes a column and adds pairs
+// into 16-bit lanes; CHUNK slices' products are added there exactly (Q6K: u <= 63,
+// 2 x 2 x 63 x 127 = 32004; FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before
+// VPMADDWD by ones widens them into the group's 32-bit sum, the integer VPDPBUSD gives. The
+// folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
+// SMALL_CODES_PREFETCH bytes ahead.
+template <class F, bool MIN, int R, int H>
+static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
+                        __m256 (&acc)[R][H]) {
   constexpr int CHUNK = F::TOP == 2 ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; r++) acc[r][0] = _mm256_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < H; h++) acc[r][h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
     const uint8_t* block = tile + b * bytes;
-    __m256i super_sum[R];  // Q6K: S
-    for (int r = 0; r < R; r++) super_sum[r] = _mm256_setzero_si256();
+    __m256i super_sum[R][H];  // Q6K: S
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < H; h++) super_sum[r][h] = _mm256_setzero_si256();
     for (int g = 0; g < F::GROUPS; g++) {
       const int64_t at = b * F::GROUPS + g;
       if (prefetch)  // the block's lines spread over its groups
         for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
           _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
-      __m256i isum[R], part[R];
-      for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
-      each_slice_avx2<F>(block + g * F::GROUP_BYTES, h, [&](auto j, __m256i u) {
-        constexpr int J = decltype(j)::value;
-        for (int r = 0; r < R; r++) {
-          int32_t four;
-          std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
-          const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
-          part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
-          if constexpr (J % CHUNK == CHUNK - 1)
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
-        }
-      });
-      if constexpr (F::SUPER) {
-        const __m256i sc = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g + 8 * h)));
-        for (int r = 0; r < R; r++) super_sum[r] = _mm256_add_epi32(super_sum[r], _mm256_mullo_epi32(isum[r], sc));
-      } else {
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::SC_AT + 16 * h)));
-        for (int r = 0; r < R; r++) {
-          const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + at]));
-          acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][0]);
-        }
-        if constexpr (MIN) {
-          const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::MIN_AT + 16 * h)));
+      for (int h = 0; h < H; h++) {
+        const int half = h0 + h;
+        __m256i isum[R], part[R];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
+        each_slice_avx2<F>(block + g * F::GROUP_BYTES, half, [&](auto j, __m256i u) {
+          constexpr int J = decltype(j)::value;
+          for (int r = 0; r < R; r++) {
+            int32_t four;
+            std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
+            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
+            part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
+            if constexpr (J % CHUNK == CHUNK - 1)
+              isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+          }
+        });
+        if constexpr (F::SUPER) {
+          const __m256i sc = _mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g + 8 * half)));
           for (int r = 0; r < R; r++)
-            acc[r][0] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][0]);
+            super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
+        } else {
+          const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::SC_AT + 16 * half)));
+          for (int r = 0; r < R; r++) {
+            const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + at]));
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][h]);
+          }
+          if constexpr (MIN) {
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::MIN_AT + 16 * half)));
+            for (int r = 0; r < R; r++)
+              acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][h]);
+          }
         }
       }
     }
-    if constexpr (F::SUPER) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::D_AT + 16 * h)));
-      for (int r = 0; r < R; r++)
-        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super_sum[r]),
-                                    _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][0]);
-    }
+    if constexpr (F::SUPER)
+      for (int h = 0; h < H; h++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::D_AT + 16 * (h0 + h))));
+        for (int r = 0; r < R; r++)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super_sum[r][h]),
+                                      _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][h]);
+      }
   }
 }
 
-// each tile in passes of 4 rows over one half: the first pass streams the tile, the others
-// read it from cache
+// one row takes both halves of a tile in one pass (it streams the tile once); more rows take
+// one half a pass, four rows at a time: the first pass streams the tile, the others read it
+// from cache
 template <class F, bool MIN>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
-  for (int64_t t = t0; t < t1; t++)
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = packed + t * tile_bytes;
+    if (m == 1) {
+      __m256 acc[1][2];
+      halves_avx2<F, MIN, 1, 2>(a, 0, tile, 0, true, acc);
+      k_avx2::store_halves_avx2<1, 2>(acc, 0, t * 16, residual, y, n);
+      continue;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += 4)
       for (int h = 0; h < 2; h++) {
-        const uint8_t* tile = packed + t * tile_bytes;
         const bool first = r0 == 0 && h == 0;
 #define SMALL_CODES_AVX2_CASE(R)                                                   \
   {                                                                                \
     __m256 acc[R][1];                                                              \
-    half_tile_avx2<F, MIN, R>(a, r0, tile, h, first, acc);                         \
+    halves_avx2<F, MIN, R, 1>(a, r0, tile, h, first, acc);                         \
     k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);      \
   }                                                                                \
   break;
@@ -263,6 +278,7 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
         }
 #undef SMALL_CODES_AVX2_CASE
       }
+  }
 }
 #pragma GCC pop_options
 
