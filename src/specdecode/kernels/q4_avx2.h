@@ -76,9 +76,25 @@ static void store_halves_avx2(const __m256 (&acc)[R][H], int64_t r0, int64_t col
     }
 }
 
+// m rows of one column tile in passes of up to 4 rows over one half (the registers hold 4 rows'
+// sums of a half beside the codes): pass(rows, r0, h, first), rows a std::integral_constant,
+// `first` the pass that streams the tile (the others read it from cache)
+template <class Pass>
+static inline void half_passes(int64_t m, Pass&& pass) {
+  for (int64_t r0 = 0; r0 < m; r0 += 4)
+    for (int h = 0; h < 2; h++) {
+      const bool first = r0 == 0 && h == 0;
+      switch (std::min<int64_t>(4, m - r0)) {
+        case 4: pass(std::integral_constant<int, 4>{}, r0, h, first); break;
+        case 3: pass(std::integral_constant<int, 3>{}, r0, h, first); break;
+        case 2: pass(std::integral_constant<int, 2>{}, r0, h, first); break;
+        default: pass(std::integral_constant<int, 1>{}, r0, h, first); break;
+      }
+    }
+}
+
 // column tiles t0 .. t1 for m rows: one or two rows take both halves of a tile in one pass (it
-// streams the tile once); more rows take one half a pass, four rows at a time (the registers
-// hold 4 rows' float and 16-bit sums of a half, beside the codes)
+// streams the tile once); more rows take half_passes
 static void q4_columns_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t m,
                             int64_t k_dim, const uint8_t* packed, const float* residual,
                             float* y, int64_t n, int64_t t0, int64_t t1) {
@@ -94,25 +110,12 @@ static void q4_columns_avx2(const int8_t* xq, const float* dx, const float* sx, 
       }
       continue;
     }
-    for (int64_t r0 = 0; r0 < m; r0 += 4)
-      for (int h0 = 0; h0 < 2; h0++) {
-        const int8_t* x = xq + r0 * k_dim;
-        const float *gx = dx + r0 * groups, *gs = sx + r0 * groups;
-        const bool first = r0 == 0 && h0 == 0;
-#define Q4_AVX2_CASE(R)                                                    \
-  {                                                                        \
-    __m256 acc[R][1];                                                      \
-    q4_tile_avx2<R, 1>(x, gx, gs, k_dim, tile, h0, first, acc);            \
-    store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h0, residual, y, n);     \
-  }                                                                        \
-  break;
-        switch (std::min<int64_t>(4, m - r0)) {
-          case 4: Q4_AVX2_CASE(4)
-          case 3: Q4_AVX2_CASE(3)
-          case 2: Q4_AVX2_CASE(2)
-          default: Q4_AVX2_CASE(1)
-        }
-#undef Q4_AVX2_CASE
-      }
+    half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][1];
+      q4_tile_avx2<R, 1>(xq + r0 * k_dim, dx + r0 * groups, sx + r0 * groups, k_dim, tile, h,
+                         first, acc);
+      store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    });
   }
 }

@@ -148,32 +148,20 @@ static void half_tile_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h
   }
 }
 
-// each tile in passes of 4 rows over one half: the first pass streams the tile, the others
-// read it from cache
+// each tile in k_avx2::half_passes
 template <int G, bool MIN, bool HALF>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = a.k / G * block_bytes(G, MIN, HALF);
-  for (int64_t t = t0; t < t1; t++)
-    for (int64_t r0 = 0; r0 < m; r0 += 4)
-      for (int h = 0; h < 2; h++) {
-        const uint8_t* tile = packed + t * tile_bytes;
-        const bool first = r0 == 0 && h == 0;
-#define Q8_AVX2_CASE(R)                                                          \
-  {                                                                              \
-    __m256 acc[R][1];                                                            \
-    half_tile_avx2<G, MIN, HALF, R>(a, r0, tile, h, first, acc);                 \
-    k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);    \
-  }                                                                              \
-  break;
-        switch (std::min<int64_t>(4, m - r0)) {
-          case 4: Q8_AVX2_CASE(4)
-          case 3: Q8_AVX2_CASE(3)
-          case 2: Q8_AVX2_CASE(2)
-          default: Q8_AVX2_CASE(1)
-        }
-#undef Q8_AVX2_CASE
-      }
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = packed + t * tile_bytes;
+    k_avx2::half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][1];
+      half_tile_avx2<G, MIN, HALF, R>(a, r0, tile, h, first, acc);
+      k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    });
+  }
 }
 #pragma GCC pop_options
 

@@ -246,8 +246,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
 }
 
 // one row takes both halves of a tile in one pass (it streams the tile once); more rows take
-// one half a pass, four rows at a time: the first pass streams the tile, the others read it
-// from cache
+// k_avx2::half_passes
 template <class F, bool MIN>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
@@ -260,24 +259,12 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
       k_avx2::store_halves_avx2<1, 2>(acc, 0, t * 16, residual, y, n);
       continue;
     }
-    for (int64_t r0 = 0; r0 < m; r0 += 4)
-      for (int h = 0; h < 2; h++) {
-        const bool first = r0 == 0 && h == 0;
-#define SMALL_CODES_AVX2_CASE(R)                                                   \
-  {                                                                                \
-    __m256 acc[R][1];                                                              \
-    halves_avx2<F, MIN, R, 1>(a, r0, tile, h, first, acc);                         \
-    k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);      \
-  }                                                                                \
-  break;
-        switch (std::min<int64_t>(4, m - r0)) {
-          case 4: SMALL_CODES_AVX2_CASE(4)
-          case 3: SMALL_CODES_AVX2_CASE(3)
-          case 2: SMALL_CODES_AVX2_CASE(2)
-          default: SMALL_CODES_AVX2_CASE(1)
-        }
-#undef SMALL_CODES_AVX2_CASE
-      }
+    k_avx2::half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
+      constexpr int R = decltype(rows)::value;
+      __m256 acc[R][1];
+      halves_avx2<F, MIN, R, 1>(a, r0, tile, h, first, acc);
+      k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    });
   }
 }
 #pragma GCC pop_options
