@@ -99,7 +99,7 @@ def measure_roofline(int4_runner, sizes) -> dict | None:
     """The roofline's rates for an int4 runner (GMAC/s), None where the CPU extension has no
     AVX-512 VNNI build (its micro-kernels are VNNI code) and for mixture-of-experts models (a
     forward's rows read different experts: no one count of multiply-adds a row)."""
-    if not vnni_cpu() or kernels.isa() == kernels.ISA_LEVELS.index("amx"):
+    if kernels.isa() != kernels.ISA_LEVELS.index("avx512"):
         return None
     if any(layer.moe is not None for layer in int4_runner.layers):
         return None

@@ -1,11 +1,11 @@
 """Compiled CPU kernels of the native runner: build, load, and pick the instruction set.
 
-``cpu_kernels.cpp`` (with ``generic.h``, ``q4_avx2.h``, ``q8_blocks.h`` and ``amx.h``) holds every operation
-of a decode or verify forward that adds numbers up: the linear layers of each weight format
-(fp32, bf16, block int8 and the 4-bit GGUF Q4_1 scheme times int8 activations with AVX-512
-VNNI, or AMX tiles for several int4 rows), RMSNorm, SwiGLU, rotary embedding with the cache
-write, tree attention (optionally over a sliding window, optionally with its scores
-soft-capped), GeGLU and logit soft-capping. Each
+``cpu_kernels.cpp`` (with ``generic.h``, ``q4_avx2.h``, ``q8_blocks.h``, ``small_codes.h`` and
+``amx.h``) holds every operation of a decode or verify forward that adds numbers up: the
+linear layers of each weight format (fp32, bf16, block int8 and the 4-bit GGUF Q4_1 scheme
+times int8 activations with AVX-512 VNNI, AVX2, or AMX tiles for several int4 rows), RMSNorm,
+SwiGLU, rotary embedding with the cache write, tree attention (optionally over a sliding
+window, optionally with its scores soft-capped), GeGLU and logit soft-capping. Each
 output element is computed by one thread in an order of additions fixed by the model's sizes
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits).
