@@ -33,7 +33,7 @@ def argmax_rows(runner, ids: list[int]) -> torch.Tensor:
     """The runner's argmax after every token of ``ids`` [len(ids)], from one prefill."""
     runner.cache.rewind(0)
     out = runner.prefill(ids, Needs(final_hidden=True))
-    return runner.lm_head(out.final_hidden).argmax(-1)
+    return runner.early_exit.head(out.final_hidden).argmax(-1)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ def all_logits(runner, ids: list[int]) -> torch.Tensor:
     """The runner's logits after every token of ``ids`` [len(ids), V], from one prefill."""
     runner.cache.rewind(0)
     out = runner.prefill(ids, Needs(final_hidden=True))
-    return runner.lm_head(out.final_hidden)
+    return runner.early_exit.head(out.final_hidden)
 
 
 def drafts(q: torch.Tensor, k: int, gen: torch.Generator) -> tuple[list[int], list[int], list]:

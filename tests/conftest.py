@@ -181,8 +181,8 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None,
     if key in _TINY_HEADS:
         return _TINY_HEADS[key]
     torch.manual_seed(0)
-    embed = runner.input_embeddings()
-    head = runner.output_embeddings().float()
+    embed = runner.tables.input_embeddings()
+    head = runner.tables.output_embeddings().float()
     # as `train heads` makes them: EAGLE-3's layers for eagle, deer's for deer
     layers = feature_layers(kind, runner.num_layers)
     settings = {"feature_layers": layers} if layers else {}

@@ -342,4 +342,4 @@ def test_hf_runner_gives_drafters_the_layers_of_any_architecture():
                                               r"model: it has 2 layers, so it must be in 1\.\.1"):
         runner.prefill(ids, Needs(layers=(2,)))
     with pytest.raises(SpecDecodeError, match="early exit needs a Llama-layout model"):
-        runner._check_exit_layer(1)
+        runner.early_exit

@@ -382,11 +382,11 @@ def test_runners_keep_the_features_their_logits_come_from(tiny, native):
     assert runner.prefill(prompt).final_hidden is None  # only what was asked for
     out = runner.prefill(prompt, needs)
     assert out.final_hidden.shape == (len(prompt), 32)
-    torch.testing.assert_close(runner.lm_head(out.final_hidden[-1:]), out.logits)
+    torch.testing.assert_close(runner.early_exit.head(out.final_hidden[-1:]), out.logits)
     out = runner.forward(3, Draft((4, 5, 6), (-1, 0, -1)), needs)
     assert out.final_hidden.shape == (4, 32)
-    assert torch.equal(runner.lm_head(out.final_hidden), out.logits) or not native
-    torch.testing.assert_close(runner.lm_head(out.final_hidden), out.logits)
+    assert torch.equal(runner.early_exit.head(out.final_hidden), out.logits) or not native
+    torch.testing.assert_close(runner.early_exit.head(out.final_hidden), out.logits)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["hf", "native"])
@@ -447,7 +447,7 @@ def test_runners_return_the_eagle3_layers_at_prefill_and_verify(native):
 
     model = tiny_llama(layers=8, seed=2)
     runner = LlamaRunner.from_transformers(model, "fp32") if native else HFRunner(model)
-    net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=eagle3_layers(8))
+    net = make_network("eagle", 32, runner.tables.input_embeddings(), feature_layers=eagle3_layers(8))
     needs = target_needs(net)
     assert needs == Needs(layers=(2, 4, 5))
     prompt = [5, 6, 7, 8, 9]
@@ -472,9 +472,9 @@ def test_training_time_test_lowers_the_loss_on_the_heads_own_predictions():
 
     model = tiny_llama(layers=4, seed=1)
     runner = HFRunner(model)
-    head = runner.output_embeddings().float()
+    head = runner.tables.output_embeddings().float()
     layers = eagle3_layers(4)
-    net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=layers)
+    net = make_network("eagle", 32, runner.tables.input_embeddings(), feature_layers=layers)
     torch.manual_seed(0)
     data = []
     for _ in range(2):
@@ -483,7 +483,7 @@ def test_training_time_test_lowers_the_loss_on_the_heads_own_predictions():
 
     def unrolled_losses(train_depth: int) -> list[float]:
         torch.manual_seed(0)
-        net = make_network("eagle", 32, runner.input_embeddings(), feature_layers=layers)
+        net = make_network("eagle", 32, runner.tables.input_embeddings(), feature_layers=layers)
         optim = torch.optim.AdamW(net.parameters(), lr=3e-3)
         for step in range(12):
             ids, inputs, final = data[step % len(data)]
@@ -505,7 +505,7 @@ def test_old_eagle_artifacts_still_load_and_draft_exactly(tiny, tmp_path):
     as the network it was and asks the target for final features; a new one asks for its
     layers; both draft exactly."""
     runner = HFRunner(tiny)
-    embed = runner.input_embeddings()
+    embed = runner.tables.input_embeddings()
     old = make_network("eagle", 32, embed)
     assert "feature_layers" not in old.settings()  # what the old trainer stored
     path = save_heads(tmp_path / "old.safetensors", old, None, runner.fingerprint(), {})
@@ -610,7 +610,7 @@ def test_padded_reads_give_each_conversations_own_features(kind):
     model = tiny_llama(layers=4, seed=2)
     runner = HFRunner(model)
     layers = eagle3_layers(4) if kind == "eagle3" else []
-    net = make_network(kind.rstrip("3"), 32, runner.input_embeddings(),
+    net = make_network(kind.rstrip("3"), 32, runner.tables.input_embeddings(),
                        **({"feature_layers": layers} if layers else {}))
     gen = torch.Generator().manual_seed(5)
     sequences = [torch.randint(runner.vocab_size, (n,), generator=gen).tolist()

@@ -46,7 +46,7 @@ def decode(model, method, prompt, max_new=40, **config):
 def test_exit_forward_matches_full_forward_and_manual_head(model):
     runner = HFRunner(model)
     runner.prefill(PROMPT)
-    with runner.exit_chain(2) as chain:
+    with runner.early_exit.chain(2) as chain:
         h1 = chain.extend([12])
         h2 = chain.extend([13, 14])  # a chain of two in one call
     hidden = torch.cat([h1, h2])
@@ -55,14 +55,14 @@ def test_exit_forward_matches_full_forward_and_manual_head(model):
         expected = full.hidden_states[2][0, -3:]
         manual = model.lm_head(model.model.norm(expected))
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runner.exit_logits(hidden), manual, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.early_exit.logits(hidden), manual, rtol=1e-5, atol=1e-5)
     adapters = ExitAdapters([2], 32, 4, 1e-6, model.model.norm.weight)
     with torch.no_grad():
         adapters[2].up.normal_()
         adapters[2].bias.normal_()
         h = expected + adapters[2].bias + expected @ adapters[2].down.T @ adapters[2].up.T
         normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * adapters[2].norm_weight
-        torch.testing.assert_close(runner.exit_logits(hidden, adapters[2]), model.lm_head(normed),
+        torch.testing.assert_close(runner.early_exit.logits(hidden, adapters[2]), model.lm_head(normed),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -70,7 +70,7 @@ def test_draft_rows_are_dropped_before_the_full_verify_pass(model):
     plain, shared = HFRunner(model), HFRunner(model)
     plain.prefill(PROMPT)
     shared.prefill(PROMPT)
-    with shared.exit_chain(3) as chain:
+    with shared.early_exit.chain(3) as chain:
         for token in (12, 13, 14):
             chain.extend([token])
         assert all(layer.keys.shape[2] == len(PROMPT) + 3 for layer in shared.cache.layers[:3])
@@ -90,12 +90,12 @@ def test_exit_layer_errors(model):
     runner.prefill(PROMPT)
     for bad in (0, 4, 9):
         with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
-            runner.exit_chain(bad)
+            runner.early_exit.chain(bad)
         with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
             runner.forward(12, Draft.empty(), Needs(layers=(bad,)))
     runner.forward(12, Draft.chain([13]))
     with pytest.raises(SpecDecodeError, match="opened between forward and commit"):
-        runner.exit_chain(2)
+        runner.early_exit.chain(2)
 
 
 # ---- exactness ---------------------------------------------------------------------------

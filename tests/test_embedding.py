@@ -114,14 +114,14 @@ def test_a_runner_from_a_file_holds_no_float_table_and_computes_the_same(files, 
     dense = as_float(FileTensors(GGUFFile(files[name]), weights != "fp32")[EMBED])
     before = LlamaRunner.from_gguf(files[name], weights)
     before.embed = DenseRows(dense)
-    assert torch.equal(runner.input_embeddings(), dense)
+    assert torch.equal(runner.tables.input_embeddings(), dense)
     sample = dense[:: max(1, dense.shape[0] // 64), :8].double().sum().item()
     assert runner.fingerprint() == before.fingerprint() and f"{sample:.6e}" in runner.fingerprint()
     draft = Draft((7, 7, 300, 5), (-1, 0, -1, 2))
     for r in (runner, before):
         r.prefill(PROMPT)
     assert torch.equal(runner.forward(9, draft).logits, before.forward(9, draft).logits)
-    assert torch.equal(runner.embed_tokens([3, 511, 3]), before.embed_tokens([3, 511, 3]))
+    assert torch.equal(runner.layer_loop.embed([3, 511, 3]), before.layer_loop.embed([3, 511, 3]))
 
 
 def test_tensors_in_memory_keep_their_table(tiny_model):

@@ -156,7 +156,7 @@ def test_layers_in_one_call_equal_the_python_loop(weights):
             first = runner.prefill(prompt, needs) if step == 0 else None
             out = runner.forward(3 + step, TREE, needs)
             runner.commit([0, 1])
-            with runner.exit_chain(2) as chain:
+            with runner.early_exit.chain(2) as chain:
                 exit_hidden = chain.extend([5]) if step == 2 else None
             outs.append((first, out.logits, dict(out.layers), exit_hidden))
         (a, b, c, d), (e, f, g, h) = outs
@@ -209,13 +209,13 @@ def test_exit_forward_is_the_full_forward_cut_short():
     native.prefill(prompt)
     hf.prefill(prompt)
     hidden, hf_hidden = ([], [])
-    with native.exit_chain(2) as chain, hf.exit_chain(2) as hf_chain:
+    with native.early_exit.chain(2) as chain, hf.early_exit.chain(2) as hf_chain:
         for tokens in ([12], [13, 14]):
             hidden.append(chain.extend(tokens))
             hf_hidden.append(hf_chain.extend(tokens))
     hidden = torch.cat(hidden)
     assert (hidden - torch.cat(hf_hidden)).abs().max() < 1e-5
-    assert (native.exit_logits(hidden) - hf.exit_logits(hidden)).abs().max() < 1e-5
+    assert (native.early_exit.logits(hidden) - hf.early_exit.logits(hidden)).abs().max() < 1e-5
     # the verify pass overwrites the draft rows; its root row is the exit pass's, bit for bit
     out = native.forward(12, Draft.chain([13, 14]), Needs(layers=(2, 3)))
     assert torch.equal(out.layers[2][:3], hidden)
@@ -224,7 +224,7 @@ def test_exit_forward_is_the_full_forward_cut_short():
     plain.prefill(prompt)
     assert torch.equal(plain.forward(12, Draft.chain([13, 14])).logits, out.logits)
     with pytest.raises(SpecDecodeError, match=r"has 4 layers.*1\.\.3"):
-        native.exit_chain(4)
+        native.early_exit.chain(4)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int4"])

@@ -53,12 +53,13 @@ class DiffusionModel:
     Counts its forwards (``forwards``; a prefill or an append counts one)."""
 
     def __init__(self, runner, mask_id: int):
-        require(hasattr(runner, "run") and hasattr(runner, "cache"),
+        require(hasattr(runner, "layer_loop"),
                 f"diffusion decoding needs the native runner (--runner native), got "
                 f"{getattr(runner, 'name', type(runner).__name__)}")
         require(0 <= mask_id < runner.vocab_size,
                 f"mask_id {mask_id} is outside the vocabulary (0..{runner.vocab_size - 1})")
         self.runner = runner
+        self.loop = runner.layer_loop
         self.mask_id = mask_id
         self.forwards = 0
         #: logits [V] of the last committed row: the prediction for the next block's position 0
@@ -78,9 +79,8 @@ class DiffusionModel:
     @torch.inference_mode()
     def append(self, tokens: Sequence[int]) -> None:
         """Commit a finished block: its rows join the cache as causal rows."""
-        runner = self.runner
-        hidden, _ = runner.append(tokens, bulk_rows=10**9)[-1]
-        self._anchor = runner.lm_head(runner.exit_norm(hidden[-1:]))[0].float()
+        hidden, _ = self.loop.append(tokens, bulk_rows=10**9)[-1]
+        self._anchor = self.loop.logits(hidden[-1:])[0]
         self.forwards += 1
 
     def rewind(self, length: int) -> None:
@@ -106,14 +106,14 @@ class DiffusionModel:
         keys = slots.to(torch.int32).expand(rows, rows).contiguous()
         # a token's row sees the ones up to it; a block row sees every row of the forward
         lengths = torch.cat([torch.arange(1, n + 1), torch.full((width,), rows)]).to(torch.int32)
-        hidden, _ = self.runner.run(tokens + [self.mask_id] * width,
+        hidden, _ = self.loop.run(tokens + [self.mask_id] * width,
                                     AttentionPlan(past, slots, slots, keys, lengths))
         self.runner.cache.append(n)
         self.runner.cache.drop_uncommitted()
         self.forwards += 1
         # shifted: the last token's row predicts position 0, block row i - 1 position i
         first = max(n - 1, 0)
-        logits = self.runner.lm_head(self.runner.exit_norm(hidden[first:n + width - 1])).float()
+        logits = self.loop.logits(hidden[first:n + width - 1])
         if n:
             self._anchor = logits[0]
             return logits
@@ -141,10 +141,10 @@ class DiffusionModel:
         plan = AttentionPlan(past, (past + offsets).repeat(count), slots, keys.contiguous(),
                              torch.full((count * width,), width, dtype=torch.int32))
         tokens = [token for state in states for token in state]
-        hidden, _ = self.runner.run(tokens, plan)  # [S B, H]
+        hidden, _ = self.loop.run(tokens, plan)  # [S B, H]
         self.runner.cache.drop_uncommitted()
         self.forwards += 1
-        rows = self.runner.lm_head(self.runner.exit_norm(hidden)).float().view(count, width, -1)
+        rows = self.loop.logits(hidden).view(count, width, -1)
         # shifted: position i's logits are row i - 1's; position 0's the last committed row's
         anchor = self._anchor.expand(count, 1, -1)
         return list(torch.cat([anchor, rows[:, :-1]], 1).unbind(0))
@@ -166,10 +166,10 @@ class DiffusionModel:
         at = past + torch.tensor(rows)
         keys = (past + torch.arange(see, dtype=torch.int32)).expand(len(rows), see).contiguous()
         plan = AttentionPlan(past, at, at, keys, torch.full((len(rows),), see, dtype=torch.int32))
-        hidden, _ = self.runner.run([block[i] for i in rows], plan)  # [n, H]
+        hidden, _ = self.loop.run([block[i] for i in rows], plan)  # [n, H]
         self.runner.cache.drop_uncommitted()
         self.forwards += 1
-        out = self.runner.lm_head(self.runner.exit_norm(hidden)).float()  # [n, V]
+        out = self.loop.logits(hidden)  # [n, V]
         logits = torch.zeros(len(block), out.shape[-1])
         logits[0] = self._anchor
         computed = [0]

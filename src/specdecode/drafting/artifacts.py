@@ -104,7 +104,7 @@ def load_draft(spec: str, runner: Runner) -> LoadedDraft:
     path = Path(spec)
     if path.suffix == ".safetensors":
         artifact = load_artifact(path, ARTIFACT_KIND, fingerprint)
-        loaded = build_distilled(artifact.config, artifact.tensors, runner.input_embeddings())
+        loaded = build_distilled(artifact.config, artifact.tensors, runner.tables.input_embeddings())
     elif path.is_dir():
         from transformers import AutoModelForCausalLM
 

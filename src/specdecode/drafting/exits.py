@@ -6,19 +6,20 @@ exit layer from the adapters' measured agreement.
 
 from __future__ import annotations
 
-from specdecode.errors import require
+from specdecode.errors import SpecDecodeError
+from specdecode.models.capabilities import EarlyExit, check_layer
 
 
 def check_exit_layer(runner, layer: int, what: str = "exit_layer") -> None:
-    require(1 <= layer < runner.num_layers,
-            f"{what} {layer} is outside the model: it has {runner.num_layers} layers, so an exit "
-            f"layer must be in 1..{runner.num_layers - 1}")
+    check_layer(layer, runner.num_layers, what)
 
 
-def require_early_exit(runner, method: str) -> None:
-    require(runner.supports_early_exit,
-            f"method '{method}' drafts with the target's early layers, which the {runner.name} "
-            "runner does not support; use the hf runner with a Llama-family model")
+def require_early_exit(runner, who: str) -> EarlyExit:
+    """The runner's early exit, or an error that names ``who`` needs it."""
+    try:
+        return runner.early_exit
+    except SpecDecodeError as exc:
+        raise SpecDecodeError(f"{who} drafts with the target's early layers: {exc}") from None
 
 
 #: cost model constants for SmolLM2-135M on a 2-core CPU, hf runner (docs/self-speculation.md):

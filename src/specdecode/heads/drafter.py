@@ -70,7 +70,7 @@ class HeadDraftLM(DraftCache):
         self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = net.size
-        head = runner.output_embeddings()
+        head = runner.tables.output_embeddings()
         # int4 like the default runner's own LM head: reading it is most of a node's cost
         self.score = scoring_layer(head if head_ids is None else head[head_ids], "int4")
         self.reset()

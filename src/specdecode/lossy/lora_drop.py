@@ -31,7 +31,7 @@ so training sees KV rows that inference never writes); here training follows inf
 (:func:`specdecode.training.lora_drop.scheduled_hidden`).
 
 Runs on the native runner (:class:`NativePasses`: its layers in stretches through
-``LlamaRunner.run_layers``, the int4 stack for each stretch of kept layers) and on the hf runner
+``LayerLoop.run_layers``, the int4 stack for each stretch of kept layers) and on the hf runner
 (:class:`HFPasses`: the transformers layers one by one, what the corrector's training runs
 through with autograd). Both compute the same passes (tests/test_lora_drop.py).
 """
@@ -253,7 +253,7 @@ class NativePasses:
     prompt layers up to its last token, which runs as an anchor."""
 
     def __init__(self, runner: Runner, correctors: Correctors, dropped: Sequence[int]):
-        self.runner, self.correctors = runner, correctors
+        self.loop, self.correctors = runner.layer_loop, correctors
         dropped = set(dropped)
         #: (first, last, droppable) stretches of layers
         self.stretches: list[tuple[int, int, bool]] = []
@@ -272,26 +272,26 @@ class NativePasses:
         """As :meth:`HFPasses.feed`."""
         from specdecode.models.kv_cache import AttentionPlan
 
-        runner, cache = self.runner, self.runner.cache
+        loop, cache = self.loop, self.loop.cache
         if len(token_ids) > 1:
-            runner.append(token_ids[:-1], bulk_rows=2)
+            loop.append(token_ids[:-1], bulk_rows=2)
             self.kept = cache.length
         cache.check_room(1, "one token")
         every = AttentionPlan.chain(cache.length, 1)
         own = replace(AttentionPlan.chain(self.kept, 1), positions=every.positions)
-        x = runner.embed_tokens(token_ids[-1:])
+        x = loop.embed(token_ids[-1:])
         for first, last, droppable in self.stretches:
             if not droppable:
-                x = runner.run_layers(x, every, first, last)
+                x = loop.run_layers(x, every, first, last)
                 continue
             for i in range(first, last):
                 if full:
-                    out = runner.run_layers(x, own, i, i + 1)
+                    out = loop.run_layers(x, own, i, i + 1)
                     self.anchors[i] = out - x
                     x = out
                 else:
-                    correction = self.correctors.correction(i, runner.attention_norm(i, x))
+                    correction = self.correctors.correction(i, loop.attention_norm(i, x))
                     x = x + self.anchors[i] + correction
         cache.append(1)
         self.kept += full
-        return runner.lm_head(runner.exit_norm(x))[0]
+        return loop.logits(x)[0]

@@ -22,7 +22,7 @@ fine-tunes the whole model on data re-arranged around lexical units, which also 
 predictions); no repetition control. Defaults: 3 slots (units of up to 4 tokens), threshold 0.9
 (the paper's confidence threshold alpha; its value there is not verified, PAPERS.md).
 
-Runs on the native runner (the layers through ``LlamaRunner.run_layers``' Python loop with
+Runs on the native runner (the layers through ``LayerLoop.run_layers``' Python loop with
 each q/k/v and output projection wrapped by :class:`SlotLora`, the int4 kernels underneath) and
 on the hf runner (the LoRA applied to the transformers modules by forward hooks during the
 method's own passes only; the LoRA trains there through autograd). Both compute the same steps
@@ -234,12 +234,12 @@ class Lud(LossyMethod):
         rows through the LoRA-wrapped layers. Only the fed rows stay in the cache."""
         from specdecode.models.kv_cache import AttentionPlan
 
-        runner = self.runner
+        runner, loop = self.runner, self.runner.layer_loop
         own = None
         if start == 0:
             own = runner.prefill(fed).logits
             fed = []
-        x = torch.cat([runner.embed_tokens(fed), self.adapters.slot_embeddings[:slots]])
+        x = torch.cat([loop.embed(fed), self.adapters.slot_embeddings[:slots]])
         if len(x):
             cache.check_room(len(x), "a unit and its slots")
             loras = self.native_loras
@@ -249,10 +249,10 @@ class Lud(LossyMethod):
                 return replace(layer, qkv=SlotLora(layer.qkv, qkv, slots),
                                o=SlotLora(layer.o, o, slots))
 
-            hidden = runner.run_layers(x, AttentionPlan.chain(cache.length, len(x)), 0,
-                                       runner.num_layers, with_lora if slots else None)
+            hidden = loop.run_layers(x, AttentionPlan.chain(cache.length, len(x)), 0,
+                                     runner.num_layers, with_lora if slots else None)
             cache.append(len(fed))
-            rows = runner.lm_head(runner.exit_norm(hidden[max(len(fed) - 1, 0):]))
+            rows = loop.logits(hidden[max(len(fed) - 1, 0):])
             own = rows if own is None else torch.cat([own, rows])
         return own
 

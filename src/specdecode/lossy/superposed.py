@@ -167,15 +167,15 @@ class Superposed(LossyMethod):
 
     def _superposed_step(self, live: list[_Draft]) -> torch.Tensor:
         """One forward of the drafts' superposed last tokens; log-probabilities [V]."""
-        runner = self.runner
+        loop = self.runner.layer_loop
         scores = torch.tensor([d.score for d in live])
         weights = torch.softmax(scores, 0)  # the drafts' normalised probabilities
         last = torch.tensor([d.tokens[-1] for d in live])
-        x = (weights[:, None] * runner.embed.rows(last)).sum(0, keepdim=True)  # [1, H]
-        runner.cache.check_room(1, "one superposed token")
-        hidden, _ = runner.run_embedded(x, AttentionPlan.chain(runner.cache.length, 1))
-        runner.cache.append(1)
-        return torch.log_softmax(runner.lm_head(runner.exit_norm(hidden))[0], -1)
+        x = (weights[:, None] * loop.embedding.rows(last)).sum(0, keepdim=True)  # [1, H]
+        loop.cache.check_room(1, "one superposed token")
+        hidden, _ = loop.run_embedded(x, AttentionPlan.chain(loop.cache.length, 1))
+        loop.cache.append(1)
+        return torch.log_softmax(loop.logits(hidden)[0], -1)
 
     def _extend(self, live: list[_Draft], logp: torch.Tensor, table: NgramTable,
                 prompt: list[int], eos: frozenset[int]

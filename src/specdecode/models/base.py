@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from specdecode.draft import Draft
-from specdecode.errors import SpecDecodeError, require
+from specdecode.errors import SpecDecodeError
+from specdecode.models.capabilities import EarlyExit, Tables, check_layer
 
 
 @dataclass(frozen=True)
@@ -195,95 +196,26 @@ class Runner(ABC):
         they are not (the curve is measured once per process)."""
         return None
 
-    # ---- optional: early exit, for self-speculative proposers (LayerSkip, DEL) -------------
-    # Runners that implement these set ``supports_early_exit``; proposers check it up front.
+    # ---- optional: what some methods read of the target (models/capabilities.py) ----------
 
-    #: True where :meth:`exit_chain`, :meth:`exit_norm`, :meth:`lm_head` and features of
-    #: intermediate layers (``Needs.layers``) work
-    supports_early_exit: bool = False
+    @property
+    def early_exit(self) -> EarlyExit:
+        """Draft chains through the first layers and the head at any layer (``early_exit``,
+        ``del``, draft heads)."""
+        raise SpecDecodeError(f"the {self.name} runner does not support early exit; use the "
+                              "native runner or the hf runner (--runner hf)")
 
-    def exit_chain(self, exit_layer: int) -> ExitChain:
-        """A draft chain through the first ``exit_layer`` layers, used as a context manager:
-        ``with runner.exit_chain(layer) as chain: hidden = chain.extend([token])``."""
-        return ExitChain(self, exit_layer)
-
-    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        """Normed states [n, H] for the LM head from an exit layer's hidden states [n, H]: the
-        final norm, or ``adapter`` (a trained module mapping hidden states to normed ones)."""
-        raise self._no_early_exit()
-
-    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        """float32 logits [n, V] from normed states [n, H]. One call for many rows costs about
-        what one row does (the head's weights are read once), so callers batch rows."""
-        raise self._no_early_exit()
-
-    def exit_logits(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        """float32 logits [n, V] at an exit: :meth:`exit_norm` then :meth:`lm_head`."""
-        return self.lm_head(self.exit_norm(hidden, adapter))
-
-    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
-        """Run ``tokens`` as a chain through the first ``exit_layer`` layers, their KV rows at
-        ``offset`` rows past the cache; that layer's output hidden states [n, H]."""
-        raise self._no_early_exit()
-
-    def _drop_exit_rows(self) -> None:
-        """Forget the KV rows an :class:`ExitChain` wrote past the cache."""
-
-    # ---- optional: the target's own tables, for draft heads and distilled drafts ------------
-
-    def input_embeddings(self) -> torch.Tensor:
-        """The input embedding table [V, H] (distilled drafts and draft heads share it)."""
-        raise SpecDecodeError(f"the {self.name} runner exposes no embedding table, which the "
-                              "distilled draft and draft heads share; use --runner hf")
-
-    def output_embeddings(self) -> torch.Tensor:
-        """The LM head's weight [V, H] in float (draft heads score a shortlist of its rows)."""
-        raise SpecDecodeError(f"the {self.name} runner does not expose its LM head; use the "
-                              "native or the hf runner")
-
-    def _check_layer(self, layer: int, what: str) -> None:
-        require(isinstance(layer, int) and 1 <= layer < self.num_layers,
-                f"{what} {layer} is outside the model: it has {self.num_layers} layers, so "
-                f"it must be in 1..{self.num_layers - 1}")
-
-    def _check_exit_layer(self, layer: int) -> None:
-        self._check_layer(layer, "exit layer")
+    @property
+    def tables(self) -> Tables:
+        """The input embedding table and the LM head's weight (draft heads, distilled
+        drafts)."""
+        raise SpecDecodeError(f"the {self.name} runner exposes no embedding tables, which the "
+                              "distilled draft and draft heads share; use the native runner or "
+                              "the hf runner (--runner hf)")
 
     def _check_needs(self, needs: Needs) -> None:
         """The layers whose hidden states a pass returns (EAGLE-3's and deer's features): any
         architecture returns them, so only their range is checked (not what an exit pass
         needs)."""
         for layer in needs.layers:
-            self._check_layer(layer, "a drafter reads the hidden states after layer")
-
-    def _no_early_exit(self) -> SpecDecodeError:
-        return SpecDecodeError(f"the {self.name} runner does not support early exit; "
-                               "use the hf runner (--runner hf)")
-
-
-class ExitChain:
-    """Draft tokens run through the target's first ``layer`` layers after the cache (LayerSkip,
-    Elhoushi et al., 2024: the committed tokens' KV entries in those layers are exactly what a
-    draft pass computes, so the chain shares the target's cache). Its rows lie past the
-    committed ones and are dropped when the ``with`` block ends: nothing of it reaches the next
-    :meth:`Runner.forward`, which stays the plain full pass."""
-
-    def __init__(self, runner: Runner, layer: int):
-        runner._check_exit_layer(layer)
-        require(runner.pending_rows == 0, "an early-exit chain was opened between forward and commit")
-        self.runner = runner
-        self.layer = layer
-        self.rows = 0
-
-    def __enter__(self) -> ExitChain:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.runner._drop_exit_rows()
-
-    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Run ``tokens`` as the chain's next rows (the first call's first token is the root);
-        the exit layer's output hidden states [n, H] (before any norm)."""
-        hidden = self.runner._exit_pass(list(tokens), self.layer, self.rows)
-        self.rows += len(tokens)
-        return hidden
+            check_layer(layer, self.num_layers, "a drafter reads the hidden states after layer")

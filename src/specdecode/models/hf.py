@@ -5,10 +5,9 @@ prefix, the root, its ancestors and itself) with depth-based position ids. ``com
 accepted path's KV rows into place in the ``DynamicCache`` and crops the rest, so rejected
 branches cost nothing after the step.
 
-Early exit (Llama-layout models): an :class:`~specdecode.models.base.ExitChain` runs draft
-tokens through the first layers with the model's own modules, writing their KV rows into those
-layers of the same cache; closing the chain crops them, so verification is always the plain full
-forward.
+Early exit (Llama-layout models, :class:`HFExit`): a chain runs draft tokens through the first
+layers with the model's own modules, writing their KV rows into those layers of the same cache;
+closing the chain crops them, so verification is always the plain full forward.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, Runner
+from specdecode.models.capabilities import EarlyExit, Tables
 from specdecode.models.kv_cache import DynamicKVCache
 
 
@@ -35,9 +35,6 @@ class HFRunner(Runner):
         self.num_layers = int(getattr(config, "num_hidden_layers", 0))
         self.dtype = next(model.parameters()).dtype
         self.kv = DynamicKVCache()
-        self.supports_early_exit = config.model_type in _EARLY_EXIT_TYPES and all(
-            hasattr(getattr(model, "model", None), a) for a in ("embed_tokens", "layers", "norm",
-                                                                 "rotary_emb"))
 
     def replica(self) -> HFRunner:
         return HFRunner(self.model)
@@ -91,44 +88,70 @@ class HFRunner(Runner):
     def commit(self, accepted: Sequence[int]) -> None:
         self.kv.commit(accepted)
 
-    # ---- early exit ------------------------------------------------------------------------
+    # ---- what some methods read of the target (models/capabilities.py) ---------------------
 
-    def _check_exit_layer(self, layer: int) -> None:
-        require(self.supports_early_exit,
+    @property
+    def early_exit(self) -> HFExit:
+        require(self.model.config.model_type in _EARLY_EXIT_TYPES and all(
+                    hasattr(getattr(self.model, "model", None), a)
+                    for a in ("embed_tokens", "layers", "norm", "rotary_emb")),
                 f"early exit needs a Llama-layout model ({', '.join(sorted(_EARLY_EXIT_TYPES))}); "
                 f"this one is '{self.model.config.model_type}'")
-        super()._check_exit_layer(layer)
+        return HFExit(self)
 
-    def _drop_exit_rows(self) -> None:
-        self.kv.drop_uncommitted()
+    @property
+    def tables(self) -> HFTables:
+        return HFTables(self.model)
+
+
+class HFExit(EarlyExit):
+    """Early exit with the model's own modules: a chain writes its KV rows into the first
+    layers of the runner's ``DynamicCache``, cropped when the chain closes."""
+
+    def __init__(self, runner: HFRunner):
+        self.runner = runner
+        self.num_layers = runner.num_layers
+
+    @property
+    def pending_rows(self) -> int:
+        return self.runner.pending_rows
+
+    def drop_chain(self) -> None:
+        self.runner.kv.drop_uncommitted()
 
     @torch.inference_mode()
-    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
-        inner = self.model.model
+    def run_chain(self, tokens: list[int], layer: int, offset: int) -> torch.Tensor:
+        runner = self.runner
+        inner = runner.model.model
         n = len(tokens)
-        start = self.kv.length + offset
+        start = runner.kv.length + offset
         hidden = inner.embed_tokens(torch.tensor([list(tokens)], dtype=torch.long))  # [1, n, H]
         positions = torch.arange(start, start + n)
         rope = inner.rotary_emb(hidden, positions.unsqueeze(0))
         mask = None  # one new token attends to everything before it
         if n > 1:  # a chain: causal over the new rows
-            mask = torch.zeros(1, 1, n, start + n, dtype=self.dtype)
-            mask[..., start:] = torch.full((n, n), torch.finfo(self.dtype).min).triu(1)
-        for layer in inner.layers[:exit_layer]:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions.unsqueeze(0),
-                           past_key_values=self.cache, use_cache=True, cache_position=positions,
+            mask = torch.zeros(1, 1, n, start + n, dtype=runner.dtype)
+            mask[..., start:] = torch.full((n, n), torch.finfo(runner.dtype).min).triu(1)
+        for block in inner.layers[:layer]:
+            hidden = block(hidden, attention_mask=mask, position_ids=positions.unsqueeze(0),
+                           past_key_values=runner.cache, use_cache=True, cache_position=positions,
                            position_embeddings=rope)
             if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
                 hidden = hidden[0]
         return hidden[0]
 
     @torch.inference_mode()
-    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        return self.model.model.norm(hidden) if adapter is None else adapter(hidden)
+    def norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
+        return self.runner.model.model.norm(hidden) if adapter is None else adapter(hidden)
 
     @torch.inference_mode()
-    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(normed).float()
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.runner.model.get_output_embeddings()(normed).float()
+
+
+class HFTables(Tables):
+    def __init__(self, model):
+        self.model = model
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()

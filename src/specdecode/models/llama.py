@@ -31,9 +31,10 @@ same blocks, so prefill needs determinism, not row invariance.
 
 The runner's jobs, a module each: what the config says (``native_shape``: the shape, the rotary
 tables, the cache's size), the layers from a checkpoint's tensors in a weight format
-(``native_layers``), many sequences' calls in one forward (``packing``: ``run_packed``), and
-here the runner itself: its constructors, the runner protocol, the forward math, early exit and
-the layer loop the lossy methods drive.
+(``native_layers``), many sequences' calls in one forward (``packing``: ``run_packed``), what
+some methods read besides the protocol (``layer_loop``: early exit, the tables, the forward in
+pieces), and here the runner itself: its constructors, the runner protocol and the forward
+math.
 
 Defaults: int4 weights (``DEFAULT_WEIGHTS``: GGUF Q4_1 blocks times int8 activations, the
 fastest forward of the four formats; docs/native-runner.md), prompts prefilled through the
@@ -57,15 +58,15 @@ from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, PrefillCall, Runner, VerifyCall
 from specdecode.models.embedding import embedding_table
 from specdecode.models.gguf_reader import ROPE_FACTORS
-from specdecode.models.kv_cache import AttentionPlan, BlockedKVCache, SavedRows
+from specdecode.models.kv_cache import BlockedKVCache, SavedRows
+from specdecode.models.layer_loop import LayerLoop, NativeExit, NativeTables
 from specdecode.models.moe import activation_kernel
 from specdecode.models.native_layers import Layer, LayerBuilder, _dense_parts, layer_stack
 from specdecode.models.native_shape import (GLOBAL_ROPE, KV_CACHE, LlamaShape, cache_rows,
                                             context_size, kv_cache_bytes, rope_tables)
 from specdecode.models.packing import PREFILL_BLOCK, PackedForwards, SequenceRows, packed_plan
 from specdecode.models.quant import LibraryLinear, check_format
-from specdecode.models.weights import (FileTensors, _linear_for, as_float, check_fits,
-                                        resident_bytes)
+from specdecode.models.weights import FileTensors, _linear_for, check_fits, resident_bytes
 
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
@@ -81,7 +82,6 @@ class LlamaRunner(PackedForwards, Runner):
     """Llama forward with a static KV cache, tree attention and a choice of weight formats."""
 
     name = "native"
-    supports_early_exit = True
 
     def __init__(self, config, tensors, weights: str = "fp32", max_draft: int = 256,
                  source: str = "", max_context: int | None = None):
@@ -281,53 +281,22 @@ class LlamaRunner(PackedForwards, Runner):
     def commit(self, accepted: Sequence[int]) -> None:
         self.cache.commit(accepted)
 
-    def append(self, tokens: Sequence[int], bulk_rows: int, capture: tuple[int, ...] = ()
-               ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """Run ``tokens`` as a chain after the cache, in blocks of ``PREFILL_BLOCK``, and keep
-        them; blocks of ``bulk_rows`` rows or more take the prefill layers. Each block's last
-        layer hidden states and those of the ``capture`` layers."""
-        tokens = list(tokens)
-        require(self.cache.pending == 0, "tokens appended between forward and commit")
-        self.cache.check_room(len(tokens), f"{len(tokens)} more tokens")
-        out = []
-        for start in range(0, len(tokens), PREFILL_BLOCK):
-            block = tokens[start:start + PREFILL_BLOCK]
-            plan = AttentionPlan.chain(self.cache.length, len(block))
-            out.append(self.run(block, plan, capture=capture, prefill=len(block) >= bulk_rows))
-            self.cache.append(len(block))
-        return out
+    # ---- what some methods read of the target (models/capabilities.py, models/layer_loop.py)
 
-    # ---- early exit: shared KV, the chain's rows lie past the cache (the verify pass
-    # overwrites them) ---------------------------------------------------------------------
+    @property
+    def early_exit(self) -> NativeExit:
+        return NativeExit(self)
 
-    @torch.inference_mode()
-    def _exit_pass(self, tokens: list[int], exit_layer: int, offset: int) -> torch.Tensor:
-        self.cache.check_room(offset + len(tokens), "the draft pass")
-        plan = AttentionPlan.chain(self.cache.length + offset, len(tokens))
-        hidden, _ = self.run(tokens, plan, stop=exit_layer)
-        return hidden
+    @property
+    def tables(self) -> NativeTables:
+        return NativeTables(self)
 
-    def _drop_exit_rows(self) -> None:
-        self.cache.drop_uncommitted()
-
-    def exit_norm(self, hidden: torch.Tensor, adapter=None) -> torch.Tensor:
-        return self._norm(hidden.float(), self.final_norm) if adapter is None else adapter(hidden)
-
-    @torch.inference_mode()
-    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self._capped(self.head(normed.float().contiguous()))
-
-    def input_embeddings(self) -> torch.Tensor:
-        # dequantised for the caller (a drafter sharing it keeps it): the runner holds no copy
-        return self.embed.dense()
-
-    def output_embeddings(self) -> torch.Tensor:
-        return as_float(self._head_weights[self._head_name])
+    @property
+    def layer_loop(self) -> LayerLoop:
+        """The forward in pieces, for methods that run the layers in an order of their own."""
+        return LayerLoop(self)
 
     # ---- the model ------------------------------------------------------------------------
-
-    def _logits(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
-        return self._capped((head or self.head)(self._norm(hidden, self.final_norm)))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.shape.logit_divisor != 1.0:  # Granite's logits_scaling
@@ -358,24 +327,6 @@ class LlamaRunner(PackedForwards, Runner):
         """x + linear(h), with the output normed first where the architecture says so (the add
         is folded into the linear layer's kernel otherwise)."""
         return linear(h, x) if post_norm is None else x + self._norm(linear(h), post_norm)
-
-    def run(self, tokens: Sequence[int], plan: AttentionPlan, *, stop: int | None = None,
-            capture: tuple[int, ...] = (), prefill: bool = False
-            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run ``tokens`` where ``plan`` puts them (positions, cache slots written, slots
-        attended to) through the first ``stop`` layers (all by default); ``prefill``: the prompt
-        layers. The last layer's hidden states [n, hidden], float32, and {layer: its output
-        [n, hidden]} for the layers in ``capture``. The cache's books are the caller's."""
-        return self.run_items([SequenceRows(self.cache, tokens, plan, capture)], stop=stop,
-                              prefill=prefill)[0]
-
-    def run_embedded(self, x: torch.Tensor, plan: AttentionPlan, *, stop: int | None = None,
-                     capture: tuple[int, ...] = (), prefill: bool = False
-                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """:meth:`run` from input embeddings ``x`` [n, H] float32 (rows of the embedding table,
-        or mixtures of them: Superposed Decoding feeds a weighted sum of several tokens')."""
-        rows = SequenceRows(self.cache, [0] * len(x), plan, capture)
-        return self.run_items([rows], stop=stop, prefill=prefill, embedded=x)[0]
 
     def run_items(self, items: Sequence[SequenceRows], *, stop: int | None = None,
                   prefill: bool = False, embedded: torch.Tensor | None = None
@@ -447,35 +398,3 @@ class LlamaRunner(PackedForwards, Runner):
                 captured[end] = x.clone()
             start = end
         return x, captured
-
-
-    # ---- a layer loop of a lossy method's own (lossy/lora_drop.py, lossy/lud.py) ----------
-
-    def embed_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
-        """[n, H] float32 the first layer's input rows of ``tokens``."""
-        x = self.embed.rows(tokens)
-        return x if self.embed_scale is None else x * self.embed_scale
-
-    def attention_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """[n, H] what layer ``layer``'s q/k/v projections read of its input rows ``x``."""
-        return self._input_norm(x, self.layers[layer].attn_norm)
-
-    @torch.inference_mode()
-    def run_layers(self, x: torch.Tensor, plan: AttentionPlan, first: int, last: int,
-                   adapter=None) -> torch.Tensor:
-        """The decode layers ``first`` .. ``last - 1`` over rows ``x`` [n, H] (float32, the
-        input of layer ``first``) where ``plan`` puts them in this runner's cache: the pieces of
-        a layer loop of a lossy method's own, which skips layers (LoRA-Drop) or gives some
-        layers' rows another plan. ``adapter(i, layer)``: the layer to run instead of layer
-        ``i`` (its linear layers wrapped: LUD's LoRA on its slots' rows); with one the layers
-        run through the Python loop, without one through the fused stack where there is one.
-        The cache's books are the caller's."""
-        positions, packed = packed_plan([SequenceRows(self.cache, (), plan)])
-        if adapter is None and self._stack is not None:
-            cos, sin = self.rope[GLOBAL_ROPE]
-            return self._stack.forward(x.contiguous(), first, last, packed, cos[positions],
-                                       sin[positions], kernels.isa())
-        rope = {local: (cos[positions], sin[positions]) for local, (cos, sin) in self.rope.items()}
-        layers = [self.layers[i] if adapter is None else adapter(i, self.layers[i])
-                  for i in range(first, last)]
-        return self._layers(x, layers, packed, set(), rope, first)[0]

@@ -16,6 +16,7 @@ import torch
 
 from specdecode.errors import require
 from specdecode.models.kv_cache import AttentionPlan
+from specdecode.models.layer_loop import final_norm, lm_head
 from specdecode.models.llama import LlamaRunner
 
 #: ``extend`` runs blocks of at least this many rows (a prompt) through the prefill layers
@@ -27,6 +28,7 @@ class LlamaDrafter:
 
     def __init__(self, runner: LlamaRunner):
         self.runner = runner
+        self.loop = runner.layer_loop
         self.vocab_size = runner.vocab_size
         self.hidden_size = runner.shape.hidden_size
 
@@ -38,8 +40,8 @@ class LlamaDrafter:
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` to the cache as read tokens; their hidden states after the final
         norm [n, H], float32."""
-        hidden = [block for block, _ in self.runner.append(tokens, BULK_ROWS)]
-        return self.runner.exit_norm(torch.cat(hidden))
+        hidden = [block for block, _ in self.loop.append(tokens, BULK_ROWS)]
+        return final_norm(self.runner, torch.cat(hidden))
 
     @torch.inference_mode()
     def read_tree(self, tokens: Sequence[int], paths: Sequence[Sequence[int]], start: int) -> torch.Tensor:
@@ -52,8 +54,8 @@ class LlamaDrafter:
         require(self.cache.pending == 0, "read_tree called between forward and commit")
         self.cache.check_room(start + len(tokens), f"a tree of {start + len(tokens)} rows")
         plan = AttentionPlan.tree_rows(self.cache.length, start, paths)
-        hidden, _ = self.runner.run(tokens, plan)
-        return self.runner.exit_norm(hidden)
+        hidden, _ = self.loop.run(tokens, plan)
+        return final_norm(self.runner, hidden)
 
     @torch.inference_mode()
     def keep_tree(self, rows: Sequence[int]) -> None:
@@ -67,4 +69,4 @@ class LlamaDrafter:
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, V] from normed states [n, H]."""
-        return self.runner.lm_head(normed)
+        return lm_head(self.runner, normed)

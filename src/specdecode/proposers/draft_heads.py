@@ -63,7 +63,7 @@ class HeadProposer(Proposer):
     def __init__(self, config, runner):
         super().__init__(config, runner)
         net, head_ids, source, self.artifact_config = load_heads(
-            config.heads, runner, self.head_kind, runner.input_embeddings())
+            config.heads, runner, self.head_kind, runner.tables.input_embeddings())
         self.net = net
         # what the network reads is the artifact's: an EAGLE-3 head asks for three layers
         self.needs = target_needs(net)

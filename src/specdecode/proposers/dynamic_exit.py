@@ -99,7 +99,7 @@ class DelConfig:
 class DynamicExitProposer(Proposer):
     def __init__(self, config: DelConfig, runner):
         super().__init__(config, runner)
-        require_early_exit(runner, "del")
+        self.exits = require_early_exit(runner, "method 'del'")
         self.adapters = resolve_adapters(config.adapters, runner)
         n = runner.num_layers
         if config.candidate_layers != "auto":
@@ -155,10 +155,10 @@ class DynamicExitProposer(Proposer):
         self.choices.append((layer, depth))
         tokens: list[int] = []
         token = context[-1]
-        with self.runner.exit_chain(layer) as chain:
+        with self.exits.chain(layer) as chain:
             for _ in range(depth):
                 hidden = chain.extend([token])  # [1, H]
-                probs = torch.softmax(self.runner.exit_logits(hidden, self.heads[layer])[0], -1)
+                probs = torch.softmax(self.exits.logits(hidden, self.heads[layer])[0], -1)
                 confidence, best = probs.max(-1)
                 token = int(best)
                 tokens.append(token)
@@ -176,9 +176,9 @@ class DynamicExitProposer(Proposer):
         rows = feedback.committed_rows  # rows whose next token is committed
         target = torch.tensor(feedback.tokens[: len(rows)])
         # every layer's rows through the head in one call: it costs what one row does
-        normed = torch.cat([self.runner.exit_norm(captured[layer][rows], self.heads[layer])
+        normed = torch.cat([self.exits.norm(captured[layer][rows], self.heads[layer])
                             for layer in self.layers])  # [layers * r, H]
-        shadows = self.runner.lm_head(normed).argmax(-1).view(len(self.layers), len(rows))
+        shadows = self.exits.head(normed).argmax(-1).view(len(self.layers), len(rows))
         hits = (shadows == target).sum(-1).tolist()
         d = self.config.decay
         for layer, hit in zip(self.layers, hits):

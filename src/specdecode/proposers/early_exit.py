@@ -56,7 +56,7 @@ class EarlyExitConfig:
 class EarlyExitProposer(Proposer):
     def __init__(self, config: EarlyExitConfig, runner):
         super().__init__(config, runner)
-        require_early_exit(runner, "early_exit")
+        self.exits = require_early_exit(runner, "method 'early_exit'")
         self.adapters = resolve_adapters(config.adapters, runner)
         if config.exit_layer:
             self.exit_layer = config.exit_layer
@@ -76,9 +76,9 @@ class EarlyExitProposer(Proposer):
     def propose(self, context, budget):
         tokens: list[int] = []
         token = context[-1]
-        with self.runner.exit_chain(self.exit_layer) as chain:
+        with self.exits.chain(self.exit_layer) as chain:
             for _ in range(min(self.config.num_speculative_tokens, budget.max_depth)):
                 hidden = chain.extend([token])  # [1, H]
-                token = int(self.runner.exit_logits(hidden, self.head)[0].argmax())
+                token = int(self.exits.logits(hidden, self.head)[0].argmax())
                 tokens.append(token)
         return Draft.chain(tokens)

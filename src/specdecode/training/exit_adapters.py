@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specdecode.drafting.exit_adapters import ExitAdapters
+from specdecode.drafting.exits import check_exit_layer, require_early_exit
 from specdecode.errors import SpecDecodeError, require
 from specdecode.training.runs import Checkpoint, target_key, work_dir
 
@@ -234,12 +235,9 @@ def train(model, tokenizer, layers: tuple[int, ...], args) -> tuple[ExitAdapters
     began = time.monotonic()
     deadline = began + args.max_minutes * 60
     runner = as_runner(model)
-    require(runner.supports_early_exit, "exit adapters need a Llama-family model; this one is "
-                                        f"'{model.config.model_type}'")
+    require_early_exit(runner, "an exit adapter")
     for layer in layers:
-        require(1 <= layer < runner.num_layers,
-                f"--layers: {layer} is outside the model: it has {runner.num_layers} layers, so "
-                f"an exit layer must be in 1..{runner.num_layers - 1}")
+        check_exit_layer(runner, layer, "--layers:")
     fingerprint = runner.fingerprint()
     key = target_key(fingerprint)
     workdir = work_dir(args.workdir, cache_root() / "train" / f"exit-adapters-{key}")
