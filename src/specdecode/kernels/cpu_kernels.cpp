@@ -40,6 +40,24 @@
 // least: fewer rows run on the calling thread, as a decode step's do
 #define ROW_GRAIN 16
 
+// Where pass `pass` of `passes` over a tile asks for the next tiles' weights (`lines` cache
+// lines from `next`): spread evenly over the groups of the passes after the first, so that they
+// arrive while those passes compute from cache. {null, 0}: the first pass (it asks for its own
+// stream), no next tiles, or none left to ask for. The row kernels' passes (Q4, block int8,
+// small codes) share it, on every ISA.
+struct Ahead {
+  const uint8_t* at;
+  int64_t lines;  // a group
+};
+static inline Ahead ahead_of_pass(int64_t pass, int64_t passes, const uint8_t* next,
+                                  int64_t lines, int64_t groups) {
+  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
+  const int64_t first_line = (pass - 1) * groups * per_group;
+  if (pass == 0 || !next || first_line >= lines) return {nullptr, 0};
+  // the last pass's share may run past the next tiles: ask for no more than they hold
+  return {next + first_line * 64, std::min(per_group, (lines - first_line) / groups)};
+}
+
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
   static inline float load_weight(int8_t w) { return (float)w; }          \
@@ -439,25 +457,6 @@ static void store_tiles(const __m512 (&acc)[R][T], int rows, int64_t r0, int64_t
     }
 }
 
-// Where the pass of rows r0 .. r0 + 3 over a tile asks for the next tiles' weights (`lines`
-// cache lines from `next`): spread evenly over the groups of the passes after the first, so that
-// they arrive while those passes compute from cache. {null, 0}: the first pass (it asks for its
-// own stream), no next tiles, or none left to ask for. The row kernels' passes (Q4, block int8,
-// small codes) share it.
-struct Ahead {
-  const uint8_t* at;
-  int64_t lines;  // a group
-};
-static inline Ahead ahead_of_pass(int64_t r0, int64_t m, const uint8_t* next, int64_t lines,
-                                  int64_t groups) {
-  const int64_t passes = (m + 3) / 4;
-  const int64_t per_group = passes > 1 ? (lines + (passes - 1) * groups - 1) / ((passes - 1) * groups) : 0;
-  const int64_t first_line = (r0 / 4 - 1) * groups * per_group;
-  if (r0 == 0 || !next || first_line >= lines) return {nullptr, 0};
-  // the last pass's share may run past the next tiles: ask for no more than they hold
-  return {next + first_line * 64, std::min(per_group, (lines - first_line) / groups)};
-}
-
 // rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for
 template <int T>
@@ -469,7 +468,7 @@ static void q4_rows_vnni(const int8_t* xq, const float* dx, const float* sx, int
     const int rows = (int)std::min<int64_t>(4, m - r0);
     const int8_t* x = xq + r0 * k_dim;
     const float *gx = dx + r0 * groups, *gs = sx + r0 * groups;
-    const Ahead ahead = ahead_of_pass(r0, m, next, T * tile_bytes / 64, groups);
+    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, T * tile_bytes / 64, groups);
 #define Q4_ROWS_CASE(R)                                                                    \
   {                                                                                        \
     __m512 acc[R][T];                                                                      \

@@ -9,10 +9,12 @@
 
 // R rows x H halves (8 columns each, from half h0) of one column tile: each unpacked slice of
 // codes serves R rows, each broadcast of activation bytes H halves. `prefetch`: the pass that
-// streams the tile from memory asks for it Q4_PREFETCH ahead.
+// streams the tile from memory asks for it Q4_PREFETCH ahead; a later pass asks for its share
+// of the next tile, `ahead` (ahead_of_pass), while it computes from cache.
 template <int R, int H>
 static void q4_tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t k_dim,
-                         const uint8_t* tile, int h0, bool prefetch, __m256 (&acc)[R][H]) {
+                         const uint8_t* tile, int h0, bool prefetch, Ahead ahead,
+                         __m256 (&acc)[R][H]) {
   const int64_t groups = k_dim / 32;
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; r++)
@@ -22,6 +24,8 @@ static void q4_tile_avx2(const int8_t* xq, const float* dx, const float* sx, int
     if (prefetch)
       for (int line = 0; line < Q4_BLOCK; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < ahead.lines; line++)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead.at + (g * ahead.lines + line) * 64), _MM_HINT_T0);
     __m256i sum[R][H];
     for (int j = 0; j < 4; j++) {
       __m256i lo[H], hi[H];
@@ -76,46 +80,58 @@ static void store_halves_avx2(const __m256 (&acc)[R][H], int64_t r0, int64_t col
     }
 }
 
-// m rows of one column tile in passes of up to 4 rows over one half (the registers hold 4 rows'
-// sums of a half beside the codes): pass(rows, r0, h, first), rows a std::integral_constant,
-// `first` the pass that streams the tile (the others read it from cache)
+// m rows of one column tile: up to 4 rows in one pass over both halves (each unpacked slice of
+// codes serves every row, and the tile streams once), more in passes of up to 4 rows over one
+// half (the registers hold 4 rows' sums of a half beside the codes; measured faster from 8
+// rows). pass(rows, halves, r0, h0, first, ahead), rows and halves std::integral_constants,
+// `first` the pass that streams the tile (the others read it from cache and ask for their
+// `ahead` share of the next tile's `lines` cache lines at `next`, null if none)
 template <class Pass>
-static inline void half_passes(int64_t m, Pass&& pass) {
+static inline void row_passes(int64_t m, const uint8_t* next, int64_t lines, int64_t groups,
+                              Pass&& pass) {
+  using one = std::integral_constant<int, 1>;
+  using two = std::integral_constant<int, 2>;
+  using three = std::integral_constant<int, 3>;
+  using four = std::integral_constant<int, 4>;
+  if (m <= 4) {
+    const Ahead none{nullptr, 0};
+    switch (m) {
+      case 4: pass(four{}, two{}, 0, 0, true, none); break;
+      case 3: pass(three{}, two{}, 0, 0, true, none); break;
+      case 2: pass(two{}, two{}, 0, 0, true, none); break;
+      default: pass(one{}, two{}, 0, 0, true, none); break;
+    }
+    return;
+  }
+  const int64_t passes = 2 * ((m + 3) / 4);
   for (int64_t r0 = 0; r0 < m; r0 += 4)
     for (int h = 0; h < 2; h++) {
-      const bool first = r0 == 0 && h == 0;
+      const int64_t index = r0 / 2 + h;
+      const Ahead ahead = ahead_of_pass(index, passes, next, lines, groups);
       switch (std::min<int64_t>(4, m - r0)) {
-        case 4: pass(std::integral_constant<int, 4>{}, r0, h, first); break;
-        case 3: pass(std::integral_constant<int, 3>{}, r0, h, first); break;
-        case 2: pass(std::integral_constant<int, 2>{}, r0, h, first); break;
-        default: pass(std::integral_constant<int, 1>{}, r0, h, first); break;
+        case 4: pass(four{}, one{}, r0, h, index == 0, ahead); break;
+        case 3: pass(three{}, one{}, r0, h, index == 0, ahead); break;
+        case 2: pass(two{}, one{}, r0, h, index == 0, ahead); break;
+        default: pass(one{}, one{}, r0, h, index == 0, ahead); break;
       }
     }
 }
 
-// column tiles t0 .. t1 for m rows: one or two rows take both halves of a tile in one pass (it
-// streams the tile once); more rows take half_passes
+// column tiles t0 .. t1 for m rows, each tile in row_passes
 static void q4_columns_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t m,
                             int64_t k_dim, const uint8_t* packed, const float* residual,
                             float* y, int64_t n, int64_t t0, int64_t t1) {
   const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK;
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
-    if (m <= 2) {
-      for (int64_t r0 = 0; r0 < m; r0++) {
-        __m256 acc[1][2];
-        q4_tile_avx2<1, 2>(xq + r0 * k_dim, dx + r0 * groups, sx + r0 * groups, k_dim, tile, 0,
-                           r0 == 0, acc);
-        store_halves_avx2<1, 2>(acc, r0, t * 16, residual, y, n);
-      }
-      continue;
-    }
-    half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][1];
-      q4_tile_avx2<R, 1>(xq + r0 * k_dim, dx + r0 * groups, sx + r0 * groups, k_dim, tile, h,
-                         first, acc);
-      store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
+    row_passes(m, next, tile_bytes / 64, groups,
+               [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
+      constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
+      __m256 acc[R][H];
+      q4_tile_avx2<R, H>(xq + r0 * k_dim, dx + r0 * groups, sx + r0 * groups, k_dim, tile, h0,
+                         first, ahead, acc);
+      store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     });
   }
 }

@@ -103,63 +103,78 @@ static inline __m256 numbers8(const uint8_t* at) {
   else return _mm256_loadu_ps(reinterpret_cast<const float*>(at));
 }
 
-// R rows of half h (8 columns) of one column tile, for CPUs without VPDPBUSD. VPMADDUBSW takes
-// an unsigned and a signed operand, and code + 128 times xq would overflow its 16-bit pairs, so
-// it multiplies |code| (0..128) by xq carrying the code's sign (-127..127): each pair is
-// code * xq summed over two inputs, |pair| <= 2 x 128 x 127 < 2^15, exact; VPMADDWD by ones
-// adds a column's pairs into its 32-bit sum. The group's integer is VPDPBUSD's (sum of code * xq)
-// and the folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
-// Q8_PREFETCH bytes ahead.
-template <int G, bool MIN, bool HALF, int R>
-static void half_tile_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h, bool prefetch,
-                           __m256 (&acc)[R][1]) {
+// R rows x H halves (8 columns each, from half h0) of one column tile, for CPUs without VPDPBUSD.
+// VPMADDUBSW takes an unsigned and a signed operand, and code + 128 times xq would overflow its
+// 16-bit pairs, so it multiplies |code| (0..128) by xq carrying the code's sign (-127..127):
+// each pair is code * xq summed over two inputs, |pair| <= 2 x 128 x 127 < 2^15, exact;
+// VPMADDWD by ones adds a column's pairs into its 32-bit sum. The group's integer is VPDPBUSD's
+// (sum of code * xq) and the folds are columns_vnni's. `prefetch`: the pass that streams the
+// tile asks for it Q8_PREFETCH bytes ahead; a later pass asks for its share of the next tile,
+// `ahead`.
+template <int G, bool MIN, bool HALF, int R, int H>
+static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
+                        Ahead ahead, __m256 (&acc)[R][H]) {
   constexpr int64_t B = block_bytes(G, MIN, HALF), S = HALF ? 32 : 64;
   const int64_t groups = a.k / G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1), offset = _mm256_set1_epi8((char)0x80);
-  for (int r = 0; r < R; r++) acc[r][0] = _mm256_setzero_ps();
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < H; h++) acc[r][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = tile + g * B;
     if (prefetch)
       for (int64_t line = 0; line < B; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_PREFETCH + line), _MM_HINT_T0);
-    __m256i isum[R];
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int64_t line = 0; line < ahead.lines; line++)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead.at + (g * ahead.lines + line) * 64), _MM_HINT_T0);
+    __m256i isum[R][H];
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < H; h++) isum[r][h] = _mm256_setzero_si256();
     for (int j = 0; j < G / 4; j++) {
-      const __m256i code = _mm256_xor_si256(  // code + 128 -> code
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)), offset);
-      const __m256i magnitude = _mm256_abs_epi8(code);
+      __m256i code[H], magnitude[H];
+      for (int h = 0; h < H; h++) {
+        code[h] = _mm256_xor_si256(  // code + 128 -> code
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * (h0 + h))), offset);
+        magnitude[h] = _mm256_abs_epi8(code[h]);
+      }
       for (int r = 0; r < R; r++) {
         int32_t four;
         std::memcpy(&four, a.xq + (r0 + r) * a.k + g * G + 4 * j, 4);
-        const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), code);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+        const __m256i x = _mm256_set1_epi32(four);
+        for (int h = 0; h < H; h++) {
+          const __m256i signed_x = _mm256_sign_epi8(x, code[h]);
+          isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[h], signed_x), ones));
+        }
       }
     }
-    const __m256 scale = numbers8<HALF>(blk + 16 * G + (HALF ? 16 : 32) * h);
-    for (int r = 0; r < R; r++) {
-      const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + g * G / 32]));
-      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][0]);
-    }
-    if constexpr (MIN) {
-      const __m256 minimum = numbers8<HALF>(blk + 16 * G + S + (HALF ? 16 : 32) * h);
-      for (int r = 0; r < R; r++)
-        acc[r][0] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(a.sx[(r0 + r) * groups + g]), acc[r][0]);
+    for (int h = 0; h < H; h++) {
+      const __m256 scale = numbers8<HALF>(blk + 16 * G + (HALF ? 16 : 32) * (h0 + h));
+      for (int r = 0; r < R; r++) {
+        const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + g * G / 32]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), sd, acc[r][h]);
+      }
+      if constexpr (MIN) {
+        const __m256 minimum = numbers8<HALF>(blk + 16 * G + S + (HALF ? 16 : 32) * (h0 + h));
+        for (int r = 0; r < R; r++)
+          acc[r][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(a.sx[(r0 + r) * groups + g]), acc[r][h]);
+      }
     }
   }
 }
 
-// each tile in k_avx2::half_passes
+// each tile in k_avx2::row_passes
 template <int G, bool MIN, bool HALF>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
-  const int64_t tile_bytes = a.k / G * block_bytes(G, MIN, HALF);
+  const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF);
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
-    k_avx2::half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][1];
-      half_tile_avx2<G, MIN, HALF, R>(a, r0, tile, h, first, acc);
-      k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
+    k_avx2::row_passes(m, next, tile_bytes / 64, groups,
+                       [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
+      constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
+      __m256 acc[R][H];
+      halves_avx2<G, MIN, HALF, R, H>(a, r0, tile, h0, first, ahead, acc);
+      k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     });
   }
 }
@@ -240,7 +255,7 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
   const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF);
   const int64_t lines = (next_bytes > 0 ? next_bytes : T * tile_bytes) / 64;
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const k_avx512::Ahead ahead = k_avx512::ahead_of_pass(r0, m, next, lines, groups);
+    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, lines, groups);
 #define Q8_ROWS_CASE(R)                                                          \
   {                                                                              \
     __m512 acc[R][T];                                                            \

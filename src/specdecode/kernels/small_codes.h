@@ -181,10 +181,11 @@ static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
 // 2 x 2 x 63 x 127 = 32004; FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before
 // VPMADDWD by ones widens them into the group's 32-bit sum, the integer VPDPBUSD gives. The
 // folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
-// SMALL_CODES_PREFETCH bytes ahead.
+// SMALL_CODES_PREFETCH bytes ahead; a later pass asks for its share of the next tile, `ahead`
+// (its lines a group, over the tile's groups).
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
-                        __m256 (&acc)[R][H]) {
+                        Ahead ahead, __m256 (&acc)[R][H]) {
   constexpr int CHUNK = F::TOP == 2 ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
@@ -201,6 +202,8 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
       if (prefetch)  // the block's lines spread over its groups
         for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
           _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
+      for (int64_t line = 0; line < ahead.lines; line++)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.at + (at * ahead.lines + line) * 64), _MM_HINT_T0);
       for (int h = 0; h < H; h++) {
         const int half = h0 + h;
         __m256i isum[R], part[R];
@@ -245,25 +248,20 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
   }
 }
 
-// one row takes both halves of a tile in one pass (it streams the tile once); more rows take
-// k_avx2::half_passes
+// each tile in k_avx2::row_passes
 template <class F, bool MIN>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
-  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  const int64_t groups = a.k / F::G, tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
-    if (m == 1) {
-      __m256 acc[1][2];
-      halves_avx2<F, MIN, 1, 2>(a, 0, tile, 0, true, acc);
-      k_avx2::store_halves_avx2<1, 2>(acc, 0, t * 16, residual, y, n);
-      continue;
-    }
-    k_avx2::half_passes(m, [&](auto rows, int64_t r0, int h, bool first) {
-      constexpr int R = decltype(rows)::value;
-      __m256 acc[R][1];
-      halves_avx2<F, MIN, R, 1>(a, r0, tile, h, first, acc);
-      k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
+    const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
+    k_avx2::row_passes(m, next, tile_bytes / 64, groups,
+                       [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
+      constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
+      __m256 acc[R][H];
+      halves_avx2<F, MIN, R, H>(a, r0, tile, h0, first, ahead, acc);
+      k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     });
   }
 }
@@ -400,7 +398,7 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
   const int64_t groups = a.k / F::G;
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
   for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const k_avx512::Ahead ahead = k_avx512::ahead_of_pass(r0, m, next, T * tile_bytes / 64, groups);
+    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, T * tile_bytes / 64, groups);
 #define SMALL_CODES_ROWS_CASE(R)                                                   \
   {                                                                                \
     __m512 acc[R][T];                                                              \
