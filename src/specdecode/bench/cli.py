@@ -84,7 +84,7 @@ def add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     --project-from and their settings."""
     parser.add_argument("--runners", action="store_true",
                         help="measure the runners instead of the methods: per-forward latency "
-                             "(1, 8, 16, 64 tokens), one row against its memory bound, greedy "
+                             "(1, 2, 4, 8, 16, 64 tokens), one row against its memory bound, greedy "
                              "ar tokens/s of the native runner in each format (--weights: auto "
                              "or a list such as int4,int8) and the hf runner where the model "
                              "fits in float32, beside transformers and llama.cpp (llama-cpp-"

@@ -6,8 +6,8 @@ build folder with ``bin/``), in the folder named by ``SPECDECODE_LLAMA_CPP``, th
 Each runs as a process of its own through ``peer_process.run_tool``: a crash or an illegal
 instruction becomes a failed peer in the report, never a failed run.
 
-``llama-bench -p 1,8,16,64 -n G -d C -t T -r R -o json`` times, after ``C`` tokens already in
-the cache (``-d``), one ``llama_decode`` of 1, 8, 16 and 64 new tokens (``pp``) and ``G``
+``llama-bench -p 1,2,4,8,16,64 -n G -d C -t T -r R -o json`` times, after ``C`` tokens already in
+the cache (``-d``), one ``llama_decode`` of 1, 2, 4, 8, 16 and 64 new tokens (``pp``) and ``G``
 single-token decodes (``tg``): the same shapes as our per-forward latency. Its ``pp`` batches
 ask for the last row's logits only, where a verify pass needs every row's (the LM head on 63
 more rows at 64: a few percent of a 7B model's work, a fifth of SmolLM2-135M's).

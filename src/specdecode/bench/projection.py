@@ -14,7 +14,7 @@ What it assumes (docs/bench.md says it too):
 - drafting costs what it cost in the run: true of model-free proposers (ngram, suffix,
   lookahead, recycling's lookups), too little for drafters that run part of the target or a
   network sized by it (early_exit, draft heads, draft models), whose drafts grow with it;
-- c(r) is linear between the measured sizes (1, 8, 16, 64 rows; beyond 64, the last
+- c(r) is linear between the measured sizes (1, 2, 4, 8, 16, 64 rows; beyond 64, the last
   segment's slope), and c at the mean draft size stands for the mean of c over the steps (exact
   where c is linear across the sizes a method sends);
 - prefill, sampling and verification time are left out for every method alike.

@@ -2,10 +2,10 @@
 
 Measured on the same machine in the same run, with the same threads:
 
-- per-forward latency: the median time of one target forward over 1, 8, 16 and 64 new tokens
-  (a root plus a chain draft) after a ``--context``-token prefill of real Spec-Bench text, for
-  the ``hf`` runner (where the model is small enough to hold in float32) and the native runner
-  in each weight format asked for, and for llama.cpp on the GGUF file: llama-cpp-python's
+- per-forward latency: the median time of one target forward over 1, 2, 4, 8, 16 and 64 new
+  tokens (a root plus a chain draft) after a ``--context``-token prefill of real Spec-Bench
+  text, for the ``hf`` runner (where the model is small enough to hold in float32) and the
+  native runner in each weight format asked for, and for llama.cpp on the GGUF file: llama-cpp-python's
   ``Llama.eval`` of the same tokens with ``logits_all`` (a verify pass needs every row's
   logits) and llama.cpp's own ``llama-bench`` at the same depth (``llama_tools``), each in a
   process of its own (``peer_process``: a peer that crashes is named, the rest is kept);
@@ -23,7 +23,8 @@ Measured on the same machine in the same run, with the same threads:
   (exactness is always against the same runner; this says how far the formats drift);
 - the roofline of the native int4 runner (``roofline``), on CPUs with AVX-512 VNNI.
 
-Defaults: sizes 1, 8, 16, 64; 9 timed forwards per size after one untimed (median); the
+Defaults: sizes 1, 2, 4, 8, 16, 64 (the few rows a CPU's short drafts verify, and the many
+of wide trees); 9 timed forwards per size after one untimed (median); the
 bandwidth is the best of 7 reads of a 512 MiB buffer.
 """
 
@@ -42,7 +43,7 @@ from specdecode.draft import Draft
 from specdecode.questions import Question
 from specdecode.sampling import SamplingParams
 
-FORWARD_SIZES = (1, 8, 16, 64)
+FORWARD_SIZES = (1, 2, 4, 8, 16, 64)
 TIMED_FORWARDS = 9
 #: the prompt whose processing is timed (llama-bench's pp512), and how many times
 PROMPT_TOKENS = 512
