@@ -445,7 +445,8 @@ def test_bad_runner_options_fail_before_the_model_loads(tmp_path, capsys, monkey
 
 FAKE_LLAMA_BENCH = """#!/bin/sh
 cat <<'JSON'
-[{"n_prompt": 1, "n_gen": 0, "samples_ns": [2000000]}, {"n_prompt": 8, "n_gen": 0, "samples_ns": [4000000]},
+[{"n_prompt": 1, "n_gen": 0, "samples_ns": [2000000]}, {"n_prompt": 2, "n_gen": 0, "samples_ns": [2500000]},
+ {"n_prompt": 4, "n_gen": 0, "samples_ns": [3000000]}, {"n_prompt": 8, "n_gen": 0, "samples_ns": [4000000]},
  {"n_prompt": 16, "n_gen": 0, "samples_ns": [6000000]}, {"n_prompt": 64, "n_gen": 0, "samples_ns": [20000000]},
  {"n_prompt": 256, "n_gen": 0, "samples_ns": [128000000]}, {"n_prompt": 0, "n_gen": 32, "samples_ns": [64000000]}]
 JSON
@@ -484,7 +485,7 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
         built.runners, built.tokenizer, [2], questions, context=24, max_new_tokens=4,
         gguf_path=path, llama_cpp_dir=str(tmp_path), progress=lambda _: None)
     bench_row = result["forward_ms"]["llama.cpp (llama-bench)"]
-    assert bench_row == {"1": 2.0, "8": 4.0, "16": 6.0, "64": 20.0}
+    assert bench_row == {"1": 2.0, "2": 2.5, "4": 3.0, "8": 4.0, "16": 6.0, "64": 20.0}
     # its pp at depth 0, of the prompt the runner's context holds (256 tokens: this tiny model's)
     assert result["prompt_tokens"] == 256 and result["prompt_ms"]["llama.cpp (llama-bench)"] == 128.0
     assert result["ar"]["llama.cpp (llama-bench) tg"]["decode_tokens_per_s"] == pytest.approx(500.0)
@@ -495,7 +496,7 @@ def test_a_large_gguf_is_measured_without_a_float_copy(tmp_path, monkeypatch):
     streamed = sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
     assert result["memory"]["bytes"]["llama.cpp (llama-bench)"] == streamed
     report = runners_module.runners_markdown(result, {"machine": "test"})
-    assert "| llama.cpp (llama-bench) | 2.0 | 4.0 | 6.0 | 20.0 | 3.00x |" in report
+    assert "| llama.cpp (llama-bench) | 2.0 | 2.5 | 3.0 | 4.0 | 6.0 | 20.0 | 3.00x |" in report
     assert "| llama.cpp (llama-bench) | 128 | 2000 | - | - | - | - | - |" in report
 
 
