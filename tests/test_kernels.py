@@ -399,7 +399,7 @@ def check_attention_variant(q, past: int, attention, plain, expected) -> None:
         assert (out[r] - expected(r, list(range(past + r + 1)))).abs().max() < 1e-4
 
 
-# head sizes 32 (the AVX-512 blocks) and 24 (attend_one in every variant); no window and one
+# head sizes 32 (the AVX2 and AVX-512 blocks) and 24 (attend_one in every variant); no window and one
 # that tree rows cross
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,window", [(32, 0), (32, 20), (24, 0), (24, 20)])
@@ -428,10 +428,12 @@ def test_soft_capped_attention(ext, isa, d, window, dtype):
     check_attention_variant(q, past, attention, plain, expected)
 
 
-# head sizes: 16, 64 and one the AVX-512 blocks do not fit; groups of query heads per key/value
-# head: 2, SmolLM2's 3 (blocks of 4 rows) and 6 (4 + 2 heads; blocks of 3 rows)
+# head sizes: 16, 64 and one the blocks do not fit; groups of query heads per key/value head: 2,
+# SmolLM2's 3 (AVX-512: blocks of 4 rows; AVX2: 2 rows), Qwen2.5-1.5B's 6 (AVX-512: 4 + 2 heads
+# in blocks of 3 rows; AVX2: 6 heads, 1 row) and the 0.5B's 7 (AVX-512: 4 + 3; AVX2: 6 + 1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d,heads,kv", [(16, 4, 2), (64, 4, 2), (24, 4, 2), (64, 9, 3), (32, 6, 1)])
+@pytest.mark.parametrize("d,heads,kv", [(16, 4, 2), (64, 4, 2), (24, 4, 2), (64, 9, 3), (32, 6, 1),
+                                        (32, 14, 2)])
 def test_attention_rows_see_their_keys_in_order(ext, isa, d, heads, kv, dtype):
     gen = torch.Generator().manual_seed(d + heads)
     group, cap = heads // kv, 304

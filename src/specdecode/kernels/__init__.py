@@ -33,7 +33,7 @@ from specdecode.errors import SpecDecodeError, require
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q4_avx2.h",
-            _HERE / "q8_blocks.h", _HERE / "small_codes.h", _HERE / "amx.h")
+            _HERE / "q8_blocks.h", _HERE / "small_codes.h", _HERE / "amx.h", _HERE / "attention.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
 #: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
 #: the OS grants the tile state)

@@ -58,6 +58,24 @@ static inline Ahead ahead_of_pass(int64_t pass, int64_t passes, const uint8_t* n
   return {next + first_line * 64, std::min(per_group, (lines - first_line) / groups)};
 }
 
+// One row of a blocked attention call (attention.h): its keys are positions 0..len-1; its
+// first `cached` positions sit in the cache slot of the same number (the committed context, and
+// a chain's or a tree path's rows written in order), the rest in the slots it names (its tree
+// ancestors). Head sizes for which blocks_fit(d).
+struct RowKeys {
+  const float* q;        // the row's query heads of one key/value head, [NH][D]
+  float* out;            // [NH][D]
+  const int32_t* slots;  // slots of positions cached, cached + 1, .. len - 1
+  int64_t cached;        // positions 0 .. cached - 1 sit in slots 0 .. cached - 1
+  int64_t len;           // positions the row sees
+};
+
+static inline bool blocks_fit(int64_t d) { return d % 16 == 0 && d <= 256; }
+
+static inline int64_t slot_of(const RowKeys& row, int64_t j) {
+  return j < row.cached ? j : row.slots[j - row.cached];
+}
+
 #define WEIGHT_LOADERS                                                    \
   static inline float load_weight(float w) { return w; }                  \
   static inline float load_weight(int8_t w) { return (float)w; }          \
@@ -83,6 +101,58 @@ namespace k_avx2 {
 WEIGHT_LOADERS
 #include "generic.h"
 #include "q4_avx2.h"
+
+// attention.h's 16 lanes: two registers of 8
+struct Lanes16 {
+  __m256 lo, hi;
+};
+static inline Lanes16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline Lanes16 set16(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline Lanes16 load16(const float* w) { return {_mm256_loadu_ps(w), _mm256_loadu_ps(w + 8)}; }
+static inline __m256 bf16_8(const uint16_t* w) {  // bfloat16: the high half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline Lanes16 load16(const uint16_t* w) { return {bf16_8(w), bf16_8(w + 8)}; }
+static inline Lanes16 fma16(Lanes16 a, Lanes16 b, Lanes16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline void store16(float* at, Lanes16 v) {
+  _mm256_storeu_ps(at, v.lo);
+  _mm256_storeu_ps(at + 8, v.hi);
+}
+static inline Lanes16 div16(Lanes16 v, float by) {
+  const __m256 d = _mm256_set1_ps(by);
+  return {_mm256_div_ps(v.lo, d), _mm256_div_ps(v.hi, d)};
+}
+// R x NH <= 6: a pass keeps one 16-wide block for every row and head in 12 of the 16
+// registers; up to 6 heads a pass, so that a decode row of a group of 6 (Qwen2.5's 1.5B)
+// reads each key and value once
+#define ATTN_PAIRS 6
+#define ATTN_BLOCKS 1
+#define ATTN_HEADS 6
+
+// one row's scores of positions row.cached .. len (its own rows in a tree: a few), a key at a
+// time: the same fma chain over d as a block's lane
+template <int NH, typename KV>
+static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* scores,
+                            int64_t stride) {
+  for (int64_t j = row.cached; j < row.len; j++) {
+    const KV* key = kt + key_at(slot_of(row, j), 0, d);
+    for (int h = 0; h < NH; h++) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < d; i++) acc = FMA(row.q[h * d + i], load_weight(key[i * 16]), acc);
+      scores[h * stride + j] = acc;
+    }
+  }
+}
+#define SOFTMAX_NUMERATORS softmax_numerators
+
+#include "attention.h"
+#undef ATTN_PAIRS
+#undef ATTN_BLOCKS
+#undef ATTN_HEADS
+#undef SOFTMAX_NUMERATORS
 }  // namespace k_avx2
 #pragma GCC pop_options
 
@@ -173,61 +243,18 @@ static void exp_scaled_avx512(const float* x, float* e, int64_t n, float tempera
 
 #include "generic.h"
 
-// Attention of a block of R rows of one call for the NH query heads that share one key/value
-// head (grouped-query attention). Each row's keys are positions 0..len-1; a row's first
-// `cached` positions sit in the cache slot of the same number (the committed context, and a
-// chain's or a tree path's rows written in order), the rest in the slots it names (its tree
-// ancestors). Keys of the first kind are read as whole cached blocks of 16, once for every row
-// and head of the block; the rest are gathered per row. Every score is one fma chain over the
-// head dimension, and every output column one fma chain over the row's keys in logical order,
-// exactly as generic.h's attend_one computes them: which rows share a block, and how many,
-// changes no bit. R x NH <= 12, so a pass keeps two 16-wide blocks (of keys, or of value
-// columns) for every row and head in 24 registers. Head sizes for which blocks_fit(d).
-struct RowKeys {
-  const float* q;        // the row's NH query heads, [NH][D]
-  float* out;            // [NH][D]
-  const int32_t* slots;  // slots of positions cached, cached + 1, .. len - 1
-  int64_t cached;        // positions 0 .. cached - 1 sit in slots 0 .. cached - 1
-  int64_t len;           // positions the row sees
-};
-
-static inline bool blocks_fit(int64_t d) { return d % 16 == 0 && d <= 256; }
-
-static inline int64_t slot_of(const RowKeys& row, int64_t j) {
-  return j < row.cached ? j : row.slots[j - row.cached];
-}
-
-// scores of slots j0 .. j0 + 16 B for every row and head of the block (a row's scores past
-// its `cached` positions are overwritten by gathered_scores)
-template <int NH, int R, int B, typename KV>
-static void score_blocks(const RowKeys* rows, const KV* kt, int64_t d, int64_t j0, int64_t end,
-                         float* scores, int64_t stride) {
-  __m512 acc[B][R][NH];
-  for (int b = 0; b < B; b++)
-    for (int r = 0; r < R; r++)
-      for (int h = 0; h < NH; h++) acc[b][r][h] = _mm512_setzero_ps();
-  const KV* blk = kt + (j0 / 16) * d * 16;
-  // the key blocks ATTN_PREFETCH passes ahead, a few lines an iteration (none past `end`):
-  // `owed` counts lines times d, so that `lines` are spread over the d iterations without a
-  // division in the loop (two integer divisions an iteration were a third of this function)
-  const char* ahead = (const char*)(blk + ATTN_PREFETCH * B * d * 16);
-  const int64_t lines = j0 + ATTN_PREFETCH * B * 16 < end ? B * d * 16 * (int64_t)sizeof(KV) / 64 : 0;
-  int64_t owed = 0;
-  for (int64_t i = 0; i < d; i++) {
-    for (owed += lines; owed >= d; owed -= d, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
-    __m512 k[B];
-    for (int b = 0; b < B; b++) k[b] = load16(blk + (b * d + i) * 16);
-    for (int r = 0; r < R; r++)
-      for (int h = 0; h < NH; h++) {
-        const __m512 qi = _mm512_set1_ps(rows[r].q[h * d + i]);
-        for (int b = 0; b < B; b++) acc[b][r][h] = _mm512_fmadd_ps(qi, k[b], acc[b][r][h]);
-      }
-  }
-  for (int b = 0; b < B; b++)
-    for (int r = 0; r < R; r++)
-      for (int h = 0; h < NH; h++)
-        _mm512_storeu_ps(scores + (r * NH + h) * stride + j0 + 16 * b, acc[b][r][h]);
-}
+// attention.h's 16 lanes: one register
+using Lanes16 = __m512;
+static inline __m512 zero16() { return _mm512_setzero_ps(); }
+static inline __m512 set16(float x) { return _mm512_set1_ps(x); }
+static inline __m512 fma16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void store16(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
+static inline __m512 div16(__m512 v, float by) { return _mm512_div_ps(v, _mm512_set1_ps(by)); }
+// R x NH <= 12, so a pass keeps two 16-wide blocks (of keys, or of value columns) for every
+// row and head in 24 registers
+#define ATTN_PAIRS 12
+#define ATTN_BLOCKS 2
+#define ATTN_HEADS 4
 
 // 16 keys' element i, gathered from the cache at elements at[l] + 16 i
 static inline __m512 gather16(const float* kt, __m512i at, int64_t i) {
@@ -264,9 +291,9 @@ static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* 
   }
 }
 
-// scores -> exp(score - max) in place; returns their sum through 16 lanes (generic.h's order;
-// the maximum is exact in any order), plus the sink's exp where there is one (as attend_one)
-static float softmax_numerators(float* sc, int64_t len, const float* sink) {
+// generic.h's softmax_numerators, 16 lanes a step: the sum through the same 16 lanes in the
+// same order (the maximum is exact in any order)
+static float softmax_numerators_avx512(float* sc, int64_t len, const float* sink) {
   const float most = row_max_avx512(sc, len);
   const float mx = sink && *sink > most ? *sink : most;
   const __m512 top = _mm512_set1_ps(mx);
@@ -281,108 +308,9 @@ static float softmax_numerators(float* sc, int64_t len, const float* sink) {
   _mm512_store_ps(lanes, part);
   return sink ? tree16(lanes) + exp_fixed(*sink - mx) : tree16(lanes);
 }
+#define SOFTMAX_NUMERATORS softmax_numerators_avx512
 
-// value columns c0 .. c0 + 16 B of every row and head: positions below `shared` (cached for
-// every row of the block) once for all rows, then each row's others
-template <int NH, int R, int B, typename KV>
-static void value_blocks(const RowKeys* rows, const KV* vc, int64_t d, int64_t shared,
-                         int64_t c0, const float* scores, int64_t stride, const float* denom) {
-  __m512 acc[R][NH][B];
-  for (int r = 0; r < R; r++)
-    for (int h = 0; h < NH; h++)
-      for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < shared; j++) {
-    if (c0 == 0 && j + ATTN_VALUE_PREFETCH < shared)
-      for (int64_t line = 0; line < d * (int64_t)sizeof(KV); line += 64)
-        _mm_prefetch((const char*)(vc + (j + ATTN_VALUE_PREFETCH) * d) + line, _MM_HINT_T0);
-    __m512 v[B];
-    for (int b = 0; b < B; b++) v[b] = load16(vc + j * d + c0 + 16 * b);
-    for (int r = 0; r < R; r++)
-      for (int h = 0; h < NH; h++) {
-        const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
-        for (int b = 0; b < B; b++) acc[r][h][b] = _mm512_fmadd_ps(p, v[b], acc[r][h][b]);
-      }
-  }
-  for (int r = 0; r < R; r++) {
-    for (int64_t j = shared; j < rows[r].len; j++) {
-      const KV* v = vc + slot_of(rows[r], j) * d + c0;
-      for (int h = 0; h < NH; h++) {
-        const __m512 p = _mm512_set1_ps(scores[(r * NH + h) * stride + j]);
-        for (int b = 0; b < B; b++)
-          acc[r][h][b] = _mm512_fmadd_ps(p, load16(v + 16 * b), acc[r][h][b]);
-      }
-    }
-    for (int h = 0; h < NH; h++)
-      for (int b = 0; b < B; b++)
-        _mm512_storeu_ps(rows[r].out + h * d + c0 + 16 * b,
-                         _mm512_div_ps(acc[r][h][b], _mm512_set1_ps(denom[r * NH + h])));
-  }
-}
-
-// scores: R x NH x stride floats, stride a multiple of 16 at least every row's len
-template <int NH, int R, typename KV>
-static void attend_block_avx512(const RowKeys* rows, const KV* kt, const KV* vc, int64_t d,
-                                float* scores, int64_t stride, float cap, const float* sinks) {
-  static_assert(R * NH <= 12, "a pass holds 2 x R x NH accumulators");
-  int64_t shared = rows[0].cached, blocked = rows[0].cached;
-  for (int r = 1; r < R; r++) {
-    shared = std::min(shared, rows[r].cached);
-    blocked = std::max(blocked, rows[r].cached);
-  }
-  blocked = (blocked + 15) / 16 * 16;
-  int64_t j0 = 0;
-  for (; j0 + 32 <= blocked; j0 += 32) score_blocks<NH, R, 2, KV>(rows, kt, d, j0, blocked, scores, stride);
-  for (; j0 < blocked; j0 += 16) score_blocks<NH, R, 1, KV>(rows, kt, d, j0, blocked, scores, stride);
-  float denom[R * NH];
-  for (int r = 0; r < R; r++) {
-    float* sc = scores + r * NH * stride;
-    gathered_scores<NH, KV>(rows[r], kt, d, sc, stride);
-    for (int h = 0; h < NH; h++) {
-      // soft-capping (cap > 0) as attend_one does it: the same elementwise bits
-      if (cap > 0.0f) softcap_values(sc + h * stride, sc + h * stride, rows[r].len, cap);
-      denom[r * NH + h] = softmax_numerators(sc + h * stride, rows[r].len, sinks ? sinks + h : nullptr);
-    }
-  }
-  int64_t c0 = 0;
-  for (; c0 + 32 <= d; c0 += 32) value_blocks<NH, R, 2, KV>(rows, vc, d, shared, c0, scores, stride, denom);
-  for (; c0 < d; c0 += 16) value_blocks<NH, R, 1, KV>(rows, vc, d, shared, c0, scores, stride, denom);
-}
-
-// rows of a block per key/value head: as many as keep R x NH <= 12 (at most 4)
-static inline int64_t block_rows(int64_t nh) { return std::min<int64_t>(4, 12 / std::min<int64_t>(4, nh)); }
-
-template <int NH, typename KV>
-static void attend_block_rows(const RowKeys* rows, int64_t count, const KV* kt,
-                              const KV* vc, int64_t d, float* scores, int64_t stride, float cap,
-                              const float* sinks) {
-  switch (count) {
-    case 1: attend_block_avx512<NH, 1, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
-    case 2: attend_block_avx512<NH, 2, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
-    case 3: attend_block_avx512<NH, 3, KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
-    default: attend_block_avx512<NH, (NH < 4 ? 4 : 3), KV>(rows, kt, vc, d, scores, stride, cap, sinks); break;
-  }
-}
-
-// `count` rows (at most block_rows(nh)) for the nh heads that share a key/value head, 4 heads
-// at a time; a row's q and out point at its first head of the group. scores: block_rows(nh)
-// x 4 x stride floats. sinks: the nh heads' attention sinks (null: none).
-template <typename KV>
-static void attend_rows(const RowKeys* rows, int64_t count, const KV* kt, const KV* vc,
-                        int64_t d, float* scores, int64_t stride, int64_t nh, float cap,
-                        const float* sinks) {
-  RowKeys part[4];
-  for (int64_t h = 0; h < nh; h += 4) {
-    for (int64_t r = 0; r < count; r++)
-      part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};
-    const float* hs = sinks ? sinks + h : nullptr;
-    switch (std::min<int64_t>(4, nh - h)) {
-      case 4: attend_block_rows<4, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
-      case 3: attend_block_rows<3, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
-      case 2: attend_block_rows<2, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
-      default: attend_block_rows<1, KV>(part, count, kt, vc, d, scores, stride, cap, hs); break;
-    }
-  }
-}
+#include "attention.h"
 
 // The Q4 kernel with VPDPBUSD: R rows x T column tiles per pass, so each unpacked block of
 // codes serves R rows and each broadcast of four activation bytes serves T tiles. A group's
@@ -863,7 +791,7 @@ static void rope_store_segments(const float* src, const float* cos, const float*
 // Attention of every segment's rows on its own cache, in one parallel region: one work item is
 // a block of rows of one segment (a block never mixes two caches) and a key/value head, with the
 // query heads that share it. A row's result depends on its own keys alone (see
-// attend_block_avx512), so how the rows of a call fall into segments and blocks changes no bit.
+// attention.h), so how the rows of a call fall into segments and blocks changes no bit.
 // ``softcap`` > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2); 0: none.
 // ``sinks``: each query head's attention sink logit [heads] (gpt-oss; null: none).
 template <typename KV>
@@ -871,8 +799,9 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
                             int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t window,
                             double softcap, const float* sinks, int64_t isa) {
   const int64_t group = heads / kv;
-  const bool blocked = isa >= AVX512 && k_avx512::blocks_fit(d);
-  const int64_t per_block = blocked ? k_avx512::block_rows(group) : 1;
+  const bool blocked = isa >= AVX2 && blocks_fit(d);
+  const bool wide = isa >= AVX512;
+  const int64_t per_block = !blocked ? 1 : wide ? k_avx512::block_rows(group) : k_avx2::block_rows(group);
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (segment, its first row)
   int64_t stride = 16;
   for (size_t s = 0; s < segs.size(); s++) {
@@ -885,7 +814,9 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
   const int64_t items = (int64_t)blocks.size() * kv;
   const int64_t lanes = std::min<int64_t>(items, at::get_num_threads());
   at::parallel_for(0, lanes, 1, [&](int64_t l0, int64_t l1) {
-    std::vector<float> scores(per_block * std::min<int64_t>(4, group) * stride);
+    std::vector<float> scores(!blocked ? stride
+                              : wide ? k_avx512::scores_floats(group, stride)
+                                     : k_avx2::scores_floats(group, stride));
     std::vector<int32_t> window_slots(per_block * std::max<int64_t>(window, 0));
     for (int64_t lane = l0; lane < l1; lane++)  // (one lane a thread)
     for (int64_t i = lane; i < items; i += lanes) {
@@ -894,11 +825,11 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
       const int64_t r1 = std::min(seg.r1, r0 + per_block);
       const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
       const float* group_sinks = sinks ? sinks + kvh * group : nullptr;
-      k_avx512::RowKeys rows[4];
+      RowKeys rows[4];
       for (int64_t r = r0; r < r1; r++) {
         const int64_t first = r * heads + kvh * group, len = past + seg.lens[r - seg.r0];
         const int32_t* own = seg.keys + (r - seg.r0) * seg.width;
-        k_avx512::RowKeys& row = rows[r - r0];
+        RowKeys& row = rows[r - r0];
         if (window > 0 && len > window) {
           // a sliding window: the row's last `window` positions, every one named by its slot
           // (none read as a cached block), so the row sees the same keys in the same order,
@@ -916,9 +847,12 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
           DISPATCH(isa, attend_group, row.q, kt, vc, d, row.cached, row.slots, row.len,
                    scores.data(), row.out, group, (float)softcap, group_sinks);
       }
-      if (blocked)
+      if (blocked && wide)
         k_avx512::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group, (float)softcap,
                               group_sinks);
+      else if (blocked)
+        k_avx2::attend_rows(rows, r1 - r0, kt, vc, d, scores.data(), stride, group, (float)softcap,
+                            group_sinks);
     }
   });
 }

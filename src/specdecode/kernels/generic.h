@@ -385,6 +385,15 @@ static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
   return (slot / 16) * d * 16 + i * 16 + slot % 16;
 }
 
+// scores -> exp(score - max) in place; returns their sum through the 16 lanes, plus the
+// sink's exp where there is one (it joins the maximum and the denominator)
+static float softmax_numerators(float* scores, int64_t len, const float* sink) {
+  const float top = ROW_MAX(scores, len);
+  const float mx = sink && *sink > top ? *sink : top;
+  for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
+  return sink ? lane_sum(scores, len) + exp_fixed(*sink - mx) : lane_sum(scores, len);
+}
+
 template <typename KV>
 static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
                        int64_t past, const int32_t* slots, int64_t len, float* scores,
@@ -406,10 +415,7 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
     scores[j] = acc;
   }
   if (cap > 0.0f) softcap_values(scores, scores, len, cap);  // Gemma 2's logit soft-capping
-  const float top = ROW_MAX(scores, len);
-  const float mx = sink && *sink > top ? *sink : top;
-  for (int64_t j = 0; j < len; j++) scores[j] = exp_fixed(scores[j] - mx);
-  const float denom = sink ? lane_sum(scores, len) + exp_fixed(*sink - mx) : lane_sum(scores, len);
+  const float denom = softmax_numerators(scores, len, sink);
   for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
   for (int64_t jj = 0; jj < len; jj++) {
     const int64_t s = jj < past ? jj : slots[jj - past];
