@@ -115,13 +115,13 @@ static void attend_block(const RowKeys* rows, const KV* kt, const KV* vc, int64_
   for (; c0 < d; c0 += 16) value_blocks<NH, R, 1, KV>(rows, vc, d, shared, c0, scores, stride, denom);
 }
 
-// the most rows of a block for passes of NH heads (at most 4)
+// the most rows of a block for passes of NH heads
 template <int NH>
-static constexpr int pass_rows() { return std::min(4, ATTN_PAIRS / NH); }
+static constexpr int pass_rows() { return std::min(BLOCK_ROWS_MAX, ATTN_PAIRS / NH); }
 
 // rows of a block per key/value head with nh query heads: as many as its widest pass holds
 static inline int64_t block_rows(int64_t nh) {
-  return std::min<int64_t>(4, ATTN_PAIRS / std::min<int64_t>(ATTN_HEADS, nh));
+  return std::min<int64_t>(BLOCK_ROWS_MAX, ATTN_PAIRS / std::min<int64_t>(ATTN_HEADS, nh));
 }
 
 // floats of the scores buffer attend_rows takes for nh query heads and rows of `stride` keys
@@ -158,7 +158,7 @@ template <typename KV>
 static void attend_rows(const RowKeys* rows, int64_t count, const KV* kt, const KV* vc,
                         int64_t d, float* scores, int64_t stride, int64_t nh, float cap,
                         const float* sinks) {
-  RowKeys part[4];
+  RowKeys part[BLOCK_ROWS_MAX];
   for (int64_t h = 0; h < nh; h += ATTN_HEADS) {
     for (int64_t r = 0; r < count; r++)
       part[r] = {rows[r].q + h * d, rows[r].out + h * d, rows[r].slots, rows[r].cached, rows[r].len};

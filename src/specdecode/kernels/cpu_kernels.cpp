@@ -71,6 +71,8 @@ struct RowKeys {
 };
 
 static inline bool blocks_fit(int64_t d) { return d % 16 == 0 && d <= 256; }
+// the most rows of a block (its RowKeys arrays hold this many)
+constexpr int BLOCK_ROWS_MAX = 4;
 
 static inline int64_t slot_of(const RowKeys& row, int64_t j) {
   return j < row.cached ? j : row.slots[j - row.cached];
@@ -133,18 +135,12 @@ static inline Lanes16 div16(Lanes16 v, float by) {
 #define ATTN_HEADS 6
 
 // one row's scores of positions row.cached .. len (its own rows in a tree: a few), a key at a
-// time: the same fma chain over d as a block's lane
+// time (generic.h's key_score)
 template <int NH, typename KV>
 static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* scores,
                             int64_t stride) {
-  for (int64_t j = row.cached; j < row.len; j++) {
-    const KV* key = kt + key_at(slot_of(row, j), 0, d);
-    for (int h = 0; h < NH; h++) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < d; i++) acc = FMA(row.q[h * d + i], load_weight(key[i * 16]), acc);
-      scores[h * stride + j] = acc;
-    }
-  }
+  for (int64_t j = row.cached; j < row.len; j++)
+    for (int h = 0; h < NH; h++) scores[h * stride + j] = key_score(row.q + h * d, kt, slot_of(row, j), d);
 }
 #define SOFTMAX_NUMERATORS softmax_numerators
 
@@ -825,7 +821,7 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
       const int64_t r1 = std::min(seg.r1, r0 + per_block);
       const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
       const float* group_sinks = sinks ? sinks + kvh * group : nullptr;
-      RowKeys rows[4];
+      RowKeys rows[BLOCK_ROWS_MAX];
       for (int64_t r = r0; r < r1; r++) {
         const int64_t first = r * heads + kvh * group, len = past + seg.lens[r - seg.r0];
         const int32_t* own = seg.keys + (r - seg.r0) * seg.width;

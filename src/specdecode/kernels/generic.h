@@ -385,6 +385,15 @@ static inline int64_t key_at(int64_t slot, int64_t i, int64_t d) {
   return (slot / 16) * d * 16 + i * 16 + slot % 16;
 }
 
+// the score of the key in cache slot `slot`: one fma chain over d, as a block's lane computes it
+template <typename KV>
+static inline float key_score(const float* q, const KV* kt, int64_t slot, int64_t d) {
+  const KV* key = kt + key_at(slot, 0, d);
+  float acc = 0.0f;
+  for (int64_t i = 0; i < d; i++) acc = FMA(q[i], load_weight(key[i * 16]), acc);
+  return acc;
+}
+
 // scores -> exp(score - max) in place; returns their sum through the 16 lanes, plus the
 // sink's exp where there is one (it joins the maximum and the denominator)
 static float softmax_numerators(float* scores, int64_t len, const float* sink) {
@@ -408,12 +417,7 @@ static void attend_one(const float* q, const KV* kt, const KV* vc, int64_t d,
     }
     for (int l = 0; l < 16; l++) scores[j0 + l] = acc[l];
   }
-  for (int64_t j = j0; j < len; j++) {
-    const int64_t s = j < past ? j : slots[j - past];
-    float acc = 0.0f;
-    for (int64_t i = 0; i < d; i++) acc = FMA(q[i], load_weight(kt[key_at(s, i, d)]), acc);
-    scores[j] = acc;
-  }
+  for (int64_t j = j0; j < len; j++) scores[j] = key_score(q, kt, j < past ? j : slots[j - past], d);
   if (cap > 0.0f) softcap_values(scores, scores, len, cap);  // Gemma 2's logit soft-capping
   const float denom = softmax_numerators(scores, len, sink);
   for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
