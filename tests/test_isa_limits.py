@@ -39,6 +39,18 @@ def limit_id(limits: dict) -> str:
     return ",".join(f"{variable}={value}" for variable, value in limits.items())
 
 
+def taken_here(variable: str, value: str) -> bool:
+    """Whether this process takes the path ``variable=value`` names without being limited."""
+    import torch
+
+    if variable == "SPECDECODE_KERNEL_ISA":
+        return kernels.ISA_LEVELS[kernels.isa()] == value
+    if variable == "ATEN_CPU_CAPABILITY":
+        return torch.backends.cpu.get_cpu_capability().lower() == value
+    # oneDNN's and MKL's AVX2 level is their top one on a CPU without AVX-512
+    return value == "AVX2" and "avx512f" not in cpu_flags()
+
+
 def run_limited(limits: dict, flag: str | None, select: str, marker: str) -> str:
     if flag and flag not in cpu_flags():
         pytest.skip(f"this CPU has no {flag}: the {limit_id(limits)} path cannot run here")
@@ -46,6 +58,9 @@ def run_limited(limits: dict, flag: str | None, select: str, marker: str) -> str
     if kernel_isa and kernels.ISA_LEVELS.index(kernel_isa) > kernels.load().isa_level():
         pytest.skip(f"the OS did not grant this process the {kernel_isa} state: the "
                     f"{limit_id(limits)} path cannot run here")
+    if all(taken_here(variable, value) for variable, value in limits.items()):
+        pytest.skip(f"this CPU takes the {limit_id(limits)} path unlimited: the tests outside "
+                    "this file run it")
     env = {**os.environ, **limits}
     # one interpreter per limit: it says which paths it took, then runs the tests (a separate
     # probe process cost another start of torch for each limit)

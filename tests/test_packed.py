@@ -14,6 +14,7 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Needs, PrefillCall, VerifyCall
 from specdecode.models.hf import HFRunner
+from specdecode.models.kv_cache import INITIAL_SLOTS, BlockedKVCache
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
 from tiny_models import tiny_llama, tiny_model
 
@@ -163,6 +164,43 @@ def test_threads_split_the_packed_forward_without_changing_a_bit():
     prompts = [tokens(rng, n) for n in (60, 2, 33, 150, 7)]
     seqs.step({i: PrefillCall(p, 0, len(p)) for i, p in enumerate(prompts)}, rng)
     decode_steps(seqs, list(range(5)), rng, 4)
+
+
+@pytest.mark.parametrize("weights", ["int4", "fp32"])
+def test_a_cache_that_grows_gives_the_bits_of_one_allocated_whole(weights):
+    """A replica's cache starts with a few slots and grows (copying its rows over) while a
+    prompt in parts and drafts are written; a twin whose cache holds its whole capacity from
+    the start computes the same bits, packed beside it. A new prompt gives the memory back."""
+    base = runner_for("llama", weights)
+    rng = random.Random(7)
+    seqs = Sequences(base, 2)
+    grown, whole = seqs.packed
+    whole.cache = BlockedKVCache(*whole.cache._shape, whole.cache.capacity, whole.cache._dtype,
+                                 initial=whole.cache.capacity)
+    start = grown.cache.slots
+    assert start == INITIAL_SLOTS < grown.cache.capacity and grown.kv_bytes < whole.kv_bytes
+    long = tokens(rng, 2 * PREFILL_BLOCK + 90)
+    for first, stop in ((0, PREFILL_BLOCK), (PREFILL_BLOCK, len(long))):
+        seqs.step({0: PrefillCall(long, first, stop), 1: PrefillCall(long, first, stop)}, rng)
+    decode_steps(seqs, [0, 1], rng, 3)
+    assert start < grown.cache.slots < whole.cache.slots
+    assert grown.kv_bytes == whole.kv_bytes * grown.cache.slots // whole.cache.slots
+    seqs.step({0: PrefillCall(tokens(rng, 5), 0, 5)}, rng)
+    assert grown.cache.slots == start
+
+
+def test_storage_grows_in_whole_blocks_up_to_its_capacity():
+    cache = BlockedKVCache(2, 1, 8, 96, torch.float32, initial=20)
+    assert cache.slots == 32 and cache.keys.shape == (2, 1, 2, 8, 16)
+    cache.reserve(33)
+    assert cache.slots == 64  # twice as many
+    cache.reserve(65)
+    assert cache.slots == 96 and cache.nbytes == 2 * (2 * 1 * 96 * 8 * 4)  # the capacity
+    with pytest.raises(SpecDecodeError, match="holds 96 rows, not 97"):
+        cache.reserve(97)
+    unbounded = BlockedKVCache(2, 1, 8, None, torch.float32, initial=16)
+    unbounded.reserve(1000)
+    assert unbounded.slots == 1008
 
 
 def test_runner_of_another_model_is_refused():

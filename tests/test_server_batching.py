@@ -102,6 +102,29 @@ def test_every_batched_response_equals_its_solo_response(model, tokenizer, packe
     assert max(packed_sizes) >= 4, f"sequences were not packed: {packed_sizes}"
 
 
+def test_each_slot_holds_and_reports_the_memory_of_its_own_sequence(tokenizer):
+    """A slot's KV cache grows with its sequence, not to the longest context the server
+    allows: after a long prompt on one slot, that slot reports twice the first storage in
+    /health and /metrics, the idle one its first storage, both far below --max-context's; the
+    answer is the solo answer."""
+    from specdecode.models.native_shape import kv_cache_bytes
+    from test_server import metric_values
+
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=2048, seed=4)
+    prompt = " ".join(PROMPTS * 6)  # some 300 tokens: past the first 256 slots
+    with serve(model, tokenizer, parallel=2, method="ar") as served:
+        (text, usage), = ask_all(served.url, [(prompt, dict(max_tokens=8, temperature=0))])
+        wait_idle(served)
+        held = httpx.get(served.url + "/health").json()["kv_cache_bytes"]
+        scraped = metric_values(httpx.get(served.url + "/metrics").text)
+    assert 256 < usage.prompt_tokens + 8 <= 512
+    runner = LlamaRunner.from_transformers(model, "int4")
+    first, whole = runner.kv_bytes, kv_cache_bytes(runner.shape, runner.cache.capacity, "int4")
+    assert sorted(held) == [first, 2 * first] and 2 * first < whole / 4
+    assert [scraped["specdecode_kv_cache_bytes", (("slot", str(i)),)] for i in (0, 1)] == held
+    assert text == solo(model, tokenizer, prompt, "ar", 8)
+
+
 def test_goodput_keeps_drafts_where_rows_are_free_and_drops_them_where_not(model, tokenizer):
     requests = [(p, dict(max_tokens=32, temperature=0)) for p in PROMPTS[:4]] * 2
     drafted = {}

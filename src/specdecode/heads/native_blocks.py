@@ -38,7 +38,7 @@ from specdecode import kernels
 from specdecode.heads.layers import Block, rope_table
 from specdecode.heads.native import scoring_layer
 from specdecode.heads.networks import CloverHeads, DeerDrafter, EagleHead
-from specdecode.models.kv_cache import KEY_BLOCK, AttentionPlan, BlockedKVCache
+from specdecode.models.kv_cache import AttentionPlan, BlockedKVCache
 
 #: context rows the cache holds at first; it doubles when a longer context comes
 INITIAL_ROWS = 1024
@@ -73,27 +73,16 @@ class _LayersOnKernels:
             [_weight(b.attn_norm) for b in blocks], linears["qkv"], linears["o"],
             [_weight(b.mlp_norm) for b in blocks], linears["gate_up"], linears["down"],
             [0] * self.layers, self.heads, self.heads, self.head_dim, self.size, self.eps)
-        self.cache = self._new_cache(INITIAL_ROWS)
+        self.cache = BlockedKVCache(self.layers, self.heads, self.head_dim, None, torch.float32,
+                                    initial=INITIAL_ROWS)
         self._rope_halves: tuple = (None, None, None)
-
-    def _new_cache(self, rows: int) -> BlockedKVCache:
-        return BlockedKVCache(self.layers, self.heads, self.head_dim,
-                              -(-rows // KEY_BLOCK) * KEY_BLOCK, torch.float32)
 
     def reset(self) -> None:
         self.cache.reset()
 
     def _room(self, rows: int) -> None:
-        """Slots for ``rows`` rows after the context: a cache twice as large where they do not
-        fit, the context's rows copied over."""
-        need = self.cache.length + rows
-        if need <= self.cache.capacity:
-            return
-        grown = self._new_cache(2 * need)
-        grown.keys[:, :, :self.cache.keys.shape[2]] = self.cache.keys
-        grown.values[:, :, :self.cache.capacity] = self.cache.values
-        grown.length = self.cache.length
-        self.cache = grown
+        """Slots for ``rows`` rows after the context (the cache grows where they do not fit)."""
+        self.cache.reserve(self.cache.length + rows)
 
     def packed(self, plan: AttentionPlan):
         """``plan`` on this cache as the kernels take it."""
@@ -108,9 +97,9 @@ class _LayersOnKernels:
                                   cos[plan.positions], sin[plan.positions], kernels.isa())
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, cos) and (-sin, sin) [capacity, D] of every position the cache has a slot
+        """(cos, cos) and (-sin, sin) [slots, D] of every position the cache has a slot
         for (a row's position is below its slot's), the table's two halves kept apart."""
-        table = rope_table(self.head_dim, self.cache.capacity)
+        table = rope_table(self.head_dim, self.cache.slots)
         if self._rope_halves[0] is not table:
             self._rope_halves = (table, table[:, 0].contiguous(), table[:, 1].contiguous())
         return self._rope_halves[1:]

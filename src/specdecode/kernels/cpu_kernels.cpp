@@ -733,13 +733,13 @@ static void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, i
 }
 
 // One sequence's share of a forward: rows r0 .. r1 - 1 of the call and the layer's caches of
-// its own (k, v: at its key/value head 0). Its row r0 + i writes slot[i] and sees slots
-// 0 .. past - 1, then keys[i * width .. i * width + lens[i] - 1].
+// its own (k, v: at its key/value head 0, `cap` slots a head). Its row r0 + i writes slot[i] and
+// sees slots 0 .. past - 1, then keys[i * width .. i * width + lens[i] - 1].
 template <typename KV>
 struct Segment {
   KV* k;
   KV* v;
-  int64_t r0, r1, past;
+  int64_t cap, r0, r1, past;
   const int64_t* slot;
   const int32_t* keys;
   const int32_t* lens;
@@ -768,7 +768,7 @@ static void check_keys(const int64_t* slot, const int32_t* sp, const int32_t* lp
 // Rotary embedding of every segment's rows; k and v go into the segment's own caches
 template <typename KV>
 static void rope_store_segments(const float* src, const float* cos, const float* sin, int64_t d,
-                                int64_t heads, int64_t kv_heads, int64_t cap, float* qp,
+                                int64_t heads, int64_t kv_heads, float* qp,
                                 const std::vector<Segment<KV>>& segs, int64_t isa) {
   TORCH_CHECK(d <= k_generic::ROPE_MAX_D, "rotary embedding of heads of more than ",
               k_generic::ROPE_MAX_D, " values");
@@ -779,7 +779,7 @@ static void rope_store_segments(const float* src, const float* cos, const float*
       const int64_t r0 = std::max(a, s.r0), r1 = std::min(b, s.r1);
       if (r0 < r1)
         DISPATCH(isa, rope_store_rows<KV>, src + r0 * width, cos + r0 * d, sin + r0 * d, r1 - r0,
-                 d, heads, kv_heads, cap, s.slot + (r0 - s.r0), qp + r0 * heads * d, s.k, s.v);
+                 d, heads, kv_heads, s.cap, s.slot + (r0 - s.r0), qp + r0 * heads * d, s.k, s.v);
     }
   });
 }
@@ -792,7 +792,7 @@ static void rope_store_segments(const float* src, const float* cos, const float*
 // ``sinks``: each query head's attention sink logit [heads] (gpt-oss; null: none).
 template <typename KV>
 static void attend_segments(const float* qp, float* op, const std::vector<Segment<KV>>& segs,
-                            int64_t heads, int64_t d, int64_t kv, int64_t cap, int64_t window,
+                            int64_t heads, int64_t d, int64_t kv, int64_t window,
                             double softcap, const float* sinks, int64_t isa) {
   const int64_t group = heads / kv;
   const bool blocked = isa >= AVX2 && blocks_fit(d);
@@ -819,7 +819,7 @@ static void attend_segments(const float* qp, float* op, const std::vector<Segmen
       const Segment<KV>& seg = segs[blocks[i / kv].first];
       const int64_t kvh = i % kv, past = seg.past, r0 = blocks[i / kv].second;
       const int64_t r1 = std::min(seg.r1, r0 + per_block);
-      const KV *kt = seg.k + kvh * cap * d, *vc = seg.v + kvh * cap * d;
+      const KV *kt = seg.k + kvh * seg.cap * d, *vc = seg.v + kvh * seg.cap * d;
       const float* group_sinks = sinks ? sinks + kvh * group : nullptr;
       RowKeys rows[BLOCK_ROWS_MAX];
       for (int64_t r = r0; r < r1; r++) {
@@ -873,13 +873,13 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     TORCH_CHECK(slot[r] >= 0 && slot[r] < cap, "cache slot ", slot[r], " out of range");
   if (k_cache.scalar_type() == at::kFloat)
     rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                               d, heads, kv_heads, cap, q.data_ptr<float>(),
-                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, 0, slot}},
+                               d, heads, kv_heads, q.data_ptr<float>(),
+                               {{cache_data<float>(k_cache), cache_data<float>(v_cache), cap, 0, m, 0, slot}},
                                isa);
   else
     rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                  d, heads, kv_heads, cap, q.data_ptr<float>(),
-                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m, 0, slot}},
+                                  d, heads, kv_heads, q.data_ptr<float>(),
+                                  {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), cap, 0, m, 0, slot}},
                                   isa);
   return q;
 }
@@ -915,25 +915,27 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   auto out = at::empty({m, heads * d}, q.options());
   if (k_cache.scalar_type() == at::kFloat)
     attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(),
-                           {{cache_data<float>(k_cache), cache_data<float>(v_cache), 0, m, past,
-                             nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, sk, isa);
+                           {{cache_data<float>(k_cache), cache_data<float>(v_cache), cap, 0, m, past,
+                             nullptr, sp, lp, width}}, heads, d, kv, window, softcap, sk, isa);
   else
     attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(),
-                              {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), 0, m,
-                                past, nullptr, sp, lp, width}}, heads, d, kv, cap, window, softcap, sk, isa);
+                              {{cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), cap, 0, m,
+                                past, nullptr, sp, lp, width}}, heads, d, kv, window, softcap, sk, isa);
   return out;
 }
 
 // Where the rows of one packed forward go, checked once and read by every layer: sequence s
 // has a cache of its own (every layer's: keys [L, KH, capacity / 16, D, 16], values
-// [L, KH, capacity, D]; all caches of one shape and type) and the next slots[s].numel() rows
+// [L, KH, capacity, D]; all caches of one type and shape but for their capacities, which grow
+// with each sequence) and the next slots[s].numel() rows
 // of the call; its i-th row writes its key and value at slots[s][i] of that cache and sees
 // slots 0 .. pasts[s] - 1, then keys[s][i, :lens[s][i]] (slots in position order, itself last).
 struct PackedPlan {
   std::vector<at::Tensor> k_caches, v_caches;
   std::vector<int64_t> pasts;
   std::vector<at::Tensor> slots, keys, lens;
-  int64_t rows = 0, layers, kv, cap, d;
+  std::vector<int64_t> caps;
+  int64_t rows = 0, layers, kv, d;
   bool bf16;
 
   PackedPlan(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
@@ -947,14 +949,17 @@ struct PackedPlan {
                 "a packed plan needs, per sequence, its caches, past, slots, keys and lens");
     const at::Tensor &k0 = this->k_caches[0], &v0 = this->v_caches[0];
     TORCH_CHECK(k0.dim() == 5 && v0.dim() == 4, "caches must be [L, KH, capacity / 16, D, 16] and [L, KH, capacity, D]");
-    layers = k0.size(0), kv = k0.size(1), cap = v0.size(2), d = v0.size(3);
+    layers = k0.size(0), kv = k0.size(1), d = v0.size(3);
     bf16 = k0.scalar_type() == at::kBFloat16;
     for (size_t s = 0; s < n; s++) {
       const at::Tensor &k = this->k_caches[s], &v = this->v_caches[s];
-      TORCH_CHECK(k.sizes() == k0.sizes() && v.sizes() == v0.sizes() &&
+      TORCH_CHECK(k.dim() == 5 && v.dim() == 4 && k.size(0) == layers && v.size(0) == layers &&
+                  k.size(1) == kv && v.size(1) == kv && v.size(3) == d &&
                   k.scalar_type() == k0.scalar_type() && v.scalar_type() == k0.scalar_type(),
-                  "every sequence's cache must have the shape and type of the first");
+                  "every sequence's cache must have the layers, heads, head size and type of the first");
       check_caches(k.select(0, 0), v.select(0, 0), d);
+      const int64_t cap = v.size(2);
+      caps.push_back(cap);
       const at::Tensor &slot = this->slots[s], &key = this->keys[s], &len = this->lens[s];
       const int64_t m = slot.numel();
       TORCH_CHECK(m > 0 && slot.scalar_type() == at::kLong && slot.is_contiguous(),
@@ -972,14 +977,13 @@ struct PackedPlan {
   template <typename KV>
   std::vector<Segment<KV>> segments(int64_t layer) const {
     TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is outside the caches");
-    const int64_t per_layer = kv * cap * d;
     std::vector<Segment<KV>> segs;
     segs.reserve(pasts.size());
     int64_t r0 = 0;
     for (size_t s = 0; s < pasts.size(); s++) {
-      const int64_t r1 = r0 + slots[s].numel();
+      const int64_t r1 = r0 + slots[s].numel(), per_layer = kv * caps[s] * d;
       segs.push_back({cache_data<KV>(k_caches[s]) + layer * per_layer,
-                      cache_data<KV>(v_caches[s]) + layer * per_layer, r0, r1, pasts[s],
+                      cache_data<KV>(v_caches[s]) + layer * per_layer, caps[s], r0, r1, pasts[s],
                       slots[s].data_ptr<int64_t>(), keys[s].data_ptr<int32_t>(),
                       lens[s].data_ptr<int32_t>(), keys[s].size(1)});
       r0 = r1;
@@ -998,10 +1002,10 @@ struct PackedPlan {
     auto q = at::empty({rows, heads, d}, qkv.options());
     if (bf16)
       rope_store_segments<uint16_t>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    d, heads, kv, cap, q.data_ptr<float>(), segments<uint16_t>(layer), isa);
+                                    d, heads, kv, q.data_ptr<float>(), segments<uint16_t>(layer), isa);
     else
       rope_store_segments<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                 d, heads, kv, cap, q.data_ptr<float>(), segments<float>(layer), isa);
+                                 d, heads, kv, q.data_ptr<float>(), segments<float>(layer), isa);
     return q;
   }
 
@@ -1017,10 +1021,10 @@ struct PackedPlan {
     auto out = at::empty({rows, heads * d}, q.options());
     if (bf16)
       attend_segments<uint16_t>(q.data_ptr<float>(), out.data_ptr<float>(), segments<uint16_t>(layer),
-                                heads, d, kv, cap, window, softcap, sk, isa);
+                                heads, d, kv, window, softcap, sk, isa);
     else
       attend_segments<float>(q.data_ptr<float>(), out.data_ptr<float>(), segments<float>(layer),
-                             heads, d, kv, cap, window, softcap, sk, isa);
+                             heads, d, kv, window, softcap, sk, isa);
     return out;
   }
 };

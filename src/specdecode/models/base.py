@@ -169,6 +169,11 @@ class Runner(ABC):
     def pending_rows(self) -> int:
         """Rows the last :meth:`forward` left in the cache for :meth:`commit` (0 after it)."""
 
+    @property
+    def kv_bytes(self) -> int | None:
+        """Bytes its KV cache takes now (None where the runner does not know)."""
+        return None
+
     def replica(self) -> Runner:
         """A runner over the same weights with a cache and decoding state of its own (server
         slots share one copy of the weights)."""

@@ -48,6 +48,10 @@ class HFRunner(Runner):
         return self.kv.pending
 
     @property
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes
+
+    @property
     def cache(self):
         """The model's ``DynamicCache`` (what its layers read and append to)."""
         return self.kv.model_cache

@@ -8,7 +8,7 @@ rows next to the root's and keeps them. A drafting cache does the same with a tr
 few nodes a call (:meth:`KVCache.keep_tree`).
 
 :class:`BlockedKVCache` is the native runner's layout (keys in blocks of 16 slots, what its
-attention kernel reads); :class:`DynamicKVCache` keeps the same books over a ``transformers``
+attention kernel reads; storage that grows with the rows written); :class:`DynamicKVCache` keeps the same books over a ``transformers``
 ``DynamicCache``. :class:`AttentionPlan` says, for one forward, where each row goes and which
 cache slots it attends to.
 """
@@ -27,6 +27,8 @@ from specdecode.errors import require
 
 #: slots per key block of :class:`BlockedKVCache` (16 slots fill a 512-bit register in float32)
 KEY_BLOCK = 16
+#: slots a :class:`BlockedKVCache` starts with (and returns to on reset): a short chat turn
+INITIAL_SLOTS = 256
 
 
 class KVCache(ABC):
@@ -91,6 +93,11 @@ class KVCache(ABC):
         self._truncate(self.length)
 
     # storage: what each layout does
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes its keys and values take now."""
+
     @abstractmethod
     def _move_after(self, src: torch.Tensor) -> None:
         """Copy the rows at slots ``src`` (in order) to the slots right after the committed
@@ -116,17 +123,58 @@ class SavedRows:
 
 
 class BlockedKVCache(KVCache):
-    """The native runner's static cache: keys [layer, kv head, slot / 16, D, slot % 16] (a score
-    is one fma chain over D, 16 slots a register), values [layer, kv head, slot, D]. Empty, not
-    zeros: attention reads only slots that were written."""
+    """The native runner's cache: keys [layer, kv head, slot / 16, D, slot % 16] (a score is one
+    fma chain over D, 16 slots a register), values [layer, kv head, slot, D]. Empty, not zeros:
+    attention reads only slots that were written.
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype):
-        require(capacity % KEY_BLOCK == 0, f"capacity {capacity} is not whole key blocks")
+    Its storage grows with the rows written (:meth:`reserve`, twice as many slots at a time, up
+    to ``capacity``) and goes back to ``initial`` slots on :meth:`reset`, so a server slot holds
+    the memory of its own sequence, not of the longest context it allows (vLLM's PagedAttention
+    makes the same point with pages; one growing block per sequence keeps the kernels' layout)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int | None,
+                 dtype: torch.dtype, initial: int = INITIAL_SLOTS):
+        """``capacity``: the most rows it may hold (whole key blocks; None: no bound)."""
+        require(capacity is None or capacity % KEY_BLOCK == 0,
+                f"capacity {capacity} is not whole key blocks")
         super().__init__(capacity)
-        self.keys = torch.empty(layers, kv_heads, capacity // KEY_BLOCK, head_dim, KEY_BLOCK,
-                                dtype=dtype)
-        self.values = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype)
+        self.initial = _whole_blocks(initial, capacity)
+        self._shape = (layers, kv_heads, head_dim)
+        self._dtype = dtype
+        self.keys, self.values = self._storage(self.initial)
+
+    def _storage(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layers, kv_heads, head_dim = self._shape
+        return (torch.empty(layers, kv_heads, slots // KEY_BLOCK, head_dim, KEY_BLOCK,
+                            dtype=self._dtype),
+                torch.empty(layers, kv_heads, slots, head_dim, dtype=self._dtype))
+
+    @property
+    def slots(self) -> int:
+        """Slots the storage has now (at most ``capacity``)."""
+        return self.values.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage now."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def reserve(self, slots: int) -> None:
+        """Storage for the first ``slots`` slots: where it has fewer, twice as many (whole key
+        blocks, at most ``capacity``), the slots written so far copied over."""
+        if slots <= self.slots:
+            return
+        require(self.capacity is None or slots <= self.capacity,
+                f"the cache holds {self.capacity} rows, not {slots}")
+        keys, values = self._storage(_whole_blocks(max(slots, 2 * self.slots), self.capacity))
+        keys[:, :, :self.keys.shape[2]] = self.keys
+        values[:, :, :self.slots] = self.values
+        self.keys, self.values = keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        if self.slots > self.initial:
+            self.keys, self.values = self._storage(self.initial)
 
     def saved_rows(self, length: int) -> SavedRows:
         """A copy of the first ``length`` committed rows."""
@@ -136,10 +184,12 @@ class BlockedKVCache(KVCache):
 
     def load_rows(self, saved: SavedRows, length: int) -> None:
         """Hold the first ``length`` rows of ``saved`` as the committed rows (the rest forgotten)."""
-        require(self.pending == 0 and 0 <= length <= saved.length and length <= self.capacity
+        require(self.pending == 0 and 0 <= length <= saved.length
+                and (self.capacity is None or length <= self.capacity)
                 and saved.keys.shape[:2] == self.keys.shape[:2]
                 and saved.keys.dtype == self.keys.dtype,
                 f"{length} saved rows do not fit this cache")
+        self.reserve(length)
         blocks = -(-length // KEY_BLOCK)
         self.keys[:, :, :blocks] = saved.keys[:, :, :blocks]
         self.values[:, :, :length] = saved.values[:, :, :length]
@@ -150,6 +200,12 @@ class BlockedKVCache(KVCache):
         k = self.keys
         k[:, :, dst // KEY_BLOCK, :, dst % KEY_BLOCK] = k[:, :, src // KEY_BLOCK, :, src % KEY_BLOCK]
         self.values[:, :, dst] = self.values[:, :, src]
+
+
+def _whole_blocks(slots: int, capacity: int | None) -> int:
+    """``slots`` rounded up to whole key blocks, at most ``capacity``."""
+    slots = -(-slots // KEY_BLOCK) * KEY_BLOCK
+    return slots if capacity is None else min(slots, capacity)
 
 
 class DynamicKVCache(KVCache):
@@ -166,6 +222,11 @@ class DynamicKVCache(KVCache):
         #: what the model reads and appends to (``past_key_values``)
         self.model_cache = DynamicCache()
         super().reset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.model_cache.layers
+                   if getattr(layer, "keys", None) is not None)
 
     @torch.inference_mode()  # the cache tensors were made in inference mode
     def _move_after(self, src: torch.Tensor) -> None:
@@ -190,6 +251,11 @@ class AttentionPlan:
     slots: torch.Tensor  # [n] int64
     keys: torch.Tensor  # [n, K] int32
     lengths: torch.Tensor  # [n] int32
+
+    @property
+    def end(self) -> int:
+        """Slots a cache needs for this forward: the past ones and every row's own."""
+        return max(self.past, int(self.slots.max()) + 1)
 
     @classmethod
     def chain(cls, past: int, n: int) -> AttentionPlan:

@@ -223,6 +223,10 @@ class LlamaRunner(PackedForwards, Runner):
     def cache_len(self) -> int:
         return self.cache.length
 
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes
+
     def fingerprint(self) -> str:
         # The same string the hf runner gives for the same weights: artifacts trained against
         # one runner serve the other (the embedding table is float32 in every weight format).

@@ -202,6 +202,8 @@ def packed_plan(items: Sequence[SequenceRows]) -> tuple[torch.Tensor, object]:
     """The items' plans as one forward's: every row's position [n], and the kernels'
     ``PackedPlan`` (each item's cache, slots and keys, its rows after the items before it)."""
     plans = [item.plan for item in items]
+    for item in items:
+        item.cache.reserve(item.plan.end)
     positions = plans[0].positions if len(plans) == 1 else torch.cat([p.positions for p in plans])
     plan = kernels.packed_plan([item.cache.keys for item in items],
                                [item.cache.values for item in items], [p.past for p in plans],

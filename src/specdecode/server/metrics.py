@@ -72,6 +72,9 @@ class Metrics:
             "caches)", registry=registry)
         self.prompt_cache_entries = Gauge(
             "specdecode_prompt_cache_entries", "saved prompts", registry=registry)
+        self.kv_cache_bytes = Gauge(
+            "specdecode_kv_cache_bytes", "bytes of a slot's KV cache now (it grows with the "
+            "slot's sequence and shrinks when a new prompt starts)", ["slot"], registry=registry)
         self.queued = Gauge("specdecode_queued_sequences", "sequences waiting for a slot",
                             registry=registry)
         self.active = Gauge("specdecode_active_sequences", "sequences being generated",
@@ -92,6 +95,12 @@ class Metrics:
     def observe_forward(self, sequences: int, rows: int) -> None:
         self.batch_size.observe(sequences)
         self.forward_rows.observe(rows)
+
+    def watch_kv_caches(self, runners) -> None:
+        """Report each runner's KV cache bytes (read when scraped) as slot 0, 1, ..."""
+        for slot, runner in enumerate(runners):
+            if runner.kv_bytes is not None:
+                self.kv_cache_bytes.labels(str(slot)).set_function(lambda r=runner: r.kv_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

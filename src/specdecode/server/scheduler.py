@@ -186,6 +186,8 @@ class Scheduler:
         self._draft_s: dict[tuple[str, str], float] = {}
         #: a step's seconds besides the forward (decayed mean)
         self._overhead_s = 0.0
+        self._runners = list(runners)
+        metrics.watch_kv_caches(self._runners)
         self._free = [_Slot(runner) for runner in runners]
         self.parallel = len(self._free)
         self._pending: collections.deque[_Sequence] = collections.deque()
@@ -223,10 +225,11 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict:
         with self._cond:
             return {"running": self._busy, "waiting": len(self._pending),
-                    "parallel": self.parallel, "max_queue": self.max_queue}
+                    "parallel": self.parallel, "max_queue": self.max_queue,
+                    "kv_cache_bytes": [runner.kv_bytes for runner in self._runners]}
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and wait for the thread (proposers see ``finish`` for each)."""
