@@ -63,6 +63,23 @@ def test_drafting_seconds_count_against_a_draft():
     assert cheap.cap(6, 6)[0] >= 1 and dear.cap(6, 6)[0] == 0
 
 
+def test_seconds_each_draft_row_adds_count_against_deep_drafts():
+    """The same curve and acceptance (each level accepted half as often as the one above);
+    one sizing's steps cost 0.08 s more a draft row than the curve says (a long context's
+    attention, the head's rows), the other's nothing more: the first drafts shallower."""
+    costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
+    free, dear = DraftSizing(costs).sequence(GREEDY), DraftSizing(costs).sequence(GREEDY)
+    for sizer, row_s in ((free, 0.0), (dear, 0.08)):
+        for step in range(64):
+            depth = step % 7  # every draft size, so both lines see the rows vary
+            accepted = next((k for k in range(depth) if step % 2 ** (k + 1)), depth)
+            sizer.observe(Draft.chain([0] * depth), accepted, 0.0,
+                          costs(1 + depth) + 0.1 + row_s * depth)
+    assert dear.sizing.overhead.line == pytest.approx((0.1, 0.08), abs=1e-6)
+    assert free.sizing.overhead.line == pytest.approx((0.1, 0.0), abs=1e-6)
+    assert 1 <= dear.cap(6, 6)[0] < free.cap(6, 6)[0]
+
+
 def test_untimed_sizing_ignores_measured_seconds():
     sizing = DraftSizing(RowCosts({1: 1.0, 8: 1.2, 64: 3.0}))
     sizing.draft_time.observe(4, 50.0)

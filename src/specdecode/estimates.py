@@ -1,13 +1,16 @@
 """The estimates that budget drafts by expected tokens per second: a runner's seconds per
-forward by rows (:class:`RowCosts`) and a proposer's recent acceptance by draft depth
-(:class:`Acceptance`). The server's goodput budgets (``server/goodput.py``) and the ``auto``
-proposer (``proposers/auto.py``) both read them.
+forward by rows (:class:`RowCosts`), a proposer's recent acceptance by draft depth
+(:class:`Acceptance`) and a step's seconds besides its forward and its drafting
+(:class:`StepOverhead`). The server's goodput budgets (``server/goodput.py``), the sizing of one
+request's drafts (``sizing.py``) and the ``auto`` proposer (``proposers/auto.py``) read them.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specdecode.draft import Draft
@@ -23,6 +26,16 @@ PRIOR_STEPS = 4.0
 #: the deepest level seen, the ratio of the two deepest seen levels
 UNSEEN_RATE = 0.5
 UNSEEN_ROWS = 1.0
+#: steps whose seconds besides the forward and the drafting the overhead line is fitted to
+OVERHEAD_STEPS = 64
+#: draft rows grouped for that fit, each group from its first row count to the next group's
+#: (each group's median seconds is one point of the line): a group counts from MIN_GROUP steps
+#: on, so one step the machine stalled moves nothing
+ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9)
+MIN_GROUP = 3
+#: the line is refitted every this many steps (a fit over 64 steps moves little in 8, and
+#: refitting each step cost 0.04 ms of a 3.5 ms step)
+REFIT_EVERY = 8
 
 
 class RowCosts:
@@ -99,3 +112,56 @@ class Acceptance:
         if k < len(self.offered):
             return self.offered[k], self.reached[k], self.rows[k]
         return 0.0, 0.0, 0.0
+
+
+class StepOverhead:
+    """A step's seconds besides its forward (the row-cost curve) and its drafting, as a fixed
+    part and a part per draft row: verification, the LM head's rows and the proposer's
+    bookkeeping grow with the rows, and so does the draft rows' attention over a long context,
+    which the curve (measured after a one-token prompt) does not see. :attr:`line` is a
+    least-squares line through the median seconds of each group of row counts over the last
+    ``OVERHEAD_STEPS`` steps (medians, so that a step the machine stalled, which on a shared
+    machine can take twice a forward, does not set the price of every row; that group's
+    median alone while one group has enough steps; nothing before)."""
+
+    def __init__(self):
+        #: the recent steps' (row group, draft rows, seconds)
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=OVERHEAD_STEPS)
+        #: (fixed seconds, seconds a draft row)
+        self.line = (0.0, 0.0)
+        self._unfitted = 0  # steps recorded since the line was last fitted
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` draft rows took ``seconds`` besides its forward and drafting (a
+        negative figure, the curve's noise, counts as 0); the line is refitted every
+        ``REFIT_EVERY`` steps."""
+        self._recent.append((bisect.bisect_right(ROW_GROUP_STARTS, rows) - 1, rows,
+                             max(0.0, seconds)))
+        self._unfitted += 1
+        if self._unfitted < REFIT_EVERY:
+            return
+        self._unfitted = 0
+        # each group's rows and seconds in one pass, as lists (fmean and median over
+        # generators of pairs cost 60 us a step)
+        groups: list[tuple[list[int], list[float]]] = [([], []) for _ in ROW_GROUP_STARTS]
+        for group, n, rest in self._recent:
+            groups[group][0].append(n)
+            groups[group][1].append(rest)
+        # (mean rows, median seconds, steps) of each group with enough steps
+        self.line = _line([(sum(rows) / len(rows), statistics.median(rests), len(rows))
+                           for rows, rests in groups if len(rows) >= MIN_GROUP])
+
+
+def _line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
+    """(intercept, slope), both at least 0, of the least-squares line through ``points`` (x,
+    y, weight); (the weighted mean of y, 0) for one x; (0, 0) for none."""
+    weight = sum(w for _, _, w in points)
+    if not weight:
+        return 0.0, 0.0
+    mean_x = sum(x * w for x, _, w in points) / weight
+    mean_y = sum(y * w for _, y, w in points) / weight
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if spread < 1e-9:
+        return mean_y, 0.0
+    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread)
+    return max(0.0, mean_y - slope * mean_x), slope

@@ -8,6 +8,11 @@ draft is capped at the depth and node count that maximise
 
     goodput = expected committed tokens / (c(rows) + drafting seconds + the step's other seconds)
 
+The other seconds are learnt as a fixed part and a part a draft row
+(:class:`~specdecode.estimates.StepOverhead`): the curve is measured after a one-token prompt,
+so a draft row's attention over a long context, like the verification of its token, is priced
+there.
+
 :func:`allocate` does this for any number of sequences sharing one forward (the server's packed
 forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the library, the CLI
 and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.estimates import DECAY, Acceptance, RowCosts
+from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
 from specdecode.models.base import Runner
 
 #: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
@@ -58,10 +63,11 @@ class Candidate:
 
 
 def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
-             overhead_s: float = 0.0) -> list[tuple[int, int]]:
+             overhead_s: float = 0.0, row_s: float = 0.0) -> list[tuple[int, int]]:
     """Each candidate's (max depth, max draft rows) for the next forward. ``fixed_rows``: the
     rows it runs anyway (every candidate's root, prompt parts); ``overhead_s``: the step's
-    seconds besides the forward."""
+    seconds besides the forward; ``row_s``: the seconds each draft row adds besides the
+    forward's curve (:class:`~specdecode.estimates.StepOverhead`)."""
     gain = float(len(candidates))
     rows = float(fixed_rows)
     spent = overhead_s
@@ -79,7 +85,7 @@ def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
         if i not in drafting:
             drafting.add(i)
             spent += candidates[i].draft_s
-        spent += candidates[i].level_s
+        spent += candidates[i].level_s + row_s * width
         order.append((i, k))
         goodput = gain / (costs(rows) + spent)
         if goodput > best:
@@ -136,13 +142,14 @@ class DraftTime:
 class DraftSizing:
     """One method's sizing on one runner, shared by its requests: the runner's row-cost curve,
     the method's acceptance by depth (each new request's prior), its drafting seconds by depth
-    and a step's seconds besides the forward and the drafting."""
+    and a step's seconds besides the forward and the drafting (a fixed part and a part a draft
+    row)."""
 
     def __init__(self, costs: RowCosts):
         self.costs = costs
         self.acceptance = Acceptance()
         self.draft_time = DraftTime()
-        self.overhead_s = 0.0
+        self.overhead = StepOverhead()
 
     def sequence(self, sampling) -> SequenceSizer:
         """The sizer of one request of ``sampling`` (a seeded sampled one is sized repeatably:
@@ -174,10 +181,11 @@ class SequenceSizer:
             return min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
         levels = self.acceptance.levels(deepest, prior)
         if self.repeatable:
-            candidate, overhead_s = Candidate(levels), 0.0
+            candidate, (overhead_s, row_s) = Candidate(levels), (0.0, 0.0)
         else:
-            candidate, overhead_s = Candidate(levels, *sizing.draft_time.line()), sizing.overhead_s
-        depth, rows = allocate([candidate], sizing.costs, 1, overhead_s)[0]
+            candidate = Candidate(levels, *sizing.draft_time.line())
+            overhead_s, row_s = sizing.overhead.line
+        depth, rows = allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0]
         return depth, min(rows, max_nodes)
 
     def observe(self, draft: Draft, accepted: int, draft_s: float, step_s: float) -> None:
@@ -191,5 +199,4 @@ class SequenceSizer:
             sizing.draft_time.observe(draft.max_depth, draft_s)
         else:
             self.idle += 1
-        other = step_s - sizing.costs(1 + len(draft)) - draft_s
-        sizing.overhead_s += RECENT * (max(0.0, other) - sizing.overhead_s)
+        sizing.overhead.observe(len(draft), step_s - sizing.costs(1 + len(draft)) - draft_s)

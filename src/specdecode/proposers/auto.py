@@ -46,10 +46,8 @@ acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
 from __future__ import annotations
 
 import re
-import statistics
 import time
-from bisect import bisect_right
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,20 +59,10 @@ from specdecode.models.base import Needs, Runner
 from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
-from specdecode.estimates import DECAY, Acceptance, RowCosts
+from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
 
 #: weight of the newest observation of a part's drafting seconds
 RECENT = 0.1
-#: steps whose seconds besides the forward and the drafting the overhead line is fitted to
-OVERHEAD_STEPS = 64
-#: draft rows grouped for that fit, each group from its first row count to the next group's
-#: (each group's median seconds is one point of the line): a group counts from MIN_GROUP steps
-#: on, so one step the machine stalled moves nothing
-ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9)
-MIN_GROUP = 3
-#: the line is refitted every this many steps (a fit over 64 steps moves little in 8, and
-#: refitting each step cost 0.04 ms of a 3.5 ms step)
-REFIT_EVERY = 8
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob", "corpus")
 
@@ -196,11 +184,8 @@ class AutoProposer(Proposer):
         self.merged_record = _Record()
         self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
-        # the recent steps' (row group, draft rows, seconds besides their forward and
-        # drafting), and the line (fixed seconds, seconds a row) fitted to them
-        self._recent_steps: deque[tuple[int, int, float]] = deque(maxlen=OVERHEAD_STEPS)
-        self._overhead_line = (0.0, 0.0)
-        self._unfitted = 0  # steps recorded since the line was last fitted
+        #: a step's seconds besides its forward and drafting, as a line in its draft rows
+        self.overhead = StepOverhead()
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
         self.choices: Counter[str] = Counter()
         self._walks: list[_Walk] = []
@@ -325,35 +310,16 @@ class AutoProposer(Proposer):
     # ---- learning -----------------------------------------------------------------------
 
     def _learn_overhead(self, now: float) -> None:
-        """The last step's seconds besides its forward's rows and its drafting, into the recent
-        steps, and the line refitted every ``REFIT_EVERY`` steps."""
+        """The last step's seconds besides its forward's rows and its drafting, into the
+        overhead line."""
         if self._step is None:
             return
         started, nodes, drafting_s = self._step
-        self._recent_steps.append(
-            (bisect_right(ROW_GROUP_STARTS, nodes) - 1, nodes,
-             max(0.0, now - started - self.costs(1.0 + nodes) - drafting_s)))
-        self._unfitted += 1
-        if self._unfitted < REFIT_EVERY:
-            return
-        self._unfitted = 0
-        # each group's rows and seconds in one pass, as lists (fmean and median over
-        # generators of pairs cost 60 us a step)
-        groups: list[tuple[list[int], list[float]]] = [([], []) for _ in ROW_GROUP_STARTS]
-        for group, n, rest in self._recent_steps:
-            groups[group][0].append(n)
-            groups[group][1].append(rest)
-        # (mean rows, median seconds, steps) of each group with enough steps
-        self._overhead_line = _line([(sum(rows) / len(rows), statistics.median(rests), len(rows))
-                                     for rows, rests in groups if len(rows) >= MIN_GROUP])
+        self.overhead.observe(nodes, now - started - self.costs(1.0 + nodes) - drafting_s)
 
     def _overhead(self) -> tuple[float, float]:
-        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting: a
-        least-squares line through the median seconds of each group of row counts over the
-        last ``OVERHEAD_STEPS`` steps (medians, so that a step the machine stalled, which on a
-        shared machine can take twice a forward, does not set the price of every row; that
-        group's median alone while one group has enough steps; nothing before)."""
-        return self._overhead_line
+        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting."""
+        return self.overhead.line
 
     def observe(self, feedback: Feedback) -> None:
         for part in self.parts:
@@ -367,16 +333,3 @@ class AutoProposer(Proposer):
         self._walks = [w for w in self._walks if not w.advance(feedback.tokens)]
 
 
-def _line(points: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
-    """(intercept, slope), both at least 0, of the least-squares line through ``points`` (x,
-    y, weight); (the weighted mean of y, 0) for one x; (0, 0) for none."""
-    weight = sum(w for _, _, w in points)
-    if not weight:
-        return 0.0, 0.0
-    mean_x = sum(x * w for x, _, w in points) / weight
-    mean_y = sum(y * w for _, y, w in points) / weight
-    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    if spread < 1e-9:
-        return mean_y, 0.0
-    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread)
-    return max(0.0, mean_y - slope * mean_x), slope
