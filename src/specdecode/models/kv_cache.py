@@ -8,8 +8,8 @@ rows next to the root's and keeps them. A drafting cache does the same with a tr
 few nodes a call (:meth:`KVCache.keep_tree`).
 
 :class:`BlockedKVCache` is the native runner's layout (keys in blocks of 16 slots, what its
-attention kernel reads; storage that grows with the rows written); :class:`DynamicKVCache` keeps the same books over a ``transformers``
-``DynamicCache``. :class:`AttentionPlan` says, for one forward, where each row goes and which
+attention kernel reads; storage that grows with the rows written); :class:`DynamicKVCache`
+keeps the same books over a ``transformers`` ``DynamicCache``. :class:`AttentionPlan` says, for one forward, where each row goes and which
 cache slots it attends to.
 """
 
