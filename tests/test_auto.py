@@ -120,14 +120,14 @@ def test_step_seconds_besides_the_forward_are_learnt_per_row():
         auto._step = (clock, rows, 0.0)
         clock += COSTS(1.0 + rows) + 0.2 + 0.05 * rows
         auto._learn_overhead(clock)
-    fixed, per_row = auto._overhead()
+    fixed, per_row = auto.overhead.line
     assert fixed == pytest.approx(0.2, abs=1e-6) and per_row == pytest.approx(0.05, abs=1e-6)
     assert auto._seconds(4) == pytest.approx(COSTS(5.0) + 0.4)
     steady, _, _ = scripted_auto()
     for step in range(50):
         steady._step = (float(step), 2, 0.0)
         steady._learn_overhead(step + COSTS(3.0) + 0.3)
-    assert steady._overhead() == pytest.approx((0.3, 0.0))
+    assert steady.overhead.line == pytest.approx((0.3, 0.0))
 
 
 def test_a_stalled_step_does_not_price_every_row():
@@ -143,13 +143,13 @@ def test_a_stalled_step_does_not_price_every_row():
         clock += COSTS(1.0 + rows) + 0.2 + 0.05 * rows + stall
         auto._learn_overhead(clock)
     # (rows 3 and 4 share a group: its median sits a little off the line)
-    assert auto._overhead() == pytest.approx((0.2, 0.05), abs=0.01)
+    assert auto.overhead.line == pytest.approx((0.2, 0.05), abs=0.01)
     lone, _, _ = scripted_auto()
     for step in range(20):
         rows = 3 if step == 10 else 0
         lone._step = (float(step), rows, 0.0)
         lone._learn_overhead(step + COSTS(1.0 + rows) + 0.2 + (5.0 if rows else 0.0))
-    assert lone._overhead() == pytest.approx((0.2, 0.0))
+    assert lone.overhead.line == pytest.approx((0.2, 0.0))
 
 
 def test_merged_tree_is_a_valid_draft_holding_both():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import cpu_flags
 from specdecode import kernels
@@ -41,8 +42,6 @@ def limit_id(limits: dict) -> str:
 
 def taken_here(variable: str, value: str) -> bool:
     """Whether this process takes the path ``variable=value`` names without being limited."""
-    import torch
-
     if variable == "SPECDECODE_KERNEL_ISA":
         return kernels.ISA_LEVELS[kernels.isa()] == value
     if variable == "ATEN_CPU_CAPABILITY":

@@ -16,6 +16,7 @@ from specdecode.models.base import Needs, PrefillCall, VerifyCall
 from specdecode.models.hf import HFRunner
 from specdecode.models.kv_cache import INITIAL_SLOTS, BlockedKVCache
 from specdecode.models.llama import PREFILL_BLOCK, LlamaRunner
+from specdecode.models.native_shape import kv_cache_bytes
 from tiny_models import tiny_llama, tiny_model
 
 VOCAB = 96
@@ -183,8 +184,8 @@ def test_a_cache_that_grows_gives_the_bits_of_one_allocated_whole(weights):
     for first, stop in ((0, PREFILL_BLOCK), (PREFILL_BLOCK, len(long))):
         seqs.step({0: PrefillCall(long, first, stop), 1: PrefillCall(long, first, stop)}, rng)
     decode_steps(seqs, [0, 1], rng, 3)
-    assert start < grown.cache.slots < whole.cache.slots
-    assert grown.kv_bytes == whole.kv_bytes * grown.cache.slots // whole.cache.slots
+    assert grown.cache.slots == 2 * start < whole.cache.slots  # doubled once, for 346 rows
+    assert grown.kv_bytes == kv_cache_bytes(base.shape, 2 * start, weights)
     seqs.step({0: PrefillCall(tokens(rng, 5), 0, 5)}, rng)
     assert grown.cache.slots == start
 

@@ -138,7 +138,7 @@ class BlockedKVCache(KVCache):
         require(capacity is None or capacity % KEY_BLOCK == 0,
                 f"capacity {capacity} is not whole key blocks")
         super().__init__(capacity)
-        self.initial = _whole_blocks(initial, capacity)
+        self.initial = whole_blocks(initial, capacity)
         self._shape = (layers, kv_heads, head_dim)
         self._dtype = dtype
         self.keys, self.values = self._storage(self.initial)
@@ -166,7 +166,7 @@ class BlockedKVCache(KVCache):
             return
         require(self.capacity is None or slots <= self.capacity,
                 f"the cache holds {self.capacity} rows, not {slots}")
-        keys, values = self._storage(_whole_blocks(max(slots, 2 * self.slots), self.capacity))
+        keys, values = self._storage(whole_blocks(max(slots, 2 * self.slots), self.capacity))
         keys[:, :, :self.keys.shape[2]] = self.keys
         values[:, :, :self.slots] = self.values
         self.keys, self.values = keys, values
@@ -202,7 +202,7 @@ class BlockedKVCache(KVCache):
         self.values[:, :, dst] = self.values[:, :, src]
 
 
-def _whole_blocks(slots: int, capacity: int | None) -> int:
+def whole_blocks(slots: int, capacity: int | None = None) -> int:
     """``slots`` rounded up to whole key blocks, at most ``capacity``."""
     slots = -(-slots // KEY_BLOCK) * KEY_BLOCK
     return slots if capacity is None else min(slots, capacity)

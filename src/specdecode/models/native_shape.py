@@ -21,7 +21,7 @@ from specdecode import kernels
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import ACTIVATIONS, ARCHITECTURES, Architecture
 from specdecode.models.gguf_reader import ROPE_FACTORS
-from specdecode.models.kv_cache import KEY_BLOCK
+from specdecode.models.kv_cache import KEY_BLOCK, whole_blocks
 from specdecode.models.moe import MoEShape
 from specdecode.models.quant import INT4_GROUP
 from specdecode.models.weights import as_float
@@ -218,7 +218,7 @@ def context_size(shape: LlamaShape, asked: int | None, max_draft: int = 256) -> 
 
 def cache_rows(max_context: int, max_draft: int) -> int:
     """Rows of the KV cache: the context and a draft, in whole key blocks."""
-    return -(-(max_context + max_draft) // KEY_BLOCK) * KEY_BLOCK
+    return whole_blocks(max_context + max_draft)
 
 
 def kv_cache_bytes(shape: LlamaShape, rows: int, weights: str) -> int:

@@ -224,7 +224,7 @@ class AutoProposer(Proposer):
 
     def _seconds(self, nodes: float, drafting_s: float = 0.0) -> float:
         """Seconds of a step whose forward reads the root and ``nodes`` draft rows."""
-        fixed, per_row = self._overhead()
+        fixed, per_row = self.overhead.line
         return self.costs(1.0 + nodes) + fixed + per_row * nodes + drafting_s
 
     def _none_rate(self) -> float:
@@ -316,10 +316,6 @@ class AutoProposer(Proposer):
             return
         started, nodes, drafting_s = self._step
         self.overhead.observe(nodes, now - started - self.costs(1.0 + nodes) - drafting_s)
-
-    def _overhead(self) -> tuple[float, float]:
-        """(fixed seconds, seconds a draft row) of a step besides its forward and drafting."""
-        return self.overhead.line
 
     def observe(self, feedback: Feedback) -> None:
         for part in self.parts:
