@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random-weight models (no real model needed) and the real default model
-(tests marked ``slow``)."""
+(tests marked ``slow``: left out of the default run unless also marked ``ci``, pyproject.toml)."""
 
 from __future__ import annotations
 

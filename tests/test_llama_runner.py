@@ -369,6 +369,7 @@ def assert_same_model(native: torch.Tensor, hf: torch.Tensor) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_real_model_matches_transformers(real_model):
     from test_exactness import dev_prompts
 

@@ -542,6 +542,7 @@ def test_serve_rejects_bad_flags_before_loading_the_model(args, message, tmp_pat
 # ---- the real model -------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_real_model_greedy_responses_equal_specdecode_generate(real_model):
     from specdecode.api import eos_ids
 
