@@ -204,6 +204,28 @@ def test_storage_grows_in_whole_blocks_up_to_its_capacity():
     assert unbounded.slots == 1008
 
 
+def test_storage_made_in_a_forward_takes_saved_rows_outside_inference_mode():
+    """Forwards run in inference mode, where the storage grows and where a new prompt gives it
+    back; the server's prompt cache loads saved rows into it between forwards, outside
+    inference mode, so storage made in a forward must take them (torch refuses in-place
+    writes to inference tensors there)."""
+    base = runner_for("llama", "int4")
+    rng = random.Random(11)
+    first, second = base.replica(), base.replica()
+    long = tokens(rng, INITIAL_SLOTS + 40)
+    first.prefill(long)
+    saved = first.saved_rows(len(long))
+    second.prefill(long)  # grows in its forward
+    assert second.cache.slots == 2 * INITIAL_SLOTS and not torch.is_inference_mode_enabled()
+    second.load_rows(saved, len(long) - 3)
+    second.keep_prefix(0)
+    second.prefill(long[:5])  # a new prompt: its forward gives the storage back
+    assert second.cache.slots == INITIAL_SLOTS
+    second.load_rows(saved, 100)  # a shared system prompt, say
+    first.keep_prefix(100)
+    assert all(torch.equal(a, b) for a, b in zip(committed(first), committed(second)))
+
+
 def test_runner_of_another_model_is_refused():
     base = runner_for("llama", "int4")
     other = LlamaRunner.from_transformers(llama(seed=1), "int4")

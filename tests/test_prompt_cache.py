@@ -10,6 +10,7 @@ import torch
 
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.models.kv_cache import INITIAL_SLOTS
 from specdecode.models.llama import LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
@@ -151,6 +152,22 @@ def test_rows_a_slot_wrote_over_come_back_from_the_store(model, tokenizer):
     assert cached[:3] == plain[:3]
     assert cached[3] > MIN_SAVED_TOKENS, "A's history did not come from the store"
     assert saved >= 1
+
+
+def test_a_long_system_prompt_comes_back_from_the_store_to_a_slot_that_grew(model, tokenizer):
+    # one slot: A's prompt outgrows the cache's first storage, B's new prompt gives it back,
+    # C shares A's system prompt (shorter than the first storage), loaded from the store
+    system = {"role": "system", "content": " ".join(CORPUS * 5)}
+    requests = [[system, {"role": "user", "content": "A: " + CORPUS[0] * 6}],
+                [{"role": "user", "content": CORPUS[2] + " " + CORPUS[1] * 3}],
+                [system, {"role": "user", "content": "C: " + CORPUS[1]}]]
+    assert len(tokenizer.apply_chat_template(requests[0])) > INITIAL_SLOTS
+    with serve(model, 1, tokenizer, prompt_cache_bytes=0) as served:
+        plain = [chat(served.url, messages) for messages in requests]
+    with serve(model, 1, tokenizer) as served:
+        cached = [chat(served.url, messages) for messages in requests]
+    assert [text for text, _ in cached] == [text for text, _ in plain]
+    assert INITIAL_SLOTS * 3 // 4 < cached[2][1] < INITIAL_SLOTS, cached  # from the store
 
 
 def test_the_store_keeps_to_its_budget(model, tokenizer):

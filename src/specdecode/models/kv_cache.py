@@ -144,10 +144,13 @@ class BlockedKVCache(KVCache):
         self.keys, self.values = self._storage(self.initial)
 
     def _storage(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # normal tensors even where a forward (in inference mode) grows the storage: the
+        # prompt cache writes saved rows into it between forwards, outside inference mode
         layers, kv_heads, head_dim = self._shape
-        return (torch.empty(layers, kv_heads, slots // KEY_BLOCK, head_dim, KEY_BLOCK,
-                            dtype=self._dtype),
-                torch.empty(layers, kv_heads, slots, head_dim, dtype=self._dtype))
+        with torch.inference_mode(False):
+            return (torch.empty(layers, kv_heads, slots // KEY_BLOCK, head_dim, KEY_BLOCK,
+                                dtype=self._dtype),
+                    torch.empty(layers, kv_heads, slots, head_dim, dtype=self._dtype))
 
     @property
     def slots(self) -> int:
