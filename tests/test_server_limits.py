@@ -116,6 +116,21 @@ def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_a
                       reference(model, tokenizer, PROMPT, 3), 3)
 
 
+@pytest.mark.parametrize("model,served", [
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b"), ("default", "smollm2"),
+    ("/models/Llama-3.2-3B.Q4_K_M.gguf", "Llama-3.2-3B.Q4_K_M"), ("/models/phi-3", "phi-3")])
+def test_the_served_model_id_is_a_named_models_name_or_a_files_stem(model, served):
+    import argparse
+
+    from specdecode.server import add_arguments, settings_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_of(parser.parse_args(["--model", model]))[0].model_id == served
+    named = parser.parse_args(["--model", model, "--served-model-name", "mine"])
+    assert settings_of(named)[0].model_id == "mine"
+
+
 def test_the_default_max_tokens_is_capped_by_the_context_left(model, tokenizer):
     """A request without a limit gets what fits: the default, or the context left if less."""
 

@@ -102,10 +102,14 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def served_name(model: str) -> str:
-    from specdecode.models.loading import DEFAULT_MODEL
+    """The model id clients name: a named model's name (``qwen2.5-coder-1.5b``, not a stem cut
+    at its last dot), a file's or folder's stem."""
+    from specdecode.models.loading import DEFAULT_MODEL, NAMED_MODELS
 
-    if model in (DEFAULT_MODEL, "default"):
+    if model == "default":
         return DEFAULT_MODEL
+    if model in NAMED_MODELS:
+        return model
     return Path(model).stem or model
 
 
