@@ -95,16 +95,21 @@ def test_the_default_max_tokens_applies_to_requests_without_a_limit(client, mode
     check_limited(ask(client), long_answer, UNLIMITED)
 
 
-def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_answer):
-    """``specdecode serve --default-max-tokens 7``: parsed, checked, and the limit of chat and
-    completion requests that give none (a chat request with max_completion_tokens keeps its own)."""
+def serve_settings(*argv: str):
+    """The server settings ``specdecode serve ARGV`` parses to (checked, as at start-up)."""
     import argparse
 
     from specdecode.server import add_arguments, settings_of
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    settings = settings_of(parser.parse_args(["--default-max-tokens", "7"]))[0]
+    return settings_of(parser.parse_args(list(argv)))[0]
+
+
+def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_answer):
+    """``specdecode serve --default-max-tokens 7``: parsed, checked, and the limit of chat and
+    completion requests that give none (a chat request with max_completion_tokens keeps its own)."""
+    settings = serve_settings("--default-max-tokens", "7")
     assert settings.default_max_tokens == 7
     with make_server(model, tokenizer, default_max_tokens=settings.default_max_tokens) as served:
         client = openai_client(served)
@@ -120,15 +125,8 @@ def test_the_default_max_tokens_flag_reaches_the_server(model, tokenizer, long_a
     ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b"), ("default", "smollm2"),
     ("/models/Llama-3.2-3B.Q4_K_M.gguf", "Llama-3.2-3B.Q4_K_M"), ("/models/phi-3", "phi-3")])
 def test_the_served_model_id_is_a_named_models_name_or_a_files_stem(model, served):
-    import argparse
-
-    from specdecode.server import add_arguments, settings_of
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert settings_of(parser.parse_args(["--model", model]))[0].model_id == served
-    named = parser.parse_args(["--model", model, "--served-model-name", "mine"])
-    assert settings_of(named)[0].model_id == "mine"
+    assert serve_settings("--model", model).model_id == served
+    assert serve_settings("--model", model, "--served-model-name", "mine").model_id == "mine"
 
 
 def test_the_default_max_tokens_is_capped_by_the_context_left(model, tokenizer):
