@@ -21,6 +21,8 @@ from specdecode.cli import main
     (["train", "heads", "--kind", "eagle", "--pack", "0"], "--pack must be >= 1, got 0"),
     (["train", "heads", "--kind", "hydra", "--feature-cache", "-1"],
      "--feature-cache must be >= 0 gigabytes, got -1.0"),
+    (["train", "data", "--out", "x.jsonl", "--features", "medusa"],
+     "--features: unknown kind 'medusa'; choose from"),
     (["train", "corpus", "--data", "/nonexistent/shard.jsonl", "--out", "c.safetensors"],
      "shard /nonexistent/shard.jsonl does not exist; write one with `specdecode train data"),
     (["train", "corpus", "--data", "x.jsonl", "--out", "c.safetensors", "--max-tokens", "-1"],

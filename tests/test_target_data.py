@@ -2,7 +2,8 @@
 on the native runner, into a shard that a later run resumes. On a tiny int4 runner with a
 character tokenizer of its vocabulary: a conversation is the same whatever batch wrote it, an
 interrupted shard is completed with exactly what was missing, passage conversations put what
-the target wrote into the user's message, and the sampler keeps top-p."""
+the target wrote into the user's message, the sampler keeps top-p, and the features kept
+while writing (``--features``) are the bits a prefill gives, which ``train heads`` reads."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.networks import eagle3_layers, make_network
+from specdecode.models.base import NOTHING, Needs
 from specdecode.models.llama import LlamaRunner
+from specdecode.training.feature_store import FeatureStore, reader_name
 from specdecode.training.self_data import OPENERS
 from specdecode.training.target_data import (PASSAGE_SHARE, GenerateWriter, Plan, Settings,
-                                             Writer, draw_tokens, opener, plan,
-                                             read_shard, write_shard)
+                                             Writer, draw_tokens, feature_kinds, feature_needs,
+                                             opener, plan, read_shard, write_shard)
+from specdecode.training.train_heads import conversation_features, stored_features
 from tiny_models import tiny_llama
 
 VOCAB = 96
@@ -47,10 +52,10 @@ def runner():
     return LlamaRunner.from_transformers(model, "int4", max_context=256)
 
 
-def writer(runner, batch: int) -> Writer:
+def writer(runner, batch: int, needs: Needs = NOTHING) -> Writer:
     # passages of 16 tokens: a shard of both kinds of conversation
     settings = Settings(runner.fingerprint(), 12, 20, 1, passage_tokens=16)
-    return Writer(runner, CharTokenizer(), {EOS}, settings, batch)
+    return Writer(runner, CharTokenizer(), {EOS}, settings, batch, needs)
 
 
 def lines(path: Path) -> dict[int, str]:
@@ -80,6 +85,43 @@ def test_shard_resumes_with_what_was_missing_whatever_the_batch(runner, tmp_path
     assert write_shard(writer(runner, 3), resumed, 7, 600, show=lambda _: None) == 4
     assert lines(resumed) == expected  # batch 3 wrote what batch 4 wrote, nothing twice
     assert len(read_shard(resumed)) == 7
+
+
+def test_features_kept_while_writing_are_a_prefills_and_train_heads_reads_them(runner,
+                                                                               tmp_path):
+    """``--features``: the shard holds what it holds without them; each conversation's kept
+    rows (the final hidden states and a layer's, the answer's prompt from its prefill and
+    every token after from its decode row) are the bits one prefill of the whole conversation
+    gives, and ``train heads`` reads them instead of the runner. Features another runner
+    computed, or without a layer the network reads, are not read."""
+    plain, kept = tmp_path / "plain.jsonl", tmp_path / "kept.jsonl"
+    write_shard(writer(runner, 3), plain, 5, 600, show=lambda _: None)
+    needs = Needs(final_hidden=True, layers=(1,))
+    store = FeatureStore(kept, reader_name(runner), runner.fingerprint())
+    write_shard(writer(runner, 3, needs), kept, 5, 600, show=lambda _: None, store=store)
+    assert lines(kept) == lines(plain)
+    assert len(list(store.root.glob("*.safetensors"))) == 5
+    eagle = make_network("eagle", 64, runner.tables.input_embeddings(), feature_layers=(1,))
+    for ids, _ in read_shard(kept).values():
+        want = runner.prefill(ids, needs)
+        got = store.load(ids, (1,))
+        assert torch.equal(got.final_hidden, want.final_hidden.float())
+        assert torch.equal(got.layers[1], want.layers[1].float())
+        inputs, final = stored_features(store, eagle, ids)
+        want_inputs, want_final = conversation_features(runner, eagle, ids)
+        assert torch.equal(inputs, want_inputs) and torch.equal(final, want_final)
+    assert store.missed == 0
+    assert store.load(ids, (0, 1)) is None  # a layer it does not hold
+    other = FeatureStore(kept, "hf-fp32", runner.fingerprint())
+    assert other.load(ids, (1,)) is None and other.missed == 1
+
+
+def test_features_names_the_kinds_whose_layers_are_kept():
+    assert feature_needs(feature_kinds("hydra, eagle"), 28) == \
+        Needs(final_hidden=True, layers=eagle3_layers(28))
+    assert feature_needs(feature_kinds(""), 28) == NOTHING
+    with pytest.raises(SpecDecodeError, match="--features: unknown kind 'medusa'"):
+        feature_kinds("hydra,medusa")
 
 
 class PaddedCharTokenizer(CharTokenizer):

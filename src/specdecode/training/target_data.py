@@ -22,6 +22,12 @@ do not depend on what shares their forward, so a conversation is the same whatev
 it: a run appends each finished conversation as one line and a later run with the same
 settings skips the ids already in the file.
 
+``--features KINDS`` keeps what the named draft-head kinds read of every position of each
+conversation (the final hidden states and their layers'), captured in the forwards that write
+it (its answer's prompt in one prefill, then a row a token), beside the shard
+(:mod:`specdecode.training.feature_store`): ``train heads`` on the shard then reads no
+conversation again, where on a CPU that read costs about what writing it did.
+
 On a CUDA GPU (``--runner hf``, the default there) :class:`GenerateWriter` writes the same kind
 of shard with ``transformers``' batched ``generate``, hundreds of conversations at once.
 """
@@ -42,7 +48,9 @@ import torch
 from specdecode import kernels
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.models.base import PrefillCall, VerifyCall
+from specdecode.heads.networks import NETWORKS, feature_layers
+from specdecode.models.base import NOTHING, ForwardOutput, Needs, PrefillCall, VerifyCall
+from specdecode.training.feature_store import FeatureStore, reader_name, stacked
 from specdecode.training.runs import training_device
 from specdecode.training.self_data import (OPENERS, Conversation, answer_prompt, chat_prompt,
                                            generate, user_header)
@@ -213,6 +221,9 @@ class _Slot:
     prompt: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
     call: object = None
+    #: the answer stage's passes, where the writer captures features (its prompt's, then a
+    #: row a token)
+    passes: list = field(default_factory=list)
 
     @property
     def temperature(self) -> float:
@@ -225,10 +236,13 @@ class Writer:
     """Conversations ``index`` = 0, 1, ... of one shard's settings, written in one batch of
     replicas of ``runner`` (one slot each)."""
 
-    def __init__(self, runner, tokenizer, eos: set[int], settings: Settings, batch: int):
+    def __init__(self, runner, tokenizer, eos: set[int], settings: Settings, batch: int,
+                 needs: Needs = NOTHING):
         require(runner.packs_calls, f"the {runner.name} runner does not pack calls into one "
                                     "forward; `train data` needs the native runner (--runner native)")
         self.runner, self.tokenizer, self.eos, self.settings = runner, tokenizer, eos, settings
+        #: the features captured of every answer stage's rows (NOTHING: none)
+        self.needs = needs
         self.header = user_header(tokenizer)
         self.replicas = [runner] + [runner.replica() for _ in range(batch - 1)]
         self.forwards = 0
@@ -244,24 +258,33 @@ class Writer:
         return slot
 
     def _advance(self, slot: _Slot, token: int) -> Conversation | None:
-        """Append the slot's next token; the conversation once its answer ends."""
+        """Append the slot's next token; the conversation once its answer ends (where features
+        are captured, after one more pass reads its last token)."""
+        if slot.stage == "last":
+            return slot.prompt + slot.written, len(slot.prompt)
         first = slot.stage == "first"
         slot.written.append(token)
         self.written += 1
         limit = slot.plan.first_tokens(self.settings) if first else self.settings.answer_tokens
+        needs = NOTHING if first else self.needs
         if token not in self.eos and len(slot.written) < limit:
-            slot.call = VerifyCall(token, Draft.empty())
+            slot.call = VerifyCall(token, Draft.empty(), needs)
             return None
-        if not first:
+        if not first and needs == NOTHING:
             return slot.prompt + slot.written, len(slot.prompt)
+        if not first:  # the features of the last token too: a row whose drawn token is dropped
+            slot.stage, slot.call = "last", VerifyCall(token, Draft.empty(), needs)
+            return None
         slot.stage, slot.prompt = "answer", slot.plan.answer_prompt(self.tokenizer, slot.written)
         slot.written = []
-        slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt))
+        slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt), self.needs)
         return None
 
     def write(self, todo, deadline: float):
-        """Yield (index, conversation) for each index of the iterator ``todo``, as they finish
-        (not in order), until ``todo`` is spent or ``deadline`` (time.monotonic) passes."""
+        """Yield (index, conversation, features) for each index of the iterator ``todo``, as
+        they finish (not in order), until ``todo`` is spent or ``deadline`` (time.monotonic)
+        passes; ``features``: the conversation's every row's (a ForwardOutput without logits),
+        None where ``needs`` asks for none."""
         # replicas first: zip stops at the last replica without drawing an index it would drop
         slots = [self._slot(i, r) for r, i in zip(self.replicas, todo)]
         while slots and time.monotonic() < deadline:
@@ -272,14 +295,18 @@ class Writer:
             tokens = draw_tokens([out.logits[0] for out in outs],
                                  [s.temperature for s in slots],
                                  [s.generator for s in slots])
-            for slot, token in zip(slots, tokens):
+            for slot, token, out in zip(slots, tokens, outs):
+                if slot.call.needs != NOTHING:  # copies: the runner may reuse its buffers
+                    slot.passes.append(ForwardOutput(
+                        None, out.final_hidden.clone(),
+                        {n: rows.clone() for n, rows in out.layers.items()}))
                 if isinstance(slot.call, VerifyCall):
                     slot.runner.commit([])
                 done = self._advance(slot, token)
                 if done is None:
                     following.append(slot)
                     continue
-                yield slot.index, done
+                yield slot.index, done, stacked(slot.passes) if slot.passes else None
                 index = next(todo, None)
                 if index is not None:
                     following.append(self._slot(index, slot.runner))
@@ -328,8 +355,9 @@ class GenerateWriter:
         return [out[j] for j in range(len(prompts))]
 
     def write(self, todo, deadline: float):
-        """Yield (index, conversation) for each index of ``todo``, a batch at a time, until
-        ``todo`` is spent or ``deadline`` (time.monotonic) passes."""
+        """Yield (index, conversation, None) for each index of ``todo``, a batch at a time,
+        until ``todo`` is spent or ``deadline`` (time.monotonic) passes (no features: a
+        ``generate`` returns none)."""
         settings = self.settings
         while time.monotonic() < deadline:
             indices = [i for _, i in zip(range(self.batch), todo)]
@@ -346,7 +374,7 @@ class GenerateWriter:
             if time.monotonic() >= deadline:
                 return  # cut short by max_time: not written whole
             for index, prompt, answer in zip(indices, prompts, answers):
-                yield index, (prompt + answer, len(prompt))
+                yield index, (prompt + answer, len(prompt)), None
 
 
 # ---- the shard ------------------------------------------------------------------------------
@@ -373,15 +401,19 @@ def read_shard(path: Path, settings: Settings | None = None,
     return out
 
 
-def write_shard(writer: Writer, path: Path, count: int, seconds: float, show=print) -> int:
+def write_shard(writer: Writer, path: Path, count: int, seconds: float, show=print,
+                store: FeatureStore | None = None) -> int:
     """Append conversations until the shard holds ``count`` or ``seconds`` pass; the number
-    written now."""
+    written now. ``store``: where the features the writer captured are kept (before the
+    conversation's line, so a line never lacks the features it was written with)."""
     done = read_shard(path, writer.settings, repair=True)
     todo = iter([i for i in range(count) if i not in done])
     path.parent.mkdir(parents=True, exist_ok=True)
     new = 0
     with path.open("a") as shard:
-        for index, (ids, prompt_len) in writer.write(todo, time.monotonic() + seconds):
+        for index, (ids, prompt_len), features in writer.write(todo, time.monotonic() + seconds):
+            if store is not None and features is not None:
+                store.save(ids, features)
             shard.write(json.dumps({"index": index, "settings": writer.settings.key,
                                     "prompt_len": prompt_len, "ids": ids}) + "\n")
             shard.flush()
@@ -411,6 +443,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="native: packed forwards on the CPU kernels; hf: transformers' "
                              "batched generate (on a CUDA GPU); auto: hf where torch sees a GPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--features", default="", metavar="KINDS",
+                        help="keep the target's features that these draft-head kinds read "
+                             "(comma-separated: hydra, eagle, deer, clover), captured in the "
+                             "forwards that write the conversations, beside the shard in "
+                             "FILE.features/: `train heads --shard FILE` then reads no "
+                             "conversation again (native runner; float32, 6 KB a token and "
+                             "layer on a 1,536-wide target)")
+
+
+def feature_kinds(text: str) -> list[str]:
+    """The draft-head kinds ``--features`` names (comma-separated), checked."""
+    kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
+    for kind in kinds:
+        require(kind in NETWORKS, f"--features: unknown kind {kind!r}; choose from "
+                                  f"{', '.join(sorted(NETWORKS))}")
+    return kinds
+
+
+def feature_needs(kinds: list[str], num_layers: int) -> Needs:
+    """What the forwards capture for ``kinds``: the final hidden states and every layer one of
+    them reads (NOTHING where none is named)."""
+    if not kinds:
+        return NOTHING
+    layers = sorted({layer for kind in kinds for layer in feature_layers(kind, num_layers)})
+    return Needs(final_hidden=True, layers=tuple(layers))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -421,11 +478,17 @@ def run(args: argparse.Namespace) -> int:
             "--count, --batch and --max-minutes must be positive")
     require(args.prompt_tokens > 0 and args.answer_tokens > 0 and args.passage_tokens >= 0,
             "--prompt-tokens and --answer-tokens must be positive, --passage-tokens at least 0")
+    kinds = feature_kinds(args.features)
     loaded = load_model(args.model)
     eos = set(eos_ids(loaded, loaded.tokenizer))
     device = training_device()
+    store = None
     if args.runner == "hf" or (args.runner == "auto" and device != "cpu"):
         from specdecode.models.hf import HFRunner
+
+        require(not kinds, "--features captures the native runner's features; on a "
+                                   "GPU leave it out (`train heads` reads them there in padded "
+                                   "batches) or pass --runner native")
 
         model = loaded.model.to(device).eval()
         settings = Settings(HFRunner(model).fingerprint(), args.prompt_tokens,
@@ -436,9 +499,12 @@ def run(args: argparse.Namespace) -> int:
                           args.passage_tokens)
         runner = make_runner(loaded, "native", args.weights, limits.context)
         settings = dataclasses.replace(limits, fingerprint=runner.fingerprint())
-        writer = Writer(runner, loaded.tokenizer, eos, settings, args.batch)
+        needs = feature_needs(kinds, runner.num_layers)
+        writer = Writer(runner, loaded.tokenizer, eos, settings, args.batch, needs)
+        if needs != NOTHING:
+            store = FeatureStore(Path(args.out), reader_name(runner), runner.fingerprint())
     started = time.monotonic()
-    new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes)
+    new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes, store=store)
     took = time.monotonic() - started
     print(json.dumps({"conversations_written": new, "tokens_written": writer.written,
                       "seconds": round(took, 1),

@@ -9,7 +9,8 @@
    so training sees the features drafting will read: its final hidden states (what its LM
    head reads, the teacher's distribution) and, for EAGLE-3 and deer, chosen layers'. The
    ``hf`` runner (a GPU's) reads the step's conversations with the next ones, 32 in one padded
-   forward. They are kept in memory for later epochs up to ``--feature-cache`` (2 GB on a
+   forward. A shard written with ``--features`` holds them already, computed by the forwards
+   that wrote it (:mod:`specdecode.training.feature_store`; read where they are that runner's). They are kept in memory for later epochs up to ``--feature-cache`` (2 GB on a
    CPU; past that, read again: a prefill is a quarter of a step), so the data may be any size.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
    training conversations; its coverage of the held-out answers is measured and stored.
@@ -55,6 +56,7 @@ from specdecode.heads.drafter import target_features
 from specdecode.heads.networks import NETWORKS, feature_layers, make_network, parameter_count
 from specdecode.heads.packing import packed, packed_rows
 from specdecode.models.base import ForwardOutput, Needs
+from specdecode.training.feature_store import FeatureStore, reader_name, store_dir
 from specdecode.training.runs import (Checkpoint, TimeBar, descend, target_key, training_device,
                                       use_device, work_dir)
 from specdecode.training.self_data import (frequency_shortlist, shortlist_coverage,
@@ -138,6 +140,15 @@ def conversation_features(runner, net, ids) -> tuple[torch.Tensor, torch.Tensor]
         inputs, final = target_features(net, out), out.final_hidden
     # clones made outside inference mode: autograd may save them
     return inputs.float().clone(), final.float().clone()
+
+
+def stored_features(store: FeatureStore | None, net, ids) -> tuple | None:
+    """:func:`conversation_features` kept by the forwards that wrote ``ids`` (None where the
+    store holds none of this runner's with the layers ``net`` reads)."""
+    out = None if store is None else store.load(ids, net.feature_layers)
+    if out is None:
+        return None
+    return target_features(net, out).float(), out.final_hidden.float()
 
 
 def batch_features(model, net, sequences: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -250,6 +261,8 @@ class _Data:
     cache_limit: int = CACHE_BYTES
     #: whether several conversations are read in one padded forward (the hf runner's model)
     padded_reads: bool = False
+    #: the features the forwards that wrote the shard kept (``train data --features``)
+    store: FeatureStore | None = None
 
     #: conversations' features kept for the next epoch, up to ``cache_limit``, and their bytes
     cache: dict = field(default_factory=dict)
@@ -267,12 +280,14 @@ class _Data:
         one padded forward, :func:`batch_features`) and kept while the cache has room."""
         keys = [tuple(ids) for ids in sequences]
         unread = list(dict.fromkeys(key for key in keys if key not in self.cache))
+        fresh = {key: stored_features(self.store, net, key) for key in unread}
+        unread = [key for key in unread if fresh[key] is None]
         if len(unread) > 1 and self.padded_reads:
-            fresh = batch_features(self.runner.model, net, unread)
+            fresh.update(zip(unread, batch_features(self.runner.model, net, unread)))
         else:
-            fresh = [conversation_features(self.runner, net, key) for key in unread]
+            fresh.update((key, conversation_features(self.runner, net, key)) for key in unread)
         passing = {}
-        for key, (inputs, final) in zip(unread, fresh):
+        for key, (inputs, final) in fresh.items():
             if self.cache_held + inputs.nbytes + final.nbytes > self.cache_limit:
                 passing[key] = (inputs, final)
                 continue
@@ -398,6 +413,9 @@ def _evaluate_and_save(net, data: _Data, depth: int, state: dict, args: argparse
     bar.close()
     print(f"{args.kind} heads: {parameter_count(net) / 1e6:.2f}M parameters, {state['step']} "
           f"steps on {len(data.train)} conversations ({data.source}) in {info['minutes']} min")
+    if data.store is not None:
+        print(f"features: {data.store.found} reads from {data.store.root}, {data.store.missed} "
+              "conversations read by the runner")
     print(f"shortlist: {args.shortlist} tokens cover {data.coverage:.1%} of the held-out answer "
           "tokens")
     print("top-1 agreement with the target's greedy token on held-out answers, per depth: "
@@ -470,7 +488,7 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
     on_gpu = next(target.parameters()).device.type != "cpu"
     runner = make_runner(loaded, "hf" if on_gpu else args.runner)
-    reader = f"{runner.name}-{getattr(runner, 'weights', 'fp32')}"
+    reader = reader_name(runner)
     held = min(MAX_HELD_OUT, max(2, len(sequences) // 10))
     evaluation, train = sequences[:held], sequences[held:]
     full_head = target.get_output_embeddings().weight.detach().float()
@@ -478,10 +496,12 @@ def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: floa
     head_ids = (frequency_shortlist(train, args.shortlist, vocab)
                 if 0 < args.shortlist < vocab else None)
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
+    store = (FeatureStore(Path(args.shard), reader, runner.fingerprint())
+             if args.shard and store_dir(Path(args.shard)).is_dir() else None)
     return _Data(train, evaluation, runner, source, reader,
                  target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage,
                  _cache_bytes(full_head.device, args.feature_cache),
-                 padded_reads=runner.name == "hf")
+                 padded_reads=runner.name == "hf", store=store)
 
 
 def _anchors(prompt_len: int, n: int, count: int) -> torch.Tensor:
