@@ -302,8 +302,49 @@ class _Data:
             self.features_of(net, upcoming)
 
 
+@dataclass
+class _Target:
+    """What training reads of the target besides its features: the fingerprint its artifacts
+    are tied to, its layer count, its tables (float32) and final norm weight (None where the
+    network needs none of it)."""
+
+    fingerprint: str
+    num_layers: int
+    embed: torch.Tensor
+    full_head: torch.Tensor
+    final_norm: torch.Tensor | None
+
+
+def _target(loaded, args: argparse.Namespace):
+    """The runner that reads the conversations' features and :class:`_Target`. On the CPU the
+    runner the heads will draft for gives both: a GGUF target's ``transformers`` model (every
+    weight in float32: 7 GB for a 1.5B) is then never built. On a GPU, the hf runner over the
+    model moved there."""
+    from specdecode.models.loading import make_runner
+
+    device = training_device()
+    if device == "cpu" and args.runner != "hf":
+        runner = make_runner(loaded, args.runner)
+        if runner.name != "hf":
+            return runner, _Target(runner.fingerprint(), runner.num_layers,
+                                   runner.tables.input_embeddings(),
+                                   runner.tables.output_embeddings().float(),
+                                   getattr(runner, "final_norm", None))
+    model = loaded.model.requires_grad_(False)
+    if device != "cpu":  # the features come from the hf runner on the GPU
+        require(args.runner != "native", f"--runner native reads features on the CPU; on "
+                                         f"{device} train with --runner hf (or auto)")
+        model.to(device)
+        use_device(device)
+    runner = make_runner(loaded, "hf")
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    return runner, _Target(runner.fingerprint(), model.config.num_hidden_layers,
+                           model.get_input_embeddings().weight.detach(),
+                           model.get_output_embeddings().weight.detach().float(),
+                           None if norm is None else norm.weight.detach())
+
+
 def run(args: argparse.Namespace) -> int:
-    from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
 
     depth = _checked_depth(args)
@@ -311,25 +352,18 @@ def run(args: argparse.Namespace) -> int:
     bar = TimeBar(budget, f"train {args.kind} heads", shown=not args.no_progress)
     deadline = bar.began + budget
     loaded = load_model(args.model)
-    target = loaded.model
-    target.requires_grad_(False)
-    fingerprint = HFRunner(target).fingerprint()
-    device = training_device()
-    if device != "cpu":  # the features come from the hf runner on the GPU
-        require(args.runner != "native", f"--runner native reads features on the CPU; on "
-                                         f"{device} train with --runner hf (or auto)")
-        target.to(device)
-        use_device(device)
+    runner, target = _target(loaded, args)
+    fingerprint = target.fingerprint
     key = target_key(fingerprint)
     workdir = work_dir(args.workdir, user_dir() / f"heads-work-{key}")
     checkpoint = Checkpoint(workdir / f"{args.kind}-checkpoint.pt", args.resume)
     torch.manual_seed(args.seed)
-    data = _data(loaded, fingerprint, args, args.data_share * budget, bar.show)
+    data = _data(loaded, runner, target, args, args.data_share * budget, bar.show)
 
     # 4. training
     net = make_network(args.kind, data.embed.shape[1], data.embed,
-                       **network_settings(args, target.config.num_hidden_layers))
-    _norms_like_the_target(net, target)
+                       **network_settings(args, target.num_layers))
+    _norms_like_the_target(net, target.final_norm)
     optim = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     state = {"fingerprint": fingerprint, "kind": args.kind, "settings": net.settings(),
              "step": 0, "log": []}
@@ -350,18 +384,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _norms_like_the_target(net, target) -> None:
+def _norms_like_the_target(net, final_norm: torch.Tensor | None) -> None:
     """The state norms of a network that reads chosen layers (EAGLE-3's, deer's) start as the
     target's final norm: the shortlist of its LM head then scores the untrained network's
     states at the scale of the target's own (and an ``--init`` EAGLE-1 layer reads states at
     the scale it was trained on)."""
-    final_norm = getattr(getattr(target, "model", None), "norm", None)
     if not net.feature_layers or final_norm is None:
         return
     with torch.no_grad():
         for name in ("hidden_norm", "out_norm"):
             if hasattr(net, name):
-                getattr(net, name).weight.copy_(final_norm.weight.float())
+                getattr(net, name).weight.copy_(final_norm.float())
 
 
 def _warm_start(net, path: str, fingerprint: str) -> None:
@@ -478,29 +511,23 @@ def _conversations(loaded, fingerprint: str, args: argparse.Namespace, data_seco
     return sequences, "self-written"
 
 
-def _data(loaded, fingerprint: str, args: argparse.Namespace, data_seconds: float,
+def _data(loaded, runner, target: _Target, args: argparse.Namespace, data_seconds: float,
           show) -> _Data:
-    """Phases 1-3: conversations, the runner the heads will draft for (it reads their
-    features), a tenth held out, the shortlist."""
-    from specdecode.models.loading import make_runner
-
-    target = loaded.model
-    sequences, source = _conversations(loaded, fingerprint, args, data_seconds, show)
-    on_gpu = next(target.parameters()).device.type != "cpu"
-    runner = make_runner(loaded, "hf" if on_gpu else args.runner)
+    """Phases 1-3: conversations, a tenth held out, the shortlist; ``runner`` (the one the
+    heads will draft for) reads their features."""
+    sequences, source = _conversations(loaded, target.fingerprint, args, data_seconds, show)
     reader = reader_name(runner)
     held = min(MAX_HELD_OUT, max(2, len(sequences) // 10))
     evaluation, train = sequences[:held], sequences[held:]
-    full_head = target.get_output_embeddings().weight.detach().float()
+    full_head = target.full_head
     vocab = full_head.shape[0]
     head_ids = (frequency_shortlist(train, args.shortlist, vocab)
                 if 0 < args.shortlist < vocab else None)
     coverage = 1.0 if head_ids is None else shortlist_coverage(head_ids, evaluation)
     store = (FeatureStore(Path(args.shard), reader, runner.fingerprint())
              if args.shard and store_dir(Path(args.shard)).is_dir() else None)
-    return _Data(train, evaluation, runner, source, reader,
-                 target.get_input_embeddings().weight.detach(), full_head, head_ids, coverage,
-                 _cache_bytes(full_head.device, args.feature_cache),
+    return _Data(train, evaluation, runner, source, reader, target.embed, full_head, head_ids,
+                 coverage, _cache_bytes(full_head.device, args.feature_cache),
                  padded_reads=runner.name == "hf", store=store)
 
 
