@@ -14,7 +14,7 @@ from specdecode.api import Decoder
 from specdecode.artifacts import float_rows, int8_rows
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.artifact import load_heads, save_heads
+from specdecode.heads.artifact import LARGE_TARGET_BYTES, load_heads, save_heads
 from specdecode import kernels
 from specdecode.heads.drafter import target_features, target_needs
 from specdecode.heads import native_blocks
@@ -286,6 +286,22 @@ def test_artifacts_load_refuse_and_say_how_to_train(tiny, tmp_path):
     ids = torch.tensor([3, 7, 11])
     saved = save_heads(tmp_path / "h.safetensors", net, ids, runner.fingerprint(), {"x": 1})
     assert load_heads(str(saved), runner, "hydra", embed)[1].tolist() == [3, 7, 11]
+
+
+def test_a_large_target_without_heads_is_told_to_write_its_data_first(tiny, tmp_path):
+    """A 1B target's trainer cannot write its own conversations in minutes: the message names
+    its file in the two commands (the shard with its features, then the trainer)."""
+    large = tmp_path / "large.gguf"
+    with large.open("wb") as f:  # sparse: the size is all that is read
+        f.truncate(LARGE_TARGET_BYTES)
+
+    class Target(HFRunner):
+        source = str(large)
+
+    with pytest.raises(SpecDecodeError) as err:
+        load_heads("auto", Target(tiny_llama(seed=9)), "eagle", tiny.get_input_embeddings().weight)
+    assert (f"specdecode train data --model {large} --out SHARD --features eagle`, then "
+            f"`specdecode train heads --model {large} --kind eagle --shard SHARD`") in str(err.value)
 
 
 def test_bad_tree_settings_are_named(tiny):

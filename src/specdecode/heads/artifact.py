@@ -20,6 +20,9 @@ from specdecode.heads.networks import HeadNetwork, make_network
 
 #: minutes `specdecode train heads` takes by default (said in the "train one" message)
 TRAIN_MINUTES = 12
+#: a target file from this size on writes its training data first (``train data``): the
+#: default model's trainer writes its own conversations in minutes, a 1B target's would not
+LARGE_TARGET_BYTES = 300 << 20
 
 
 def artifact_kind(kind: str) -> str:
@@ -36,6 +39,20 @@ def save_heads(path: str | Path, net: HeadNetwork, head_ids: torch.Tensor | None
     return save_artifact(path, tensors, artifact_kind(net.kind), config, fingerprint)
 
 
+def train_advice(runner, kind: str) -> str:
+    """How to train ``kind`` heads for the runner's target: the default model's take minutes
+    on a CPU; a larger one's need a shard written with its features first (docs/draft-heads.md,
+    the 1.5B's took hours on 2 cores)."""
+    source = getattr(runner, "source", "")  # a native runner's GGUF file
+    if not (source and Path(source).is_file()
+            and Path(source).stat().st_size >= LARGE_TARGET_BYTES):
+        return (f"train them with `specdecode train heads --kind {kind}` (about "
+                f"{TRAIN_MINUTES} minutes on 2 CPU cores for the default model)")
+    return (f"train them with `specdecode train data --model {source} --out SHARD --features "
+            f"{kind}`, then `specdecode train heads --model {source} --kind {kind} --shard "
+            "SHARD` (hours on a CPU; docs/draft-heads.md)")
+
+
 def load_heads(spec: str, runner, kind: str, embed: torch.Tensor):
     """(network, shortlist or None, source path, config) for ``spec``: 'auto' (the newest
     artifact of this kind trained for this target, user cache first, then the package) or a
@@ -43,10 +60,8 @@ def load_heads(spec: str, runner, kind: str, embed: torch.Tensor):
     fingerprint = runner.fingerprint()
     if spec == "auto":
         spec = str(newest_artifact(artifact_kind(kind), fingerprint,
-                                   f"no trained {kind} heads for this target; train them with "
-                                   f"`specdecode train heads --kind {kind}` (about "
-                                   f"{TRAIN_MINUTES} minutes on 2 CPU cores), or pass "
-                                   "-c heads=PATH"))
+                                   f"no trained {kind} heads for this target; "
+                                   f"{train_advice(runner, kind)}, or pass -c heads=PATH"))
     artifact = load_artifact(spec, artifact_kind(kind), fingerprint)
     settings = dict(artifact.config["network"])
     require(settings["size"] == embed.shape[1],
