@@ -10,7 +10,8 @@
    head reads, the teacher's distribution) and, for EAGLE-3 and deer, chosen layers'. The
    ``hf`` runner (a GPU's) reads the step's conversations with the next ones, 32 in one padded
    forward. A shard written with ``--features`` holds them already, computed by the forwards
-   that wrote it (:mod:`specdecode.training.feature_store`; read where they are that runner's). They are kept in memory for later epochs up to ``--feature-cache`` (2 GB on a
+   that wrote it (:mod:`specdecode.training.feature_store`; read where they are that
+   runner's). They are kept in memory for later epochs up to ``--feature-cache`` (2 GB on a
    CPU; past that, read again: a prefill is a quarter of a step), so the data may be any size.
 3. the FR-Spec shortlist (Zhao et al., 2025): the ``--shortlist`` most frequent tokens of the
    training conversations; its coverage of the held-out answers is measured and stored.
