@@ -44,8 +44,8 @@ def train_advice(runner, kind: str) -> str:
     on a CPU; a larger one's need a shard written with its features first (docs/draft-heads.md,
     the 1.5B's took hours on 2 cores)."""
     source = getattr(runner, "source", "")  # a native runner's GGUF file
-    if not (source and Path(source).is_file()
-            and Path(source).stat().st_size >= LARGE_TARGET_BYTES):
+    path = Path(source)
+    if not (source and path.is_file() and path.stat().st_size >= LARGE_TARGET_BYTES):
         return (f"train them with `specdecode train heads --kind {kind}` (about "
                 f"{TRAIN_MINUTES} minutes on 2 CPU cores for the default model)")
     return (f"train them with `specdecode train data --model {source} --out SHARD --features "

@@ -7,7 +7,7 @@ Draft heads learn from the target's own hidden states at every position of a con
 anyway: its answer's prompt in one prefill, then one decode row per answer token. Asked for
 (:class:`~specdecode.models.base.Needs`), those rows come back with the logits, and the runner's
 rows do not depend on what shares their forward, so they are the bits a prefill of the whole
-conversation would give (tests/test_feature_store.py). On two CPU cores reading a 1.5B
+conversation would give (tests/test_target_data.py). On two CPU cores reading a 1.5B
 target's conversation again costs about as much as writing it.
 
 One safetensors file a conversation, named by a hash of its token ids, in ``SHARD.features/``:
@@ -69,8 +69,8 @@ class FeatureStore:
         if rows != len(ids):
             raise ValueError(f"{rows} feature rows for a conversation of {len(ids)} tokens")
         tensors = {"final": features.final_hidden.float().contiguous()}
-        tensors.update({f"layer.{layer}": rows.float().contiguous()
-                        for layer, rows in features.layers.items()})
+        tensors.update({f"layer.{layer}": hidden.float().contiguous()
+                        for layer, hidden in features.layers.items()})
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / _name(ids)
         part = path.with_suffix(".part")

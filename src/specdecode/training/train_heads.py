@@ -487,9 +487,6 @@ def _checked_depth(args: argparse.Namespace) -> int:
     require(args.pack == 1 or args.kind in PACKABLE,
             f"--pack packs conversations for {', '.join(PACKABLE)} only; leave it out for "
             f"{args.kind}")
-    require(args.shard is None or Path(args.shard).is_file(),
-            f"--shard {args.shard} is not a file; write one with `specdecode train data --out "
-            "FILE`")
     return depth
 
 
