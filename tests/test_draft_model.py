@@ -17,6 +17,7 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
 from specdecode.drafting.artifacts import load_draft
+from specdecode.drafting.caches import STEADY_ROWS
 from specdecode.proposer import Feedback
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.sampling import NodeDistributions, SamplingParams
@@ -173,6 +174,28 @@ def test_cache_holds_the_committed_tokens(target, drafts, draft_runner, method):
             reused += 1
         before = len(context)
     assert reused > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
+def test_the_tokens_a_native_draft_skipped_are_priced_by_its_row_costs(target, drafts, method):
+    """What a draft must read before it drafts: after the prompt, every prompt token and the
+    first one, as its runner's row-cost curve prices them; right after a draft, nothing past a
+    step's usual rows; a level, one forward. A transformers draft's cost is not measured."""
+    prompt = repetitive_prompts()[0]
+    dec = decoder(target, method, drafts["close"], draft_runner="native")
+    gen = dec.start(prompt, 40)
+    steps = iter(gen)
+    next(steps)  # the prefill: the draft has read nothing yet
+    behind, level = gen.draft_seconds()
+    curve = dec.proposer.lm.row_costs
+    rows = len(gen.prompt_ids) + 1
+    assert behind == pytest.approx(curve(rows) - curve(STEADY_ROWS)) and behind > 0
+    assert level == curve(1) > 0  # a level: one forward of the draft
+    next(steps)  # a step that drafted
+    assert gen.draft_seconds() == (0.0, level)
+    hf = decoder(target, method, drafts["close"], draft_runner="hf").start(prompt, 40)
+    next(iter(hf))
+    assert hf.draft_seconds() == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("draft_runner", ["hf", "native"])

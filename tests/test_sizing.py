@@ -14,7 +14,8 @@ from specdecode.estimates import RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import EXPLORE_EVERY, EXPLORE_NODES, DraftSizing, DraftTime
+from specdecode.sizing import (EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE, DraftSizing,
+                               DraftTime)
 
 from conftest import repetitive_prompts
 
@@ -41,14 +42,66 @@ def test_cheap_rows_and_good_drafts_draft_deep():
 
 def test_drafts_stop_where_rows_cost_a_forward_and_return_to_explore():
     """Each row costs as much as a whole one-row forward and a draft is accepted one time in
-    ten: no draft pays, so the request decodes as ar, sending a small draft once every
-    EXPLORE_EVERY steps to see whether that changed."""
+    ten: no draft pays, so the request decodes as ar, sending a small draft (EXPLORE_NODES
+    rows, as many forwards here) to see whether that changed once it costs at most
+    EXPLORE_SHARE of the steps since the last."""
     sizer = DraftSizing(RowCosts({1: 1.0, 2: 2.0, 64: 64.0})).sequence(GREEDY)
     calls = iter(range(10**6))
-    caps = run_steps(sizer, lambda depth: 1 if next(calls) % 10 == 0 else 0, 5 * EXPLORE_EVERY)
+    caps = run_steps(sizer, lambda depth: 1 if next(calls) % 10 == 0 else 0, 12 * EXPLORE_EVERY)
     late = caps[EXPLORE_EVERY:]
-    assert late.count(0) >= len(late) - 5, caps
-    assert any(c == EXPLORE_NODES for c in late), "never explored"
+    explores = [step for step, cap in enumerate(late) if cap]
+    assert all(late[step] == EXPLORE_NODES for step in explores), caps
+    assert len(explores) >= 2, f"explored {len(explores)} times: {caps}"
+    spacing = EXPLORE_NODES / EXPLORE_SHARE
+    assert all(b - a > spacing for a, b in zip(explores, explores[1:])), explores
+
+
+def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
+    """Drafts are never accepted. A lookup drafts in no time; a draft model takes 0.5 s a
+    token and, before an explore, 0.02 s for each token it skipped: it explores far less often,
+    and its explores cost at most EXPLORE_SHARE of the decoding seconds. (Where a skipped
+    token costs EXPLORE_SHARE of a step or more, a draft model never explores.)"""
+    costs = RowCosts({1: 1.0, 8: 1.2, 64: 3.0})
+
+    def explores(level_s: float, skipped_s: float, steps: int = 600) -> tuple[int, float]:
+        sizer, skipped, count, spent = DraftSizing(costs).sequence(GREEDY), 0, 0, 0.0
+        for step in range(steps):
+            depth, nodes = sizer.cap(6, 6, skipped_s * skipped, tokens_left=steps - step)
+            draft = Draft.chain([0] * min(depth, nodes))
+            draft_s = level_s * len(draft) + (skipped_s * skipped if len(draft) else 0.0)
+            if step > EXPLORE_EVERY and len(draft):
+                count += 1
+                spent += draft_s + costs(1 + len(draft)) - costs(1)
+            skipped = 0 if len(draft) else skipped + 1
+            sizer.observe(draft, 0, draft_s, costs(1 + len(draft)) + draft_s)
+        return count, spent
+
+    lookup, _ = explores(0.0, 0.0)
+    model, model_s = explores(0.5, 0.02)
+    assert lookup >= 600 // (EXPLORE_EVERY + 1) - 3, lookup
+    assert 1 <= model <= lookup // 2, (model, lookup)
+    assert model_s <= EXPLORE_SHARE * 600 * costs(1) * 1.1, model_s
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_an_untimed_draft_is_priced_by_its_drafters_curve(sampling):
+    """Before any draft is timed (and always, for a seeded request, which reads no timings),
+    a level costs what the drafter's curve says: free, a request drafts; at twice a target
+    forward a level, it does not."""
+    costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
+    assert DraftSizing(costs).sequence(sampling).cap(6, 6, level_s=0.0)[0] >= 1
+    assert DraftSizing(costs).sequence(sampling).cap(6, 6, level_s=2.0)[0] == 0
+
+
+def test_a_draft_far_behind_catches_up_where_the_request_can_repay_it():
+    """Drafts accepted whole on cheap rows: a draft model 10 s behind (a long prompt it has
+    not read) drafts when 1000 tokens are left to spread those seconds over, not when 8 are;
+    a draft that is not behind drafts either way."""
+    sizer = DraftSizing(RowCosts({1: 1.0, 8: 1.05, 64: 2.0})).sequence(GREEDY)
+    run_steps(sizer, lambda depth: depth, 10)
+    assert sizer.cap(6, 6, 10.0, tokens_left=8)[0] == 0
+    assert sizer.cap(6, 6, 10.0, tokens_left=1000)[0] >= 1
+    assert sizer.cap(6, 6, 0.0, tokens_left=8)[0] >= 1
 
 
 def test_drafting_seconds_count_against_a_draft():

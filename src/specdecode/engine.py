@@ -241,6 +241,11 @@ class Generation:
         self._call = PrefillCall(ids, 0, len(ids), self.proposer.needs)
         return self._call
 
+    def draft_seconds(self) -> tuple[float, float]:
+        """What the proposer's next draft costs by its drafter's own row-cost curve
+        (:meth:`~specdecode.proposer.Proposer.draft_seconds`)."""
+        return self.proposer.draft_seconds(self._context)
+
     def next_call(self) -> VerifyCall:
         """Draft within the budget (the controller's, capped by the tokens left and
         :attr:`draft_cap`) and give the verify call."""
@@ -257,7 +262,8 @@ class Generation:
         budget = self.controller.budget().capped(left - 1)
         cap = self.draft_cap
         if self.sizer is not None and budget.max_depth > 0:
-            cap = self.sizer.cap(budget.max_depth, budget.max_nodes)
+            cap = self.sizer.cap(budget.max_depth, budget.max_nodes, *self.draft_seconds(),
+                                 tokens_left=left)
         if cap is not None:
             budget = budget.capped(cap[0]).capped_nodes(cap[1])
         self._step_started = t0

@@ -100,6 +100,15 @@ class Proposer(ABC):
     def propose(self, context: Sequence[int], budget: Budget) -> Draft:
         """Draft continuations of ``context`` (whose last token is the root)."""
 
+    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+        """What drafting after ``context`` costs by the drafter's own row-cost curve, where it
+        has one (a draft model): the seconds it must spend reading committed tokens it has not
+        read, beyond what a step right after a draft reads (after steps without a draft, or
+        before its first), and the seconds a draft level takes. (0, 0) where nothing is priced
+        so: lookups and heads read the target's own passes, and the sizer times their
+        drafting."""
+        return 0.0, 0.0
+
     def observe(self, feedback: Feedback) -> None:
         """Learn from one verify step, or from the prefill (``feedback.prefill``)."""
 

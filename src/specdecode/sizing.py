@@ -3,8 +3,11 @@
 A forward of R rows costs c(R), the runner's row-cost curve (models/row_costs.py: measured once
 per model file, format, CPU and thread count). A draft to depth d commits 1 + q_1 + ... + q_d
 tokens in expectation, where q_k is the chance that the verify step accepts k or more draft
-tokens, and pays the rows it puts at depths 1..d and the proposer's drafting. Each step the
-draft is capped at the depth and node count that maximise
+tokens, and pays the rows it puts at depths 1..d and the proposer's drafting. A draft model
+that did not draft for a while (or has not read the prompt yet) must first read the tokens it
+skipped: that catch-up, priced by the draft's own row-cost curve, is paid once and spread over
+the request's remaining steps (:func:`catch_up_share`). Each step the draft is capped at the
+depth and node count that maximise
 
     goodput = expected committed tokens / (c(rows) + drafting seconds + the step's other seconds)
 
@@ -16,8 +19,9 @@ there.
 :func:`allocate` does this for any number of sequences sharing one forward (the server's packed
 forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the library, the CLI
 and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
-drafts do not pay on this model and machine stops drafting (then every ``EXPLORE_EVERY`` steps
-it sends one small draft, so its estimate can recover when the text starts to repeat).
+drafts do not pay on this model and machine stops drafting (then, after ``EXPLORE_EVERY`` steps
+or more, once such a draft would cost at most ``EXPLORE_SHARE`` of the steps since the last, it
+sends one small draft, so its estimate can recover when the text starts to repeat).
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
@@ -47,6 +51,11 @@ EXPLORE_LEVELS = 4
 #: nodes: on the 1.5B model a 5-row forward costs about 1.25 rows, a whole 16-node draft 2.6)
 EXPLORE_EVERY = 16
 EXPLORE_NODES = 4
+#: the most of a request's decoding seconds its explore drafts may cost (their verify rows, the
+#: drafting and a draft model's catch-up): a lookup, whose draft costs little, explores every
+#: EXPLORE_EVERY idle steps; a draft model, whose explore pays for a forward a token and for
+#: reading every token it skipped, waits longer
+EXPLORE_SHARE = 0.05
 #: weight of the newest step in the decayed means of drafting and overhead seconds
 RECENT = 0.1
 
@@ -101,6 +110,17 @@ def allocate(candidates: Sequence[Candidate], costs: RowCosts, fixed_rows: int,
     return [(d, max(d, round(w))) for d, w in zip(depth, width)]
 
 
+def catch_up_share(catch_up_s: float, tokens_left: int,
+                   levels: Sequence[tuple[float, float]]) -> float:
+    """A proposer's catch-up seconds (:meth:`~specdecode.proposer.Proposer.draft_seconds`)
+    spread over the steps left to a request of ``tokens_left`` tokens: the catch-up is paid
+    once, and the draft then drafts from its cache at a step's usual cost (each step commits 1
+    plus the chances of ``levels`` in expectation). A draft model far behind a long prompt
+    near the end of a short answer does not catch up."""
+    steps = tokens_left / (1.0 + sum(chance for chance, _ in levels))
+    return catch_up_s / max(1.0, steps)
+
+
 def method_sizing(method, runner: Runner, draft_budget: str = "goodput") -> DraftSizing | None:
     """The sizing of a registered ``method``'s drafts on ``runner`` for ``draft_budget``; None
     where nothing is sized (``full``; ``ar`` and lossy methods send no drafts to size)."""
@@ -123,6 +143,11 @@ class DraftTime:
     def observe(self, depth: int, seconds: float) -> None:
         for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
             self.sums[i] = self.sums[i] * DECAY + value
+
+    @property
+    def timed(self) -> bool:
+        """Whether a draft has been timed yet."""
+        return self.sums[0] > 0
 
     def line(self) -> tuple[float, float]:
         """(fixed seconds, seconds a level), neither negative. Where the depths seen do not
@@ -168,24 +193,40 @@ class SequenceSizer:
         self.acceptance = Acceptance()
         #: steps since the last draft sent
         self.idle = 0
+        #: the catch-up seconds of the draft last allowed (0: it read nothing it had skipped)
+        self.catch_up_s = 0.0
 
-    def cap(self, max_depth: int, max_nodes: int) -> tuple[int, int]:
-        """(max depth, max draft nodes) for the next draft, within the budget's."""
+    def cap(self, max_depth: int, max_nodes: int, catch_up_s: float = 0.0,
+            level_s: float = 0.0, tokens_left: int = 1) -> tuple[int, int]:
+        """(max depth, max draft nodes) for the next draft, within the budget's.
+        ``catch_up_s``, ``level_s``: the proposer's drafting by its drafter's row-cost curve
+        (:meth:`~specdecode.proposer.Proposer.draft_seconds`). The catch-up is priced by
+        :func:`catch_up_share` over the request's ``tokens_left`` (an explore draft pays it
+        whole); the seconds a level, until the proposer's drafting has been timed (always, for
+        a seeded sampled request, which reads no timings)."""
         sizing = self.sizing
+        self.catch_up_s = 0.0
         prior = None if self.repeatable else sizing.acceptance
         seen = max(len(self.acceptance.offered), len(prior.offered) if prior else 0)
         deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
         if deepest <= 0:
             return 0, 0
+        timed = not self.repeatable and sizing.draft_time.timed
+        draft_s, level_s = sizing.draft_time.line() if timed else (0.0, level_s)
         if self.idle >= EXPLORE_EVERY:
-            return min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
+            depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
+            costs = sizing.costs
+            explore_s = costs(1 + nodes) - costs(1) + draft_s + level_s * depth + catch_up_s
+            if explore_s <= EXPLORE_SHARE * self.idle * costs(1):
+                self.catch_up_s = catch_up_s
+                return depth, nodes
         levels = self.acceptance.levels(deepest, prior)
-        if self.repeatable:
-            candidate, (overhead_s, row_s) = Candidate(levels), (0.0, 0.0)
-        else:
-            candidate = Candidate(levels, *sizing.draft_time.line())
-            overhead_s, row_s = sizing.overhead.line
+        candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, tokens_left, levels),
+                              level_s)
+        overhead_s, row_s = (0.0, 0.0) if self.repeatable else sizing.overhead.line
         depth, rows = allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0]
+        if depth:
+            self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)
 
     def observe(self, draft: Draft, accepted: int, draft_s: float, step_s: float) -> None:
@@ -196,7 +237,8 @@ class SequenceSizer:
             self.idle = 0
             self.acceptance.observe(draft, accepted)
             sizing.acceptance.observe(draft, accepted)
-            sizing.draft_time.observe(draft.max_depth, draft_s)
+            if not self.catch_up_s:  # a step that read skipped tokens is no sample of drafting
+                sizing.draft_time.observe(draft.max_depth, draft_s)
         else:
             self.idle += 1
         sizing.overhead.observe(len(draft), step_s - sizing.costs(1 + len(draft)) - draft_s)

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from specdecode.models.llama_drafter import LlamaDrafter
 
 
+#: committed tokens a step right after a draft reads (the bonus token, and the chain's last
+#: draft token where it was accepted, which the draft did not read): the drafting seconds the
+#: sizer learns (specdecode/sizing.py) hold them already
+STEADY_ROWS = 2
+
+
 class DraftCache:
     """What both draft caches share: the shortlist, and finding the cached prefix to reuse."""
 
@@ -34,6 +40,12 @@ class DraftCache:
     vocab_size: int
     hidden_size: int
     tokens: list[int]  # committed tokens whose KV rows are cached, in order
+
+    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+        """The seconds :meth:`catch_up` would take past a step's usual ``STEADY_ROWS``, and a
+        draft level's (a forward of one row); (0, 0) where the draft's cost is not known (a
+        ``transformers`` draft)."""
+        return 0.0, 0.0
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Shortlist logits [n, V'] -> vocabulary logits [n, V] (-inf off the shortlist)."""
@@ -156,6 +168,7 @@ class NativeDraftLM(DraftCache):
         self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = runner.hidden_size
+        self.row_costs = None  # the draft runner's curve, once drafting is priced
         self.reset()
 
     def reset(self) -> None:
@@ -166,6 +179,21 @@ class NativeDraftLM(DraftCache):
     def _clear_tree(self) -> None:
         self.tree_tokens: list[int] = []
         self.tree_paths: list[list[int]] = []  # each row's ancestors, root to parent
+
+    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+        """By the draft runner's row-cost curve (models/row_costs.py; measured the first time,
+        once per draft file, format, CPU and thread count). The curve's forwards compute every
+        row's logits, where a catch-up computes the last one's: a long catch-up is priced
+        somewhat high."""
+        if self.row_costs is None:
+            from specdecode.estimates import RowCosts
+            from specdecode.models.row_costs import cached_row_costs
+
+            self.row_costs = RowCosts(cached_row_costs(self.runner.runner))
+        costs = self.row_costs
+        rows = len(context) - self._reusable(context)
+        behind = costs(rows) - costs(STEADY_ROWS) if rows > STEADY_ROWS else 0.0
+        return max(0.0, behind), costs(1)
 
     def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DraftLM.catch_up`."""

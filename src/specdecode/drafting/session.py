@@ -45,6 +45,10 @@ class DraftSession:
         else:
             self.generator.manual_seed((sampling.seed + DRAFT_SEED_OFFSET) % 2**63)
 
+    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+        """As :meth:`specdecode.proposer.Proposer.draft_seconds`, for this draft cache."""
+        return self.lm.draft_seconds(context)
+
     def node(self, logits: torch.Tensor, context: Sequence[int]) -> NodeDistributions:
         """The processed distributions of a node with shortlist logits [V'] whose committed
         context plus path is ``context``."""

@@ -175,5 +175,8 @@ class DraftModelProposer(Proposer):
         self.session.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
+    def draft_seconds(self, context):
+        return self.session.draft_seconds(context)
+
     def observe(self, feedback: Feedback) -> None:
         self.session.keep_accepted(feedback.accepted, feedback.draft)

@@ -82,5 +82,8 @@ class DySpecProposer(Proposer):
     def propose(self, context, budget):
         return grow_tree(self.session, context, budget, self.config)
 
+    def draft_seconds(self, context):
+        return self.session.draft_seconds(context)
+
     def observe(self, feedback: Feedback) -> None:
         self.session.keep_accepted(feedback.accepted, feedback.draft)

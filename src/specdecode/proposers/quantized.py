@@ -231,6 +231,9 @@ class QuantizedProposer(Proposer):
         super().__init__(config, runner)
         self.drafter = ChainDrafter(int4_session(runner))
 
+    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+        return self.drafter.session.draft_seconds(context)
+
     def make_controller(self) -> Controller:
         c = self.config
         if c.drafts > 1:

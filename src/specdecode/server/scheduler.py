@@ -48,7 +48,7 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance
 from specdecode.server.goodput import Batching
-from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate
+from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate, catch_up_share
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -450,11 +450,13 @@ class Scheduler:
         for seq in drafting:
             prior = self._method_acceptance(seq)
             generation = seq.generation
+            left = generation.max_new_tokens - len(generation.tokens)
             deepest = min(generation.controller.budget().max_depth, self.max_draft_rows,
-                          generation.max_new_tokens - len(generation.tokens) - 1,
-                          len(prior.offered) + EXPLORE_LEVELS)
-            candidates.append(Candidate(seq.acceptance.levels(max(0, deepest), prior),
-                                        self._draft_s.get(_key(seq.spec), 0.0)))
+                          left - 1, len(prior.offered) + EXPLORE_LEVELS)
+            levels = seq.acceptance.levels(max(0, deepest), prior)
+            catch_up_s = generation.draft_seconds()[0] if levels else 0.0
+            candidates.append(Candidate(levels, self._draft_s.get(_key(seq.spec), 0.0)
+                                        + catch_up_share(catch_up_s, left, levels)))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
