@@ -1,7 +1,8 @@
 """Multi-turn serving: the time to first token of every turn of a conversation sent with its
 whole history, by ``specdecode serve`` with its prompt cache and without it, beside llama.cpp's
 ``llama-server`` with its slot cache (``cache_prompt``) and without, on the same GGUF file and
-threads, one slot each (``scripts/multiturn_bench.py``; docs/server.md).
+threads, one slot each (ours with the cache a second, for the references below;
+``scripts/multiturn_bench.py``; docs/server.md).
 
 Each server runs every conversation of :mod:`.multiturn_workloads` in turn, streamed, greedy,
 and each request is timed: time to first token (request sent to the first content or tool-call
@@ -14,8 +15,12 @@ Besides the client's time to first token, each request's prompt seconds as the s
 them (ours: ``usage.prompt_s``; llama-server: ``timings.prompt_ms``): a tool call reaches the
 client whole, so its first delta comes when the call is written, not when the prompt is read.
 A turn's reference: a request of only the tokens the cache did not hold (the last ``prompt -
-cached`` token ids of the turn's prompt, one token asked for), on our server without the cache:
-what the turn's prompt would cost if its history were free.
+cached`` token ids of the turn's prompt, one token asked for), sent right after the turn to the
+same server, our server with the cache, which has a second slot for it (the reference shares
+no prefix with the conversation, so it takes the emptier slot and the conversation's rows stay
+where they are): what the turn's prompt would cost if its history were free, timed side by
+side with the turn (a reference timed minutes later on another server process moves with
+whatever the machine does meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -105,10 +111,10 @@ def assistant_message(answer: dict) -> dict:
 
 
 def run_conversation(url: str, model: str, conversation: Conversation, max_tokens: int,
-                     rounds: int) -> list[dict]:
+                     rounds: int, after: Callable[[dict], None] | None = None) -> list[dict]:
     """Every turn of ``conversation`` with its whole history (tool calls carried out, at most
     ``rounds`` requests a turn: the first must call a tool, as an agent's step does, the next
-    may answer in text); one record per request."""
+    may answer in text); one record per request, each given to ``after`` as it is made."""
     messages = [{"role": "system", "content": conversation.system}] if conversation.system else []
     records = []
     for turn, content in enumerate(conversation.turns):
@@ -119,6 +125,8 @@ def run_conversation(url: str, model: str, conversation: Conversation, max_token
                                  "required" if round_ == 0 else "auto")
             records.append({"workload": conversation.workload, "conversation": conversation.name,
                             "turn": turn, "request": len(records), "messages": sent, **answer})
+            if after is not None:
+                after(records[-1])
             messages.append(assistant_message(answer))
             if not answer["tool_calls"]:
                 break
@@ -147,43 +155,42 @@ def prompt_ids(tokenizer, model: str, messages: list[dict], tools: list[dict] | 
     return encode_prompt(tokenizer, [m.as_template_input() for m in req.messages], True, offered)
 
 
-def add_references(url: str, model: str, tokenizer, records: list[dict],
-                   tools: dict[str, list[dict] | None]) -> None:
-    """Each record's reference: its new tokens alone, on this (uncached) server;
-    ``tools``: each conversation's."""
-    for record in records:
-        ids = prompt_ids(tokenizer, model, record["messages"], tools[record["conversation"]])
-        require(len(ids) == record["prompt_tokens"],
-                f"the bench's prompt has {len(ids)} tokens, the server's {record['prompt_tokens']}")
-        new = len(ids) - (record["cached_tokens"] or 0)
-        record["new_tokens"] = new
-        record["reference_prompt_s"] = reference_prompt_s(url, model, ids[-new:])
+def add_reference(url: str, model: str, tokenizer, record: dict,
+                  tools: list[dict] | None) -> None:
+    """The record's reference: its new tokens alone, on the server at ``url``; ``tools``: its
+    conversation's."""
+    ids = prompt_ids(tokenizer, model, record["messages"], tools)
+    require(len(ids) == record["prompt_tokens"],
+            f"the bench's prompt has {len(ids)} tokens, the server's {record['prompt_tokens']}")
+    new = len(ids) - (record["cached_tokens"] or 0)
+    record["new_tokens"] = new
+    record["reference_prompt_s"] = reference_prompt_s(url, model, ids[-new:])
 
 
 def run_server(label: str, args: argparse.Namespace, chats: list[Conversation], paths: dict,
-               references: tuple | None = None) -> list[dict]:
+               tokenizer=None) -> list[dict]:
     """Every conversation on a fresh server ``label`` (a warm-up request first, untimed);
-    ``references``: (tokenizer, records) whose reference times this server measures after."""
+    ``tokenizer``: time each request's reference right after it, on a second slot."""
     kind, extra, cache_prompt = SERVERS[label]
     port = free_port()
-    argv = command(ServerSpec(kind, args.method if kind == OURS else None, extra), port, 1,
-                   args.context, args.threads, args.model, paths["gguf"], paths["llama"],
-                   cache_prompt=cache_prompt)
+    argv = command(ServerSpec(kind, args.method if kind == OURS else None, extra), port,
+                   1 if tokenizer is None else 2, args.context, args.threads, args.model,
+                   paths["gguf"], paths["llama"], cache_prompt=cache_prompt)
     with ServerProcess(argv, port, args.threads, paths["log"]) as server:
         model = server.model_name()
         stream_chat(server.url, model, [{"role": "user", "content": "Hello"}], None, 8)
         records = []
         for chat in chats:
             fresh = dataclasses.replace(chat, files=dict(chat.files))  # its edits its own
-            done = run_conversation(server.url, model, fresh, args.max_tokens, args.rounds)
+            after = None if tokenizer is None else (
+                lambda record, tools=chat.tools: add_reference(server.url, model, tokenizer,
+                                                               record, tools))
+            done = run_conversation(server.url, model, fresh, args.max_tokens, args.rounds,
+                                    after)
             print(f"{label} | {chat.name} | prompt s, ttft s, cached tokens: " + ", ".join(
                 f"{r['prompt_s'] or 0:.2f} {r['ttft_s']:.2f} {r['cached_tokens']}" for r in done),
                 flush=True)
             records += done
-        if references is not None:
-            tokenizer, cached = references
-            add_references(server.url, model, tokenizer, cached,
-                           {chat.name: chat.tools for chat in chats})
     for record in records:
         record["server"] = label
     return records
@@ -218,7 +225,8 @@ def markdown(meta: dict, records: list[dict], mismatches: list[str]) -> str:
         return "-" if value is None else fmt.format(value)
 
     lines = ["# Multi-turn serving: time to first token with and without a prompt cache", "",
-             f"Model `{meta['model']}`, {meta['threads']} threads, one slot each, greedy, "
+             f"Model `{meta['model']}`, {meta['threads']} threads, one slot each (ours with "
+             f"the cache a second, for the references), greedy, "
              f"`--max-tokens {meta['max_tokens']}`; machine: {meta['cpu']}. Command: "
              f"`{meta['command']}`.", "",
              "| server | workload | requests | median prompt tokens | cached share (turns after "
@@ -234,7 +242,8 @@ def markdown(meta: dict, records: list[dict], mismatches: list[str]) -> str:
               if r["server"] == CACHED and r["request"] > 0 and r.get("reference_prompt_s")]
     if ratios:
         lines += ["", f"Our cached turns against a request of only their new tokens (the "
-                      f"turn's prompt seconds over the reference's, turns after the first, "
+                      f"turn's prompt seconds over the reference's, timed right after it on "
+                      f"the same server's second slot; turns after the first, "
                       f"{len(ratios)} requests): median {statistics.median(ratios):.2f}x, worst "
                       f"{max(ratios):.2f}x."]
     lines += ["", "Answers with and without our prompt cache: " +
@@ -296,10 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     paths["log"] = args.out / "servers.log"
     chats = conversations(workloads, args.mt_bench)
     records: list[dict] = []
-    for label in labels:  # ours with the cache first: the uncached run times its references
-        cached = [r for r in records if r["server"] == CACHED]
-        refs = (loaded.tokenizer, cached) if label == UNCACHED and cached else None
-        records += run_server(label, args, chats, paths, refs)
+    for label in labels:
+        records += run_server(label, args, chats, paths,
+                              loaded.tokenizer if label == CACHED else None)
     mismatches = compare_answers(records)
     meta = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens,
             "cpu": machine()["cpu"], "command": "python scripts/multiturn_bench.py " +
