@@ -15,7 +15,10 @@
 #   DEER_PACK      deer's `--pack` (default PACK): its attention spans the whole pack, so its
 #                  memory grows with the pack's square
 #   ANCHORS        deer's `--anchors` (default 192)
-#   INIT           kinds that start from the shipped artifact of their kind (default "eagle")
+#   NAME           the artifacts' name prefix (default: MODEL's file name without .gguf, so
+#                  `smollm2` for the default model and `qwen2.5-coder-1.5b` for that one)
+#   INIT           kinds that start from the shipped artifact NAME-KIND-heads of their kind,
+#                  where one ships (default "eagle")
 #   SPECDECODE     the CLI (default `specdecode`)
 # Each trainer's log is OUT_DIR/train.log's section; its artifact OUT_DIR/NAME.
 set -u
@@ -23,6 +26,7 @@ model=${1:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
 out=${2:?usage: gpu_train.sh MODEL.gguf OUT_DIR [TRAIN_MINUTES]}
 minutes=${3:-4}
 spec=${SPECDECODE:-specdecode}
+prefix=${NAME:-$(basename "$model" .gguf)}
 trainers=${TRAINERS:-dllm deer eagle hydra}
 work=$(mktemp -d)
 mkdir -p "$out"
@@ -40,9 +44,10 @@ fi
 stamp "$(wc -l < "$shard") conversations"
 
 adapters=src/specdecode/data/adapters
-init() {  # the shipped artifact of kind $1 where INIT names it
+init() {  # the shipped artifact of kind $1 where INIT names it and one ships for NAME
+    local shipped=${ADAPTERS:-$adapters}/$prefix-$1-heads.safetensors
     case " ${INIT:-eagle} " in
-        *" $1 "*) echo --init "${ADAPTERS:-$adapters}/smollm2-$1-heads.safetensors" ;;
+        *" $1 "*) [ ! -f "$shipped" ] || echo --init "$shipped" ;;
     esac
 }
 common=(--model "$model" --no-progress)
@@ -55,7 +60,7 @@ heads() {  # NAME KIND [FLAGS...]: one heads trainer in the background
     local name=$1 kind=$2
     shift 2
     $spec train heads --kind "$kind" "${common[@]}" --shard "$shard" --max-minutes "$minutes" \
-        --workdir "$work/$name" --out "$out/smollm2-$name-heads.safetensors" \
+        --workdir "$work/$name" --out "$out/$prefix-$name-heads.safetensors" \
         "${cache[@]}" "$@" \
         > "$work/$name.log" 2>&1 &
 }
@@ -63,7 +68,7 @@ for name in $trainers; do
     case $name in
         dllm) $spec train dllm "${common[@]}" --data "$shard" --rank "${DLLM_RANK:-8}" \
                   --batch 48 --minutes "$minutes" --checkpoint-every 200 \
-                  --workdir "$work/dllm" --out "$out/smollm2-dllm-delta.safetensors" \
+                  --workdir "$work/dllm" --out "$out/$prefix-dllm-delta.safetensors" \
                   > "$work/dllm.log" 2>&1 & ;;
         deer) heads deer deer --anchors "${ANCHORS:-192}" --pack "${DEER_PACK:-${PACK:-1}}" \
                   $(init deer) ;;
