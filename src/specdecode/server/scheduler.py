@@ -428,6 +428,9 @@ class Scheduler:
         for seq, cap in zip(drafting, caps):
             generation = seq.generation
             generation.draft_cap = cap
+            # a draft that first reads tokens it skipped is no sample of drafting's own seconds
+            # (the catch-up is priced apart: sizing.catch_up_share)
+            caught_up = cap[0] > 0 and generation.draft_seconds()[0] > 0
             started = time.perf_counter()
             try:
                 generation.next_call()
@@ -435,11 +438,12 @@ class Scheduler:
                 self._fail(seq, exc, "drafting failed")
                 continue
             if cap[0] > 0:
-                key = _key(seq.spec)
                 spent = time.perf_counter() - started
                 total += spent
-                self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
-                    spent - self._draft_s.get(key, spent))
+                if not caught_up:
+                    key = _key(seq.spec)
+                    self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
+                        spent - self._draft_s.get(key, spent))
         return total
 
     def _caps(self, drafting: list[_Sequence]) -> list[tuple[int, int]]:
