@@ -52,17 +52,18 @@ CACHED, UNCACHED = "specdecode", "specdecode-no-cache"
 REQUEST_TIMEOUT = 600.0
 
 
-def stream_chat(url: str, model: str, messages: list[dict], tools: list[dict] | None,
-                max_tokens: int, tool_choice: str = "auto") -> dict:
-    """One streamed greedy chat request: its timings, text, tool calls and token counts."""
+def stream_chat(client: httpx.Client, url: str, model: str, messages: list[dict],
+                tools: list[dict] | None, max_tokens: int, tool_choice: str = "auto") -> dict:
+    """One streamed greedy chat request: its timings, text, tool calls and token counts
+    (``client``: one for every request; making one costs tens of milliseconds, its TLS
+    context, which the time to first token would count)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if tools:
         body.update(tools=tools, tool_choice=tool_choice)
     text, calls, usage, timings, first = [], {}, {}, {}, None
     start = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
-                      timeout=REQUEST_TIMEOUT) as response:
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:  # (reading the body waits for the whole stream)
             raise SpecDecodeError(f"{url} answered {response.status_code}: "
                                   f"{response.read()[:300]!r}")
@@ -110,8 +111,9 @@ def assistant_message(answer: dict) -> dict:
     return message
 
 
-def run_conversation(url: str, model: str, conversation: Conversation, max_tokens: int,
-                     rounds: int, after: Callable[[dict], None] | None = None) -> list[dict]:
+def run_conversation(client: httpx.Client, url: str, model: str, conversation: Conversation,
+                     max_tokens: int, rounds: int,
+                     after: Callable[[dict], None] | None = None) -> list[dict]:
     """Every turn of ``conversation`` with its whole history (tool calls carried out, at most
     ``rounds`` requests a turn: the first must call a tool, as an agent's step does, the next
     may answer in text); one record per request, each given to ``after`` as it is made."""
@@ -121,7 +123,7 @@ def run_conversation(url: str, model: str, conversation: Conversation, max_token
         messages.append({"role": "user", "content": content})
         for round_ in range(rounds):
             sent = list(messages)
-            answer = stream_chat(url, model, sent, conversation.tools, max_tokens,
+            answer = stream_chat(client, url, model, sent, conversation.tools, max_tokens,
                                  "required" if round_ == 0 else "auto")
             records.append({"workload": conversation.workload, "conversation": conversation.name,
                             "turn": turn, "request": len(records), "messages": sent, **answer})
@@ -136,10 +138,10 @@ def run_conversation(url: str, model: str, conversation: Conversation, max_token
     return records
 
 
-def reference_prompt_s(url: str, model: str, ids: list[int]) -> float:
+def reference_prompt_s(client: httpx.Client, url: str, model: str, ids: list[int]) -> float:
     """The server's prompt seconds of a raw completion of ``ids`` (one token asked for)."""
     body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT)
+    response = client.post(url + "/v1/completions", json=body)
     require(response.status_code == 200, f"{url} answered {response.status_code} to a reference")
     return response.json()["usage"]["prompt_s"]
 
@@ -155,7 +157,7 @@ def prompt_ids(tokenizer, model: str, messages: list[dict], tools: list[dict] | 
     return encode_prompt(tokenizer, [m.as_template_input() for m in req.messages], True, offered)
 
 
-def add_reference(url: str, model: str, tokenizer, record: dict,
+def add_reference(client: httpx.Client, url: str, model: str, tokenizer, record: dict,
                   tools: list[dict] | None) -> None:
     """The record's reference: its new tokens alone, on the server at ``url``; ``tools``: its
     conversation's."""
@@ -164,7 +166,7 @@ def add_reference(url: str, model: str, tokenizer, record: dict,
             f"the bench's prompt has {len(ids)} tokens, the server's {record['prompt_tokens']}")
     new = len(ids) - (record["cached_tokens"] or 0)
     record["new_tokens"] = new
-    record["reference_prompt_s"] = reference_prompt_s(url, model, ids[-new:])
+    record["reference_prompt_s"] = reference_prompt_s(client, url, model, ids[-new:])
 
 
 def run_server(label: str, args: argparse.Namespace, chats: list[Conversation], paths: dict,
@@ -176,17 +178,18 @@ def run_server(label: str, args: argparse.Namespace, chats: list[Conversation], 
     argv = command(ServerSpec(kind, args.method if kind == OURS else None, extra), port,
                    1 if tokenizer is None else 2, args.context, args.threads, args.model,
                    paths["gguf"], paths["llama"], cache_prompt=cache_prompt)
-    with ServerProcess(argv, port, args.threads, paths["log"]) as server:
+    with ServerProcess(argv, port, args.threads, paths["log"]) as server, \
+            httpx.Client(timeout=REQUEST_TIMEOUT) as client:
         model = server.model_name()
-        stream_chat(server.url, model, [{"role": "user", "content": "Hello"}], None, 8)
+        stream_chat(client, server.url, model, [{"role": "user", "content": "Hello"}], None, 8)
         records = []
         for chat in chats:
             fresh = dataclasses.replace(chat, files=dict(chat.files))  # its edits its own
             after = None if tokenizer is None else (
-                lambda record, tools=chat.tools: add_reference(server.url, model, tokenizer,
-                                                               record, tools))
-            done = run_conversation(server.url, model, fresh, args.max_tokens, args.rounds,
-                                    after)
+                lambda record, tools=chat.tools: add_reference(client, server.url, model,
+                                                               tokenizer, record, tools))
+            done = run_conversation(client, server.url, model, fresh, args.max_tokens,
+                                    args.rounds, after)
             print(f"{label} | {chat.name} | prompt s, ttft s, cached tokens: " + ", ".join(
                 f"{r['prompt_s'] or 0:.2f} {r['ttft_s']:.2f} {r['cached_tokens']}" for r in done),
                 flush=True)
