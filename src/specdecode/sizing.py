@@ -52,9 +52,9 @@ EXPLORE_LEVELS = 4
 EXPLORE_EVERY = 16
 EXPLORE_NODES = 4
 #: the most of a request's decoding seconds its explore drafts may cost (their verify rows, the
-#: drafting and a draft model's catch-up): a lookup, whose draft costs little, explores every
-#: EXPLORE_EVERY idle steps; a draft model, whose explore pays for a forward a token and for
-#: reading every token it skipped, waits longer
+#: drafting and a draft model's catch-up): a lookup, whose draft costs only its rows, explores
+#: every EXPLORE_EVERY idle steps where a few rows cost little more than one; a draft model,
+#: whose explore pays for a forward a token and for reading every token it skipped, waits longer
 EXPLORE_SHARE = 0.05
 #: weight of the newest step in the decayed means of drafting and overhead seconds
 RECENT = 0.1
