@@ -423,14 +423,14 @@ class Scheduler:
         """Cap every decoding sequence's next draft by goodput, then let each draft; the
         seconds spent drafting."""
         drafting = [seq for seq in self._active if not seq.prefilling and seq.solo is None]
-        caps = self._caps(drafting)
+        # what each draft must first read of the tokens it skipped, where drafts are priced
+        behind = ([seq.generation.draft_seconds()[0] for seq in drafting]
+                  if self.row_costs is not None else [0.0] * len(drafting))
+        caps = self._caps(drafting, behind)
         total = 0.0
-        for seq, cap in zip(drafting, caps):
+        for seq, cap, catch_up_s in zip(drafting, caps, behind):
             generation = seq.generation
             generation.draft_cap = cap
-            # a draft that first reads tokens it skipped is no sample of drafting's own seconds
-            # (the catch-up is priced apart: sizing.catch_up_share)
-            caught_up = cap[0] > 0 and generation.draft_seconds()[0] > 0
             started = time.perf_counter()
             try:
                 generation.next_call()
@@ -440,25 +440,25 @@ class Scheduler:
             if cap[0] > 0:
                 spent = time.perf_counter() - started
                 total += spent
-                if not caught_up:
+                if not catch_up_s:  # a catch-up is no sample of drafting's own seconds
                     key = _key(seq.spec)
                     self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
                         spent - self._draft_s.get(key, spent))
         return total
 
-    def _caps(self, drafting: list[_Sequence]) -> list[tuple[int, int]]:
-        """Each sequence's (max depth, max draft rows) for its next step."""
+    def _caps(self, drafting: list[_Sequence], behind: list[float]) -> list[tuple[int, int]]:
+        """Each sequence's (max depth, max draft rows) for its next step; ``behind``: each
+        one's catch-up seconds (priced by :func:`~specdecode.sizing.catch_up_share`)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
         candidates = []
-        for seq in drafting:
+        for seq, catch_up_s in zip(drafting, behind):
             prior = self._method_acceptance(seq)
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
             deepest = min(generation.controller.budget().max_depth, self.max_draft_rows,
                           left - 1, len(prior.offered) + EXPLORE_LEVELS)
             levels = seq.acceptance.levels(max(0, deepest), prior)
-            catch_up_s = generation.draft_seconds()[0] if levels else 0.0
             candidates.append(Candidate(levels, self._draft_s.get(_key(seq.spec), 0.0)
                                         + catch_up_share(catch_up_s, left, levels)))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
