@@ -230,3 +230,35 @@ def test_draw_tokens_row_is_its_draw_alone():
     together = draw_tokens(list(logits), temperatures, generators())
     assert together == alone
     assert draw_tokens(list(logits[1:3]), temperatures[1:3], generators()[1:3]) == alone[1:3]
+
+
+def test_batch_drains_before_the_deadline_and_keeps_what_it_began(runner, tmp_path,
+                                                                  monkeypatch):
+    """A clock that moves one second a forward: near the deadline no conversation is begun
+    that could not end before it, so none is in flight when it passes and every one written is
+    the one an unbounded run writes; a deadline shorter than one conversation still stops the
+    run there, dropping the first batch."""
+    whole = tmp_path / "whole.jsonl"
+    write_shard(writer(runner, 3), whole, 12, 600, show=lambda _: None)
+    expected = lines(whole)
+    seconds = [0.0]
+    run_packed = runner.run_packed
+
+    def one_second_a_forward(calls):
+        seconds[0] += 1
+        return run_packed(calls)
+
+    monkeypatch.setattr(runner, "run_packed", one_second_a_forward)
+    w = writer(runner, 3)
+    most = w._most_forwards()
+    assert most == 16 + 20  # the passage's 16 tokens, then an answer's 20
+    got = {index: done for index, done, _ in w.write(iter(range(12)), 2 * most,
+                                                     clock=lambda: seconds[0])}
+    assert 3 < len(got) < 12  # more than the first batch, fewer than asked for
+    assert w.dropped == 0 and w.forwards <= 2 * most
+    for index, (ids, prompt_len) in got.items():
+        record = json.loads(expected[index])
+        assert (ids, prompt_len) == (record["ids"], record["prompt_len"])
+    short, seconds[0] = writer(runner, 3), 0.0
+    assert list(short.write(iter(range(12)), 5, clock=lambda: seconds[0])) == []
+    assert short.dropped == 3 and short.forwards == 5

@@ -248,6 +248,7 @@ class Writer:
         self.forwards = 0
         self.rows = 0  # sequences over all forwards (decode rows and prompts)
         self.written = 0  # tokens the target wrote (user turns and answers)
+        self.dropped = 0  # conversations in flight at a deadline
 
     def _slot(self, index: int, runner) -> _Slot:
         rng = random.Random(self.settings.seed * 1_000_003 + index)
@@ -280,15 +281,30 @@ class Writer:
         slot.call = PrefillCall(tuple(slot.prompt), 0, len(slot.prompt), self.needs)
         return None
 
-    def write(self, todo, deadline: float):
+    def _most_forwards(self) -> int:
+        """The most forwards a conversation takes: its longer first stage and its answer, a
+        token a forward (the answer's prompt is prefilled in the forward that draws its first
+        token), and the features' row of the answer's last token."""
+        settings = self.settings
+        return (max(settings.prompt_tokens, settings.passage_tokens) + settings.answer_tokens
+                + int(self.needs != NOTHING))
+
+    def write(self, todo, deadline: float, clock=time.monotonic):
         """Yield (index, conversation, features) for each index of the iterator ``todo``, as
-        they finish (not in order), until ``todo`` is spent or ``deadline`` (time.monotonic)
+        they finish (not in order), until ``todo`` is spent or ``deadline`` (``clock``'s time)
         passes; ``features``: the conversation's every row's (a ForwardOutput without logits),
-        None where ``needs`` asks for none."""
+        None where ``needs`` asks for none. Near the deadline the batch drains: a
+        conversation is begun only where its most forwards, at the recent seconds a forward,
+        end before the deadline, so the forwards spent on those in flight are kept. Those
+        still in flight at the deadline are dropped (counted in ``dropped``)."""
         # replicas first: zip stops at the last replica without drawing an index it would drop
         slots = [self._slot(i, r) for r, i in zip(self.replicas, todo)]
-        while slots and time.monotonic() < deadline:
+        forward_s = None  # recent seconds a forward (a moving average)
+        while slots and clock() < deadline:
+            began = clock()
             outs = self.runner.run_packed([(s.runner, s.call) for s in slots])
+            took = clock() - began
+            forward_s = took if forward_s is None else 0.8 * forward_s + 0.2 * took
             self.forwards += 1
             self.rows += len(slots)
             following = []
@@ -307,10 +323,13 @@ class Writer:
                     following.append(slot)
                     continue
                 yield slot.index, done, stacked(slot.passes) if slot.passes else None
+                if clock() + self._most_forwards() * forward_s >= deadline:
+                    continue  # draining: this replica stays idle
                 index = next(todo, None)
                 if index is not None:
                     following.append(self._slot(index, slot.runner))
             slots = following
+        self.dropped += len(slots)
 
 
 class GenerateWriter:
@@ -329,6 +348,7 @@ class GenerateWriter:
             tokenizer.eos_token_id
         self.forwards = 0
         self.written = 0
+        self.dropped = 0  # conversations cut short by a deadline
 
     @property
     def rows(self) -> int:
@@ -372,6 +392,7 @@ class GenerateWriter:
             answers = self._stage(prompts, [settings.answer_tokens] * len(plans),
                                   [p.answer_temperature for p in plans], deadline)
             if time.monotonic() >= deadline:
+                self.dropped += len(indices)
                 return  # cut short by max_time: not written whole
             for index, prompt, answer in zip(indices, prompts, answers):
                 yield index, (prompt + answer, len(prompt)), None
@@ -506,7 +527,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     new = write_shard(writer, Path(args.out), args.count, 60 * args.max_minutes, store=store)
     took = time.monotonic() - started
-    print(json.dumps({"conversations_written": new, "tokens_written": writer.written,
+    print(json.dumps({"conversations_written": new, "conversations_dropped": writer.dropped,
+                      "tokens_written": writer.written,
                       "seconds": round(took, 1),
                       "tokens_per_s": round(writer.written / took, 1) if took else None,
                       "forwards": writer.forwards,
