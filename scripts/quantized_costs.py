@@ -49,8 +49,7 @@ def recorded(obj, name: str, rows_of, log: list[int]) -> None:
 
 
 def int4_runner(proposer):
-    holder = proposer.drafter.session if hasattr(proposer, "drafter") else proposer.session
-    return holder.lm.runner.runner
+    return proposer.session.lm.runner.runner
 
 
 def main() -> None:

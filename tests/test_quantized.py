@@ -87,7 +87,7 @@ def test_a_transformers_target_gets_an_int4_copy_of_its_weights(tiny_model):
     gen = decoder.start(prompt, 24)
     gen.run()
     assert gen.stats.accepted_tokens > 0
-    assert decoder.proposer.drafter.session.lm.runner.runner.weights == "int4"
+    assert decoder.proposer.session.lm.runner.runner.weights == "int4"
 
 
 @pytest.mark.parametrize("verifier", ["specinfer", "spectr"])

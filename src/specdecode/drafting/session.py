@@ -13,10 +13,11 @@ uniforms.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from specdecode.control import DraftSignal
 from specdecode.draft import Draft
 from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams, filtered_probs, sample
 
@@ -92,6 +93,70 @@ class DraftSession:
         small = filtered_probs(logits.float(), self.sampling)
         full = torch.zeros(self.lm.vocab_size, dtype=small.dtype).index_copy_(0, head_ids, small)
         return small, full
+
+    def chain(self, context: Sequence[int], length: int,
+              keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
+        """Up to ``length`` tokens after ``context``, each drawn from the draft's processed
+        distribution at its own path, a draft forward a token; stops early where
+        ``keep_drafting`` says so. :attr:`nodes` records the chain, so that
+        :meth:`keep_accepted` keeps the draft's KV rows of its accepted tokens."""
+        lm = self.lm
+        if length <= 0:
+            self.nodes = ([], [], [])
+            return Draft.empty()
+        logits, hidden = lm.catch_up(context)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        path = list(context)
+        for depth in range(1, length + 1):
+            token, q, confidence = self.draw(logits, path)
+            tokens.append(token)
+            path.append(token)
+            if q is not None:
+                probs.append(q)
+            if depth == length or (keep_drafting is not None and not keep_drafting(
+                    DraftSignal(depth, confidence, hidden))):
+                break
+            logits, hidden = lm.feed([token], [depth - 2])
+            logits, hidden = logits[0], hidden[0]
+        n = len(tokens)
+        # every node but the last was fed to the draft: node i sits on tree row i
+        self.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
+        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+
+    def chains(self, context: Sequence[int], length: int, k: int, rule: str,
+               keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
+        """``k`` i.i.d. chains of up to ``length`` tokens, drafted in lockstep (one forward of
+        k rows per depth), kept apart as SpecTr's k sequences: node ``d * k + j`` is chain j's
+        token at depth d + 1. Stops early where ``keep_drafting`` says so for the most
+        confident chain. ``rule``: the Draft's sibling rule."""
+        lm = self.lm
+        if length <= 0:
+            self.nodes = ([], [], [])
+            return Draft.empty()
+        logits, hidden = lm.catch_up(context)
+        rows, hiddens = [logits] * k, [hidden] * k
+        paths = [list(context) for _ in range(k)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        for depth in range(1, length + 1):
+            confidence = 0.0
+            for j in range(k):
+                token, q, prob = self.draw(rows[j], paths[j])
+                tokens.append(token)
+                parents.append(-1 if depth == 1 else len(tokens) - 1 - k)
+                probs.append(q)
+                paths[j].append(token)
+                confidence = max(confidence, prob)
+            if depth == length or (keep_drafting is not None and not keep_drafting(
+                    DraftSignal(depth, confidence, hiddens[0]))):
+                break
+            step, step_hidden = lm.feed(tokens[-k:], parents[-k:])
+            rows, hiddens = list(step), list(step_hidden)
+        fed = len(tokens) - k
+        self.nodes = (tokens, parents, list(range(fed)) + [None] * k)
+        return Draft(tuple(tokens), tuple(parents), torch.stack(probs), sibling_rule=rule)
 
     def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
         """Keep the draft's KV rows of the accepted tokens it computed itself. Matched by token

@@ -42,9 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.control import (ConfidenceStop, Controller, DraftSignal, HeuristicLength,
-                                SpecDecPlusPlus)
-from specdecode.draft import Draft
+from specdecode.control import ConfidenceStop, Controller, HeuristicLength, SpecDecPlusPlus
 from specdecode.drafting.artifacts import DraftSource, open_draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
@@ -146,34 +144,9 @@ class DraftModelProposer(Proposer):
     def start(self, prompt: Sequence[int]) -> None:
         self.session.start(prompt, self.sampling)
 
-    def draw(self, logits: torch.Tensor, context: Sequence[int]) -> tuple[int, torch.Tensor | None, float]:
-        """As :meth:`DraftSession.draw`."""
-        return self.session.draw(logits, context)
-
     def propose(self, context, budget):
-        length = min(budget.max_depth, budget.max_nodes)
-        if length <= 0:
-            self.session.nodes = ([], [], [])
-            return Draft.empty()
-        logits, hidden = self.lm.catch_up(context)
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        path = list(context)
-        for depth in range(1, length + 1):
-            token, q, confidence = self.draw(logits, path)
-            tokens.append(token)
-            path.append(token)
-            if q is not None:
-                probs.append(q)
-            if depth == length or (budget.keep_drafting is not None and not budget.keep_drafting(
-                    DraftSignal(depth, confidence, hidden))):
-                break
-            logits, hidden = self.lm.feed([token], [depth - 2])
-            logits, hidden = logits[0], hidden[0]
-        n = len(tokens)
-        # every node but the last was fed to the draft: node i sits on tree row i
-        self.session.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
-        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+        return self.session.chain(context, min(budget.max_depth, budget.max_nodes),
+                                  budget.keep_drafting)
 
     def draft_seconds(self, context):
         return self.session.draft_seconds(context)

@@ -34,10 +34,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from specdecode.control import ConfidenceStop, Controller, DraftSignal, HeuristicLength
-from specdecode.draft import Draft
+from specdecode.control import ConfidenceStop, Controller, HeuristicLength
 from specdecode.drafting.caches import NativeDraftLM
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import SpecDecodeError, require
@@ -145,83 +142,6 @@ def int4_session(runner: Runner) -> DraftSession:
     return DraftSession(NativeDraftLM(LlamaDrafter(int4_copy(runner))))
 
 
-class ChainDrafter:
-    """A draft session drafting chains under a budget (``pearl`` drafts from the same session
-    on a thread of its own, proposers/pearl.py). ``session.nodes`` records the chain, so
-    :meth:`keep_accepted` keeps the drafter's KV rows of the accepted tokens."""
-
-    def __init__(self, session: DraftSession):
-        self.session = session
-
-    def start(self, prompt: Sequence[int], sampling) -> None:
-        self.session.start(prompt, sampling)
-
-    def chain(self, context: Sequence[int], length: int,
-              keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
-        """Up to ``length`` tokens after ``context``, each drawn from the drafter's processed
-        distribution at its own path; stops early where ``keep_drafting`` says so."""
-        lm = self.session.lm
-        if length <= 0:
-            self.session.nodes = ([], [], [])
-            return Draft.empty()
-        logits, hidden = lm.catch_up(context)
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        path = list(context)
-        for depth in range(1, length + 1):
-            token, q, confidence = self.session.draw(logits, path)
-            tokens.append(token)
-            path.append(token)
-            if q is not None:
-                probs.append(q)
-            if depth == length or (keep_drafting is not None and not keep_drafting(
-                    DraftSignal(depth, confidence, hidden))):
-                break
-            logits, hidden = lm.feed([token], [depth - 2])
-            logits, hidden = logits[0], hidden[0]
-        n = len(tokens)
-        # every node but the last was fed to the drafter: node i sits on tree row i
-        self.session.nodes = (tokens, list(range(-1, n - 1)), list(range(n - 1)) + [None])
-        return Draft.chain(tokens, torch.stack(probs) if probs else None)
-
-    def chains(self, context: Sequence[int], length: int, k: int, rule: str,
-               keep_drafting: Callable[[DraftSignal], bool] | None = None) -> Draft:
-        """``k`` i.i.d. chains of up to ``length`` tokens, drafted in lockstep (one forward of
-        k rows per depth), kept apart as SpecTr's k sequences: node ``d * k + j`` is chain j's
-        token at depth d + 1. Stops early where ``keep_drafting`` says so for the most
-        confident chain. ``rule``: the Draft's sibling rule."""
-        lm = self.session.lm
-        if length <= 0:
-            self.session.nodes = ([], [], [])
-            return Draft.empty()
-        logits, hidden = lm.catch_up(context)
-        rows, hiddens = [logits] * k, [hidden] * k
-        paths = [list(context) for _ in range(k)]
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[torch.Tensor] = []
-        for depth in range(1, length + 1):
-            confidence = 0.0
-            for j in range(k):
-                token, q, prob = self.session.draw(rows[j], paths[j])
-                tokens.append(token)
-                parents.append(-1 if depth == 1 else len(tokens) - 1 - k)
-                probs.append(q)
-                paths[j].append(token)
-                confidence = max(confidence, prob)
-            if depth == length or (keep_drafting is not None and not keep_drafting(
-                    DraftSignal(depth, confidence, hiddens[0]))):
-                break
-            step, step_hidden = lm.feed(tokens[-k:], parents[-k:])
-            rows, hiddens = list(step), list(step_hidden)
-        fed = len(tokens) - k
-        self.session.nodes = (tokens, parents, list(range(fed)) + [None] * k)
-        return Draft(tuple(tokens), tuple(parents), torch.stack(probs), sibling_rule=rule)
-
-    def keep_accepted(self, accepted: Sequence[int], draft: Draft) -> None:
-        self.session.keep_accepted(accepted, draft)
-
-
 @register("quantized", QuantizedConfig,
           paper="Speculative Decoding Meets Quantization (Zhang et al., 2025, arXiv 2505.22179)",
           summary="the target's own int4 copy drafts chains for the fp32/bf16 target "
@@ -229,10 +149,10 @@ class ChainDrafter:
 class QuantizedProposer(Proposer):
     def __init__(self, config: QuantizedConfig, runner: Runner):
         super().__init__(config, runner)
-        self.drafter = ChainDrafter(int4_session(runner))
+        self.session = int4_session(runner)
 
     def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
-        return self.drafter.session.draft_seconds(context)
+        return self.session.draft_seconds(context)
 
     def make_controller(self) -> Controller:
         c = self.config
@@ -241,15 +161,15 @@ class QuantizedProposer(Proposer):
         return CONTROLLERS[c.controller](c)
 
     def start(self, prompt: Sequence[int]) -> None:
-        self.drafter.start(prompt, self.sampling)
+        self.session.start(prompt, self.sampling)
 
     def propose(self, context, budget):
         k = 1 if self.sampling.greedy else self.config.drafts
         if k == 1:
-            return self.drafter.chain(context, min(budget.max_depth, budget.max_nodes),
+            return self.session.chain(context, min(budget.max_depth, budget.max_nodes),
                                       budget.keep_drafting)
-        return self.drafter.chains(context, min(budget.max_depth, budget.max_nodes // k), k,
+        return self.session.chains(context, min(budget.max_depth, budget.max_nodes // k), k,
                                    VERIFIERS[self.config.verifier], budget.keep_drafting)
 
     def observe(self, feedback: Feedback) -> None:
-        self.drafter.keep_accepted(feedback.accepted, feedback.draft)
+        self.session.keep_accepted(feedback.accepted, feedback.draft)
