@@ -5,12 +5,14 @@ budgeted by goodput, and a client leaving mid-stream loses nobody else's tokens.
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from specdecode.api import Decoder
+from specdecode.models.base import VerifyCall
 from specdecode.models.llama import LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
@@ -186,3 +188,28 @@ def test_an_opted_in_lossy_method_is_served_beside_packed_sequences(model, token
         model, tokenizer, PROMPTS[0], "superposed", 16)
     for prompt, (text, _) in zip(PROMPTS[1:3], exact["got"]):
         assert text == solo(model, tokenizer, prompt, "ar", 16)
+
+
+def test_draft_rows_that_cost_more_than_the_curve_says_are_priced(model, tokenizer, monkeypatch):
+    """Rows nearly free by the curve, but each draft row slows the step by 10 ms, as a long
+    context's attention does (the curve is measured after a one-token prompt): the scheduler
+    fits that per-row part of its overhead and drafts far less than where rows are as free as
+    the curve says. A fixed overhead alone would make drafts look cheaper still."""
+    requests = [(p, dict(max_tokens=32, temperature=0)) for p in PROMPTS[:4]] * 2
+    cheap = {1: 0.002, 4096: 0.0021}
+    batching = Batching(row_curve=cheap, max_draft_rows=8)
+    drafted = {}
+    run_packed = LlamaRunner.run_packed
+    for name, row_s in (("free", 0.0), ("costly", 0.01)):
+        def slowed(self, work, row_s=row_s):
+            time.sleep(row_s * sum(len(call.draft) for _, call in work
+                                   if isinstance(call, VerifyCall)))
+            return run_packed(self, work)
+
+        monkeypatch.setattr(LlamaRunner, "run_packed", slowed)
+        with serve(model, tokenizer, parallel=4, method="suffix", batching=batching) as served:
+            got = ask_all(served.url, requests)
+        drafted[name] = sum(usage.draft_tokens for _, usage in got)
+        drafted[name + "_texts"] = [text for text, _ in got]
+    assert drafted["costly_texts"] == drafted["free_texts"]
+    assert drafted["free"] > 0 and drafted["costly"] < drafted["free"] / 2, drafted

@@ -29,9 +29,10 @@ UNSEEN_ROWS = 1.0
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
 OVERHEAD_STEPS = 64
 #: draft rows grouped for that fit, each group from its first row count to the next group's
-#: (each group's median seconds is one point of the line): a group counts from MIN_GROUP steps
-#: on, so one step the machine stalled moves nothing
-ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9)
+#: (each group's median seconds is one point of the line; groups double in width, to the 256
+#: draft rows of a server's packed forward): a group counts from MIN_GROUP steps on, so one
+#: step the machine stalled moves nothing
+ROW_GROUP_STARTS = (0, 1, 2, 3, 5, 9, 17, 33, 65, 129)
 MIN_GROUP = 3
 #: the line is refitted every this many steps (a fit over 64 steps moves little in 8, and
 #: refitting each step cost 0.04 ms of a 3.5 ms step)

@@ -46,7 +46,7 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
-from specdecode.estimates import Acceptance
+from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate, catch_up_share
 from specdecode.server.metrics import Metrics
@@ -184,8 +184,9 @@ class Scheduler:
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         #: (method, config) -> seconds its proposer takes to draft one step (decayed mean)
         self._draft_s: dict[tuple[str, str], float] = {}
-        #: a step's seconds besides the forward (decayed mean)
-        self._overhead_s = 0.0
+        #: a step's seconds besides the forward and the drafting, as a fixed part and a part a
+        #: draft row (their attention over a long context, which the curve does not see)
+        self._overhead = StepOverhead()
         self._runners = list(runners)
         metrics.watch_kv_caches(self._runners)
         self._free = [_Slot(runner) for runner in runners]
@@ -377,9 +378,10 @@ class Scheduler:
         drafting_s = self._draft_all()
         if self.row_costs is not None:
             # what neither the row curve nor the drafting explains: verifying, text, each
-            # sequence's share of the packed forward besides its rows
+            # sequence's share of the packed forward besides its rows, the draft rows' attention
             unexplained = time.perf_counter() - started - self.row_costs(rows) - drafting_s
-            self._overhead_s += RECENT * (max(0.0, unexplained) - self._overhead_s)
+            draft_rows = sum(len(call.draft) for _, call in work if isinstance(call, VerifyCall))
+            self._overhead.observe(draft_rows, unexplained)
 
     def _step_solo(self, seq: _Sequence) -> None:
         """One piece of a generation that runs its own decode loop."""
@@ -464,7 +466,8 @@ class Scheduler:
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
-        caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows, self._overhead_s)
+        caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows,
+                        *self._overhead.line)
         return [(depth, min(rows, self.max_draft_rows)) for depth, rows in caps]
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
