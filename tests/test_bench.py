@@ -172,6 +172,31 @@ def test_summary_figures_follow_their_definitions():
     assert m["overall"]["draft_ms_per_token"] == round(1000 * 0.4 / 24, 4)
     assert m["overall"]["propose_share"] == 0.16
     assert summary["methods"]["hf"]["overall"]["draft_ms_per_token"] is None
+    # two prompts: too few for an interval
+    assert m["overall"]["speedup_vs_ar_interval"] is None
+
+
+def test_speedup_interval_spans_what_the_prompts_drawn_can_give():
+    """The bootstrap interval over prompts: a point where every prompt has the same speedup,
+    inside the per-prompt extremes and around the pooled figure where they differ, the same on
+    every call (a fixed seed), and none below five prompts."""
+    from specdecode.bench.metrics import speedup_interval, summarize
+
+    same = [(20, 1.0, 10, 1.0)] * 3 + [(40, 2.0, 40, 4.0)] * 3  # 2x every prompt
+    assert speedup_interval(same) == (2.0, 2.0)
+    mixed = [(10, 1.0, 10, 1.0 * f) for f in (0.8, 0.9, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0)]
+    low, high = speedup_interval(mixed)
+    pooled = (80 / 8) / (80 / 11.5)
+    assert 0.8 <= low < pooled < high <= 3.0
+    assert speedup_interval(mixed) == (low, high)
+    assert speedup_interval(mixed[:4]) is None
+    records = []
+    for q, f in enumerate((0.8, 0.9, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0)):
+        records.append(record("ar", "method", "qa", q, 10, f, [1] * 9, True))
+        records.append(record("m", "method", "qa", q, 10, 1.0, [2] * 5, True))
+    summary = summarize(records)["methods"]["m"]
+    assert summary["overall"]["speedup_vs_ar_interval"] == [round(low, 4), round(high, 4)]
+    assert summary["overall"]["speedup_vs_ar"] == round(pooled, 4)
 
 
 @pytest.fixture(scope="module", params=["greedy", "sampled"])

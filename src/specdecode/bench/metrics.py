@@ -12,6 +12,10 @@ Aggregation (stated once here and in docs/bench.md):
 - ``overall`` pools every record of every task the same way (total tokens / total time).
 - ``median_speedup_vs_ar``: the median over prompts of the per-prompt ratio, a check that the
   pooled figure is not carried by a few prompts.
+- ``speedup_vs_ar_interval``: a 95% bootstrap interval of ``speedup_vs_ar`` over the prompts
+  (question turns) of the cell, each drawn with its ``ar`` record: how far the pooled figure
+  moves with which prompts were asked (and with each record's own timing noise); it does not
+  cover drift of the machine between runs. None below ``INTERVAL_MIN_PROMPTS`` prompts.
 - ``mean_accepted`` (tau): tokens committed per verify step, the prefill's token excluded - the
   engine's own accepted lengths for our methods; for peers, which do not expose per-step data,
   (new tokens - 1) / (target forwards - 1) per request, pooled.
@@ -23,12 +27,16 @@ Aggregation (stated once here and in docs/bench.md):
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 
 from specdecode.questions import task_sort_key
 
 FIELDS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted", "identical_fraction")
+#: fewest prompts a cell's speedup interval is drawn from, and the resamples it takes
+INTERVAL_MIN_PROMPTS = 5
+RESAMPLES = 2000
 
 
 def _cell(records: Sequence[dict]) -> dict:
@@ -69,6 +77,8 @@ def summarize(records: Sequence[dict]) -> dict:
     by_method = {n: [r for r in records if r["method"] == n] for n in names}
     ar_speed = {_key(r): r["new_tokens"] / r["wall_s"] for r in by_method.get("ar", [])
                 if r["wall_s"] > 0}
+    ar_record = {_key(r): (r["new_tokens"], r["wall_s"]) for r in by_method.get("ar", [])
+                 if r["wall_s"] > 0}
     methods: dict[str, dict] = {}
     for name in names:
         rows = by_method[name]
@@ -83,6 +93,9 @@ def summarize(records: Sequence[dict]) -> dict:
                       for r in scoped if _key(r) in ar_speed and r["wall_s"] > 0
                       and ar_speed[_key(r)] > 0]
             cell["median_speedup_vs_ar"] = statistics.median(ratios) if ratios else None
+            cell["speedup_vs_ar_interval"] = speedup_interval(
+                [(r["new_tokens"], r["wall_s"], *ar_record[_key(r)]) for r in scoped
+                 if _key(r) in ar_record and r["wall_s"] > 0])
         methods[name] = {"kind": rows[0]["kind"], "cells": cells}
     for name, entry in methods.items():
         for scope, cell in entry["cells"].items():
@@ -100,10 +113,30 @@ def summarize(records: Sequence[dict]) -> dict:
     }
 
 
+def speedup_interval(pairs: Sequence[tuple[int, float, int, float]],
+                     level: float = 0.95) -> tuple[float, float] | None:
+    """The ``level`` bootstrap interval (percentiles, ``RESAMPLES`` draws of a fixed seed) of
+    the pooled speedup over prompts given as (tokens, wall seconds, ``ar``'s tokens, ``ar``'s
+    wall seconds); None for fewer than ``INTERVAL_MIN_PROMPTS`` prompts."""
+    if len(pairs) < INTERVAL_MIN_PROMPTS:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(RESAMPLES):
+        drawn = rng.choices(pairs, k=len(pairs))
+        ar_speed = sum(p[2] for p in drawn) / sum(p[3] for p in drawn)
+        ratios.append(sum(p[0] for p in drawn) / sum(p[1] for p in drawn) / ar_speed)
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return ratios[int(tail * RESAMPLES)], ratios[int((1.0 - tail) * RESAMPLES) - 1]
+
+
 def _rounded(cell: dict) -> dict:
     ordered = {k: cell[k] for k in FIELDS}
     ordered.update({k: v for k, v in cell.items() if k not in FIELDS})
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in ordered.items()}
+    return {k: round(v, 4) if isinstance(v, float)
+            else [round(x, 4) for x in v] if isinstance(v, tuple) else v
+            for k, v in ordered.items()}
 
 
 def accepted_histograms(records: Sequence[dict]) -> dict[str, dict[int, int]]:

@@ -27,14 +27,17 @@ def markdown(summary: dict, meta: dict) -> str:
     lines = ["# specdecode bench", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
     lines += ["", "## Overall", "",
-              "| method | kind | tokens/s | speedup vs ar | speedup vs hf | mean accepted | "
-              "identical to ar |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+              "| method | kind | tokens/s | speedup vs ar | 95% interval | speedup vs hf | "
+              "mean accepted | identical to ar |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, entry in summary["methods"].items():
         o = entry["overall"]
+        interval = o.get("speedup_vs_ar_interval")
         lines.append(
             f"| {name} | {entry['kind']} | {fmt(o['tokens_per_s'], '.1f')} | "
-            f"{fmt(o['speedup_vs_ar'], '.2f', 'x')} | {fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
+            f"{fmt(o['speedup_vs_ar'], '.2f', 'x')} | "
+            f"{'-' if interval is None else f'{interval[0]:.2f}-{interval[1]:.2f}x'} | "
+            f"{fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
             f"{fmt(o['mean_accepted'], '.2f')} | {fmt(o['identical_fraction'], '.0%')} |")
     sections = [("Speedup over ar", "speedup_vs_ar", ".2f", "x"),
                 ("Speedup over transformers generate (hf)", "speedup_vs_hf", ".2f", "x"),
@@ -44,7 +47,8 @@ def markdown(summary: dict, meta: dict) -> str:
     for title, field, spec, suffix in sections:
         lines += ["", f"## {title}, per task", ""] + _table(summary, field, spec, suffix)
     lines += ["", "Speedups are ratios of pooled throughput (total new tokens / total wall "
-                  "time) measured in this run; see docs/bench.md."]
+                  "time) measured in this run; the 95% interval is a bootstrap over the "
+                  "prompts (at least 5), not over runs; see docs/bench.md."]
     if meta.get("sampling") != "greedy":
         lines += ["", "Sampled run: every request is seeded alike, so methods with deterministic "
                       "drafts reproduce ar's tokens; methods that sample drafts, and the peers "
