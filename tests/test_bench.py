@@ -181,6 +181,7 @@ def test_speedup_interval_spans_what_the_prompts_drawn_can_give():
     inside the per-prompt extremes and around the pooled figure where they differ, the same on
     every call (a fixed seed), and none below five prompts."""
     from specdecode.bench.metrics import speedup_interval, summarize
+    from specdecode.bench.report import markdown
 
     same = [(20, 1.0, 10, 1.0)] * 3 + [(40, 2.0, 40, 4.0)] * 3  # 2x every prompt
     assert speedup_interval(same) == (2.0, 2.0)
@@ -194,9 +195,16 @@ def test_speedup_interval_spans_what_the_prompts_drawn_can_give():
     for q, f in enumerate((0.8, 0.9, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0)):
         records.append(record("ar", "method", "qa", q, 10, f, [1] * 9, True))
         records.append(record("m", "method", "qa", q, 10, 1.0, [2] * 5, True))
-    summary = summarize(records)["methods"]["m"]
-    assert summary["overall"]["speedup_vs_ar_interval"] == [round(low, 4), round(high, 4)]
-    assert summary["overall"]["speedup_vs_ar"] == round(pooled, 4)
+    summary = summarize(records)
+    m = summary["methods"]["m"]
+    assert m["overall"]["speedup_vs_ar_interval"] == [round(low, 4), round(high, 4)]
+    assert m["tasks"]["qa"]["speedup_vs_ar_interval"] == [round(low, 4), round(high, 4)]
+    assert m["overall"]["speedup_vs_ar"] == round(pooled, 4)
+    # the report: in the Overall table, and per task where a task has 5 prompts or more
+    text = markdown(summary, {"sampling": "greedy"})
+    shown = "{:.2f}-{:.2f}x".format(*m["overall"]["speedup_vs_ar_interval"])
+    assert f"| m | method | 10.0 | {pooled:.2f}x | {shown} |" in text
+    assert "95% intervals of the speedup over ar" in text and f"| m | {shown} | {shown} |" in text
 
 
 @pytest.fixture(scope="module", params=["greedy", "sampled"])

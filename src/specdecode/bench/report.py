@@ -9,6 +9,8 @@ from pathlib import Path
 
 
 def fmt(value, spec: str, suffix: str = "") -> str:
+    if isinstance(value, (list, tuple)):  # an interval
+        return f"{value[0]:.2f}-{value[1]:.2f}x"
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
@@ -32,11 +34,10 @@ def markdown(summary: dict, meta: dict) -> str:
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, entry in summary["methods"].items():
         o = entry["overall"]
-        interval = o.get("speedup_vs_ar_interval")
         lines.append(
             f"| {name} | {entry['kind']} | {fmt(o['tokens_per_s'], '.1f')} | "
             f"{fmt(o['speedup_vs_ar'], '.2f', 'x')} | "
-            f"{'-' if interval is None else f'{interval[0]:.2f}-{interval[1]:.2f}x'} | "
+            f"{fmt(o.get('speedup_vs_ar_interval'), '')} | "
             f"{fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
             f"{fmt(o['mean_accepted'], '.2f')} | {fmt(o['identical_fraction'], '.0%')} |")
     sections = [("Speedup over ar", "speedup_vs_ar", ".2f", "x"),
@@ -46,6 +47,12 @@ def markdown(summary: dict, meta: dict) -> str:
                 ("Identical to ar (share of question turns)", "identical_fraction", ".0%", "")]
     for title, field, spec, suffix in sections:
         lines += ["", f"## {title}, per task", ""] + _table(summary, field, spec, suffix)
+        if field == "speedup_vs_ar" and any(
+                cell.get("speedup_vs_ar_interval") for entry in summary["methods"].values()
+                for cell in entry["tasks"].values()):
+            lines += ["", "95% intervals of the speedup over ar (a bootstrap over each task's "
+                          "prompts, from 5 prompts on):", ""]
+            lines += _table(summary, "speedup_vs_ar_interval", "", "")
     lines += ["", "Speedups are ratios of pooled throughput (total new tokens / total wall "
                   "time) measured in this run; the 95% interval is a bootstrap over the "
                   "prompts (at least 5), not over runs; see docs/bench.md."]
