@@ -90,6 +90,7 @@ static inline int64_t slot_of(const RowKeys& row, int64_t j) {
 
 #define DENSE_TILE dense_tile
 #define EXP_SCALED exp_scaled
+#define SWIGLU_SPAN swiglu_span
 #define ROW_MAX row_max
 #define NEXT_ABOVE next_above
 namespace k_generic {
@@ -99,10 +100,44 @@ WEIGHT_LOADERS
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#undef SWIGLU_SPAN
+#define SWIGLU_SPAN swiglu_span_avx2
 namespace k_avx2 {
 WEIGHT_LOADERS
+static void swiglu_span_avx2(const float* g, const float* u, float* y, int64_t n);
 #include "generic.h"
 #include "q4_avx2.h"
+
+// exp_fixed of generic.h, 8 lanes: the same operations in the same order
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// generic.h's swiglu_span, 8 lanes a step (GCC leaves the scalar loop unvectorised: 6 ns an
+// element on a Zen 3, a tenth of a 16-row forward of Qwen2.5-Coder-1.5B)
+static void swiglu_span_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gate = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_xor_ps(gate, sign));  // exp(-gate)
+    _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_mul_ps(gate, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+  }
+  swiglu_span(g + i, u + i, y + i, n - i);
+}
 
 // attention.h's 16 lanes: two registers of 8
 struct Lanes16 {
@@ -151,6 +186,8 @@ static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* 
 #undef SOFTMAX_NUMERATORS
 }  // namespace k_avx2
 #pragma GCC pop_options
+#undef SWIGLU_SPAN
+#define SWIGLU_SPAN swiglu_span
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")

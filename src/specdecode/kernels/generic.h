@@ -84,12 +84,17 @@ static void rms_norm_rows(const float* x, const float* w, float* y, int64_t m, i
   }
 }
 
-// silu(gate) * up for [m, 2I] rows (gate then up): gate * up / (1 + exp(-gate))
+// y[i] = silu(g[i]) * u[i] = g[i] * u[i] / (1 + exp(-g[i])) for i < n (SWIGLU_SPAN is this, or
+// an instruction-set version of it with the same operations)
+static void swiglu_span(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = g[i] * u[i] / (1.0f + exp_fixed(-g[i]));
+}
+
+// silu(gate) * up for [m, 2I] rows (gate then up)
 static void swiglu_rows(const float* gu, float* y, int64_t m, int64_t inter) {
   for (int64_t r = 0; r < m; r++) {
     const float* g = gu + r * 2 * inter;
-    const float* u = g + inter;
-    for (int64_t i = 0; i < inter; i++) y[r * inter + i] = g[i] * u[i] / (1.0f + exp_fixed(-g[i]));
+    SWIGLU_SPAN(g, g + inter, y + r * inter, inter);
   }
 }
 
