@@ -177,7 +177,28 @@ static void gathered_scores(const RowKeys& row, const KV* kt, int64_t d, float* 
   for (int64_t j = row.cached; j < row.len; j++)
     for (int h = 0; h < NH; h++) scores[h * stride + j] = key_score(row.q + h * d, kt, slot_of(row, j), d);
 }
-#define SOFTMAX_NUMERATORS softmax_numerators
+
+// generic.h's softmax_numerators, 8 lanes a step: the sum through the same 16 lanes in the same
+// order, as two registers of 8 (the maximum is exact in any order). Lanes past `len` add 0.
+static float softmax_numerators_avx2(float* sc, int64_t len, const float* sink) {
+  const float most = ROW_MAX(sc, len);
+  const float mx = sink && *sink > most ? *sink : most;
+  const __m256 top = _mm256_set1_ps(mx);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t j = 0; j < len; j += 8) {
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)std::min<int64_t>(8, len - j)), lane);
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_maskload_ps(sc + j, live), top));
+    _mm256_maskstore_ps(sc + j, live, p);
+    __m256& sum = part[(j / 8) % 2];  // elements j .. j + 7 are lanes 0-7 or 8-15 of 16
+    sum = _mm256_add_ps(sum, _mm256_and_ps(p, _mm256_castsi256_ps(live)));
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, part[0]);
+  _mm256_store_ps(lanes + 8, part[1]);
+  return sink ? tree16(lanes) + exp_fixed(*sink - mx) : tree16(lanes);
+}
+#define SOFTMAX_NUMERATORS softmax_numerators_avx2
 
 #include "attention.h"
 #undef ATTN_PAIRS
