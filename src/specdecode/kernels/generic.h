@@ -181,7 +181,8 @@ static void rope_store_rows(const float* src, const float* cos, const float* sin
 
 // ---- drawing a token from a row of logits (the data writer's sampler) -----------------------
 
-// e[i] = exp(x[i] / temperature - top) (k_avx512 has its own, EXP_SCALED, 16 lanes a step)
+// e[i] = exp(x[i] / temperature - top) (k_avx512 and k_avx2 have their own, EXP_SCALED, 16 and
+// 8 lanes a step)
 static void exp_scaled(const float* x, float* e, int64_t n, float temperature, float top) {
   for (int64_t i = 0; i < n; i++) e[i] = exp_fixed(x[i] / temperature - top);
 }
