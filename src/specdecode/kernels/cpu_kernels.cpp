@@ -143,7 +143,7 @@ static void exp_scaled_avx2(const float* x, float* e, int64_t n, float temperatu
 }
 
 // generic.h's swiglu_span, 8 lanes a step (GCC leaves the scalar loop unvectorised: 6 ns an
-// element on a Zen 3, a tenth of a 16-row forward of Qwen2.5-Coder-1.5B)
+// element on a Zen 3)
 static inline __m256 swiglu8(__m256 gate, __m256 up) {
   const __m256 e = exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));  // exp(-gate)
   return _mm256_div_ps(_mm256_mul_ps(gate, up), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
