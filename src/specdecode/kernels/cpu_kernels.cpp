@@ -160,7 +160,6 @@ static void swiglu_span_avx2(const float* g, const float* u, float* y, int64_t n
 #include "generic.h"
 #include "q4_avx2.h"
 
-
 // attention.h's 16 lanes: two registers of 8
 struct Lanes16 {
   __m256 lo, hi;
