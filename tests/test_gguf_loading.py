@@ -224,6 +224,31 @@ def test_named_shapes_are_real_models_sizes():
     assert 30.0e9 < weights("qwen3-30b-a3b") < 30.3e9
 
 
+def test_a_rewritten_file_is_read_again(files, tmp_path):
+    # headers are parsed once per process and version of a file: a file written anew at the
+    # same path is not answered from the parse of the old one
+    from specdecode.models.gguf_reader import read_header
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(files("tiny", "Q4_1").read_bytes())
+    first = read_header(path)[0]
+    path.write_bytes(files("tiny-qwen2", "Q4_1").read_bytes())
+    second = read_header(path)[0]
+    assert first["general.architecture"] == "llama" and second["general.architecture"] == "qwen2"
+    second["general.architecture"] = "changed"  # a caller's copy: the next read is untouched
+    assert read_header(path)[0]["general.architecture"] == "qwen2"
+
+
+def test_generate_json_reports_the_load_time(capsys):
+    import json
+
+    from specdecode.cli import main
+
+    assert main(["generate", "Say hi", "--method", "ar", "--max-new-tokens", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 2 and 0 < out["load_s"] < 600
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 def test_missing_and_truncated_files(files, tmp_path):

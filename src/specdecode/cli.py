@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 
 from specdecode.cli_options import (add_draft_budget_argument, add_model_arguments,
@@ -94,7 +95,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty; give some text")
 
+    started = time.perf_counter()
     runner, tokenizer, eos = load_target(args)
+    load_s = time.perf_counter() - started
     decoder = Decoder(runner, tokenizer, method.name, eos, draft_budget=args.draft_budget,
                       **dataclasses.asdict(config))
     chat = not args.no_chat
@@ -107,6 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
     result = stream.result
     out = result.as_dict()
+    out["load_s"] = round(load_s, 4)  # the model's header, tokenizer and weights
     if args.compare:
         out["compare"] = _compare_with_ar(args, runner, tokenizer, eos, chat, sampling, result)
     if args.json:

@@ -33,7 +33,8 @@ from specdecode.errors import SpecDecodeError, require
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "generic.h", _HERE / "q4_avx2.h",
-            _HERE / "q8_blocks.h", _HERE / "small_codes.h", _HERE / "amx.h", _HERE / "attention.h")
+            _HERE / "q8_blocks.h", _HERE / "small_codes.h", _HERE / "amx.h", _HERE / "attention.h",
+            _HERE / "repack.h")
 #: instruction-set levels, lowest first (the extension's isa_level() numbering); ``amx`` is
 #: avx512 with the int4 linears of several rows on AMX tiles (Sapphire Rapids and later, where
 #: the OS grants the tile state)
@@ -176,13 +177,9 @@ def pack_q8_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     return packed
 
 
-#: bytes of a packed Q6_K block (16 columns x 256 inputs; small_codes.h's Q6K layout)
-Q6K_BLOCK = 3392
-
-
 def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Tensor) -> torch.Tensor:
     """GGUF Q6_K weights (w = d * sc * code; codes int8 [N, K] in -32..31, sc int8 [N, K / 16],
-    d float16 [N, K / 256]) -> uint8 [N / 16, K / 256, Q6K_BLOCK]: per tile and super-block,
+    d float16 [N, K / 256]) -> uint8 [N / 16, K / 256, 3392]: per tile and super-block,
     16 groups of 16 inputs, each four 64-byte slices of u = code + 32 in VPDPBUSD's order (byte
     4c + i of slice j: input 4j + i of column c) stored as the nibbles of slices 0 and 1, of 2 and
     3, then their top two bits (slice j's at bits 2j); then the groups' sc, the columns' d, and
@@ -192,26 +189,8 @@ def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
             and tuple(super_scale.shape) == (n, k // 256),
             f"Q6_K weights: codes [N, a multiple of 256] with sc [N, K / 16] and d [N, K / 256], "
             f"got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, {tuple(super_scale.shape)}")
-    supers = k // 256
-    packed = torch.zeros(-(-n // TILE), supers, Q6K_BLOCK, dtype=torch.uint8)
-    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time: temporaries of about 4 MB
-    for first in range(0, packed.shape[0], step):
-        rows = slice(first * TILE, (first + step) * TILE)
-        u = (_tiles(codes[rows]).to(torch.int16) + 32).to(torch.uint8)  # [T, c, K]
-        u = u.view(-1, TILE, supers, 16, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [T, S, g, j, c, i]
-        u = u.reshape(*u.shape[:4], 64)
-        low, top = u & 15, u >> 4
-        groups = torch.cat([low[:, :, :, 0] | (low[:, :, :, 1] << 4),
-                            low[:, :, :, 2] | (low[:, :, :, 3] << 4),
-                            top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4)
-                            | (top[:, :, :, 3] << 6)], -1)  # [T, S, 16, 192]
-        block = packed[first:first + step]
-        block[..., :3072] = groups.reshape(*groups.shape[:2], 3072)
-        sc = _tiles(sub_scale[rows].contiguous()).view(-1, TILE, supers, 16).permute(0, 2, 3, 1)
-        block[..., 3072:3328] = sc.reshape(*sc.shape[:2], 256).view(torch.uint8)
-        d = _tiles(super_scale[rows].to(torch.float16)).transpose(1, 2).contiguous()  # [T, S, c]
-        block[..., 3328:3360] = d.view(torch.uint8)
-    return packed
+    return load().pack_q6k(codes.to(torch.int8).contiguous(), sub_scale.to(torch.int8).contiguous(),
+                           super_scale.to(torch.float16).contiguous())
 
 
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
@@ -225,21 +204,8 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     require(k % 32 == 0 and tuple(scale.shape) == (n, k // 32),
             f"five-bit weights: codes [N, a multiple of 32] with scales [N, K / 32], got "
             f"{tuple(codes.shape)}, {tuple(scale.shape)}")
-    groups = k // 32
-    numbers = [t for t in (scale, minimum) if t is not None]
-    packed = torch.zeros(-(-n // TILE), groups, 320 + 32 * len(numbers), dtype=torch.uint8)
-    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time: temporaries of about 4 MB
-    for first in range(0, packed.shape[0], step):
-        rows = slice(first * TILE, (first + step) * TILE)
-        u = _tiles(codes[rows].to(torch.int16) + (0 if minimum is not None else 16)).to(torch.uint8)
-        u = u.view(-1, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, groups, 8, 64)
-        low, top = u & 15, u >> 4  # [T, g, j, 64]
-        parts = [low[:, :, 2 * i] | (low[:, :, 2 * i + 1] << 4) for i in range(4)]
-        parts.append(sum(top[:, :, j] << j for j in range(8)).to(torch.uint8))
-        parts += [_tiles(t[rows].to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
-                  for t in numbers]
-        torch.cat(parts, -1, out=packed[first:first + step])
-    return packed
+    return load().pack_five_bit(codes.to(torch.int8).contiguous(), scale.to(torch.float16).contiguous(),
+                                None if minimum is None else minimum.to(torch.float16).contiguous())
 
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names

@@ -1511,6 +1511,7 @@ int64_t parallel_threads(int64_t items) {
 
 #include "q8_blocks.h"
 #include "small_codes.h"
+#include "repack.h"
 
 // Every entry point that computes runs without Python's GIL (``nogil``), so a second Python
 // thread (PEARL's drafter, proposers/pearl.py) runs its own model meanwhile. pybind11 converts
@@ -1538,6 +1539,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("past"), py::arg("slots"), py::arg("lens"), py::arg("window"), py::arg("softcap"),
         py::arg("isa"), py::arg("sinks") = py::none());
   m.def("parallel_threads", &parallel_threads, nogil);
+  m.def("decode_blocks", &repack::decode_blocks, nogil);
+  m.def("q4_nibbles", &repack::q4_nibbles, nogil);
+  m.def("pack_q4_blocks", &repack::pack_q4_blocks, nogil);
+  m.def("pack_q6k", &repack::pack_q6k, nogil);
+  m.def("pack_five_bit", &repack::pack_five_bit, nogil);
   py::class_<MoEExperts>(m, "MoEExperts")
       .def(py::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())

@@ -43,6 +43,7 @@ its header, naming them; a file with tensors the native runner has no place for 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import re
 import struct
@@ -172,7 +173,7 @@ def _half(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def q4k_blocks(raw: np.ndarray, codes: bool = True):
+def q4k_blocks(raw: np.ndarray):
     """(codes [rows, cols] uint8, scale [rows, cols / 32], minimum [rows, cols / 32], inexact)
     of Q4_K data: each sub-block of 32 as a Q4_1 block, scale d * sc and minimum -(dmin * m)
     rounded to float16 (``inexact``: how many of them that rounding moved)."""
@@ -191,10 +192,9 @@ def q4k_blocks(raw: np.ndarray, codes: bool = True):
     inexact = int((scale != exact_scale).sum() + (minimum != exact_min).sum())
     # 64 weights per 32 bytes: sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in the high
     qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-    unpacked = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1) if codes else None
-    return (None if unpacked is None else torch.from_numpy(unpacked),
-            torch.from_numpy(scale.reshape(rows, -1)), torch.from_numpy(minimum.reshape(rows, -1)),
-            inexact)
+    unpacked = np.concatenate([qs & 15, qs >> 4], 3).reshape(rows, -1)
+    return (torch.from_numpy(unpacked), torch.from_numpy(scale.reshape(rows, -1)),
+            torch.from_numpy(minimum.reshape(rows, -1)), inexact)
 
 
 @dataclass(frozen=True)
@@ -247,34 +247,20 @@ class Q4Blocks:
 def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
     """:class:`Q4Blocks` of Q4_0, Q4_1 or Q4_K data [rows, bytes]: the same weights as
     :func:`q4_blocks` and :func:`q4k_blocks` (Q4_K's scale products rounded to float16 there
-    too), the codes left in bytes."""
-    rows = raw.shape[0]
-    if qtype == "Q4_K":
-        qs = raw.reshape(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 32)
-        a, b = qs[..., :16], qs[..., 16:]
-        # sub-block 2j: low nibbles of bytes 32j..32j+31; 2j + 1: their high nibbles
-        even = (a & 15) | (b << 4)
-        odd = (a >> 4) | (b & 0xF0)
-        nibbles = np.stack([even, odd], 3).reshape(rows, -1, 16)
-        _, scale, minimum, _ = q4k_blocks(raw, codes=False)
-        # float16 values already: numpy converts them exactly (and faster than torch here)
-        return Q4Blocks(nibbles, torch.from_numpy(scale.numpy().astype(np.float16)),
-                        torch.from_numpy(minimum.numpy().astype(np.float16)))
-    header = 4 if qtype == "Q4_1" else 2
-    blocks = raw.reshape(rows, -1, header + 16)
+    too), the codes left in bytes (moved by the kernels' ``repack.h``)."""
+    from specdecode import kernels
 
-    def half(at: int) -> torch.Tensor:
-        return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0])
-
-    d = half(0)
-    m = half(2) if qtype == "Q4_1" else -8 * d  # exact in float16, as in float32
-    return Q4Blocks(np.ascontiguousarray(blocks[..., header:]), d, m)
+    nibbles, scale, minimum = kernels.load().q4_nibbles(
+        torch.from_numpy(np.ascontiguousarray(raw)), qtype)
+    return Q4Blocks(nibbles.numpy(), scale, minimum)
 
 
 #: GGUF metadata value types (gguf's GGUFValueType) -> struct format of a scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+#: a string's length, before its bytes
+_LENGTH = struct.Struct("<Q")
 
 
 class _HeaderCursor:
@@ -304,9 +290,10 @@ class _HeaderCursor:
         require(vtype == _ARRAY, f"unknown metadata type {vtype}")
         item, n = self.take("IQ")
         if item == _STRING:  # skipped: only their count is kept
-            for _ in range(n):
-                length = self.take("Q")  # (not `pos += take(...)`: take moves pos first)
-                self.pos += length
+            length, buffer, pos = _LENGTH.unpack_from, self.buffer, self.pos
+            for _ in range(n):  # (a vocabulary: 150,000 of them, so no call but the one)
+                pos += 8 + length(buffer, pos)[0]
+            self.pos = pos
             return _Skipped(n)
         if item in _SCALARS:
             out = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", self.buffer, self.pos))
@@ -319,7 +306,17 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
     """(metadata, tensor table) of a GGUF file (version 2 or 3, little-endian), parsed from its
     first bytes: ``gguf.GGUFReader`` makes a numpy view per vocabulary entry, seconds for a
     large vocabulary, where this skips them. Arrays of strings are left out of the metadata
-    (their length is kept, under the key + ".count")."""
+    (their length is kept, under the key + ".count"). Parsed once per process and version of
+    the file (loading a model reads its header three times)."""
+    path = Path(path)
+    stat = path.stat()
+    fields, tensors = _parsed_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    return dict(fields), list(tensors)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_header(path: Path, size: int, mtime_ns: int) -> tuple[dict, list[TensorEntry]]:
+    """:func:`read_header`'s parse of the file at ``path`` of that size and time."""
     import gguf
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

@@ -1,7 +1,8 @@
 """Block int8 weights: int8 codes with a float32 scale (and optionally a minimum) per group of
 16 or 32 inputs, w = scale * code (+ minimum). The one format that holds every GGUF block type
 of 4 to 8 bits with the file's own values (ggml-quants.c's block layouts; ``gguf.quants``
-dequantises them in numpy with the float32 operations reproduced here):
+dequantises them in numpy with the float32 operations that the kernels' ``repack.h`` decodes
+them with):
 
     type   weights a block  codes      scale (float32)   minimum      group
     Q8_0   32               -128..127  d                 -            32
@@ -61,9 +62,6 @@ BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
                  "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32}
 #: MXFP4's e2m1 code -> its value doubled (ggml-common.h's kvalues_mxfp4)
 _MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-#: decode this many blocks at a time: numpy's temporaries stay at a few MB (a 1.5B model's
-#: last layer decodes while every other layer is held: its temporaries are the load's peak)
-_CHUNK_BLOCKS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -181,70 +179,6 @@ def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8B
 
 # ---- GGUF blocks ---------------------------------------------------------------------------
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """float16 numbers stored in the last axis's bytes (2 each), as float32 [..., count]."""
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16 bytes] -> [..., 32 codes]: low nibbles are inputs 0..15, high ones 16..31."""
-    return np.concatenate([qs & 15, qs >> 4], -1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1's fifth bits: [..., 4 bytes] little-endian, bit i for input i -> [..., 32]."""
-    return np.unpackbits(qh, axis=-1, bitorder="little")
-
-
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit minimums (ggml's
-    get_scale_min_k4): sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, sub-blocks 4-7
-    in the nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes 0-7."""
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _decode(b: np.ndarray, qtype: str):
-    """Blocks [n, block bytes] -> (codes int8 [n, weights], scale, minimum or None [n, groups])."""
-    n = b.shape[0]
-    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1"):
-        d = _f16(b[:, 0:2])
-        m = _f16(b[:, 2:4]) if qtype in ("Q4_1", "Q5_1") else None
-        if qtype == "Q8_0":
-            return b[:, 2:].view(np.int8), d, None
-        at = 2 if m is None else 4
-        codes = _nibbles(b[:, at + 4 * qtype.startswith("Q5"):])
-        if qtype.startswith("Q5"):
-            codes |= _high_bits(b[:, at:at + 4]) << 4
-        offset = {"Q4_0": 8, "Q5_0": 16}.get(qtype, 0)  # Q4_0/Q5_0: w = d (q - offset)
-        return (codes.astype(np.int8) - np.int8(offset)), d, m
-    if qtype in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, mn = _k_scales(b[:, 4:16])
-        # 64 weights per 32 bytes of qs: sub-block 2j in the low nibbles of bytes 32j..32j+31,
-        # sub-block 2j + 1 in their high nibbles
-        qs = b[:, -128:].reshape(n, 4, 1, 32)
-        codes = np.concatenate([qs & 15, qs >> 4], 2).reshape(n, 8, 32)
-        if qtype == "Q5_K":  # sub-block s's fifth bits: bit s of qh[i] for its input i
-            qh = b[:, 16:48].reshape(n, 1, 32)
-            codes |= ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
-        return codes.reshape(n, 256).view(np.int8), d * sc, -(dmin * mn)
-    if qtype == "Q6_K":
-        ql, qh = b[:, 0:128], b[:, 128:192]
-        sc = b[:, 192:208].view(np.int8).astype(np.float32)
-        d = _f16(b[:, 208:210])
-        # each half of 128 weights: 64 bytes of low nibbles (weights 0..63 low, 64..127 high)
-        # and 32 bytes of 2-bit high parts (weights 32 s + i in bits 2 s of byte i)
-        low = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
-        high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-        codes = (low & 15).reshape(n, 8, 32) | ((high & 3).reshape(n, 8, 32) << 4)
-        return codes.reshape(n, 256).astype(np.int8) - np.int8(32), d * sc, None
-    if qtype == "MXFP4":  # the exponent byte, then 16 bytes of codes laid out as Q4_0's
-        return _MXFP4_VALUES[_nibbles(b[:, 1:])], _e8m0_half(b[:, 0]), None
-    raise SpecDecodeError(f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
-
-
 def _e8m0_half(e: np.ndarray) -> np.ndarray:
     """MXFP4's scale exponents as float32 2^(e - 128), exactly: a subnormal for e < 2 (ggml's
     e8m0_to_fp32_half builds it from the bits)."""
@@ -271,36 +205,23 @@ def decode_mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> Int8BlockW
 
 def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
     """A GGUF tensor's block data (uint8 [rows, bytes a row], as ``gguf.GGUFReader`` maps it)
-    of type ``qtype`` (a ``GGMLQuantizationType`` name) as block int8, every weight exact."""
+    of type ``qtype`` (a ``GGMLQuantizationType`` name) as block int8, every weight exact (the
+    table above, decoded by the kernels' ``repack.h``)."""
     require(qtype in BLOCK_BYTES, f"block int8 decodes {', '.join(BLOCK_BYTES)}, not {qtype}")
     raw = np.asarray(raw)
     require(raw.dtype == np.uint8 and raw.ndim == 2 and raw.shape[1] % BLOCK_BYTES[qtype] == 0,
             f"{qtype} data must be uint8 [rows, a multiple of {BLOCK_BYTES[qtype]} bytes], got "
             f"{raw.dtype} {raw.shape}")
     rows = raw.shape[0]
-    per_row = raw.shape[1] // BLOCK_BYTES[qtype]
-    inp = per_row * BLOCK_WEIGHTS[qtype]
+    blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[qtype])
+    codes, scale, minimum = kernels.load().decode_blocks(torch.from_numpy(blocks), qtype)
+    codes, scale = codes.view(rows, -1), scale.view(rows, -1)
     group = 16 if qtype == "Q6_K" else 32
-    blocks = raw.reshape(rows * per_row, BLOCK_BYTES[qtype])
-    codes = np.empty((rows * per_row, BLOCK_WEIGHTS[qtype]), np.int8)
-    groups = BLOCK_WEIGHTS[qtype] // group
-    scale = np.empty((rows * per_row, groups), np.float32)
-    minimum = None
-    for start in range(0, len(blocks), _CHUNK_BLOCKS):
-        part = slice(start, start + _CHUNK_BLOCKS)
-        c, s, m = _decode(blocks[part], qtype)
-        codes[part], scale[part] = c, s.reshape(-1, groups)
-        if m is not None:
-            if minimum is None:
-                minimum = np.empty_like(scale)
-            minimum[part] = m.reshape(-1, groups)
-    as_torch = lambda a: None if a is None else torch.from_numpy(a.reshape(rows, -1))  # noqa: E731
     if qtype == "Q6_K":  # the scales' factors too: sc (bytes 192..207) and d (208..209)
-        return Q6KWeight(as_torch(codes).view(rows, inp), as_torch(scale), None, group,
-                         as_torch(blocks[:, 192:208].view(np.int8).copy()),
-                         as_torch(blocks[:, 208:210].copy().view(np.float16)))
-    return Int8BlockWeight(as_torch(codes).view(rows, inp), as_torch(scale), as_torch(minimum),
-                           group)
+        return Q6KWeight(codes, scale, None, group,
+                         torch.from_numpy(blocks[:, 192:208].view(np.int8).copy().reshape(rows, -1)),
+                         torch.from_numpy(blocks[:, 208:210].copy().view(np.float16).reshape(rows, -1)))
+    return Int8BlockWeight(codes, scale, minimum.view(rows, -1) if minimum.numel() else None, group)
 
 
 # ---- the linear layer -----------------------------------------------------------------------

@@ -28,6 +28,7 @@ import ctypes
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from specdecode import kernels
@@ -117,29 +118,18 @@ def as_int8_blocks(value) -> Int8BlockWeight:
 
 
 def pack_blocks(blocks: Q4Blocks, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.pack_q4``'s layout of a file's 4-bit blocks, moved byte for byte: the kernel
-    pairs input 4j + i with input 16 + 4j + i in one byte, as Q4_0 and Q4_1 do, so packing is a
-    transpose of tiles of 16 rows (no code is unpacked). Rows padded with zeros to whole tiles,
-    scales and minimums as float16, as ``pack_q4`` does: the same bytes. ``out``: where to
-    write them (uint8 [tiles, groups, 320], e.g. a fused layer's slice)."""
-    tile = kernels.TILE
-    # 4 bytes at a time: a group's 16 bytes are 4 words, word j = bytes 4j..4j + 3
-    words = torch.from_numpy(blocks.nibbles).view(torch.int32)  # [rows, groups, 4]
-    scale, minimum = blocks.scale.view(torch.int16), blocks.minimum.view(torch.int16)
-    rows, groups = scale.shape
-    pad = -rows % tile
-    if pad:
-        words = torch.cat([words, words.new_zeros(pad, groups, 4)])
-        scale = torch.cat([scale, scale.new_zeros(pad, groups)])
-        minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
-    t = (rows + pad) // tile
-    out = (torch.empty(t, groups, 320, dtype=torch.uint8) if out is None else out).view(torch.int32)
-    # [T, c, g, j] -> [T, g, j, c]: bytes 4c..4c + 3 of slice j are word j of column c
-    out[..., :64].unflatten(-1, (4, tile)).copy_(words.view(t, tile, groups, 4).permute(0, 2, 3, 1))
-    halves = out.view(torch.int16)  # [T, g, 160]: scales at 128..143, minimums at 144..159
-    for start, h in ((128, scale), (144, minimum)):
-        halves[..., start:start + tile].copy_(h.view(t, tile, groups).transpose(1, 2))
-    return out.view(torch.uint8)
+    """``kernels.pack_q4``'s layout of a file's 4-bit blocks, moved byte for byte (the kernels'
+    ``repack.h``): the kernel pairs input 4j + i with input 16 + 4j + i in one byte, as Q4_0 and
+    Q4_1 do, so packing is a transpose of tiles of 16 rows (no code is unpacked). Rows padded
+    with zeros to whole tiles, scales and minimums as float16, as ``pack_q4`` does: the same
+    bytes. ``out``: where to write them (uint8 [tiles, groups, 320], e.g. a fused layer's
+    slice)."""
+    rows, groups = blocks.scale.shape
+    tiles = -(-rows // kernels.TILE)
+    out = torch.empty(tiles, groups, 320, dtype=torch.uint8) if out is None else out
+    kernels.load().pack_q4_blocks(torch.from_numpy(np.ascontiguousarray(blocks.nibbles)),
+                                  blocks.scale.contiguous(), blocks.minimum.contiguous(), out)
+    return out
 
 
 def _pack_into(part, out: torch.Tensor) -> None:
