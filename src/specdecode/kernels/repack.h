@@ -182,6 +182,18 @@ std::vector<at::Tensor> q4_nibbles(const at::Tensor& raw, const std::string& qty
   return {nibbles, scale, minimum};
 }
 
+// fill(block, row, g, c) for column c (row `row` of the matrix) of every packed block: tile t
+// and group g's `bytes` bytes at out + (t * groups + g) * bytes; threads split the tiles
+template <class Fill>
+static void each_column_of_blocks(uint8_t* out, int64_t tiles, int64_t groups, int64_t bytes,
+                                  Fill&& fill) {
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t g = 0; g < groups; g++)
+        for (int c = 0; c < 16; c++) fill(out + (t * groups + g) * bytes, t * 16 + c, g, c);
+  });
+}
+
 // gguf_reader.Q4Blocks -> kernels.pack_q4's layout written into `out` uint8 [tiles, groups,
 // 320]: the group's 16 bytes of column c as bytes 4c + 64j .. of its 4 slices j (word j of the
 // group), then the tile's 16 scales and 16 minimums; rows past the last padded with zeros.
@@ -201,25 +213,18 @@ void pack_q4_blocks(const at::Tensor& nibbles, const at::Tensor& scale, const at
   const uint8_t* nib = nibbles.data_ptr<uint8_t>();
   const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale.data_ptr<at::Half>());
   const uint8_t* mn = reinterpret_cast<const uint8_t*>(minimum.data_ptr<at::Half>());
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t g = 0; g < groups; g++) {
-        uint8_t* block = dst + (t * groups + g) * Q4_BLOCK;
-        for (int c = 0; c < 16; c++) {
-          const int64_t row = t * 16 + c;
-          if (row >= rows) {
-            for (int j = 0; j < 4; j++) std::memset(block + 64 * j + 4 * c, 0, 4);
-            std::memset(block + 256 + 2 * c, 0, 2);
-            std::memset(block + 288 + 2 * c, 0, 2);
-            continue;
-          }
-          const uint8_t* from = nib + (row * groups + g) * 16;
-          for (int j = 0; j < 4; j++) std::memcpy(block + 64 * j + 4 * c, from + 4 * j, 4);
-          std::memcpy(block + 256 + 2 * c, sc + (row * groups + g) * 2, 2);
-          std::memcpy(block + 288 + 2 * c, mn + (row * groups + g) * 2, 2);
-        }
-      }
+  each_column_of_blocks(out.data_ptr<uint8_t>(), tiles, groups, Q4_BLOCK,
+                        [&](uint8_t* block, int64_t row, int64_t g, int c) {
+    if (row >= rows) {
+      for (int j = 0; j < 4; j++) std::memset(block + 64 * j + 4 * c, 0, 4);
+      std::memset(block + 256 + 2 * c, 0, 2);
+      std::memset(block + 288 + 2 * c, 0, 2);
+      return;
+    }
+    const uint8_t* from = nib + (row * groups + g) * 16;
+    for (int j = 0; j < 4; j++) std::memcpy(block + 64 * j + 4 * c, from + 4 * j, 4);
+    std::memcpy(block + 256 + 2 * c, sc + (row * groups + g) * 2, 2);
+    std::memcpy(block + 288 + 2 * c, mn + (row * groups + g) * 2, 2);
   });
 }
 
@@ -235,31 +240,24 @@ at::Tensor pack_q6k(const at::Tensor& codes, const at::Tensor& sub_scale, const 
   at::Tensor packed = at::zeros({tiles, supers, small_codes::Q6K::block_bytes(false)}, at::kByte);
   const int8_t *q = codes.data_ptr<int8_t>(), *sc = sub_scale.data_ptr<int8_t>();
   const uint8_t* d = reinterpret_cast<const uint8_t*>(super_scale.data_ptr<at::Half>());
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t s = 0; s < supers; s++) {
-        uint8_t* block = dst + (t * supers + s) * small_codes::Q6K::block_bytes(false);
-        for (int c = 0; c < 16; c++) {
-          const int64_t row = t * 16 + c;
-          const bool real = row < n;
-          for (int g = 0; g < 16; g++) {
-            uint8_t* group = block + 192 * g;
-            for (int i = 0; i < 4; i++) {
-              uint8_t u[4];  // slice j's byte 4c + i: input 16 g + 4 j + i, as code + 32
-              for (int j = 0; j < 4; j++)
-                u[j] = static_cast<uint8_t>(32 + (real ? q[row * k + 256 * s + 16 * g + 4 * j + i] : 0));
-              const int at = 4 * c + i;
-              group[at] = static_cast<uint8_t>((u[0] & 15) | ((u[1] & 15) << 4));
-              group[64 + at] = static_cast<uint8_t>((u[2] & 15) | ((u[3] & 15) << 4));
-              group[128 + at] = static_cast<uint8_t>((u[0] >> 4) | ((u[1] >> 4) << 2) |
-                                                     ((u[2] >> 4) << 4) | ((u[3] >> 4) << 6));
-            }
-            block[3072 + 16 * g + c] = real ? static_cast<uint8_t>(sc[row * (k / 16) + 16 * s + g]) : 0;
-          }
-          if (real) std::memcpy(block + 3328 + 2 * c, d + (row * supers + s) * 2, 2);
-        }
+  each_column_of_blocks(packed.data_ptr<uint8_t>(), tiles, supers, small_codes::Q6K::block_bytes(false),
+                        [&](uint8_t* block, int64_t row, int64_t s, int c) {
+    const bool real = row < n;
+    for (int g = 0; g < 16; g++) {
+      uint8_t* group = block + 192 * g;
+      for (int i = 0; i < 4; i++) {
+        uint8_t u[4];  // slice j's byte 4c + i: input 16 g + 4 j + i, as code + 32
+        for (int j = 0; j < 4; j++)
+          u[j] = static_cast<uint8_t>(32 + (real ? q[row * k + 256 * s + 16 * g + 4 * j + i] : 0));
+        const int at = 4 * c + i;
+        group[at] = static_cast<uint8_t>((u[0] & 15) | ((u[1] & 15) << 4));
+        group[64 + at] = static_cast<uint8_t>((u[2] & 15) | ((u[3] & 15) << 4));
+        group[128 + at] = static_cast<uint8_t>((u[0] >> 4) | ((u[1] >> 4) << 2) |
+                                               ((u[2] >> 4) << 4) | ((u[3] >> 4) << 6));
       }
+      block[3072 + 16 * g + c] = real ? static_cast<uint8_t>(sc[row * (k / 16) + 16 * s + g]) : 0;
+    }
+    if (real) std::memcpy(block + 3328 + 2 * c, d + (row * supers + s) * 2, 2);
   });
   return packed;
 }
@@ -281,31 +279,24 @@ at::Tensor pack_five_bit(const at::Tensor& codes, const at::Tensor& scale,
   const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale.data_ptr<at::Half>());
   const uint8_t* mn = with_min ? reinterpret_cast<const uint8_t*>(minimum->data_ptr<at::Half>()) : nullptr;
   const int offset = with_min ? 0 : 16;
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t g = 0; g < groups; g++) {
-        uint8_t* block = dst + (t * groups + g) * width;
-        for (int c = 0; c < 16; c++) {
-          const int64_t row = t * 16 + c;
-          const bool real = row < n;
-          for (int i = 0; i < 4; i++) {
-            uint8_t u[8];  // slice j's byte 4c + i: input 4 j + i, as code + offset
-            uint8_t top = 0;
-            for (int j = 0; j < 8; j++) {
-              u[j] = real ? static_cast<uint8_t>(offset + q[row * k + 32 * g + 4 * j + i]) : 0;
-              top |= static_cast<uint8_t>((u[j] >> 4) << j);
-            }
-            const int at = 4 * c + i;
-            for (int p = 0; p < 4; p++)
-              block[64 * p + at] = static_cast<uint8_t>((u[2 * p] & 15) | ((u[2 * p + 1] & 15) << 4));
-            block[256 + at] = top;
-          }
-          if (!real) continue;
-          std::memcpy(block + 320 + 2 * c, sc + (row * groups + g) * 2, 2);
-          if (with_min) std::memcpy(block + 352 + 2 * c, mn + (row * groups + g) * 2, 2);
-        }
+  each_column_of_blocks(packed.data_ptr<uint8_t>(), tiles, groups, width,
+                        [&](uint8_t* block, int64_t row, int64_t g, int c) {
+    const bool real = row < n;
+    for (int i = 0; i < 4; i++) {
+      uint8_t u[8];  // slice j's byte 4c + i: input 4 j + i, as code + offset
+      uint8_t top = 0;
+      for (int j = 0; j < 8; j++) {
+        u[j] = real ? static_cast<uint8_t>(offset + q[row * k + 32 * g + 4 * j + i]) : 0;
+        top |= static_cast<uint8_t>((u[j] >> 4) << j);
       }
+      const int at = 4 * c + i;
+      for (int p = 0; p < 4; p++)
+        block[64 * p + at] = static_cast<uint8_t>((u[2 * p] & 15) | ((u[2 * p + 1] & 15) << 4));
+      block[256 + at] = top;
+    }
+    if (!real) return;
+    std::memcpy(block + 320 + 2 * c, sc + (row * groups + g) * 2, 2);
+    if (with_min) std::memcpy(block + 352 + 2 * c, mn + (row * groups + g) * 2, 2);
   });
   return packed;
 }
