@@ -8,7 +8,9 @@ SwiGLU, rotary embedding with the cache write, tree attention (optionally over a
 window, optionally with its scores soft-capped), GeGLU and logit soft-capping. Each
 output element is computed by one thread in an order of additions fixed by the model's sizes
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
-instruction set only changes the speed (the variants give the same bits).
+instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
+GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
+``pack_five_bit``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
