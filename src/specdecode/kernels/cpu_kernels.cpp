@@ -88,6 +88,28 @@ static inline int64_t slot_of(const RowKeys& row, int64_t j) {
     return f;                                                             \
   }
 
+// exp_fixed of generic.h in the vector registers of W bits (intrinsics prefix P: _mm256,
+// _mm512): the same operations in the same order, so each lane gives exp_fixed's bits
+#define EXP_LANES(NAME, W, P)                                                                   \
+  static inline __m##W NAME(__m##W x) {                                                         \
+    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.0f)), P##_set1_ps(88.0f));                     \
+    const __m##W magic = P##_set1_ps(12582912.0f);                                              \
+    const __m##W n = P##_sub_ps(P##_add_ps(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)),   \
+                                           magic), magic);                                      \
+    __m##W r = P##_fmadd_ps(n, P##_set1_ps(-0.693359375f), x);                                  \
+    r = P##_fmadd_ps(n, P##_set1_ps(2.12194440e-4f), r);                                        \
+    __m##W p = P##_set1_ps(1.9875691500e-4f);                                                   \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                      \
+    p = P##_add_ps(P##_fmadd_ps(p, P##_mul_ps(r, r), r), P##_set1_ps(1.0f));                    \
+    const __m##W##i bits =                                                                      \
+        P##_slli_epi32(P##_add_epi32(P##_cvttps_epi32(n), P##_set1_epi32(127)), 23);            \
+    return P##_mul_ps(p, P##_castsi##W##_ps(bits));                                             \
+  }
+
 #define DENSE_TILE dense_tile
 #define EXP_SCALED exp_scaled
 #define SWIGLU_SPAN swiglu_span
@@ -106,23 +128,7 @@ WEIGHT_LOADERS
 #define EXP_SCALED exp_scaled_avx2
 namespace k_avx2 {
 WEIGHT_LOADERS
-// exp_fixed of generic.h, 8 lanes: the same operations in the same order
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+EXP_LANES(exp8, 256, _mm256)
 
 // lanes 0 .. count - 1 of 8 set (all of them from 8 on): a mask for VMASKMOVPS
 static inline __m256i first_lanes(int64_t count) {
@@ -269,23 +275,7 @@ static void dense_tile_avx512(const float* x, int64_t k_dim, const W* w, float* 
   for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + 16 * r, a[r]);
 }
 
-// exp_fixed of generic.h, 16 lanes: the same operations in the same order
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+EXP_LANES(exp16, 512, _mm512)
 
 // generic.h's row_max, its 16 lanes in one register (the largest value does not depend on
 // the order it is looked for in)
