@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,24 @@ import torch
 from tiny_models import tiny_llama
 from tiny_server import build_tokenizer, openai_client, tiny_served_model
 
+
+
+@pytest.fixture(autouse=True, scope="session")
+def row_cost_curves_of_temporary_files(tmp_path_factory):
+    """At the end of a run, the row-cost curves kept of model files the tests wrote to their
+    temporary folders are removed from the user's cache (each run's files are new paths, so
+    their curves would pile up there)."""
+    yield
+    from specdecode.cache import cache_root
+
+    temporary = str(tmp_path_factory.getbasetemp())
+    for kept in (cache_root() / "row-costs").glob("*.json"):
+        try:
+            key = json.loads(kept.read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if temporary in key:
+            kept.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
