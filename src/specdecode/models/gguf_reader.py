@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdecode import kernels
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
 from specdecode.models.int8_blocks import decode_gguf_blocks
@@ -248,8 +249,6 @@ def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
     """:class:`Q4Blocks` of Q4_0, Q4_1 or Q4_K data [rows, bytes]: the same weights as
     :func:`q4_blocks` and :func:`q4k_blocks` (Q4_K's scale products rounded to float16 there
     too), the codes left in bytes (moved by the kernels' ``repack.h``)."""
-    from specdecode import kernels
-
     nibbles, scale, minimum = kernels.load().q4_nibbles(
         torch.from_numpy(np.ascontiguousarray(raw)), qtype)
     return Q4Blocks(nibbles.numpy(), scale, minimum)
