@@ -27,14 +27,14 @@ from specdecode.models.weights import FileTensors, as_float
 _CHUNK_ROWS = 512
 
 
-def _token_ids(tokens, rows: int) -> torch.Tensor:
-    """``tokens`` (ints or an integer tensor) as int64 [n], each checked to be a row."""
-    ids = torch.as_tensor(tokens if isinstance(tokens, torch.Tensor) else list(tokens),
-                          dtype=torch.long).reshape(-1)
-    outside = ids[(ids < 0) | (ids >= rows)]
-    if len(outside):
-        raise SpecDecodeError(f"token id {int(outside[0])} is outside the vocabulary "
-                              f"(0..{rows - 1})")
+def _token_ids(tokens, rows: int) -> list[int]:
+    """``tokens`` (ints or an integer tensor) as a list of ints, each checked to be a row (in
+    Python: a decode step looks up one token, where tensor operations cost tens of us)."""
+    ids = (tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor)
+           else [int(t) for t in tokens])
+    outside = next((t for t in ids if not 0 <= t < rows), None)
+    if outside is not None:
+        raise SpecDecodeError(f"token id {outside} is outside the vocabulary (0..{rows - 1})")
     return ids
 
 
@@ -47,7 +47,7 @@ class DenseRows:
 
     def rows(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """float32 [n, H]: the rows of ``tokens``."""
-        return self.table[_token_ids(tokens, self.shape[0])]
+        return self.table[torch.tensor(_token_ids(tokens, self.shape[0]), dtype=torch.long)]
 
     def dense(self) -> torch.Tensor:
         """The table [V, H] float32 (this object's own tensor: read it, do not write it)."""
@@ -80,11 +80,15 @@ class FileRows:
     def rows(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """float32 [n, H]: the rows of ``tokens``, each read and dequantised once."""
         ids = _token_ids(tokens, self.shape[0])
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        unique = list(dict.fromkeys(ids))  # in order of first use
         raw = np.empty((len(unique), self._row_bytes), np.uint8)
-        for row, token in zip(raw, unique.tolist()):
+        for row, token in zip(raw, unique):
             self._read(token, row)
-        return dequantized_rows(raw, self._entry, self._blocks)[inverse]
+        out = dequantized_rows(raw, self._entry, self._blocks)
+        if len(unique) == len(ids):  # no token twice: the rows are in the tokens' order
+            return out
+        where = {token: i for i, token in enumerate(unique)}
+        return out[torch.tensor([where[token] for token in ids], dtype=torch.long)]
 
     def dense(self) -> torch.Tensor:
         """The whole table [V, H] float32, dequantised now (not kept: a caller that asks twice
