@@ -9,7 +9,7 @@ from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.estimates import Acceptance, RowCosts
 from specdecode.server.goodput import Batching
-from specdecode.sizing import Candidate, allocate
+from specdecode.sizing import EXPLORE_EVERY, EXPLORE_NODES, Candidate, allocate, explore_cap
 
 
 def goodput(candidates, costs, fixed_rows, caps, overhead_s=0.0):
@@ -130,3 +130,18 @@ def test_bad_batching_settings_name_the_setting():
         Batching(max_draft_rows=-1)
     with pytest.raises(SpecDecodeError, match="prefill rows"):
         Batching(prefill_rows=0)
+
+
+def test_a_sequence_left_without_drafts_explores_where_a_few_rows_cost_little():
+    """A method whose estimate fell to nothing (one early miss) learns only from drafts sent:
+    after EXPLORE_EVERY steps without one, a small draft goes anyway where its rows beside the
+    forward's cost at most EXPLORE_SHARE of those steps (where rows cost a forward each, only
+    after many more such steps)."""
+    cheap, linear = RowCosts({1: 1.0, 64: 1.05}), RowCosts({1: 1.0, 2: 2.0})
+    assert explore_cap(cheap, 8, 10, 10, EXPLORE_EVERY - 1) is None
+    assert explore_cap(cheap, 8, 10, 10, EXPLORE_EVERY) == (EXPLORE_NODES, EXPLORE_NODES)
+    assert explore_cap(cheap, 8, 2, 10, EXPLORE_EVERY) == (2, EXPLORE_NODES)
+    assert explore_cap(cheap, 8, 0, 10, EXPLORE_EVERY) is None  # no token left to draft
+    assert explore_cap(linear, 8, 10, 10, EXPLORE_EVERY) is None
+    assert explore_cap(linear, 8, 10, 10, 5 * EXPLORE_EVERY) == (EXPLORE_NODES, EXPLORE_NODES)
+    assert explore_cap(cheap, 8, 10, 10, EXPLORE_EVERY, draft_s=5.0) is None  # a costly drafter

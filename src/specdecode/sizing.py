@@ -182,6 +182,23 @@ class DraftSizing:
         return SequenceSizer(self, repeatable=not sampling.greedy and sampling.seed is not None)
 
 
+def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, idle: int,
+                draft_s: float = 0.0, level_s: float = 0.0) -> tuple[int, int] | None:
+    """The small draft (depth, nodes) a sequence that has not drafted for ``idle`` steps sends
+    anyway, so that its acceptance estimate can recover (a method's estimate learns only from
+    drafts sent: one that fell to nothing would keep it from drafting for good); None before
+    EXPLORE_EVERY such steps, or while the draft would cost more than EXPLORE_SHARE of them:
+    its rows beside the ``base_rows`` the forward runs anyway, ``draft_s`` (drafting, a
+    catch-up) and ``level_s`` a level."""
+    if idle < EXPLORE_EVERY:
+        return None
+    depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
+    if depth <= 0:
+        return None
+    explore_s = costs(base_rows + nodes) - costs(base_rows) + draft_s + level_s * depth
+    return (depth, nodes) if explore_s <= EXPLORE_SHARE * idle * costs(1) else None
+
+
 class SequenceSizer:
     """Caps one request's drafts, step by step (the engine asks :meth:`cap` before drafting
     and tells :meth:`observe` after verifying)."""
@@ -213,13 +230,11 @@ class SequenceSizer:
             return 0, 0
         timed = not self.repeatable and sizing.draft_time.timed
         draft_s, level_s = sizing.draft_time.line() if timed else (0.0, level_s)
-        if self.idle >= EXPLORE_EVERY:
-            depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
-            costs = sizing.costs
-            explore_s = costs(1 + nodes) - costs(1) + draft_s + level_s * depth + catch_up_s
-            if explore_s <= EXPLORE_SHARE * self.idle * costs(1):
-                self.catch_up_s = catch_up_s
-                return depth, nodes
+        explore = explore_cap(sizing.costs, 1, max_depth, max_nodes, self.idle,
+                              draft_s + catch_up_s, level_s)
+        if explore is not None:
+            self.catch_up_s = catch_up_s
+            return explore
         levels = self.acceptance.levels(deepest, prior)
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, tokens_left, levels),
                               level_s)

@@ -48,7 +48,8 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
-from specdecode.sizing import EXPLORE_LEVELS, RECENT, Candidate, allocate, catch_up_share
+from specdecode.sizing import (EXPLORE_LEVELS, RECENT, Candidate, allocate, catch_up_share,
+                               explore_cap)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -117,6 +118,8 @@ class _Sequence:
     prefilled: int = 0
     #: its recent verify steps, for its draft budget
     acceptance: Acceptance = field(default_factory=Acceptance)
+    #: verify steps since it last sent a draft (sizing.explore_cap)
+    idle: int = 0
     #: text pieces of a generation with a decode loop of its own (a lossy method), stepped
     #: one piece a step outside the packed forward
     solo: Any = None
@@ -416,6 +419,7 @@ class Scheduler:
             accepted = generation.stats.accepted_lengths[-1] - 1
             seq.acceptance.observe(call.draft, accepted)
             self._method_acceptance(seq).observe(call.draft, accepted)
+            seq.idle = 0 if len(call.draft) else seq.idle + 1
         if piece:
             seq.job.post("text", seq.index, piece)
         if generation.finish_reason is not None or seq.stream.stopped:
@@ -453,13 +457,13 @@ class Scheduler:
         one's catch-up seconds (priced by :func:`~specdecode.sizing.catch_up_share`)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates = []
+        candidates, most = [], []
         for seq, catch_up_s in zip(drafting, behind):
             prior = self._method_acceptance(seq)
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
-            deepest = min(generation.controller.budget().max_depth, self.max_draft_rows,
-                          left - 1, len(prior.offered) + EXPLORE_LEVELS)
+            most.append(min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1))
+            deepest = min(most[-1], len(prior.offered) + EXPLORE_LEVELS)
             levels = seq.acceptance.levels(max(0, deepest), prior)
             candidates.append(Candidate(levels, self._draft_s.get(_key(seq.spec), 0.0)
                                         + catch_up_share(catch_up_s, left, levels)))
@@ -468,7 +472,16 @@ class Scheduler:
                           for seq in self._active if seq.prefilling)
         caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows,
                         *self._overhead.line)
-        return [(depth, min(rows, self.max_draft_rows)) for depth, rows in caps]
+        # a sequence the budget leaves without a draft for long sends a small one anyway, so
+        # that its method's estimate can recover (one early miss would keep it at nothing)
+        step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
+        out = []
+        for seq, (depth, rows), deepest, catch_up_s in zip(drafting, caps, most, behind):
+            explore = None if depth else explore_cap(
+                self.row_costs, step_rows, deepest, self.max_draft_rows, seq.idle,
+                self._draft_s.get(_key(seq.spec), 0.0) + catch_up_s)
+            out.append(explore or (depth, min(rows, self.max_draft_rows)))
+        return out
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
