@@ -100,7 +100,7 @@ constexpr int32_t offset(bool minimum) {
 struct Acts {
   const int8_t* xq;     // [m, k]
   const float* dx;      // [m, k / 32] (Q6K: [m, k / 256])
-  const int32_t* bias;  // [m, k / G]
+  const int32_t* bias;  // [m, k / G] (empty where xu is set)
   const float* sx;      // [m, k / 32]
   int64_t k;
   // Q6K on decoded AVX2 tiles: xq + 128, each pass's rows interleaved by words of 4 inputs
@@ -814,17 +814,20 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
               " columns, not ", n);
   const float* res = residual_ptr(residual, m, n);
   // FIVE_BIT with more rows than a pass of the direct kernel: tiles decoded once to block int8's
-  // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows
+  // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows, or on AVX2
+  // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = !q6k && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
+  const bool q6k_decoded = q6k && !amx && isa == AVX2 && m >= Q6K_AVX2_DECODE_MIN_ROWS;
   const int32_t code_offset = q6k ? offset<Q6K>(false) : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (q6k ? 256 : 32))), sx(q6k ? 0 : m * (k / 32));
-  std::vector<int32_t> bias(m * (k / group));
+  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
     if (q6k) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
     else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
+    if (q6k_decoded) return;
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
@@ -832,10 +835,9 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
         bias[r * (k / group) + g] = -code_offset * total;
       }
   });
-  // Q6K on AVX2 with rows enough: decoded tiles, which read the activations plus 128
-  std::vector<uint8_t> xu(q6k && !amx && isa == AVX2 && m >= Q6K_AVX2_DECODE_MIN_ROWS ? m * k : 0);
-  if (!xu.empty()) q6k_interleave(xq.data(), m, k, xu.data());
-  const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, xu.empty() ? nullptr : xu.data()};
+  std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
+  if (q6k_decoded) q6k_interleave(xq.data(), m, k, xu.data());
+  const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr};
   const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
