@@ -13,8 +13,9 @@ import httpx
 import jsonschema
 import pytest
 
-from specdecode.server.tools import (ToolCall, ToolCallParser, ToolError, ToolRequest,
-                                     StreamDeltas, check_template, parse_tool_calls)
+from specdecode.server.tools import (Arguments, CallStart, ToolCall, ToolCallParser, ToolError,
+                                     ToolRequest, StreamDeltas, check_template, collect,
+                                     parse_tool_calls)
 
 from tiny_server import MODEL, build_tokenizer, make_server, openai_client, tiny_served_model
 
@@ -34,8 +35,15 @@ SECOND = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 # ---- the parser ------------------------------------------------------------------------------
 
-def calls_of(calls: list[ToolCall]) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+def calls_of(calls: list[ToolCall]) -> list[tuple[str, dict | str]]:
+    """Each call's name and arguments: the object they spell, or their text if they spell none
+    (a call cut by max_tokens)."""
+    def value(arguments: str) -> dict | str:
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return [(c.name, value(c.arguments)) for c in calls]
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -59,8 +67,19 @@ def calls_of(calls: list[ToolCall]) -> list[tuple[str, dict]]:
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
      '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
-    # a block cut before its end (max_tokens) is text as written
+    # a block cut before its call's header is complete (max_tokens) is text as written
     ("x " + CALL[:40], "x " + CALL[:40], []),
+    # cut after it, a call with the arguments written so far, as OpenAI's are
+    ("x " + CALL[:60], "x", [("get_weather", '{"city": "P')]),
+    # the arguments end where their object closes: braces and the closing tag inside their
+    # strings are theirs; what follows them in the block is not
+    ('<tool_call>{"name":"w","arguments":{"t": "} </tool_call> {\\"", "n": [{}]}, "x": 1}'
+     '</tool_call>ok', "ok", [("w", {"t": '} </tool_call> {"', "n": [{}]})]),
+    # a closing tag before the arguments close ends the call with what was written
+    ('<tool_call>{"name": "w", "arguments": {"a": 1\n</tool_call>', None, [("w", '{"a": 1\n')]),
+    # a header with other whitespace, or another order of the fields, is a call too
+    ('<tool_call> {\n "name" :"w",\n "arguments":{}}</tool_call>', None, [("w", {})]),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "w"}</tool_call>', None, [("w", {"a": 1})]),
     # what only looks like a tag's start is not lost
     ("a < b and <tool", "a < b and <tool", []),
     ("<tool_calls> are fun", "<tool_calls> are fun", []),
@@ -73,17 +92,18 @@ def test_parse_whole_texts(text, content, calls):
     assert all(c.id.startswith("call_") for c in got_calls)
 
 
-def parse_in_pieces(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+def parse_in_pieces(pieces: list[str]) -> tuple[str, list[tuple[str, dict | str]]]:
     parser = ToolCallParser()
-    events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
-    return ("".join(e for e in events if isinstance(e, str)),
-            calls_of([e for e in events if isinstance(e, ToolCall)]))
+    content, calls = collect([e for p in pieces for e in parser.feed(p)] + parser.finish())
+    return content or "", calls_of(calls)
 
 
 @pytest.mark.parametrize("text", [
     "Sure.\n" + CALL + "\n" + SECOND + "\n",
     "a <tool_call>{oops}</tool_call> <tool b",
     "One " + CALL + " two " + CALL[:50],
+    '<tool_call>{"name": "w", "arguments": {"t": "}</tool_call>\\"", "u": [1, {"v": 2}]}} x'
+    '</tool_call> <tool_call>{"name": "w", "arguments": {"a": 1\n</tool_call>end',
 ])
 def test_any_split_gives_what_the_whole_text_gives(text):
     content, calls = parse_tool_calls(text)
@@ -99,8 +119,23 @@ def test_markup_never_streams_as_content_and_partial_tags_wait():
     assert parser.feed("Checking <tool") == ["Checking"]  # the space may precede a call
     assert parser.feed("_call>\n{\"name\": ") == []
     events = parser.feed('"get_time", "arguments": {}}\n</tool_call>')
-    assert [type(e) for e in events] == [ToolCall] and parser.calls == 1
+    assert [type(e) for e in events] == [CallStart, Arguments] and parser.calls == 1
     assert parser.feed("\n") == [] and parser.finish() == []  # trailing space after a call
+
+
+def test_a_call_streams_its_name_at_once_and_its_arguments_as_written():
+    parser = ToolCallParser()
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "arguments": ') == []
+    start, first = parser.feed('{"ci')
+    assert isinstance(start, CallStart) and (start.index, start.name) == (0, "get_weather")
+    assert first == Arguments(0, '{"ci')
+    assert parser.feed('ty": "Paris"') == [Arguments(0, 'ty": "Paris"')]
+    assert parser.feed(', "days": 3}<') == [Arguments(0, ', "days": 3}')]  # the object closed
+    assert parser.feed("/tool_call") == [] and parser.feed(">\n") == []
+    # inside the arguments a "<" that may begin the closing tag waits for the next piece
+    parser.feed('<tool_call>{"name": "f", "arguments": {"a": 1')
+    assert parser.feed("</tool_") == []
+    assert parser.feed("x") == [Arguments(1, "</tool_x")]
 
 
 def test_stream_deltas_are_openai_shaped():

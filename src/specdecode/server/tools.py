@@ -9,11 +9,14 @@ Hermes-style templates ask for one block per call::
     </tool_call>
 
 :class:`ToolCallParser` turns generated text, fed in pieces split anywhere, into content and
-calls. A block becomes a call only once it is closed and its JSON holds a string ``name`` and
-object ``arguments``; anything else (malformed JSON, a block cut by ``max_tokens``, text that
-only looks like the start of a tag) stays in the content, character for character, so nothing
-the model wrote is lost. Whitespace between content and a call is dropped, so
-``"Let me check.\\n<tool_call>..."`` gives the content ``"Let me check."``.
+calls, as a stream sends them: a block that opens with ``{"name": "...", "arguments": {`` is a
+call from there on, its name sent at once and its arguments as they are written (an agent's
+client sees the call start a few tokens in, not when a long ``write_file`` ends); any other
+block becomes a call only once it is closed and its JSON holds a string ``name`` and object
+``arguments``; anything else (malformed JSON, text that only looks like the start of a tag)
+stays in the content, character for character, so nothing the model wrote is lost. Whitespace
+between content and a call is dropped, so ``"Let me check.\\n<tool_call>..."`` gives the
+content ``"Let me check."``.
 
 ``tool_choice: "required"`` or a named function constrains the output with a grammar
 (:meth:`ToolRequest.grammar`): one or more such blocks (exactly one for a named function),
@@ -312,54 +315,182 @@ def read_call(block: str) -> ToolCall | None:
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+@dataclass(frozen=True)
+class CallStart:
+    """A call's first event: its place among the output's calls, ``id`` and ``name``."""
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """The next piece of call ``index``'s arguments (JSON text)."""
+    index: int
+    text: str
+
+
+#: the header a streamed call opens with, cut into what :func:`_header` matches in turn: a
+#: whitespace run (" "), a literal, or NAME_FIELD (the function's name as a JSON string); the
+#: arguments object's "{" ends it
+_HEADER = (" ", "{", " ", '"name"', " ", ":", " ", "NAME_FIELD", " ", ",", " ", '"arguments"', " ",
+           ":", " ", "{")
+_NAME_CHAR = re.compile(r"[A-Za-z0-9_-]")
+
+
+def _header(text: str) -> tuple[bool | None, int, str]:
+    """Whether a block's text opens with a call's header: (True, where its arguments' ``{``
+    is, the name); (None, 0, "") while the text may still become one; (False, 0, "") when it
+    cannot."""
+    at, name = 0, ""
+    for part in _HEADER:
+        if part == " ":
+            while at < len(text) and text[at].isspace():
+                at += 1
+            continue
+        if part == "NAME_FIELD":
+            if at == len(text):
+                return None, 0, ""
+            if text[at] != '"':
+                return False, 0, ""
+            stop = at + 1
+            while stop < len(text) and _NAME_CHAR.match(text[stop]):
+                stop += 1
+            if stop == len(text):
+                return (None, 0, "") if stop - at - 1 <= 64 else (False, 0, "")
+            if text[stop] != '"' or not NAME.fullmatch(text[at + 1:stop]):
+                return False, 0, ""
+            at, name = stop + 1, text[at + 1:stop]
+            continue
+        piece = text[at:at + len(part)]
+        if piece != part[:len(piece)]:
+            return False, 0, ""
+        if len(piece) < len(part):
+            return None, 0, ""
+        at += len(part)
+    return True, at - 1, name
+
+
 class ToolCallParser:
     """Content and calls from generated text fed in pieces (split anywhere, inside a tag
-    too). :meth:`feed` and :meth:`finish` return events: ``str`` (content) or :class:`ToolCall`;
-    whatever the split, the events' content joined and their calls are the same.
+    too). :meth:`feed` and :meth:`finish` return events: ``str`` (content), :class:`CallStart`
+    and :class:`Arguments`; whatever the split, the events' content joined and their calls
+    put together are the same.
+
+    A block that opens with ``{"name": "NAME", "arguments": {`` (any whitespace between) is a
+    call from there on: its name goes out at once and its arguments as they are written, up to
+    the ``}`` that closes their object (strings and nesting followed, so a brace or
+    ``</tool_call>`` inside a string is part of them); what follows it in the block (the outer
+    ``}``) is dropped. Cut by ``max_tokens``, such a call keeps the arguments written so far,
+    as OpenAI's do. Any other block waits for its ``</tool_call>``: a call if its JSON holds a
+    string ``name`` and object ``arguments`` (or JSON text of one), else content as written.
 
     Held back until it is known what it is: text that may be the start of ``<tool_call>``,
-    whitespace that may precede a call (dropped if one follows), and an open block until its
-    ``</tool_call>`` (a call if it parses, else content as written)."""
+    whitespace that may precede a call (dropped if one follows), a block's opening until it
+    is known to be a call's header or not, an argument's closing ``<`` that may begin
+    ``</tool_call>``."""
 
     def __init__(self):
         self.calls = 0
         self._text = ""  # unread text
         self._space = ""  # whitespace after the content, kept until we see what follows it
-        self._open = False  # inside a block: _text is its text so far
+        #: where the text is: "content", "block" (a block's opening, _text its text so far),
+        #: "arguments" (a streamed call's), "after" (a streamed call's block after them)
+        self._state = "content"
+        self._depth = 0  # open objects and arrays of the arguments
+        self._string = False  # inside a string of the arguments
+        self._escape = False  # after a backslash in that string
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | CallStart | Arguments]:
         self._text += text
-        events: list[str | ToolCall] = []
-        while True:
-            if not self._open:
-                start = self._text.find(OPEN)
-                if start < 0:
-                    keep = _partial_tag(self._text)
-                    self._content(self._text[:len(self._text) - keep], events)
-                    self._text = self._text[len(self._text) - keep:]
-                    return events
-                self._content(self._text[:start], events)
-                self._text, self._open = self._text[start + len(OPEN):], True
+        events: list[str | CallStart | Arguments] = []
+        while self._step(events):
+            pass
+        return events
+
+    def _step(self, events: list) -> bool:
+        """Read what the unread text settles; False when it needs more text."""
+        if self._state == "content":
+            start = self._text.find(OPEN)
+            if start < 0:
+                keep = _partial_tag(self._text)
+                self._content(self._text[:len(self._text) - keep], events)
+                self._text = self._text[len(self._text) - keep:]
+                return False
+            self._content(self._text[:start], events)
+            self._text, self._state = self._text[start + len(OPEN):], "block"
+            return True
+        if self._state == "block":
+            opens, at, name = _header(self._text)
+            if opens:
+                self._start(name, events)
+                self._text, self._state = self._text[at:], "arguments"
+                return True
             end = self._text.find(CLOSE)
             if end < 0:
-                return events
+                return False
             block, self._text = self._text[:end], self._text[end + len(CLOSE):]
-            self._open = False
+            self._state = "content"
             call = read_call(block)
             if call is None:  # not a call: the text as the model wrote it, markup included
                 self._content(OPEN + block + CLOSE, events)
             else:
-                self._space = ""  # whitespace before a call is dropped
-                self.calls += 1
-                events.append(call)
+                self._start(call.name, events, call.id)
+                events.append(Arguments(self.calls - 1, call.arguments))
+            return True
+        if self._state == "arguments":
+            read = self._arguments()
+            if read:
+                events.append(Arguments(self.calls - 1, self._text[:read]))
+                self._text = self._text[read:]
+            if self._state == "arguments":
+                return False
+        end = self._text.find(CLOSE)
+        if end < 0:
+            self._text = self._text[len(self._text) - _partial_tag(self._text, CLOSE):]
+            return False
+        self._text, self._state = self._text[end + len(CLOSE):], "content"
+        return True
 
-    def finish(self) -> list[str | ToolCall]:
-        """The end of the output: held text becomes content (an unclosed block as written);
-        whitespace after the last call is dropped."""
-        events: list[str | ToolCall] = []
-        rest = OPEN + self._text if self._open else self._text
-        self._text, self._open = "", False
-        self._content(rest, events)
+    def _arguments(self) -> int:
+        """Characters of the unread text that belong to the arguments (the state moves on
+        when their object closes, or when ``</tool_call>`` ends the block first)."""
+        for i, char in enumerate(self._text):
+            if self._string:
+                self._escape, self._string = (False, True) if self._escape else \
+                    (char == "\\", char != '"')
+            elif char == '"':
+                self._string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "after"
+                    return i + 1
+            elif char == "<" and CLOSE.startswith(self._text[i:i + len(CLOSE)]):
+                if len(self._text) - i < len(CLOSE):
+                    return i  # may be the block's end: wait
+                self._state = "after"
+                return i
+        return len(self._text)
+
+    def _start(self, name: str, events: list, call_id: str | None = None) -> None:
+        self._space = ""  # whitespace before a call is dropped
+        events.append(CallStart(self.calls, call_id or new_call_id(), name))
+        self.calls += 1
+        self._depth, self._string, self._escape = 0, False, False
+
+    def finish(self) -> list[str | CallStart | Arguments]:
+        """The end of the output: held text becomes content (an unclosed block that is not a
+        streamed call, as written) or the rest of the call's arguments; whitespace after the
+        last call is dropped."""
+        events: list[str | CallStart | Arguments] = []
+        if self._state == "arguments" and self._text:
+            events.append(Arguments(self.calls - 1, self._text))
+        elif self._state in ("content", "block"):
+            self._content(OPEN + self._text if self._state == "block" else self._text, events)
+        self._text, self._state = "", "content"
         if self._space and not self.calls:
             events.append(self._space)
         self._space = ""
@@ -376,10 +507,10 @@ class ToolCallParser:
         self._space = text[len(body):]
 
 
-def _partial_tag(text: str) -> int:
-    """Characters at the end of ``text`` that begin ``<tool_call>`` (0 if none)."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """Characters at the end of ``text`` that begin ``tag`` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return k
     return 0
 
@@ -388,17 +519,29 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output; with calls, no content is None (as OpenAI sends
     it)."""
     parser = ToolCallParser()
-    events = parser.feed(text) + parser.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    return (content or None) if calls else content, calls
+    return collect(parser.feed(text) + parser.finish())
+
+
+def collect(events: list[str | CallStart | Arguments]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) the parser's events put together; with calls, no content is None."""
+    content, calls = [], []
+    for event in events:
+        if isinstance(event, str):
+            content.append(event)
+        elif isinstance(event, CallStart):
+            calls.append(ToolCall(event.id, event.name, ""))
+        else:
+            call = calls[event.index]
+            calls[event.index] = ToolCall(call.id, call.name, call.arguments + event.text)
+    text = "".join(content)
+    return (text or None) if calls else text, calls
 
 
 class StreamDeltas:
     """The chat deltas a stream sends for each choice: every text piece as content, or, when
     the request's tools are parsed (``parse``), content and calls as OpenAI streams them: a
     call's first delta has its ``index`` (its place among the choice's calls), ``id``, ``type``
-    and ``function.name``, the next its ``function.arguments``."""
+    and ``function.name``, the next ones pieces of its ``function.arguments``."""
 
     def __init__(self, choices: int, parse: bool):
         self.parsers = [ToolCallParser() for _ in range(choices)] if parse else None
@@ -406,27 +549,23 @@ class StreamDeltas:
     def text(self, index: int, piece: str) -> list[dict]:
         if self.parsers is None:
             return [{"content": piece}] if piece else []
-        return self._deltas(index, self.parsers[index].feed(piece))
+        return [_delta(e) for e in self.parsers[index].feed(piece)]
 
     def finish(self, index: int, reason: str) -> tuple[list[dict], str]:
         """(the last deltas, the finish reason) when choice ``index`` ended for ``reason``."""
         if self.parsers is None:
             return [], reason
         parser = self.parsers[index]
-        return self._deltas(index, parser.finish()), finish_reason(reason, parser.calls)
+        return [_delta(e) for e in parser.finish()], finish_reason(reason, parser.calls)
 
-    def _deltas(self, index: int, events: list[str | ToolCall]) -> list[dict]:
-        out, calls = [], self.parsers[index].calls - sum(isinstance(e, ToolCall) for e in events)
-        for event in events:
-            if isinstance(event, str):
-                out.append({"content": event})
-                continue
-            out.append({"tool_calls": [{"index": calls, "id": event.id, "type": "function",
-                                        "function": {"name": event.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": calls,
-                                        "function": {"arguments": event.arguments}}]})
-            calls += 1
-        return out
+
+def _delta(event: str | CallStart | Arguments) -> dict:
+    if isinstance(event, str):
+        return {"content": event}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
 def finish_reason(reason: str, calls: int) -> str:
