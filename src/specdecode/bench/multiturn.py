@@ -12,8 +12,8 @@ its own answers, so histories differ between servers; ours with and without the 
 the same answers (the cache changes when, never what): a difference fails the run.
 
 Besides the client's time to first token, each request's prompt seconds as the server reports
-them (ours: ``usage.prompt_s``; llama-server: ``timings.prompt_ms``): a tool call reaches the
-client whole, so its first delta comes when the call is written, not when the prompt is read.
+them (ours: ``usage.prompt_s``; llama-server: ``timings.prompt_ms``): a tool call's first
+delta comes once the model has written the call's name, some tokens after the prompt is read.
 A turn's reference: a request of only the tokens the cache did not hold (the last ``prompt -
 cached`` token ids of the turn's prompt, one token asked for), sent right after the turn to the
 same server, our server with the cache, which has a second slot for it (the reference shares
@@ -178,8 +178,12 @@ def run_server(label: str, args: argparse.Namespace, chats: list[Conversation], 
     argv = command(ServerSpec(kind, args.method if kind == OURS else None, extra), port,
                    1 if tokenizer is None else 2, args.context, args.threads, args.model,
                    paths["gguf"], paths["llama"], cache_prompt=cache_prompt)
+    # one client for every request (making one costs tens of milliseconds, its TLS context),
+    # a new connection each (llama-server closes one after a streamed response without saying
+    # so, and a request sent on it fails: every second one)
     with ServerProcess(argv, port, args.threads, paths["log"]) as server, \
-            httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+            httpx.Client(timeout=REQUEST_TIMEOUT,
+                         limits=httpx.Limits(max_keepalive_connections=0)) as client:
         model = server.model_name()
         stream_chat(client, server.url, model, [{"role": "user", "content": "Hello"}], None, 8)
         records = []

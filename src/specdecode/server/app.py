@@ -93,12 +93,14 @@ class CountRequests:
 
 
 def create_app(server: Frontend) -> FastAPI:
-    """The ASGI app. On shutdown the scheduler stops first (every proposer sees ``finish``),
-    then the suffix global tree is saved (with ``--suffix-cache``)."""
+    """The ASGI app. On start-up the constraints' vocabulary is built (``Frontend.prepare``),
+    then the scheduler starts. On shutdown the scheduler stops first (every proposer sees
+    ``finish``), then the suffix global tree is saved (with ``--suffix-cache``)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
+        await run_in_threadpool(server.prepare)
         server.backend.start()
         try:
             yield

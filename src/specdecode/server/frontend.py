@@ -138,11 +138,23 @@ class Frontend:
 
     @property
     def vocabulary(self) -> Vocabulary:
-        """The tokens as constraints see them, built on the first request that needs them."""
+        """The tokens as constraints see them (grammars, bans, tool choices): built by
+        :meth:`prepare`, else on the first request that needs them."""
         if self._vocabulary is None:
             self._vocabulary = Vocabulary(self.tokenizer, self.runner_info.vocab_size,
                                           self.eos_token_ids)
         return self._vocabulary
+
+    def prepare(self) -> None:
+        """Before serving: the vocabulary, so that the first constrained request does not wait
+        for it (1.4 s for Qwen2.5's 151,936 tokens on a 2-core Zen 3, a first token 1.4 s late).
+        A tokenizer it cannot be built for is told at the request that needs it."""
+        if self.tokenizer is None:
+            return
+        try:
+            self.vocabulary
+        except SpecDecodeError:
+            pass
 
     # ---- request -> sequence specs ---------------------------------------------------------
 
