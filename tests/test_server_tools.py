@@ -286,6 +286,20 @@ def test_a_stream_carries_the_calls_of_the_whole_response(client):
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+def test_a_streamed_call_sends_its_name_first_and_its_arguments_as_they_are_written(client):
+    pieces = []
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS,
+            tool_choice=NAMED, extra_body={"specdecode": {"method": "ar"}}):
+        for call in chunk.choices[0].delta.tool_calls or ():
+            pieces.append((call.id, call.function.name, call.function.arguments))
+    (head_id, name, first), *rest = pieces
+    assert head_id.startswith("call_") and name == "get_weather" and first == ""
+    # (the grammar forces stretches of a call, such as `{"city": "`, in one step)
+    assert len(rest) > 1 and all(i is None and n is None and a for i, n, a in rest)
+    jsonschema.validate(json.loads("".join(a for _, _, a in rest)), WEATHER)
+
+
 def test_logprobs_stream_whole_beside_the_calls(client):
     whole = ask(client, tool_choice=NAMED, logprobs=True).choices[0]
     assert len(whole.logprobs.content) == len(whole.model_extra["token_ids"])
