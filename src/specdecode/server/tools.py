@@ -387,8 +387,8 @@ class ToolCallParser:
 
     Held back until it is known what it is: text that may be the start of ``<tool_call>``,
     whitespace that may precede a call (dropped if one follows), a block's opening until it
-    is known to be a call's header or not, an argument's closing ``<`` that may begin
-    ``</tool_call>``."""
+    is known to be a call's header or not, a ``<`` outside the arguments' strings that may
+    begin ``</tool_call>``."""
 
     def __init__(self):
         self.calls = 0
@@ -456,9 +456,10 @@ class ToolCallParser:
         """Characters of the unread text that belong to the arguments (the state moves on
         when their object closes, or when ``</tool_call>`` ends the block first)."""
         for i, char in enumerate(self._text):
-            if self._string:
-                self._escape, self._string = (False, True) if self._escape else \
-                    (char == "\\", char != '"')
+            if self._escape:
+                self._escape = False
+            elif self._string:
+                self._escape, self._string = char == "\\", char != '"'
             elif char == '"':
                 self._string = True
             elif char in "{[":
