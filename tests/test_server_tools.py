@@ -171,6 +171,45 @@ def test_a_named_or_required_choice_is_a_grammar_over_the_offered_functions():
     assert none.offered is None and not none.parses
 
 
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                            "strict": True}},
+          {"type": "function", "function": {"name": "get_time"}}]
+
+
+def grammar_takes(grammar: str, text: str, ending: bool = False) -> bool:
+    """Does the grammar allow ``text`` as (the start of, or with ``ending`` all of) an
+    output? Tokens spelt by longest match over the tiny tokenizer's pieces."""
+    import llguidance
+
+    from specdecode.constraints import Vocabulary
+
+    tokenizer = tool_tokenizer()
+    vocabulary = Vocabulary(tokenizer, len(tokenizer), [2])
+    matcher = llguidance.LLMatcher(vocabulary.ll, grammar, log_level=0)
+    ids = vocabulary.ll.tokenize_str(text)
+    if matcher.try_consume_tokens(ids) != len(ids):
+        return False
+    return matcher.is_accepting() if ending else True
+
+
+def test_a_strict_function_under_auto_holds_the_calls_and_leaves_the_text_free():
+    grammar = ToolRequest.of(STRICT, "auto").grammar()
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert grammar_takes(grammar, "Any text < at all {\n", ending=True)  # text, then the end
+    assert grammar_takes(grammar, "Sure. " + head + '{"city": "Oslo", "days": 2}}\n</tool_call>'
+                         " Done.", ending=True)
+    assert not grammar_takes(grammar, head + '{"city": "Lima"')  # not in the schema's enum
+    assert not grammar_takes(grammar, head + '{"city": "Oslo"}}')  # "days" is required
+    assert not grammar_takes(grammar, '<tool_call>\n{"name": "get_forecast"')  # not offered
+    # a function that is not strict: its arguments any object
+    assert grammar_takes(grammar, '<tool_call>\n{"name": "get_time", "arguments": {"tz": 1}}'
+                         '\n</tool_call>', ending=True)
+    assert not grammar_takes(grammar, head + '{"city": "Oslo", "days": 2}}', ending=True)  # open
+    # without a strict function, or with the tools hidden, auto is free
+    assert ToolRequest.of(TOOLS, "auto").grammar() is None
+    assert ToolRequest.of(STRICT, "none").grammar() is None
+
+
 @pytest.mark.parametrize("tools, choice, param, words", [
     ([{"type": "code_interpreter"}], None, "tools", "not a function definition"),
     (["get_weather"], None, "tools", "not a function definition"),
@@ -332,6 +371,17 @@ def test_auto_and_none_return_what_plain_decoding_gives(client):
     plain = ask(client, max_tokens=12, tools=None)
     assert none.choices[0].message.content == plain.choices[0].message.content
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+
+
+def test_a_strict_function_under_auto_is_exact_for_every_method(served, client):
+    outs = [ask(client, method, max_tokens=24, tools=STRICT) for method in ("ar", "ngram", "suffix")]
+    ids = [out.choices[0].model_extra["token_ids"] for out in outs]
+    assert ids[0] and ids[0] == ids[1] == ids[2]
+    body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "tools": STRICT,
+            "response_format": {"type": "json_object"}}
+    refused = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    assert "strict" in refused.json()["error"]["message"]
 
 
 def test_a_conversation_with_calls_and_results_is_served(client):

@@ -223,7 +223,7 @@ class Frontend:
                 param = ("specdecode.ban" if set(asked) == {"banned"} else
                          "response_format" if req.response_format is not None else
                          "tools" if getattr(req, "tool_request", None) is not None
-                         and req.tool_request.constrains else
+                         and (req.tool_request.constrains or req.tool_request.guards) else
                          f"specdecode.{next(iter(asked))}")
                 raise ApiError(400, str(exc), param=param) from None
         return options

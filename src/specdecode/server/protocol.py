@@ -299,16 +299,20 @@ class ChatRequest(SamplingFields):
         return self._tools
 
     def constraint(self) -> dict[str, Any]:
-        """``tool_choice: "required"`` or a named function adds the calls' grammar."""
+        """``tool_choice: "required"``, a named function or a ``strict`` function under
+        ``auto`` adds the calls' grammar."""
         out = super().constraint()
         grammar = self._tools.grammar() if self._tools is not None else None
         if grammar is not None:
             taken = [k for k in ("json_object", "json_schema", "regex", "grammar") if k in out]
             if taken:
-                raise ApiError(400, f"tool_choice {self.tool_choice!r} constrains the output to "
-                                    "tool calls, and the request also constrains it "
-                                    f"({taken[0].replace('_', ' ')}); give one of them",
-                               param="tool_choice")
+                held = self._tools.constrains
+                raise ApiError(400, (f"tool_choice {self.tool_choice!r} constrains the output to "
+                                     "tool calls" if held else "a function with 'strict': true "
+                                     "constrains the calls in the output") +
+                               f", and the request also constrains it "
+                               f"({taken[0].replace('_', ' ')}); give one of them",
+                               param="tool_choice" if held else "tools")
             out["grammar"] = grammar
         return out
 

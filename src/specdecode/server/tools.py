@@ -20,7 +20,10 @@ content ``"Let me check."``.
 
 ``tool_choice: "required"`` or a named function constrains the output with a grammar
 (:meth:`ToolRequest.grammar`): one or more such blocks (exactly one for a named function),
-each block's arguments matching its function's parameter schema. The grammar is a per-node
+each block's arguments matching its function's parameter schema. Under ``auto``, a function
+marked ``"strict": true`` (OpenAI's strict function calling) makes the grammar hold only the
+calls: free text, in which a block, once its ``<tool_call>`` is written, is a call of an
+offered function, a strict one's arguments matching its schema. The grammar is a per-node
 token mask like any other constraint (specdecode/constraints.py), so every method's greedy
 output stays token for token what plain decoding under the same grammar gives.
 
@@ -65,6 +68,8 @@ class Function:
     parameters: dict[str, Any]
     #: the definition as the client sent it, handed to the chat template unchanged
     definition: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    #: OpenAI's ``strict``: the call's arguments always match ``parameters``
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,25 +97,31 @@ class ToolRequest:
         return self.choice in ("required", "function")
 
     @property
+    def guards(self) -> bool:
+        """The output is free but its calls are held by a grammar: ``auto`` with a function
+        marked ``strict``."""
+        return self.choice == "auto" and any(f.strict for f in self.functions)
+
+    @property
     def parses(self) -> bool:
         """The output is parsed for calls (not with ``tool_choice: "none"``)."""
         return self.choice != "none"
 
     def grammar(self) -> str | None:
-        """A Lark grammar (llguidance's, with ``%json`` schemas) for the output ``tool_choice``
-        demands, or None when the model is free (``auto``, ``none``)."""
-        if not self.constrains:
+        """A Lark grammar (llguidance's, with ``%json`` schemas) for what ``tool_choice``
+        demands: one or more calls (``required``, a named function), or with :attr:`guards`
+        free text in which a block, once its ``<tool_call>`` is written, is a call of an
+        offered function, a strict one's arguments matching its schema (a lazy lexeme: the
+        text ends at the tag); None when the model is free."""
+        if self.constrains:
+            chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
+            repeat = ' ("\\n" call)*' if self.choice == "required" and self.parallel else ""
+            return "\n".join([f"start: call{repeat}", f'call: "{OPEN}" body'] + _bodies(chosen, True))
+        if not self.guards:
             return None
-        chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
-        rules = []
-        for i, f in enumerate(chosen):
-            schema = {"type": "object", **f.parameters, "x-guidance": ARGUMENT_STYLE}
-            rules.append(f'call_{i}: "{OPEN}\\n{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " '
-                         f'args_{i} "}}\\n{CLOSE}"')
-            rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
-        repeat = ' ("\\n" call)*' if self.choice == "required" and self.parallel else ""
-        return "\n".join([f"start: call{repeat}", f"call: {calls}"] + rules)
+        return "\n".join(["%llguidance {}", "start: called* TEXT", "called: opened body",
+                          f'opened[lazy]: TEXT "{OPEN}"', "TEXT: /(.|\\n)*/"]
+                         + _bodies(self.functions, False))
 
     @classmethod
     def of(cls, tools: list | None, tool_choice: Any = None,
@@ -134,6 +145,20 @@ class ToolRequest:
                             "function one definition")
         choice, name = _choice(tool_choice, names)
         return cls(functions, choice, name, parallel_tool_calls is not False)
+
+
+def _bodies(functions, every_schema: bool) -> list[str]:
+    """Lark rules ``body``: what follows ``<tool_call>`` in a call of one of ``functions``,
+    written as the template shows JSON, the arguments matching the function's ``parameters``
+    (``every_schema``; else a strict function's only, any object another's)."""
+    rules = []
+    for i, f in enumerate(functions):
+        held = every_schema or f.strict
+        schema = {"type": "object", **(f.parameters if held else {})}
+        rules.append(f'body_{i}: "\\n{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " '
+                     f'args_{i} "}}\\n{CLOSE}"')
+        rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
+    return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
 
 
 def _function(i: int, tool: Any) -> Function:
@@ -169,7 +194,7 @@ def _function(i: int, tool: Any) -> Function:
     if parameters.get("type", "object") != "object":
         raise ToolError(f"{where}.function.parameters must describe an object (the arguments "
                         f"are a JSON object), got type {parameters.get('type')!r}")
-    return Function(name, parameters, definition)
+    return Function(name, parameters, definition, definition.get("strict", False))
 
 
 def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
