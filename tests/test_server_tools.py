@@ -374,7 +374,8 @@ def test_auto_and_none_return_what_plain_decoding_gives(client):
 
 
 def test_a_strict_function_under_auto_is_exact_for_every_method(served, client):
-    outs = [ask(client, method, max_tokens=24, tools=STRICT) for method in ("ar", "ngram", "suffix")]
+    outs = [ask(client, method, max_tokens=24, tools=STRICT)
+            for method in ("ar", "ngram", "suffix")]
     ids = [out.choices[0].model_extra["token_ids"] for out in outs]
     assert ids[0] and ids[0] == ids[1] == ids[2]
     body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "tools": STRICT,

@@ -116,7 +116,8 @@ class ToolRequest:
         if self.constrains:
             chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
             repeat = ' ("\\n" call)*' if self.choice == "required" and self.parallel else ""
-            return "\n".join([f"start: call{repeat}", f'call: "{OPEN}" body'] + _bodies(chosen, True))
+            return "\n".join([f"start: call{repeat}", f'call: "{OPEN}" body']
+                             + _bodies(chosen, True))
         if not self.guards:
             return None
         return "\n".join(["%llguidance {}", "start: called* TEXT", "called: opened body",
