@@ -7,6 +7,7 @@ methods, streamed as returned whole)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -176,15 +177,20 @@ STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters":
           {"type": "function", "function": {"name": "get_time"}}]
 
 
+@functools.cache
+def tool_vocabulary():
+    from specdecode.constraints import Vocabulary
+
+    tokenizer = tool_tokenizer()
+    return Vocabulary(tokenizer, len(tokenizer), [2])
+
+
 def grammar_takes(grammar: str, text: str, ending: bool = False) -> bool:
     """Does the grammar allow ``text`` as (the start of, or with ``ending`` all of) an
     output? Tokens spelt by longest match over the tiny tokenizer's pieces."""
     import llguidance
 
-    from specdecode.constraints import Vocabulary
-
-    tokenizer = tool_tokenizer()
-    vocabulary = Vocabulary(tokenizer, len(tokenizer), [2])
+    vocabulary = tool_vocabulary()
     matcher = llguidance.LLMatcher(vocabulary.ll, grammar, log_level=0)
     ids = vocabulary.ll.tokenize_str(text)
     if matcher.try_consume_tokens(ids) != len(ids):

@@ -307,11 +307,11 @@ class ChatRequest(SamplingFields):
             taken = [k for k in ("json_object", "json_schema", "regex", "grammar") if k in out]
             if taken:
                 held = self._tools.constrains
-                raise ApiError(400, (f"tool_choice {self.tool_choice!r} constrains the output to "
-                                     "tool calls" if held else "a function with 'strict': true "
-                                     "constrains the calls in the output") +
-                               f", and the request also constrains it "
-                               f"({taken[0].replace('_', ' ')}); give one of them",
+                why = (f"tool_choice {self.tool_choice!r} constrains the output to tool calls"
+                       if held else "a function with 'strict': true constrains the calls in the "
+                                    "output")
+                raise ApiError(400, f"{why}, and the request also constrains it "
+                                    f"({taken[0].replace('_', ' ')}); give one of them",
                                param="tool_choice" if held else "tools")
             out["grammar"] = grammar
         return out
