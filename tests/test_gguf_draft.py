@@ -90,6 +90,28 @@ def test_seeded_sampling_repeats(target, files, method, config):
     assert runs[0] != runs[2]
 
 
+def test_drafters_of_one_file_share_its_weights_not_their_caches(target, files):
+    """A server's slots (and a bench's methods) each build a proposer: the draft's weights are
+    read once, and each proposer drafts on a cache of its own, so one's steps between another's
+    change no token."""
+    first, second = (proposer(target, method, str(files["close"]), **config)
+                     for method, config in (("draft_model", {}), ("dyspec", TREE)))
+    runners = [p.lm.runner.runner for p in (first, second)]
+    assert runners[0].layers is runners[1].layers and runners[0].head is runners[1].head
+    assert runners[0].cache is not runners[1].cache
+    prompts = repetitive_prompts()[:2]
+    runs = [generation(target.replica(), p, prompt, 24)
+            for p, prompt in zip((first, second), prompts)]
+    steps = [iter(gen) for gen in runs]
+    while steps:  # the two interleaved, a verify step each
+        steps = [step for step in steps if next(step, None) is not None]
+    for gen, prompt in zip(runs, prompts):
+        assert gen.tokens == ar(target, prompt, 24)
+    assert sum(gen.stats.accepted_tokens for gen in runs) > 0
+    assert proposer(target, "draft_model", str(files["close"]),
+                    draft_weights="fp32").lm.runner.runner.layers is not runners[0].layers
+
+
 def test_a_named_model_is_its_file(target, files, monkeypatch):
     monkeypatch.setitem(loading.NAMED_MODELS, "tiny-draft", lambda: files["close"])
     drafter = proposer(target, "draft_model", "tiny-draft")

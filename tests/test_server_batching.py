@@ -16,10 +16,12 @@ from specdecode.models.base import VerifyCall
 from specdecode.models.llama import LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
+from specdecode.server import scheduler
 from specdecode.server.goodput import Batching
+from conftest import write_gguf
 from test_server import wait_idle
 from tiny_server import EOS, MODEL
-from tiny_models import tiny_llama
+from tiny_models import noisy_copy, tiny_llama
 
 PROMPTS = ["Hello world! How are", "def add(a, b):\n    return", "The quick brown fox",
            "Speculative decoding drafts tokens and", "How are you today? I am",
@@ -213,3 +215,26 @@ def test_draft_rows_that_cost_more_than_the_curve_says_are_priced(model, tokeniz
         drafted[name + "_texts"] = [text for text, _ in got]
     assert drafted["costly_texts"] == drafted["free_texts"]
     assert drafted["free"] > 0 and drafted["costly"] < drafted["free"] / 2, drafted
+
+
+def test_a_draft_models_levels_are_priced(model, tokenizer, tmp_path, monkeypatch):
+    """A draft model drafts a token a forward: the scheduler prices each level of its drafts
+    (by the draft's own row-cost curve, then by its timed drafting: one request's sizing),
+    not only a fixed cost a step, which let a real draft model be sent at its controller's
+    full length where a token or two pays (on two AVX2 cores, slower than plain decoding)."""
+    draft = write_gguf(noisy_copy(model, 0.1, seed=1), tmp_path / "draft.gguf")
+    level_seconds = []
+    allocate = scheduler.allocate
+
+    def recorded(candidates, *args):
+        level_seconds.extend(candidate.level_s for candidate in candidates)
+        return allocate(candidates, *args)
+
+    monkeypatch.setattr(scheduler, "allocate", recorded)
+    requests = [(p, dict(max_tokens=24, temperature=0)) for p in PROMPTS[:2]]
+    with serve(model, tokenizer, parallel=2, method="draft_model",
+               config={"draft": str(draft)}) as served:
+        got = ask_all(served.url, requests)
+    assert [text for text, _ in got] == [solo(model, tokenizer, p, "ar", 24) for p in PROMPTS[:2]]
+    assert sum(usage.draft_tokens for _, usage in got) > 0
+    assert level_seconds and min(level_seconds) > 0

@@ -163,6 +163,12 @@ class DraftTime:
         per_level = max(0.0, (n * dt - d * t) / spread)
         return max(0.0, (t - per_level * d) / n), per_level
 
+    def priced(self, level_s: float, use_timings: bool = True) -> tuple[float, float]:
+        """(fixed seconds, seconds a level) of the next draft: the fitted :meth:`line` once a
+        draft has been timed (and ``use_timings``), else ``level_s`` a level (the drafter's
+        own row-cost curve's: :meth:`~specdecode.proposer.Proposer.draft_seconds`)."""
+        return self.line() if use_timings and self.timed else (0.0, level_s)
+
 
 class DraftSizing:
     """One method's sizing on one runner, shared by its requests: the runner's row-cost curve,
@@ -228,8 +234,7 @@ class SequenceSizer:
         deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
         if deepest <= 0:
             return 0, 0
-        timed = not self.repeatable and sizing.draft_time.timed
-        draft_s, level_s = sizing.draft_time.line() if timed else (0.0, level_s)
+        draft_s, level_s = sizing.draft_time.priced(level_s, use_timings=not self.repeatable)
         explore = explore_cap(sizing.costs, 1, max_depth, max_nodes, self.idle,
                               draft_s + catch_up_s, level_s)
         if explore is not None:

@@ -8,6 +8,7 @@ reads itself, one tensor at a time, with no ``transformers`` model built.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,7 +185,6 @@ def open_gguf_draft(path: Path, source: DraftSource,
     """A GGUF draft on the native runner, checked against the target before its weights are
     read; its cache holds the target's context (or the draft's own, when shorter)."""
     from specdecode.models.gguf_reader import GGUFFile
-    from specdecode.models.llama import LlamaRunner
     from specdecode.models.native_shape import LlamaShape
     from specdecode.models.llama_drafter import LlamaDrafter
 
@@ -196,9 +196,23 @@ def open_gguf_draft(path: Path, source: DraftSource,
     check_tokenizer(path, file.fields, runner)
     longest = LlamaShape.from_config(file.config).max_context
     context = getattr(runner, "max_context", None)  # None: the native default
-    draft = LlamaRunner.from_gguf(path, native_weights(source.draft_weights, file.config),
-                                  max_context=None if context is None else min(context, longest))
-    return NativeDraftLM(LlamaDrafter(draft)), LoadedDraft(None, None, None, str(path))
+    stat = path.stat()
+    loaded = _gguf_draft_weights(path.resolve(), stat.st_size, stat.st_mtime_ns,
+                                 native_weights(source.draft_weights, file.config),
+                                 None if context is None else min(context, longest))
+    return NativeDraftLM(LlamaDrafter(loaded.replica())), LoadedDraft(None, None, None, str(path))
+
+
+@functools.cache
+def _gguf_draft_weights(path: Path, size: int, mtime_ns: int, weights: str,
+                        max_context: int | None):
+    """The native runner of a GGUF draft, loaded once a process for a file (as it is on disk:
+    its size and modification time), weight format and context: every proposer drafting with
+    it (a server's slots, a bench's methods) gets a replica, its own KV cache over these
+    weights, so ``--parallel 4`` holds one copy of the draft's weights, not four."""
+    from specdecode.models.llama import LlamaRunner
+
+    return LlamaRunner.from_gguf(path, weights, max_context=max_context)
 
 
 def open_draft(source: DraftSource, runner: Runner,

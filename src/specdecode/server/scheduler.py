@@ -48,7 +48,7 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
-from specdecode.sizing import (EXPLORE_LEVELS, RECENT, Candidate, allocate, catch_up_share,
+from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
                                explore_cap)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
@@ -185,8 +185,9 @@ class Scheduler:
         self.row_costs = batching.row_costs(runners[0])
         #: (method, config) -> acceptance of all its sequences, each new sequence's prior
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
-        #: (method, config) -> seconds its proposer takes to draft one step (decayed mean)
-        self._draft_s: dict[tuple[str, str], float] = {}
+        #: (method, config) -> seconds its proposer takes to draft, a fixed part and a part a
+        #: level (a draft model drafts a token a forward), as for one request (sizing.py)
+        self._draft_time: dict[tuple[str, str], DraftTime] = {}
         #: a step's seconds besides the forward and the drafting, as a fixed part and a part a
         #: draft row (their attention over a long context, which the curve does not see)
         self._overhead = StepOverhead()
@@ -429,12 +430,13 @@ class Scheduler:
         """Cap every decoding sequence's next draft by goodput, then let each draft; the
         seconds spent drafting."""
         drafting = [seq for seq in self._active if not seq.prefilling and seq.solo is None]
-        # what each draft must first read of the tokens it skipped, where drafts are priced
-        behind = ([seq.generation.draft_seconds()[0] for seq in drafting]
-                  if self.row_costs is not None else [0.0] * len(drafting))
-        caps = self._caps(drafting, behind)
+        # what each draft must first read of the tokens it skipped, and a level's seconds, by
+        # the drafter's own row-cost curve, where drafts are priced
+        priced = ([seq.generation.draft_seconds() for seq in drafting]
+                  if self.row_costs is not None else [(0.0, 0.0)] * len(drafting))
+        caps = self._caps(drafting, priced)
         total = 0.0
-        for seq, cap, catch_up_s in zip(drafting, caps, behind):
+        for seq, cap, (catch_up_s, _) in zip(drafting, caps, priced):
             generation = seq.generation
             generation.draft_cap = cap
             started = time.perf_counter()
@@ -446,27 +448,31 @@ class Scheduler:
             if cap[0] > 0:
                 spent = time.perf_counter() - started
                 total += spent
-                if not catch_up_s:  # a catch-up is no sample of drafting's own seconds
-                    key = _key(seq.spec)
-                    self._draft_s[key] = self._draft_s.get(key, spent) + RECENT * (
-                        spent - self._draft_s.get(key, spent))
+                call = generation.pending_call
+                # a catch-up, or forced tokens (nothing drafted), is no sample of drafting
+                if len(call.draft) and not call.forced and not catch_up_s:
+                    self._drafting(seq).observe(call.draft.max_depth, spent)
         return total
 
-    def _caps(self, drafting: list[_Sequence], behind: list[float]) -> list[tuple[int, int]]:
-        """Each sequence's (max depth, max draft rows) for its next step; ``behind``: each
-        one's catch-up seconds (priced by :func:`~specdecode.sizing.catch_up_share`)."""
+    def _caps(self, drafting: list[_Sequence],
+              priced: list[tuple[float, float]]) -> list[tuple[int, int]]:
+        """Each sequence's (max depth, max draft rows) for its next step; ``priced``: each
+        one's catch-up seconds (spread by :func:`~specdecode.sizing.catch_up_share`) and a
+        level's seconds by its drafter's curve (until its method's drafting is timed)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates, most = [], []
-        for seq, catch_up_s in zip(drafting, behind):
+        candidates, most, drafts_s = [], [], []
+        for seq, (catch_up_s, level_s) in zip(drafting, priced):
             prior = self._method_acceptance(seq)
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
             most.append(min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1))
             deepest = min(most[-1], len(prior.offered) + EXPLORE_LEVELS)
             levels = seq.acceptance.levels(max(0, deepest), prior)
-            candidates.append(Candidate(levels, self._draft_s.get(_key(seq.spec), 0.0)
-                                        + catch_up_share(catch_up_s, left, levels)))
+            drafts_s.append(self._drafting(seq).priced(level_s))
+            draft_s, level_s = drafts_s[-1]
+            candidates.append(Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels),
+                                        level_s))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
@@ -476,15 +482,19 @@ class Scheduler:
         # that its method's estimate can recover (one early miss would keep it at nothing)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
         out = []
-        for seq, (depth, rows), deepest, catch_up_s in zip(drafting, caps, most, behind):
+        for seq, (depth, rows), deepest, (catch_up_s, _), (draft_s, level_s) in zip(
+                drafting, caps, most, priced, drafts_s):
             explore = None if depth else explore_cap(
                 self.row_costs, step_rows, deepest, self.max_draft_rows, seq.idle,
-                self._draft_s.get(_key(seq.spec), 0.0) + catch_up_s)
+                draft_s + catch_up_s, level_s)
             out.append(explore or (depth, min(rows, self.max_draft_rows)))
         return out
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
+
+    def _drafting(self, seq: _Sequence) -> DraftTime:
+        return self._draft_time.setdefault(_key(seq.spec), DraftTime())
 
     def _fail(self, seq: _Sequence, exc: Exception, what: str) -> None:
         """End the sequence with an error for its request only (the config's problem, a 400,
