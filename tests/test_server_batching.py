@@ -138,8 +138,10 @@ def test_goodput_keeps_drafts_where_rows_are_free_and_drops_them_where_not(model
         drafted[name] = sum(usage.draft_tokens for _, usage in got)
         texts = [text for text, _ in got]
         drafted[name + "_texts"] = texts
-    assert drafted["steep"] == 0
-    assert drafted["flat"] > 0
+    # steep: only each first sequence's one-token first draft (sizing.first_draft), sent
+    # before the method has a record to size by
+    assert drafted["steep"] <= 4, drafted["steep"]
+    assert drafted["flat"] > 4 * drafted["steep"]
     assert drafted["flat_texts"] == drafted["steep_texts"]
 
 

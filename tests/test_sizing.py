@@ -83,6 +83,25 @@ def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
     assert model_s <= EXPLORE_SHARE * 600 * costs(1) * 1.1, model_s
 
 
+@pytest.mark.parametrize("accepted", [1, 0], ids=["accepted", "rejected"])
+def test_a_method_never_seen_drafting_sends_one_token_to_learn_its_worth(accepted):
+    """A draft model whose token costs 60% of a target forward, rows nearly free: on the prior
+    of a level never drafted, no draft pays, and without a first draft it would never draft,
+    however well it drafts. Its first is one token, where the request is long enough to repay
+    it (EXPLORE_SHARE of its forwards), and what it is worth decides from there: its tokens
+    accepted, it keeps drafting; rejected, it stops."""
+    costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
+    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, level_s=0.6, tokens_left=8) == (0, 0)
+    sizer, caps = DraftSizing(costs).sequence(GREEDY), []
+    for step in range(EXPLORE_EVERY):
+        depth, nodes = sizer.cap(6, 6, level_s=0.6, tokens_left=200 - step)
+        caps.append(depth)
+        draft = Draft.chain([0] * min(depth, nodes))
+        sizer.observe(draft, accepted * len(draft), 0.6 * len(draft), costs(1 + len(draft)))
+    assert caps[0] == 1
+    assert all(caps[1:]) if accepted else not any(caps[1:]), caps
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_an_untimed_draft_is_priced_by_its_drafters_curve(sampling):
     """Before any draft is timed (and always, for a seeded request, which reads no timings),

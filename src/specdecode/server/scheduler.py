@@ -49,7 +49,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
-                               explore_cap)
+                               explore_cap, first_draft)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -461,11 +461,13 @@ class Scheduler:
         level's seconds by its drafter's curve (until its method's drafting is timed)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates, most, drafts_s = [], [], []
+        candidates, most, drafts_s, lefts, seen = [], [], [], [], []
         for seq, (catch_up_s, level_s) in zip(drafting, priced):
             prior = self._method_acceptance(seq)
+            seen.append(bool(prior.offered or seq.acceptance.offered))
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
+            lefts.append(left)
             most.append(min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1))
             deepest = min(most[-1], len(prior.offered) + EXPLORE_LEVELS)
             levels = seq.acceptance.levels(max(0, deepest), prior)
@@ -482,11 +484,15 @@ class Scheduler:
         # that its method's estimate can recover (one early miss would keep it at nothing)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
         out = []
-        for seq, (depth, rows), deepest, (catch_up_s, _), (draft_s, level_s) in zip(
-                drafting, caps, most, priced, drafts_s):
-            explore = None if depth else explore_cap(
-                self.row_costs, step_rows, deepest, self.max_draft_rows, seq.idle,
-                draft_s + catch_up_s, level_s)
+        for seq, (depth, rows), deepest, (catch_up_s, _), (draft_s, level_s), left, known in zip(
+                drafting, caps, most, priced, drafts_s, lefts, seen):
+            explore = None
+            if not depth and known:
+                explore = explore_cap(self.row_costs, step_rows, deepest, self.max_draft_rows,
+                                      seq.idle, draft_s + catch_up_s, level_s)
+            elif not depth:  # a method never seen drafting: one token, to learn its worth
+                explore = first_draft(self.row_costs, step_rows, deepest, self.max_draft_rows,
+                                      left, draft_s + catch_up_s, level_s)
             out.append(explore or (depth, min(rows, self.max_draft_rows)))
         return out
 
