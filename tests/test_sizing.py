@@ -14,8 +14,8 @@ from specdecode.estimates import RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import (EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE, DraftSizing,
-                               DraftTime)
+from specdecode.sizing import (EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE, FIRST_DRAFTS,
+                               DraftSizing, DraftTime)
 
 from conftest import repetitive_prompts
 
@@ -84,12 +84,12 @@ def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
 
 
 @pytest.mark.parametrize("accepted", [1, 0], ids=["accepted", "rejected"])
-def test_a_method_never_seen_drafting_sends_one_token_to_learn_its_worth(accepted):
+def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(accepted):
     """A draft model whose token costs 60% of a target forward, rows nearly free: on the prior
-    of a level never drafted, no draft pays, and without a first draft it would never draft,
-    however well it drafts. Its first is one token, where the request is long enough to repay
-    it (EXPLORE_SHARE of its forwards), and what it is worth decides from there: its tokens
-    accepted, it keeps drafting; rejected, it stops."""
+    of a level never drafted, no draft pays, and without first drafts it would never draft,
+    however well it drafts. Its first FIRST_DRAFTS are a token each, where the request is long
+    enough to repay them (EXPLORE_SHARE of its forwards), unless what it is worth decides
+    sooner: its tokens accepted, it keeps drafting; rejected, it stops after them."""
     costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
     assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, level_s=0.6, tokens_left=8) == (0, 0)
     sizer, caps = DraftSizing(costs).sequence(GREEDY), []
@@ -98,8 +98,11 @@ def test_a_method_never_seen_drafting_sends_one_token_to_learn_its_worth(accepte
         caps.append(depth)
         draft = Draft.chain([0] * min(depth, nodes))
         sizer.observe(draft, accepted * len(draft), 0.6 * len(draft), costs(1 + len(draft)))
-    assert caps[0] == 1
-    assert all(caps[1:]) if accepted else not any(caps[1:]), caps
+    assert caps[0] == 1, caps
+    if accepted:
+        assert all(caps), caps
+    else:
+        assert caps[:FIRST_DRAFTS] == [1] * FIRST_DRAFTS and not any(caps[FIRST_DRAFTS:]), caps
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

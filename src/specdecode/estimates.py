@@ -70,9 +70,12 @@ class Acceptance:
     offered: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
     rows: list[float] = field(default_factory=list)
+    #: verify steps with a draft observed, not decayed
+    drafts: int = 0
 
     def observe(self, draft: Draft, accepted: int) -> None:
         depth = draft.max_depth
+        self.drafts += depth > 0
         for counts in (self.offered, self.reached, self.rows):
             counts[:] = [c * DECAY for c in counts]
             counts.extend([0.0] * (depth - len(counts)))

@@ -21,7 +21,10 @@ forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the lib
 and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
 drafts do not pay on this model and machine stops drafting (then, after ``EXPLORE_EVERY`` steps
 or more, once such a draft would cost at most ``EXPLORE_SHARE`` of the steps since the last, it
-sends one small draft, so its estimate can recover when the text starts to repeat).
+sends one small draft, so its estimate can recover when the text starts to repeat). A method
+seen drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where the allocation, on
+the prior of a level never drafted, sends none (:func:`first_draft`): what a draft is worth is
+learnt only from drafts sent.
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
@@ -56,6 +59,10 @@ EXPLORE_NODES = 4
 #: every EXPLORE_EVERY idle steps where a few rows cost little more than one; a draft model,
 #: whose explore pays for a forward a token and for reading every token it skipped, waits longer
 EXPLORE_SHARE = 0.05
+#: drafts a method sends a token at a time, where their cost allows, before its acceptance
+#: decides alone: one would leave a good draft model that missed once never to draft again (its
+#: explores cost more than EXPLORE_SHARE where reading a skipped token is dear)
+FIRST_DRAFTS = 4
 #: weight of the newest step in the decayed means of drafting and overhead seconds
 RECENT = 0.1
 
@@ -207,13 +214,14 @@ def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 
 def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
                 tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0) -> tuple[int, int] | None:
-    """The one-token draft a method never seen drafting sends where the allocation sends none:
-    what its drafts are worth is learnt only from drafts sent, and on the prior of a level
-    never drafted (``UNSEEN_RATE``) a draft model whose token costs a large share of a target
-    forward would never send its first (the 0.5B drafting for the 1.5B on two AVX2 cores: 40%),
-    however well it drafts. Sent where it costs at most EXPLORE_SHARE of the request's
-    decoding (``tokens_left`` one-row forwards): its row beside the ``base_rows``, ``draft_s``
-    (drafting, the catch-up) and a level; None otherwise, or where nothing may be drafted."""
+    """The one-token draft a method seen drafting fewer than FIRST_DRAFTS times sends where
+    the allocation sends none: what its drafts are worth is learnt only from drafts sent, and
+    on the prior of a level never drafted (``UNSEEN_RATE``) a draft model whose token costs a
+    large share of a target forward would never send its first (the 0.5B drafting for the 1.5B
+    on two AVX2 cores: 40%), however well it drafts. Sent where it costs at most EXPLORE_SHARE
+    of the request's decoding (``tokens_left`` one-row forwards): its row beside the
+    ``base_rows``, ``draft_s`` (drafting, the catch-up) and a level; None otherwise, or where
+    nothing may be drafted."""
     if min(max_depth, max_nodes) <= 0:
         return None
     first_s = costs(base_rows + 1) - costs(base_rows) + draft_s + level_s
@@ -260,7 +268,8 @@ class SequenceSizer:
                               level_s)
         overhead_s, row_s = (0.0, 0.0) if self.repeatable else sizing.overhead.line
         depth, rows = allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0]
-        if not depth and not seen:
+        tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
+        if not depth and tried < FIRST_DRAFTS:
             depth, rows = first_draft(sizing.costs, 1, max_depth, max_nodes, tokens_left,
                                       draft_s + catch_up_s, level_s) or (0, 0)
         if depth:

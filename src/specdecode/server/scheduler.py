@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
@@ -48,8 +49,8 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
-from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
-                               explore_cap, first_draft)
+from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
+                               catch_up_share, explore_cap, first_draft)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -461,40 +462,35 @@ class Scheduler:
         level's seconds by its drafter's curve (until its method's drafting is timed)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates, most, drafts_s, lefts, seen = [], [], [], [], []
+        candidates, fallbacks = [], []
         for seq, (catch_up_s, level_s) in zip(drafting, priced):
             prior = self._method_acceptance(seq)
-            seen.append(bool(prior.offered or seq.acceptance.offered))
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
-            lefts.append(left)
-            most.append(min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1))
-            deepest = min(most[-1], len(prior.offered) + EXPLORE_LEVELS)
-            levels = seq.acceptance.levels(max(0, deepest), prior)
-            drafts_s.append(self._drafting(seq).priced(level_s))
-            draft_s, level_s = drafts_s[-1]
+            most = min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1)
+            levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
+                                           prior)
+            draft_s, level_s = self._drafting(seq).priced(level_s)
             candidates.append(Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels),
                                         level_s))
+            # where the budget leaves a sequence without a draft, one is sent anyway when its
+            # method's estimate must learn: a token while the method is seldom seen drafting,
+            # a small draft after long without one (an early miss would keep it at nothing)
+            priced_as = dict(max_depth=most, max_nodes=self.max_draft_rows,
+                             draft_s=draft_s + catch_up_s, level_s=level_s)
+            if max(prior.drafts, seq.acceptance.drafts) < FIRST_DRAFTS:
+                fallbacks.append(functools.partial(first_draft, tokens_left=left, **priced_as))
+            else:
+                fallbacks.append(functools.partial(explore_cap, idle=seq.idle, **priced_as))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
         caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows,
                         *self._overhead.line)
-        # a sequence the budget leaves without a draft for long sends a small one anyway, so
-        # that its method's estimate can recover (one early miss would keep it at nothing)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
-        out = []
-        for seq, (depth, rows), deepest, (catch_up_s, _), (draft_s, level_s), left, known in zip(
-                drafting, caps, most, priced, drafts_s, lefts, seen):
-            explore = None
-            if not depth and known:
-                explore = explore_cap(self.row_costs, step_rows, deepest, self.max_draft_rows,
-                                      seq.idle, draft_s + catch_up_s, level_s)
-            elif not depth:  # a method never seen drafting: one token, to learn its worth
-                explore = first_draft(self.row_costs, step_rows, deepest, self.max_draft_rows,
-                                      left, draft_s + catch_up_s, level_s)
-            out.append(explore or (depth, min(rows, self.max_draft_rows)))
-        return out
+        return [(depth, min(rows, self.max_draft_rows)) if depth
+                else fallback(self.row_costs, step_rows) or (0, 0)
+                for (depth, rows), fallback in zip(caps, fallbacks)]
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
