@@ -213,7 +213,8 @@ def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 
 
 def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
-                tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0) -> tuple[int, int] | None:
+                tokens_left: int, draft_s: float = 0.0,
+                level_s: float = 0.0) -> tuple[int, int] | None:
     """The one-token draft a method seen drafting fewer than FIRST_DRAFTS times sends where
     the allocation sends none: what its drafts are worth is learnt only from drafts sent, and
     on the prior of a level never drafted (``UNSEEN_RATE``) a draft model whose token costs a
