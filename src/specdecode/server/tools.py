@@ -41,8 +41,11 @@ from typing import Any
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-#: OpenAI's rule for function names (also what keeps them safe inside the grammar's literals)
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: OpenAI's rule for function names (also what keeps them safe inside the grammar's literals):
+#: 1 to NAME_MAX of these characters
+NAME_CHAR = re.compile(r"[A-Za-z0-9_-]")
+NAME_MAX = 64
+NAME = re.compile(f"{NAME_CHAR.pattern}{{1,{NAME_MAX}}}")
 #: the parameters of a function that declares none: no arguments at all
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 #: arguments written as the template shows JSON (Python's ``json.dumps``): ", " and ": ", no
@@ -181,8 +184,8 @@ def _function(i: int, tool: Any) -> Function:
                         "'name', 'description', 'parameters' and 'strict'")
     name = definition.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ToolError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', "
-                        f"got {name!r}")
+        raise ToolError(f"{where}.function.name must be 1 to {NAME_MAX} letters, digits, '_' "
+                        f"or '-', got {name!r}")
     if not isinstance(definition.get("description", ""), str):
         raise ToolError(f"{where}.function.description must be a string")
     if not isinstance(definition.get("strict", False), bool):
@@ -361,7 +364,6 @@ class Arguments:
 #: arguments object's "{" ends it
 _HEADER = (" ", "{", " ", '"name"', " ", ":", " ", "NAME_FIELD", " ", ",", " ", '"arguments"', " ",
            ":", " ", "{")
-_NAME_CHAR = re.compile(r"[A-Za-z0-9_-]")
 
 
 def _header(text: str) -> tuple[bool | None, int, str]:
@@ -380,10 +382,10 @@ def _header(text: str) -> tuple[bool | None, int, str]:
             if text[at] != '"':
                 return False, 0, ""
             stop = at + 1
-            while stop < len(text) and _NAME_CHAR.match(text[stop]):
+            while stop < len(text) and NAME_CHAR.match(text[stop]):
                 stop += 1
             if stop == len(text):
-                return (None, 0, "") if stop - at - 1 <= 64 else (False, 0, "")
+                return (None, 0, "") if stop - at - 1 <= NAME_MAX else (False, 0, "")
             if text[stop] != '"' or not NAME.fullmatch(text[at + 1:stop]):
                 return False, 0, ""
             at, name = stop + 1, text[at + 1:stop]
