@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.cache import file_version
 from specdecode.control import AcceptanceHead
 from specdecode.drafting.caches import DraftLM, NativeDraftLM
 from specdecode.errors import SpecDecodeError, require
@@ -196,8 +197,7 @@ def open_gguf_draft(path: Path, source: DraftSource,
     check_tokenizer(path, file.fields, runner)
     longest = LlamaShape.from_config(file.config).max_context
     context = getattr(runner, "max_context", None)  # None: the native default
-    stat = path.stat()
-    loaded = _gguf_draft_weights(path.resolve(), stat.st_size, stat.st_mtime_ns,
+    loaded = _gguf_draft_weights(*file_version(path),
                                  native_weights(source.draft_weights, file.config),
                                  None if context is None else min(context, longest))
     return NativeDraftLM(LlamaDrafter(loaded.replica())), LoadedDraft(None, None, None, str(path))

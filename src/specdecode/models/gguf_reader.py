@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from specdecode import kernels
+from specdecode.cache import file_version
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
 from specdecode.models.int8_blocks import decode_gguf_blocks
@@ -307,9 +308,7 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry]]:
     large vocabulary, where this skips them. Arrays of strings are left out of the metadata
     (their length is kept, under the key + ".count"). Parsed once per process and version of
     the file (loading a model reads its header three times)."""
-    path = Path(path)
-    stat = path.stat()
-    fields, tensors = _parsed_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    fields, tensors = _parsed_header(*file_version(Path(path)))
     return dict(fields), list(tensors)
 
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from specdecode import kernels
+from specdecode.cache import file_version
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, PrefillCall, Runner, VerifyCall
@@ -238,10 +239,9 @@ class LlamaRunner(PackedForwards, Runner):
         path = Path(self.source) if self.source else None
         if path is None or not path.is_file():
             return None
-        stat = path.stat()
+        resolved, size, mtime_ns = file_version(path)
         # and the kernels it runs on: a change to them (a layout's bytes) re-measures the curve
-        return (f"native:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.weights}:"
-                f"{kernels.build_id()}")
+        return f"native:{resolved}:{size}:{mtime_ns}:{self.weights}:{kernels.build_id()}"
 
     @property
     def pending_rows(self) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.cache import cache_root
+from specdecode.cache import cache_root, file_version
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.parted import PARTED_MODELS, PartedModel, assemble
 
@@ -125,8 +125,8 @@ NAMED_MODELS = {DEFAULT_MODEL: default_gguf_path, "default": default_gguf_path,
 
 
 def _file_key(path: Path) -> str:
-    stat = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    resolved, size, mtime_ns = file_version(path)
+    return hashlib.sha1(f"{resolved}:{size}:{mtime_ns}".encode()).hexdigest()[:12]
 
 
 def _save_atomically(obj, folder: Path) -> None:
