@@ -6,6 +6,8 @@ feeds every part every step, and sends valid merged trees."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from specdecode.models.base import NOTHING, Needs
 from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.auto import AutoConfig, AutoProposer, merged
 from specdecode.estimates import RowCosts
+from specdecode.sizing import FIRST_DRAFTS
 
 #: the target's greedy text: token i follows the first i tokens
 TRUTH = list(range(2000))
@@ -61,7 +64,7 @@ def decode(auto: AutoProposer, start: int, stop: int) -> list[Draft]:
     sent = []
     n = start
     while n < stop:
-        draft = auto.propose(TRUTH[:n], Budget(64, 128))
+        draft = auto.propose(TRUTH[:n], Budget(64, 128, tokens_left=stop - n))
         node, accepted = -1, []
         for token in TRUTH[n:]:
             child = next((c for c in draft.children(node) if draft.tokens[c] == token), None)
@@ -89,8 +92,10 @@ def test_switches_to_the_part_the_target_accepts():
     steps = len(decode(auto, 1, 400))
     repetitive = dict(auto.choices)
     assert repetitive.get("suffix", 0) >= 0.9 * steps, repetitive
-    # the head drafted only to keep its estimate current (every explore_every steps)
-    assert head.proposed <= steps // auto.config.explore_every + 2, (head.proposed, steps)
+    # the head drafted only to learn its worth (its first drafts, then every explore_every
+    # steps)
+    assert head.proposed <= FIRST_DRAFTS + steps // auto.config.explore_every + 1, (
+        head.proposed, steps)
     # every step was fed to both parts, the one not drafting included
     assert suffix.observed == head.observed == steps
 
@@ -106,6 +111,69 @@ def test_an_arm_that_never_pays_is_not_sent():
     auto = AutoProposer(AutoConfig(parts="a,b"), None, [never, also_never], COSTS)
     steps = len(decode(auto, 1, 200))
     assert auto.choices["none"] >= 0.9 * steps, dict(auto.choices)
+
+
+class PerToken(Scripted):
+    """A part priced as a draft model: each token a forward of its own, ``level_s`` by its
+    curve, after reading what it skipped (``catch_up_s``; a nanosecond keeps its drafting
+    untimed, so that the curve, not the microseconds a scripted draft takes, prices it)."""
+
+    def __init__(self, draft_of, level_s: float, catch_up_s: float = 1e-9):
+        super().__init__(draft_of)
+        self.level_s, self.catch_up_s = level_s, catch_up_s
+        self.depths: list[int] = []
+
+    def draft_seconds(self, context):
+        return self.catch_up_s, self.level_s
+
+    def propose(self, context, budget):
+        self.depths.append(budget.max_depth)
+        return super().propose(context, budget)
+
+
+def one_ahead(n: int) -> Draft:
+    """Like a draft model that agrees with the target on the next token only."""
+    return Draft.chain([TRUTH[n], WRONG, WRONG + 1, WRONG + 2])
+
+
+def nothing(n: int) -> Draft:
+    return Draft.empty()
+
+
+def test_a_draft_model_part_drafts_as_deep_as_its_tokens_pay():
+    """Tokens that cost a fifth of a forward each, right one ahead: the part drafts that one
+    token (a deeper one would cost a fifth of a forward for nothing), and where the lookup
+    beside it has nothing, it is sent every step."""
+    model = PerToken(one_ahead, 0.2)
+    auto = AutoProposer(AutoConfig(parts="suffix,draft_model"), None,
+                        [Scripted(nothing), model], COSTS)
+    steps = len(decode(auto, 1, 300))
+    assert model.depths.count(1) >= 0.9 * len(model.depths), Counter(model.depths)
+    assert auto.choices["draft_model"] >= 0.9 * steps, dict(auto.choices)
+
+
+def test_a_draft_model_part_that_does_not_pay_only_learns():
+    """Tokens that cost nine tenths of a forward, right 60% of the time, never pay: the part
+    drafts its first FIRST_DRAFTS tokens, then only where a small draft costs at most
+    EXPLORE_SHARE of the steps since its last (far fewer than a lookup's explores)."""
+    model = PerToken(lambda n: Draft.chain([TRUTH[n] if n % 5 < 3 else WRONG]), 0.9)
+    auto = AutoProposer(AutoConfig(parts="suffix,draft_model"), None,
+                        [Scripted(nothing), model], COSTS)
+    steps = len(decode(auto, 1, 400))
+    assert FIRST_DRAFTS <= model.proposed < FIRST_DRAFTS + steps // auto.config.explore_every
+    assert auto.choices["none"] >= 0.9 * steps, dict(auto.choices)
+
+
+@pytest.mark.parametrize("left, drafts", [(1000, True), (4, False)])
+def test_a_draft_model_parts_catch_up_is_spread_over_the_tokens_left(left, drafts):
+    """A part that must first read what it skipped (two forwards' worth) drafts where the
+    request's steps left repay the reading, and not near its end."""
+    model = PerToken(one_ahead, 0.2, catch_up_s=2.0)
+    auto = AutoProposer(AutoConfig(parts="suffix,draft_model"), None,
+                        [Scripted(nothing), model], COSTS)
+    auto.start(TRUTH[:1])
+    auto.propose(TRUTH[:1], Budget(64, 128, tokens_left=left))
+    assert model.proposed == drafts
 
 
 def test_step_seconds_besides_the_forward_are_learnt_per_row():

@@ -51,13 +51,14 @@ def needs_heads(method: str) -> bool:
 def tiny_overrides(method: str, target=None) -> dict:
     """Config a method needs on the tiny model ``target`` (a tiny draft model instead of the
     distilled SmolLM2 draft, heads trained on it); empty for model-free methods."""
-    if needs_draft_model(method):
-        return {"draft": tiny_draft_dir()}
+    overrides = {}
+    if needs_draft_model(method):  # (auto hands its own to a draft-model part)
+        overrides["draft"] = tiny_draft_dir()
     if needs_heads(method):
         # min_path_prob 0: full trees, where an untrained-looking tiny head would send none
-        return {"heads": tiny_heads(registry.get(method).proposer.head_kind, target),
-                "min_path_prob": 0.0}
-    return {}
+        overrides.update(heads=tiny_heads(registry.get(method).proposer.head_kind, target),
+                         min_path_prob=0.0)
+    return overrides
 
 
 def decode(model, method, prompt, max_new, eos=None, **config):
@@ -78,6 +79,16 @@ def test_greedy_identical_on_tiny_models(tiny_models, method):
         for prompt in repetitive_prompts():
             ar = decode(model, "ar", prompt, 32)
             assert decoder.start(prompt, 32).run() == ar, (method, prompt)
+
+
+def test_auto_with_a_draft_model_part(tiny_models):
+    """auto choosing between a lookup and a draft model, each step (the draft's tokens priced
+    a forward each, its reading of what it skipped spread over the request), is ``ar``."""
+    for model in tiny_models:
+        decoder = Decoder(model, None, "auto", eos_token_ids=[], parts="suffix,draft_model",
+                          draft=tiny_draft_dir())
+        for prompt in repetitive_prompts():
+            assert decoder.start(prompt, 32).run() == decode(model, "ar", prompt, 32), prompt
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -303,10 +314,10 @@ def test_greedy_identical_on_qwen_coder(qwen_coder, qwen_coder_runner, method, r
     # 151,936-token head takes minutes): full trees, so every path of the tree code runs
     config = {}
     if needs_draft_model(method):
-        config = {"draft": "qwen2.5-coder-0.5b"}
-    elif needs_heads(method):
-        config = {"heads": tiny_heads(registry.get(method).proposer.head_kind, runner,
-                                      tuple(range(4096)), steps=0), "min_path_prob": 0.0}
+        config["draft"] = "qwen2.5-coder-0.5b"
+    if needs_heads(method):
+        config.update(heads=tiny_heads(registry.get(method).proposer.head_kind, runner,
+                                       tuple(range(4096)), steps=0), min_path_prob=0.0)
     # the translation (short, 21 tokens to its end of sequence, names copied from the prompt
     # for retrieval drafts); on the 1.5B also the summarization (709 prompt tokens: long
     # context; the default run's long context is the default model's RAG prompt, above)

@@ -154,6 +154,18 @@ def test_full_budget_ignores_the_curve(model, tokenizer):
     assert sum(usage.draft_tokens for _, usage in got) > 0
 
 
+def test_auto_sizes_its_own_drafts_in_the_server(model, tokenizer):
+    """auto prices each part's drafting itself (a draft model's tokens beside a lookup's): the
+    scheduler hands its sequences their whole budget, where one curve, acceptance and drafting
+    time for the method would size them (this steep curve leaves a lookup its first drafts)."""
+    requests = [(p, dict(max_tokens=32, temperature=0)) for p in PROMPTS[:4]]
+    with serve(model, tokenizer, parallel=4, method="auto", curve=STEEP,
+               config={"parts": "suffix,ngram"}) as served:
+        got = ask_all(served.url, requests)
+    assert [text for text, _ in got] == [solo(model, tokenizer, p, "ar", 32) for p in PROMPTS[:4]]
+    assert sum(usage.draft_tokens for _, usage in got) > FIRST_DRAFTS + 3
+
+
 def test_a_client_leaving_mid_stream_costs_the_others_nothing(model, tokenizer):
     with serve(model, tokenizer, parallel=4, method="ar") as served:
         body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],

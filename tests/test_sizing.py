@@ -87,11 +87,14 @@ def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
 def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(accepted):
     """A draft model whose token costs 60% of a target forward, rows nearly free: on the prior
     of a level never drafted, no draft pays, and without first drafts it would never draft,
-    however well it drafts. Its first FIRST_DRAFTS are a token each, where the request is long
-    enough to repay them (EXPLORE_SHARE of its forwards), unless what it is worth decides
-    sooner: its tokens accepted, it keeps drafting; rejected, it stops after them."""
+    however well it drafts. Its first FIRST_DRAFTS are a token each, where one sure to be
+    accepted would pay: after reading a short prompt (seven forwards' worth: the 0.5B reading
+    51 tokens for the 1.5B on two AVX2 cores) with 128 tokens to repay it, not with 8. Then
+    what it is worth decides: its tokens accepted, it keeps drafting; rejected, it stops."""
     costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
-    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, level_s=0.6, tokens_left=8) == (0, 0)
+    behind = dict(catch_up_s=7.0, level_s=0.6)
+    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=8, **behind) == (0, 0)
+    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=128, **behind) == (1, 1)
     sizer, caps = DraftSizing(costs).sequence(GREEDY), []
     for step in range(EXPLORE_EVERY):
         depth, nodes = sizer.cap(6, 6, level_s=0.6, tokens_left=200 - step)
@@ -175,6 +178,18 @@ def test_sized_drafts_stay_exact_and_full_ones_too(runner, method):
             decoder = Decoder(runner, None, method, eos_token_ids=[], draft_budget=budget)
             assert (decoder.sizing is None) == (budget == "full")
             assert decoder.start(prompt, 40).run() == ar, (method, budget)
+
+
+def test_auto_sizes_its_own_drafts(runner):
+    """auto prices and cuts each part's drafts itself (a draft model's tokens beside a
+    lookup's): no sizer caps it by the pooled acceptance of its arms, which would hold a
+    lookup's draft to a draft model's price."""
+    prompt = repetitive_prompts()[0]
+    ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 40).run()
+    auto = Decoder(runner, None, "auto", eos_token_ids=[], parts="suffix,ngram")
+    assert auto.sizing is None
+    generation = auto.start(prompt, 40)
+    assert generation.run() == ar and generation.stats.draft_tokens
 
 
 def test_seeded_sampling_repeats_under_sized_drafts(runner):

@@ -42,6 +42,9 @@ class Budget:
     #: asked after each drafted token whether to draft another; None = draft up to max_depth
     keep_drafting: Callable[[DraftSignal], bool] | None = dataclasses.field(
         default=None, compare=False)
+    #: tokens the request may still commit (what a proposer that prices its own parts spreads
+    #: a draft model's catch-up over); None: not known
+    tokens_left: int | None = dataclasses.field(default=None, compare=False)
 
     def capped(self, max_depth: int) -> Budget:
         return dataclasses.replace(self, max_depth=min(self.max_depth, max_depth))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdecode.constraints import Constraint
 from specdecode.control import Controller
@@ -259,7 +259,7 @@ class Generation:
                                     forced=True)
             return self._call
         left = self.max_new_tokens - len(self.tokens)
-        budget = self.controller.budget().capped(left - 1)
+        budget = replace(self.controller.budget().capped(left - 1), tokens_left=left)
         cap = self.draft_cap
         if self.sizer is not None and budget.max_depth > 0:
             cap = self.sizer.cap(budget.max_depth, budget.max_nodes, *self.draft_seconds(),

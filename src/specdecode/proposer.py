@@ -77,6 +77,11 @@ class Proposer(ABC):
     method_name: str = "?"
     #: what :meth:`observe` reads from the target's passes besides the logits
     needs: Needs = NOTHING
+    #: whether it sizes its own drafts, pricing each of its parts' drafting (``auto``): no
+    #: sizer caps them from outside (the library builds none for it, the server's scheduler
+    #: hands it its whole budget), whose one acceptance and drafting time per method would
+    #: price a lookup's draft by a draft model's seconds
+    prices_own_drafting: bool = False
 
     def __init__(self, config, runner: Runner):
         self.config = config

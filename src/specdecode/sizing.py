@@ -23,8 +23,8 @@ drafts do not pay on this model and machine stops drafting (then, after ``EXPLOR
 or more, once such a draft would cost at most ``EXPLORE_SHARE`` of the steps since the last, it
 sends one small draft, so its estimate can recover when the text starts to repeat). A method
 seen drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where the allocation, on
-the prior of a level never drafted, sends none (:func:`first_draft`): what a draft is worth is
-learnt only from drafts sent.
+the prior of a level never drafted, sends none and a token sure to be accepted would pay
+(:func:`first_draft`): what a draft is worth is learnt only from drafts sent.
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
@@ -130,10 +130,12 @@ def catch_up_share(catch_up_s: float, tokens_left: int,
 
 def method_sizing(method, runner: Runner, draft_budget: str = "goodput") -> DraftSizing | None:
     """The sizing of a registered ``method``'s drafts on ``runner`` for ``draft_budget``; None
-    where nothing is sized (``full``; ``ar`` and lossy methods send no drafts to size)."""
+    where nothing is sized (``full``; ``ar`` and lossy methods send no drafts to size) or the
+    method sizes its own (:attr:`~specdecode.proposer.Proposer.prices_own_drafting`)."""
     require(draft_budget in DRAFT_BUDGETS,
             f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
-    if draft_budget != "goodput" or method.lossy or method.name == "ar":
+    if (draft_budget != "goodput" or method.lossy or method.name == "ar"
+            or method.proposer.prices_own_drafting):
         return None
     from specdecode.models.row_costs import cached_row_costs
 
@@ -196,14 +198,15 @@ class DraftSizing:
 
 
 def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, idle: int,
-                draft_s: float = 0.0, level_s: float = 0.0) -> tuple[int, int] | None:
+                draft_s: float = 0.0, level_s: float = 0.0,
+                every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
     """The small draft (depth, nodes) a sequence that has not drafted for ``idle`` steps sends
     anyway, so that its acceptance estimate can recover (a method's estimate learns only from
     drafts sent: one that fell to nothing would keep it from drafting for good); None before
-    EXPLORE_EVERY such steps, or while the draft would cost more than EXPLORE_SHARE of them:
-    its rows beside the ``base_rows`` the forward runs anyway, ``draft_s`` (drafting, a
-    catch-up) and ``level_s`` a level."""
-    if idle < EXPLORE_EVERY:
+    ``every`` such steps, or while the draft would cost more than EXPLORE_SHARE of them: its
+    rows beside the ``base_rows`` the forward runs anyway, ``draft_s`` (drafting, a catch-up)
+    and ``level_s`` a level."""
+    if idle < every:
         return None
     depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
     if depth <= 0:
@@ -213,20 +216,24 @@ def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 
 
 def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
-                tokens_left: int, draft_s: float = 0.0,
-                level_s: float = 0.0) -> tuple[int, int] | None:
+                tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0,
+                catch_up_s: float = 0.0) -> tuple[int, int] | None:
     """The one-token draft a method seen drafting fewer than FIRST_DRAFTS times sends where
-    the allocation sends none: what its drafts are worth is learnt only from drafts sent, and
-    on the prior of a level never drafted (``UNSEEN_RATE``) a draft model whose token costs a
-    large share of a target forward would never send its first (the 0.5B drafting for the 1.5B
-    on two AVX2 cores: 40%), however well it drafts. Sent where it costs at most EXPLORE_SHARE
-    of the request's decoding (``tokens_left`` one-row forwards): its row beside the
-    ``base_rows``, ``draft_s`` (drafting, the catch-up) and a level; None otherwise, or where
-    nothing may be drafted."""
+    the allocation sends none, if a token sure to be accepted would pay for itself: what its
+    drafts are worth is learnt only from drafts sent, and on the prior of a level never
+    drafted (``UNSEEN_RATE``) a draft model whose token costs a large share of a target forward
+    would never send its first (the 0.5B drafting for the 1.5B on two AVX2 cores: 40%, while it
+    agrees with the 1.5B about three times in four). Its price: its row beside the
+    ``base_rows``, ``draft_s`` (drafting), a level, and its ``catch_up_s`` spread over the
+    ``tokens_left`` as the allocation spreads it (:func:`catch_up_share`); sent where that is
+    less than a one-row forward, which the token it commits when accepted saves (so a draft
+    model behind a long prompt near the end of a request does not try: reading it would not be
+    repaid). None otherwise, or where nothing may be drafted."""
     if min(max_depth, max_nodes) <= 0:
         return None
-    first_s = costs(base_rows + 1) - costs(base_rows) + draft_s + level_s
-    return (1, 1) if first_s <= EXPLORE_SHARE * tokens_left * costs(1) else None
+    first_s = (costs(base_rows + 1) - costs(base_rows) + draft_s + level_s
+               + catch_up_share(catch_up_s, tokens_left, [(1.0, 1.0)]))
+    return (1, 1) if first_s < costs(1) else None
 
 
 class SequenceSizer:
@@ -272,7 +279,7 @@ class SequenceSizer:
         tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
         if not depth and tried < FIRST_DRAFTS:
             depth, rows = first_draft(sizing.costs, 1, max_depth, max_nodes, tokens_left,
-                                      draft_s + catch_up_s, level_s) or (0, 0)
+                                      draft_s, level_s, catch_up_s) or (0, 0)
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)

@@ -17,17 +17,26 @@ calls, as a fixed part and a part per draft row: the verify pass's LM head rows,
 verification and the parts' bookkeeping grow with the rows, which the forward's curve does not
 see; a line through the median seconds of the recent steps by row count, so that a step the
 machine stalled does not price every row after it), and the drafting seconds of each part
-that drafted (learnt per part). What a step gains: 1 + the expected accepted tokens, from the
-arm's recent acceptance per depth (:class:`specdecode.estimates.Acceptance`, the server's
-estimator: the chance that depth k is accepted, given a draft that deep).
+that drafted: a line in its depth, timed per part, and for a draft model (``draft_model``,
+``dyspec``: ``auto:parts=suffix+draft_model`` with ``draft=...``) the reading of the tokens it
+skipped while other parts drafted, by its own row-cost curve and spread over the request's
+steps left, as one draft model alone is priced (:mod:`specdecode.sizing`). What a step gains:
+1 + the expected accepted tokens, from the arm's recent acceptance per depth
+(:class:`specdecode.estimates.Acceptance`, the server's estimator: the chance that depth k is
+accepted, given a draft that deep).
 
-Each step, in order of their recent drafting seconds (cheapest first), a part drafts only if
-its expected tokens per second (its acceptance so far, its drafting seconds included) beat the
-best draft already in hand, whose drafting is already paid; so the suffix tree's
-nearly free draft is made first, and the head drafts only where the suffix draft is
-poor. A part that has not drafted for ``explore_every`` steps drafts anyway, so its estimate
-follows the text. Of the drafts in hand (and their merged prefix tree, with ``merge``), the one
-with the most expected tokens per second of its forward is sent.
+Each step, cheapest drafting first, a part drafts only if its best draft (the depth and nodes
+that maximise its expected tokens per second, :func:`specdecode.sizing.allocate` on its
+acceptance, its drafting included) beats the best draft already in hand, whose drafting is
+already paid; so the suffix tree's nearly free draft is made first, and a head or a draft
+model drafts only where the suffix draft is poor, to the depth its acceptance pays for (a draft
+model's token costs a forward of its own). A part whose drafts do not pay still drafts a token
+while it has drafted fewer than ``FIRST_DRAFTS`` times, where one sure to be accepted would
+pay, and a small draft after ``explore_every`` steps without drafting, where it costs at most
+``EXPLORE_SHARE`` of those steps, so its estimate follows the text. Of the drafts in hand (and their merged
+prefix tree, with ``merge``), the one with the most expected tokens per second of its forward
+is sent, cut to the depth and nodes its arm's acceptance pays for. No sizer caps it from
+outside (:attr:`~specdecode.proposer.Proposer.prices_own_drafting`).
 
 Every draft made, sent or not, is scored against the tokens the target commits (walking its
 tree along them, across steps where needed), so the estimates of parts and of the merged tree
@@ -60,11 +69,11 @@ from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
+from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
+                               catch_up_share, explore_cap, first_draft)
 
-#: weight of the newest observation of a part's drafting seconds
-RECENT = 0.1
 #: config fields handed on to every part whose config has them
-SHARED_FIELDS = ("heads", "min_path_prob", "corpus")
+SHARED_FIELDS = ("heads", "min_path_prob", "corpus", "draft")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,9 @@ class AutoConfig:
                                        "probability (hydra's default)", bounds=(0.0, 1.0))
     corpus: str = param("none", "target-written text for the parts that draft from one "
                                 "(suffix's corpus: a file, 'auto' or 'none')")
+    draft: str = param("distilled", "the draft of the parts that draft with a model "
+                                    "(draft_model, dyspec): as their own 'draft', e.g. "
+                                    "qwen2.5-coder-0.5b (auto:parts=suffix+draft_model)")
     merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
                                    "anyway, so its acceptance estimate stays current",
@@ -165,6 +177,7 @@ def merged(drafts: Sequence[Draft]) -> Draft:
 class AutoProposer(Proposer):
     #: the head kind the default learned part (hydra) loads ``heads`` for
     head_kind = "hydra"
+    prices_own_drafting = True
 
     def __init__(self, config: AutoConfig, runner: Runner, parts: Sequence[Proposer] | None = None,
                  row_costs: RowCosts | None = None):
@@ -182,7 +195,9 @@ class AutoProposer(Proposer):
         self.controllers = [p.make_controller() for p in self.parts]
         self.records = [_Record() for _ in self.parts]
         self.merged_record = _Record()
-        self.draft_s: list[float | None] = [None] * len(self.parts)  # None: never drafted
+        #: each part's drafting seconds as a line in its depth (steps that read skipped
+        #: tokens left out: their catch-up is priced by the part's own curve)
+        self.draft_times = [DraftTime() for _ in self.parts]
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
         #: a step's seconds besides its forward and drafting, as a line in its draft rows
         self.overhead = StepOverhead()
@@ -237,32 +252,85 @@ class AutoProposer(Proposer):
             return self._none_rate()
         return record.tokens_for(draft) / self._seconds(len(draft))
 
-    def _worth_drafting(self, i: int, best_rate: float, in_hand: int) -> bool:
-        """Whether part ``i``'s expected tokens per second, its drafting included, beat
-        ``best_rate`` (the best draft in hand); ``in_hand``: nodes of that draft."""
-        record = self.records[i]
-        if record.steps == 0 or self.idle[i] >= self.config.explore_every:
-            return True
-        tokens, rows = record.expected()
-        drafting_s = self.draft_s[i] or 0.0
-        rate = tokens / self._seconds(rows, drafting_s)
-        if self.config.merge and in_hand and self.merged_record.steps:
-            tokens, rows = self.merged_record.expected()
-            rate = max(rate, tokens / self._seconds(rows, drafting_s))
-        return rate > best_rate
+    def _cut(self, record: _Record, draft: Draft) -> Draft:
+        """``draft`` cut to the depth and nodes whose expected tokens per second, by its arm's
+        acceptance by depth (the drafting paid), is highest (:func:`~specdecode.sizing.allocate`,
+        the sizer's cap of one method's drafts, here per arm); empty where no draft pays."""
+        if not len(draft):
+            return draft
+        levels = record.acceptance.levels(draft.max_depth)
+        depth, rows = allocate([Candidate(levels)], self.costs, 1, *self.overhead.line)[0]
+        return draft.truncated(depth, rows) if depth else Draft.empty()
 
-    def _draft_part(self, i: int, context: Sequence[int], budget: Budget) -> Draft:
+    def _priced(self, i: int, context: Sequence[int]) -> tuple[float, float, float, bool]:
+        """Part ``i``'s drafting after ``context``: (fixed seconds, seconds a level, seconds
+        of reading the tokens it skipped first, whether a token costs a forward of its own),
+        timed where its drafting has been timed, else by its drafter's own row-cost curve (a
+        draft model's; nothing for lookups and heads)."""
+        catch_up_s, curve_level_s = self.parts[i].draft_seconds(context)
+        fixed_s, level_s = self.draft_times[i].priced(curve_level_s)
+        return fixed_s, level_s, catch_up_s, curve_level_s > 0
+
+    def _sized(self, i: int, budget: Budget, priced: tuple[float, float, float, bool],
+               best_rate: float, in_hand: int) -> Budget | None:
+        """The budget part ``i`` drafts within this step, or None. It drafts where its best
+        draft (:func:`~specdecode.sizing.allocate` on its acceptance by depth, its drafting
+        priced by ``priced`` with the catch-up spread over the request's steps left) is
+        expected to beat ``best_rate``, that of the best draft in hand (of ``in_hand`` nodes,
+        or of the two merged), or while its estimate must learn (it has drafted fewer than
+        FIRST_DRAFTS times, or not for ``explore_every`` steps). A drafter whose tokens cost a
+        forward each (a draft model) drafts to the depth and nodes of that best draft, and
+        where none pays, a small draft while its estimate must learn (a token for its first
+        drafts where one sure to be accepted would pay, a few after ``explore_every`` steps
+        where they cost at most EXPLORE_SHARE of those steps); a lookup or heads, whose
+        drafting costs
+        about the same at any depth, to its own budget (what is sent is chosen after)."""
         own = self.controllers[i].budget()
-        capped = Budget(min(budget.max_depth, own.max_depth),
-                        min(budget.max_nodes, own.max_nodes), own.keep_drafting)
+        most_depth = min(budget.max_depth, own.max_depth)
+        most_nodes = min(budget.max_nodes, own.max_nodes)
+        if min(most_depth, most_nodes) <= 0:
+            return None
+        fixed_s, level_s, catch_up_s, per_token = priced
+        acceptance = self.records[i].acceptance
+        levels = acceptance.levels(min(most_depth, most_nodes,
+                                       len(acceptance.offered) + EXPLORE_LEVELS))
+        left = budget.tokens_left or 1
+        draft_s = fixed_s + catch_up_share(catch_up_s, left, levels)
+        depth, rows = allocate([Candidate(levels, draft_s, level_s)], self.costs, 1,
+                               *self.overhead.line)[0]
+        first = acceptance.drafts < FIRST_DRAFTS
+        learning = first or self.idle[i] >= self.config.explore_every
+        if not per_token:
+            sized = Budget(most_depth, most_nodes, own.keep_drafting)
+        elif depth:
+            sized = Budget(depth, min(rows, most_nodes), own.keep_drafting)
+        else:  # no draft of it pays
+            small = (first and first_draft(self.costs, 1, most_depth, most_nodes, left,
+                                           fixed_s, level_s, catch_up_s)) or explore_cap(
+                self.costs, 1, most_depth, most_nodes, self.idle[i], fixed_s + catch_up_s,
+                level_s, every=self.config.explore_every)
+            return None if small is None else Budget(*small, own.keep_drafting)
+        if learning:
+            return sized
+        if not depth:
+            return None
+        drafting_s = draft_s + level_s * depth
+        rate = (1.0 + sum(chance for chance, _ in levels[:depth])) / self._seconds(rows,
+                                                                                   drafting_s)
+        if self.config.merge and in_hand and self.merged_record.steps:
+            tokens, merged_rows = self.merged_record.expected()
+            rate = max(rate, tokens / self._seconds(merged_rows, drafting_s))
+        return sized if rate > best_rate else None
+
+    def _draft_part(self, i: int, context: Sequence[int], capped: Budget,
+                    timed: bool) -> Draft:
         started = time.perf_counter()
         made = self.parts[i].propose(context, capped).truncated(capped.max_depth,
                                                                 capped.max_nodes)
         # sent without probabilities: see the module's docstring (seeded runs repeat)
         draft = Draft(made.tokens, made.parents) if made.probs is not None else made
-        spent = time.perf_counter() - started
-        last = self.draft_s[i]
-        self.draft_s[i] = spent if last is None else last + RECENT * (spent - last)
+        if timed and len(draft):  # a draft that first read skipped tokens is no sample
+            self.draft_times[i].observe(draft.max_depth, time.perf_counter() - started)
         self.idle[i] = 0
         return draft
 
@@ -273,14 +341,17 @@ class AutoProposer(Proposer):
         rates: dict[int, float] = {}
         best_rate, best_nodes = self._none_rate(), 0
         if budget.max_depth > 0 and budget.max_nodes > 0:
-            for i in sorted(range(len(self.parts)), key=lambda i: self.draft_s[i] or 0.0):
+            priced = [self._priced(i, context) for i in range(len(self.parts))]
+            for i in sorted(range(len(self.parts)), key=lambda i: sum(priced[i])):
                 self.idle[i] += 1
-                if not self._worth_drafting(i, best_rate, best_nodes):
+                capped = self._sized(i, budget, priced[i], best_rate, best_nodes)
+                if capped is None:
                     continue
-                drafts[i] = self._draft_part(i, context, budget)
-                rates[i] = self._rate(self.records[i], drafts[i])
+                drafts[i] = self._draft_part(i, context, capped, timed=not priced[i][2])
+                cut = self._cut(self.records[i], drafts[i])
+                rates[i] = self._rate(self.records[i], cut)
                 if rates[i] > best_rate:
-                    best_rate, best_nodes = rates[i], len(drafts[i])
+                    best_rate, best_nodes = rates[i], len(cut)
         draft, name, record, controller = self._choose(drafts, rates, budget)
         self._sent = (record, controller) if record is not None else None
         self.choices[name] += 1
@@ -289,23 +360,28 @@ class AutoProposer(Proposer):
 
     def _choose(self, drafts: dict[int, Draft], rates_made: dict[int, float], budget: Budget):
         """(draft, arm name, its record, its part's controller) of the best arm in hand, from
-        the parts' ``drafts`` and their expected tokens per second ``rates_made``; every other
-        arm's draft is scored against the committed tokens as they come."""
+        the parts' ``drafts`` and their expected tokens per second ``rates_made``, the draft
+        cut where it pays most (:meth:`_cut`); every other arm's draft is scored whole
+        against the committed tokens as they come."""
         order = sorted(drafts)
         arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i]) for i in order]
-        rates = [rates_made[i] for i in order]
-        made = [(rate, a) for rate, a in zip(rates, arms) if len(a[0])]
+        made = [(rates_made[i], a) for i, a in zip(order, arms) if len(a[0])]
         if self.config.merge and len(made) >= 2:
             name = "+".join(a[1] for _, a in made)  # in the order of config.parts
             made.sort(key=lambda ra: -ra[0])  # the most promising kept whole
             tree = merged([a[0] for _, a in made]).truncated(budget.max_depth, budget.max_nodes)
             arms.append((tree, name, self.merged_record, None))
-            rates.append(self._rate(self.merged_record, tree))
-        best = arms[max(range(len(arms)), key=rates.__getitem__)] if arms else None
-        if best is None or not len(best[0]) or max(rates) <= self._none_rate():
-            best = (Draft.empty(), "none", None, None)
-        self._walks.extend(_Walk(a[2], a[0], a[3]) for a in arms if a is not best)
-        return best
+        cuts = [self._cut(record, draft) for draft, _, record, _ in arms]
+        rates = [self._rate(arm[2], cut) for arm, cut in zip(arms, cuts)]
+        best = max(range(len(arms)), key=rates.__getitem__, default=None)
+        if best is not None and (not len(cuts[best]) or rates[best] <= self._none_rate()):
+            best = None
+        self._walks.extend(_Walk(record, draft, controller)
+                           for j, (draft, _, record, controller) in enumerate(arms) if j != best)
+        if best is None:
+            return Draft.empty(), "none", None, None
+        _, name, record, controller = arms[best]
+        return cuts[best], name, record, controller
 
     # ---- learning -----------------------------------------------------------------------
 

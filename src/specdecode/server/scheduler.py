@@ -468,6 +468,10 @@ class Scheduler:
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
             most = min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1)
+            if generation.proposer.prices_own_drafting:  # auto sizes each part's drafts itself
+                candidates.append(Candidate(()))
+                fallbacks.append(lambda *_, whole=(most, self.max_draft_rows): whole)
+                continue
             levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
                                            prior)
             draft_s, level_s = self._drafting(seq).priced(level_s)
@@ -476,12 +480,14 @@ class Scheduler:
             # where the budget leaves a sequence without a draft, one is sent anyway when its
             # method's estimate must learn: a token while the method is seldom seen drafting,
             # a small draft after long without one (an early miss would keep it at nothing)
-            priced_as = dict(max_depth=most, max_nodes=self.max_draft_rows,
-                             draft_s=draft_s + catch_up_s, level_s=level_s)
+            priced_as = dict(max_depth=most, max_nodes=self.max_draft_rows, level_s=level_s)
             if max(prior.drafts, seq.acceptance.drafts) < FIRST_DRAFTS:
-                fallbacks.append(functools.partial(first_draft, tokens_left=left, **priced_as))
+                fallbacks.append(functools.partial(first_draft, tokens_left=left,
+                                                   draft_s=draft_s, catch_up_s=catch_up_s,
+                                                   **priced_as))
             else:
-                fallbacks.append(functools.partial(explore_cap, idle=seq.idle, **priced_as))
+                fallbacks.append(functools.partial(explore_cap, idle=seq.idle,
+                                                   draft_s=draft_s + catch_up_s, **priced_as))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
