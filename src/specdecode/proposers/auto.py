@@ -283,8 +283,8 @@ class AutoProposer(Proposer):
         where none pays, a small draft while its estimate must learn (a token for its first
         drafts where one sure to be accepted would pay, a few after ``explore_every`` steps
         where they cost at most EXPLORE_SHARE of those steps); a lookup or heads, whose
-        drafting costs
-        about the same at any depth, to its own budget (what is sent is chosen after)."""
+        drafting costs about the same at any depth, to its own budget (what is sent is chosen
+        after)."""
         own = self.controllers[i].budget()
         most_depth = min(budget.max_depth, own.max_depth)
         most_nodes = min(budget.max_nodes, own.max_nodes)
@@ -304,11 +304,12 @@ class AutoProposer(Proposer):
             sized = Budget(most_depth, most_nodes, own.keep_drafting)
         elif depth:
             sized = Budget(depth, min(rows, most_nodes), own.keep_drafting)
-        else:  # no draft of it pays
-            small = (first and first_draft(self.costs, 1, most_depth, most_nodes, left,
-                                           fixed_s, level_s, catch_up_s)) or explore_cap(
-                self.costs, 1, most_depth, most_nodes, self.idle[i], fixed_s + catch_up_s,
-                level_s, every=self.config.explore_every)
+        else:  # no draft of it pays: a small one while its estimate must learn
+            small = first_draft(self.costs, 1, most_depth, most_nodes, left, fixed_s, level_s,
+                                catch_up_s) if first else None
+            small = small or explore_cap(self.costs, 1, most_depth, most_nodes, self.idle[i],
+                                         fixed_s + catch_up_s, level_s,
+                                         every=self.config.explore_every)
             return None if small is None else Budget(*small, own.keep_drafting)
         if learning:
             return sized
