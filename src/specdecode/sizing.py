@@ -236,6 +236,21 @@ def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
     return (1, 1) if first_s < costs(1) else None
 
 
+def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, tried: int,
+                 idle: int, tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0,
+                 catch_up_s: float = 0.0, every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
+    """The small draft a sequence sends where the allocation sends none, so that its method's
+    estimate can learn: a first draft (:func:`first_draft`) while the method has been seen
+    drafting (``tried``) fewer than FIRST_DRAFTS times, else an explore (:func:`explore_cap`,
+    after ``idle`` steps without a draft, the catch-up paid whole); None where neither is
+    due."""
+    if tried < FIRST_DRAFTS:
+        return first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s, level_s,
+                           catch_up_s)
+    return explore_cap(costs, base_rows, max_depth, max_nodes, idle, draft_s + catch_up_s,
+                       level_s, every)
+
+
 class SequenceSizer:
     """Caps one request's drafts, step by step (the engine asks :meth:`cap` before drafting
     and tells :meth:`observe` after verifying)."""

@@ -32,10 +32,11 @@ already paid; so the suffix tree's nearly free draft is made first, and a head o
 model drafts only where the suffix draft is poor, to the depth its acceptance pays for (a draft
 model's token costs a forward of its own). A part whose drafts do not pay still drafts a token
 while it has drafted fewer than ``FIRST_DRAFTS`` times, where one sure to be accepted would
-pay, and a small draft after ``explore_every`` steps without drafting, where it costs at most
-``EXPLORE_SHARE`` of those steps, so its estimate follows the text. Of the drafts in hand (and their merged
-prefix tree, with ``merge``), the one with the most expected tokens per second of its forward
-is sent, cut to the depth and nodes its arm's acceptance pays for. No sizer caps it from
+pay, and after that a small draft after ``explore_every`` steps without drafting, where it
+costs at most ``EXPLORE_SHARE`` of those steps, so its estimate follows the text
+(:func:`specdecode.sizing.learning_cap`, as in the server). Of the drafts in hand (and their
+merged prefix tree, with ``merge``), the one with the most expected tokens per second of its
+forward is sent, cut to the depth and nodes its arm's acceptance pays for. No sizer caps it from
 outside (:attr:`~specdecode.proposer.Proposer.prices_own_drafting`).
 
 Every draft made, sent or not, is scored against the tokens the target commits (walking its
@@ -59,6 +60,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specdecode import registry
 from specdecode.control import Budget, Controller
@@ -70,7 +72,7 @@ from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
 from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
-                               catch_up_share, explore_cap, first_draft)
+                               catch_up_share, learning_cap)
 
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob", "corpus", "draft")
@@ -130,6 +132,34 @@ class _Record:
     def tokens_for(self, draft: Draft) -> float:
         """Expected committed tokens of a step that sends ``draft``."""
         return 1.0 + sum(chance for chance, _ in self.acceptance.levels(draft.max_depth))
+
+
+class _Price(NamedTuple):
+    """A part's drafting after a context (:meth:`AutoProposer._priced`)."""
+
+    fixed_s: float
+    level_s: float
+    #: the reading of the tokens it skipped, first
+    catch_up_s: float
+    #: whether a token costs a forward of its own (a draft model's, by its row-cost curve)
+    per_token: bool
+
+    @property
+    def one_level_s(self) -> float:
+        """The seconds of a one-token draft, its catch-up included."""
+        return self.fixed_s + self.level_s + self.catch_up_s
+
+
+class _Arm(NamedTuple):
+    """A draft in hand: as made (scored whole when not sent), cut where it pays most (what is
+    sent), the expected tokens per second of sending the cut, and whose it is."""
+
+    draft: Draft
+    cut: Draft
+    rate: float
+    name: str
+    record: _Record
+    controller: Controller | None
 
 
 class _Walk:
@@ -262,16 +292,15 @@ class AutoProposer(Proposer):
         depth, rows = allocate([Candidate(levels)], self.costs, 1, *self.overhead.line)[0]
         return draft.truncated(depth, rows) if depth else Draft.empty()
 
-    def _priced(self, i: int, context: Sequence[int]) -> tuple[float, float, float, bool]:
-        """Part ``i``'s drafting after ``context``: (fixed seconds, seconds a level, seconds
-        of reading the tokens it skipped first, whether a token costs a forward of its own),
-        timed where its drafting has been timed, else by its drafter's own row-cost curve (a
-        draft model's; nothing for lookups and heads)."""
+    def _priced(self, i: int, context: Sequence[int]) -> _Price:
+        """Part ``i``'s drafting after ``context``, timed where its drafting has been timed,
+        else by its drafter's own row-cost curve (a draft model's; nothing for lookups and
+        heads)."""
         catch_up_s, curve_level_s = self.parts[i].draft_seconds(context)
         fixed_s, level_s = self.draft_times[i].priced(curve_level_s)
-        return fixed_s, level_s, catch_up_s, curve_level_s > 0
+        return _Price(fixed_s, level_s, catch_up_s, curve_level_s > 0)
 
-    def _sized(self, i: int, budget: Budget, priced: tuple[float, float, float, bool],
+    def _sized(self, i: int, budget: Budget, priced: _Price,
                best_rate: float, in_hand: int) -> Budget | None:
         """The budget part ``i`` drafts within this step, or None. It drafts where its best
         draft (:func:`~specdecode.sizing.allocate` on its acceptance by depth, its drafting
@@ -280,9 +309,10 @@ class AutoProposer(Proposer):
         or of the two merged), or while its estimate must learn (it has drafted fewer than
         FIRST_DRAFTS times, or not for ``explore_every`` steps). A drafter whose tokens cost a
         forward each (a draft model) drafts to the depth and nodes of that best draft, and
-        where none pays, a small draft while its estimate must learn (a token for its first
-        drafts where one sure to be accepted would pay, a few after ``explore_every`` steps
-        where they cost at most EXPLORE_SHARE of those steps); a lookup or heads, whose
+        where none pays, a small draft while its estimate must learn
+        (:func:`~specdecode.sizing.learning_cap`: a token for its first drafts where one sure
+        to be accepted would pay, after them a few after ``explore_every`` steps where they
+        cost at most EXPLORE_SHARE of those steps); a lookup or heads, whose
         drafting costs about the same at any depth, to its own budget (what is sent is chosen
         after)."""
         own = self.controllers[i].budget()
@@ -298,18 +328,16 @@ class AutoProposer(Proposer):
         draft_s = fixed_s + catch_up_share(catch_up_s, left, levels)
         depth, rows = allocate([Candidate(levels, draft_s, level_s)], self.costs, 1,
                                *self.overhead.line)[0]
-        first = acceptance.drafts < FIRST_DRAFTS
-        learning = first or self.idle[i] >= self.config.explore_every
+        learning = (acceptance.drafts < FIRST_DRAFTS
+                    or self.idle[i] >= self.config.explore_every)
         if not per_token:
             sized = Budget(most_depth, most_nodes, own.keep_drafting)
         elif depth:
             sized = Budget(depth, min(rows, most_nodes), own.keep_drafting)
         else:  # no draft of it pays: a small one while its estimate must learn
-            small = first_draft(self.costs, 1, most_depth, most_nodes, left, fixed_s, level_s,
-                                catch_up_s) if first else None
-            small = small or explore_cap(self.costs, 1, most_depth, most_nodes, self.idle[i],
-                                         fixed_s + catch_up_s, level_s,
-                                         every=self.config.explore_every)
+            small = learning_cap(self.costs, 1, most_depth, most_nodes, acceptance.drafts,
+                                 self.idle[i], left, fixed_s, level_s, catch_up_s,
+                                 every=self.config.explore_every)
             return None if small is None else Budget(*small, own.keep_drafting)
         if learning:
             return sized
@@ -339,50 +367,52 @@ class AutoProposer(Proposer):
         now = time.perf_counter()
         self._learn_overhead(now)
         drafts: dict[int, Draft] = {}
+        cuts: dict[int, Draft] = {}  # each draft cut where it pays most (what would be sent)
         rates: dict[int, float] = {}
         best_rate, best_nodes = self._none_rate(), 0
         if budget.max_depth > 0 and budget.max_nodes > 0:
             priced = [self._priced(i, context) for i in range(len(self.parts))]
-            for i in sorted(range(len(self.parts)), key=lambda i: sum(priced[i])):
+            for i in sorted(range(len(self.parts)), key=lambda i: priced[i].one_level_s):
                 self.idle[i] += 1
                 capped = self._sized(i, budget, priced[i], best_rate, best_nodes)
                 if capped is None:
                     continue
-                drafts[i] = self._draft_part(i, context, capped, timed=not priced[i][2])
-                cut = self._cut(self.records[i], drafts[i])
-                rates[i] = self._rate(self.records[i], cut)
+                drafts[i] = self._draft_part(i, context, capped, timed=not priced[i].catch_up_s)
+                cuts[i] = self._cut(self.records[i], drafts[i])
+                rates[i] = self._rate(self.records[i], cuts[i])
                 if rates[i] > best_rate:
-                    best_rate, best_nodes = rates[i], len(cut)
-        draft, name, record, controller = self._choose(drafts, rates, budget)
+                    best_rate, best_nodes = rates[i], len(cuts[i])
+        draft, name, record, controller = self._choose(drafts, cuts, rates, budget)
         self._sent = (record, controller) if record is not None else None
         self.choices[name] += 1
         self._step = (now, len(draft), time.perf_counter() - now)
         return draft
 
-    def _choose(self, drafts: dict[int, Draft], rates_made: dict[int, float], budget: Budget):
+    def _choose(self, drafts: dict[int, Draft], cuts: dict[int, Draft],
+                rates: dict[int, float], budget: Budget):
         """(draft, arm name, its record, its part's controller) of the best arm in hand, from
-        the parts' ``drafts`` and their expected tokens per second ``rates_made``, the draft
-        cut where it pays most (:meth:`_cut`); every other arm's draft is scored whole
-        against the committed tokens as they come."""
-        order = sorted(drafts)
-        arms = [(drafts[i], self.names[i], self.records[i], self.controllers[i]) for i in order]
-        made = [(rates_made[i], a) for i, a in zip(order, arms) if len(a[0])]
+        the parts' ``drafts``, each ``cuts`` where it pays most (:meth:`_cut`) and its
+        expected tokens per second ``rates``, and their merged tree; every other arm's draft is
+        scored whole against the committed tokens as they come."""
+        arms = [_Arm(drafts[i], cuts[i], rates[i], self.names[i], self.records[i],
+                     self.controllers[i]) for i in sorted(drafts)]
+        made = [arm for arm in arms if len(arm.draft)]
         if self.config.merge and len(made) >= 2:
-            name = "+".join(a[1] for _, a in made)  # in the order of config.parts
-            made.sort(key=lambda ra: -ra[0])  # the most promising kept whole
-            tree = merged([a[0] for _, a in made]).truncated(budget.max_depth, budget.max_nodes)
-            arms.append((tree, name, self.merged_record, None))
-        cuts = [self._cut(record, draft) for draft, _, record, _ in arms]
-        rates = [self._rate(arm[2], cut) for arm, cut in zip(arms, cuts)]
-        best = max(range(len(arms)), key=rates.__getitem__, default=None)
-        if best is not None and (not len(cuts[best]) or rates[best] <= self._none_rate()):
+            name = "+".join(arm.name for arm in made)  # in the order of config.parts
+            made.sort(key=lambda arm: -arm.rate)  # the most promising kept whole
+            tree = merged([arm.draft for arm in made]).truncated(budget.max_depth,
+                                                                 budget.max_nodes)
+            cut = self._cut(self.merged_record, tree)
+            arms.append(_Arm(tree, cut, self._rate(self.merged_record, cut), name,
+                             self.merged_record, None))
+        best = max(arms, key=lambda arm: arm.rate, default=None)
+        if best is not None and (not len(best.cut) or best.rate <= self._none_rate()):
             best = None
-        self._walks.extend(_Walk(record, draft, controller)
-                           for j, (draft, _, record, controller) in enumerate(arms) if j != best)
+        self._walks.extend(_Walk(arm.record, arm.draft, arm.controller)
+                           for arm in arms if arm is not best)
         if best is None:
             return Draft.empty(), "none", None, None
-        _, name, record, controller = arms[best]
-        return cuts[best], name, record, controller
+        return best.cut, best.name, best.record, best.controller
 
     # ---- learning -----------------------------------------------------------------------
 

@@ -49,8 +49,8 @@ from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
-from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
-                               catch_up_share, explore_cap, first_draft)
+from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
+                               learning_cap)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -480,14 +480,10 @@ class Scheduler:
             # where the budget leaves a sequence without a draft, one is sent anyway when its
             # method's estimate must learn: a token while the method is seldom seen drafting,
             # a small draft after long without one (an early miss would keep it at nothing)
-            priced_as = dict(max_depth=most, max_nodes=self.max_draft_rows, level_s=level_s)
-            if max(prior.drafts, seq.acceptance.drafts) < FIRST_DRAFTS:
-                fallbacks.append(functools.partial(first_draft, tokens_left=left,
-                                                   draft_s=draft_s, catch_up_s=catch_up_s,
-                                                   **priced_as))
-            else:
-                fallbacks.append(functools.partial(explore_cap, idle=seq.idle,
-                                                   draft_s=draft_s + catch_up_s, **priced_as))
+            fallbacks.append(functools.partial(
+                learning_cap, max_depth=most, max_nodes=self.max_draft_rows,
+                tried=max(prior.drafts, seq.acceptance.drafts), idle=seq.idle, tokens_left=left,
+                draft_s=draft_s, level_s=level_s, catch_up_s=catch_up_s))
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
