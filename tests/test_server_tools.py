@@ -1,12 +1,14 @@
-"""Tool calls in the server: the ``<tool_call>`` parser on hand-written texts (whole and split
-at every place), the request checks (400s naming the field), and requests end to end through
-the real ``openai`` client: the tiny model under a tool-capable template (a named function or
-``required`` is a grammar, so even random weights give a call that parses), and the real
-Qwen2.5-Coder-0.5B, whose own template handles tools (greedy answers identical between
-methods, streamed as returned whole)."""
+"""Tool calls in the server: the parser of both call formats (Hermes' ``<tool_call>`` blocks,
+Llama 3's bare JSON) on hand-written texts (whole and split at every place), the format read
+off a template, the request checks (400s naming the field), and requests end to end through
+the real ``openai`` client: the tiny model under a tool-capable template of each format (a
+named function or ``required`` is a grammar, so even random weights give a call that parses),
+and the real Qwen2.5-Coder-0.5B, whose own template handles tools (greedy answers identical
+between methods, streamed as returned whole)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -14,9 +16,9 @@ import httpx
 import jsonschema
 import pytest
 
-from specdecode.server.tools import (Arguments, CallStart, ToolCall, ToolCallParser, ToolError,
-                                     ToolRequest, StreamDeltas, check_template, collect,
-                                     parse_tool_calls)
+from specdecode.server.tool_parser import (Arguments, CallStart, StreamDeltas, ToolCall,
+                                           ToolCallParser, collect, parse_tool_calls)
+from specdecode.server.tools import HERMES, LLAMA_JSON, ToolError, ToolRequest, check_template
 
 from tiny_server import MODEL, build_tokenizer, make_server, openai_client, tiny_served_model
 
@@ -93,8 +95,36 @@ def test_parse_whole_texts(text, content, calls):
     assert all(c.id.startswith("call_") for c in got_calls)
 
 
-def parse_in_pieces(pieces: list[str]) -> tuple[str, list[tuple[str, dict | str]]]:
-    parser = ToolCallParser()
+BARE = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (BARE, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    # whitespace before the call goes; text after it stays, with its own leading whitespace
+    ("\n " + BARE + "\nDone.", "\nDone.", [("get_weather", {"city": "Paris", "days": 3})]),
+    # what follows the arguments in the call's object is dropped, strings and nesting followed
+    ('{"name": "w", "parameters": {"t": "}\\""}, "x": {"y": "}"}} ok', " ok",
+     [("w", {"t": '}"'})]),
+    # only the answer's first text can be a call: one after other text is content
+    ("Sure: " + BARE, "Sure: " + BARE, []),
+    # other JSON, or a call's fields in another order, is content as written
+    ('  {"answer": 42}', '  {"answer": 42}', []),
+    ('{"parameters": {}, "name": "w"}', '{"parameters": {}, "name": "w"}', []),
+    ("", "", []),
+    # cut before the header is complete: content as written; after it, the arguments so far
+    (BARE[:20], BARE[:20], []),
+    (BARE[:49], None, [("get_weather", '{"city": "P')]),
+])
+def test_parse_whole_bare_json_texts(text, content, calls):
+    got_content, got_calls = parse_tool_calls(text, LLAMA_JSON)
+    assert got_content == content
+    assert calls_of(got_calls) == calls
+    # the same text in the Hermes format is all content
+    assert parse_tool_calls(text, HERMES) == (text, [])
+
+
+def parse_in_pieces(pieces: list[str], fmt=HERMES) -> tuple[str, list[tuple[str, dict | str]]]:
+    parser = ToolCallParser(fmt)
     content, calls = collect([e for p in pieces for e in parser.feed(p)] + parser.finish())
     return content or "", calls_of(calls)
 
@@ -107,12 +137,26 @@ def parse_in_pieces(pieces: list[str]) -> tuple[str, list[tuple[str, dict | str]
     '</tool_call> <tool_call>{"name": "w", "arguments": {"a": 1\n</tool_call>end',
 ])
 def test_any_split_gives_what_the_whole_text_gives(text):
-    content, calls = parse_tool_calls(text)
+    check_any_split(text, HERMES)
+
+
+@pytest.mark.parametrize("text", [
+    "\n" + BARE + " and then",
+    '{"name": "w", "parameters": {"t": "}\\"", "u": [1, {"v": 2}]}, "x": [{}]} end',
+    '{"name": "w", "param',
+    ' {"nam: 1}',
+])
+def test_any_split_of_a_bare_call_gives_what_the_whole_text_gives(text):
+    check_any_split(text, LLAMA_JSON)
+
+
+def check_any_split(text: str, fmt) -> None:
+    content, calls = parse_tool_calls(text, fmt)
     expected = (content or "", calls_of(calls))
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1, 7):  # two cuts: every first cut, a spread of second
-            assert parse_in_pieces([text[:i], text[i:j], text[j:]]) == expected, (i, j)
-    assert parse_in_pieces(list(text)) == expected  # one character at a time
+            assert parse_in_pieces([text[:i], text[i:j], text[j:]], fmt) == expected, (i, j)
+    assert parse_in_pieces(list(text), fmt) == expected  # one character at a time
 
 
 def test_markup_never_streams_as_content_and_partial_tags_wait():
@@ -139,8 +183,21 @@ def test_a_call_streams_its_name_at_once_and_its_arguments_as_written():
     assert parser.feed("x") == [Arguments(1, "</tool_x")]
 
 
+def test_a_bare_call_streams_its_name_once_its_header_is_read():
+    parser = ToolCallParser(LLAMA_JSON)
+    assert parser.feed("\n") == [] and parser.feed('{"name": "get_weather", "param') == []
+    start, first = parser.feed('eters": {"ci')
+    assert isinstance(start, CallStart) and start.name == "get_weather"
+    assert first == Arguments(0, '{"ci')
+    assert parser.feed('ty": "Oslo"}') == [Arguments(0, 'ty": "Oslo"}')]
+    assert parser.feed("}") == [] and parser.finish() == []
+    # an answer that is not a call streams as it comes
+    text = ToolCallParser(LLAMA_JSON)
+    assert text.feed("  The") == ["  The"] and text.feed(' {"name": 1}') == [' {"name": 1}']
+
+
 def test_stream_deltas_are_openai_shaped():
-    deltas = StreamDeltas(1, parse=True)
+    deltas = StreamDeltas(1, HERMES)
     out = []
     for piece in ("Hi.", "\n<tool_", "call>\n" + CALL[12:], "\n" + SECOND):
         out += deltas.text(0, piece)
@@ -153,7 +210,7 @@ def test_stream_deltas_are_openai_shaped():
     assert head["function"] == {"name": "get_weather", "arguments": ""}
     assert args == {"index": 0, "function": {"arguments": '{"city": "Paris", "days": 3}'}}
     assert out[3]["tool_calls"][0]["index"] == 1 and len(out) == 5
-    plain = StreamDeltas(1, parse=False)
+    plain = StreamDeltas(1, None)
     assert plain.text(0, CALL) == [{"content": CALL}] and plain.finish(0, "stop") == ([], "stop")
 
 
@@ -170,6 +227,27 @@ def test_a_named_or_required_choice_is_a_grammar_over_the_offered_functions():
     assert ToolRequest.of(TOOLS).grammar() is None  # auto: the model is free
     none = ToolRequest.of(TOOLS, "none")
     assert none.offered is None and not none.parses
+
+
+def test_a_bare_json_format_calls_once_in_its_own_fields():
+    named = ToolRequest.of(TOOLS, NAMED, None)
+    llama = dataclasses.replace(named, format=LLAMA_JSON)
+    assert grammar_takes(llama.grammar(), BARE, ending=True)
+    assert not grammar_takes(llama.grammar(), "Sure: ")  # a named call: nothing else
+    assert not grammar_takes(llama.grammar(), CALL)  # not the Hermes block
+    assert grammar_takes(named.grammar(), CALL, ending=True)
+    # "required": one call, whatever parallel_tool_calls says (the format holds one)
+    required = dataclasses.replace(ToolRequest.of(TOOLS, "required"), format=LLAMA_JSON)
+    assert not grammar_takes(required.grammar(), BARE + "\n{")
+    assert grammar_takes(required.grammar(), '{"name": "get_time", "parameters": {}}',
+                         ending=True)
+    # a strict function under auto: an answer whose first text is "{" is a call, else free
+    strict = dataclasses.replace(ToolRequest.of(STRICT, "auto"), format=LLAMA_JSON)
+    for free in ("It is sunny {or not}.", " \n", ""):
+        assert grammar_takes(strict.grammar(), free, ending=True)
+    assert grammar_takes(strict.grammar(), "\n" + BARE, ending=True)
+    assert not grammar_takes(strict.grammar(), BARE.replace("Paris", "Lima"))  # not in its enum
+    assert not grammar_takes(strict.grammar(), ' {"answer": ')
 
 
 STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
@@ -243,7 +321,17 @@ def test_bad_tools_are_refused_naming_the_field(tools, choice, param, words):
 def test_a_template_without_tools_is_refused_by_name():
     with pytest.raises(ToolError, match="does not support tools"):
         check_template(build_tokenizer())
-    check_template(tool_tokenizer())
+
+
+def test_the_call_format_is_read_off_the_template():
+    assert check_template(tool_tokenizer()) == HERMES
+    assert check_template(tool_tokenizer(LLAMA_TEMPLATE)) == LLAMA_JSON
+    # calls written as bare JSON under "arguments": that field
+    arguments = check_template(tool_tokenizer(LLAMA_TEMPLATE.replace("parameters", "arguments")))
+    assert arguments == dataclasses.replace(LLAMA_JSON, arguments="arguments")
+    # calls in a JSON array after a tag of their own (Mistral's format): refused by name
+    with pytest.raises(ToolError, match="format this server does not parse"):
+        check_template(tool_tokenizer(ARRAY_TEMPLATE))
 
 
 # ---- the served tiny model -------------------------------------------------------------------
@@ -259,15 +347,35 @@ TOOL_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tool_tokenizer():
+#: a Llama 3-style template: the functions shown in the last user turn, a call written as the
+#: answer's bare JSON with its arguments under "parameters", results in an "ipython" turn
+LLAMA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ 'ipython' if m.role == 'tool' else m.role }}\n"
+    "{% if tools and loop.last and m.role == 'user' %}Answer with a call of"
+    "{% for t in tools %} {{ t.function.name }}{% endfor %}: {\"name\": function name, "
+    "\"parameters\": its arguments}\n{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: calls as a JSON array after a tag of their own, as Mistral's templates write them
+ARRAY_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "{% endfor %}]{% else %}{{ m.content }}{% endif %}{% endfor %}")
+
+
+def tool_tokenizer(template: str = TOOL_TEMPLATE):
     tokenizer = build_tokenizer()
-    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tool_tokenizer()
+@pytest.fixture(scope="module", params=["Hermes", "bare JSON"])
+def tokenizer(request):
+    """The tiny tokenizer under a template of each call format: every request test runs in
+    both."""
+    return tool_tokenizer(TOOL_TEMPLATE if request.param == "Hermes" else LLAMA_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
                                         new_id, now, parse)
 from specdecode.server.scheduler import Job
-from specdecode.server.tools import StreamDeltas, parse_tool_calls
+from specdecode.server.tool_parser import StreamDeltas, parse_tool_calls
+from specdecode.server.tools import ToolFormat
 
 #: seconds between checks that a waiting (non-streaming) client is still connected
 DISCONNECT_POLL_S = 0.25
@@ -56,9 +57,10 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
     }
 
 
-def with_tool_calls(choice: dict, result: GenerationResult) -> None:
-    """A chat choice's message as content and the tool calls parsed from its text."""
-    content, calls = parse_tool_calls(result.text)
+def with_tool_calls(choice: dict, result: GenerationResult, fmt: ToolFormat) -> None:
+    """A chat choice's message as content and the tool calls parsed from its text (written in
+    the model's call format ``fmt``)."""
+    content, calls = parse_tool_calls(result.text, fmt)
     choice["message"]["content"] = content
     if calls:
         choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
@@ -150,10 +152,11 @@ class Endpoint:
                 "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
                 "text_offset": None}
 
-    def parses_tools(self, req) -> bool:
-        """The response's text is parsed for tool calls (server/tools.py)."""
+    def parses_tools(self, req) -> ToolFormat | None:
+        """The call format the response's text is parsed in for tool calls (server/tools.py);
+        None: not parsed."""
         tools = getattr(req, "tool_request", None) if self.chat else None
-        return tools is not None and tools.parses
+        return tools.format if tools is not None and tools.parses else None
 
     def envelope(self, rid: str, model: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -170,6 +173,8 @@ class Endpoint:
                 raise ApiError(400, "'messages' must hold at least one message", param="messages")
             messages = [m.as_template_input() for m in req.messages]
             tools = req.tool_request.offered if req.tool_request is not None else None
+            if tools:  # the model's call format, read off its template (or a 400)
+                req.use_tool_format(await run_in_threadpool(server.tool_format))
             prompts = [await run_in_threadpool(server.encode, messages, True, tools)]
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                          else req.max_tokens)
@@ -216,9 +221,10 @@ class Endpoint:
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
                                        logprobs=r.logprobs)
                            for i, r in enumerate(results)]
-        if self.parses_tools(req):
+        fmt = self.parses_tools(req)
+        if fmt is not None:
             for choice, result in zip(body["choices"], results):
-                with_tool_calls(choice, result)
+                with_tool_calls(choice, result, fmt)
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
@@ -285,7 +291,8 @@ class Chunks:
     come or as content and tool calls (:class:`~.tools.StreamDeltas`), with their
     log-probabilities (a piece's ride with its first chunk), and each choice's end."""
 
-    def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int, tools: bool):
+    def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
+                 tools: ToolFormat | None):
         self.endpoint, self.rid, self.model = endpoint, rid, model
         self.sent = StreamedLogprobs(choices)
         self.deltas = StreamDeltas(choices, tools)

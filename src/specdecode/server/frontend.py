@@ -30,7 +30,7 @@ from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError, SamplingFields, now
 from specdecode.server.scheduler import Scheduler, SequenceSpec
-from specdecode.server.tools import ToolError, check_template
+from specdecode.server.tools import ToolError, ToolFormat, check_template
 
 #: Host header names a server bound to loopback answers by default (DNS rebinding: a web page's
 #: own name that resolves to 127.0.0.1 must not reach it)
@@ -290,6 +290,17 @@ class Frontend:
                                 "the prompt", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
 
+    def tool_format(self) -> ToolFormat:
+        """The format the model's chat template writes tool calls in (read once per template,
+        on a worker thread); a 400 where tools cannot be served."""
+        tokenizer = self._tokenizers.get()
+        try:
+            return check_template(tokenizer)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        finally:
+            self._tokenizers.put(tokenizer)
+
     def encode(self, prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own);
         ``tools``: the function definitions the chat template shows the model. Every failure
@@ -297,11 +308,7 @@ class Frontend:
         self.check_size(prompt, chat)
         tokenizer = self._tokenizers.get()
         try:
-            if tools:
-                check_template(tokenizer)
             return encode_prompt(tokenizer, prompt, chat, tools)
-        except ToolError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
         except Exception as exc:  # the tokenizer's own errors: what it could not encode

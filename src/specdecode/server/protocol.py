@@ -15,6 +15,7 @@ needs ``"allow_lossy": true`` there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -22,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from specdecode.server.tools import ToolError, ToolRequest, check_conversation, template_arguments
+from specdecode.server.tools import (ToolError, ToolFormat, ToolRequest, check_conversation,
+                                     template_arguments)
 
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
@@ -297,6 +299,11 @@ class ChatRequest(SamplingFields):
     def tool_request(self) -> ToolRequest | None:
         """The checked tools (None: the request offers none)."""
         return self._tools
+
+    def use_tool_format(self, fmt: ToolFormat) -> None:
+        """The served model's call format (:func:`~.tools.check_template`): what the calls'
+        grammar spells and the output is parsed in."""
+        self._tools = dataclasses.replace(self._tools, format=fmt)
 
     def constraint(self) -> dict[str, Any]:
         """``tool_choice: "required"``, a named function or a ``strict`` function under

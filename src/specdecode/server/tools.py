@@ -1,42 +1,53 @@
 """Tool calls: OpenAI's ``tools`` and ``tool_choice`` in, the model's own tool-call text out.
 
 The functions reach the model through its own chat template (``apply_chat_template(messages,
-tools=...)``), as it was trained to see them; what it writes back is parsed here. Qwen2.5 and
-Hermes-style templates ask for one block per call::
+tools=...)``), as it was trained to see them; what it writes back is parsed here, in the format
+its template writes calls in (:func:`check_template` reads it off the template: a probe
+conversation with one call, rendered). Two formats (:class:`ToolFormat`):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- **Hermes** (Qwen2.5, Qwen3, Hermes), one block per call, anywhere in the answer::
 
-:class:`ToolCallParser` turns generated text, fed in pieces split anywhere, into content and
-calls, as a stream sends them: a block that opens with ``{"name": "...", "arguments": {`` is a
-call from there on, its name sent at once and its arguments as they are written (an agent's
-client sees the call start a few tokens in, not when a long ``write_file`` ends); any other
-block becomes a call only once it is closed and its JSON holds a string ``name`` and object
-``arguments``; anything else (malformed JSON, text that only looks like the start of a tag)
-stays in the content, character for character, so nothing the model wrote is lost. Whitespace
-between content and a call is dropped, so ``"Let me check.\\n<tool_call>..."`` gives the
-content ``"Let me check."``.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- **bare JSON** (Llama 3.1, 3.2 and 3.3 with custom functions), the answer itself a call, one
+  an answer (their templates refuse an assistant message of several)::
+
+      {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+:class:`~specdecode.server.tool_parser.ToolCallParser` turns generated text, fed in pieces
+split anywhere, into content and calls, as a stream sends them: a call that opens with
+``{"name": "...", "arguments": {`` (the format's field) is a call from there on, its name sent
+at once and its arguments as they are written (an agent's client sees the call start a few
+tokens in, not when a long ``write_file`` ends); any other Hermes block becomes a call only
+once it is closed and its JSON holds a string ``name`` and object ``arguments``; anything else
+(malformed JSON, text that only looks like the start of a tag, an answer that opens with other
+JSON) stays in the content, character for character, so nothing the model wrote is lost.
+Whitespace between content and a call is dropped, so ``"Let me check.\\n<tool_call>..."`` gives
+the content ``"Let me check."``.
 
 ``tool_choice: "required"`` or a named function constrains the output with a grammar
-(:meth:`ToolRequest.grammar`): one or more such blocks (exactly one for a named function),
-each block's arguments matching its function's parameter schema. Under ``auto``, a function
-marked ``"strict": true`` (OpenAI's strict function calling) makes the grammar hold only the
-calls: free text, in which a block, once its ``<tool_call>`` is written, is a call of an
-offered function, a strict one's arguments matching its schema. The grammar is a per-node
-token mask like any other constraint (specdecode/constraints.py), so every method's greedy
-output stays token for token what plain decoding under the same grammar gives.
+(:meth:`ToolRequest.grammar`): one or more calls (exactly one for a named function, or where
+the format holds one), each call's arguments matching its function's parameter schema. Under
+``auto``, a function marked ``"strict": true`` (OpenAI's strict function calling) makes the
+grammar hold only the calls: free text, in which a call, once begun (its ``<tool_call>`` written,
+or for bare JSON the answer's first ``{``), is a call of an offered function, a strict one's
+arguments matching its schema. The grammar is a per-node token mask like any other constraint
+(specdecode/constraints.py), so every method's greedy output stays token for token what plain
+decoding under the same grammar gives.
 
 Errors are :class:`ToolError` (a ``ValueError`` carrying the request field it is about); the
-server's request parser turns them into 400s.
+server's request parser turns them into 400s. The output's parser is
+:mod:`specdecode.server.tool_parser`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 OPEN = "<tool_call>"
@@ -52,6 +63,26 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 #: other whitespace (flexible whitespace would let a small model pad forever)
 ARGUMENT_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model's chat template writes a call, so how its output is parsed and held."""
+
+    name: str
+    #: the tag that opens a call ("": a call is the answer itself, its first non-space text)
+    open: str
+    #: the tag that closes it ("": the call's JSON object closing ends it)
+    close: str
+    #: the field of the call's object that holds the arguments
+    arguments: str
+    #: several calls in one answer
+    parallel: bool
+
+
+HERMES = ToolFormat("Hermes", OPEN, CLOSE, "arguments", True)
+#: Llama 3.x's custom-function calls: the answer is ``{"name": ..., "parameters": {...}}``
+LLAMA_JSON = ToolFormat("bare JSON", "", "", "parameters", False)
 
 
 class ToolError(ValueError):
@@ -85,6 +116,8 @@ class ToolRequest:
     name: str | None = None
     #: more than one call per answer (``required`` only; a named function gets exactly one)
     parallel: bool = True
+    #: the served model's call format (:func:`check_template`), set once the template is read
+    format: ToolFormat = HERMES
 
     @property
     def offered(self) -> list[dict] | None:
@@ -112,20 +145,26 @@ class ToolRequest:
 
     def grammar(self) -> str | None:
         """A Lark grammar (llguidance's, with ``%json`` schemas) for what ``tool_choice``
-        demands: one or more calls (``required``, a named function), or with :attr:`guards`
-        free text in which a block, once its ``<tool_call>`` is written, is a call of an
-        offered function, a strict one's arguments matching its schema (a lazy lexeme: the
-        text ends at the tag); None when the model is free."""
+        demands: one or more calls (``required`` where the format holds several, a named
+        function), or with :attr:`guards` free text in which a call, once begun, is a call of
+        an offered function, a strict one's arguments matching its schema (Hermes: a lazy
+        lexeme, the text ends at the tag; bare JSON: an answer whose first text is ``{`` is
+        the call); None when the model is free."""
+        fmt = self.format
         if self.constrains:
             chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
-            repeat = ' ("\\n" call)*' if self.choice == "required" and self.parallel else ""
-            return "\n".join([f"start: call{repeat}", f'call: "{OPEN}" body']
-                             + _bodies(chosen, True))
+            several = self.choice == "required" and self.parallel and fmt.parallel
+            repeat = ' ("\\n" call)*' if several else ""
+            return "\n".join([f"start: call{repeat}", f'call: "{fmt.open}" body' if fmt.open
+                              else "call: body"] + _bodies(chosen, True, fmt))
         if not self.guards:
             return None
+        if not fmt.open:  # whitespace, then a call or text that does not open with "{"
+            return "\n".join(["start: WS? (body | TEXT)?", "WS: /[ \\t\\n]+/",
+                              "TEXT: /[^{ \\t\\n](.|\\n)*/"] + _bodies(self.functions, False, fmt))
         return "\n".join(["%llguidance {}", "start: called* TEXT", "called: opened body",
-                          f'opened[lazy]: TEXT "{OPEN}"', "TEXT: /(.|\\n)*/"]
-                         + _bodies(self.functions, False))
+                          f'opened[lazy]: TEXT "{fmt.open}"', "TEXT: /(.|\\n)*/"]
+                         + _bodies(self.functions, False, fmt))
 
     @classmethod
     def of(cls, tools: list | None, tool_choice: Any = None,
@@ -151,16 +190,17 @@ class ToolRequest:
         return cls(functions, choice, name, parallel_tool_calls is not False)
 
 
-def _bodies(functions, every_schema: bool) -> list[str]:
-    """Lark rules ``body``: what follows ``<tool_call>`` in a call of one of ``functions``,
+def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
+    """Lark rules ``body``: a call of one of ``functions`` after the format's opening tag,
     written as the template shows JSON, the arguments matching the function's ``parameters``
     (``every_schema``; else a strict function's only, any object another's)."""
     rules = []
+    lead, tail = ("\\n", f"\\n{fmt.close}") if fmt.open else ("", "")
     for i, f in enumerate(functions):
         held = every_schema or f.strict
         schema = {"type": "object", **(f.parameters if held else {})}
-        rules.append(f'body_{i}: "\\n{{\\"name\\": \\"{f.name}\\", \\"arguments\\": " '
-                     f'args_{i} "}}\\n{CLOSE}"')
+        rules.append(f'body_{i}: "{lead}{{\\"name\\": \\"{f.name}\\", '
+                     f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
         rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
     return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
 
@@ -264,13 +304,22 @@ _PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-#: chat template text -> None (tools supported) or the reason they are not
-_TEMPLATES: dict[str, str | None] = {}
+#: the probe answered by a call, to see how the template writes one (an id of nine letters and
+#: digits: Mistral's templates refuse others), and by text, to see the turn's header
+_PROBE_CALL = _PROBE_MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call12345", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+_PROBE_ANSWER = "It is sunny."
+_PROBE_TEXT = _PROBE_MESSAGES + [{"role": "assistant", "content": _PROBE_ANSWER}]
+#: the probe's call as JSON, its arguments under either field
+_JSON_CALL = r'\{\s*"name"\s*:\s*"get_weather"\s*,\s*"(parameters|arguments)"\s*:\s*\{\s*"city"'
+#: chat template text -> its call format, or the reason tools cannot be served with it
+_TEMPLATES: dict[str, ToolFormat | str] = {}
 
 
-def check_template(tokenizer) -> None:
-    """Raise :class:`ToolError` unless the model's chat template shows tools to the model
-    and asks for calls in the ``<tool_call>`` format this module parses."""
+def check_template(tokenizer) -> ToolFormat:
+    """The format the model's chat template writes calls in; raises :class:`ToolError` unless
+    the template shows tools to the model and writes calls in a format this module parses."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ToolError("this model has no chat template, so it cannot be offered tools; send "
@@ -278,325 +327,45 @@ def check_template(tokenizer) -> None:
     if isinstance(template, dict):  # several named templates: the one for tools, or default
         template = template.get("tool_use") or template.get("default") or ""
     if template not in _TEMPLATES:
-        _TEMPLATES[template] = _template_problem(tokenizer)
-    problem = _TEMPLATES[template]
-    if problem is not None:
-        raise ToolError(problem)
+        _TEMPLATES[template] = _template_format(tokenizer)
+    found = _TEMPLATES[template]
+    if isinstance(found, str):
+        raise ToolError(found)
+    return found
 
 
-def _template_problem(tokenizer) -> str | None:
-    def render(tools):
-        return tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+def _template_format(tokenizer) -> ToolFormat | str:
+    """The template's call format, read off the probe rendered with and without tools, and
+    answered by a call and by text (what each adds to the conversation: the assistant's
+    turn); or why it has none this module parses. Hermes: the turn holds ``<tool_call>`` then
+    the call's JSON; bare JSON: the turn is its text answer's header, then the call's JSON."""
+    def render(messages, tools, prompt=False):
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=prompt)
+
+    def turn(messages):
+        asked, answered = render(_PROBE_MESSAGES, _PROBE_TOOLS), render(messages, _PROBE_TOOLS)
+        return answered[len(os.path.commonprefix([asked, answered])):]
 
     try:
-        with_tools, without = render(_PROBE_TOOLS), render(None)
+        with_tools = render(_PROBE_MESSAGES, _PROBE_TOOLS, prompt=True)
+        without = render(_PROBE_MESSAGES, None, prompt=True)
+        called, texted = turn(_PROBE_CALL), turn(_PROBE_TEXT)
     except Exception as exc:  # the template's own errors
-        return f"this model's chat template fails when given tools ({exc}); send the request " \
-               "without 'tools'"
+        return f"this model's chat template fails when given tools or calls ({exc}); send the " \
+               "request without 'tools'"
     if with_tools == without:
         return ("this model's chat template does not support tools (it renders the same prompt "
                 "with and without them), so the model would never see them; send the request "
                 "without 'tools', or serve a model whose template handles tools (such as "
                 "qwen2.5-coder-0.5b)")
-    if OPEN not in with_tools:
-        return (f"this model's chat template asks for tool calls in a format this server does "
-                f"not parse (it parses {OPEN} JSON blocks, the Qwen2.5 and Hermes format); send "
-                "the request without 'tools'")
-    return None
-
-
-# ---- the output ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    #: JSON text, as OpenAI sends it
-    arguments: str
-
-    def as_dict(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def read_call(block: str) -> ToolCall | None:
-    """The call a closed block's text holds, or None when it holds none (not JSON, no string
-    ``name``, ``arguments`` neither an object nor JSON text of one)."""
-    try:
-        value = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """A call's first event: its place among the output's calls, ``id`` and ``name``."""
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class Arguments:
-    """The next piece of call ``index``'s arguments (JSON text)."""
-    index: int
-    text: str
-
-
-#: the header a streamed call opens with, cut into what :func:`_header` matches in turn: a
-#: whitespace run (" "), a literal, or NAME_FIELD (the function's name as a JSON string); the
-#: arguments object's "{" ends it
-_HEADER = (" ", "{", " ", '"name"', " ", ":", " ", "NAME_FIELD", " ", ",", " ", '"arguments"', " ",
-           ":", " ", "{")
-
-
-def _header(text: str) -> tuple[bool | None, int, str]:
-    """Whether a block's text opens with a call's header: (True, where its arguments' ``{``
-    is, the name); (None, 0, "") while the text may still become one; (False, 0, "") when it
-    cannot."""
-    at, name = 0, ""
-    for part in _HEADER:
-        if part == " ":
-            while at < len(text) and text[at].isspace():
-                at += 1
-            continue
-        if part == "NAME_FIELD":
-            if at == len(text):
-                return None, 0, ""
-            if text[at] != '"':
-                return False, 0, ""
-            stop = at + 1
-            while stop < len(text) and NAME_CHAR.match(text[stop]):
-                stop += 1
-            if stop == len(text):
-                return (None, 0, "") if stop - at - 1 <= NAME_MAX else (False, 0, "")
-            if text[stop] != '"' or not NAME.fullmatch(text[at + 1:stop]):
-                return False, 0, ""
-            at, name = stop + 1, text[at + 1:stop]
-            continue
-        piece = text[at:at + len(part)]
-        if piece != part[:len(piece)]:
-            return False, 0, ""
-        if len(piece) < len(part):
-            return None, 0, ""
-        at += len(part)
-    return True, at - 1, name
-
-
-class ToolCallParser:
-    """Content and calls from generated text fed in pieces (split anywhere, inside a tag
-    too). :meth:`feed` and :meth:`finish` return events: ``str`` (content), :class:`CallStart`
-    and :class:`Arguments`; whatever the split, the events' content joined and their calls
-    put together are the same.
-
-    A block that opens with ``{"name": "NAME", "arguments": {`` (any whitespace between) is a
-    call from there on: its name goes out at once and its arguments as they are written, up to
-    the ``}`` that closes their object (strings and nesting followed, so a brace or
-    ``</tool_call>`` inside a string is part of them); what follows it in the block (the outer
-    ``}``) is dropped. Cut by ``max_tokens``, such a call keeps the arguments written so far,
-    as OpenAI's do. Any other block waits for its ``</tool_call>``: a call if its JSON holds a
-    string ``name`` and object ``arguments`` (or JSON text of one), else content as written.
-
-    Held back until it is known what it is: text that may be the start of ``<tool_call>``,
-    whitespace that may precede a call (dropped if one follows), a block's opening until it
-    is known to be a call's header or not, a ``<`` outside the arguments' strings that may
-    begin ``</tool_call>``."""
-
-    def __init__(self):
-        self.calls = 0
-        self._text = ""  # unread text
-        self._space = ""  # whitespace after the content, kept until we see what follows it
-        #: where the text is: "content", "block" (a block's opening, _text its text so far),
-        #: "arguments" (a streamed call's), "after" (a streamed call's block after them)
-        self._state = "content"
-        self._depth = 0  # open objects and arrays of the arguments
-        self._string = False  # inside a string of the arguments
-        self._escape = False  # after a backslash in that string
-
-    def feed(self, text: str) -> list[str | CallStart | Arguments]:
-        self._text += text
-        events: list[str | CallStart | Arguments] = []
-        while self._step(events):
-            pass
-        return events
-
-    def _step(self, events: list) -> bool:
-        """Read what the unread text settles; False when it needs more text."""
-        if self._state == "content":
-            start = self._text.find(OPEN)
-            if start < 0:
-                keep = _partial_tag(self._text)
-                self._content(self._text[:len(self._text) - keep], events)
-                self._text = self._text[len(self._text) - keep:]
-                return False
-            self._content(self._text[:start], events)
-            self._text, self._state = self._text[start + len(OPEN):], "block"
-            return True
-        if self._state == "block":
-            opens, at, name = _header(self._text)
-            if opens:
-                self._start(name, events)
-                self._text, self._state = self._text[at:], "arguments"
-                return True
-            end = self._text.find(CLOSE)
-            if end < 0:
-                return False
-            block, self._text = self._text[:end], self._text[end + len(CLOSE):]
-            self._state = "content"
-            call = read_call(block)
-            if call is None:  # not a call: the text as the model wrote it, markup included
-                self._content(OPEN + block + CLOSE, events)
-            else:
-                self._start(call.name, events, call.id)
-                events.append(Arguments(self.calls - 1, call.arguments))
-            return True
-        if self._state == "arguments":
-            read = self._arguments()
-            if read:
-                events.append(Arguments(self.calls - 1, self._text[:read]))
-                self._text = self._text[read:]
-            if self._state == "arguments":
-                return False
-        end = self._text.find(CLOSE)
-        if end < 0:
-            self._text = self._text[len(self._text) - _partial_tag(self._text, CLOSE):]
-            return False
-        self._text, self._state = self._text[end + len(CLOSE):], "content"
-        return True
-
-    def _arguments(self) -> int:
-        """Characters of the unread text that belong to the arguments (the state moves on
-        when their object closes, or when ``</tool_call>`` ends the block first)."""
-        for i, char in enumerate(self._text):
-            if self._escape:
-                self._escape = False
-            elif self._string:
-                self._escape, self._string = char == "\\", char != '"'
-            elif char == '"':
-                self._string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._state = "after"
-                    return i + 1
-            elif char == "<" and CLOSE.startswith(self._text[i:i + len(CLOSE)]):
-                if len(self._text) - i < len(CLOSE):
-                    return i  # may be the block's end: wait
-                self._state = "after"
-                return i
-        return len(self._text)
-
-    def _start(self, name: str, events: list, call_id: str | None = None) -> None:
-        self._space = ""  # whitespace before a call is dropped
-        events.append(CallStart(self.calls, call_id or new_call_id(), name))
-        self.calls += 1
-        self._depth, self._string, self._escape = 0, False, False
-
-    def finish(self) -> list[str | CallStart | Arguments]:
-        """The end of the output: held text becomes content (an unclosed block that is not a
-        streamed call, as written) or the rest of the call's arguments; whitespace after the
-        last call is dropped."""
-        events: list[str | CallStart | Arguments] = []
-        if self._state == "arguments" and self._text:
-            events.append(Arguments(self.calls - 1, self._text))
-        elif self._state in ("content", "block"):
-            self._content(OPEN + self._text if self._state == "block" else self._text, events)
-        self._text, self._state = "", "content"
-        if self._space and not self.calls:
-            events.append(self._space)
-        self._space = ""
-        return events
-
-    def _content(self, text: str, events: list) -> None:
-        if not text:
-            return
-        body = text.rstrip()
-        if not body:  # only whitespace: keep it until we know what follows
-            self._space += text
-            return
-        events.append(self._space + body)
-        self._space = text[len(body):]
-
-
-def _partial_tag(text: str, tag: str = OPEN) -> int:
-    """Characters at the end of ``text`` that begin ``tag`` (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole output; with calls, no content is None (as OpenAI sends
-    it)."""
-    parser = ToolCallParser()
-    return collect(parser.feed(text) + parser.finish())
-
-
-def collect(events: list[str | CallStart | Arguments]) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) the parser's events put together; with calls, no content is None."""
-    content, calls = [], []
-    for event in events:
-        if isinstance(event, str):
-            content.append(event)
-        elif isinstance(event, CallStart):
-            calls.append(ToolCall(event.id, event.name, ""))
-        else:
-            call = calls[event.index]
-            calls[event.index] = ToolCall(call.id, call.name, call.arguments + event.text)
-    text = "".join(content)
-    return (text or None) if calls else text, calls
-
-
-class StreamDeltas:
-    """The chat deltas a stream sends for each choice: every text piece as content, or, when
-    the request's tools are parsed (``parse``), content and calls as OpenAI streams them: a
-    call's first delta has its ``index`` (its place among the choice's calls), ``id``, ``type``
-    and ``function.name``, the next ones pieces of its ``function.arguments``."""
-
-    def __init__(self, choices: int, parse: bool):
-        self.parsers = [ToolCallParser() for _ in range(choices)] if parse else None
-
-    def text(self, index: int, piece: str) -> list[dict]:
-        if self.parsers is None:
-            return [{"content": piece}] if piece else []
-        return [_delta(e) for e in self.parsers[index].feed(piece)]
-
-    def finish(self, index: int, reason: str) -> tuple[list[dict], str]:
-        """(the last deltas, the finish reason) when choice ``index`` ended for ``reason``."""
-        if self.parsers is None:
-            return [], reason
-        parser = self.parsers[index]
-        return [_delta(e) for e in parser.finish()], finish_reason(reason, parser.calls)
-
-
-def _delta(event: str | CallStart | Arguments) -> dict:
-    if isinstance(event, str):
-        return {"content": event}
-    if isinstance(event, CallStart):
-        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                "function": {"name": event.name, "arguments": ""}}]}
-    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-
-
-def finish_reason(reason: str, calls: int) -> str:
-    """OpenAI's ``tool_calls`` when an output that ended by itself made calls."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    hermes = re.search(re.escape(OPEN) + r"\s*" + _JSON_CALL, called)
+    if hermes and hermes.group(1) == HERMES.arguments:
+        return HERMES
+    header = texted[:texted.find(_PROBE_ANSWER)]
+    bare = re.match(r"\s*" + _JSON_CALL, called[len(header):])
+    if _PROBE_ANSWER in texted and called.startswith(header) and bare:
+        return replace(LLAMA_JSON, arguments=bare.group(1))
+    return ("this model's chat template writes tool calls in a format this server does not "
+            f"parse (it parses {OPEN} JSON blocks, the Qwen2.5 and Hermes format, and an "
+            "answer that is a call's JSON, Llama 3's); send the request without 'tools'")

@@ -1,0 +1,347 @@
+"""Tool calls out: content and calls from the text a model writes, in its template's call
+format (:class:`~specdecode.server.tools.ToolFormat`), whole or as a stream sends them
+(OpenAI's deltas). :mod:`specdecode.server.tools` has the request side and the formats.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from specdecode.server.tools import HERMES, NAME, NAME_CHAR, NAME_MAX, ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    #: JSON text, as OpenAI sends it
+    arguments: str
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def read_call(block: str) -> ToolCall | None:
+    """The call a closed Hermes block's text holds, or None when it holds none (not JSON, no
+    string ``name``, ``arguments`` neither an object nor JSON text of one)."""
+    try:
+        value = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call's first event: its place among the output's calls, ``id`` and ``name``."""
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """The next piece of call ``index``'s arguments (JSON text)."""
+    index: int
+    text: str
+
+
+def _header(text: str, arguments: str) -> tuple[bool | None, int, str]:
+    """Whether a call's text opens with its header, ``{"name": "NAME", "ARGUMENTS": {`` (any
+    whitespace between; ``arguments`` the format's field): (True, where its arguments' ``{``
+    is, the name); (None, 0, "") while the text may still become one; (False, 0, "") when it
+    cannot."""
+    # cut into what is matched in turn: a whitespace run (" "), a literal, or NAME_FIELD (the
+    # function's name as a JSON string); the arguments object's "{" ends it
+    header = (" ", "{", " ", '"name"', " ", ":", " ", "NAME_FIELD", " ", ",", " ", f'"{arguments}"',
+              " ", ":", " ", "{")
+    at, name = 0, ""
+    for part in header:
+        if part == " ":
+            while at < len(text) and text[at].isspace():
+                at += 1
+            continue
+        if part == "NAME_FIELD":
+            if at == len(text):
+                return None, 0, ""
+            if text[at] != '"':
+                return False, 0, ""
+            stop = at + 1
+            while stop < len(text) and NAME_CHAR.match(text[stop]):
+                stop += 1
+            if stop == len(text):
+                return (None, 0, "") if stop - at - 1 <= NAME_MAX else (False, 0, "")
+            if text[stop] != '"' or not NAME.fullmatch(text[at + 1:stop]):
+                return False, 0, ""
+            at, name = stop + 1, text[at + 1:stop]
+            continue
+        piece = text[at:at + len(part)]
+        if piece != part[:len(piece)]:
+            return False, 0, ""
+        if len(piece) < len(part):
+            return None, 0, ""
+        at += len(part)
+    return True, at - 1, name
+
+
+class ToolCallParser:
+    """Content and calls from generated text fed in pieces (split anywhere, inside a tag
+    too), in the model's call format (``fmt``). :meth:`feed` and :meth:`finish` return events:
+    ``str`` (content), :class:`CallStart` and :class:`Arguments`; whatever the split, the
+    events' content joined and their calls put together are the same.
+
+    A call that opens with ``{"name": "NAME", "arguments": {`` (the format's field; any
+    whitespace between) is a call from there on: its name goes out at once and its arguments
+    as they are written, up to the ``}`` that closes their object (strings and nesting
+    followed, so a brace or ``</tool_call>`` inside a string is part of them); what follows
+    them in the call (the outer ``}``, and in a Hermes block anything up to its closing tag)
+    is dropped. Cut by ``max_tokens``, such a call keeps the arguments written so far, as
+    OpenAI's do. Any other Hermes block waits for its ``</tool_call>``: a call if its JSON
+    holds a string ``name`` and object ``arguments`` (or JSON text of one), else content as
+    written. In the bare-JSON format only the answer's first text can be a call, and one
+    whose first text is not a call's header is content.
+
+    Held back until it is known what it is: text that may be the start of ``<tool_call>``,
+    whitespace that may precede a call (dropped if one follows), a call's opening until it
+    is known to be a call's header or not, a ``<`` outside the arguments' strings that may
+    begin ``</tool_call>``."""
+
+    def __init__(self, fmt: ToolFormat = HERMES):
+        self.format = fmt
+        self.calls = 0
+        self._text = ""  # unread text
+        self._space = ""  # whitespace after the content, kept until we see what follows it
+        #: where the text is: "content", "call" (a call's opening, _text its text so far),
+        #: "arguments" (a streamed call's), "after" (a streamed call's text after them)
+        self._state = "content"
+        #: bare JSON: no text but whitespace read yet (the only place a call can begin)
+        self._first = True
+        self._depth = 0  # open objects and arrays of the arguments
+        self._string = False  # inside a string of the arguments
+        self._escape = False  # after a backslash in that string
+
+    def feed(self, text: str) -> list[str | CallStart | Arguments]:
+        self._text += text
+        events: list[str | CallStart | Arguments] = []
+        while self._step(events):
+            pass
+        return events
+
+    def _step(self, events: list) -> bool:
+        """Read what the unread text settles; False when it needs more text."""
+        fmt = self.format
+        if self._state == "content":
+            return self._bare_content(events) if not fmt.open else self._tagged_content(events)
+        if self._state == "call":
+            opens, at, name = _header(self._text, fmt.arguments)
+            if opens:
+                self._start(name, events)
+                self._text, self._state = self._text[at:], "arguments"
+                return True
+            if not fmt.open:  # bare JSON: a call's header or the answer's content
+                if opens is None:
+                    return False
+                self._state = "content"
+                return True
+            end = self._text.find(fmt.close)
+            if end < 0:
+                return False
+            block, self._text = self._text[:end], self._text[end + len(fmt.close):]
+            self._state = "content"
+            call = read_call(block)
+            if call is None:  # not a call: the text as the model wrote it, markup included
+                self._content(fmt.open + block + fmt.close, events)
+            else:
+                self._start(call.name, events, call.id)
+                events.append(Arguments(self.calls - 1, call.arguments))
+            return True
+        if self._state == "arguments":
+            read = self._scan()
+            if read:
+                events.append(Arguments(self.calls - 1, self._text[:read]))
+                self._text = self._text[read:]
+            if self._state == "arguments":
+                return False
+            if not fmt.close:  # the rest of the call's object, up to its "}"
+                self._depth, self._string, self._escape = 1, False, False
+        if not fmt.close:
+            read = self._scan()
+            self._text = self._text[read:]
+            if self._state == "after":
+                return False
+            self._state = "content"
+            return True
+        end = self._text.find(fmt.close)
+        if end < 0:
+            self._text = self._text[len(self._text) - _partial_tag(self._text, fmt.close):]
+            return False
+        self._text, self._state = self._text[end + len(fmt.close):], "content"
+        return True
+
+    def _tagged_content(self, events: list) -> bool:
+        start = self._text.find(self.format.open)
+        if start < 0:
+            keep = _partial_tag(self._text, self.format.open)
+            self._content(self._text[:len(self._text) - keep], events)
+            self._text = self._text[len(self._text) - keep:]
+            return False
+        self._content(self._text[:start], events)
+        self._text, self._state = self._text[start + len(self.format.open):], "call"
+        return True
+
+    def _bare_content(self, events: list) -> bool:
+        if self._first:
+            body = self._text.lstrip()
+            self._space += self._text[:len(self._text) - len(body)]
+            self._text = body
+            if not body:
+                return False
+            self._first = False
+            if body.startswith("{"):
+                self._state = "call"
+                return True
+        self._content(self._text, events)
+        self._text = ""
+        return False
+
+    def _scan(self) -> int:
+        """Characters of the unread text inside the open object (the arguments', or after
+        them a bare call's): the state moves to "after" where the object closes (past its
+        ``}``), or where the format's closing tag ends the call first."""
+        close = self.format.close
+        for i, char in enumerate(self._text):
+            if self._escape:
+                self._escape = False
+            elif self._string:
+                self._escape, self._string = char == "\\", char != '"'
+            elif char == '"':
+                self._string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "after" if self._state == "arguments" else "content"
+                    return i + 1
+            elif close and char == "<" and close.startswith(self._text[i:i + len(close)]):
+                if len(self._text) - i < len(close):
+                    return i  # may be the block's end: wait
+                self._state = "after"
+                return i
+        return len(self._text)
+
+    def _start(self, name: str, events: list, call_id: str | None = None) -> None:
+        self._space = ""  # whitespace before a call is dropped
+        events.append(CallStart(self.calls, call_id or new_call_id(), name))
+        self.calls += 1
+        self._depth, self._string, self._escape = 0, False, False
+
+    def finish(self) -> list[str | CallStart | Arguments]:
+        """The end of the output: held text becomes content (an unclosed block or call
+        opening that is not a streamed call, as written) or the rest of the call's arguments;
+        whitespace after the last call is dropped."""
+        events: list[str | CallStart | Arguments] = []
+        if self._state == "arguments" and self._text:
+            events.append(Arguments(self.calls - 1, self._text))
+        elif self._state in ("content", "call"):
+            opened = self.format.open if self._state == "call" else ""
+            self._content(opened + self._text, events)
+        self._text, self._state = "", "content"
+        if self._space and not self.calls:
+            events.append(self._space)
+        self._space = ""
+        return events
+
+    def _content(self, text: str, events: list) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:  # only whitespace: keep it until we know what follows
+            self._space += text
+            return
+        events.append(self._space + body)
+        self._space = text[len(body):]
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Characters at the end of ``text`` that begin ``tag`` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat = HERMES) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole output in format ``fmt``; with calls, no content is None
+    (as OpenAI sends it)."""
+    parser = ToolCallParser(fmt)
+    return collect(parser.feed(text) + parser.finish())
+
+
+def collect(events: list[str | CallStart | Arguments]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) the parser's events put together; with calls, no content is None."""
+    content, calls = [], []
+    for event in events:
+        if isinstance(event, str):
+            content.append(event)
+        elif isinstance(event, CallStart):
+            calls.append(ToolCall(event.id, event.name, ""))
+        else:
+            call = calls[event.index]
+            calls[event.index] = ToolCall(call.id, call.name, call.arguments + event.text)
+    text = "".join(content)
+    return (text or None) if calls else text, calls
+
+
+class StreamDeltas:
+    """The chat deltas a stream sends for each choice: every text piece as content, or, when
+    the request's tools are parsed (``fmt``, the model's call format; None: not parsed),
+    content and calls as OpenAI streams them: a call's first delta has its ``index`` (its
+    place among the choice's calls), ``id``, ``type`` and ``function.name``, the next ones
+    pieces of its ``function.arguments``."""
+
+    def __init__(self, choices: int, fmt: ToolFormat | None):
+        self.parsers = [ToolCallParser(fmt) for _ in range(choices)] if fmt else None
+
+    def text(self, index: int, piece: str) -> list[dict]:
+        if self.parsers is None:
+            return [{"content": piece}] if piece else []
+        return [_delta(e) for e in self.parsers[index].feed(piece)]
+
+    def finish(self, index: int, reason: str) -> tuple[list[dict], str]:
+        """(the last deltas, the finish reason) when choice ``index`` ended for ``reason``."""
+        if self.parsers is None:
+            return [], reason
+        parser = self.parsers[index]
+        return [_delta(e) for e in parser.finish()], finish_reason(reason, parser.calls)
+
+
+def _delta(event: str | CallStart | Arguments) -> dict:
+    if isinstance(event, str):
+        return {"content": event}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+
+def finish_reason(reason: str, calls: int) -> str:
+    """OpenAI's ``tool_calls`` when an output that ended by itself made calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
