@@ -1,5 +1,5 @@
 """Which tool-call format the server reads off each chat template (server/tools.py,
-``check_template``): Hermes, bare JSON, or the 400 a request with tools would get.
+``check_template``): Hermes, bare JSON, XML, or the 400 a request with tools would get.
 
 Give template files (``.jinja``, the text a GGUF file's ``tokenizer.chat_template`` holds) or
 installed models by name; each is rendered under a small tokenizer, as the server renders the
@@ -43,7 +43,7 @@ def verdict(tokenizer) -> str:
         found = check_template(tokenizer)
     except ToolError as exc:
         return f"refused: {exc}"
-    return f"{found.name} (arguments under {found.arguments!r})"
+    return found.name if found.xml else f"{found.name} (arguments under {found.arguments!r})"
 
 
 def main() -> int:

@@ -18,9 +18,12 @@ import pytest
 
 from specdecode.server.tool_parser import (Arguments, CallStart, StreamDeltas, ToolCall,
                                            ToolCallParser, collect, parse_tool_calls)
-from specdecode.server.tools import HERMES, LLAMA_JSON, ToolError, ToolRequest, check_template
+from specdecode.server.tools import (HERMES, LLAMA_JSON, QWEN_XML, ToolError, ToolRequest,
+                                     check_template, xml_value)
 
-from tiny_server import MODEL, build_tokenizer, make_server, openai_client, tiny_served_model
+from tiny_models import tiny_llama
+from tiny_server import (CONTEXT, MODEL, build_tokenizer, make_server, openai_client,
+                         tiny_served_model)
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -123,8 +126,58 @@ def test_parse_whole_bare_json_texts(text, content, calls):
     assert parse_tool_calls(text, HERMES) == (text, [])
 
 
+def xml_call(name: str, **arguments: str) -> str:
+    """A call in Qwen3-Coder's XML, each argument's text as given."""
+    return (f"<tool_call>\n<function={name}>\n"
+            + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+            + "</function>\n</tool_call>")
+
+
+XML_CALL = xml_call("get_weather", city="Paris", days="3")
+SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {}}}
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (XML_CALL, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    ("Checking.\n" + XML_CALL + "\n" + xml_call("get_time"), "Checking.",
+     [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    # a string's value is its text as written, "<" and newlines included; a value that does not
+    # read as its type stays a string; a parameter the schema does not declare is a string
+    (xml_call("get_weather", city="a < b\n</x>", days="three", extra="[1]"), None,
+     [("get_weather", {"city": "a < b\n</x>", "days": "three", "extra": "[1]"})]),
+    # a JSON body inside the block is read as Hermes' is
+    (CALL, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    # a function tag that is not a name: the block as written
+    ("<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=get weather>\n</function>\n</tool_call>", []),
+    # cut by max_tokens: before the function's tag is whole, the text as written; after it,
+    # the call with the parameters read so far
+    (XML_CALL[:30], XML_CALL[:30], []),
+    (XML_CALL[:40], None, [("get_weather", "")]),
+    (XML_CALL[:75], None, [("get_weather", '{"city": "Paris"')]),
+    # a stray tag ends the arguments; the block's end closes the call
+    ("<tool_call><function=get_time>\n<oops/>\n</tool_call>ok", "ok", [("get_time", {})]),
+])
+def test_parse_whole_xml_texts(text, content, calls):
+    got_content, got_calls = parse_tool_calls(text, QWEN_XML, SCHEMAS)
+    assert got_content == content
+    assert calls_of(got_calls) == calls
+
+
+@pytest.mark.parametrize("text, schema, value", [
+    ("3", {"type": "integer"}, 3), ("3.5", {"type": "integer"}, "3.5"),
+    ("2.5", {"type": "number"}, 2.5), ("True", {"type": "boolean"}, True),
+    ("false", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, "yes"),
+    ('{"a": [1]}', {"type": "object"}, {"a": [1]}), ("[1, 2]", {"type": "array"}, [1, 2]),
+    ("[1, 2]", {"type": "string"}, "[1, 2]"), ("7", {"type": ["null", "integer"]}, 7),
+    ("true", {"type": "integer"}, "true"), ("42", None, "42"),
+])
+def test_an_xml_value_is_read_by_its_schema_type(text, schema, value):
+    assert xml_value(text, schema) == value
+
+
 def parse_in_pieces(pieces: list[str], fmt=HERMES) -> tuple[str, list[tuple[str, dict | str]]]:
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, SCHEMAS)
     content, calls = collect([e for p in pieces for e in parser.feed(p)] + parser.finish())
     return content or "", calls_of(calls)
 
@@ -150,8 +203,17 @@ def test_any_split_of_a_bare_call_gives_what_the_whole_text_gives(text):
     check_any_split(text, LLAMA_JSON)
 
 
+@pytest.mark.parametrize("text", [
+    "So:\n" + XML_CALL + " " + xml_call("get_time") + " <tool",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nx</parameter>\n<par",
+    "<tool_call>\n<funct " + CALL,
+])
+def test_any_split_of_an_xml_call_gives_what_the_whole_text_gives(text):
+    check_any_split(text, QWEN_XML)
+
+
 def check_any_split(text: str, fmt) -> None:
-    content, calls = parse_tool_calls(text, fmt)
+    content, calls = parse_tool_calls(text, fmt, SCHEMAS)
     expected = (content or "", calls_of(calls))
     for i in range(len(text) + 1):
         for j in range(i, len(text) + 1, 7):  # two cuts: every first cut, a spread of second
@@ -250,6 +312,38 @@ def test_a_bare_json_format_calls_once_in_its_own_fields():
     assert not grammar_takes(strict.grammar(), ' {"answer": ')
 
 
+def test_an_xml_format_holds_each_parameter_to_its_schema():
+    named = dataclasses.replace(ToolRequest.of(TOOLS, NAMED), format=QWEN_XML)
+    assert grammar_takes(named.grammar(), XML_CALL, ending=True)
+    assert not grammar_takes(named.grammar(), xml_call("get_weather", city="Lima"))  # enum
+    assert not grammar_takes(named.grammar(), xml_call("get_weather", city="Oslo", days="9"))
+    assert not grammar_takes(named.grammar(),  # "days" is required
+                             xml_call("get_weather", city="Oslo"), ending=True)
+    flag = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}}
+    flagged = dataclasses.replace(ToolRequest.of([flag], "required"), format=QWEN_XML).grammar()
+    assert grammar_takes(flagged, xml_call("f", on="True"), ending=True)  # as templates write
+    assert not grammar_takes(flagged, xml_call("f", on="yes"))
+    # a key or an enum member with quotes and backslashes is spelt as it is
+    key = 'a "b\\ c'
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {key: {"enum": ['x"y', "z"]}}, "required": [key]}}}
+    odd = dataclasses.replace(ToolRequest.of([odd], "required"), format=QWEN_XML).grammar()
+    assert grammar_takes(odd, xml_call("f", **{key: 'x"y'}), ending=True)
+    assert not grammar_takes(odd, xml_call("f", **{key: "xy"}))
+    required = dataclasses.replace(ToolRequest.of(TOOLS, "required"), format=QWEN_XML)
+    assert grammar_takes(required.grammar(), XML_CALL + "\n" + xml_call("get_time"), ending=True)
+    # a strict function under auto: free text; a call once its tag is written, a string
+    # parameter's value any text up to its closing tag
+    note = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    strict = dataclasses.replace(ToolRequest.of([note, *TOOLS[1:]], "auto"), format=QWEN_XML)
+    assert grammar_takes(strict.grammar(), "Fine < ok.", ending=True)
+    assert grammar_takes(strict.grammar(), "A note: " + xml_call("note", text="if a < b:\n  x")
+                         + " and " + xml_call("get_time", tz="UTC"), ending=True)
+    assert not grammar_takes(strict.grammar(), xml_call("note", body="x"))  # not its parameter
+
+
 STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
                                             "strict": True}},
           {"type": "function", "function": {"name": "get_time"}}]
@@ -329,6 +423,7 @@ def test_the_call_format_is_read_off_the_template():
     # calls written as bare JSON under "arguments": that field
     arguments = check_template(tool_tokenizer(LLAMA_TEMPLATE.replace("parameters", "arguments")))
     assert arguments == dataclasses.replace(LLAMA_JSON, arguments="arguments")
+    assert check_template(tool_tokenizer(XML_TEMPLATE)) == QWEN_XML
     # calls in a JSON array after a tag of their own (Mistral's format): refused by name
     with pytest.raises(ToolError, match="format this server does not parse"):
         check_template(tool_tokenizer(ARRAY_TEMPLATE))
@@ -351,12 +446,21 @@ TOOL_TEMPLATE = (
 #: answer's bare JSON with its arguments under "parameters", results in an "ipython" turn
 LLAMA_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ 'ipython' if m.role == 'tool' else m.role }}\n"
-    "{% if tools and loop.last and m.role == 'user' %}Answer with a call of"
-    "{% for t in tools %} {{ t.function.name }}{% endfor %}: {\"name\": function name, "
-    "\"parameters\": its arguments}\n{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{% if tools and loop.last and m.role == 'user' %}Call"
+    "{% for t in tools %} {{ t.function.name }}{% endfor %} as JSON.\n{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
     "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}"
     "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: a Qwen3-Coder-style template: calls as XML, a tag per parameter, a string's value as it is
+XML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}\nCall in XML.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>"
+    "{{ m.role }}\n{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}"
+    "<parameter={{ k }}>\n{{ v | tojson if v is mapping or (v is sequence and v is not string) "
+    "else v }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 #: calls as a JSON array after a tag of their own, as Mistral's templates write them
 ARRAY_TEMPLATE = (
     "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
@@ -371,11 +475,20 @@ def tool_tokenizer(template: str = TOOL_TEMPLATE):
     return tokenizer
 
 
-@pytest.fixture(scope="module", params=["Hermes", "bare JSON"])
+@pytest.fixture(scope="module", params=["Hermes", "bare JSON", "XML"])
 def tokenizer(request):
     """The tiny tokenizer under a template of each call format: every request test runs in
-    both."""
-    return tool_tokenizer(TOOL_TEMPLATE if request.param == "Hermes" else LLAMA_TEMPLATE)
+    each."""
+    return tool_tokenizer({"Hermes": TOOL_TEMPLATE, "bare JSON": LLAMA_TEMPLATE,
+                           "XML": XML_TEMPLATE}[request.param])
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """The tiny served model with room for a conversation that holds a call (an XML call is
+    over a hundred of the tiny tokenizer's pieces)."""
+    return tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=2 * CONTEXT,
+                      seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -391,14 +504,18 @@ def test_the_constraints_vocabulary_is_built_before_the_first_request(model, tok
         assert background.server.config.app.state.server._vocabulary is not None
 
 
-def ask(client, method="ngram", max_tokens=100, **kwargs):
+#: room for a whole call of get_weather in the tiny tokenizer's short pieces (XML's is longest)
+CALL_TOKENS = 128
+
+
+def ask(client, method="ngram", max_tokens=CALL_TOKENS, **kwargs):
     kwargs.setdefault("tools", TOOLS)
     return client.chat.completions.create(
         model=MODEL, messages=kwargs.pop("messages", QUESTION), max_tokens=max_tokens,
         extra_body={"specdecode": {"method": method, "return_token_ids": True}}, **kwargs)
 
 
-def streamed(client, max_tokens=100, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
+def streamed(client, max_tokens=CALL_TOKENS, **kwargs) -> tuple[str | None, list[tuple[str, str]], str]:
     """(content, [(name, arguments)], finish reason) put together from a stream's deltas."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(
@@ -442,7 +559,7 @@ def test_a_stream_carries_the_calls_of_the_whole_response(client):
 def test_a_streamed_call_sends_its_name_first_and_its_arguments_as_they_are_written(client):
     pieces = []
     for chunk in client.chat.completions.create(
-            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS,
+            model=MODEL, messages=QUESTION, max_tokens=CALL_TOKENS, stream=True, tools=TOOLS,
             tool_choice=NAMED, extra_body={"specdecode": {"method": "ar"}}):
         for call in chunk.choices[0].delta.tool_calls or ():
             pieces.append((call.id, call.function.name, call.function.arguments))
@@ -458,7 +575,7 @@ def test_logprobs_stream_whole_beside_the_calls(client):
     assert len(whole.logprobs.content) == len(whole.model_extra["token_ids"])
     pieces = []
     for chunk in client.chat.completions.create(
-            model=MODEL, messages=QUESTION, max_tokens=100, stream=True, tools=TOOLS,
+            model=MODEL, messages=QUESTION, max_tokens=CALL_TOKENS, stream=True, tools=TOOLS,
             tool_choice=NAMED, logprobs=True):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             pieces += chunk.choices[0].logprobs.content

@@ -23,7 +23,7 @@ from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest
                                         new_id, now, parse)
 from specdecode.server.scheduler import Job
 from specdecode.server.tool_parser import StreamDeltas, parse_tool_calls
-from specdecode.server.tools import ToolFormat
+from specdecode.server.tools import ToolRequest
 
 #: seconds between checks that a waiting (non-streaming) client is still connected
 DISCONNECT_POLL_S = 0.25
@@ -57,10 +57,10 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
     }
 
 
-def with_tool_calls(choice: dict, result: GenerationResult, fmt: ToolFormat) -> None:
+def with_tool_calls(choice: dict, result: GenerationResult, tools: ToolRequest) -> None:
     """A chat choice's message as content and the tool calls parsed from its text (written in
-    the model's call format ``fmt``)."""
-    content, calls = parse_tool_calls(result.text, fmt)
+    the model's call format, ``tools.format``)."""
+    content, calls = parse_tool_calls(result.text, tools.format, tools.schemas)
     choice["message"]["content"] = content
     if calls:
         choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
@@ -152,11 +152,11 @@ class Endpoint:
                 "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
                 "text_offset": None}
 
-    def parses_tools(self, req) -> ToolFormat | None:
-        """The call format the response's text is parsed in for tool calls (server/tools.py);
+    def parses_tools(self, req) -> ToolRequest | None:
+        """The tools whose calls the response's text is parsed for (server/tool_parser.py);
         None: not parsed."""
         tools = getattr(req, "tool_request", None) if self.chat else None
-        return tools.format if tools is not None and tools.parses else None
+        return tools if tools is not None and tools.parses else None
 
     def envelope(self, rid: str, model: str, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -221,10 +221,10 @@ class Endpoint:
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
                                        logprobs=r.logprobs)
                            for i, r in enumerate(results)]
-        fmt = self.parses_tools(req)
-        if fmt is not None:
+        tools = self.parses_tools(req)
+        if tools is not None:
             for choice, result in zip(body["choices"], results):
-                with_tool_calls(choice, result, fmt)
+                with_tool_calls(choice, result, tools)
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
@@ -292,10 +292,11 @@ class Chunks:
     log-probabilities (a piece's ride with its first chunk), and each choice's end."""
 
     def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
-                 tools: ToolFormat | None):
+                 tools: ToolRequest | None):
         self.endpoint, self.rid, self.model = endpoint, rid, model
         self.sent = StreamedLogprobs(choices)
-        self.deltas = StreamDeltas(choices, tools)
+        self.deltas = (StreamDeltas(choices, tools.format, tools.schemas) if tools is not None
+                       else StreamDeltas(choices, None))
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)

@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from specdecode.server.tools import HERMES, NAME, NAME_CHAR, NAME_MAX, ToolFormat
+from specdecode.server.tools import HERMES, NAME, NAME_CHAR, NAME_MAX, ToolFormat, xml_value
 
 
 @dataclass(frozen=True)
@@ -116,21 +116,30 @@ class ToolCallParser:
     OpenAI's do. Any other Hermes block waits for its ``</tool_call>``: a call if its JSON
     holds a string ``name`` and object ``arguments`` (or JSON text of one), else content as
     written. In the bare-JSON format only the answer's first text can be a call, and one
-    whose first text is not a call's header is content.
+    whose first text is not a call's header is content. In the XML format a block that opens
+    with ``<function=NAME>`` is a call from there on, each ``<parameter=KEY>`` going out as a
+    piece of the arguments' JSON once its ``</parameter>`` is read (its value read by the
+    parameter's schema, :func:`~specdecode.server.tools.xml_value`), the object closed at
+    ``</function>`` or at anything else; another block is read as a Hermes one.
 
     Held back until it is known what it is: text that may be the start of ``<tool_call>``,
     whitespace that may precede a call (dropped if one follows), a call's opening until it
     is known to be a call's header or not, a ``<`` outside the arguments' strings that may
     begin ``</tool_call>``."""
 
-    def __init__(self, fmt: ToolFormat = HERMES):
+    def __init__(self, fmt: ToolFormat = HERMES, schemas: dict[str, dict] | None = None):
         self.format = fmt
+        #: function name -> its parameters' schema (what XML values are read by)
+        self.schemas = schemas or {}
         self.calls = 0
         self._text = ""  # unread text
         self._space = ""  # whitespace after the content, kept until we see what follows it
         #: where the text is: "content", "call" (a call's opening, _text its text so far),
-        #: "arguments" (a streamed call's), "after" (a streamed call's text after them)
+        #: "arguments" (a streamed call's), "xml" (an XML call's parameters), "after" (a
+        #: streamed call's text after its arguments)
         self._state = "content"
+        self._name = ""  # the XML call's function
+        self._params = 0  # the XML call's parameters read
         #: bare JSON: no text but whitespace read yet (the only place a call can begin)
         self._first = True
         self._depth = 0  # open objects and arrays of the arguments
@@ -149,6 +158,16 @@ class ToolCallParser:
         fmt = self.format
         if self._state == "content":
             return self._bare_content(events) if not fmt.open else self._tagged_content(events)
+        if self._state == "call" and fmt.xml:
+            opens, at, name = _xml_header(self._text)
+            if opens:
+                self._start(name, events)
+                self._text, self._state, self._name, self._params = self._text[at:], "xml", name, 0
+                return True
+            if opens is None:
+                return False
+        if self._state == "xml":
+            return self._xml_parameter(events)
         if self._state == "call":
             opens, at, name = _header(self._text, fmt.arguments)
             if opens:
@@ -221,6 +240,31 @@ class ToolCallParser:
         self._text = ""
         return False
 
+    def _xml_parameter(self, events: list) -> bool:
+        """The XML call's next parameter (its JSON field once its closing tag is read) or its
+        end (the arguments' ``}``, then on to the block's end, as after a malformed tag)."""
+        body = self._text.lstrip()
+        if body.startswith(XML_PARAMETER):
+            named, ends = body.find(">"), body.find(XML_PARAMETER_END)
+            if named < 0 or ends < 0:
+                return False
+            key, raw = body[len(XML_PARAMETER):named], body[named + 1:ends]
+            raw = raw[1:] if raw.startswith("\n") else raw
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            schema = (self.schemas.get(self._name, {}).get("properties") or {}).get(key)
+            events.append(Arguments(self.calls - 1, ("{" if not self._params else ", ")
+                                    + json.dumps(key, ensure_ascii=False) + ": "
+                                    + json.dumps(xml_value(raw, schema), ensure_ascii=False)))
+            self._params += 1
+            self._text = body[ends + len(XML_PARAMETER_END):]
+            return True
+        if any(tag.startswith(body) for tag in (XML_PARAMETER, XML_FUNCTION_END)):
+            return False
+        events.append(Arguments(self.calls - 1, "}" if self._params else "{}"))
+        self._text = body[len(XML_FUNCTION_END):] if body.startswith(XML_FUNCTION_END) else body
+        self._state = "after"
+        return True
+
     def _scan(self) -> int:
         """Characters of the unread text inside the open object (the arguments', or after
         them a bare call's): the state moves to "after" where the object closes (past its
@@ -280,6 +324,27 @@ class ToolCallParser:
         self._space = text[len(body):]
 
 
+XML_FUNCTION, XML_FUNCTION_END = "<function=", "</function>"
+XML_PARAMETER, XML_PARAMETER_END = "<parameter=", "</parameter>"
+
+
+def _xml_header(text: str) -> tuple[bool | None, int, str]:
+    """Whether an XML block's text opens with ``<function=NAME>`` (any whitespace before):
+    (True, where its text goes on, the name); (None, 0, "") while it may still; (False, 0,
+    "") when it cannot."""
+    body = text.lstrip()
+    at = len(text) - len(body)
+    if not body.startswith(XML_FUNCTION):
+        return (None, 0, "") if XML_FUNCTION.startswith(body) else (False, 0, "")
+    end = body.find(">")
+    name = body[len(XML_FUNCTION):end if end >= 0 else len(body)]
+    if name and not NAME.fullmatch(name) or len(name) > NAME_MAX:
+        return False, 0, ""
+    if end < 0:
+        return None, 0, ""
+    return (True, at + end + 1, name) if name else (False, 0, "")
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """Characters at the end of ``text`` that begin ``tag`` (0 if none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -288,10 +353,11 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat = HERMES) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole output in format ``fmt``; with calls, no content is None
-    (as OpenAI sends it)."""
-    parser = ToolCallParser(fmt)
+def parse_tool_calls(text: str, fmt: ToolFormat = HERMES, schemas: dict[str, dict] | None = None
+                     ) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole output in format ``fmt`` (``schemas``: the functions'
+    parameters, by name); with calls, no content is None (as OpenAI sends it)."""
+    parser = ToolCallParser(fmt, schemas)
     return collect(parser.feed(text) + parser.finish())
 
 
@@ -312,13 +378,15 @@ def collect(events: list[str | CallStart | Arguments]) -> tuple[str | None, list
 
 class StreamDeltas:
     """The chat deltas a stream sends for each choice: every text piece as content, or, when
-    the request's tools are parsed (``fmt``, the model's call format; None: not parsed),
+    the request's tools are parsed (``fmt``, the model's call format, ``schemas`` the
+    functions' parameters by name; None: not parsed),
     content and calls as OpenAI streams them: a call's first delta has its ``index`` (its
     place among the choice's calls), ``id``, ``type`` and ``function.name``, the next ones
     pieces of its ``function.arguments``."""
 
-    def __init__(self, choices: int, fmt: ToolFormat | None):
-        self.parsers = [ToolCallParser(fmt) for _ in range(choices)] if fmt else None
+    def __init__(self, choices: int, fmt: ToolFormat | None,
+                 schemas: dict[str, dict] | None = None):
+        self.parsers = [ToolCallParser(fmt, schemas) for _ in range(choices)] if fmt else None
 
     def text(self, index: int, piece: str) -> list[dict]:
         if self.parsers is None:

@@ -3,7 +3,7 @@
 The functions reach the model through its own chat template (``apply_chat_template(messages,
 tools=...)``), as it was trained to see them; what it writes back is parsed here, in the format
 its template writes calls in (:func:`check_template` reads it off the template: a probe
-conversation with one call, rendered). Two formats (:class:`ToolFormat`):
+conversation with one call, rendered). Three formats (:class:`ToolFormat`):
 
 - **Hermes** (Qwen2.5, Qwen3, Hermes), one block per call, anywhere in the answer::
 
@@ -16,6 +16,17 @@ conversation with one call, rendered). Two formats (:class:`ToolFormat`):
 
       {"name": "get_weather", "parameters": {"city": "Paris"}}
 
+- **XML** (Qwen3-Coder, Qwen3.5, Nemotron 3), a block per call, a tag per parameter, a
+  string's value as it is and another type's as JSON (read back by the parameter's schema)::
+
+      <tool_call>
+      <function=get_weather>
+      <parameter=city>
+      Paris
+      </parameter>
+      </function>
+      </tool_call>
+
 :class:`~specdecode.server.tool_parser.ToolCallParser` turns generated text, fed in pieces
 split anywhere, into content and calls, as a stream sends them: a call that opens with
 ``{"name": "...", "arguments": {`` (the format's field) is a call from there on, its name sent
@@ -23,13 +34,16 @@ at once and its arguments as they are written (an agent's client sees the call s
 tokens in, not when a long ``write_file`` ends); any other Hermes block becomes a call only
 once it is closed and its JSON holds a string ``name`` and object ``arguments``; anything else
 (malformed JSON, text that only looks like the start of a tag, an answer that opens with other
-JSON) stays in the content, character for character, so nothing the model wrote is lost.
+JSON) stays in the content, character for character, so nothing the model wrote is lost. An
+XML call's name is sent once its ``<function=NAME>`` is read, and each parameter once its
+closing tag is.
 Whitespace between content and a call is dropped, so ``"Let me check.\\n<tool_call>..."`` gives
 the content ``"Let me check."``.
 
 ``tool_choice: "required"`` or a named function constrains the output with a grammar
 (:meth:`ToolRequest.grammar`): one or more calls (exactly one for a named function, or where
-the format holds one), each call's arguments matching its function's parameter schema. Under
+the format holds one), each call's arguments matching its function's parameter schema (in
+XML, each parameter's value: a string any text up to its closing tag). Under
 ``auto``, a function marked ``"strict": true`` (OpenAI's strict function calling) makes the
 grammar hold only the calls: free text, in which a call, once begun (its ``<tool_call>`` written,
 or for bare JSON the answer's first ``{``), is a call of an offered function, a strict one's
@@ -78,11 +92,16 @@ class ToolFormat:
     arguments: str
     #: several calls in one answer
     parallel: bool
+    #: the call written as XML inside the tags, a tag per parameter (else as JSON)
+    xml: bool = False
 
 
 HERMES = ToolFormat("Hermes", OPEN, CLOSE, "arguments", True)
 #: Llama 3.x's custom-function calls: the answer is ``{"name": ..., "parameters": {...}}``
 LLAMA_JSON = ToolFormat("bare JSON", "", "", "parameters", False)
+#: Qwen3-Coder's (and Nemotron 3's): ``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
+#: \n</parameter>\n</function>\n</tool_call>``, a string's value as it is, others' as JSON
+QWEN_XML = ToolFormat("XML", OPEN, CLOSE, "", True, xml=True)
 
 
 class ToolError(ValueError):
@@ -128,6 +147,12 @@ class ToolRequest:
         return [{"type": "function", "function": f.definition} for f in self.functions]
 
     @property
+    def schemas(self) -> dict[str, dict]:
+        """Each function's parameters' schema, by name (what an XML call's values are read
+        by)."""
+        return {f.name: f.parameters for f in self.functions}
+
+    @property
     def constrains(self) -> bool:
         """The output is held to tool calls by a grammar (``required``, a named function)."""
         return self.choice in ("required", "function")
@@ -155,15 +180,17 @@ class ToolRequest:
             chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
             several = self.choice == "required" and self.parallel and fmt.parallel
             repeat = ' ("\\n" call)*' if several else ""
-            return "\n".join([f"start: call{repeat}", f'call: "{fmt.open}" body' if fmt.open
-                              else "call: body"] + _bodies(chosen, True, fmt))
+            header = ["%llguidance {}"] if fmt.xml else []  # (its lazy lexemes)
+            return "\n".join(header + [f"start: call{repeat}", f'call: "{fmt.open}" body'
+                                       if fmt.open else "call: body"] + _bodies(chosen, True, fmt))
         if not self.guards:
             return None
         if not fmt.open:  # whitespace, then a call or text that does not open with "{"
             return "\n".join(["start: WS? (body | TEXT)?", "WS: /[ \\t\\n]+/",
                               "TEXT: /[^{ \\t\\n](.|\\n)*/"] + _bodies(self.functions, False, fmt))
         return "\n".join(["%llguidance {}", "start: called* TEXT", "called: opened body",
-                          f'opened[lazy]: TEXT "{fmt.open}"', "TEXT: /(.|\\n)*/"]
+                          f'opened[lazy]: TEXT "{fmt.open}"']
+                         + ([] if fmt.xml else ["TEXT: /(.|\\n)*/"])
                          + _bodies(self.functions, False, fmt))
 
     @classmethod
@@ -192,8 +219,10 @@ class ToolRequest:
 
 def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
     """Lark rules ``body``: a call of one of ``functions`` after the format's opening tag,
-    written as the template shows JSON, the arguments matching the function's ``parameters``
-    (``every_schema``; else a strict function's only, any object another's)."""
+    written as the template shows JSON (or its XML), the arguments matching the function's
+    ``parameters`` (``every_schema``; else a strict function's only, any object another's)."""
+    if fmt.xml:
+        return _xml_bodies(functions, every_schema)
     rules = []
     lead, tail = ("\\n", f"\\n{fmt.close}") if fmt.open else ("", "")
     for i, f in enumerate(functions):
@@ -203,6 +232,74 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
                      f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
         rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
     return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
+
+
+def _xml_bodies(functions, every_schema: bool) -> list[str]:
+    """``_bodies`` in the XML format: ``<function=NAME>``, then a tag per parameter in the
+    schema's order (the required ones always), each value a string's text as it is (a lazy
+    lexeme: it ends at ``</parameter>``), an enum's member, or another type's JSON; a function
+    whose arguments are not held takes any parameters, each a text."""
+    rules = ["TEXT: /(.|\\n)*/", 'KEY: /[A-Za-z0-9_.-]+/',
+             'any_param: "<parameter=" KEY ">\\n" text_value "\\n"',
+             'text_value[lazy]: TEXT "\\n</parameter>"']
+    for i, f in enumerate(functions):
+        properties = f.parameters.get("properties") or {}
+        required = set(f.parameters.get("required") or ())
+        held = (every_schema or f.strict) and isinstance(properties, dict)
+        parts = []
+        for j, (key, schema) in enumerate(properties.items() if held else ()):
+            tag = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)  # (a key's quotes)
+            rules.append(f"p_{i}_{j}: {tag} " + _xml_value_rule(i, j, schema, rules))
+            parts.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+        tag, end = f'"\\n<function={f.name}>\\n"', f'"</function>\\n{CLOSE}"'
+        rules.append(f"body_{i}: " + " ".join([tag, *(parts if held else ["any_param*"]), end]))
+    return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
+
+
+def _xml_value_rule(i: int, j: int, schema: Any, rules: list[str]) -> str:
+    """What follows parameter j's tag in function i's XML call (rules it needs go to
+    ``rules``): a string's text, an enum's member as it is, another type's JSON, then the
+    closing tag."""
+    schema = schema if isinstance(schema, dict) else {}
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return ("(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum)
+                + ') "\\n</parameter>\\n"')
+    kind = _xml_type(schema)
+    if kind in ("string", None):
+        return 'text_value "\\n"'
+    if kind == "boolean":  # JSON's, or Python's as the templates write earlier calls' values
+        return '("true" | "false" | "True" | "False") "\\n</parameter>\\n"'
+    rules.append(f"v_{i}_{j}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
+    return f'v_{i}_{j} "\\n</parameter>\\n"'
+
+
+def _xml_type(schema: dict) -> str | None:
+    """A parameter schema's type: its ``type``, the first that is not null of a list of
+    them; None where it names none."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return kind if isinstance(kind, str) else None
+
+
+def xml_value(text: str, schema: Any) -> Any:
+    """A parameter's value from its XML text, read by its schema's type: a string as it is,
+    a number, a boolean (``true`` or Python's ``True``), an object or array as JSON; text
+    that does not read as its type, or a parameter the schema does not declare, is a
+    string."""
+    kind = _xml_type(schema) if isinstance(schema, dict) else None
+    if kind in ("integer", "number", "object", "array", "null"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        fits = {"integer": int, "number": (int, float), "object": dict, "array": list,
+                "null": type(None)}[kind]
+        return value if isinstance(value, fits) and not isinstance(value, bool) else text
+    if kind == "boolean" and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    return text
 
 
 def _function(i: int, tool: Any) -> Function:
@@ -362,10 +459,14 @@ def _template_format(tokenizer) -> ToolFormat | str:
     hermes = re.search(re.escape(OPEN) + r"\s*" + _JSON_CALL, called)
     if hermes and hermes.group(1) == HERMES.arguments:
         return HERMES
+    if re.search(re.escape(OPEN) + r"\s*<function=get_weather>\s*<parameter=city>\s*Paris\s*"
+                 r"</parameter>", called):
+        return QWEN_XML
     header = texted[:texted.find(_PROBE_ANSWER)]
     bare = re.match(r"\s*" + _JSON_CALL, called[len(header):])
     if _PROBE_ANSWER in texted and called.startswith(header) and bare:
         return replace(LLAMA_JSON, arguments=bare.group(1))
     return ("this model's chat template writes tool calls in a format this server does not "
-            f"parse (it parses {OPEN} JSON blocks, the Qwen2.5 and Hermes format, and an "
-            "answer that is a call's JSON, Llama 3's); send the request without 'tools'")
+            f"parse (it parses {OPEN} blocks of JSON, the Qwen2.5 and Hermes format, or of "
+            "<function=...> XML, Qwen3-Coder's, and an answer that is a call's JSON, Llama "
+            "3's); send the request without 'tools'")
