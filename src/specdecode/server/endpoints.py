@@ -22,6 +22,7 @@ from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
                                         new_id, now, parse)
 from specdecode.server.scheduler import Job
+from specdecode.server.reasoning import ReasoningSplitter, Thinking, split_reasoning
 from specdecode.server.tool_parser import StreamDeltas, parse_tool_calls
 from specdecode.server.tools import ToolRequest
 
@@ -57,10 +58,20 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
     }
 
 
-def with_tool_calls(choice: dict, result: GenerationResult, tools: ToolRequest) -> None:
-    """A chat choice's message as content and the tool calls parsed from its text (written in
-    the model's call format, ``tools.format``)."""
-    content, calls = parse_tool_calls(result.text, tools.format, tools.schemas)
+def message_parts(choice: dict, result: GenerationResult, tools: ToolRequest | None,
+                  thinking: Thinking | None) -> None:
+    """A chat choice's message as its reasoning (``thinking``: the model's answers hold a
+    reasoning block), content and the tool calls parsed from the content (``tools``: written
+    in the model's call format, ``tools.format``)."""
+    text = result.text
+    if thinking is not None:
+        reasoning, text = split_reasoning(text, thinking)
+        if reasoning is not None:
+            choice["message"]["reasoning_content"] = reasoning
+        choice["message"]["content"] = text
+    if tools is None:
+        return
+    content, calls = parse_tool_calls(text, tools.format, tools.schemas)
     choice["message"]["content"] = content
     if calls:
         choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
@@ -221,10 +232,10 @@ class Endpoint:
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
                                        logprobs=r.logprobs)
                            for i, r in enumerate(results)]
-        tools = self.parses_tools(req)
-        if tools is not None:
+        if self.chat:
+            tools = self.parses_tools(req)
             for choice, result in zip(body["choices"], results):
-                with_tool_calls(choice, result, tools)
+                message_parts(choice, result, tools, self.server.thinking)
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
@@ -244,7 +255,8 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
-        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req))
+        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req),
+                        self.server.thinking if self.chat else None)
 
         async def events() -> AsyncIterator[str]:
             results: list[GenerationResult | None] = [None] * len(job.specs)
@@ -288,15 +300,26 @@ class Endpoint:
 
 class Chunks:
     """The server-sent events of one streamed response: each choice's text pieces, as they
-    come or as content and tool calls (:class:`~.tools.StreamDeltas`), with their
-    log-probabilities (a piece's ride with its first chunk), and each choice's end."""
+    come or as reasoning (:class:`~.reasoning.ReasoningSplitter`), content and tool calls
+    (:class:`~.tool_parser.StreamDeltas`), with their log-probabilities (a piece's ride with
+    its first chunk), and each choice's end."""
 
     def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
-                 tools: ToolRequest | None):
+                 tools: ToolRequest | None, thinking: Thinking | None = None):
         self.endpoint, self.rid, self.model = endpoint, rid, model
         self.sent = StreamedLogprobs(choices)
         self.deltas = (StreamDeltas(choices, tools.format, tools.schemas) if tools is not None
                        else StreamDeltas(choices, None))
+        self.reasoning = ([ReasoningSplitter(thinking) for _ in range(choices)]
+                          if thinking is not None else None)
+
+    def _deltas(self, index: int, events: list[tuple[str, str]]) -> list[dict]:
+        """The deltas of a choice's reasoning and content pieces (the content read for calls)."""
+        out: list[dict] = []
+        for kind, text in events:
+            out += [{"reasoning_content": text}] if kind == "reasoning" else \
+                self.deltas.text(index, text)
+        return out
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)
@@ -308,14 +331,19 @@ class Chunks:
         return sse(body)
 
     def text(self, index: int, piece: str) -> list[str]:
-        parts, logprobs = self.deltas.text(index, piece), self.sent.of(index, piece)
+        events = (self.reasoning[index].feed(piece) if self.reasoning is not None
+                  else [("content", piece)])
+        parts, logprobs = self._deltas(index, events), self.sent.of(index, piece)
         if logprobs and not parts:  # text held back: its tokens' log-probabilities go now
             parts = [{"content": ""}]
         return [self.chunk(index, d, logprobs=logprobs if i == 0 else None)
                 for i, d in enumerate(parts)]
 
     def end(self, index: int, result: GenerationResult) -> list[str]:
+        held = self._deltas(index, self.reasoning[index].finish() if self.reasoning is not None
+                            else [])
         parts, finish = self.deltas.finish(index, result.finish_reason)
+        parts = held + parts
         return [self.chunk(index, d) for d in parts] + [
             self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result))]
 

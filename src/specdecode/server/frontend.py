@@ -30,6 +30,7 @@ from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError, SamplingFields, now
 from specdecode.server.scheduler import Scheduler, SequenceSpec
+from specdecode.server.reasoning import thinking_of
 from specdecode.server.tools import ToolError, ToolFormat, check_template
 
 #: Host header names a server bound to loopback answers by default (DNS rebinding: a web page's
@@ -131,6 +132,8 @@ class Frontend:
         self.started = now()
         self.fingerprint = model.fingerprint
         self.tokenizer = tokenizer
+        #: whether the model's answers hold a reasoning block (sent as reasoning_content)
+        self.thinking = thinking_of(tokenizer) if tokenizer is not None else None
         #: the ids ending a generation (a finished grammar allows them); the tokenizer's by default
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: list[int] = [] if eos is None else [eos]
