@@ -145,8 +145,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": 
     # read as its type stays a string; a parameter the schema does not declare is a string
     (xml_call("get_weather", city="a < b\n</x>", days="three", extra="[1]"), None,
      [("get_weather", {"city": "a < b\n</x>", "days": "three", "extra": "[1]"})]),
-    # a JSON body inside the block is read as Hermes' is
+    # a JSON body inside the block is read as Hermes' is, streamed as written
     (CALL, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    (CALL[:60], None, [("get_weather", '{"city": "P')]),
     # a function tag that is not a name: the block as written
     ("<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
      "<tool_call>\n<function=get weather>\n</function>\n</tool_call>", []),

@@ -100,8 +100,9 @@ HERMES = ToolFormat("Hermes", OPEN, CLOSE, "arguments", True)
 #: Llama 3.x's custom-function calls: the answer is ``{"name": ..., "parameters": {...}}``
 LLAMA_JSON = ToolFormat("bare JSON", "", "", "parameters", False)
 #: Qwen3-Coder's (and Nemotron 3's): ``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
-#: \n</parameter>\n</function>\n</tool_call>``, a string's value as it is, others' as JSON
-QWEN_XML = ToolFormat("XML", OPEN, CLOSE, "", True, xml=True)
+#: \n</parameter>\n</function>\n</tool_call>``, a string's value as it is, others' as JSON (a
+#: block of JSON instead is read as Hermes' is, its arguments under "arguments")
+QWEN_XML = ToolFormat("XML", OPEN, CLOSE, "arguments", True, xml=True)
 
 
 class ToolError(ValueError):
