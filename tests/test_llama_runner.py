@@ -140,11 +140,14 @@ def test_int8_and_int4_prefill_in_their_own_kernels():
         assert torch.equal(prefilled, stepped), weights
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
-def test_layers_in_one_call_equal_the_python_loop(weights):
-    """Plain layers of every weight format run as one kernel call (LayerStack): prompt, tree,
-    captured layers and a cut-short exit pass all give the bits of the layer-by-layer loop."""
-    model = tiny(seed=8, layers=4)
+@pytest.mark.parametrize("arch, weights", [("llama", "int4"), ("llama", "int8"),
+                                           ("llama", "bf16"), ("llama", "fp32"),
+                                           ("qwen2", "int4"), ("qwen2", "fp32")])
+def test_layers_in_one_call_equal_the_python_loop(arch, weights):
+    """Plain layers of every weight format, and Qwen2's with their q/k/v biases, run as one
+    kernel call (LayerStack): prompt, tree, captured layers and a cut-short exit pass all give
+    the bits of the layer-by-layer loop."""
+    model = tiny(seed=8, layers=4) if arch == "llama" else tiny_model("qwen2", seed=8, layers=4)
     stacked, looped = (LlamaRunner.from_transformers(model, weights) for _ in range(2))
     assert stacked._stack is not None
     looped._stack = None

@@ -305,13 +305,14 @@ def moe_experts(gate_up, down, activation: str, gate_up_bias=(), down_bias=()):
 
 
 def layer_stack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads, kv_heads,
-                head_dim, hidden, eps):
+                head_dim, hidden, eps, qkv_biases=()):
     """Decoder layers as one kernel call (cpu_kernels.cpp's ``LayerStack``): per layer its
-    norms' weights and its linear layers (``packed_linear``s) and sliding window (0: none);
+    norms' weights and its linear layers (``packed_linear``s), sliding window (0: none) and, for
+    Qwen2, the fused q/k/v's bias (``qkv_biases``, one a layer, or none at all);
     ``forward(x, first, last, plan, cos, sin, isa)`` runs layers first .. last - 1 over the rows
     where a ``packed_plan`` puts them."""
     return load().LayerStack(attn_norms, qkv, o, mlp_norms, gate_up, down, windows, heads,
-                             kv_heads, head_dim, hidden, eps)
+                             kv_heads, head_dim, hidden, eps, list(qkv_biases))
 
 
 def eagle_head(stack, fuse, fc, part_norm, hidden_norm, out_norm, embed, eps):

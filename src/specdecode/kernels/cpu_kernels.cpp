@@ -1128,8 +1128,9 @@ struct PackedLinear {
   }
 };
 
-// The decoder layers of a plain Llama forward (RMSNorm, fused QKV, rotary embedding with the
-// cache write, attention, o + residual, RMSNorm, fused gate/up, SwiGLU, down + residual),
+// The decoder layers of a plain Llama forward (RMSNorm, fused QKV and, for Qwen2, its bias,
+// rotary embedding with the cache write, attention, o + residual, RMSNorm, fused gate/up,
+// SwiGLU, down + residual),
 // layers first .. last - 1 in one call: the kernels the runner's Python loop calls, in the same
 // order on the same tensors (so the same bits), without ten Python calls and their dispatch a
 // layer. Weights are held once, each linear layer in its own format; the rows of one or many
@@ -1137,25 +1138,31 @@ struct PackedLinear {
 // rotary embedding and attention per sequence on its own cache. A draft network's decoder layer
 // (heads/native_blocks.py) is a stack of one or two layers.
 struct LayerStack {
-  std::vector<at::Tensor> attn_norm, mlp_norm;
+  std::vector<at::Tensor> attn_norm, mlp_norm, qkv_bias;
   std::vector<PackedLinear> qkv, o, gate_up, down;
   std::vector<int64_t> window;
   int64_t heads, kv_heads, hidden;
   double eps;
 
+  // qkv_bias: each layer's [(H + 2 KH) D] bias of the fused q/k/v, or empty for none
   LayerStack(std::vector<at::Tensor> attn_norm, std::vector<PackedLinear> qkv,
              std::vector<PackedLinear> o, std::vector<at::Tensor> mlp_norm,
              std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down,
              std::vector<int64_t> window, int64_t heads, int64_t kv_heads, int64_t head_dim,
-             int64_t hidden, double eps)
-      : attn_norm(std::move(attn_norm)), mlp_norm(std::move(mlp_norm)), qkv(std::move(qkv)),
-        o(std::move(o)), gate_up(std::move(gate_up)), down(std::move(down)),
-        window(std::move(window)), heads(heads), kv_heads(kv_heads), hidden(hidden), eps(eps) {
+             int64_t hidden, double eps, std::vector<at::Tensor> qkv_bias)
+      : attn_norm(std::move(attn_norm)), mlp_norm(std::move(mlp_norm)),
+        qkv_bias(std::move(qkv_bias)), qkv(std::move(qkv)), o(std::move(o)),
+        gate_up(std::move(gate_up)), down(std::move(down)), window(std::move(window)),
+        heads(heads), kv_heads(kv_heads), hidden(hidden), eps(eps) {
     const size_t layers = this->attn_norm.size();
     TORCH_CHECK(this->qkv.size() == layers && this->o.size() == layers &&
                 this->mlp_norm.size() == layers && this->gate_up.size() == layers &&
-                this->down.size() == layers && this->window.size() == layers,
+                this->down.size() == layers && this->window.size() == layers &&
+                (this->qkv_bias.empty() || this->qkv_bias.size() == layers),
                 "every per-layer list must have one entry a layer");
+    for (const at::Tensor& bias : this->qkv_bias)
+      TORCH_CHECK(bias.dim() == 1 && bias.size(0) == (heads + 2 * kv_heads) * head_dim &&
+                  bias.scalar_type() == at::kFloat, "a q/k/v bias must be float32 [(H + 2 KH) D]");
     for (size_t i = 0; i < layers; i++)
       TORCH_CHECK(this->qkv[i].n == (heads + 2 * kv_heads) * head_dim && this->o[i].n == hidden &&
                   this->down[i].n == hidden && this->gate_up[i].n % 2 == 0,
@@ -1167,7 +1174,8 @@ struct LayerStack {
     TORCH_CHECK(0 <= first && first <= last && last <= (int64_t)attn_norm.size() &&
                 plan.layers >= last, "bad layer range");
     for (int64_t i = first; i < last; i++) {
-      const at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
+      at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
+      if (!qkv_bias.empty()) mixed = mixed + qkv_bias[i];  // the Python loop's addition
       const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads, isa);
       x = o[i](plan.attention(i, q, window[i], 0.0, isa), x, isa);  // no soft-capping
       const at::Tensor up = gate_up[i](rms_norm(x, mlp_norm[i], eps, isa), c10::nullopt, isa);
@@ -1543,7 +1551,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
                     std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double>())
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double,
+                    std::vector<at::Tensor>>())
       .def("forward", &LayerStack::forward, nogil);
   py::class_<EagleHead>(m, "EagleHead")
       .def(py::init<LayerStack, PackedLinear, c10::optional<PackedLinear>, at::Tensor, at::Tensor,

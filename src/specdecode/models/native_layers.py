@@ -200,17 +200,19 @@ class LayerBuilder:
 
 def layer_stack(shape: LlamaShape, layers: list[Layer]):
     """The decode layers as one kernel call (``LayerStack``) where they are plain Llama
-    layers (SmolLM2 and the like, in any weight format the kernels hold): the same kernels
-    in the same order, without Python between them. None for other architectures' extra
-    pieces."""
+    layers (SmolLM2 and the like, in any weight format the kernels hold), Qwen2's q/k/v biases
+    allowed: the same kernels in the same order, without Python between them. None for other
+    architectures' extra pieces."""
     s = shape
-    plain = all(hasattr(getattr(layer, name), "kernel") and layer.qkv_bias is None
-                and layer.q_norm is None and layer.post_attn_norm is None
-                and layer.post_mlp_norm is None and layer.rope == GLOBAL_ROPE
+    biases = [layer.qkv_bias for layer in layers]
+    plain = all(hasattr(getattr(layer, name), "kernel") and layer.q_norm is None
+                and layer.post_attn_norm is None and layer.post_mlp_norm is None and layer.rope == GLOBAL_ROPE
                 and layer.attn_norm is not None and layer.moe is None
                 and layer.o_bias is None and layer.sinks is None
                 for layer in layers for name in ("qkv", "o", "gate_up", "down"))
-    if not plain or s.activation != "silu" or s.attn_softcap or not kernels.available():
+    some_biased = any(b is not None for b in biases)
+    if (not plain or s.activation != "silu" or s.attn_softcap or not kernels.available()
+            or some_biased and not all(b is not None for b in biases)):
         return None
     linears = {name: [getattr(layer, name).kernel() for layer in layers]
                for name in ("qkv", "o", "gate_up", "down")}
@@ -218,4 +220,5 @@ def layer_stack(shape: LlamaShape, layers: list[Layer]):
         [layer.attn_norm for layer in layers], linears["qkv"], linears["o"],
         [layer.mlp_norm for layer in layers], linears["gate_up"], linears["down"],
         [layer.window for layer in layers], s.num_heads, s.num_kv_heads, s.head_dim,
-        s.hidden_size, s.rms_eps)
+        s.hidden_size, s.rms_eps,
+        [bias.float().contiguous() for bias in biases] if some_biased else ())
