@@ -236,6 +236,42 @@ static float softmax_numerators_avx2(float* sc, int64_t len, const float* sink) 
 #undef ATTN_BLOCKS
 #undef ATTN_HEADS
 #undef SOFTMAX_NUMERATORS
+
+// quantise_rows (below) with 256-bit registers: the same operations, so the same bytes
+template <int G>
+static void quantise_rows_avx2(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* xq,
+                               float* dx, float* sx) {
+  const int64_t groups = k / G;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  for (int64_t r = r0; r < r1; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = x + r * k + g * G;
+      __m256 amaxes = _mm256_setzero_ps();
+      for (int i = 0; i < G; i += 8)
+        amaxes = _mm256_max_ps(amaxes, _mm256_and_ps(_mm256_loadu_ps(xg + i), magnitude));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, amaxes);
+      float amax = lanes[0];
+      for (int i = 1; i < 8; i++) amax = std::max(amax, lanes[i]);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i totals = _mm256_setzero_si256();
+      for (int i = 0; i < G; i += 8) {
+        // round to nearest even, as nearbyint does in the default rounding mode
+        const __m256i q = _mm256_max_epi32(
+            bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv))));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + r * k + g * G + i), _mm_packs_epi16(words, words));
+        totals = _mm256_add_epi32(totals, q);
+      }
+      alignas(32) int32_t sums[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), totals);
+      int32_t total = 0;
+      for (int i = 0; i < 8; i++) total += sums[i];
+      dx[r * groups + g] = amax / 127.0f;
+      if (sx) sx[r * groups + g] = dx[r * groups + g] * (float)total;
+    }
+}
 }  // namespace k_avx2
 #pragma GCC pop_options
 #undef SWIGLU_SPAN
@@ -640,6 +676,8 @@ void quantise_rows_isa(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t
                        float* sx, int64_t isa) {
   if (isa >= AVX512)
     k_avx512::quantise_rows_avx512<G>(x, r0, r1, k, xq, dx, sx);
+  else if (isa == AVX2)
+    k_avx2::quantise_rows_avx2<G>(x, r0, r1, k, xq, dx, sx);
   else
     quantise_rows<G>(x, r0, r1, k, xq, dx, sx);
 }
