@@ -64,21 +64,15 @@ OPENING_TEMPLATE = (
 WRITING_TEMPLATE = OPENING_TEMPLATE.replace("<think>\n{% endif %}", "{% endif %}")
 
 
-def with_template(template: str):
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = template
-    return tokenizer
-
-
 def test_a_template_tells_whether_and_how_the_model_thinks():
-    assert thinking_of(with_template(OPENING_TEMPLATE)) == OPENED
-    assert thinking_of(with_template(WRITING_TEMPLATE)) == WRITTEN
+    assert thinking_of(build_tokenizer(OPENING_TEMPLATE)) == OPENED
+    assert thinking_of(build_tokenizer(WRITING_TEMPLATE)) == WRITTEN
     assert thinking_of(build_tokenizer()) is None
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return with_template(OPENING_TEMPLATE)
+    return build_tokenizer(OPENING_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -471,9 +471,7 @@ ARRAY_TEMPLATE = (
 
 
 def tool_tokenizer(template: str = TOOL_TEMPLATE):
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = template
-    return tokenizer
+    return build_tokenizer(template)
 
 
 @pytest.fixture(scope="module", params=["Hermes", "bare JSON", "XML"])

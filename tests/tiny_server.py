@@ -25,9 +25,10 @@ CORPUS = [
 ]
 
 
-def build_tokenizer():
-    """A ~300-token BPE tokenizer with a chat template, trained in milliseconds. Metaspace
-    pieces over printable ASCII: any token sequence decodes to valid text."""
+def build_tokenizer(chat_template: str | None = None):
+    """A ~300-token BPE tokenizer with a chat template (``chat_template``, else a plain one
+    without tools), trained in milliseconds. Metaspace pieces over printable ASCII: any token
+    sequence decodes to valid text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,6 +44,8 @@ def build_tokenizer():
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    if chat_template is not None:
+        fast.chat_template = chat_template
     assert fast.eos_token_id == EOS
     return fast
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdecode.server.tool_parser import partial_tag
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -52,6 +54,8 @@ class ReasoningSplitter:
         #: "start" (no text but whitespace yet, a block not opened), "reasoning", "after"
         #: (the block closed, no content yet), "content"
         self._state = "reasoning" if thinking.opened else "start"
+        #: the answer holds a reasoning block (the prompt opened it, or its first text did)
+        self.reasoned = thinking.opened
         self._begun = False  # the reasoning's first text is out (whitespace before it goes)
         self._space = ""  # whitespace at the reasoning's end so far: dropped at the tag
 
@@ -69,7 +73,7 @@ class ReasoningSplitter:
             if OPEN.startswith(body):  # nothing yet, or what may become the tag
                 return False
             if body.startswith(OPEN):
-                self._text, self._state = body[len(OPEN):], "reasoning"
+                self._text, self._state, self.reasoned = body[len(OPEN):], "reasoning", True
             else:
                 self._state = "content"
             return True
@@ -88,8 +92,7 @@ class ReasoningSplitter:
             self._text, self._space = self._text[end + len(CLOSE):], ""
             self._state = "after"
             return True
-        keep = next((k for k in range(min(len(CLOSE) - 1, len(self._text)), 0, -1)
-                     if self._text.endswith(CLOSE[:k])), 0)
+        keep = partial_tag(self._text, CLOSE)
         self._reasoning(self._text[:len(self._text) - keep], events)
         self._text = self._text[len(self._text) - keep:]
         return False
@@ -121,5 +124,5 @@ def split_reasoning(text: str, thinking: Thinking) -> tuple[str | None, str]:
     splitter = ReasoningSplitter(thinking)
     events = splitter.feed(text) + splitter.finish()
     reasoning = "".join(t for kind, t in events if kind == "reasoning")
-    opened = thinking.opened or text.lstrip().startswith(OPEN)
-    return (reasoning if opened else None), "".join(t for kind, t in events if kind == "content")
+    return ((reasoning if splitter.reasoned else None),
+            "".join(t for kind, t in events if kind == "content"))

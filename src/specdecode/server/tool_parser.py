@@ -138,7 +138,7 @@ class ToolCallParser:
         #: "arguments" (a streamed call's), "xml" (an XML call's parameters), "after" (a
         #: streamed call's text after its arguments)
         self._state = "content"
-        self._name = ""  # the XML call's function
+        self._properties: dict = {}  # the XML call's function's parameters, by name
         self._params = 0  # the XML call's parameters read
         #: bare JSON: no text but whitespace read yet (the only place a call can begin)
         self._first = True
@@ -162,7 +162,8 @@ class ToolCallParser:
             opens, at, name = _xml_header(self._text)
             if opens:
                 self._start(name, events)
-                self._text, self._state, self._name, self._params = self._text[at:], "xml", name, 0
+                self._text, self._state, self._params = self._text[at:], "xml", 0
+                self._properties = self.schemas.get(name, {}).get("properties") or {}
                 return True
             if opens is None:
                 return False
@@ -209,7 +210,7 @@ class ToolCallParser:
             return True
         end = self._text.find(fmt.close)
         if end < 0:
-            self._text = self._text[len(self._text) - _partial_tag(self._text, fmt.close):]
+            self._text = self._text[len(self._text) - partial_tag(self._text, fmt.close):]
             return False
         self._text, self._state = self._text[end + len(fmt.close):], "content"
         return True
@@ -217,7 +218,7 @@ class ToolCallParser:
     def _tagged_content(self, events: list) -> bool:
         start = self._text.find(self.format.open)
         if start < 0:
-            keep = _partial_tag(self._text, self.format.open)
+            keep = partial_tag(self._text, self.format.open)
             self._content(self._text[:len(self._text) - keep], events)
             self._text = self._text[len(self._text) - keep:]
             return False
@@ -251,7 +252,7 @@ class ToolCallParser:
             key, raw = body[len(XML_PARAMETER):named], body[named + 1:ends]
             raw = raw[1:] if raw.startswith("\n") else raw
             raw = raw[:-1] if raw.endswith("\n") else raw
-            schema = (self.schemas.get(self._name, {}).get("properties") or {}).get(key)
+            schema = self._properties.get(key)
             events.append(Arguments(self.calls - 1, ("{" if not self._params else ", ")
                                     + json.dumps(key, ensure_ascii=False) + ": "
                                     + json.dumps(xml_value(raw, schema), ensure_ascii=False)))
@@ -345,7 +346,7 @@ def _xml_header(text: str) -> tuple[bool | None, int, str]:
     return (True, at + end + 1, name) if name else (False, 0, "")
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Characters at the end of ``text`` that begin ``tag`` (0 if none)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

@@ -231,8 +231,13 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
         schema = {"type": "object", **(f.parameters if held else {})}
         rules.append(f'body_{i}: "{lead}{{\\"name\\": \\"{f.name}\\", '
                      f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
-        rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
+        rules.append(_json_rule(f"args_{i}", schema))
     return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
+
+
+def _json_rule(name: str, schema: dict) -> str:
+    """Lark rule ``name``: JSON matching ``schema``, written as the template shows JSON."""
+    return f"{name}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}"
 
 
 def _xml_bodies(functions, every_schema: bool) -> list[str]:
@@ -271,7 +276,7 @@ def _xml_value_rule(i: int, j: int, schema: Any, rules: list[str]) -> str:
         return 'text_value "\\n"'
     if kind == "boolean":  # JSON's, or Python's as the templates write earlier calls' values
         return '("true" | "false" | "True" | "False") "\\n</parameter>\\n"'
-    rules.append(f"v_{i}_{j}: %json {json.dumps({**schema, 'x-guidance': ARGUMENT_STYLE})}")
+    rules.append(_json_rule(f"v_{i}_{j}", schema))
     return f'v_{i}_{j} "\\n</parameter>\\n"'
 
 
@@ -441,14 +446,15 @@ def _template_format(tokenizer) -> ToolFormat | str:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=prompt)
 
-    def turn(messages):
-        asked, answered = render(_PROBE_MESSAGES, _PROBE_TOOLS), render(messages, _PROBE_TOOLS)
+    def turn(asked, messages):
+        answered = render(messages, _PROBE_TOOLS)
         return answered[len(os.path.commonprefix([asked, answered])):]
 
     try:
         with_tools = render(_PROBE_MESSAGES, _PROBE_TOOLS, prompt=True)
         without = render(_PROBE_MESSAGES, None, prompt=True)
-        called, texted = turn(_PROBE_CALL), turn(_PROBE_TEXT)
+        asked = render(_PROBE_MESSAGES, _PROBE_TOOLS)
+        called, texted = turn(asked, _PROBE_CALL), turn(asked, _PROBE_TEXT)
     except Exception as exc:  # the template's own errors
         return f"this model's chat template fails when given tools or calls ({exc}); send the " \
                "request without 'tools'"
