@@ -180,18 +180,7 @@ class ToolCallParser:
                     return False
                 self._state = "content"
                 return True
-            end = self._text.find(fmt.close)
-            if end < 0:
-                return False
-            block, self._text = self._text[:end], self._text[end + len(fmt.close):]
-            self._state = "content"
-            call = read_call(block)
-            if call is None:  # not a call: the text as the model wrote it, markup included
-                self._content(fmt.open + block + fmt.close, events)
-            else:
-                self._start(call.name, events, call.id)
-                events.append(Arguments(self.calls - 1, call.arguments))
-            return True
+            return self._closed_block(events)
         if self._state == "arguments":
             read = self._scan()
             if read:
@@ -213,6 +202,23 @@ class ToolCallParser:
             self._text = self._text[len(self._text) - partial_tag(self._text, fmt.close):]
             return False
         self._text, self._state = self._text[end + len(fmt.close):], "content"
+        return True
+
+    def _closed_block(self, events: list) -> bool:
+        """A tagged block that opens with no call's header, once its closing tag is read: a
+        call if its JSON holds one (:func:`read_call`), else content as written."""
+        fmt = self.format
+        end = self._text.find(fmt.close)
+        if end < 0:
+            return False
+        block, self._text = self._text[:end], self._text[end + len(fmt.close):]
+        self._state = "content"
+        call = read_call(block)
+        if call is None:  # not a call: the text as the model wrote it, markup included
+            self._content(fmt.open + block + fmt.close, events)
+        else:
+            self._start(call.name, events, call.id)
+            events.append(Arguments(self.calls - 1, call.arguments))
         return True
 
     def _tagged_content(self, events: list) -> bool:
