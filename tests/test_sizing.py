@@ -15,7 +15,7 @@ from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
 from specdecode.sizing import (EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE, FIRST_DRAFTS,
-                               DraftSizing, DraftTime)
+                               DraftSizing, DraftTime, learning_cap)
 
 from conftest import repetitive_prompts
 
@@ -81,6 +81,33 @@ def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
     assert lookup >= 600 // (EXPLORE_EVERY + 1) - 3, lookup
     assert 1 <= model <= lookup // 2, (model, lookup)
     assert model_s <= EXPLORE_SHARE * 600 * costs(1) * 1.1, model_s
+
+
+def test_an_idle_request_sends_the_allocations_draft_once_its_method_is_seen_to_pay():
+    """A request whose drafts missed stops drafting, and would send a small explore draft
+    after EXPLORE_EVERY idle steps. Where meanwhile another request of its method had its
+    drafts accepted whole, the allocation (on the method's record as prior) pays for a deep
+    draft: that is what goes, not the explore."""
+    costs = RowCosts({1: 1.0, 8: 1.2, 64: 3.0})
+    sizing = DraftSizing(costs)
+    missing, accepted = sizing.sequence(GREEDY), sizing.sequence(GREEDY)
+    while missing.idle < EXPLORE_EVERY:
+        depth, nodes = missing.cap(6, 6)
+        missing.observe(Draft.chain([0] * min(depth, nodes)), 0, 0.0, costs(1 + depth))
+    assert sizing.sequence(GREEDY).cap(6, 6)[0] < 6  # the record alone: no deep draft yet
+    run_steps(accepted, lambda depth: depth, 60)
+    assert missing.cap(6, 6) == (6, 6)
+
+
+def test_a_method_whose_first_token_does_not_pay_still_explores():
+    """Where a row costs a whole forward, a method never seen drafting sends no one-token
+    first draft (it could not repay itself), but after enough idle steps it sends the small
+    explore draft any method sends, in every path that sizes through learning_cap."""
+    linear = RowCosts({1: 1.0, 2: 2.0})
+    assert learning_cap(linear, 1, 6, 6, tried=0, idle=0, tokens_left=100) is None
+    assert learning_cap(linear, 1, 6, 6, tried=0, idle=EXPLORE_EVERY, tokens_left=100) is None
+    assert learning_cap(linear, 1, 6, 6, tried=0, idle=5 * EXPLORE_EVERY,
+                        tokens_left=100) == (EXPLORE_NODES, EXPLORE_NODES)
 
 
 @pytest.mark.parametrize("accepted", [1, 0], ids=["accepted", "rejected"])

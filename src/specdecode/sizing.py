@@ -19,12 +19,14 @@ there.
 :func:`allocate` does this for any number of sequences sharing one forward (the server's packed
 forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the library, the CLI
 and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
-drafts do not pay on this model and machine stops drafting (then, after ``EXPLORE_EVERY`` steps
-or more, once such a draft would cost at most ``EXPLORE_SHARE`` of the steps since the last, it
-sends one small draft, so its estimate can recover when the text starts to repeat). A method
-seen drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where the allocation, on
-the prior of a level never drafted, sends none and a token sure to be accepted would pay
-(:func:`first_draft`): what a draft is worth is learnt only from drafts sent.
+drafts do not pay on this model and machine stops drafting. Where the allocation sends a
+sequence nothing, :func:`learning_cap`, in every path, sends a small draft so that its method's
+estimate can learn (what a draft is worth is learnt only from drafts sent): a method seen
+drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where a token sure to be
+accepted would pay (:func:`first_draft`; on the prior of a level never drafted, the allocation
+may send none); otherwise, after ``EXPLORE_EVERY`` steps or more, once such a draft would cost
+at most ``EXPLORE_SHARE`` of the steps since the last, one small draft, so its estimate can
+recover when the text starts to repeat (:func:`explore_cap`).
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
@@ -241,12 +243,15 @@ def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int
                  catch_up_s: float = 0.0, every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
     """The small draft a sequence sends where the allocation sends none, so that its method's
     estimate can learn: a first draft (:func:`first_draft`) while the method has been seen
-    drafting (``tried``) fewer than FIRST_DRAFTS times, else an explore (:func:`explore_cap`,
-    after ``idle`` steps without a draft, the catch-up paid whole); None where neither is
-    due."""
+    drafting (``tried``) fewer than FIRST_DRAFTS times and one pays, else an explore
+    (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid whole); None
+    where neither is due. Every path sizes through it: a request's :class:`SequenceSizer`, the
+    server's scheduler and ``auto``'s parts."""
     if tried < FIRST_DRAFTS:
-        return first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s, level_s,
-                           catch_up_s)
+        first = first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s,
+                            level_s, catch_up_s)
+        if first is not None:
+            return first
     return explore_cap(costs, base_rows, max_depth, max_nodes, idle, draft_s + catch_up_s,
                        level_s, every)
 
@@ -281,20 +286,15 @@ class SequenceSizer:
         if deepest <= 0:
             return 0, 0
         draft_s, level_s = sizing.draft_time.priced(level_s, use_timings=not self.repeatable)
-        explore = explore_cap(sizing.costs, 1, max_depth, max_nodes, self.idle,
-                              draft_s + catch_up_s, level_s)
-        if explore is not None:
-            self.catch_up_s = catch_up_s
-            return explore
         levels = self.acceptance.levels(deepest, prior)
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, tokens_left, levels),
                               level_s)
         overhead_s, row_s = (0.0, 0.0) if self.repeatable else sizing.overhead.line
         depth, rows = allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0]
-        tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
-        if not depth and tried < FIRST_DRAFTS:
-            depth, rows = first_draft(sizing.costs, 1, max_depth, max_nodes, tokens_left,
-                                      draft_s, level_s, catch_up_s) or (0, 0)
+        if not depth:
+            tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
+            depth, rows = learning_cap(sizing.costs, 1, max_depth, max_nodes, tried, self.idle,
+                                       tokens_left, draft_s, level_s, catch_up_s) or (0, 0)
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)
