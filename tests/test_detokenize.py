@@ -4,7 +4,9 @@ tokenizer, with the decoded head moving forward so a step decodes a bounded tail
 
 import random
 
-from specdecode.detokenize import SETTLE, IncrementalText
+from specdecode.detokenize import SETTLE, IncrementalText, special_ids
+
+from tiny_server import build_tokenizer
 
 #: text that meets what a piecewise decode gets wrong: characters of several bytes split
 #: across tokens, the cleanup of spaces before punctuation and contractions, newlines
@@ -26,12 +28,16 @@ def tokens_of(tokenizer, seed: int, length: int = 600) -> list[int]:
     return out
 
 
-def decode_in_steps(tokenizer, tokens: list[int], seed: int) -> IncrementalText:
-    """Feeds ``tokens`` 1-4 at a time, checking the text after each step."""
-    rng, text, n = random.Random(seed), IncrementalText(tokenizer), 0
+def decode_in_steps(tokenizer, tokens: list[int], seed: int, kept=()) -> IncrementalText:
+    """Feeds ``tokens`` 1-4 at a time, checking the text after each step (``kept``: special
+    tokens whose text stays, as a decode of the tokens without the other special ones)."""
+    rng, text, n = random.Random(seed), IncrementalText(tokenizer, kept), 0
+    dropped = special_ids(tokenizer) - set(kept)
     while n < len(tokens):
         n = min(len(tokens), n + rng.randint(1, 4))
-        assert text.text(tokens[:n]) == tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        whole = (tokenizer.decode([t for t in tokens[:n] if t not in dropped])
+                 if kept else tokenizer.decode(tokens[:n], skip_special_tokens=True))
+        assert text.text(tokens[:n]) == whole
     return text
 
 
@@ -48,3 +54,19 @@ def test_sentencepiece_style_text_is_the_whole_decode_at_every_step(tokenizer):
     stripped where it begins the text), whose head can move only at a word's inner pieces."""
     for seed in range(4):
         decode_in_steps(tokenizer, tokens_of(tokenizer, seed), seed)
+
+
+def test_kept_special_tokens_stay_in_the_text_and_the_others_go():
+    """A tool-call format's tags that are special tokens (Mistral's ``[TOOL_CALLS]``) stay in
+    the text the server parses; the end-of-sequence and other special tokens go, as ever."""
+    tokenizer = build_tokenizer(special=("[TOOL_CALLS]", "[ARGS]"))
+    calls, args = tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
+    for seed in range(4):
+        tokens = tokens_of(tokenizer, seed)
+        rng = random.Random(seed)
+        for _ in range(20):
+            tokens.insert(rng.randrange(len(tokens)), rng.choice([calls, args]))
+        decode_in_steps(tokenizer, tokens, seed, kept=[calls])
+        text = IncrementalText(tokenizer, [calls]).text(tokens)
+        assert "[TOOL_CALLS]" in text and "[ARGS]" not in text and "<|im_end|>" not in text
+        assert "[TOOL_CALLS]" not in IncrementalText(tokenizer).text(tokens)

@@ -25,10 +25,11 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(chat_template: str | None = None):
+def build_tokenizer(chat_template: str | None = None, special: tuple[str, ...] = ()):
     """A ~300-token BPE tokenizer with a chat template (``chat_template``, else a plain one
-    without tools), trained in milliseconds. Metaspace pieces over printable ASCII: any token
-    sequence decodes to valid text."""
+    without tools), trained in milliseconds, and ``special`` tokens after its pieces (such as
+    Mistral's ``[TOOL_CALLS]``). Metaspace pieces over printable ASCII: any token sequence
+    decodes to valid text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +47,7 @@ def build_tokenizer(chat_template: str | None = None):
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     if chat_template is not None:
         fast.chat_template = chat_template
+    fast.add_tokens(list(special), special_tokens=True)
     assert fast.eos_token_id == EOS
     return fast
 

@@ -206,7 +206,8 @@ class TextStream:
     the stop string, as in the OpenAI API.
     """
 
-    def __init__(self, decoder: Decoder, generation: Generation, stop: Sequence[str] = ()):
+    def __init__(self, decoder: Decoder, generation: Generation, stop: Sequence[str] = (),
+                 kept_tokens: Sequence[int] = ()):
         self.decoder = decoder
         self.generation = generation
         self.stop = [s for s in stop if s]
@@ -215,8 +216,10 @@ class TextStream:
         self._stop_found = False
         #: log-probabilities handed out with pieces so far
         self._reported = 0
+        #: ``kept_tokens``: special tokens whose text stays in the text (a tool-call format's
+        #: tags, :attr:`specdecode.server.tools.ToolFormat.kept_tokens`)
         self._tail_decoder = (None if decoder.tokenizer is None
-                              else IncrementalText(decoder.tokenizer))
+                              else IncrementalText(decoder.tokenizer, kept_tokens))
 
     def __iter__(self) -> Iterator[str]:
         steps = self.steps()

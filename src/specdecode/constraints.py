@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdecode.detokenize import special_ids
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
 
@@ -95,7 +96,7 @@ def _token_bytes(tokenizer) -> list[bytes]:
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
     alphabet = {c: b for b, c in bytes_to_unicode().items()}
-    special = _special_ids(tokenizer)
+    special = special_ids(tokenizer)
     out = []
     for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if i in special or piece is None:
@@ -107,15 +108,10 @@ def _token_bytes(tokenizer) -> list[bytes]:
     return out
 
 
-def _special_ids(tokenizer) -> set[int]:
-    return set(tokenizer.all_special_ids) | {
-        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-
-
 def _decoded_bytes(tokenizer) -> list[bytes]:
     """Each token's bytes as it decodes after another token (so a leading-space marker reads
     as the space it stands for); special tokens get none."""
-    special = _special_ids(tokenizer)
+    special = special_ids(tokenizer)
     anchor = next(i for i in range(len(tokenizer)) if i not in special)
     base = tokenizer.decode([anchor])
     return [b"" if i in special else

@@ -21,18 +21,33 @@ from collections.abc import Sequence
 SETTLE = 16
 
 
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: those of its map (end of sequence and the like) and
+    every added token marked special (a decode with ``skip_special_tokens`` drops them)."""
+    return set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
 class IncrementalText:
     """``text(tokens)`` is ``tokenizer.decode(tokens, skip_special_tokens=True)`` for one list
-    of tokens that only grows between calls."""
+    of tokens that only grows between calls; with ``kept``, special tokens whose text stays in
+    it (a tool-call format's tags: the text is parsed for calls)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, kept: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.settled = 0  # tokens whose text is kept in settled_text
         self.settled_text = ""
         self._next_try = 2 * SETTLE  # where moving the head forward is next tried
+        #: the special tokens a decode drops (None: all of them, skip_special_tokens)
+        self._dropped = None
+        if kept:
+            self._dropped = frozenset(special_ids(tokenizer) - set(kept))
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self._dropped is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self._dropped],
+                                     skip_special_tokens=False)
 
     def text(self, tokens: Sequence[int]) -> str:
         tail = self._decode(tokens[self.settled:])

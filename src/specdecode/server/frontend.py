@@ -274,7 +274,7 @@ class Frontend:
                     seed = options["seed"] + i
                     options["seed"] = seed - SEED_END if seed >= SEED_END else seed
                 specs.append(SequenceSpec(ids, limit, stop, options, method, config,
-                                          proposer_bytes))
+                                          proposer_bytes, req.kept_tokens()))
         return specs
 
     def check_size(self, prompt, chat: bool) -> None:

@@ -130,6 +130,11 @@ class SamplingFields(Strict):
     # accepted for compatibility, only in its "off" setting (checked by ``unsupported``)
     logit_bias: dict[str, float] | None = None
 
+    def kept_tokens(self) -> tuple[int, ...]:
+        """Special tokens whose text the choices' text keeps (a chat request's tool-call
+        format's tags); none here."""
+        return ()
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
@@ -299,6 +304,12 @@ class ChatRequest(SamplingFields):
     def tool_request(self) -> ToolRequest | None:
         """The checked tools (None: the request offers none)."""
         return self._tools
+
+    def kept_tokens(self) -> tuple[int, ...]:
+        """The tool-call format's tags that are special tokens, where the output is parsed for
+        calls."""
+        tools = self._tools
+        return tools.format.kept_tokens if tools is not None and tools.parses else ()
 
     def use_tool_format(self, fmt: ToolFormat) -> None:
         """The served model's call format (:func:`~.tools.check_template`): what the calls'

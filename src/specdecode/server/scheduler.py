@@ -81,6 +81,8 @@ class SequenceSpec:
     config: Any
     #: upper estimate of the proposer's memory (:func:`.limits.proposer_bytes`)
     proposer_bytes: int = 0
+    #: special tokens whose text the choice's text keeps (its tool-call format's tags)
+    kept_tokens: tuple[int, ...] = ()
 
 
 class Job:
@@ -323,7 +325,7 @@ class Scheduler:
                 seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
                                             spec.prompt_ids, spec.max_tokens, sampling,
                                             self.eos_token_ids)
-            seq.stream = TextStream(seq.decoder, seq.generation, spec.stop)
+            seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens)
             if seq.decoder.method.lossy:
                 seq.solo = seq.stream.steps()
                 self._place(seq)  # what the slot held is saved before the loop writes over it

@@ -9,7 +9,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from specdecode.server.tools import HERMES, NAME, NAME_CHAR, NAME_MAX, ToolFormat, xml_value
+from specdecode.server.tools import (HERMES, MISTRAL_CALL_ID, NAME, NAME_CHAR, NAME_MAX,
+                                     ToolFormat, xml_value)
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,10 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(short: bool = False) -> str:
+    """OpenAI's kind of call id, or nine letters and digits (``short``: Mistral's templates
+    refuse any other id in the conversation a client sends back)."""
+    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
 
 
 def read_call(block: str) -> ToolCall | None:
@@ -120,7 +123,12 @@ class ToolCallParser:
     with ``<function=NAME>`` is a call from there on, each ``<parameter=KEY>`` going out as a
     piece of the arguments' JSON once its ``</parameter>`` is read (its value read by the
     parameter's schema, :func:`~specdecode.server.tools.xml_value`), the object closed at
-    ``</function>`` or at anything else; another block is read as a Hermes one.
+    ``</function>`` or at anything else; another block is read as a Hermes one. In Mistral's
+    formats ``[TOOL_CALLS]`` opens the calls: a JSON array whose elements are read as bare
+    calls are (what follows a call's arguments in its object dropped; an element that opens
+    otherwise waits for the array's ``]``, then the rest is calls if each element holds one,
+    else content as written), or ``NAME[ARGS]`` and the arguments' object, the call ending
+    with it.
 
     Held back until it is known what it is: text that may be the start of ``<tool_call>``,
     whitespace that may precede a call (dropped if one follows), a call's opening until it
@@ -142,6 +150,10 @@ class ToolCallParser:
         self._params = 0  # the XML call's parameters read
         #: bare JSON: no text but whitespace read yet (the only place a call can begin)
         self._first = True
+        #: what opened the call not yet begun (its tag; a "[" or "," of Mistral's array): the
+        #: content it is, where the output ends before the call begins
+        self._opened = ""
+        self._held = ""  # a Mistral array's rest after an element that is no call's header
         self._depth = 0  # open objects and arrays of the arguments
         self._string = False  # inside a string of the arguments
         self._escape = False  # after a backslash in that string
@@ -158,6 +170,10 @@ class ToolCallParser:
         fmt = self.format
         if self._state == "content":
             return self._bare_content(events) if not fmt.open else self._tagged_content(events)
+        if self._state in ("array", "next", "rest"):
+            return self._array_part(events)
+        if self._state == "call" and fmt.args:
+            return self._named_call(events)
         if self._state == "call" and fmt.xml:
             opens, at, name = _xml_header(self._text)
             if opens:
@@ -170,17 +186,7 @@ class ToolCallParser:
         if self._state == "xml":
             return self._xml_parameter(events)
         if self._state == "call":
-            opens, at, name = _header(self._text, fmt.arguments)
-            if opens:
-                self._start(name, events)
-                self._text, self._state = self._text[at:], "arguments"
-                return True
-            if not fmt.open:  # bare JSON: a call's header or the answer's content
-                if opens is None:
-                    return False
-                self._state = "content"
-                return True
-            return self._closed_block(events)
+            return self._json_call(events)
         if self._state == "arguments":
             read = self._scan()
             if read:
@@ -188,6 +194,9 @@ class ToolCallParser:
                 self._text = self._text[read:]
             if self._state == "arguments":
                 return False
+            if fmt.args:  # the arguments' object is the whole call
+                self._state = "content"
+                return True
             if not fmt.close:  # the rest of the call's object, up to its "}"
                 self._depth, self._string, self._escape = 1, False, False
         if not fmt.close:
@@ -195,7 +204,7 @@ class ToolCallParser:
             self._text = self._text[read:]
             if self._state == "after":
                 return False
-            self._state = "content"
+            self._state = "next" if fmt.array else "content"
             return True
         end = self._text.find(fmt.close)
         if end < 0:
@@ -203,6 +212,26 @@ class ToolCallParser:
             return False
         self._text, self._state = self._text[end + len(fmt.close):], "content"
         return True
+
+    def _json_call(self, events: list) -> bool:
+        """A JSON call's opening: its header (the call begins, its arguments streamed), or
+        what else it is in the format (bare JSON: content; Mistral's array: its rest read
+        whole; a tagged block: read once closed)."""
+        fmt = self.format
+        opens, at, name = _header(self._text, fmt.arguments)
+        if opens:
+            self._start(name, events)
+            self._text, self._state = self._text[at:], "arguments"
+            return True
+        if not fmt.open or fmt.array:
+            if opens is None:
+                return False
+            if fmt.array:  # an element that opens with no call's header
+                self._state, self._depth, self._string, self._escape = "rest", 1, False, False
+            else:  # bare JSON: the answer's content
+                self._state = "content"
+            return True
+        return self._closed_block(events)
 
     def _closed_block(self, events: list) -> bool:
         """A tagged block that opens with no call's header, once its closing tag is read: a
@@ -229,7 +258,59 @@ class ToolCallParser:
             self._text = self._text[len(self._text) - keep:]
             return False
         self._content(self._text[:start], events)
-        self._text, self._state = self._text[start + len(self.format.open):], "call"
+        self._text = self._text[start + len(self.format.open):]
+        self._state = "array" if self.format.array else "call"
+        self._opened = self.format.open
+        return True
+
+    def _array_part(self, events: list) -> bool:
+        """Mistral's array of calls: its ``[`` after the tag ("array"; anything else makes the
+        tag content), a ``,`` or its ``]`` after a call ("next"), or its rest after an element
+        that opens with no call's header ("rest": once the array's ``]`` is read, calls if its
+        elements all hold one, :func:`read_call`, else content as written)."""
+        if self._state == "rest":
+            read = self._scan()
+            self._held, self._text = self._held + self._text[:read], self._text[read:]
+            if self._state == "rest":
+                return False
+            rest, self._held = self._held, ""
+            try:
+                elements = json.loads("[" + rest)
+            except ValueError:
+                elements = None
+            calls = ([read_call(json.dumps(e)) for e in elements]
+                     if isinstance(elements, list) else [None])
+            if None in calls:
+                self._content(self._opened + rest, events)
+            for call in calls if None not in calls else ():
+                self._start(call.name, events)
+                events.append(Arguments(self.calls - 1, call.arguments))
+            return True
+        body = self._text.lstrip()
+        if not body:
+            return False
+        expected = "[" if self._state == "array" else ",]"
+        if body[0] not in expected:  # not Mistral's array: content as written
+            self._content(self._opened if self._state == "array" else "", events)
+            self._state = "content"
+            return True
+        self._opened += body[0]
+        self._text, self._state = body[1:], "content" if body[0] == "]" else "call"
+        return True
+
+    def _named_call(self, events: list) -> bool:
+        """Mistral's later form after ``[TOOL_CALLS]``: ``NAME[ARGS]`` (a ``[CALL_ID]ID``
+        between is dropped) opens a call whose arguments' object follows; other text makes
+        the tag content."""
+        opens, at, name = _named_header(self._text, self.format.args)
+        if opens is None:
+            return False
+        if opens:
+            self._start(name, events)
+            self._text, self._state = self._text[at:], "arguments"
+        else:
+            self._content(self._opened, events)
+            self._state = "content"
         return True
 
     def _bare_content(self, events: list) -> bool:
@@ -299,8 +380,8 @@ class ToolCallParser:
         return len(self._text)
 
     def _start(self, name: str, events: list, call_id: str | None = None) -> None:
-        self._space = ""  # whitespace before a call is dropped
-        events.append(CallStart(self.calls, call_id or new_call_id(), name))
+        self._space, self._opened = "", ""  # whitespace before a call is dropped
+        events.append(CallStart(self.calls, call_id or new_call_id(self.format.short_ids), name))
         self.calls += 1
         self._depth, self._string, self._escape = 0, False, False
 
@@ -311,10 +392,10 @@ class ToolCallParser:
         events: list[str | CallStart | Arguments] = []
         if self._state == "arguments" and self._text:
             events.append(Arguments(self.calls - 1, self._text))
-        elif self._state in ("content", "call"):
-            opened = self.format.open if self._state == "call" else ""
-            self._content(opened + self._text, events)
-        self._text, self._state = "", "content"
+        elif self._state in ("content", "call", "array", "rest"):
+            opened = self._opened if self._state != "content" else ""
+            self._content(opened + self._held + self._text, events)
+        self._text, self._held, self._state = "", "", "content"
         if self._space and not self.calls:
             events.append(self._space)
         self._space = ""
@@ -350,6 +431,39 @@ def _xml_header(text: str) -> tuple[bool | None, int, str]:
     if end < 0:
         return None, 0, ""
     return (True, at + end + 1, name) if name else (False, 0, "")
+
+
+def _named_header(text: str, args: str) -> tuple[bool | None, int, str]:
+    """Whether a Mistral call's text after ``[TOOL_CALLS]`` opens with ``NAME``, an optional
+    ``[CALL_ID]ID``, the tag ``args`` and the arguments' ``{`` (whitespace allowed around the
+    name and before the ``{``): (True, where the ``{`` is, the name); (None, 0, "") while it
+    may still; (False, 0, "") when it cannot."""
+    at = len(text) - len(text.lstrip())
+    stop = at
+    while stop < len(text) and NAME_CHAR.match(text[stop]):
+        stop += 1
+    name = text[at:stop]
+    if len(name) > NAME_MAX:
+        return False, 0, ""
+    at = len(text) - len(text[stop:].lstrip())
+    if at == len(text):
+        return None, 0, ""
+    if not name:
+        return False, 0, ""
+    if text.startswith(MISTRAL_CALL_ID, at):
+        at += len(MISTRAL_CALL_ID)
+        while at < len(text) and text[at].isalnum():
+            at += 1
+    elif MISTRAL_CALL_ID.startswith(text[at:]):  # (it and the tag both begin "[")
+        return None, 0, ""
+    rest = text[at:at + len(args)]
+    if rest != args:
+        return (None, 0, "") if len(rest) < len(args) and args.startswith(rest) else (False, 0, "")
+    at += len(args)
+    at = len(text) - len(text[at:].lstrip())
+    if at == len(text):
+        return None, 0, ""
+    return (True, at, name) if text[at] == "{" else (False, 0, "")
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -3,7 +3,7 @@
 The functions reach the model through its own chat template (``apply_chat_template(messages,
 tools=...)``), as it was trained to see them; what it writes back is parsed here, in the format
 its template writes calls in (:func:`check_template` reads it off the template: a probe
-conversation with one call, rendered). Three formats (:class:`ToolFormat`):
+conversation with one call, rendered). Five formats (:class:`ToolFormat`):
 
 - **Hermes** (Qwen2.5, Qwen3, Hermes), one block per call, anywhere in the answer::
 
@@ -26,6 +26,17 @@ conversation with one call, rendered). Three formats (:class:`ToolFormat`):
       </parameter>
       </function>
       </tool_call>
+
+- **Mistral**, after the special token ``[TOOL_CALLS]``, either a JSON array of calls (Mistral
+  7B v0.3, Nemo, Ministral 8B) or each call's name, the special token ``[ARGS]`` and its
+  arguments (Mistral Small 3.2, Devstral, Ministral 3)::
+
+      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+      [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
+
+  Its tags are special tokens, which a decode drops: the text the server parses keeps them
+  (:attr:`ToolFormat.kept_tokens`), and a grammar writes them as those tokens. Call ids are
+  nine letters and digits, as its templates demand of the ids a client sends back.
 
 :class:`~specdecode.server.tool_parser.ToolCallParser` turns generated text, fed in pieces
 split anywhere, into content and calls, as a stream sends them: a call that opens with
@@ -94,6 +105,28 @@ class ToolFormat:
     parallel: bool
     #: the call written as XML inside the tags, a tag per parameter (else as JSON)
     xml: bool = False
+    #: the calls written as one JSON array after the opening tag (Mistral's first form)
+    array: bool = False
+    #: the tag between a call's name and its arguments' JSON object, where the name is not in
+    #: the JSON (Mistral's later form: ``[TOOL_CALLS]NAME[ARGS]{...}``); "" where it is
+    args: str = ""
+    #: call ids of nine letters and digits (Mistral's templates refuse others)
+    short_ids: bool = False
+    #: the format's tags that are special tokens of the served tokenizer, as (tag, token id):
+    #: the text the output is parsed from keeps them, and a grammar writes them as that token
+    #: (a decode drops special tokens, and their text spelt in ordinary tokens is not what the
+    #: model was trained to write)
+    special: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def kept_tokens(self) -> tuple[int, ...]:
+        """The special tokens whose text the parsed output keeps."""
+        return tuple(token for _, token in self.special)
+
+    def spelt(self, tag: str) -> str:
+        """``tag`` in a Lark grammar: its special token (``<[id]>``) or its text."""
+        token = dict(self.special).get(tag)
+        return json.dumps(tag) if token is None else f"<[{token}]>"
 
 
 HERMES = ToolFormat("Hermes", OPEN, CLOSE, "arguments", True)
@@ -103,6 +136,16 @@ LLAMA_JSON = ToolFormat("bare JSON", "", "", "parameters", False)
 #: \n</parameter>\n</function>\n</tool_call>``, a string's value as it is, others' as JSON (a
 #: block of JSON instead is read as Hermes' is, its arguments under "arguments")
 QWEN_XML = ToolFormat("XML", OPEN, CLOSE, "arguments", True, xml=True)
+MISTRAL_TAG = "[TOOL_CALLS]"
+#: Mistral 7B v0.3's, Nemo's and Ministral 8B's: ``[TOOL_CALLS][{"name": ..., "arguments":
+#: {...}}, ...]``, the tag a special token
+MISTRAL_ARRAY = ToolFormat("Mistral JSON array", MISTRAL_TAG, "", "arguments", True, array=True,
+                           short_ids=True)
+#: Mistral Small 3.2's, Devstral's and Ministral 3's: ``[TOOL_CALLS]NAME[ARGS]{...}`` a call
+#: (a ``[CALL_ID]ID`` before ``[ARGS]`` is read and dropped)
+MISTRAL_ARGS = ToolFormat("Mistral [ARGS]", MISTRAL_TAG, "", "arguments", True, args="[ARGS]",
+                          short_ids=True)
+MISTRAL_CALL_ID = "[CALL_ID]"
 
 
 class ToolError(ValueError):
@@ -180,17 +223,25 @@ class ToolRequest:
         if self.constrains:
             chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
             several = self.choice == "required" and self.parallel and fmt.parallel
-            repeat = ' ("\\n" call)*' if several else ""
             header = ["%llguidance {}"] if fmt.xml else []  # (its lazy lexemes)
-            return "\n".join(header + [f"start: call{repeat}", f'call: "{fmt.open}" body'
-                                       if fmt.open else "call: body"] + _bodies(chosen, True, fmt))
+            if fmt.array:
+                calls = [f"start: {fmt.spelt(fmt.open)} {_array(several)}"]
+            else:
+                repeat = (" call*" if fmt.args else ' ("\\n" call)*') if several else ""
+                calls = [f"start: call{repeat}",
+                         f"call: {fmt.spelt(fmt.open)} body" if fmt.open else "call: body"]
+            return "\n".join(header + calls + _bodies(chosen, True, fmt))
         if not self.guards:
             return None
         if not fmt.open:  # whitespace, then a call or text that does not open with "{"
             return "\n".join(["start: WS? (body | TEXT)?", "WS: /[ \\t\\n]+/",
                               "TEXT: /[^{ \\t\\n](.|\\n)*/"] + _bodies(self.functions, False, fmt))
-        return "\n".join(["%llguidance {}", "start: called* TEXT", "called: opened body",
-                          f'opened[lazy]: TEXT "{fmt.open}"']
+        # the text up to an opening tag: a special token ends it by itself, a tag spelt in
+        # text ends a lazy lexeme
+        lazy = "" if dict(fmt.special).get(fmt.open) is not None else "[lazy]"
+        return "\n".join(["%llguidance {}", "start: called* TEXT",
+                          f"called: opened {_array(True) if fmt.array else 'body'}",
+                          f"opened{lazy}: TEXT {fmt.spelt(fmt.open)}"]
                          + ([] if fmt.xml else ["TEXT: /(.|\\n)*/"])
                          + _bodies(self.functions, False, fmt))
 
@@ -225,14 +276,22 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
     if fmt.xml:
         return _xml_bodies(functions, every_schema)
     rules = []
-    lead, tail = ("\\n", f"\\n{fmt.close}") if fmt.open else ("", "")
+    lead, tail = ("\\n", f"\\n{fmt.close}") if fmt.close else ("", "")
     for i, f in enumerate(functions):
         held = every_schema or f.strict
         schema = {"type": "object", **(f.parameters if held else {})}
-        rules.append(f'body_{i}: "{lead}{{\\"name\\": \\"{f.name}\\", '
-                     f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
+        if fmt.args:
+            rules.append(f'body_{i}: "{f.name}" {fmt.spelt(fmt.args)} args_{i}')
+        else:
+            rules.append(f'body_{i}: "{lead}{{\\"name\\": \\"{f.name}\\", '
+                         f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
         rules.append(_json_rule(f"args_{i}", schema))
     return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
+
+
+def _array(several: bool) -> str:
+    """Lark: calls in a JSON array (one, or ``several``), as Mistral's templates write them."""
+    return '"[" body' + (' (", " body)*' if several else "") + ' "]"'
 
 
 def _json_rule(name: str, schema: dict) -> str:
@@ -434,7 +493,18 @@ def check_template(tokenizer) -> ToolFormat:
     found = _TEMPLATES[template]
     if isinstance(found, str):
         raise ToolError(found)
-    return found
+    return _with_special_tags(found, tokenizer)
+
+
+def _with_special_tags(fmt: ToolFormat, tokenizer) -> ToolFormat:
+    """``fmt`` with those of its tags that are special tokens of ``tokenizer`` (Mistral's
+    ``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` are, where Qwen's ``<tool_call>`` is an
+    ordinary added token)."""
+    special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+               if t.special}
+    tags = (fmt.open, fmt.args, MISTRAL_CALL_ID if fmt.args else "")
+    found = tuple((tag, special[tag]) for tag in tags if tag in special)
+    return replace(fmt, special=found) if found else fmt
 
 
 def _template_format(tokenizer) -> ToolFormat | str:
@@ -466,6 +536,12 @@ def _template_format(tokenizer) -> ToolFormat | str:
     hermes = re.search(re.escape(OPEN) + r"\s*" + _JSON_CALL, called)
     if hermes and hermes.group(1) == HERMES.arguments:
         return HERMES
+    array = re.search(re.escape(MISTRAL_TAG) + r"\s*\[\s*" + _JSON_CALL, called)
+    if array and array.group(1) == MISTRAL_ARRAY.arguments:
+        return MISTRAL_ARRAY
+    if re.search(re.escape(MISTRAL_TAG) + "get_weather" + f"({re.escape(MISTRAL_CALL_ID)}\\w+)?"
+                 + re.escape(MISTRAL_ARGS.args) + r'\s*\{\s*"city"', called):
+        return MISTRAL_ARGS
     if re.search(re.escape(OPEN) + r"\s*<function=get_weather>\s*<parameter=city>\s*Paris\s*"
                  r"</parameter>", called):
         return QWEN_XML
@@ -475,5 +551,6 @@ def _template_format(tokenizer) -> ToolFormat | str:
         return replace(LLAMA_JSON, arguments=bare.group(1))
     return ("this model's chat template writes tool calls in a format this server does not "
             f"parse (it parses {OPEN} blocks of JSON, the Qwen2.5 and Hermes format, or of "
-            "<function=...> XML, Qwen3-Coder's, and an answer that is a call's JSON, Llama "
-            "3's); send the request without 'tools'")
+            "<function=...> XML, Qwen3-Coder's, an answer that is a call's JSON, Llama 3's, "
+            f"and Mistral's {MISTRAL_TAG} followed by a JSON array of calls or by "
+            f"NAME{MISTRAL_ARGS.args}{{...}}); send the request without 'tools'")
