@@ -269,23 +269,7 @@ class ToolCallParser:
         that opens with no call's header ("rest": once the array's ``]`` is read, calls if its
         elements all hold one, :func:`read_call`, else content as written)."""
         if self._state == "rest":
-            read = self._scan()
-            self._held, self._text = self._held + self._text[:read], self._text[read:]
-            if self._state == "rest":
-                return False
-            rest, self._held = self._held, ""
-            try:
-                elements = json.loads("[" + rest)
-            except ValueError:
-                elements = None
-            calls = ([read_call(json.dumps(e)) for e in elements]
-                     if isinstance(elements, list) else [None])
-            if None in calls:
-                self._content(self._opened + rest, events)
-            for call in calls if None not in calls else ():
-                self._start(call.name, events)
-                events.append(Arguments(self.calls - 1, call.arguments))
-            return True
+            return self._array_rest(events)
         body = self._text.lstrip()
         if not body:
             return False
@@ -296,6 +280,28 @@ class ToolCallParser:
             return True
         self._opened += body[0]
         self._text, self._state = body[1:], "content" if body[0] == "]" else "call"
+        return True
+
+    def _array_rest(self, events: list) -> bool:
+        """The array's rest, held until its ``]`` is read: calls if each element holds one,
+        else content as written."""
+        read = self._scan()
+        self._held, self._text = self._held + self._text[:read], self._text[read:]
+        if self._state == "rest":
+            return False
+        rest, self._held = self._held, ""
+        try:
+            elements = json.loads("[" + rest)
+        except ValueError:
+            elements = None
+        calls = ([read_call(json.dumps(e)) for e in elements]
+                 if isinstance(elements, list) else [None])
+        if None in calls:
+            self._content(self._opened + rest, events)
+            return True
+        for call in calls:
+            self._start(call.name, events)
+            events.append(Arguments(self.calls - 1, call.arguments))
         return True
 
     def _named_call(self, events: list) -> bool:

@@ -75,6 +75,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from specdecode.detokenize import special_ids
+
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 #: OpenAI's rule for function names (also what keeps them safe inside the grammar's literals):
@@ -500,8 +502,9 @@ def _with_special_tags(fmt: ToolFormat, tokenizer) -> ToolFormat:
     """``fmt`` with those of its tags that are special tokens of ``tokenizer`` (Mistral's
     ``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` are, where Qwen's ``<tool_call>`` is an
     ordinary added token)."""
-    special = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
-               if t.special}
+    # the detokenizer's own reckoning of what is special: what it drops unless told to keep it
+    ids = sorted(special_ids(tokenizer))
+    special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
     tags = (fmt.open, fmt.args, MISTRAL_CALL_ID if fmt.args else "")
     found = tuple((tag, special[tag]) for tag in tags if tag in special)
     return replace(fmt, special=found) if found else fmt
