@@ -19,8 +19,8 @@ import pytest
 
 from specdecode.server.tool_parser import (Arguments, CallStart, StreamDeltas, ToolCall,
                                            ToolCallParser, collect, parse_tool_calls)
-from specdecode.server.tools import (HERMES, LLAMA_JSON, MISTRAL_ARGS, MISTRAL_ARRAY, QWEN_XML,
-                                     ToolError, ToolRequest, check_template, xml_value)
+from specdecode.server.tools import (HARMONY, HERMES, LLAMA_JSON, MISTRAL_ARGS, MISTRAL_ARRAY,
+                                     QWEN_XML, ToolError, ToolRequest, check_template, xml_value)
 
 from tiny_models import tiny_llama
 from tiny_server import (CONTEXT, MODEL, build_tokenizer, make_server, openai_client,
@@ -432,6 +432,38 @@ def test_a_mistral_format_writes_its_tags_as_their_special_tokens(name):
                              tokenizer=tokenizer)
 
 
+HARMONY_CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Paris", "days": 3}')
+
+
+def test_a_harmony_call_is_a_message_its_tags_special_tokens():
+    """gpt-oss's grammars: a named or required call is the answer's one message, to
+    functions.NAME, its tags the special tokens; strict functions under auto: notes, then a
+    final answer or a call held to its schema."""
+    tokenizer = tool_tokenizer(HARMONY_TEMPLATE)
+    fmt = check_template(tokenizer)
+    request = dataclasses.replace(ToolRequest.of(TOOLS, NAMED), format=fmt)
+    assert grammar_takes(request.grammar(), HARMONY_CALL, ending=True, tokenizer=tokenizer)
+    spelt = tool_vocabulary(tokenizer).ll.tokenize_str(HARMONY_CALL)  # tags in ordinary pieces
+    assert not set(spelt) & set(fmt.kept_tokens)
+    assert not grammar_takes(request.grammar(), spelt, tokenizer=tokenizer)
+    assert not grammar_takes(request.grammar(), HARMONY_CALL.replace("Paris", "Lima"),
+                             tokenizer=tokenizer)  # not in the schema's enum
+    time_call = HARMONY_CALL.replace("get_weather", "get_time").split("<|message|>")[0]
+    required = dataclasses.replace(ToolRequest.of(TOOLS, "required"), format=fmt)
+    assert grammar_takes(required.grammar(), time_call + "<|message|>{}", ending=True,
+                         tokenizer=tokenizer)
+    assert not grammar_takes(request.grammar(), time_call, tokenizer=tokenizer)
+    note = "<|channel|>analysis<|message|>Paris, 3 days.<|end|><|start|>assistant"
+    assert not grammar_takes(request.grammar(), note, tokenizer=tokenizer)  # the call first
+    strict = dataclasses.replace(ToolRequest.of(STRICT, "auto"), format=fmt)
+    for answer in (note + HARMONY_CALL, note + "<|channel|>final<|message|>Sunny [x].",
+                   note.replace("analysis", "commentary") + time_call + "<|message|>{\"a\": 1}"):
+        assert grammar_takes(strict.grammar(), answer, ending=True, tokenizer=tokenizer)
+    assert not grammar_takes(strict.grammar(), note + HARMONY_CALL.replace("Paris", "Lima"),
+                             tokenizer=tokenizer)
+
+
 STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
                                             "strict": True}},
           {"type": "function", "function": {"name": "get_time"}}]
@@ -457,8 +489,9 @@ def grammar_takes(grammar: str, text: str | list[int], ending: bool = False,
     if isinstance(text, list):
         ids = text
     else:
+        tags = MISTRAL_SPECIAL + HARMONY_SPECIAL
         special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
-                   if t.content in MISTRAL_SPECIAL} if tokenizer is not None else {}
+                   if t.content in tags} if tokenizer is not None else {}
         parts = re.split("(" + "|".join(map(re.escape, special)) + ")", text) if special else [text]
         ids = [i for part in parts for i in ([special[part]] if part in special
                                              else vocabulary.ll.tokenize_str(part))]
@@ -536,6 +569,10 @@ def test_the_call_format_is_read_off_the_template():
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}]
     with pytest.raises(Exception, match="length 9"):
         tool_tokenizer(MISTRAL_TEMPLATE).apply_chat_template(bad, tokenize=False)
+    # gpt-oss's harmony messages, their tags special tokens
+    harmony = check_template(tool_tokenizer(HARMONY_TEMPLATE))
+    assert dataclasses.replace(harmony, special=()) == HARMONY
+    assert [tag for tag, _ in harmony.special] == list(HARMONY_SPECIAL[:5])
     # GLM's <arg_key> calls: refused by name
     with pytest.raises(ToolError, match="format this server does not parse"):
         check_template(tool_tokenizer(GLM_TEMPLATE))
@@ -601,15 +638,36 @@ GLM_TEMPLATE = TOOL_TEMPLATE.replace(
     "{{ c.function.arguments | tojson }}}\n</tool_call>",
     "<tool_call>{{ c.function.name }}{% for k, v in c.function.arguments.items() %}\n"
     "<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>{% endfor %}\n</tool_call>")
+#: a gpt-oss-style template: harmony's messages, the tools in a developer message, a call as
+#: a message to functions.NAME ended by <|call|>, its result a message from it
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Valid channels: analysis, commentary, final.<|end|>"
+    "{% if tools %}<|start|>developer<|message|>Tools:{% for t in tools %} "
+    "{{ t.function.name }}{% endfor %}<|end|>{% endif %}{% for m in messages %}"
+    "{% if m.tool_calls %}{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.thinking }}<|end|>{% endif %}{% for c in m.tool_calls %}<|start|>assistant "
+    "to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
+    "{{ c.function.arguments | tojson }}<|call|>{% endfor %}{% elif m.role == 'tool' %}"
+    "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content | tojson }}<|end|>{% elif m.role == 'assistant' %}<|start|>assistant"
+    "<|channel|>final<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}"
+    "<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 #: the format of each template (the tiny tokenizer's served variants)
 TEMPLATES = {"Hermes": TOOL_TEMPLATE, "bare JSON": LLAMA_TEMPLATE, "XML": XML_TEMPLATE,
-             "Mistral array": MISTRAL_TEMPLATE, "Mistral [ARGS]": ARGS_TEMPLATE}
+             "Mistral array": MISTRAL_TEMPLATE, "Mistral [ARGS]": ARGS_TEMPLATE,
+             "harmony": HARMONY_TEMPLATE}
 #: Mistral's tags, special tokens of its tokenizer
 MISTRAL_SPECIAL = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+#: harmony's tags and ends of a turn, special tokens of gpt-oss's tokenizer
+HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>",
+                   "<|return|>", "<|call|>")
 
 
 def tool_tokenizer(template: str = TOOL_TEMPLATE):
-    return build_tokenizer(template, MISTRAL_SPECIAL if "[TOOL_CALLS]" in template else ())
+    special = (MISTRAL_SPECIAL if "[TOOL_CALLS]" in template
+               else HARMONY_SPECIAL if "<|channel|>" in template else ())
+    return build_tokenizer(template, special)
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))

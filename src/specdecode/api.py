@@ -24,7 +24,7 @@ from typing import Any
 
 from specdecode import registry
 from specdecode.constraints import Vocabulary, make_constraint
-from specdecode.detokenize import IncrementalText
+from specdecode.detokenize import IncrementalText, special_tokens
 from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Runner
@@ -75,17 +75,30 @@ def as_runner(model) -> Runner:
     return HFRunner(model)
 
 
+#: tokens that end an assistant's turn whatever the tokenizer's end of sequence: gpt-oss's
+#: (harmony's) end of an answer and of a tool call, as its own generation config lists them
+TURN_ENDS = ("<|return|>", "<|call|>")
+
+
+def turn_ends(tokenizer) -> list[int]:
+    """The ids of :data:`TURN_ENDS` that are special tokens of ``tokenizer``."""
+    if tokenizer is None:
+        return []
+    special = special_tokens(tokenizer)
+    return [special[t] for t in TURN_ENDS if t in special]
+
+
 def eos_ids(model, tokenizer) -> list[int]:
     """End-of-sequence ids as ``transformers.generate`` would use them: the generation config's,
-    else the tokenizer's."""
+    else the tokenizer's; and the tokenizer's :func:`turn_ends` (a GGUF file holds one end of
+    sequence, where gpt-oss's generation config lists three)."""
     config = (getattr(model, "generation_config", None)
               or getattr(getattr(model, "model", None), "generation_config", None))
     eos = getattr(config, "eos_token_id", None)
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    found = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    return found + [i for i in turn_ends(tokenizer) if i not in found]
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -28,6 +28,12 @@ def special_ids(tokenizer) -> set[int]:
         i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
+def special_tokens(tokenizer) -> dict[str, int]:
+    """:func:`special_ids` by their text."""
+    ids = sorted(special_ids(tokenizer))
+    return dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
+
+
 class IncrementalText:
     """``text(tokens)`` is ``tokenizer.decode(tokens, skip_special_tokens=True)`` for one list
     of tokens that only grows between calls; with ``kept``, special tokens whose text stays in

@@ -21,9 +21,10 @@ from specdecode.api import GenerationResult
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
                                         new_id, now, parse)
-from specdecode.server.scheduler import Job
+from specdecode.server.harmony import Harmony, HarmonySplitter, split_harmony
 from specdecode.server.reasoning import ReasoningSplitter, Thinking, split_reasoning
-from specdecode.server.tool_parser import StreamDeltas, parse_tool_calls
+from specdecode.server.scheduler import Job
+from specdecode.server.tool_parser import StreamDeltas, collect, parse_tool_calls
 from specdecode.server.tools import ToolRequest
 
 #: seconds between checks that a waiting (non-streaming) client is still connected
@@ -59,19 +60,23 @@ def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]
 
 
 def message_parts(choice: dict, result: GenerationResult, tools: ToolRequest | None,
-                  thinking: Thinking | None) -> None:
+                  thinking: Thinking | Harmony | None) -> None:
     """A chat choice's message as its reasoning (``thinking``: the model's answers hold a
-    reasoning block), content and the tool calls parsed from the content (``tools``: written
-    in the model's call format, ``tools.format``)."""
-    text = result.text
-    if thinking is not None:
-        reasoning, text = split_reasoning(text, thinking)
-        if reasoning is not None:
-            choice["message"]["reasoning_content"] = reasoning
-        choice["message"]["content"] = text
-    if tools is None:
-        return
-    content, calls = parse_tool_calls(text, tools.format, tools.schemas)
+    reasoning block, or harmony's channels), content and the tool calls parsed from the content
+    (``tools``: written in the model's call format, ``tools.format``; harmony's are messages of
+    their own)."""
+    text, calls = result.text, []
+    if isinstance(thinking, Harmony):
+        reasoning, rest = split_harmony(text, tools is not None)
+        content, calls = collect(rest)
+    elif thinking is not None:
+        reasoning, content = split_reasoning(text, thinking)
+    else:
+        reasoning, content = None, text
+    if reasoning is not None:
+        choice["message"]["reasoning_content"] = reasoning
+    if tools is not None and not isinstance(thinking, Harmony):
+        content, calls = parse_tool_calls(content, tools.format, tools.schemas)
     choice["message"]["content"] = content
     if calls:
         choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
@@ -305,20 +310,29 @@ class Chunks:
     its first chunk), and each choice's end."""
 
     def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
-                 tools: ToolRequest | None, thinking: Thinking | None = None):
+                 tools: ToolRequest | None, thinking: Thinking | Harmony | None = None):
         self.endpoint, self.rid, self.model = endpoint, rid, model
         self.sent = StreamedLogprobs(choices)
-        self.deltas = (StreamDeltas(choices, tools.format, tools.schemas) if tools is not None
-                       else StreamDeltas(choices, None))
-        self.reasoning = ([ReasoningSplitter(thinking) for _ in range(choices)]
-                          if thinking is not None else None)
+        harmony = isinstance(thinking, Harmony)  # its calls are messages, not in the content
+        self.deltas = (StreamDeltas(choices, tools.format, tools.schemas)
+                       if tools is not None and not harmony else StreamDeltas(choices, None))
+        self.reasoning: list | None = None
+        if harmony:
+            self.reasoning = [HarmonySplitter(tools is not None) for _ in range(choices)]
+        elif thinking is not None:
+            self.reasoning = [ReasoningSplitter(thinking) for _ in range(choices)]
 
-    def _deltas(self, index: int, events: list[tuple[str, str]]) -> list[dict]:
-        """The deltas of a choice's reasoning and content pieces (the content read for calls)."""
+    def _deltas(self, index: int, events: list) -> list[dict]:
+        """The deltas of a choice's reasoning and content pieces (the content read for calls)
+        and of the calls harmony's messages hold."""
         out: list[dict] = []
-        for kind, text in events:
-            out += [{"reasoning_content": text}] if kind == "reasoning" else \
-                self.deltas.text(index, text)
+        for event in events:
+            if not isinstance(event, tuple):
+                out.append(self.deltas.call(index, event))
+            elif event[0] == "reasoning":
+                out.append({"reasoning_content": event[1]})
+            else:
+                out += self.deltas.text(index, event[1])
         return out
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:

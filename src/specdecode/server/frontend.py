@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode import registry
-from specdecode.api import encode_prompt
+from specdecode.api import encode_prompt, turn_ends
 from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
@@ -25,12 +25,13 @@ from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
 from specdecode.server.diffusion import Dllm, is_diffusion, make_factory, served_method
 from specdecode.server.diffusion import check_request as check_diffusion
 from specdecode.server.goodput import Batching
+from specdecode.server.harmony import Harmony, harmony_of
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
-from specdecode.server.protocol import ApiError, SamplingFields, now
+from specdecode.server.protocol import ApiError, ChatRequest, SamplingFields, now
+from specdecode.server.reasoning import Thinking, thinking_of
 from specdecode.server.scheduler import Scheduler, SequenceSpec
-from specdecode.server.reasoning import thinking_of
 from specdecode.server.tools import ToolError, ToolFormat, check_template
 
 #: Host header names a server bound to loopback answers by default (DNS rebinding: a web page's
@@ -132,11 +133,16 @@ class Frontend:
         self.started = now()
         self.fingerprint = model.fingerprint
         self.tokenizer = tokenizer
-        #: whether the model's answers hold a reasoning block (sent as reasoning_content)
-        self.thinking = thinking_of(tokenizer) if tokenizer is not None else None
-        #: the ids ending a generation (a finished grammar allows them); the tokenizer's by default
+        #: how the model's answers hold their reasoning (sent as reasoning_content): a block
+        #: (Thinking), harmony's channels (Harmony, which hold its tool calls too), or not at all
+        self.thinking: Thinking | Harmony | None = None
+        if tokenizer is not None:
+            self.thinking = harmony_of(tokenizer) or thinking_of(tokenizer)
+        #: the ids ending a generation (a finished grammar allows them); the tokenizer's by
+        #: default, and its turn ends
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: list[int] = [] if eos is None else [eos]
+        self.eos_token_ids += [i for i in turn_ends(tokenizer) if i not in self.eos_token_ids]
         self._vocabulary: Vocabulary | None = None
 
     @property
@@ -260,6 +266,9 @@ class Frontend:
         if is_diffusion(method.name):
             check_diffusion(method.name, self.dllm, sampling)
         stop = tuple(req.stop_list())
+        kept = req.kept_tokens()
+        if isinstance(self.thinking, Harmony) and isinstance(req, ChatRequest):
+            kept += tuple(t for t in self.thinking.kept_tokens if t not in kept)
         specs = []
         for ids in prompts:
             limit = self.max_tokens(len(ids), requested, param)
@@ -274,7 +283,7 @@ class Frontend:
                     seed = options["seed"] + i
                     options["seed"] = seed - SEED_END if seed >= SEED_END else seed
                 specs.append(SequenceSpec(ids, limit, stop, options, method, config,
-                                          proposer_bytes, req.kept_tokens()))
+                                          proposer_bytes, kept))
         return specs
 
     def check_size(self, prompt, chat: bool) -> None:
@@ -332,6 +341,8 @@ class Server(Frontend):
                  catalogue: Catalogue | None = None, dllm: Dllm | None = None):
         memory = memory or SharedMemory()
         metrics = Metrics()
+        eos_token_ids = list(eos_token_ids)
+        eos_token_ids += [i for i in turn_ends(tokenizer) if i not in eos_token_ids]
         prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics)
                         if settings.prompt_cache_bytes else None)
         scheduler = Scheduler(runners, tokenizer, eos_token_ids,

@@ -256,6 +256,10 @@ class Message(Strict):
     #: an assistant message's calls; a tool message's answer names the call it answers
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    #: an assistant message's reasoning, as the server sent it (templates that show the model
+    #: its earlier reasoning read it: Qwen3's as ``reasoning_content``, gpt-oss's as
+    #: ``thinking``, before a call)
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -279,6 +283,8 @@ class Message(Strict):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            out["reasoning_content"] = out["thinking"] = self.reasoning_content
         return out
 
 

@@ -514,16 +514,23 @@ class StreamDeltas:
     def __init__(self, choices: int, fmt: ToolFormat | None,
                  schemas: dict[str, dict] | None = None):
         self.parsers = [ToolCallParser(fmt, schemas) for _ in range(choices)] if fmt else None
+        #: each choice's calls read elsewhere (:meth:`call`: harmony's messages)
+        self.made = [0] * choices
 
     def text(self, index: int, piece: str) -> list[dict]:
         if self.parsers is None:
             return [{"content": piece}] if piece else []
         return [_delta(e) for e in self.parsers[index].feed(piece)]
 
+    def call(self, index: int, event: CallStart | Arguments) -> dict:
+        """The delta of an event of a call read elsewhere than in the content."""
+        self.made[index] += isinstance(event, CallStart)
+        return _delta(event)
+
     def finish(self, index: int, reason: str) -> tuple[list[dict], str]:
         """(the last deltas, the finish reason) when choice ``index`` ended for ``reason``."""
         if self.parsers is None:
-            return [], reason
+            return [], finish_reason(reason, self.made[index])
         parser = self.parsers[index]
         return [_delta(e) for e in parser.finish()], finish_reason(reason, parser.calls)
 

@@ -3,7 +3,7 @@
 The functions reach the model through its own chat template (``apply_chat_template(messages,
 tools=...)``), as it was trained to see them; what it writes back is parsed here, in the format
 its template writes calls in (:func:`check_template` reads it off the template: a probe
-conversation with one call, rendered). Five formats (:class:`ToolFormat`):
+conversation with one call, rendered). Six formats (:class:`ToolFormat`):
 
 - **Hermes** (Qwen2.5, Qwen3, Hermes), one block per call, anywhere in the answer::
 
@@ -37,6 +37,12 @@ conversation with one call, rendered). Five formats (:class:`ToolFormat`):
   Its tags are special tokens, which a decode drops: the text the server parses keeps them
   (:attr:`ToolFormat.kept_tokens`), and a grammar writes them as those tokens. Call ids are
   nine letters and digits, as its templates demand of the ids a client sends back.
+
+- **harmony** (gpt-oss), a call a message of its own to ``functions.NAME`` (one an answer,
+  ``<|call|>`` ends it), read apart from the reasoning and content by
+  :mod:`specdecode.server.harmony`::
+
+      <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
 
 :class:`~specdecode.server.tool_parser.ToolCallParser` turns generated text, fed in pieces
 split anywhere, into content and calls, as a stream sends them: a call that opens with
@@ -75,7 +81,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.detokenize import special_ids
+from specdecode.detokenize import special_tokens
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -114,6 +120,8 @@ class ToolFormat:
     args: str = ""
     #: call ids of nine letters and digits (Mistral's templates refuse others)
     short_ids: bool = False
+    #: a call is a harmony message to ``functions.NAME`` (gpt-oss: server/harmony.py reads it)
+    harmony: bool = False
     #: the format's tags that are special tokens of the served tokenizer, as (tag, token id):
     #: the text the output is parsed from keeps them, and a grammar writes them as that token
     #: (a decode drops special tokens, and their text spelt in ordinary tokens is not what the
@@ -148,6 +156,11 @@ MISTRAL_ARRAY = ToolFormat("Mistral JSON array", MISTRAL_TAG, "", "arguments", T
 MISTRAL_ARGS = ToolFormat("Mistral [ARGS]", MISTRAL_TAG, "", "arguments", True, args="[ARGS]",
                           short_ids=True)
 MISTRAL_CALL_ID = "[CALL_ID]"
+#: gpt-oss's: a harmony message ``<|channel|>commentary to=functions.NAME <|constrain|>json
+#: <|message|>{...}``, one an answer (``<|call|>`` ends it)
+HARMONY = ToolFormat("harmony", "<|channel|>", "", "arguments", False, harmony=True)
+#: harmony's tags, special tokens of gpt-oss's tokenizer (server/harmony.py's)
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 
 
 class ToolError(ValueError):
@@ -222,6 +235,8 @@ class ToolRequest:
         lexeme, the text ends at the tag; bare JSON: an answer whose first text is ``{`` is
         the call); None when the model is free."""
         fmt = self.format
+        if fmt.harmony:
+            return self._harmony_grammar()
         if self.constrains:
             chosen = [f for f in self.functions if self.choice == "required" or f.name == self.name]
             several = self.choice == "required" and self.parallel and fmt.parallel
@@ -246,6 +261,31 @@ class ToolRequest:
                           f"opened{lazy}: TEXT {fmt.spelt(fmt.open)}"]
                          + ([] if fmt.xml else ["TEXT: /(.|\\n)*/"])
                          + _bodies(self.functions, False, fmt))
+
+    def _harmony_grammar(self) -> str | None:
+        """:meth:`grammar` in harmony's messages: a call is the message ``<|channel|>commentary
+        to=functions.NAME <|constrain|>json<|message|>ARGS`` (``<|call|>``, an end of the
+        answer, follows it); ``required`` or a named function: the answer is one call (no
+        reasoning before it: a note of unbounded length could take the whole answer); strict
+        functions under ``auto``: notes of reasoning or commentary, then a call or the final
+        answer."""
+        fmt = self.format
+        start, channel, message, end, _ = (fmt.spelt(tag) for tag in HARMONY_TAGS)
+        if self.constrains:
+            functions = [f for f in self.functions
+                         if self.choice == "required" or f.name == self.name]
+            rules = ["start: call"]
+        elif self.guards:
+            functions = list(self.functions)
+            # a note's text ends at the special token that closes it
+            rules = ["start: note* (final | call)",
+                     f'note: {channel} ("analysis" | "commentary") {message} TEXT {end} {start} '
+                     '"assistant"',
+                     f'final: {channel} "final" {message} TEXT', "TEXT: /(.|\\n)*/"]
+        else:
+            return None
+        rules.append(f'call: {channel} "commentary to=functions." body')
+        return "\n".join(rules + _bodies(functions, self.constrains, fmt))
 
     @classmethod
     def of(cls, tools: list | None, tool_choice: Any = None,
@@ -282,7 +322,10 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
     for i, f in enumerate(functions):
         held = every_schema or f.strict
         schema = {"type": "object", **(f.parameters if held else {})}
-        if fmt.args:
+        if fmt.harmony:
+            rules.append(f'body_{i}: "{f.name} " {fmt.spelt(HARMONY_TAGS[4])} "json" '
+                         f'{fmt.spelt(HARMONY_TAGS[2])} args_{i}')
+        elif fmt.args:
             rules.append(f'body_{i}: "{f.name}" {fmt.spelt(fmt.args)} args_{i}')
         else:
             rules.append(f'body_{i}: "{lead}{{\\"name\\": \\"{f.name}\\", '
@@ -503,9 +546,9 @@ def _with_special_tags(fmt: ToolFormat, tokenizer) -> ToolFormat:
     ``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` are, where Qwen's ``<tool_call>`` is an
     ordinary added token)."""
     # the detokenizer's own reckoning of what is special: what it drops unless told to keep it
-    ids = sorted(special_ids(tokenizer))
-    special = dict(zip(tokenizer.convert_ids_to_tokens(ids), ids))
-    tags = (fmt.open, fmt.args, MISTRAL_CALL_ID if fmt.args else "")
+    special = special_tokens(tokenizer)
+    tags = (HARMONY_TAGS if fmt.harmony
+            else (fmt.open, fmt.args, MISTRAL_CALL_ID if fmt.args else ""))
     found = tuple((tag, special[tag]) for tag in tags if tag in special)
     return replace(fmt, special=found) if found else fmt
 
@@ -536,6 +579,8 @@ def _template_format(tokenizer) -> ToolFormat | str:
                 "with and without them), so the model would never see them; send the request "
                 "without 'tools', or serve a model whose template handles tools (such as "
                 "qwen2.5-coder-0.5b)")
+    if re.search(r"to=functions\.get_weather\b", called) and HARMONY.open in called:
+        return HARMONY
     hermes = re.search(re.escape(OPEN) + r"\s*" + _JSON_CALL, called)
     if hermes and hermes.group(1) == HERMES.arguments:
         return HERMES
