@@ -3,7 +3,9 @@
 
 Give template files (``.jinja``, the text a GGUF file's ``tokenizer.chat_template`` holds) or
 installed models by name; each is rendered under a small tokenizer, as the server renders the
-model's own:
+model's own. A file named ``*tool_use.jinja`` is a model's ``tool_use`` template (Hermes 2 Pro's
+and 3's: ``tokenizer.chat_template.tool_use`` in a GGUF file), taken beside a plain default, as
+the server takes the pair:
 
     python scripts/tool_formats.py DIR/*.jinja
     python scripts/tool_formats.py --model qwen2.5-coder-0.5b
@@ -25,7 +27,12 @@ from transformers import PreTrainedTokenizerFast
 from specdecode.server.tools import ToolError, check_template
 
 
-def with_template(template: str) -> PreTrainedTokenizerFast:
+#: the default beside a ``tool_use`` template: ChatML without tools
+PLAIN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_template(template: str | dict) -> PreTrainedTokenizerFast:
     """A tokenizer of a few words carrying ``template`` (templates read only its special
     tokens' names, given here as Llama's and Qwen's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -56,7 +63,10 @@ def main() -> int:
         parser.error("give template files or --model NAME")
     verdicts = []
     for path in args.templates:
-        verdicts.append((path.name, verdict(with_template(path.read_text()))))
+        template = path.read_text()
+        if path.name.endswith("tool_use.jinja"):
+            template = {"default": PLAIN, "tool_use": template}
+        verdicts.append((path.name, verdict(with_template(template))))
     for name in args.model:
         from specdecode.models.loading import load_model
 

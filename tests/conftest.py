@@ -126,10 +126,13 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(model, path, arch="llama", tokens: list[str] | None = None):
+def write_gguf(model, path, arch="llama", tokens: list[str] | None = None,
+               templates: dict[str, str] | None = None):
     """Write ``model`` as llama.cpp would: Q8_0 embeddings and head, Q4_1 projections, f32
     norms. The model's weights become the file's dequantised ones, so both hold the same.
-    ``tokens``: a vocabulary written as ``tokenizer.ggml.*`` metadata (default: none)."""
+    ``tokens``: a vocabulary written as ``tokenizer.ggml.*`` metadata (default: none);
+    ``templates``: chat templates by name, ``default`` the file's ``tokenizer.chat_template``
+    and the others ``tokenizer.chat_template.NAME``, as llama.cpp's converter writes them."""
     import gguf
 
     c = model.config
@@ -138,6 +141,8 @@ def write_gguf(model, path, arch="llama", tokens: list[str] | None = None):
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(tokens)
         writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    if templates:
+        writer.add_chat_template([{"name": k, "template": v} for k, v in templates.items()])
     q = gguf.GGMLQuantizationType
     with torch.no_grad():
         for name, param in model.state_dict().items():

@@ -13,11 +13,16 @@ import torch
 from specdecode.api import Decoder, eos_ids
 from specdecode.bench.shapes import SHAPES, Shape, tensor_type, write_shape
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_reader import GGUFFile
+from specdecode.models.gguf_reader import GGUFFile, read_header
 from specdecode.models.llama import LlamaRunner
 from specdecode.models.native_shape import DEFAULT_MAX_CONTEXT, cache_rows, kv_cache_bytes
-from specdecode.models.loading import default_gguf_path, load_gguf, make_runner
+from specdecode.models.loading import (default_gguf_path, load_gguf, make_runner,
+                                       named_templates)
 from specdecode.models.weights import resident_bytes
+
+from conftest import write_gguf
+from tiny_models import tiny_llama
+from tiny_server import build_tokenizer
 
 PROMPT = [1, 5, 9, 200, 300, 41, 7, 88, 5, 9, 200]
 
@@ -191,6 +196,30 @@ def test_tokenizer_from_metadata_encodes_like_transformers(monkeypatch, tmp_path
         assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 == reference.apply_chat_template(messages, add_generation_prompt=True))
     assert list(tmp_path.glob("specdecode/tok-*-tokenizer-added"))
+
+
+def test_a_files_named_chat_templates_reach_the_tokenizer(tmp_path):
+    """llama.cpp keeps a tokenizer's ``tool_use`` template (Hermes 2 Pro's and 3's) beside the
+    default; transformers' conversion reads the default only. The tokenizer gets both, so a
+    prompt with tools renders through ``tool_use`` (and the server reads its call format)."""
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }};{% endfor %}"
+    with_tools = "Tools:{% for t in tools %} {{ t.function.name }}{% endfor %};" + plain
+    path = write_gguf(tiny_llama(seed=0, layers=1), tmp_path / "hermes.gguf",
+                      templates={"default": plain, "tool_use": with_tools})
+    tokenizer = build_tokenizer(plain)  # as transformers converts the file: the default only
+    named_templates(tokenizer, read_header(path)[0])
+    assert tokenizer.chat_template == {"default": plain, "tool_use": with_tools}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) \
+        == "Tools: get_time;user: Hi;"
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "user: Hi;"
+    # a file of one template: the tokenizer's left as it is
+    alone = write_gguf(tiny_llama(seed=0, layers=1), tmp_path / "one.gguf",
+                       templates={"default": plain})
+    tokenizer = build_tokenizer(plain)
+    named_templates(tokenizer, read_header(alone)[0])
+    assert tokenizer.chat_template == plain
 
 
 # ---- the writer ---------------------------------------------------------------------------------

@@ -157,14 +157,33 @@ def gguf_tokenizer(path: Path, fields: dict):
         return None
     cached = cache_root() / f"{path.stem}-{_file_key(path)}-tokenizer-added"
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
+        tokenizer = AutoTokenizer.from_pretrained(cached)
+        named_templates(tokenizer, fields)
+        return tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise SpecDecodeError(f"cannot read the tokenizer of GGUF file {path}: {exc}") from None
     keep_added_tokens(tokenizer, fields.get("tokenizer.ggml.token_type", ()))
+    named_templates(tokenizer, fields)
     _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+#: llama.cpp's key of a named chat template beside the default (``tokenizer.chat_template``)
+NAMED_TEMPLATE = "tokenizer.chat_template."
+
+
+def named_templates(tokenizer, fields: dict) -> None:
+    """The file's named chat templates beside its default: a model whose tokenizer has a
+    ``tool_use`` template (Hermes 2 Pro, Hermes 3, Command R) keeps it in the file as
+    ``tokenizer.chat_template.tool_use``, which transformers' conversion leaves out; the
+    tokenizer's ``chat_template`` becomes the dict transformers picks from (``tool_use`` for a
+    prompt with tools, ``default`` otherwise)."""
+    named = {k[len(NAMED_TEMPLATE):]: v for k, v in fields.items()
+             if k.startswith(NAMED_TEMPLATE) and isinstance(v, str)}
+    if named and isinstance(tokenizer.chat_template, str):
+        tokenizer.chat_template = {"default": tokenizer.chat_template, **named}
 
 
 def keep_added_tokens(tokenizer, types) -> None:

@@ -600,5 +600,6 @@ def _template_format(tokenizer) -> ToolFormat | str:
     return ("this model's chat template writes tool calls in a format this server does not "
             f"parse (it parses {OPEN} blocks of JSON, the Qwen2.5 and Hermes format, or of "
             "<function=...> XML, Qwen3-Coder's, an answer that is a call's JSON, Llama 3's, "
-            f"and Mistral's {MISTRAL_TAG} followed by a JSON array of calls or by "
-            f"NAME{MISTRAL_ARGS.args}{{...}}); send the request without 'tools'")
+            f"Mistral's {MISTRAL_TAG} followed by a JSON array of calls or by "
+            f"NAME{MISTRAL_ARGS.args}{{...}}, and gpt-oss's harmony messages to functions.NAME); "
+            "send the request without 'tools'")
