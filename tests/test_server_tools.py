@@ -19,8 +19,9 @@ import pytest
 
 from specdecode.server.tool_parser import (Arguments, CallStart, StreamDeltas, ToolCall,
                                            ToolCallParser, collect, parse_tool_calls)
-from specdecode.server.tools import (HARMONY, HERMES, LLAMA_JSON, MISTRAL_ARGS, MISTRAL_ARRAY,
-                                     QWEN_XML, ToolError, ToolRequest, check_template, xml_value)
+from specdecode.server.tools import (GRANITE_ARRAY, HARMONY, HERMES, LLAMA_JSON, MISTRAL_ARGS,
+                                     MISTRAL_ARRAY, QWEN_XML, ToolError, ToolRequest,
+                                     check_template, xml_value)
 
 from tiny_models import tiny_llama
 from tiny_server import (CONTEXT, MODEL, build_tokenizer, make_server, openai_client,
@@ -489,7 +490,7 @@ def grammar_takes(grammar: str, text: str | list[int], ending: bool = False,
     if isinstance(text, list):
         ids = text
     else:
-        tags = MISTRAL_SPECIAL + HARMONY_SPECIAL
+        tags = MISTRAL_SPECIAL + HARMONY_SPECIAL + ("<|tool_call|>",)
         special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
                    if t.content in tags} if tokenizer is not None else {}
         parts = re.split("(" + "|".join(map(re.escape, special)) + ")", text) if special else [text]
@@ -573,6 +574,11 @@ def test_the_call_format_is_read_off_the_template():
     harmony = check_template(tool_tokenizer(HARMONY_TEMPLATE))
     assert dataclasses.replace(harmony, special=()) == HARMONY
     assert [tag for tag, _ in harmony.special] == list(HARMONY_SPECIAL[:5])
+    # Granite's: the tag its system prompt names, a special token where the tokenizer has it
+    granite = check_template(tool_tokenizer(GRANITE_TEMPLATE))
+    assert dataclasses.replace(granite, special=()) == GRANITE_ARRAY
+    assert [tag for tag, _ in granite.special] == ["<|tool_call|>"]
+    assert check_template(build_tokenizer(GRANITE_TEMPLATE)) == GRANITE_ARRAY
     # GLM's <arg_key> calls: refused by name
     with pytest.raises(ToolError, match="format this server does not parse"):
         check_template(tool_tokenizer(GLM_TEMPLATE))
@@ -653,10 +659,19 @@ HARMONY_TEMPLATE = (
     "<|channel|>final<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}"
     "<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+#: a Granite 3.x-style template: the system prompt names the tag a call's JSON list follows;
+#: earlier calls are not written back, only their results
+GRANITE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nWhen a tool is required, respond only with <|tool_call|> "
+    "followed by a JSON list of tools used.<|im_end|>\n<|im_start|>available_tools\n"
+    "{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ 'tool_response' if m.role == 'tool' else m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 #: the format of each template (the tiny tokenizer's served variants)
 TEMPLATES = {"Hermes": TOOL_TEMPLATE, "bare JSON": LLAMA_TEMPLATE, "XML": XML_TEMPLATE,
              "Mistral array": MISTRAL_TEMPLATE, "Mistral [ARGS]": ARGS_TEMPLATE,
-             "harmony": HARMONY_TEMPLATE}
+             "harmony": HARMONY_TEMPLATE, "Granite": GRANITE_TEMPLATE}
 #: Mistral's tags, special tokens of its tokenizer
 MISTRAL_SPECIAL = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 #: harmony's tags and ends of a turn, special tokens of gpt-oss's tokenizer
@@ -666,7 +681,8 @@ HARMONY_SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|cons
 
 def tool_tokenizer(template: str = TOOL_TEMPLATE):
     special = (MISTRAL_SPECIAL if "[TOOL_CALLS]" in template
-               else HARMONY_SPECIAL if "<|channel|>" in template else ())
+               else HARMONY_SPECIAL if "<|channel|>" in template
+               else ("<|tool_call|>",) if "<|tool_call|>" in template else ())
     return build_tokenizer(template, special)
 
 
@@ -745,8 +761,9 @@ def test_a_named_function_gives_one_call_matching_its_schema(client, tokenizer, 
     assert call.type == "function" and id_fits(call.id, tokenizer)
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    tag = dict(check_template(tokenizer).special).get("[TOOL_CALLS]")
-    assert tag is None or choice.model_extra["token_ids"][0] == tag  # Mistral's special token
+    fmt = check_template(tokenizer)
+    tag = dict(fmt.special).get(fmt.open)
+    assert tag is None or choice.model_extra["token_ids"][0] == tag  # the tag's special token
     # every method exact: the same tokens as plain decoding under the same grammar
     reference = ask(client, "ar", tool_choice=NAMED).choices[0].model_extra["token_ids"]
     assert choice.model_extra["token_ids"] == reference

@@ -156,6 +156,34 @@ def test_a_finished_grammar_stops(tiny_models, vocab):
     assert gen.stats.forced_tokens >= 1  # the "." after "abc" has one token only: forced
 
 
+@pytest.mark.parametrize("grammar, ends", [
+    ("start: TEXT <[TAG]> TEXT\nTEXT: /(.|\\n)*/", False),  # text, the special tag, text
+    # a strict tool call's shape: free text, or text then the tag and a call
+    ('start: called* TEXT\ncalled: opened "[]"\nopened: TEXT <[TAG]>\nTEXT: /(.|\\n)*/', True),
+    ('start: "a" TEXT\nTEXT: /[^"]*/', True),
+])
+def test_only_the_special_tokens_a_grammar_names_pass_its_mask(grammar, ends):
+    """Special tokens have no bytes; wherever text may go on, the mask lets through no special
+    token but those the grammar names and the end of sequence where the grammar may end (a
+    grammar naming a special token let every special token through there, and then failed on
+    the one it had allowed), and the grammar takes every token the mask lets through."""
+    from tiny_server import EOS as END, build_tokenizer
+
+    tokenizer = build_tokenizer(special=("<|tool_call|>",))
+    tag = tokenizer.convert_tokens_to_ids("<|tool_call|>")
+    vocabulary = Vocabulary(tokenizer, len(tokenizer), [END])
+    constraint = make_constraint(vocabulary, grammar=grammar.replace("TAG", str(tag))).start()
+    constraint.commit(vocabulary.ll.tokenize_str("ab c"))
+    allowed = constraint.allowed(())
+    specials = sorted(tokenizer.all_special_ids) + [tag]
+    named = [tag] if "TAG" in grammar else []
+    assert [t for t in specials if allowed[t]] == sorted(named + ([END] if ends else []))
+    for token in map(int, allowed.nonzero()[:, 0]):
+        if token != END:
+            assert constraint.matcher.consume_token(token), constraint.matcher.get_error()
+            constraint.matcher.rollback(1)
+
+
 def test_draft_pruning_keeps_only_what_the_grammar_allows(vocab):
     spec = make_constraint(vocab, regex=r"ab+c")
     state = spec.start()

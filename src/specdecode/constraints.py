@@ -71,8 +71,10 @@ class Vocabulary:
             # with its raw "Ċ" for a newline, so a grammar let a raw newline into a JSON string)
             self._bytes = _token_bytes(tokenizer)
         self._bytes += [b""] * (vocab_size - len(self._bytes))  # ids the tokenizer never makes
+        names = ([] if isinstance(tokenizer, (list, tuple))
+                 else tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
         self.ll = llguidance.LLTokenizer(
-            llguidance.TokenizerWrapper(_ByteTokens(self._bytes, self.eos_ids[0])),
+            llguidance.TokenizerWrapper(_ByteTokens(self._bytes, self.eos_ids[0], names)),
             n_vocab=vocab_size, eos_token=list(self.eos_ids))
 
     def __reduce__(self):
@@ -119,14 +121,23 @@ def _decoded_bytes(tokenizer) -> list[bytes]:
             for i in range(len(tokenizer))]
 
 
+#: llguidance's mark of a special token's bytes: this byte (never in UTF-8 text), then its name
+SPECIAL_MARK = b"\xff"
+
+
 class _ByteTokens:
     """llguidance's tokenizer protocol over a plain list of token bytes, encoding by greedy
-    longest match."""
+    longest match. A special token (no bytes) is given to llguidance as its mark and its name
+    (``names``, else ``[id]``): as no bytes, llguidance's masks let the special tokens a
+    grammar does not name through wherever text may go on (an empty string continues any
+    text), and the grammar then failed on the token it had allowed."""
 
     bos_token_id = None
 
-    def __init__(self, tokens: list[bytes], eos: int):
-        self.tokens = tokens
+    def __init__(self, tokens: list[bytes], eos: int, names: Sequence[str | None] = ()):
+        self.tokens = [t or SPECIAL_MARK + ((names[i] if i < len(names) else None)
+                                            or f"[{i}]").encode("utf-8")
+                       for i, t in enumerate(tokens)]
         self.eos_token_id = eos
         self.special_token_ids = [i for i, t in enumerate(tokens) if not t]
         self._longest = max(len(t) for t in tokens)

@@ -3,7 +3,7 @@
 The functions reach the model through its own chat template (``apply_chat_template(messages,
 tools=...)``), as it was trained to see them; what it writes back is parsed here, in the format
 its template writes calls in (:func:`check_template` reads it off the template: a probe
-conversation with one call, rendered). Six formats (:class:`ToolFormat`):
+conversation with one call, rendered). Seven formats (:class:`ToolFormat`):
 
 - **Hermes** (Qwen2.5, Qwen3, Hermes), one block per call, anywhere in the answer::
 
@@ -37,6 +37,11 @@ conversation with one call, rendered). Six formats (:class:`ToolFormat`):
   Its tags are special tokens, which a decode drops: the text the server parses keeps them
   (:attr:`ToolFormat.kept_tokens`), and a grammar writes them as those tokens. Call ids are
   nine letters and digits, as its templates demand of the ids a client sends back.
+
+- **a tag and a JSON array** (Granite 3.x), Mistral's first form behind the tag its template's
+  system prompt names (the template never writes a call back)::
+
+      <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 - **harmony** (gpt-oss), a call a message of its own to ``functions.NAME`` (one an answer,
   ``<|call|>`` ends it), read apart from the reasoning and content by
@@ -156,6 +161,11 @@ MISTRAL_ARRAY = ToolFormat("Mistral JSON array", MISTRAL_TAG, "", "arguments", T
 MISTRAL_ARGS = ToolFormat("Mistral [ARGS]", MISTRAL_TAG, "", "arguments", True, args="[ARGS]",
                           short_ids=True)
 MISTRAL_CALL_ID = "[CALL_ID]"
+#: Granite 3.x's: ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``, Mistral's array
+#: behind another tag; its template never writes a call back, so the tag is read off the
+#: instruction its system prompt gives (:data:`_TOLD_TAG`)
+GRANITE_ARRAY = ToolFormat("tag and JSON array", "<|tool_call|>", "", "arguments", True,
+                           array=True)
 #: gpt-oss's: a harmony message ``<|channel|>commentary to=functions.NAME <|constrain|>json
 #: <|message|>{...}``, one an answer (``<|call|>`` ends it)
 HARMONY = ToolFormat("harmony", "<|channel|>", "", "arguments", False, harmony=True)
@@ -518,6 +528,9 @@ _PROBE_CALL = _PROBE_MESSAGES + [{"role": "assistant", "content": "", "tool_call
      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
 _PROBE_ANSWER = "It is sunny."
 _PROBE_TEXT = _PROBE_MESSAGES + [{"role": "assistant", "content": _PROBE_ANSWER}]
+#: a template's instruction naming the tag a call's JSON list follows (Granite 3.x: "respond
+#: only with <|tool_call|> followed by a JSON list of tools used")
+_TOLD_TAG = re.compile(r"(<\|\w+\|>) followed by a JSON list")
 #: the probe's call as JSON, its arguments under either field
 _JSON_CALL = r'\{\s*"name"\s*:\s*"get_weather"\s*,\s*"(parameters|arguments)"\s*:\s*\{\s*"city"'
 #: chat template text -> its call format, or the reason tools cannot be served with it
@@ -597,6 +610,9 @@ def _template_format(tokenizer) -> ToolFormat | str:
     bare = re.match(r"\s*" + _JSON_CALL, called[len(header):])
     if _PROBE_ANSWER in texted and called.startswith(header) and bare:
         return replace(LLAMA_JSON, arguments=bare.group(1))
+    told = _TOLD_TAG.search(with_tools)
+    if told and "get_weather" not in called:  # a template that never writes a call back
+        return replace(GRANITE_ARRAY, open=told.group(1))
     return ("this model's chat template writes tool calls in a format this server does not "
             f"parse (it parses {OPEN} blocks of JSON, the Qwen2.5 and Hermes format, or of "
             "<function=...> XML, Qwen3-Coder's, an answer that is a call's JSON, Llama 3's, "
