@@ -8,6 +8,8 @@ tests/test_server_tools.py (the "harmony" template)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdecode.api import eos_ids, turn_ends
@@ -173,3 +175,23 @@ def test_a_turn_end_stops_the_answer(served, client, tokenizer, end):
         model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=48,
         extra_body={"specdecode": {"grammar": grammar}}).choices[0]
     assert choice.finish_reason == "stop" and choice.message.content.isalpha()
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}},
+])
+def test_a_json_response_format_is_the_final_message(client, tokenizer, response_format):
+    """The JSON comes as the final channel's message (gpt-oss's own format), and it alone is
+    the content."""
+    choice = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=64,
+        response_format=response_format,
+        extra_body={"specdecode": {"return_token_ids": True}}).choices[0]
+    assert choice.model_extra["token_ids"][0] == tokenizer.convert_tokens_to_ids("<|channel|>")
+    value = json.loads(choice.message.content)
+    assert isinstance(value, dict)
+    if response_format["type"] == "json_schema":
+        assert value["city"] in ("Paris", "Oslo")

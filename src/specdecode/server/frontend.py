@@ -25,7 +25,7 @@ from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
 from specdecode.server.diffusion import Dllm, is_diffusion, make_factory, served_method
 from specdecode.server.diffusion import check_request as check_diffusion
 from specdecode.server.goodput import Batching
-from specdecode.server.harmony import Harmony, harmony_of
+from specdecode.server.harmony import Harmony, harmony_of, in_final_message
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
@@ -222,6 +222,8 @@ class Frontend:
         if top is not None:
             options["logprobs"] = top
         asked = req.constraint()
+        if isinstance(self.thinking, Harmony) and isinstance(req, ChatRequest):
+            asked = in_final_message(asked, self.thinking)
         if asked:
             if self.tokenizer is None:
                 raise ApiError(400, "this server has no tokenizer, so it cannot constrain the "

@@ -23,9 +23,11 @@ analysis channel is the message's ``reasoning_content``, and the final channel a
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
+from specdecode.constraints import JSON_OPTIONS
 from specdecode.detokenize import special_tokens
 from specdecode.server.tool_parser import Arguments, CallStart, new_call_id, partial_tag
 from specdecode.server.tools import HARMONY_TAGS
@@ -170,6 +172,26 @@ class HarmonySplitter:
             events.append(("content", self._text.lstrip()))
         self._text = ""
         return events
+
+
+def in_final_message(asked: dict, harmony: Harmony) -> dict:
+    """``make_constraint``'s arguments with a JSON ``response_format`` (``json_object`` or
+    ``json_schema``) held as the final channel's message, ``<|channel|>final<|message|>`` then
+    the JSON: gpt-oss writes its answer there, and JSON from the answer's first token would
+    make it write outside its own format (and the JSON alone is the message's content)."""
+    schema = {"type": "object"} if asked.get("json_object") else asked.get("json_schema")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return asked  # make_constraint names the problem
+    if not isinstance(schema, dict):
+        return asked
+    tags = dict(harmony.tags)
+    out = {k: v for k, v in asked.items() if k not in ("json_object", "json_schema")}
+    out["grammar"] = (f'start: <[{tags[CHANNEL]}]> "final" <[{tags[MESSAGE]}]> answer\n'
+                      f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
+    return out
 
 
 def split_harmony(text: str, calls: bool) -> tuple[str | None, list]:
