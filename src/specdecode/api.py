@@ -81,8 +81,9 @@ TURN_ENDS = ("<|return|>", "<|call|>")
 
 
 def turn_ends(tokenizer) -> list[int]:
-    """The ids of :data:`TURN_ENDS` that are special tokens of ``tokenizer``."""
-    if tokenizer is None:
+    """The ids of :data:`TURN_ENDS` that are special tokens of ``tokenizer`` (none for one that
+    lists no special tokens: a stand-in of a few methods)."""
+    if not hasattr(tokenizer, "all_special_ids") or not hasattr(tokenizer, "added_tokens_decoder"):
         return []
     special = special_tokens(tokenizer)
     return [special[t] for t in TURN_ENDS if t in special]
