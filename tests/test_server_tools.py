@@ -517,6 +517,13 @@ def test_a_strict_function_under_auto_holds_the_calls_and_leaves_the_text_free()
     # without a strict function, or with the tools hidden, auto is free
     assert ToolRequest.of(TOOLS, "auto").grammar() is None
     assert ToolRequest.of(STRICT, "none").grammar() is None
+    # parallel_tool_calls false: a call ends the answer
+    call = head + '{"city": "Oslo", "days": 2}}\n</tool_call>'
+    assert grammar_takes(grammar, call + " And " + call, ending=True)
+    single = ToolRequest.of(STRICT, "auto", parallel_tool_calls=False).grammar()
+    assert grammar_takes(single, "Sure. " + call, ending=True)
+    assert grammar_takes(single, "Just text.", ending=True)
+    assert not grammar_takes(single, call + " And " + call)
 
 
 @pytest.mark.parametrize("tools, choice, param, words", [

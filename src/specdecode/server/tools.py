@@ -264,10 +264,11 @@ class ToolRequest:
             return "\n".join(["start: WS? (body | TEXT)?", "WS: /[ \\t\\n]+/",
                               "TEXT: /[^{ \\t\\n](.|\\n)*/"] + _bodies(self.functions, False, fmt))
         # the text up to an opening tag: a special token ends it by itself, a tag spelt in
-        # text ends a lazy lexeme
+        # text ends a lazy lexeme; parallel_tool_calls false: a call ends the answer
         lazy = "" if dict(fmt.special).get(fmt.open) is not None else "[lazy]"
-        return "\n".join(["%llguidance {}", "start: called* TEXT",
-                          f"called: opened {_array(True) if fmt.array else 'body'}",
+        start = "start: called* TEXT" if self.parallel else "start: called | TEXT"
+        return "\n".join(["%llguidance {}", start,
+                          f"called: opened {_array(self.parallel) if fmt.array else 'body'}",
                           f"opened{lazy}: TEXT {fmt.spelt(fmt.open)}"]
                          + ([] if fmt.xml else ["TEXT: /(.|\\n)*/"])
                          + _bodies(self.functions, False, fmt))
