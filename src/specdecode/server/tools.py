@@ -281,7 +281,8 @@ class ToolRequest:
         functions under ``auto``: notes of reasoning or commentary, then a call or the final
         answer."""
         fmt = self.format
-        start, channel, message, end, _ = (fmt.spelt(tag) for tag in HARMONY_TAGS)
+        tag = _harmony_spelt(fmt)
+        start, channel, message, end = tag["start"], tag["channel"], tag["message"], tag["end"]
         if self.constrains:
             functions = [f for f in self.functions
                          if self.choice == "required" or f.name == self.name]
@@ -334,8 +335,9 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
         held = every_schema or f.strict
         schema = {"type": "object", **(f.parameters if held else {})}
         if fmt.harmony:
-            rules.append(f'body_{i}: "{f.name} " {fmt.spelt(HARMONY_TAGS[4])} "json" '
-                         f'{fmt.spelt(HARMONY_TAGS[2])} args_{i}')
+            tag = _harmony_spelt(fmt)
+            rules.append(f'body_{i}: "{f.name} " {tag["constrain"]} "json" {tag["message"]} '
+                         f'args_{i}')
         elif fmt.args:
             rules.append(f'body_{i}: "{f.name}" {fmt.spelt(fmt.args)} args_{i}')
         else:
@@ -343,6 +345,11 @@ def _bodies(functions, every_schema: bool, fmt: ToolFormat) -> list[str]:
                          f'\\"{fmt.arguments}\\": " args_{i} "}}{tail}"')
         rules.append(_json_rule(f"args_{i}", schema))
     return [f"body: {' | '.join(f'body_{i}' for i in range(len(functions)))}"] + rules
+
+
+def _harmony_spelt(fmt: ToolFormat) -> dict[str, str]:
+    """Harmony's tags in a Lark grammar (:meth:`ToolFormat.spelt`), by their names."""
+    return {tag.strip("<|>"): fmt.spelt(tag) for tag in HARMONY_TAGS}
 
 
 def _array(several: bool) -> str:
