@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from specdecode.api import eos_ids, turn_ends
@@ -195,3 +196,24 @@ def test_a_json_response_format_is_the_final_message(client, tokenizer, response
     assert isinstance(value, dict)
     if response_format["type"] == "json_schema":
         assert value["city"] in ("Paris", "Oslo")
+
+
+def test_the_reasoning_effort_reaches_the_template(served, client, tokenizer):
+    """OpenAI's ``reasoning_effort`` is the template's variable (gpt-oss's system message says
+    it); the template's own arguments cannot be set through ``chat_template_kwargs``."""
+    frontend = served.server.config.app.state.server
+    messages = [{"role": "user", "content": "Hi."}]
+    for effort, kwargs in (("medium", {}), ("high", {"reasoning_effort": "high"})):
+        prompt = tokenizer.decode(frontend.encode(messages, True, None, kwargs))
+        assert f"Reasoning: {effort}\n" in prompt
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+    low = httpx.post(served.url + "/v1/chat/completions", json=body | {"reasoning_effort": "low"},
+                     timeout=30)
+    plain = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=30)
+    assert low.status_code == plain.status_code == 200
+    assert low.json()["usage"]["prompt_tokens"] != plain.json()["usage"]["prompt_tokens"]
+    for bad, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                       ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+        refused = httpx.post(served.url + "/v1/chat/completions", json=body | bad, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param

@@ -53,15 +53,19 @@ def test_any_split_gives_what_the_whole_answer_gives(text, thinking):
 
 #: a Qwen3.5-style template: the generation prompt opens the reasoning block, earlier answers
 #: are shown without theirs; tools and calls as Qwen2.5 writes them
-OPENING_TEMPLATE = (
+ASKING = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
     "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
     "{{ (m.content or '').split('</think>')[-1] }}{% for c in m.tool_calls or [] %}<tool_call>\n"
     "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
     "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n")
+#: (with ``enable_thinking`` false, as Qwen3's, an empty block: the answer is all content)
+OPENING_TEMPLATE = ASKING + (
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
 #: a Qwen3-style one: the model writes the tag itself
-WRITING_TEMPLATE = OPENING_TEMPLATE.replace("<think>\n{% endif %}", "{% endif %}")
+WRITING_TEMPLATE = ASKING + "{% endif %}"
 
 
 def test_a_template_tells_whether_and_how_the_model_thinks():
@@ -90,7 +94,7 @@ def ask(client, stream: bool, regex: str = ANSWER, max_tokens: int = 48, **kwarg
     return client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=max_tokens,
         stream=stream,
-        extra_body={"specdecode": {"regex": regex}}, **kwargs)
+        extra_body={"specdecode": {"regex": regex}, **kwargs.pop("extra_body", {})}, **kwargs)
 
 
 def test_the_reasoning_goes_apart_from_the_content_whole_and_streamed(client):
@@ -113,3 +117,18 @@ def test_a_call_written_in_the_reasoning_is_not_made(client):
     assert message.model_extra["reasoning_content"].startswith("<tool_call>")
     for chunk in ask(client, True, regex, 150, tools=[CALL]):
         assert chunk.choices[0].delta.tool_calls is None
+
+
+def test_thinking_turned_off_by_the_template_s_variables_gives_content_only(client):
+    """Qwen3's ``enable_thinking: false`` (vLLM's and llama-server's ``chat_template_kwargs``)
+    writes an empty block into the prompt: the answer is all content."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    choice = ask(client, False, r"[a-z]{2,6}", extra_body=off).choices[0]
+    assert choice.message.content.isalpha()
+    assert choice.message.model_extra.get("reasoning_content") is None
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in ask(client, True, r"[a-z]{2,6}", extra_body=off))
+    assert streamed == choice.message.content
+    # left on: the prompt opens the block, and an answer that never closes it is reasoning
+    thinking = ask(client, False, r"[a-z]{2,6}").choices[0].message
+    assert thinking.model_extra["reasoning_content"].isalpha() and thinking.content == ""

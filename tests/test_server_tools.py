@@ -654,7 +654,8 @@ GLM_TEMPLATE = TOOL_TEMPLATE.replace(
 #: a gpt-oss-style template: harmony's messages, the tools in a developer message, a call as
 #: a message to functions.NAME ended by <|call|>, its result a message from it
 HARMONY_TEMPLATE = (
-    "<|start|>system<|message|>Valid channels: analysis, commentary, final.<|end|>"
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}\n"
+    "Valid channels: analysis, commentary, final.<|end|>"
     "{% if tools %}<|start|>developer<|message|>Tools:{% for t in tools %} "
     "{{ t.function.name }}{% endfor %}<|end|>{% endif %}{% for m in messages %}"
     "{% if m.tool_calls %}{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>"

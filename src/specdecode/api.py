@@ -112,12 +112,13 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return request, config
 
 
-def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None = None
-                  ) -> list[int]:
+def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a prompt: text (chat-templated when ``chat`` and the tokenizer has a
     template), chat messages, or ids as they are. ``tools``: OpenAI function definitions the
-    chat template shows the model (messages only). Needs no model, so a server front end that
-    only routes requests (``specdecode serve --replicas``) encodes with it too."""
+    chat template shows the model, and ``template_kwargs`` its other variables (Qwen3's
+    ``enable_thinking``; messages only). Needs no model, so a server front end that only routes
+    requests (``specdecode serve --replicas``) encodes with it too."""
     if isinstance(prompt, str):
         require(prompt.strip() != "", "the prompt is empty; give some text")
         require(tokenizer is not None, "a text prompt needs a tokenizer")
@@ -126,16 +127,17 @@ def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         require(tokenizer is not None, "chat messages need a tokenizer")
-        return _template(tokenizer, list(prompt), tools)
+        return _template(tokenizer, list(prompt), tools, template_kwargs or {})
     if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise SpecDecodeError("prompt must be text, a list of chat messages or a list of token ids")
 
 
-def _template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def _template(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+              template_kwargs: dict[str, Any] | None = None) -> list[int]:
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **(template_kwargs or {}))
     except Exception as exc:  # jinja errors: malformed messages
         raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)

@@ -191,7 +191,9 @@ class Endpoint:
             tools = req.tool_request.offered if req.tool_request is not None else None
             if tools:  # the model's call format, read off its template (or a 400)
                 req.use_tool_format(await run_in_threadpool(server.tool_format))
-            prompts = [await run_in_threadpool(server.encode, messages, True, tools)]
+            prompts = [await run_in_threadpool(server.encode, messages, True, tools,
+                                               req.template_kwargs())]
+            answers = await run_in_threadpool(server.answers, prompts[0])
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                          else req.max_tokens)
             param = "messages"
@@ -201,7 +203,7 @@ class Endpoint:
             if not req.prompts():
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
             prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
-            requested, param = req.max_tokens, "prompt"
+            requested, param, answers = req.max_tokens, "prompt", None
         specs = server.specs(req, prompts, requested, param)
         capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
@@ -212,14 +214,16 @@ class Endpoint:
         prompt_tokens = sum(len(ids) for ids in prompts)
         server.metrics.prompt_tokens.inc(prompt_tokens)
         if req.stream:
-            return await self.stream(request, job, req, prompt_tokens)
+            return await self.stream(request, job, req, prompt_tokens, answers)
         try:
-            return await self.collect(request, job, req, prompt_tokens)
+            return await self.collect(request, job, req, prompt_tokens, answers)
         finally:
             job.cancel()  # a no-op when every sequence is done; stops the rest otherwise
             server.metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
 
-    async def collect(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+    async def collect(self, request: Request, job: Job, req, prompt_tokens: int,
+                      answers: Thinking | Harmony | None) -> Response:
+        """The whole response; ``answers``: how a chat answer holds its reasoning."""
         results: list[GenerationResult | None] = [None] * len(job.specs)
         first_text = True
         watch = ClientWatch(request)
@@ -240,14 +244,16 @@ class Endpoint:
         if self.chat:
             tools = self.parses_tools(req)
             for choice, result in zip(body["choices"], results):
-                message_parts(choice, result, tools, self.server.thinking)
+                message_parts(choice, result, tools, answers)
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
         body["usage"] = usage(prompt_tokens, results)
         return JSONResponse(body)
 
-    async def stream(self, request: Request, job: Job, req, prompt_tokens: int) -> Response:
+    async def stream(self, request: Request, job: Job, req, prompt_tokens: int,
+                     answers: Thinking | Harmony | None) -> Response:
+        """The response as server-sent events; ``answers`` as :meth:`collect`'s."""
         # wait for the start (or the first error) while we can still answer with a status code
         try:
             first = await ClientWatch(request).next_event(job)
@@ -260,8 +266,7 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
-        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req),
-                        self.server.thinking if self.chat else None)
+        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req), answers)
 
         async def events() -> AsyncIterator[str]:
             results: list[GenerationResult | None] = [None] * len(job.specs)

@@ -30,7 +30,7 @@ from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError, ChatRequest, SamplingFields, now
-from specdecode.server.reasoning import Thinking, thinking_of
+from specdecode.server.reasoning import Thinking, left_open, thinking_of
 from specdecode.server.scheduler import Scheduler, SequenceSpec
 from specdecode.server.tools import ToolError, ToolFormat, check_template
 
@@ -41,6 +41,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 TOKENIZER_COPIES = 4
 #: largest seed + 1 (SamplingParams); choice i of a seeded request uses seed + i, wrapped
 SEED_END = 2**64
+#: the prompt's last tokens read for an open reasoning block (Qwen3's empty block, written when
+#: thinking is off, is "<think>\n\n</think>\n\n": a few tokens)
+PROMPT_TAIL = 16
 
 
 @dataclass
@@ -315,14 +318,29 @@ class Frontend:
         finally:
             self._tokenizers.put(tokenizer)
 
-    def encode(self, prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
+    def answers(self, prompt_ids: list[int]) -> Thinking | Harmony | None:
+        """How a chat prompt's answer holds its reasoning (on a worker thread): the model's
+        way (:attr:`thinking`), a thinking template's block open or not as this prompt leaves
+        it (a request's template variables may close it: Qwen3's ``enable_thinking: false``
+        writes an empty block into the prompt)."""
+        if not isinstance(self.thinking, Thinking):
+            return self.thinking
+        tokenizer = self._tokenizers.get()
+        try:  # the block's tags are a few tokens: the prompt's last ones tell
+            tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL:])
+        finally:
+            self._tokenizers.put(tokenizer)
+        return Thinking(opened=left_open(tail))
+
+    def encode(self, prompt, chat: bool, tools: list[dict] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own);
-        ``tools``: the function definitions the chat template shows the model. Every failure
-        is a 400."""
+        ``tools``: the function definitions the chat template shows the model, and
+        ``template_kwargs`` its other variables. Every failure is a 400."""
         self.check_size(prompt, chat)
         tokenizer = self._tokenizers.get()
         try:
-            return encode_prompt(tokenizer, prompt, chat, tools)
+            return encode_prompt(tokenizer, prompt, chat, tools, template_kwargs)
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
         except Exception as exc:  # the tokenizer's own errors: what it could not encode

@@ -288,6 +288,13 @@ class Message(Strict):
         return out
 
 
+#: apply_chat_template's own arguments, which chat_template_kwargs may not set
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize",
+                                "padding", "truncation", "max_length", "return_tensors",
+                                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: int | None = None
@@ -296,6 +303,11 @@ class ChatRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    #: OpenAI's reasoning effort: the chat template's ``reasoning_effort`` (gpt-oss's reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    #: variables for the chat template, as vLLM and llama-server take them (Qwen3's
+    #: ``enable_thinking``)
+    chat_template_kwargs: dict[str, Any] | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -305,6 +317,18 @@ class ChatRequest(SamplingFields):
         self._tools = ToolRequest.of(self.tools, self.tool_choice, self.parallel_tool_calls)
         check_conversation(self.messages)
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables this request sets (a 400 for one the server sets
+        itself)."""
+        out = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(out) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs sets {taken[0]!r}, which the server sets "
+                                "from the request itself; drop it", param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
 
     @property
     def tool_request(self) -> ToolRequest | None:

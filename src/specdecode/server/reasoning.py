@@ -38,7 +38,13 @@ def thinking_of(tokenizer) -> Thinking | None:
                                                tokenize=False, add_generation_prompt=True)
     except Exception:  # the template's own errors: the requests will name them
         return Thinking(opened=False)
-    return Thinking(opened=prompt.rfind(OPEN) > prompt.rfind(CLOSE))
+    return Thinking(opened=left_open(prompt))
+
+
+def left_open(prompt: str) -> bool:
+    """Does the prompt's text end inside a ``<think>`` block (its answer begins with
+    reasoning)?"""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
 
 
 class ReasoningSplitter:
