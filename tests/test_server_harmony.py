@@ -217,3 +217,19 @@ def test_the_reasoning_effort_reaches_the_template(served, client, tokenizer):
                        ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
         refused = httpx.post(served.url + "/v1/chat/completions", json=body | bad, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+
+
+def test_a_template_that_reads_a_missing_field_is_refused_naming_it():
+    """gpt-oss's template writes each function's description (``"// " + description``), which
+    OpenAI's requests may leave out: the error names the field to give."""
+    from specdecode.api import encode_prompt
+    from specdecode.errors import SpecDecodeError
+
+    template = ("{% for t in tools %}{{ '// ' + t.function.description }}{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    with pytest.raises(SpecDecodeError, match="'description' that the request does not give"):
+        encode_prompt(build_tokenizer(template), [{"role": "user", "content": "Hi."}], True, tools)
+    tools[0]["function"]["description"] = "The time"
+    assert encode_prompt(build_tokenizer(template), [{"role": "user", "content": "Hi."}], True,
+                         tools)

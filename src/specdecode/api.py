@@ -18,6 +18,7 @@ everything else to the method's frozen config.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,7 +140,11 @@ def _template(tokenizer, messages: list[dict], tools: list[dict] | None = None,
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                             tokenize=True, **(template_kwargs or {}))
     except Exception as exc:  # jinja errors: malformed messages
-        raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}") from None
+        missing = re.search(r"has no attribute '(\w+)'", str(exc))
+        fix = (f"; the template reads a field {missing.group(1)!r} that the request does not give "
+               "(gpt-oss's reads every function's 'description'): give it" if missing else "")
+        raise SpecDecodeError(f"cannot apply the chat template to these messages: {exc}{fix}"
+                              ) from None
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
