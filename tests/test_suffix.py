@@ -274,6 +274,19 @@ def test_global_tree_drafts_from_earlier_responses():
     assert (draft.token_ids, draft.source, draft.score) == ([4, 5, 6], "global", 3.0)
 
 
+def test_a_reference_drafts_as_the_request_s_own_text():
+    """A predicted output (``add_reference``) is matched and drafted from in the request's tree;
+    the response continues the prompt, never the reference."""
+    cache = SuffixCache(max_tree_depth=8, max_cached_requests=0)
+    cache.start_request("r", [1, 2, 3])
+    assert cache.speculate("r").token_ids == []
+    cache.add_reference("r", [5, 1, 2, 3, 7, 8, 9])
+    draft = cache.speculate("r")  # "1 2 3" matched in the reference: 3 tokens (factor 1)
+    assert (draft.token_ids, draft.source) == ([7, 8, 9], "request")
+    cache.add_response("r", [7, 8])
+    assert cache.speculate("r").token_ids == [9]
+
+
 def test_higher_score_wins_between_the_trees_and_ties_go_to_the_request():
     context = [1, 2, 3, 9, 1, 2, 3]  # in the request: "1 2 3" -> 9 1 2, probability 1/2 each
     responses = [[1, 2, 3, 4], [1, 2, 3, 7]]  # globally: 4 or 7, probability 1/2 each

@@ -171,13 +171,16 @@ class Generation:
     def __init__(self, runner: Runner, proposer: Proposer, prompt_ids: Sequence[int],
                  max_new_tokens: int, sampling: SamplingParams = GREEDY,
                  eos_token_ids: Sequence[int] = (), controller: Controller | None = None,
-                 sizer: SequenceSizer | None = None):
+                 sizer: SequenceSizer | None = None, reference: Sequence[int] = ()):
         """``sizer``: caps each draft by expected tokens per second of the runner's row costs
-        (specdecode/sizing.py); None: the controller's budget (and :attr:`draft_cap`) alone."""
+        (specdecode/sizing.py); None: the controller's budget (and :attr:`draft_cap`) alone.
+        ``reference``: text the answer is expected to repeat
+        (:meth:`~specdecode.proposer.Proposer.use_reference`)."""
         check_request(runner, prompt_ids, max_new_tokens)
         self.runner = runner
         self.proposer = proposer
         self.prompt_ids = list(prompt_ids)
+        self.reference = list(reference)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -237,6 +240,8 @@ class Generation:
         self._generator = self.sampling.generator()
         self.proposer.set_sampling(self.sampling)
         self.proposer.start(self.prompt_ids)
+        if self.reference:
+            self.proposer.use_reference(self.reference)
         ids = tuple(self.prompt_ids)
         self._call = PrefillCall(ids, 0, len(ids), self.proposer.needs)
         return self._call

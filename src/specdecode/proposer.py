@@ -101,6 +101,12 @@ class Proposer(ABC):
     def start(self, prompt: Sequence[int]) -> None:
         """A request begins with ``prompt`` (token ids)."""
 
+    def use_reference(self, tokens: Sequence[int]) -> None:
+        """Text the request's answer is expected to repeat, given right after :meth:`start`
+        (OpenAI's Predicted Outputs: a file to be rewritten with a few changes). A lookup may
+        draft from it; the rest ignore it. Drafts are verified as any others: the output does
+        not change."""
+
     @abstractmethod
     def propose(self, context: Sequence[int], budget: Budget) -> Draft:
         """Draft continuations of ``context`` (whose last token is the root)."""

@@ -80,6 +80,8 @@ def best_draft(candidates: list[tuple[str, SuffixTree, list, bool]], max_spec_to
 
 #: default bound on responses kept in the global tree (see SuffixCache)
 DEFAULT_MAX_CACHED_REQUESTS = 1000
+#: the id of a request's reference text in its tree (its prompt and output are sequence 0)
+REFERENCE = 1
 
 
 def _token_ids(tokens, what: str) -> list[int]:
@@ -207,6 +209,14 @@ class SuffixCache:
             require(req_id not in self._requests,
                     f"request {req_id!r} is already active; stop it first or use a new id")
             self._requests[req_id] = _Request(tree, len(ids))
+
+    def add_reference(self, req_id: int | str, tokens: Sequence[int]) -> None:
+        """Text the request's answer is expected to repeat (a predicted output): a sequence of
+        its own in the request's tree, which the request's tail is matched in and drafts from,
+        as in its prompt."""
+        ids = _token_ids(tokens, "reference")
+        with self._lock:
+            self._active(req_id).tree.insert(REFERENCE, ids)
 
     def add_response(self, req_id: int | str, tokens: Sequence[int]) -> None:
         """Append newly committed output tokens to the request's tree."""

@@ -261,6 +261,10 @@ class AutoProposer(Proposer):
         for part in self.parts:
             part.start(prompt)
 
+    def use_reference(self, tokens: Sequence[int]) -> None:
+        for part in self.parts:
+            part.use_reference(tokens)
+
     def finish(self, output: Sequence[int]) -> None:
         for part in self.parts:
             part.finish(output)

@@ -123,6 +123,10 @@ class SuffixProposer(Proposer):
         self._length = len(prompt)
         self._last_token = int(prompt[-1]) if len(prompt) else -1
 
+    def use_reference(self, tokens):
+        if self._request is not None and len(tokens):
+            self.cache.add_reference(self._request, tokens)
+
     def propose(self, context, budget):
         n = len(context)
         if (self._request is None or n < self._length

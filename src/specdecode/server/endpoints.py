@@ -194,6 +194,7 @@ class Endpoint:
             prompts = [await run_in_threadpool(server.encode, messages, True, tools,
                                                req.template_kwargs())]
             answers = await run_in_threadpool(server.answers, prompts[0])
+            reference = await run_in_threadpool(server.reference, req.prediction_text())
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None
                          else req.max_tokens)
             param = "messages"
@@ -203,8 +204,8 @@ class Endpoint:
             if not req.prompts():
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
             prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
-            requested, param, answers = req.max_tokens, "prompt", None
-        specs = server.specs(req, prompts, requested, param)
+            requested, param, answers, reference = req.max_tokens, "prompt", None, ()
+        specs = server.specs(req, prompts, requested, param, reference)
         capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
             raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "

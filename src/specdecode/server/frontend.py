@@ -262,7 +262,8 @@ class Frontend:
         return requested
 
     def specs(self, req: SamplingFields, prompts: list[list[int]], requested: int | None,
-              param: str) -> list[SequenceSpec]:
+              param: str, reference: tuple[int, ...] = ()) -> list[SequenceSpec]:
+        """The sequences of a request (``reference``: its predicted output's token ids)."""
         if not 1 <= req.n <= self.settings.max_n:
             raise ApiError(400, f"n must be between 1 and {self.settings.max_n}, got {req.n}",
                            param="n")
@@ -288,7 +289,7 @@ class Frontend:
                     seed = options["seed"] + i
                     options["seed"] = seed - SEED_END if seed >= SEED_END else seed
                 specs.append(SequenceSpec(ids, limit, stop, options, method, config,
-                                          proposer_bytes, kept))
+                                          proposer_bytes, kept, reference))
         return specs
 
     def check_size(self, prompt, chat: bool) -> None:
@@ -331,6 +332,24 @@ class Frontend:
         finally:
             self._tokenizers.put(tokenizer)
         return Thinking(opened=left_open(tail))
+
+    def reference(self, text: str | None) -> tuple[int, ...]:
+        """Token ids of a predicted output's text (on a worker thread; none for none); a 400
+        for one longer than the context, which no answer could repeat."""
+        if not text:
+            return ()
+        too_long = ApiError(400, f"the prediction is longer than this model's context of "
+                                 f"{self.max_context} tokens; shorten it", param="prediction")
+        if len(text) // self.chars_per_token >= self.max_context:
+            raise too_long
+        tokenizer = self._tokenizers.get()
+        try:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        finally:
+            self._tokenizers.put(tokenizer)
+        if len(ids) > self.max_context:
+            raise too_long
+        return tuple(ids)
 
     def encode(self, prompt, chat: bool, tools: list[dict] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -235,6 +235,28 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+def text_of(content: str | list[ContentPart] | None, param: str) -> str | None:
+    """A message's (or a prediction's) text: a string, or its text parts joined (a 400 for
+    another kind of part)."""
+    if not isinstance(content, list):
+        return content
+    for i, part in enumerate(content):
+        if part.type != "text":
+            raise ApiError(400, f"content parts of type {part.type!r} are not supported (this is "
+                                "a text model); send text parts or a string", param=param)
+        if part.text is None:
+            raise ApiError(400, f"content part {i} is of type 'text' but has no 'text' field; "
+                                "send {\"type\": \"text\", \"text\": \"...\"}", param=param)
+    return "".join(part.text for part in content)
+
+
+class Prediction(Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class FunctionCall(Strict):
     name: str
     #: JSON text, as OpenAI sends it
@@ -262,19 +284,8 @@ class Message(Strict):
     reasoning_content: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            for i, part in enumerate(content):
-                if part.type != "text":
-                    raise ApiError(400, f"content parts of type {part.type!r} are not supported "
-                                        "(this is a text model); send text parts or a string",
-                                   param="messages")
-                if part.text is None:
-                    raise ApiError(400, f"content part {i} is of type 'text' but has no 'text' "
-                                        "field; send {\"type\": \"text\", \"text\": \"...\"}",
-                                   param="messages")
-            content = "".join(part.text for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role,
+                               "content": text_of(self.content, "messages") or ""}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -308,6 +319,9 @@ class ChatRequest(SamplingFields):
     #: variables for the chat template, as vLLM and llama-server take them (Qwen3's
     #: ``enable_thinking``)
     chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's Predicted Outputs: text the answer is expected to repeat, which lookups draft
+    #: from (server/frontend.py)
+    prediction: Prediction | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -329,6 +343,10 @@ class ChatRequest(SamplingFields):
         if self.reasoning_effort is not None:
             out.setdefault("reasoning_effort", self.reasoning_effort)
         return out
+
+    def prediction_text(self) -> str | None:
+        """The predicted output's text (None: none given)."""
+        return text_of(self.prediction.content, "prediction") if self.prediction else None
 
     @property
     def tool_request(self) -> ToolRequest | None:

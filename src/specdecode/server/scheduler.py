@@ -83,6 +83,8 @@ class SequenceSpec:
     proposer_bytes: int = 0
     #: special tokens whose text the choice's text keeps (its tool-call format's tags)
     kept_tokens: tuple[int, ...] = ()
+    #: text the answer is expected to repeat (a predicted output), as token ids
+    reference: tuple[int, ...] = ()
 
 
 class Job:
@@ -324,7 +326,7 @@ class Scheduler:
             else:
                 seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
                                             spec.prompt_ids, spec.max_tokens, sampling,
-                                            self.eos_token_ids)
+                                            self.eos_token_ids, reference=spec.reference)
             seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens)
             if seq.decoder.method.lossy:
                 seq.solo = seq.stream.steps()
