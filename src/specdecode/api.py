@@ -100,7 +100,12 @@ def eos_ids(model, tokenizer) -> list[int]:
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     found = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-    return found + [i for i in turn_ends(tokenizer) if i not in found]
+    return with_turn_ends(found, tokenizer)
+
+
+def with_turn_ends(eos: Sequence[int], tokenizer) -> list[int]:
+    """``eos`` and the tokenizer's :func:`turn_ends` not among them."""
+    return list(eos) + [i for i in turn_ends(tokenizer) if i not in eos]
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

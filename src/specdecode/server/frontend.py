@@ -8,13 +8,14 @@ the same front end before Ray Serve replicas.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode import registry
-from specdecode.api import encode_prompt, turn_ends
+from specdecode.api import encode_prompt, with_turn_ends
 from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
@@ -144,8 +145,7 @@ class Frontend:
         #: the ids ending a generation (a finished grammar allows them); the tokenizer's by
         #: default, and its turn ends
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids: list[int] = [] if eos is None else [eos]
-        self.eos_token_ids += [i for i in turn_ends(tokenizer) if i not in self.eos_token_ids]
+        self.eos_token_ids = with_turn_ends([] if eos is None else [eos], tokenizer)
         self._vocabulary: Vocabulary | None = None
 
     @property
@@ -308,16 +308,24 @@ class Frontend:
                                 "the prompt", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
 
+    @contextlib.contextmanager
+    def _borrowed(self):
+        """A tokenizer copy of this worker thread's own for the block (a tokenizer is not to be
+        used by two threads at once)."""
+        tokenizer = self._tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._tokenizers.put(tokenizer)
+
     def tool_format(self) -> ToolFormat:
         """The format the model's chat template writes tool calls in (read once per template,
         on a worker thread); a 400 where tools cannot be served."""
-        tokenizer = self._tokenizers.get()
-        try:
-            return check_template(tokenizer)
-        except ToolError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        finally:
-            self._tokenizers.put(tokenizer)
+        with self._borrowed() as tokenizer:
+            try:
+                return check_template(tokenizer)
+            except ToolError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
 
     def answers(self, prompt_ids: list[int]) -> Thinking | Harmony | None:
         """How a chat prompt's answer holds its reasoning (on a worker thread): the model's
@@ -326,11 +334,8 @@ class Frontend:
         writes an empty block into the prompt)."""
         if not isinstance(self.thinking, Thinking):
             return self.thinking
-        tokenizer = self._tokenizers.get()
-        try:  # the block's tags are a few tokens: the prompt's last ones tell
+        with self._borrowed() as tokenizer:  # the block's tags: the prompt's last tokens tell
             tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL:])
-        finally:
-            self._tokenizers.put(tokenizer)
         return Thinking(opened=left_open(tail))
 
     def reference(self, text: str | None) -> tuple[int, ...]:
@@ -342,11 +347,8 @@ class Frontend:
                                  f"{self.max_context} tokens; shorten it", param="prediction")
         if len(text) // self.chars_per_token >= self.max_context:
             raise too_long
-        tokenizer = self._tokenizers.get()
-        try:
+        with self._borrowed() as tokenizer:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        finally:
-            self._tokenizers.put(tokenizer)
         if len(ids) > self.max_context:
             raise too_long
         return tuple(ids)
@@ -357,17 +359,15 @@ class Frontend:
         ``tools``: the function definitions the chat template shows the model, and
         ``template_kwargs`` its other variables. Every failure is a 400."""
         self.check_size(prompt, chat)
-        tokenizer = self._tokenizers.get()
-        try:
-            return encode_prompt(tokenizer, prompt, chat, tools, template_kwargs)
-        except SpecDecodeError as exc:
-            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
-        except Exception as exc:  # the tokenizer's own errors: what it could not encode
-            raise ApiError(400, f"cannot tokenize the {'messages' if chat else 'prompt'}: "
-                                f"{type(exc).__name__}: {exc}"[:300],
-                           param="messages" if chat else "prompt") from None
-        finally:
-            self._tokenizers.put(tokenizer)
+        with self._borrowed() as tokenizer:
+            try:
+                return encode_prompt(tokenizer, prompt, chat, tools, template_kwargs)
+            except SpecDecodeError as exc:
+                raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+            except Exception as exc:  # the tokenizer's own errors: what it could not encode
+                raise ApiError(400, f"cannot tokenize the {'messages' if chat else 'prompt'}: "
+                                    f"{type(exc).__name__}: {exc}"[:300],
+                               param="messages" if chat else "prompt") from None
 
 
 class Server(Frontend):
@@ -380,8 +380,7 @@ class Server(Frontend):
                  catalogue: Catalogue | None = None, dllm: Dllm | None = None):
         memory = memory or SharedMemory()
         metrics = Metrics()
-        eos_token_ids = list(eos_token_ids)
-        eos_token_ids += [i for i in turn_ends(tokenizer) if i not in eos_token_ids]
+        eos_token_ids = with_turn_ends(eos_token_ids, tokenizer)
         prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics)
                         if settings.prompt_cache_bytes else None)
         scheduler = Scheduler(runners, tokenizer, eos_token_ids,

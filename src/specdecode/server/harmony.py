@@ -17,8 +17,9 @@ are special tokens, which a decode drops: the text the server reads keeps them
 
 A message to ``functions.NAME`` is a tool call where the request's tools are parsed; else the
 analysis channel is the message's ``reasoning_content``, and the final channel and commentary
-(without a recipient: a preamble the model means the user to see) its ``content``. Its id, name and arguments stream as the other formats' do
-(:mod:`~specdecode.server.tool_parser`'s events).
+(without a recipient: a preamble the model means the user to see) its ``content``. A call's id,
+name and arguments stream as the other formats' do (:mod:`~specdecode.server.tool_parser`'s
+events).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import re
 from dataclasses import dataclass
 
 from specdecode.constraints import JSON_OPTIONS
-from specdecode.detokenize import special_tokens
 from specdecode.server.tool_parser import Arguments, CallStart, new_call_id, partial_tag
-from specdecode.server.tools import HARMONY_TAGS
+from specdecode.server.tools import HARMONY, HARMONY_TAGS, with_special_tags
 
 START, CHANNEL, MESSAGE, END, _ = HARMONY_TAGS
 #: a call's recipient: ``functions.`` and the function's name
@@ -63,10 +63,8 @@ def harmony_of(tokenizer) -> Harmony | None:
         template = template.get("default") or ""
     if not template or CHANNEL not in template or MESSAGE not in template:
         return None
-    special = special_tokens(tokenizer)
-    if not all(tag in special for tag in HARMONY_TAGS):
-        return None
-    return Harmony(tuple((tag, special[tag]) for tag in HARMONY_TAGS))
+    found = with_special_tags(HARMONY, tokenizer).special
+    return Harmony(found) if len(found) == len(HARMONY_TAGS) else None
 
 
 class HarmonySplitter:

@@ -559,10 +559,10 @@ def check_template(tokenizer) -> ToolFormat:
     found = _TEMPLATES[template]
     if isinstance(found, str):
         raise ToolError(found)
-    return _with_special_tags(found, tokenizer)
+    return with_special_tags(found, tokenizer)
 
 
-def _with_special_tags(fmt: ToolFormat, tokenizer) -> ToolFormat:
+def with_special_tags(fmt: ToolFormat, tokenizer) -> ToolFormat:
     """``fmt`` with those of its tags that are special tokens of ``tokenizer`` (Mistral's
     ``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` are, where Qwen's ``<tool_call>`` is an
     ordinary added token)."""
