@@ -3,6 +3,7 @@ allocation as the server's, on the runner's row-cost curve cached per file, form
 thread count (models/row_costs.py)."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from specdecode.estimates import RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import (EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE, FIRST_DRAFTS,
-                               DraftSizing, DraftTime, learning_cap)
+from specdecode.sizing import (DEEPEN_AFTER, EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE,
+                               FIRST_DRAFTS, DraftSizing, DraftTime, learning_cap)
 
 from conftest import repetitive_prompts
 
@@ -38,6 +39,39 @@ def test_cheap_rows_and_good_drafts_draft_deep():
     sizer = DraftSizing(RowCosts({1: 1.0, 8: 1.05, 64: 2.0})).sequence(GREEDY)
     caps = run_steps(sizer, lambda depth: depth, 30)
     assert caps[-1] == 6
+
+
+def test_a_request_accepted_whole_drafts_deep_after_requests_that_were_not():
+    """Requests whose second token was never accepted leave their method a record of one-token
+    drafts; a request whose drafts are accepted whole (a predicted output, a file edited
+    again) still deepens its drafts within a few steps, borrowing from that record only how
+    acceptance falls off below the levels it has seen."""
+    sizing = DraftSizing(RowCosts({1: 1.0, 2: 1.0, 8: 1.15, 16: 1.6, 64: 5.0}))
+    for _ in range(4):
+        run_steps(sizing.sequence(GREEDY), lambda depth: min(depth, 1), 128)
+    caps = run_steps(sizing.sequence(GREEDY), lambda depth: depth, 24)
+    assert caps[-1] == 6, caps
+
+
+def test_a_request_accepted_whole_tries_a_level_its_method_never_accepts():
+    """Its method's record holds 50 six-token drafts of which only the first token was ever
+    accepted: the second level is priced at nothing, and only a draft that reaches it can tell
+    that this request differs (DEEPEN_AFTER drafts accepted whole, then a level deeper)."""
+    sizing = DraftSizing(RowCosts({1: 1.0, 2: 1.0, 8: 1.15, 16: 1.6, 64: 5.0}))
+    for _ in range(50):
+        sizing.acceptance.observe(Draft.chain(range(6)), accepted=1)
+    caps = run_steps(sizing.sequence(GREEDY), lambda depth: depth, 24)
+    assert caps[:DEEPEN_AFTER] == [1] * DEEPEN_AFTER and caps[DEEPEN_AFTER] == 2, caps
+    assert caps[-1] == 6, caps
+
+
+def test_a_drafter_right_exactly_one_token_ahead_seldom_tries_a_second():
+    """Every first token accepted, never a second, on rows that make a second level worth
+    sending only if it is accepted more than half the time: after its first try fails, the
+    request's own record keeps it from trying again until that record has faded."""
+    sizing = DraftSizing(RowCosts({1: 1.0, 2: 1.3, 8: 3.0, 64: 20.0}))
+    caps = run_steps(sizing.sequence(GREEDY), lambda depth: 1, 200)
+    assert caps.count(1) > 190 and 1 <= caps.count(2) <= 6, Counter(caps)
 
 
 def test_drafts_stop_where_rows_cost_a_forward_and_return_to_explore():

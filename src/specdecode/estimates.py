@@ -26,6 +26,8 @@ PRIOR_STEPS = 4.0
 #: the deepest level seen, the ratio of the two deepest seen levels
 UNSEEN_RATE = 0.5
 UNSEEN_ROWS = 1.0
+#: steps of evidence below which a level's chance given the one above leans on that one's
+MIN_EVIDENCE = 1.0
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
 OVERHEAD_STEPS = 64
 #: draft rows grouped for that fit, each group from its first row count to the next group's
@@ -65,18 +67,32 @@ class RowCosts:
 @dataclass
 class Acceptance:
     """Decayed counts, by draft depth k (index k - 1): verify steps whose draft reached depth
-    k, steps that accepted k or more tokens, draft rows at depth k."""
+    k, those of them that accepted the k - 1 tokens above it (so that depth k was tried), steps
+    that accepted k or more tokens, draft rows at depth k.
+
+    A level's chance is the chain of the chances of each level given the one above
+    (reached / tried): a request and its method's record may differ in how often they accept
+    the first token and still share how fast acceptance falls off below it, and the record's
+    chance given the level above is what a request whose drafts are accepted more often than
+    its method's can borrow for the levels it has not drafted yet (with the record's
+    unconditional chances, a request of predicted text after requests of fresh text would
+    price its second level by the others' and never send it)."""
 
     offered: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
     rows: list[float] = field(default_factory=list)
     #: verify steps with a draft observed, not decayed
     drafts: int = 0
+    #: drafts accepted whole in a row, up to the last one observed
+    whole: int = 0
 
     def observe(self, draft: Draft, accepted: int) -> None:
         depth = draft.max_depth
         self.drafts += depth > 0
-        for counts in (self.offered, self.reached, self.rows):
+        if depth:
+            self.whole = self.whole + 1 if accepted >= depth else 0
+        for counts in (self.offered, self.tried, self.reached, self.rows):
             counts[:] = [c * DECAY for c in counts]
             counts.extend([0.0] * (depth - len(counts)))
         widths = [0] * depth
@@ -84,38 +100,42 @@ class Acceptance:
             widths[d - 1] += 1
         for k in range(depth):
             self.offered[k] += 1
+            self.tried[k] += k <= accepted
             self.reached[k] += k < accepted
             self.rows[k] += widths[k]
 
     def levels(self, max_depth: int, prior: Acceptance | None = None) -> list[tuple[float, float]]:
-        """(chance of accepting depth k, rows at depth k) for k = 1..max_depth, each level's
-        chance no higher than the one before (accepting k needs k - 1)."""
+        """(chance of accepting depth k, rows at depth k) for k = 1..max_depth: the product of
+        each level's chance given the level above, its own counts joined by PRIOR_STEPS of
+        ``prior``'s; a level neither has tried takes the deepest tried level's (UNSEEN_RATE
+        before any), so each level's chance is no higher than the one before."""
         out = []
-        chance, ratio = 1.0, UNSEEN_RATE
+        chance, given = 1.0, UNSEEN_RATE
         for k in range(max_depth):
-            offered, reached, rows = self._at(k)
-            if prior is not None and k < len(prior.offered) and prior.offered[k]:
-                p_rate, p_rows = prior.level(k)
-                offered, reached, rows = (offered + PRIOR_STEPS, reached + PRIOR_STEPS * p_rate,
-                                          rows + PRIOR_STEPS * p_rows)
-            # a level never drafted: the last level's chance, times its ratio to the one before
-            # (the deepest seen levels say how fast acceptance falls off past them)
-            rate, width = ((reached / offered, rows / offered) if offered
-                           else (chance * ratio, UNSEEN_ROWS))
-            if chance > 0 and offered:
-                ratio = min(1.0, rate / chance) if k else rate
-            chance = min(chance, rate)
-            out.append((chance, max(width, 1.0)))
+            offered, tried, reached, rows = self._at(k)
+            if prior is not None:
+                p_offered, p_tried, p_reached, p_rows = prior._at(k)
+                if p_tried:  # the record counts for as many steps as it holds, at most
+                    weight = min(PRIOR_STEPS, p_tried)
+                    tried, reached = tried + weight, reached + weight * p_reached / p_tried
+                if p_offered:
+                    offered, rows = offered + PRIOR_STEPS, rows + PRIOR_STEPS * p_rows / p_offered
+            # evidence short of a step is made up by the level above's chance: a level whose
+            # steps have decayed to a trace does not keep their chance at full weight
+            filler = max(0.0, MIN_EVIDENCE - tried)
+            given = min(1.0, (reached + filler * given) / (tried + filler))
+            chance *= given
+            out.append((chance, max(rows / offered if offered else UNSEEN_ROWS, 1.0)))
         return out
 
-    def level(self, k: int) -> tuple[float, float]:
-        offered, reached, rows = self._at(k)
-        return (reached / offered, rows / offered) if offered else (UNSEEN_RATE ** (k + 1), UNSEEN_ROWS)
+    def given(self, k: int) -> tuple[float, float]:
+        """(steps that tried depth k + 1, steps that accepted it), this record's alone."""
+        return self._at(k)[1:3]
 
-    def _at(self, k: int) -> tuple[float, float, float]:
+    def _at(self, k: int) -> tuple[float, float, float, float]:
         if k < len(self.offered):
-            return self.offered[k], self.reached[k], self.rows[k]
-        return 0.0, 0.0, 0.0
+            return self.offered[k], self.tried[k], self.reached[k], self.rows[k]
+        return 0.0, 0.0, 0.0, 0.0
 
 
 class StepOverhead:

@@ -26,7 +26,9 @@ drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where a token 
 accepted would pay (:func:`first_draft`; on the prior of a level never drafted, the allocation
 may send none); otherwise, after ``EXPLORE_EVERY`` steps or more, once such a draft would cost
 at most ``EXPLORE_SHARE`` of the steps since the last, one small draft, so its estimate can
-recover when the text starts to repeat (:func:`explore_cap`).
+recover when the text starts to repeat (:func:`explore_cap`). A sequence whose last
+``DEEPEN_AFTER`` drafts were accepted whole drafts a level deeper than its allocation
+(:func:`deepened`), so that a request easier than its method's record learns its deeper levels.
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
@@ -65,6 +67,14 @@ EXPLORE_SHARE = 0.05
 #: decides alone: one would leave a good draft model that missed once never to draft again (its
 #: explores cost more than EXPLORE_SHARE where reading a skipped token is dear)
 FIRST_DRAFTS = 4
+#: drafts accepted whole in a row after which a sequence's draft goes a level deeper than its
+#: allocation: a level is learnt only from drafts that reach it, and a request whose drafts
+#: are accepted more often than its method's (a predicted output, a file edited again) would
+#: otherwise keep its method's record for the levels below the ones it drafts
+DEEPEN_AFTER = 4
+#: a sequence's own steps that tried a level (decayed) from which they decide whether it
+#: deepens to it
+DEEPEN_EVIDENCE = 0.5
 #: weight of the newest step in the decayed means of drafting and overhead seconds
 RECENT = 0.1
 
@@ -199,6 +209,22 @@ class DraftSizing:
         return SequenceSizer(self, repeatable=not sampling.greedy and sampling.seed is not None)
 
 
+def deepened(cap: tuple[int, int], acceptance: Acceptance, max_depth: int,
+             max_nodes: int) -> tuple[int, int]:
+    """An allocation's (depth, rows) ``cap``, a level and a row deeper where its sequence's
+    last DEEPEN_AFTER drafts were accepted whole (``acceptance``), its budget allows, and its
+    own steps do not say that the next level fails (DEEPEN_EVIDENCE steps or more that tried
+    it, accepted less than half the time: a drafter right exactly one token ahead tries its
+    second level about once in 50 steps, not once in 5)."""
+    depth, rows = cap
+    if not depth or acceptance.whole < DEEPEN_AFTER or depth >= max_depth or rows >= max_nodes:
+        return cap
+    tried, reached = acceptance.given(depth)
+    if tried >= DEEPEN_EVIDENCE and reached < tried / 2:
+        return cap
+    return depth + 1, rows + 1
+
+
 def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, idle: int,
                 draft_s: float = 0.0, level_s: float = 0.0,
                 every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
@@ -290,7 +316,8 @@ class SequenceSizer:
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, tokens_left, levels),
                               level_s)
         overhead_s, row_s = (0.0, 0.0) if self.repeatable else sizing.overhead.line
-        depth, rows = allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0]
+        depth, rows = deepened(allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0],
+                               self.acceptance, max_depth, max_nodes)
         if not depth:
             tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
             depth, rows = learning_cap(sizing.costs, 1, max_depth, max_nodes, tried, self.idle,

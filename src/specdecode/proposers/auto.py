@@ -72,7 +72,7 @@ from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
 from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
-                               catch_up_share, learning_cap)
+                               catch_up_share, deepened, learning_cap)
 
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob", "corpus", "draft")
@@ -293,7 +293,9 @@ class AutoProposer(Proposer):
         if not len(draft):
             return draft
         levels = record.acceptance.levels(draft.max_depth)
-        depth, rows = allocate([Candidate(levels)], self.costs, 1, *self.overhead.line)[0]
+        depth, rows = deepened(allocate([Candidate(levels)], self.costs, 1,
+                                        *self.overhead.line)[0],
+                               record.acceptance, draft.max_depth, len(draft))
         return draft.truncated(depth, rows) if depth else Draft.empty()
 
     def _priced(self, i: int, context: Sequence[int]) -> _Price:
@@ -330,8 +332,9 @@ class AutoProposer(Proposer):
                                        len(acceptance.offered) + EXPLORE_LEVELS))
         left = budget.tokens_left or 1
         draft_s = fixed_s + catch_up_share(catch_up_s, left, levels)
-        depth, rows = allocate([Candidate(levels, draft_s, level_s)], self.costs, 1,
-                               *self.overhead.line)[0]
+        depth, rows = deepened(allocate([Candidate(levels, draft_s, level_s)], self.costs, 1,
+                                        *self.overhead.line)[0],
+                               acceptance, most_depth, most_nodes)
         learning = (acceptance.drafts < FIRST_DRAFTS
                     or self.idle[i] >= self.config.explore_every)
         if not per_token:

@@ -50,7 +50,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
-                               learning_cap)
+                               deepened, learning_cap)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
 from specdecode.server.protocol import ApiError
@@ -466,12 +466,13 @@ class Scheduler:
         level's seconds by its drafter's curve (until its method's drafting is timed)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates, fallbacks = [], []
+        candidates, fallbacks, limits = [], [], []
         for seq, (catch_up_s, level_s) in zip(drafting, priced):
             prior = self._method_acceptance(seq)
             generation = seq.generation
             left = generation.max_new_tokens - len(generation.tokens)
             most = min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1)
+            limits.append(most)
             if generation.proposer.prices_own_drafting:  # auto sizes each part's drafts itself
                 candidates.append(Candidate(()))
                 fallbacks.append(lambda *_, whole=(most, self.max_draft_rows): whole)
@@ -494,9 +495,10 @@ class Scheduler:
         caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows,
                         *self._overhead.line)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
-        return [(depth, min(rows, self.max_draft_rows)) if depth
+        return [deepened((depth, min(rows, self.max_draft_rows)), seq.acceptance, most,
+                         self.max_draft_rows) if depth
                 else fallback(self.row_costs, step_rows) or (0, 0)
-                for (depth, rows), fallback in zip(caps, fallbacks)]
+                for (depth, rows), fallback, seq, most in zip(caps, fallbacks, drafting, limits)]
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
