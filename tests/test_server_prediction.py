@@ -1,5 +1,5 @@
 """OpenAI's Predicted Outputs (``prediction``): text the answer is expected to repeat, which
-the suffix method drafts from. On the tiny model, end to end through the real ``openai``
+the suffix and ngram methods draft from. On the tiny model, end to end through the real ``openai``
 client: an answer given its own text as the prediction is plain decoding's, token for token,
 with most of its tokens accepted from drafts (without the prediction, none); bad predictions
 get a 400 naming the field."""
@@ -35,15 +35,16 @@ def ask(client, method: str, messages: list[dict], prediction=None, max_tokens: 
         extra_body={"specdecode": {"method": method, "return_token_ids": True}})
 
 
-@pytest.mark.parametrize("parts", [False, True])
-def test_a_prediction_is_drafted_from_and_changes_no_token(client, parts):
-    messages = question(int(parts))
+@pytest.mark.parametrize("method, parts", [("suffix", False), ("suffix", True),
+                                           ("ngram", False)])
+def test_a_prediction_is_drafted_from_and_changes_no_token(client, method, parts):
+    messages = question(int(parts) + 2 * (method == "ngram"))
     plain = ask(client, "ar", messages).choices[0]
     text = plain.message.content
     content = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}] \
         if parts else text
-    alone = ask(client, "suffix", messages)
-    predicted = ask(client, "suffix", messages, {"type": "content", "content": content})
+    alone = ask(client, method, messages)
+    predicted = ask(client, method, messages, {"type": "content", "content": content})
     for out in (alone, predicted):
         assert out.choices[0].model_extra["token_ids"] == plain.model_extra["token_ids"]
     accepted = predicted.usage.model_extra["accepted_tokens"]

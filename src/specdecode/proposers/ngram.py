@@ -4,7 +4,9 @@ proposes the tokens that followed it (Saxena, 2023, "Prompt Lookup Decoding"; th
 
 Tie-breaks, pinned by the tests: the longest n-gram wins; among matches of that length the most
 recent one wins (recent text predicts the continuation best, e.g. a list being repeated);
-a match whose continuation is empty (the suffix itself) is skipped.
+a match whose continuation is empty (the suffix itself) is skipped. A request's predicted output
+(OpenAI's ``prediction``) is searched before the context at each length: the client says the
+answer repeats it.
 
 Worked example, context ``[5, 6, 7, 9, 5, 6, 7, 8, 5, 6, 7]`` with max_ngram 3: the 3-gram
 ``5 6 7`` occurs at 0 and 4; the most recent, at 4, proposes ``8, 5, 6, ...``.
@@ -20,6 +22,8 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.proposer import Proposer
 from specdecode.registry import param, register
+
+NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -39,27 +43,45 @@ class NgramConfig:
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
 
-def lookup(context: np.ndarray, max_ngram: int, min_ngram: int, length: int) -> list[int]:
-    """The continuation of the longest, most recent earlier match of the context's suffix."""
+def lookup(context: np.ndarray, max_ngram: int, min_ngram: int, length: int,
+           reference: np.ndarray = NO_TOKENS) -> list[int]:
+    """The continuation of the longest, most recent earlier match of the context's suffix; at
+    each length, a match in ``reference`` (text the answer is expected to repeat) first."""
     n_ctx = len(context)
     for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
         suffix = context[n_ctx - n:]
-        # windows[i] = context[i:i+n] for every start i whose window ends before the suffix
-        windows = np.lib.stride_tricks.sliding_window_view(context[:n_ctx - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return context[start:start + length].tolist()
+        for text in (reference, context):
+            if len(text) <= n:
+                continue
+            # windows[i] = text[i:i+n] for every start i with a token after its window (in
+            # the context, every window before the suffix itself)
+            windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return text[start:start + length].tolist()
     return []
 
 
 @register("ngram", NgramConfig, paper="Prompt Lookup Decoding (Saxena, 2023)",
           summary="longest matching n-gram in the context proposes what followed it (chain)")
 class NgramProposer(Proposer):
+    def __init__(self, config, runner):
+        super().__init__(config, runner)
+        self.reference = NO_TOKENS
+
+    def start(self, prompt):
+        self.reference = NO_TOKENS
+
+    def use_reference(self, tokens):
+        """A predicted output (:meth:`~specdecode.proposer.Proposer.use_reference`): matched
+        before the context at each n-gram length."""
+        self.reference = np.asarray(tokens, dtype=np.int64)
+
     def propose(self, context, budget):
         length = min(self.config.num_speculative_tokens, budget.max_depth)
         if length <= 0:
             return Draft.empty()
         tokens = lookup(np.asarray(context, dtype=np.int64), self.config.max_ngram,
-                        self.config.min_ngram, length)
+                        self.config.min_ngram, length, self.reference)
         return Draft.chain(tokens)
