@@ -15,6 +15,7 @@ import pytest
 
 from specdecode.api import Decoder
 from specdecode.engine import Generation
+from specdecode.drafting.artifacts import shortlist_ids
 from specdecode.errors import SpecDecodeError
 from specdecode.models import loading
 from specdecode.models.llama import LlamaRunner
@@ -88,6 +89,49 @@ def test_seeded_sampling_repeats(target, files, method, config):
             for seed in (5, 5, 6)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("method,config", [("draft_model", {}), ("dyspec", TREE)])
+def test_a_shortlisted_head_drafts_only_its_tokens_and_changes_no_output(target, files, method,
+                                                                          config):
+    """``draft_vocab=48``: the draft's LM head scores the first 48 ids (FR-Spec); its drafts
+    hold no other token, greedy output is ``ar``'s, seeded sampling repeats."""
+    drafter = proposer(target, method, str(files["close"]), draft_vocab=48, **config)
+    runner = drafter.lm.runner.runner
+    assert drafter.lm.head_ids.tolist() == list(range(48))
+    assert runner.cost_key() != proposer(target, method, str(files["close"]),
+                                         **config).lm.runner.runner.cost_key()
+    drafted = []
+    for prompt in repetitive_prompts()[:3]:
+        gen = generation(target, drafter, prompt, 32)
+        gen.advance(gen.begin().run(target))
+        while gen.finish_reason is None:
+            call = gen.next_call()
+            drafted.extend(call.draft.tokens)
+            gen.advance(call.run(target))
+        assert gen.tokens == ar(target, prompt, 32), (method, prompt)
+    assert drafted and max(drafted) < 48
+    prompt = repetitive_prompts()[1]
+    runs = [generation(target, drafter, prompt, 24, temperature=0.9, seed=seed).run()
+            for seed in (5, 5)]
+    assert runs[0] == runs[1]
+
+
+def test_the_shortlist_is_the_first_ids_and_the_control_tokens():
+    normal, control, user = 1, 3, 4
+    fields = {"tokenizer.ggml.token_type": [normal] * 90 + [control, user, normal] + [5] * 3}
+    assert shortlist_ids(fields, 40, 96).tolist() == list(range(40)) + [90, 91]
+    assert shortlist_ids(fields, 0, 96) is None and shortlist_ids(fields, 96, 96) is None
+    assert shortlist_ids({}, 40, 96).tolist() == list(range(40))
+
+
+def test_auto_requantises_a_drafts_every_matrix_to_int4(target, files):
+    auto = proposer(target, "draft_model", str(files["close"])).lm.runner.runner
+    kept = proposer(target, "draft_model", str(files["close"]),
+                    draft_weights="int4").lm.runner.runner
+    assert auto.weights == kept.weights == "int4"
+    assert auto.cost_key() != kept.cost_key() and auto.layers is not kept.layers
+    assert {type(layer.gate_up).__name__ for layer in auto.layers} == {"Int4Linear"}
 
 
 def test_drafters_of_one_file_share_its_weights_not_their_caches(target, files):

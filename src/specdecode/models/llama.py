@@ -62,7 +62,7 @@ from specdecode.models.gguf_reader import ROPE_FACTORS
 from specdecode.models.kv_cache import BlockedKVCache, SavedRows
 from specdecode.models.layer_loop import LayerLoop, NativeExit, NativeTables
 from specdecode.models.moe import activation_kernel
-from specdecode.models.native_layers import Layer, LayerBuilder, _dense_parts, layer_stack
+from specdecode.models.native_layers import Layer, LayerBuilder, _dense_parts, _rows, layer_stack
 from specdecode.models.native_shape import (GLOBAL_ROPE, KV_CACHE, LlamaShape, cache_rows,
                                             context_size, kv_cache_bytes, rope_tables)
 from specdecode.models.packing import PREFILL_BLOCK, PackedForwards, SequenceRows, packed_plan
@@ -121,6 +121,9 @@ class LlamaRunner(PackedForwards, Runner):
         # dict's kept by reference
         self._head_weights = tensors if isinstance(tensors, FileTensors) else {head: tensors[head]}
         self._head_name = head
+        #: what besides its file, format and kernels sets this runner's forward cost
+        #: (:meth:`cost_key`): matrices requantised, a shortlisted head
+        self.cost_tag = ""
         # prompts go through PREFILL_WEIGHTS' layers (every prefill is the same computation,
         # so exactness holds either way)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
@@ -191,12 +194,15 @@ class LlamaRunner(PackedForwards, Runner):
 
     @classmethod
     def from_gguf(cls, path, weights: str = "fp32", max_context: int | None = None,
-                  max_draft: int = 256, available: int | None = None, **kwargs) -> LlamaRunner:
+                  max_draft: int = 256, available: int | None = None,
+                  requantise: bool = False, **kwargs) -> LlamaRunner:
         """From a GGUF file read directly, one tensor at a time (``models/weights.py``): 4-bit
-        tensors stay 4-bit for int4 weights, the rest are dequantised as ``transformers`` does.
-        Refuses, naming the sizes, a file whose weights in ``weights`` and KV cache would not
-        fit in the available memory (``available``: bytes, default what the kernel reports),
-        before anything is allocated."""
+        tensors stay 4-bit for int4 weights, the rest are dequantised as ``transformers`` does
+        (``requantise``: every tensor dequantised, then quantised to ``weights``: a draft's
+        numbers never change the output, and int4 streams fewer bytes than a file's 5- to
+        8-bit blocks). Refuses, naming the sizes, a file whose weights in ``weights`` and KV
+        cache would not fit in the available memory (``available``: bytes, default what the
+        kernel reports), before anything is allocated."""
         from specdecode.models.gguf_reader import GGUFFile
 
         check_format(weights)
@@ -210,8 +216,23 @@ class LlamaRunner(PackedForwards, Runner):
                     f"KV cache of {context} positions": kv}, available,
                    hint="use a smaller --max-context, the int4 format (--weights int4) or a "
                         "machine with more memory")
-        return cls(file.config, FileTensors(file, blocks=weights in ("int4", "int8")), weights,
-                   source=str(path), max_context=context, max_draft=max_draft, **kwargs)
+        blocks = weights in ("int4", "int8") and not requantise
+        runner = cls(file.config, FileTensors(file, blocks=blocks), weights, source=str(path),
+                     max_context=context, max_draft=max_draft, **kwargs)
+        if requantise:
+            runner.cost_tag = ":requantised"
+        return runner
+
+    def shortlisted(self, head_ids: torch.Tensor) -> LlamaRunner:
+        """A twin (the same layers, a cache of its own) whose decode head scores only the
+        vocabulary rows ``head_ids`` (ascending): a drafter's LM head over a shortlist, as in
+        FR-Spec (Zhao et al., 2025); its logits index ``head_ids``, not the vocabulary."""
+        twin = copy.copy(self)
+        twin.head = _linear_for([_rows(self._head_weights[self._head_name], head_ids)],
+                                self.weights)
+        twin.cost_tag = f"{self.cost_tag}:head{len(head_ids)}"
+        twin._new_cache()
+        return twin
 
     def replica(self) -> LlamaRunner:
         twin = copy.copy(self)  # weights, rope tables: shared, read-only
@@ -241,7 +262,8 @@ class LlamaRunner(PackedForwards, Runner):
             return None
         resolved, size, mtime_ns = file_version(path)
         # and the kernels it runs on: a change to them (a layout's bytes) re-measures the curve
-        return f"native:{resolved}:{size}:{mtime_ns}:{self.weights}:{kernels.build_id()}"
+        return (f"native:{resolved}:{size}:{mtime_ns}:{self.weights}{self.cost_tag}:"
+                f"{kernels.build_id()}")
 
     @property
     def pending_rows(self) -> int:
