@@ -18,8 +18,8 @@ from specdecode.errors import require
 
 #: weight of old observations after each new one (a window of about 50 steps)
 DECAY = 0.98
-#: steps of evidence the method's estimate counts for in a sequence's (a new sequence
-#: starts from its method's)
+#: steps of evidence the method's estimate counts for in a sequence's, at most (a new
+#: sequence starts from its method's; a level the method has drafted less counts for less)
 PRIOR_STEPS = 4.0
 #: a level never drafted yet: its chance of acceptance relative to the level above (at depth 1:
 #: its chance), and its rows, so a method is tried where drafts are cheap and learnt from; below

@@ -46,9 +46,9 @@ class DraftSource:
     draft_weights: str = param("auto", "the native draft's weight format: fp32 | bf16 | int8 | "
                                        "int4, or auto: int4 (the cheapest one-token forward) "
                                        "where the draft's sizes allow it, else fp32, a GGUF "
-                                       "draft's every matrix requantised to it (int4 keeps the "
-                                       "file's 5- to 8-bit blocks); the draft's numbers never "
-                                       "change the output")
+                                       "draft's layers and shortlisted head requantised to it "
+                                       "(int4 keeps the file's 5- to 8-bit blocks); the draft's "
+                                       "numbers never change the output")
     draft_vocab: int = param(32768, "a GGUF draft's LM head scores only the first N token ids "
                                     "and the control tokens (FR-Spec's frequency-ranked "
                                     "shortlist, in the order a BPE vocabulary's merges give its "
@@ -206,12 +206,11 @@ def open_gguf_draft(path: Path, source: DraftSource,
     longest = LlamaShape.from_config(file.config).max_context
     context = getattr(runner, "max_context", None)  # None: the native default
     weights = native_weights(source.draft_weights, file.config)
+    head_ids = shortlist_ids(file.fields, source.draft_vocab, runner.vocab_size)
     loaded = _gguf_draft_weights(*file_version(path), weights,
                                  None if context is None else min(context, longest),
-                                 source.draft_weights == "auto" and weights == "int4")
-    head_ids = shortlist_ids(file.fields, source.draft_vocab, runner.vocab_size)
-    if head_ids is not None:
-        loaded = _shortlisted(loaded, source.draft_vocab, head_ids)
+                                 source.draft_weights == "auto" and weights == "int4",
+                                 None if head_ids is None else tuple(head_ids.tolist()))
     return (NativeDraftLM(LlamaDrafter(loaded.replica()), head_ids),
             LoadedDraft(None, head_ids, None, str(path)))
 
@@ -237,27 +236,17 @@ def shortlist_ids(fields: dict, size: int, vocab: int) -> torch.Tensor | None:
 
 @functools.cache
 def _gguf_draft_weights(path: Path, size: int, mtime_ns: int, weights: str,
-                        max_context: int | None, requantise: bool):
+                        max_context: int | None, requantise: bool,
+                        head_ids: tuple[int, ...] | None):
     """The native runner of a GGUF draft, loaded once a process for a file (as it is on disk:
-    its size and modification time), weight format and context: every proposer drafting with
-    it (a server's slots, a bench's methods) gets a replica, its own KV cache over these
-    weights, so ``--parallel 4`` holds one copy of the draft's weights, not four."""
+    its size and modification time), weight format, context and head shortlist: every
+    proposer drafting with it (a server's slots, a bench's methods) gets a replica, its own KV
+    cache over these weights, so ``--parallel 4`` holds one copy of the draft's weights, not
+    four."""
     from specdecode.models.llama import LlamaRunner
 
-    return LlamaRunner.from_gguf(path, weights, max_context=max_context, requantise=requantise)
-
-
-#: (runner, shortlist size) -> the shortlisted runner (the key holds the runner, so it lives)
-_SHORTLISTED: dict[tuple[object, int], object] = {}
-
-
-def _shortlisted(runner, size: int, head_ids: torch.Tensor):
-    """``runner`` with its head over ``head_ids`` (:meth:`LlamaRunner.shortlisted`), made once
-    a process for a runner and shortlist size, as :func:`_gguf_draft_weights` loads it once."""
-    key = (runner, size)
-    if key not in _SHORTLISTED:
-        _SHORTLISTED[key] = runner.shortlisted(head_ids)
-    return _SHORTLISTED[key]
+    return LlamaRunner.from_gguf(path, weights, max_context=max_context, requantise=requantise,
+                                 head_ids=None if head_ids is None else torch.tensor(head_ids))
 
 
 def open_draft(source: DraftSource, runner: Runner,

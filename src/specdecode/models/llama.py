@@ -67,7 +67,8 @@ from specdecode.models.native_shape import (GLOBAL_ROPE, KV_CACHE, LlamaShape, c
                                             context_size, kv_cache_bytes, rope_tables)
 from specdecode.models.packing import PREFILL_BLOCK, PackedForwards, SequenceRows, packed_plan
 from specdecode.models.quant import LibraryLinear, check_format
-from specdecode.models.weights import FileTensors, _linear_for, check_fits, resident_bytes
+from specdecode.models.weights import (FileTensors, _linear_for, as_float, check_fits,
+                                      resident_bytes)
 
 #: weight format ``make_runner`` picks when none is asked for (see docs/native-runner.md)
 DEFAULT_WEIGHTS = "int4"
@@ -77,6 +78,21 @@ DEFAULT_WEIGHTS = "int4"
 #: than bf16 GEMMs since their passes overlap memory and arithmetic, and need no bf16 copy of
 #: the weights (measured in docs/native-runner.md)
 PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": None, "int4": None}
+#: where a checkpoint's LM head lies (its own, or the embedding table it is tied to)
+HEAD_NAMES = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
+
+
+def _shortlisted_head(head, head_ids: torch.Tensor | None, requantised: bool):
+    """(the rows ``head_ids`` of the LM head ``head``, or None without them; what the two add
+    to a runner's cost key). A drafter's decode head may score a shortlist alone, as in
+    FR-Spec (Zhao et al., 2025): its logits then index ``head_ids`` (ascending), not the
+    vocabulary. The rows are floats where the runner's layers were ``requantised`` from a
+    file's blocks (``from_gguf``), so the shortlist is quantised from them too."""
+    tag = ":requantised" if requantised else ""
+    if head_ids is None:
+        return None, tag
+    rows = _rows(head, head_ids)
+    return (as_float(rows) if requantised else rows), f"{tag}:head{len(head_ids)}"
 
 
 class LlamaRunner(PackedForwards, Runner):
@@ -85,12 +101,14 @@ class LlamaRunner(PackedForwards, Runner):
     name = "native"
 
     def __init__(self, config, tensors, weights: str = "fp32", max_draft: int = 256,
-                 source: str = "", max_context: int | None = None):
+                 source: str = "", max_context: int | None = None,
+                 head_ids: torch.Tensor | None = None, requantised: bool = False):
         """``config``: a transformers ``LlamaConfig``; ``tensors``: a mapping of Hugging Face
         parameter names to float tensors or :class:`Q4Weight` (4-bit GGUF tensors, used as
         they are by int4), such as a dict or a file's :class:`FileTensors` (each read once, made
         a layer and dropped); ``max_context``: positions the KV cache holds (default
-        min(the model's, ``DEFAULT_MAX_CONTEXT``))."""
+        min(the model's, ``DEFAULT_MAX_CONTEXT``)). ``head_ids``, ``requantised``: see
+        :func:`_shortlisted_head`."""
         check_format(weights)
         shape = LlamaShape.from_config(config)
         self.shape = shape
@@ -116,14 +134,14 @@ class LlamaRunner(PackedForwards, Runner):
         head = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
-        self.head, self.layers = build.head_and_layers(head, lambda parts: _linear_for(parts, weights))
+        # cost_tag: what besides its file, format and kernels sets its cost (cost_key)
+        shortlist, self.cost_tag = _shortlisted_head(tensors[head], head_ids, requantised)
+        self.head, self.layers = build.head_and_layers(
+            head, lambda parts: _linear_for(parts, weights), shortlist)
         # draft heads read a shortlist of the head: a file's is read again when asked for, a
         # dict's kept by reference
         self._head_weights = tensors if isinstance(tensors, FileTensors) else {head: tensors[head]}
         self._head_name = head
-        #: what besides its file, format and kernels sets this runner's forward cost
-        #: (:meth:`cost_key`): matrices requantised, a shortlisted head
-        self.cost_tag = ""
         # prompts go through PREFILL_WEIGHTS' layers (every prefill is the same computation,
         # so exactness holds either way)
         self.prefill_weights = PREFILL_WEIGHTS[weights]
@@ -132,7 +150,7 @@ class LlamaRunner(PackedForwards, Runner):
         else:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.prefill_weights]
             self.prefill_head, self.prefill_layers = build.head_and_layers(
-                head, lambda parts: LibraryLinear(_dense_parts(parts), dtype))
+                head, lambda parts: LibraryLinear(_dense_parts(parts), dtype), shortlist)
 
         self.capacity = cache_rows(self.max_context, max_draft)
         # rotary tables per kind of layer (GLOBAL_ROPE, LOCAL_ROPE, NO_ROPE); a GGUF file of
@@ -195,12 +213,14 @@ class LlamaRunner(PackedForwards, Runner):
     @classmethod
     def from_gguf(cls, path, weights: str = "fp32", max_context: int | None = None,
                   max_draft: int = 256, available: int | None = None,
-                  requantise: bool = False, **kwargs) -> LlamaRunner:
+                  requantise: bool = False, head_ids: torch.Tensor | None = None,
+                  **kwargs) -> LlamaRunner:
         """From a GGUF file read directly, one tensor at a time (``models/weights.py``): 4-bit
         tensors stay 4-bit for int4 weights, the rest are dequantised as ``transformers`` does
-        (``requantise``: every tensor dequantised, then quantised to ``weights``: a draft's
-        numbers never change the output, and int4 streams fewer bytes than a file's 5- to
-        8-bit blocks). Refuses, naming the sizes, a file whose weights in ``weights`` and KV
+        (``requantise``: every layer's tensors dequantised, then quantised to ``weights``, the
+        LM head read in its blocks and only ``head_ids``' rows dequantised: a draft's numbers
+        never change the output, and int4 streams fewer bytes than a file's 5- to 8-bit
+        blocks). Refuses, naming the sizes, a file whose weights in ``weights`` and KV
         cache would not fit in the available memory (``available``: bytes, default what the
         kernel reports), before anything is allocated."""
         from specdecode.models.gguf_reader import GGUFFile
@@ -217,22 +237,10 @@ class LlamaRunner(PackedForwards, Runner):
                    hint="use a smaller --max-context, the int4 format (--weights int4) or a "
                         "machine with more memory")
         blocks = weights in ("int4", "int8") and not requantise
-        runner = cls(file.config, FileTensors(file, blocks=blocks), weights, source=str(path),
-                     max_context=context, max_draft=max_draft, **kwargs)
-        if requantise:
-            runner.cost_tag = ":requantised"
-        return runner
-
-    def shortlisted(self, head_ids: torch.Tensor) -> LlamaRunner:
-        """A twin (the same layers, a cache of its own) whose decode head scores only the
-        vocabulary rows ``head_ids`` (ascending): a drafter's LM head over a shortlist, as in
-        FR-Spec (Zhao et al., 2025); its logits index ``head_ids``, not the vocabulary."""
-        twin = copy.copy(self)
-        twin.head = _linear_for([_rows(self._head_weights[self._head_name], head_ids)],
-                                self.weights)
-        twin.cost_tag = f"{self.cost_tag}:head{len(head_ids)}"
-        twin._new_cache()
-        return twin
+        kept = HEAD_NAMES if requantise else frozenset()
+        return cls(file.config, FileTensors(file, blocks=blocks, kept=kept), weights,
+                   source=str(path), max_context=context, max_draft=max_draft,
+                   head_ids=head_ids, requantised=requantise, **kwargs)
 
     def replica(self) -> LlamaRunner:
         twin = copy.copy(self)  # weights, rope tables: shared, read-only

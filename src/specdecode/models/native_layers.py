@@ -102,13 +102,13 @@ class LayerBuilder:
         modeling_gemma3 computes it, times ``factor`` (a query scale folded in)."""
         w = _dense(self.tensors, name) + self.shape.arch.norm_offset
         return w if factor == 1.0 else w * factor
-    def head_and_layers(self, head: str, linear) -> tuple[object, list[Layer]]:
-        """The LM head and the layers, each matrix (or matrices sharing an input) made a layer
-        by ``linear``. The head first: re-quantising a large output matrix from floats takes
-        most memory before the layers are held."""
+    def head_and_layers(self, head: str, linear, head_rows=None) -> tuple[object, list[Layer]]:
+        """The LM head (or ``head_rows``, a drafter's shortlist of it) and the layers, each
+        matrix (or matrices sharing an input) made a layer by ``linear``. The head first:
+        re-quantising a large output matrix takes most memory before the layers are held."""
         shape, arch, tensors = self.shape, self.shape.arch, self.tensors
         scale = shape.query_scale
-        head_linear = linear([tensors[head]])
+        head_linear = linear([tensors[head] if head_rows is None else head_rows])
         return_freed_memory()  # (each matrix's temporaries: see the function)
         layers = []
         h, kv, ffn = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
