@@ -238,7 +238,7 @@ class LlamaRunner(PackedForwards, Runner):
                         "machine with more memory")
         blocks = weights in ("int4", "int8") and not requantise
         kept = HEAD_NAMES if requantise else frozenset()
-        return cls(file.config, FileTensors(file, blocks=blocks, kept=kept), weights,
+        return cls(file.config, FileTensors(file, blocks, kept, requantise), weights,
                    source=str(path), max_context=context, max_draft=max_draft,
                    head_ids=head_ids, requantised=requantise, **kwargs)
 
