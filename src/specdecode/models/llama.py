@@ -82,16 +82,16 @@ PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": None, "int4": None}
 HEAD_NAMES = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
-def _shortlisted_head(head, head_ids: torch.Tensor | None, requantised: bool):
-    """(the rows ``head_ids`` of the LM head ``head``, or None without them; what the two add
-    to a runner's cost key). A drafter's decode head may score a shortlist alone, as in
+def _shortlisted_head(tensors, head: str, head_ids: torch.Tensor | None, requantised: bool):
+    """(the rows ``head_ids`` of the LM head ``tensors[head]``, or None without them, the head
+    then read only once, by the layers' builder; what the two add to a runner's cost key). A drafter's decode head may score a shortlist alone, as in
     FR-Spec (Zhao et al., 2025): its logits then index ``head_ids`` (ascending), not the
     vocabulary. The rows are floats where the runner's layers were ``requantised`` from a
     file's blocks (``from_gguf``), so the shortlist is quantised from them too."""
     tag = ":requantised" if requantised else ""
     if head_ids is None:
         return None, tag
-    rows = _rows(head, head_ids)
+    rows = _rows(tensors[head], head_ids)
     return (as_float(rows) if requantised else rows), f"{tag}:head{len(head_ids)}"
 
 
@@ -135,7 +135,7 @@ class LlamaRunner(PackedForwards, Runner):
         if head not in tensors:  # checkpoints that tie the head without saying so
             head = "model.embed_tokens.weight"
         # cost_tag: what besides its file, format and kernels sets its cost (cost_key)
-        shortlist, self.cost_tag = _shortlisted_head(tensors[head], head_ids, requantised)
+        shortlist, self.cost_tag = _shortlisted_head(tensors, head, head_ids, requantised)
         self.head, self.layers = build.head_and_layers(
             head, lambda parts: _linear_for(parts, weights), shortlist)
         # draft heads read a shortlist of the head: a file's is read again when asked for, a
