@@ -83,6 +83,10 @@ HOSTILE = [
      "must be in 1..64 on this server", "specdecode.config.candidates"),
     ("suffix max_cached_requests per request", CHAT, config("suffix", max_cached_requests=5),
      JSON, 400, "is set when the server starts", "specdecode.config.max_cached_requests"),
+    ("a draft's shortlist per request", CHAT, config("draft_model", draft_vocab=7), JSON, 400,
+     "is set when the server starts", "specdecode.config.draft_vocab"),
+    ("a draft's format per request", CHAT, config("dyspec", draft_weights="fp32"), JSON, 400,
+     "is set when the server starts", "specdecode.config.draft_weights"),
     # 500s where a 400 belongs
     ("JSON nested 30000 deep", CHAT, b"[" * 30000 + b"]" * 30000, JSON, 400, "too deeply", None),
     ("JSON nested 40 deep", CHAT, body(pad=json.loads("[" * 40 + "]" * 40)), JSON,

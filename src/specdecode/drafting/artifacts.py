@@ -32,7 +32,9 @@ TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens.count",
 
 @dataclass(frozen=True)
 class DraftSource:
-    """Which draft and what runs it: the settings of ``draft_model`` and ``dyspec``."""
+    """Which draft and what runs it: the settings of ``draft_model`` and ``dyspec``. A GGUF
+    draft's format and shortlist are set when a server starts: each value loads a runner of
+    its own, kept for the process."""
 
     draft: str = param("distilled", "the draft: 'distilled' (the artifact `specdecode train draft` "
                                     "made for this target), an artifact .safetensors path, a "
@@ -48,11 +50,12 @@ class DraftSource:
                                        "where the draft's sizes allow it, else fp32, a GGUF "
                                        "draft's layers and shortlisted head requantised to it "
                                        "(int4 keeps the file's 5- to 8-bit blocks); the draft's "
-                                       "numbers never change the output")
+                                       "numbers never change the output",
+                               startup_only=True)
     draft_vocab: int = param(32768, "a GGUF draft's LM head scores only the first N token ids "
                                     "and the control tokens (FR-Spec's frequency-ranked "
                                     "shortlist, in the order a BPE vocabulary's merges give its "
-                                    "ids); 0: the whole vocabulary", bounds=(0, 1 << 24))
+                                    "ids); 0: the whole vocabulary", startup_only=True)
 
     def __post_init__(self):
         require(self.draft_vocab >= 0,
