@@ -556,18 +556,18 @@ def test_code_edit_joins_spec_bench_as_a_task_of_its_own():
         load_workloads("code-edit,code-edit")
 
 
-def test_cached_layer_rate_counts_a_q4_k_m_files_block_int8_layers(tmp_path, monkeypatch):
-    """A Q4_K_M file's q/k/v group holds v in Q6_K, which the int4 runner runs as block int8:
-    the roofline gives it inputs of its own size, not int4's packed groups."""
+def test_cached_layer_rate_counts_a_q4_k_m_files_split_layers(tmp_path, monkeypatch):
+    """A Q4_K_M file's q/k/v group holds v in Q6_K, which the int4 runner runs beside int4 q/k
+    (a SplitLinear): the roofline counts each row's multiply-adds through all three."""
     from specdecode.bench import roofline
     from specdecode.bench.shapes import Shape, write_shape
-    from specdecode.models.int8_blocks import Int8BlockLinear
     from specdecode.models.llama import LlamaRunner
+    from specdecode.models.quant import SplitLinear
 
     # eight layers: Q4_K_M gives the first one's attn_v Q6_K
     s = Shape("llama", 8, 256, 512, 4, 2, vocab=512, context=512)
     runner = LlamaRunner.from_gguf(write_shape(tmp_path / "km.gguf", s, "Q4_K_M"), "int4")
-    assert isinstance(runner.layers[0].qkv, Int8BlockLinear)
+    assert isinstance(runner.layers[0].qkv, SplitLinear)
     clock = itertools.count()
     monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock) * 1e-3)
     head_dim = s.hidden // s.heads

@@ -66,14 +66,15 @@ def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-gemma3"])
 def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
-    """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): the fused q/k/v layer runs as block
-    int8 holding v's own values (gguf's dequantisation, bitwise) and q's and k's 4-bit blocks
-    widened exactly, so its v rows and q rows are those of each matrix alone as block int8 (v
-    alone keeps Q6_K's layout, whose numbers fold its sub-block scales in integers)."""
+    """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): the q/k/v layer runs q and k as int4
+    and v in Q6_K's own layout (v's own values: gguf's dequantisation, bitwise), each row's
+    outputs those of each matrix alone, and the layer stack's forward gives the Python loop's
+    bits."""
     import gguf
 
     from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight
-    from specdecode.models.weights import as_int8_blocks
+    from specdecode.models.quant import Int4Linear, SplitLinear
+    from specdecode.models.weights import _linear_for
 
     path = files(shape, "Q4_K_M")
     f = GGUFFile(path)
@@ -88,16 +89,21 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     assert torch.equal(v.dequantize(), torch.from_numpy(np.asarray(exact, np.float32)))
     runner = LlamaRunner.from_gguf(path, "int4")
     qkv = runner.layers[layer].qkv
-    assert isinstance(qkv, Int8BlockLinear)
+    assert isinstance(qkv, SplitLinear)
+    assert [type(part) for part in qkv.parts] == [Int4Linear, Int8BlockLinear]
+    assert qkv.parts[1].layout == "q6k" and qkv.in_features == f.config.hidden_size
     x = torch.randn(3, f.config.hidden_size)
     out = qkv(x)
-    assert torch.equal(out[:, -v.codes.shape[0]:],
-                       Int8BlockLinear(Int8BlockWeight(v.codes, v.scale, None, v.group))(x))
-    if runner.shape.arch.qk_norm:
-        return  # the query scale goes into the head norm: q's rows are not q alone's
-    q = f.read_blocks(p + "q_proj.weight").scaled(runner.shape.query_scale)
-    alone = Int8BlockLinear(as_int8_blocks(q).regroup(v.group))(x)  # the group's finest group
-    assert torch.equal(out[:, :alone.shape[1]], alone)
+    assert torch.equal(out[:, -v.codes.shape[0]:], Int8BlockLinear(v)(x))
+    if not runner.shape.arch.qk_norm:  # (else the query scale goes into the head norm)
+        q = f.read_blocks(p + "q_proj.weight").scaled(runner.shape.query_scale)
+        alone = _linear_for([q], "int4")(x)
+        assert torch.equal(out[:, :alone.shape[1]], alone)
+    assert (runner._stack is None) == (shape == "tiny-gemma3")  # Gemma's norms: no stack
+    stacked = runner.prefill(PROMPT).logits
+    runner._stack = None
+    runner.keep_prefix(0)
+    assert torch.equal(runner.prefill(PROMPT).logits, stacked)
 
 
 @pytest.mark.parametrize("method", ["suffix", "recycling"])

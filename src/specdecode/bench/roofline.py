@@ -61,15 +61,9 @@ def layer_linears(layer) -> list:
     return [layer.qkv, layer.o, moe.router, *picked, *shared]
 
 
-def inputs_of(linear) -> int:
-    """A linear layer's input size: block int8's own (a Q4_K_M file's Q6_K groups run as block
-    int8 in the int4 runner), else an int4 layer's 32 per packed group."""
-    return getattr(linear, "in_features", None) or linear.packed.shape[1] * 32
-
-
 def row_macs(linear) -> int:
     """Multiply-adds of one row through a linear layer of the int4 runner."""
-    return linear.out_features * inputs_of(linear)
+    return linear.out_features * linear.in_features
 
 
 def linear_macs_per_row(runner) -> int:
@@ -84,7 +78,7 @@ def cached_layer_gmacs(runner, size: int) -> float:
     import torch
 
     linears = layer_linears(runner.layers[0])
-    inputs = [torch.randn(size, inputs_of(lin)) for lin in linears]
+    inputs = [torch.randn(size, lin.in_features) for lin in linears]
     macs = size * sum(map(row_macs, linears))
     times = []
     for _ in range(CACHED_CALLS + 1):

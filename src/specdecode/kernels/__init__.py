@@ -289,6 +289,12 @@ def packed_linear(packed, kind, n, group=32, minimum=False, half=False):
     return load().PackedLinear(packed, kind, n, group, minimum, half)
 
 
+def split_linear(parts):
+    """Linear layers sharing an input (``PackedLinear``s, each in its own format) as one
+    ``PackedLinear`` whose output is theirs side by side (models/quant.py's SplitLinear)."""
+    return load().PackedLinear(list(parts))
+
+
 #: the gate activations ``moe_experts`` takes (cpu_kernels.cpp's ``GateMode``), by the name
 #: models/moe.py gives them
 GATE_MODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gpt_oss": 2}

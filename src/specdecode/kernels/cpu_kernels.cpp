@@ -1144,12 +1144,15 @@ struct PackedPlan {
 // block int8 (q8_blocks.h, q8_linear), the file's own 5 or 6-bit codes (small_codes.h,
 // small_codes_linear; `group` holds its layout code) or dense fp32/bf16 tiles (dense_linear). A stack of
 // layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
-// kernel, so the stack computes the same bits.
+// kernel, so the stack computes the same bits. A SPLIT layer is matrices sharing an input held
+// in formats of their own (a Q4_K_M file's Q4_K q/k beside its Q6_K v): its parts' outputs side
+// by side, as models/split_linear.py's SplitLinear computes them.
 struct PackedLinear {
-  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, SMALL_CODES = 3 };
+  enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, SMALL_CODES = 3, SPLIT = 4 };
   at::Tensor packed;
   int64_t kind, n, group;
   bool minimum, half;
+  std::vector<PackedLinear> parts;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half)
       : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half) {
@@ -1157,8 +1160,20 @@ struct PackedLinear {
                 "unknown linear kind ", kind);
   }
 
+  explicit PackedLinear(std::vector<PackedLinear> parts)
+      : kind(SPLIT), n(0), group(0), minimum(false), half(false), parts(std::move(parts)) {
+    TORCH_CHECK(this->parts.size() >= 2, "a split linear layer needs two parts or more");
+    for (const PackedLinear& part : this->parts) n += part.n;
+  }
+
   at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                         int64_t isa) const {
+    if (kind == SPLIT) {
+      std::vector<at::Tensor> outputs;
+      for (const PackedLinear& part : parts) outputs.push_back(part(x, c10::nullopt, isa));
+      at::Tensor y = at::cat(outputs, 1);
+      return residual ? y.add_(*residual) : y;
+    }
     if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
     if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
     if (kind == SMALL_CODES) return small_codes_linear(x, packed, group, minimum, residual, n, isa);
@@ -1585,7 +1600,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("forward", &MoEExperts::forward, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
-      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>());
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool>())
+      .def(py::init<std::vector<PackedLinear>>());
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,
                     std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,

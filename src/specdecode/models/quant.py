@@ -80,7 +80,7 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, fmt: str):
         require(fmt in ("fp32", "bf16"), f"dense layers hold fp32 or bf16 weights, not {fmt}")
         self.fmt = fmt
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
         self.packed = kernels.pack_dense(weight.float().to(dtype))
 
@@ -134,8 +134,41 @@ class Int4Linear:
         return kernels.packed_linear(self.packed, kernels.INT4_KIND, self.out_features)
 
     @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * INT4_GROUP
+
+    @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+
+class SplitLinear:
+    """Matrices sharing an input, held in formats of their own and computed one after another,
+    their outputs side by side. A Q4_K_M file's q and k are Q4_K and its v Q6_K in half the
+    layers: fused, all three would be block int8 in groups of 16 (1.25 bytes a weight and the
+    slow kernel of many folds); split, q/k run int4 and v Q6_K's own layout. A row's outputs are
+    its parts' rows, each row invariant: so is the whole."""
+
+    def __init__(self, parts: Sequence):
+        require(len(parts) >= 2, "a split linear layer needs two parts or more")
+        self.parts = list(parts)
+        self.out_features = sum(part.out_features for part in parts)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], 1)
+        return y if residual is None else y.add_(residual)
+
+    def kernel(self):
+        """This layer as the kernels' ``PackedLinear`` (for a ``LayerStack``)."""
+        return kernels.split_linear([part.kernel() for part in self.parts])
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
 
 class LibraryLinear:

@@ -11,9 +11,9 @@ token embedding stays in the file, its rows read when looked up (``models/embedd
 :func:`_linear_for` makes one layer of the matrices that share an input (q/k/v, gate/up),
 keeping the file's own values wherever a kernel can: GGUF's Q4_0, Q4_1 and Q4_K blocks stay
 4-bit blocks for int4 (``gguf_reader``); the other block types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K)
-run as block int8 (``models/int8_blocks``) with their own scales, and so does every part of a
-group that holds one (a Q4_K_M file's q/k/v with v in Q6_K: q's and k's 4-bit values widened
-exactly), so a Q4_K_M file computes llama.cpp's weights. Float matrices are quantised (int4:
+run as block int8 (``models/int8_blocks``) with their own scales. A group of both (a Q4_K_M
+file's q/k/v with v in Q6_K) is a ``SplitLinear``: its 4-bit parts int4, its block parts block
+int8, one after another. Float matrices are quantised (int4:
 Q4_1's scheme, int8: Q8_0's), a few thousand rows at a time. The int8 format takes 4-bit
 blocks as block int8 too, exactly.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks
 from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, quantize_int8_blocks
-from specdecode.models.quant import (Int4Linear, Q4Weight, check_format, make_linear,
+from specdecode.models.quant import (Int4Linear, Q4Weight, SplitLinear, check_format, make_linear,
                                      quantize_int4)
 
 #: memory kept free beyond the weights and the KV cache (Python, torch, the tokenizer, one
@@ -154,11 +155,17 @@ def _pack_into(part, out: torch.Tensor) -> None:
 
 
 def _linear_for(parts: Sequence, weights: str):
-    """One layer for matrices sharing an input (each float32, Q4Weight or Q4Blocks), in
-    ``weights``. int4: each part packed on its own and the tiles concatenated (the bytes of
-    packing the concatenation, as every part but the last fills whole tiles of 16 rows)."""
+    """One layer for matrices sharing an input (each float32, Q4Weight, Q4Blocks or a file's
+    block int8), in ``weights``. int4: each part packed on its own and the tiles concatenated
+    (the bytes of packing the concatenation, as every part but the last fills whole tiles of 16
+    rows); 4-bit parts beside block int8 ones (a Q4_K_M file's Q4_K q/k and Q6_K v) a
+    ``SplitLinear`` of each run's layer, where fused they would all be block int8."""
     check_format(weights)
-    if weights == "int8" or (weights == "int4" and any(isinstance(p, Int8BlockWeight) for p in parts)):
+    blocks = [isinstance(p, Int8BlockWeight) for p in parts]
+    if weights == "int4" and any(blocks) and not all(blocks):
+        runs = itertools.groupby(parts, lambda p: isinstance(p, Int8BlockWeight))
+        return SplitLinear([_linear_for(list(run), weights) for _, run in runs])
+    if weights == "int8" or (weights == "int4" and any(blocks)):
         return Int8BlockLinear(Int8BlockWeight.cat([as_int8_blocks(p) for p in parts]))
     if weights == "int4":
         rows = [p.scale.shape[0] if isinstance(p, (Q4Weight, Q4Blocks)) else p.shape[0] for p in parts]
