@@ -82,6 +82,52 @@ def test_a_runner_whose_prompts_run_other_layers_refuses(model):
         fp32.keep_prefix(2)
 
 
+# ---- the library: a Decoder's next turn ----------------------------------------------------
+
+def turns(decoder, first, follow_up, **options):
+    """A conversation's two turns through ``decoder``: the second prompt is the first, its
+    answer and ``follow_up``. Each turn's answer and the prompt tokens it did not prefill."""
+    one = decoder.start(first, 24, chat=False, **options)
+    answer = one.run()
+    two = decoder.start(first + answer + follow_up, 24, chat=False, **options)
+    return answer, two.run(), one.stats.cached_tokens, two.stats.cached_tokens
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix"])
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_decoders_next_turn_prefills_only_what_is_new(model, method, options):
+    from specdecode.api import Decoder
+
+    first = [(7 * i) % 90 + 3 for i in range(150)]
+    follow_up = [(3 * i) % 70 + 5 for i in range(20)]
+    reused = LlamaRunner.from_transformers(model, "int4", max_context=448)
+    answer, second, cached_first, cached_second = turns(
+        Decoder(reused, None, method, eos_token_ids=[]), first, follow_up, **options)
+    assert cached_first == 0
+    # the held rows: all of the first turn but its last token (no forward has read it)
+    assert cached_second >= len(first) + len(answer) - 1
+    fresh = Decoder(reused.replica(), None, method, eos_token_ids=[], reuse_prompt=False)
+    assert turns(fresh, first, follow_up, **options) == (answer, second, 0, 0)
+
+
+def test_nothing_is_reused_once_the_cache_has_changed(model):
+    from specdecode.api import Decoder
+
+    runner = LlamaRunner.from_transformers(model, "int4", max_context=448)
+    first = [(7 * i) % 90 + 3 for i in range(60)]
+    decoder = Decoder(runner, None, "ar", eos_token_ids=[])
+    answer = decoder.start(first, 16, chat=False).run()
+    runner.prefill(first[:30] + [9] * 40)  # the same start, then other rows over the answer's
+    again = decoder.start(first + answer, 16, chat=False)
+    expected = Decoder(runner.replica(), None, "ar", eos_token_ids=[]).start(first + answer, 16,
+                                                                              chat=False).run()
+    assert again.run() == expected and again.stats.cached_tokens == 0
+    # another decoder on the runner: the next turn reuses what that one left, not its own
+    Decoder(runner, None, "ar", eos_token_ids=[]).start(first[:40] + [8] * 10, 8, chat=False).run()
+    after = decoder.start(first + answer, 16, chat=False)
+    assert after.run() == expected and after.stats.cached_tokens == 40
+
+
 # ---- the server --------------------------------------------------------------------------
 
 def serve(model, parallel, tokenizer, **settings):

@@ -159,10 +159,14 @@ class Decoder:
 
     def __init__(self, model, tokenizer=None, method: str | None = None,
                  eos_token_ids: Sequence[int] | None = None, *, make_proposer=None,
-                 vocabulary: Vocabulary | None = None, draft_budget: str = "goodput", **config):
+                 vocabulary: Vocabulary | None = None, draft_budget: str = "goodput",
+                 reuse_prompt: bool = True, **config):
         """``draft_budget``: ``goodput`` (each step's draft capped where expected tokens per
         second of the runner's row costs is highest, down to none where drafts do not pay:
         specdecode/sizing.py) or ``full`` (drafts as the proposer makes them).
+        ``reuse_prompt``: a prompt that starts with the last request's prompt and answer (a
+        conversation's next turn) prefills only what follows them, where the runner's rows
+        allow it (the native runner's int4 and int8: the same logits, bitwise).
         ``make_proposer(method name, config, runner)``: builds the proposer instead of the
         method's class (the server hands shared state, such as the global suffix tree, this
         way). ``vocabulary``: the tokens as constraints see them (default: built from
@@ -181,6 +185,7 @@ class Decoder:
         self._vocabulary = vocabulary
         #: the method's draft sizing on this runner (None: drafts as the proposer makes them)
         self.sizing = method_sizing(self.method, self.runner, draft_budget)
+        self.reuse_prompt = reuse_prompt
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -211,7 +216,7 @@ class Decoder:
                                             self.eos_token_ids)
         sizer = None if self.sizing is None else self.sizing.sequence(params)
         return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
-                          params, self.eos_token_ids, sizer=sizer)
+                          params, self.eos_token_ids, sizer=sizer, reuse_prefix=self.reuse_prompt)
 
     def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
                stop: Sequence[str] = (), **sampling) -> TextStream:

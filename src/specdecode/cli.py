@@ -66,7 +66,7 @@ def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, r
     from specdecode.api import Decoder
     from specdecode.agreement import token_agreement
 
-    reference = Decoder(runner, tokenizer, "ar", eos)
+    reference = Decoder(runner, tokenizer, "ar", eos, reuse_prompt=False)  # its prompt timed too
     ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
     speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
     return {

@@ -72,7 +72,8 @@ class GenerationStats:
     forced_tokens: int = 0
     #: draft nodes a constraint rejected before the target saw them
     pruned_nodes: int = 0
-    #: prompt tokens whose rows a server's prompt cache held (not prefilled again)
+    #: prompt tokens whose rows were held from earlier requests (a server's prompt cache, a
+    #: Decoder's conversation): not prefilled again
     cached_tokens: int = 0
     prefill_s: float = 0.0
     propose_s: float = 0.0
@@ -171,16 +172,21 @@ class Generation:
     def __init__(self, runner: Runner, proposer: Proposer, prompt_ids: Sequence[int],
                  max_new_tokens: int, sampling: SamplingParams = GREEDY,
                  eos_token_ids: Sequence[int] = (), controller: Controller | None = None,
-                 sizer: SequenceSizer | None = None, reference: Sequence[int] = ()):
+                 sizer: SequenceSizer | None = None, reference: Sequence[int] = (),
+                 reuse_prefix: bool = False):
         """``sizer``: caps each draft by expected tokens per second of the runner's row costs
         (specdecode/sizing.py); None: the controller's budget (and :attr:`draft_cap`) alone.
         ``reference``: text the answer is expected to repeat
-        (:meth:`~specdecode.proposer.Proposer.use_reference`)."""
+        (:meth:`~specdecode.proposer.Proposer.use_reference`). ``reuse_prefix``: the prompt's
+        start that the runner's cache holds from its last generation (its prompt and answer,
+        :meth:`~specdecode.models.base.Runner.held_ids`) is not prefilled again (the rows are
+        bitwise those a prefill writes, where the runner :attr:`reuses_prefix`)."""
         check_request(runner, prompt_ids, max_new_tokens)
         self.runner = runner
         self.proposer = proposer
         self.prompt_ids = list(prompt_ids)
         self.reference = list(reference)
+        self.reuse_prefix = reuse_prefix
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -243,8 +249,23 @@ class Generation:
         if self.reference:
             self.proposer.use_reference(self.reference)
         ids = tuple(self.prompt_ids)
-        self._call = PrefillCall(ids, 0, len(ids), self.proposer.needs)
+        start = self.stats.cached_tokens = self._held_prefix() if self.reuse_prefix else 0
+        self._call = PrefillCall(ids, start, len(ids), self.proposer.needs)
         return self._call
+
+    def _held_prefix(self) -> int:
+        """Keep the rows of the prompt's longest start the runner holds (all but its last
+        token, whose logits the prefill gives); their length. 0 where the proposer reads the
+        prompt rows' features, which a prefill from there would not give."""
+        needs = self.proposer.needs
+        if needs.final_hidden or needs.layers:
+            return 0
+        held, prompt = self.runner.held_ids(), self.prompt_ids[:-1]
+        n = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b),
+                 min(len(held), len(prompt)))
+        if n:
+            self.runner.keep_prefix(n)
+        return n
 
     def draft_seconds(self) -> tuple[float, float]:
         """What the proposer's next draft costs by its drafter's own row-cost curve
@@ -342,6 +363,8 @@ class Generation:
         if self._generator is not None:  # begun
             self.proposer.finish(self.tokens)
             self.stats.total_s = time.perf_counter() - self._started
+        if self.stats.target_forwards:  # the cache holds this generation's rows
+            self.runner.note_held(self._context)
 
     def _emit_verified(self, result: VerifyResult) -> list[int]:
         """Commit a verify step's tokens, with their log-probabilities when asked for (read

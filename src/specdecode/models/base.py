@@ -146,6 +146,16 @@ class Runner(ABC):
         as :meth:`keep_prefix` leaves them."""
         raise SpecDecodeError(f"the {self.name} runner cannot reuse an earlier prompt's rows")
 
+    def note_held(self, ids: Sequence[int]) -> None:
+        """The committed rows hold the first :attr:`cache_len` tokens of ``ids`` (a finished
+        generation's prompt and answer), for :meth:`held_ids` to give while the cache is
+        unchanged."""
+
+    def held_ids(self) -> tuple[int, ...]:
+        """The tokens whose rows the cache holds as :meth:`note_held` noted them, where
+        :attr:`reuses_prefix` and nothing has changed the cache since; () where unknown."""
+        return ()
+
     @abstractmethod
     def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:
         """Run the root token and every draft node in one pass with tree attention.

@@ -40,11 +40,15 @@ class KVCache(ABC):
         self.capacity = capacity
         self.length = 0
         self.pending = 0
+        #: bumped by every change of the committed rows: what a runner noted they hold
+        #: (``LlamaRunner.note_held``) is theirs while it is unchanged
+        self.version = 0
 
     def reset(self) -> None:
         """Forget every row."""
         self.length = 0
         self.pending = 0
+        self.version += 1
 
     def check_room(self, rows: int, what: str = "this draft") -> None:
         """Before writing ``rows`` rows after the committed ones."""
@@ -60,6 +64,7 @@ class KVCache(ABC):
     def append(self, rows: int) -> None:
         """``rows`` rows written after the committed ones are kept (a prompt, read tokens)."""
         self.length += rows
+        self.version += 1
 
     def commit(self, accepted: Sequence[int]) -> None:
         """Keep the root's row and the accepted draft nodes' (a root-to-leaf path, in order)
@@ -78,6 +83,7 @@ class KVCache(ABC):
             # the path is not the first rows: move its rows next to the committed ones
             self._move_after(self.length + torch.tensor(list(rows)))
         self.length += keep
+        self.version += 1
         self._truncate(self.length)
 
     def rewind(self, length: int) -> None:
@@ -85,6 +91,7 @@ class KVCache(ABC):
         require(self.pending == 0 and 0 <= length <= self.length,
                 f"cannot rewind a cache of {self.length} tokens to {length}")
         self.length = length
+        self.version += 1
         self._truncate(length)
 
     def drop_uncommitted(self) -> None:
@@ -197,6 +204,7 @@ class BlockedKVCache(KVCache):
         self.keys[:, :, :blocks] = saved.keys[:, :, :blocks]
         self.values[:, :, :length] = saved.values[:, :, :length]
         self.length = length
+        self.version += 1
 
     def _move_after(self, src: torch.Tensor) -> None:
         dst = torch.arange(self.length, self.length + len(src))

@@ -167,6 +167,8 @@ class LlamaRunner(PackedForwards, Runner):
                                     self.capacity, KV_CACHE[self.weights])
         #: the earlier prefill parts' blocks a later part returns features of
         self._prefill_blocks = []
+        #: (tokens, cache, its version) noted by note_held: nothing noted yet
+        self._held = ((), self.cache, -1)
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -310,6 +312,14 @@ class LlamaRunner(PackedForwards, Runner):
     def load_rows(self, saved: SavedRows, length: int) -> None:
         self.keep_prefix(0)
         self.cache.load_rows(saved, length)
+
+    def note_held(self, ids: Sequence[int]) -> None:
+        self._held = (tuple(ids[:self.cache.length]), self.cache, self.cache.version)
+
+    def held_ids(self) -> tuple[int, ...]:
+        ids, cache, version = self._held
+        unchanged = cache is self.cache and version == cache.version and cache.pending == 0
+        return ids if unchanged and self.reuses_prefix else ()
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
