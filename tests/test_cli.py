@@ -90,6 +90,10 @@ def test_chat_keeps_the_conversation_and_reads_only_each_new_turn(capsys, monkey
     assert kept[2] == read[0] - 1 and read[2] == 1  # the same first prompt again: all but its last
     answers = out.splitlines()
     assert len(answers) == 3 and answers[0] == answers[2]
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    assert main(["chat", "--method", "ar", "--max-new-tokens", "6", "--no-reuse"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == answers and err.count(" 0 kept") == 3
 
 
 def test_chat_says_when_the_conversation_outgrows_the_context(capsys, monkeypatch):

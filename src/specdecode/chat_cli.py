@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the longest answer of a turn (default 512)")
     parser.add_argument("--system", default=None, metavar="TEXT",
                         help="a system message at the start of every conversation")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="prefill every turn's whole prompt, as without the kept rows "
+                             "(to compare)")
     parser.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
                         help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
     add_model_arguments(parser)
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.model}'s tokenizer has no chat template to hold a conversation; "
             "use `specdecode generate --no-chat` for plain text")
     decoder = Decoder(runner, tokenizer, method.name, eos, draft_budget=args.draft_budget,
-                      **dataclasses.asdict(config))
+                      reuse_prompt=not args.no_reuse, **dataclasses.asdict(config))
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     for line in _lines():
