@@ -1146,7 +1146,7 @@ struct PackedPlan {
 // layers calls it with the arguments the Python layer objects (models/quant.py) pass the same
 // kernel, so the stack computes the same bits. A SPLIT layer is matrices sharing an input held
 // in formats of their own (a Q4_K_M file's Q4_K q/k beside its Q6_K v): its parts' outputs side
-// by side, as models/split_linear.py's SplitLinear computes them.
+// by side, as models/quant.py's SplitLinear computes them.
 struct PackedLinear {
   enum Kind : int64_t { INT4 = 0, BLOCK_INT8 = 1, DENSE = 2, SMALL_CODES = 3, SPLIT = 4 };
   at::Tensor packed;
