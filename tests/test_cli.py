@@ -103,3 +103,27 @@ def test_chat_says_when_the_conversation_outgrows_the_context(capsys, monkeypatc
     assert main(["chat", "--method", "ar", "--max-new-tokens", "4", "--max-context", "96"]) == 0
     err = capsys.readouterr().err
     assert "/reset starts a new conversation" in err and err.count("[ar]") == 1
+
+
+def test_ctrl_c_ends_an_answer_not_the_conversation(capsys, monkeypatch):
+    """An interrupted answer keeps what it said, and the next turn still reads only its own
+    message."""
+    import io
+
+    from specdecode.api import TextStream
+
+    feed, calls = TextStream.feed, []
+
+    def interrupted(stream):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return feed(stream)
+
+    monkeypatch.setattr(TextStream, "feed", interrupted)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Count to twenty.\nAgain.\n"))
+    assert main(["chat", "--method", "ar", "--max-new-tokens", "12"]) == 0
+    err = capsys.readouterr().err
+    stats = [line for line in err.splitlines() if line.startswith("[ar]")]
+    assert "\n[interrupted]\n" in "\n" + err and len(stats) == 2
+    assert int(stats[0].split()[1]) < 12 and " 0 kept" not in stats[1]

@@ -1,10 +1,11 @@
 """``specdecode chat``: a conversation in the terminal, each turn prefilling only what is new.
 
 One message a line from standard input (``/reset`` starts a new conversation, ``/exit`` or the
-end of the input ends it); each answer streams to standard output, and a line of its numbers to
-standard error: the method's speed, and how many of the turn's prompt tokens were read and how
-many kept from the turns before (a ``Decoder`` keeps the conversation's KV rows on the native
-runner, so a turn reads only its own message and the template's tags around it).
+end of the input ends it, Ctrl-C ends an answer early); each answer streams to standard output,
+and a line of its numbers to standard error: the method's speed, and how many of the turn's
+prompt tokens were read and how many kept from the turns before (a ``Decoder`` keeps the
+conversation's KV rows on the native runner, so a turn reads only its own message and the
+template's tags around it).
 """
 
 from __future__ import annotations
@@ -85,10 +86,17 @@ def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: in
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc} (/reset starts a new conversation)", file=sys.stderr)
         return history
-    for piece in stream:
-        print(piece, end="", flush=True)
-    print()
-    result = stream.result
+    pieces, interrupted = iter(stream), False
+    try:
+        for piece in pieces:
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C ends this answer, not the conversation
+        pieces.close()
+        interrupted = True
+    print(flush=True)
+    if interrupted:
+        print("[interrupted]", file=sys.stderr)
+    result = stream.result or stream.finish()
     s = result.stats
     read = len(decoder.encode(asked)) - s.cached_tokens
     print(f"[{name}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, mean accepted "
