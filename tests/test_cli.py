@@ -127,3 +127,18 @@ def test_ctrl_c_ends_an_answer_not_the_conversation(capsys, monkeypatch):
     stats = [line for line in err.splitlines() if line.startswith("[ar]")]
     assert "\n[interrupted]\n" in "\n" + err and len(stats) == 2
     assert int(stats[0].split()[1]) < 12 and " 0 kept" not in stats[1]
+
+
+def test_generate_reads_a_prompt_of_dash_from_standard_input(capsys, monkeypatch):
+    import io
+    import json
+
+    argv = ["--method", "ar", "--max-new-tokens", "3", "--json"]
+    assert main(["generate", "Say hi in French."] + argv) == 0
+    given = json.loads(capsys.readouterr().out)["token_ids"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hi in French.\n"))
+    assert main(["generate", "-"] + argv) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == given
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert main(["generate", "-"] + argv) == 2
+    assert "the prompt is empty" in capsys.readouterr().err

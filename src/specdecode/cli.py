@@ -85,6 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.api import Decoder
 
+    if args.prompt == "-":  # a long prompt (a file to edit) comes on standard input
+        args.prompt = sys.stdin.read().rstrip("\n")
     if args.diffusion is not None:
         from specdecode.diffusion.cli import generate
         return generate(args, parse_config(args.config), constraint_options(args), load_target)
@@ -176,7 +178,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt's text; - reads it from standard input")
     gen.add_argument("--method", default=None,
                      help="decoding method (see `specdecode methods`); default: the fastest")
     gen.add_argument("--max-new-tokens", type=int, default=128)
