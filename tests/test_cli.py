@@ -96,13 +96,16 @@ def test_chat_keeps_the_conversation_and_reads_only_each_new_turn(capsys, monkey
     assert out.splitlines() == answers and err.count(" 0 kept") == 3
 
 
-def test_chat_says_when_the_conversation_outgrows_the_context(capsys, monkeypatch):
+def test_chat_drops_its_oldest_turns_to_fit_the_context(capsys, monkeypatch):
+    """A conversation that outgrows the context drops its oldest turns; a message that does not
+    fit alone is refused, and the conversation goes on."""
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 200 + "\nSay hi.\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\n" * 6 + "word " * 200 + "\nBye.\n"))
     assert main(["chat", "--method", "ar", "--max-new-tokens", "4", "--max-context", "96"]) == 0
     err = capsys.readouterr().err
-    assert "/reset starts a new conversation" in err and err.count("[ar]") == 1
+    assert "[the oldest turn dropped to fit the context]" in err
+    assert err.count("[ar]") == 7 and err.count("specdecode: error:") == 1
 
 
 def test_ctrl_c_ends_an_answer_not_the_conversation(capsys, monkeypatch):

@@ -1,11 +1,11 @@
 """``specdecode chat``: a conversation in the terminal, each turn prefilling only what is new.
 
 One message a line from standard input (``/reset`` starts a new conversation, ``/exit`` or the
-end of the input ends it, Ctrl-C ends an answer early); each answer streams to standard output,
-and a line of its numbers to standard error: the method's speed, and how many of the turn's
-prompt tokens were read and how many kept from the turns before (a ``Decoder`` keeps the
-conversation's KV rows on the native runner, so a turn reads only its own message and the
-template's tags around it).
+end of the input ends it, Ctrl-C ends an answer early; the oldest turns make room where the
+conversation outgrows the context); each answer streams to standard output, and a line of its
+numbers to standard error: the method's speed, and how many of the turn's prompt tokens were
+read and how many kept from the turns before (a ``Decoder`` keeps the conversation's KV rows on
+the native runner, so a turn reads only its own message and the template's tags around it).
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def _lines():
 def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: int,
           sampling: dict) -> list[dict]:
     """One turn: the answer streamed, its numbers on standard error; the history after it (as
-    it was where the conversation no longer fits the context)."""
-    asked = history + [{"role": "user", "content": text}]
+    it was where the message does not fit the context)."""
+    asked = _fitted(decoder, history, text, max_new_tokens)
     try:
         stream = decoder.stream(asked, max_new_tokens, True, (), **sampling)
     except SpecDecodeError as exc:
-        print(f"specdecode: error: {exc} (/reset starts a new conversation)", file=sys.stderr)
+        print(f"specdecode: error: {exc}", file=sys.stderr)
         return history
     pieces, interrupted = iter(stream), False
     try:
@@ -103,3 +103,15 @@ def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: in
           f"{s.mean_accepted:.2f}; prompt: {read} tokens read, {s.cached_tokens} kept, "
           f"{s.prefill_s:.2f} s", file=sys.stderr)
     return asked + [{"role": "assistant", "content": result.text}]
+
+
+def _fitted(decoder, history: list[dict], text: str, max_new_tokens: int) -> list[dict]:
+    """The turn's messages: the history and ``text``, its oldest question and answer dropped
+    (a note on standard error) while they leave less than ``max_new_tokens`` of the context."""
+    first = 1 if history and history[0]["role"] == "system" else 0
+    asked = history + [{"role": "user", "content": text}]
+    room = decoder.runner.max_context - max_new_tokens
+    while len(asked) > first + 1 and len(decoder.encode(asked)) > room:
+        del asked[first:first + 2]
+        print("[the oldest turn dropped to fit the context]", file=sys.stderr)
+    return asked
