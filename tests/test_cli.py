@@ -145,3 +145,17 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(capsys, monkeypatch
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
     assert main(["generate", "-"] + argv) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_chat_messages_go_on_past_a_backslash_and_between_triple_quotes(monkeypatch):
+    """Pasted code is one message: the lines between two lines of three double quotes; a line
+    ending in a backslash goes on to the next."""
+    import io
+
+    from specdecode.chat_cli import _messages
+
+    typed = ('Explain:\n"""\ndef f():\n    return 1\n"""\nfirst \\\n  second\n'
+             '  /reset \n"""\nno end')
+    monkeypatch.setattr("sys.stdin", io.StringIO(typed))
+    assert list(_messages()) == ["Explain:", "def f():\n    return 1", "first \n  second", "/reset",
+                                 "no end"]

@@ -1,11 +1,13 @@
 """``specdecode chat``: a conversation in the terminal, each turn prefilling only what is new.
 
-One message a line from standard input (``/reset`` starts a new conversation, ``/exit`` or the
-end of the input ends it, Ctrl-C ends an answer early; the oldest turns make room where the
-conversation outgrows the context); each answer streams to standard output, and a line of its
-numbers to standard error: the method's speed, and how many of the turn's prompt tokens were
-read and how many kept from the turns before (a ``Decoder`` keeps the conversation's KV rows on
-the native runner, so a turn reads only its own message and the template's tags around it).
+One message a line from standard input (a line ending in a backslash goes on, and the lines
+between two lines of three double quotes are one message; ``/reset`` starts a new conversation,
+``/exit`` or the end of the input ends it, Ctrl-C ends an answer early; the oldest turns make
+room where the conversation outgrows the context); each answer streams to standard output, and
+a line of its numbers to standard error: the method's speed, and how many of the turn's prompt
+tokens were read and how many kept from the turns before (a ``Decoder`` keeps the
+conversation's KV rows on the native runner, so a turn reads only its own message and the
+template's tags around it).
 """
 
 from __future__ import annotations
@@ -54,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
                       reuse_prompt=not args.no_reuse, **dataclasses.asdict(config))
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
-    for line in _lines():
-        text = line.strip()
+    for text in _messages():
         if text == "/exit":
             break
         if text == "/reset":
@@ -63,6 +64,25 @@ def run(args: argparse.Namespace) -> int:
         elif text:
             history = _turn(decoder, method.name, history, text, args.max_new_tokens, sampling)
     return 0
+
+
+def _messages():
+    """The user's messages: a line each; a line that ends in a backslash goes on to the next,
+    and the lines between two lines of three double quotes are one message (pasted code)."""
+    lines = _lines()
+    for line in lines:
+        text = line.rstrip("\n")
+        if text.strip() == '"""':
+            block = []
+            for more in lines:
+                if more.strip() == '"""':
+                    break
+                block.append(more.rstrip("\n"))
+            yield "\n".join(block).strip("\n")
+            continue
+        while text.endswith("\\") and (more := next(lines, None)) is not None:
+            text = text[:-1] + "\n" + more.rstrip("\n")
+        yield text.strip()
 
 
 def _lines():
