@@ -100,9 +100,9 @@ def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: in
           sampling: dict) -> list[dict]:
     """One turn: the answer streamed, its numbers on standard error; the history after it (as
     it was where the message does not fit the context)."""
-    asked = _fitted(decoder, history, text, max_new_tokens)
+    asked, ids = _fitted(decoder, history, text, max_new_tokens)
     try:
-        stream = decoder.stream(asked, max_new_tokens, True, (), **sampling)
+        stream = decoder.stream(ids, max_new_tokens, True, (), **sampling)
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc}", file=sys.stderr)
         return history
@@ -118,20 +118,24 @@ def _turn(decoder, name: str, history: list[dict], text: str, max_new_tokens: in
         print("[interrupted]", file=sys.stderr)
     result = stream.result or stream.finish()
     s = result.stats
-    read = len(decoder.encode(asked)) - s.cached_tokens
+    read = len(ids) - s.cached_tokens
     print(f"[{name}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, mean accepted "
           f"{s.mean_accepted:.2f}; prompt: {read} tokens read, {s.cached_tokens} kept, "
           f"{s.prefill_s:.2f} s", file=sys.stderr)
     return asked + [{"role": "assistant", "content": result.text}]
 
 
-def _fitted(decoder, history: list[dict], text: str, max_new_tokens: int) -> list[dict]:
-    """The turn's messages: the history and ``text``, its oldest question and answer dropped
-    (a note on standard error) while they leave less than ``max_new_tokens`` of the context."""
+def _fitted(decoder, history: list[dict], text: str,
+            max_new_tokens: int) -> tuple[list[dict], list[int]]:
+    """The turn's messages and their token ids: the history and ``text``, its oldest question
+    and answer dropped (a note on standard error) while they leave less than
+    ``max_new_tokens`` of the context."""
     first = 1 if history and history[0]["role"] == "system" else 0
     asked = history + [{"role": "user", "content": text}]
     room = decoder.runner.max_context - max_new_tokens
-    while len(asked) > first + 1 and len(decoder.encode(asked)) > room:
+    ids = decoder.encode(asked)
+    while len(asked) > first + 1 and len(ids) > room:
         del asked[first:first + 2]
         print("[the oldest turn dropped to fit the context]", file=sys.stderr)
-    return asked
+        ids = decoder.encode(asked)
+    return asked, ids

@@ -34,6 +34,7 @@ from specdecode.control import Controller
 from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
+from specdecode.models.kv_cache import common_prefix, held_ids
 from specdecode.proposer import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
 from specdecode.sizing import SequenceSizer
@@ -179,7 +180,7 @@ class Generation:
         ``reference``: text the answer is expected to repeat
         (:meth:`~specdecode.proposer.Proposer.use_reference`). ``reuse_prefix``: the prompt's
         start that the runner's cache holds from its last generation (its prompt and answer,
-        :meth:`~specdecode.models.base.Runner.held_ids`) is not prefilled again (the rows are
+        :meth:`~specdecode.models.base.Runner.held_tokens`) is not prefilled again (the rows are
         bitwise those a prefill writes, where the runner :attr:`reuses_prefix`)."""
         check_request(runner, prompt_ids, max_new_tokens)
         self.runner = runner
@@ -260,9 +261,7 @@ class Generation:
         needs = self.proposer.needs
         if needs.final_hidden or needs.layers:
             return 0
-        held, prompt = self.runner.held_ids(), self.prompt_ids[:-1]
-        n = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b),
-                 min(len(held), len(prompt)))
+        n = common_prefix(self.runner.held_tokens(), held_ids(self.prompt_ids[:-1]))
         if n:
             self.runner.keep_prefix(n)
         return n

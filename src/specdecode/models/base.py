@@ -23,11 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.capabilities import EarlyExit, Tables, check_layer
+from specdecode.models.kv_cache import held_ids
 
 
 @dataclass(frozen=True)
@@ -148,13 +150,14 @@ class Runner(ABC):
 
     def note_held(self, ids: Sequence[int]) -> None:
         """The committed rows hold the first :attr:`cache_len` tokens of ``ids`` (a finished
-        generation's prompt and answer), for :meth:`held_ids` to give while the cache is
+        generation's prompt and answer), for :meth:`held_tokens` to give while the cache is
         unchanged."""
 
-    def held_ids(self) -> tuple[int, ...]:
-        """The tokens whose rows the cache holds as :meth:`note_held` noted them, where
-        :attr:`reuses_prefix` and nothing has changed the cache since; () where unknown."""
-        return ()
+    def held_tokens(self) -> np.ndarray:
+        """The tokens whose rows the cache holds as :meth:`note_held` noted them
+        (``kv_cache.held_ids``), where :attr:`reuses_prefix` and nothing has changed the cache
+        since; none where unknown."""
+        return held_ids(())
 
     @abstractmethod
     def forward(self, root: int, draft: Draft, needs: Needs = NOTHING) -> ForwardOutput:

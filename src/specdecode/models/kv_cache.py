@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdecode.draft import Draft
@@ -29,6 +30,18 @@ from specdecode.errors import require
 KEY_BLOCK = 16
 #: slots a :class:`BlockedKVCache` starts with (and returns to on reset): a short chat turn
 INITIAL_SLOTS = 256
+
+
+def held_ids(ids: Sequence[int]) -> np.ndarray:
+    """Token ids as the rows' keepers hold them (a compact array that compares fast)."""
+    return np.asarray(ids, dtype=np.int64)
+
+
+def common_prefix(held: np.ndarray, ids: np.ndarray) -> int:
+    """How many tokens ``held`` and ``ids`` share from the start."""
+    n = min(len(held), len(ids))
+    differ = np.flatnonzero(held[:n] != ids[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 class KVCache(ABC):

@@ -50,6 +50,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdecode import kernels
@@ -59,7 +60,7 @@ from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import NOTHING, ForwardOutput, Needs, PrefillCall, Runner, VerifyCall
 from specdecode.models.embedding import embedding_table
 from specdecode.models.gguf_reader import ROPE_FACTORS
-from specdecode.models.kv_cache import BlockedKVCache, SavedRows
+from specdecode.models.kv_cache import BlockedKVCache, SavedRows, held_ids
 from specdecode.models.layer_loop import LayerLoop, NativeExit, NativeTables
 from specdecode.models.moe import activation_kernel
 from specdecode.models.native_layers import Layer, LayerBuilder, _dense_parts, _rows, layer_stack
@@ -78,16 +79,15 @@ DEFAULT_WEIGHTS = "int4"
 #: than bf16 GEMMs since their passes overlap memory and arithmetic, and need no bf16 copy of
 #: the weights (measured in docs/native-runner.md)
 PREFILL_WEIGHTS = {"fp32": "fp32", "bf16": "bf16", "int8": None, "int4": None}
-#: where a checkpoint's LM head lies (its own, or the embedding table it is tied to)
-HEAD_NAMES = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def _shortlisted_head(tensors, head: str, head_ids: torch.Tensor | None, requantised: bool):
     """(the rows ``head_ids`` of the LM head ``tensors[head]``, or None without them, the head
-    then read only once, by the layers' builder; what the two add to a runner's cost key). A drafter's decode head may score a shortlist alone, as in
-    FR-Spec (Zhao et al., 2025): its logits then index ``head_ids`` (ascending), not the
-    vocabulary. The rows are floats where the runner's layers were ``requantised`` from a
-    file's blocks (``from_gguf``), so the shortlist is quantised from them too."""
+    then read only once, by the layers' builder; what the two add to a runner's cost key).
+    A drafter's decode head may score a shortlist alone, as in FR-Spec (Zhao et al., 2025):
+    its logits then index ``head_ids`` (ascending), not the vocabulary. The rows are floats
+    where the runner's layers were ``requantised`` from a file's blocks (``from_gguf``), so the
+    shortlist is quantised from them too."""
     tag = ":requantised" if requantised else ""
     if head_ids is None:
         return None, tag
@@ -168,7 +168,7 @@ class LlamaRunner(PackedForwards, Runner):
         #: the earlier prefill parts' blocks a later part returns features of
         self._prefill_blocks = []
         #: (tokens, cache, its version) noted by note_held: nothing noted yet
-        self._held = ((), self.cache, -1)
+        self._held = (held_ids(()), self.cache, -1)
 
     # ---- constructors ---------------------------------------------------------------------
 
@@ -239,8 +239,7 @@ class LlamaRunner(PackedForwards, Runner):
                    hint="use a smaller --max-context, the int4 format (--weights int4) or a "
                         "machine with more memory")
         blocks = weights in ("int4", "int8") and not requantise
-        kept = HEAD_NAMES if requantise else frozenset()
-        return cls(file.config, FileTensors(file, blocks, kept, requantise), weights,
+        return cls(file.config, FileTensors(file, blocks, requantise), weights,
                    source=str(path), max_context=context, max_draft=max_draft,
                    head_ids=head_ids, requantised=requantise, **kwargs)
 
@@ -314,12 +313,12 @@ class LlamaRunner(PackedForwards, Runner):
         self.cache.load_rows(saved, length)
 
     def note_held(self, ids: Sequence[int]) -> None:
-        self._held = (tuple(ids[:self.cache.length]), self.cache, self.cache.version)
+        self._held = (held_ids(ids[:self.cache.length]), self.cache, self.cache.version)
 
-    def held_ids(self) -> tuple[int, ...]:
+    def held_tokens(self) -> np.ndarray:
         ids, cache, version = self._held
         unchanged = cache is self.cache and version == cache.version and cache.pending == 0
-        return ids if unchanged and self.reuses_prefix else ()
+        return ids if unchanged and self.reuses_prefix else held_ids(())
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:

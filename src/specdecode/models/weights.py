@@ -53,6 +53,8 @@ BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2 + 2, "fp32": 4 + 4}
 #: at most what block int8 holds of a file's block types (a code, a float32 scale and minimum
 #: per 16 weights: Q6_K's groups; fewer bytes where the group is 32 or the scales float16)
 BLOCK_INT8_BYTES = 1.5
+#: where a checkpoint's LM head lies (its own, or the embedding table it is tied to)
+HEAD_NAMES = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 class FileTensors(Mapping):
@@ -60,23 +62,21 @@ class FileTensors(Mapping):
     ``blocks``: 4-bit block types come as :class:`Q4Blocks` (their bytes, for int4), else
     every tensor is dequantised to float32 as ``transformers`` dequantises it."""
 
-    def __init__(self, file: GGUFFile, blocks: bool, kept: frozenset[str] = frozenset(),
-                 requantise: bool = False):
-        """``requantise``: the tensors not ``kept`` are read as blocks and dequantised here
+    def __init__(self, file: GGUFFile, blocks: bool, requantise: bool = False):
+        """``requantise``: the layers' tensors are read as blocks and dequantised here
         (:func:`as_float`: three times faster than the file reader's dequantisation, within
         float rounding of its numbers; for a draft, whose numbers never change the output),
-        for a runner to quantise them again; ``kept`` are read as blocks whatever ``blocks``
-        says (a requantised draft's LM head: Qwen2.5's Q8_0 head of 151,936 rows is 0.55 GB
-        as float32)."""
+        for a runner to quantise them again; the LM head (``HEAD_NAMES``) is then read as
+        blocks, for the runner to dequantise only the rows it keeps (Qwen2.5's Q8_0 head of
+        151,936 rows is 0.55 GB as float32)."""
         self.file = file
         self.blocks = blocks
-        self.kept = kept
         self.requantise = requantise
 
     def __getitem__(self, name: str):
         if name not in self.file.entries:
             raise KeyError(name)
-        if self.blocks or name in self.kept:
+        if self.blocks or self.requantise and name in HEAD_NAMES:
             return self.file.read_blocks(name)
         if self.requantise:
             return as_float(self.file.read_blocks(name))

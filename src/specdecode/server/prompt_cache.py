@@ -27,29 +27,17 @@ request computes bitwise what a full prefill computes; the cache changes when, n
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from specdecode.models.base import Runner
+from specdecode.models.kv_cache import common_prefix
 from specdecode.server.metrics import Metrics
 
 #: rows worth copying into the store: a shorter prefix is prefilled again in a moment
 MIN_SAVED_TOKENS = 64
-
-
-def held_ids(ids: Sequence[int]) -> np.ndarray:
-    """Token ids as the cache keeps them (a compact array that compares fast)."""
-    return np.asarray(ids, dtype=np.int64)
-
-
-def common_prefix(held: np.ndarray, ids: np.ndarray) -> int:
-    """How many tokens ``held`` and ``ids`` share from the start."""
-    n = min(len(held), len(ids))
-    differ = np.flatnonzero(held[:n] != ids[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 @dataclass

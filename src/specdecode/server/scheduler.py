@@ -46,13 +46,14 @@ from specdecode.api import GenerationResult, TextStream
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
+from specdecode.models.kv_cache import common_prefix, held_ids
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
                                deepened, learning_cap)
 from specdecode.server.metrics import Metrics
-from specdecode.server.prompt_cache import PromptCache, common_prefix, held_ids
+from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError
 
 log = logging.getLogger("specdecode.server")
