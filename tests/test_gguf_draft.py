@@ -12,6 +12,7 @@ it (no draft sizing from measured costs), so that seeded runs repeat whatever th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode.api import Decoder
 from specdecode.engine import Generation
@@ -39,6 +40,8 @@ def files(tmp_path_factory):
         "target": write_gguf(target, folder / "target.gguf", tokens=TOKENS),
         "close": write_gguf(noisy_copy(target, 0.3, seed=1), folder / "close.gguf", tokens=TOKENS),
         "other": write_gguf(tiny_llama(seed=3, layers=1), folder / "other.gguf", tokens=TOKENS),
+        "tied": write_gguf(tiny_llama(seed=5, layers=1, tie_embeddings=True),
+                           folder / "tied.gguf", tokens=TOKENS),
         "narrow": write_gguf(tiny_llama(vocab_size=80, seed=2, layers=1), folder / "narrow.gguf",
                              tokens=TOKENS[:80]),
         "retokenized": write_gguf(tiny_llama(seed=4, layers=1), folder / "retokenized.gguf",
@@ -92,29 +95,58 @@ def test_seeded_sampling_repeats(target, files, method, config):
 
 
 @pytest.mark.parametrize("method,config", [("draft_model", {}), ("dyspec", TREE)])
+@pytest.mark.parametrize("widen", [True, False])
 def test_a_shortlisted_head_drafts_only_its_tokens_and_changes_no_output(target, files, method,
-                                                                          config):
-    """``draft_vocab=48``: the draft's LM head scores the first 48 ids (FR-Spec); its drafts
-    hold no other token, greedy output is ``ar``'s, seeded sampling repeats."""
-    drafter = proposer(target, method, str(files["close"]), draft_vocab=48, **config)
+                                                                          config, widen):
+    """``draft_vocab=48``: the draft's LM head scores the first 48 ids (FR-Spec) and, unless
+    ``draft_vocab_context`` is false, the context's tokens outside them; its drafts hold no
+    other token, greedy output is ``ar``'s, seeded sampling repeats."""
+    drafter = proposer(target, method, str(files["close"]), draft_vocab=48,
+                       draft_vocab_context=widen, **config)
     runner = drafter.lm.runner.runner
     assert drafter.lm.head_ids.tolist() == list(range(48))
     assert runner.cost_key() != proposer(target, method, str(files["close"]),
                                          **config).lm.runner.runner.cost_key()
-    drafted = []
+    drafted, elsewhere = [], []
     for prompt in repetitive_prompts()[:3]:
         gen = generation(target, drafter, prompt, 32)
         gen.advance(gen.begin().run(target))
         while gen.finish_reason is None:
             call = gen.next_call()
+            context = set(prompt) | set(gen.tokens)
             drafted.extend(call.draft.tokens)
+            elsewhere.extend(t for t in call.draft.tokens if t >= 48 and t not in context)
             gen.advance(call.run(target))
         assert gen.tokens == ar(target, prompt, 32), (method, prompt)
-    assert drafted and max(drafted) < 48
+    assert drafted and not elsewhere
+    assert (max(drafted) >= 48) == widen  # the answers' own tokens past 48 were drafted
     prompt = repetitive_prompts()[1]
     runs = [generation(target, drafter, prompt, 24, temperature=0.9, seed=seed).run()
             for seed in (5, 5)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("which", ["close", "tied"])
+def test_a_widened_shortlist_scores_the_contexts_tokens_as_the_whole_head_does(target, files,
+                                                                              which):
+    """The tokens a widened shortlist scores are the first 48 ids and its context's others, of
+    the context it holds now (a context that forgets some forgets them too), each with the
+    logit the whole vocabulary's head gives it (its own rows, or the embedding's when tied)."""
+    def lm(vocab):
+        return proposer(target, "draft_model", str(files[which]), draft_vocab=vocab,
+                        draft_weights="fp32").lm
+
+    widened, whole = lm(48), lm(0)
+    first = repetitive_prompts()[4] + [60, 70, 80, 5, 6]
+    for context in (first, first + [88, 7], first[:3] + [7, 8, 85, 9]):
+        logits, _ = widened.catch_up(context)
+        expected = sorted(set(range(48)) | set(context))
+        assert widened.head_ids.tolist() == expected, context
+        full, _ = whole.catch_up(context)
+        torch.testing.assert_close(logits, full[widened.head_ids], rtol=1e-4, atol=1e-4)
+    rows, _ = widened.feed([86, 3], [-1, 0])
+    full_rows, _ = whole.feed([86, 3], [-1, 0])
+    torch.testing.assert_close(rows, full_rows[:, widened.head_ids], rtol=1e-4, atol=1e-4)
 
 
 def test_the_shortlist_is_the_first_ids_and_the_control_tokens():

@@ -56,6 +56,11 @@ class DraftSource:
                                     "and the control tokens (FR-Spec's frequency-ranked "
                                     "shortlist, in the order a BPE vocabulary's merges give its "
                                     "ids); 0: the whole vocabulary", startup_only=True)
+    draft_vocab_context: bool = param(True, "a shortlisted GGUF draft's head also scores "
+                                            "every token of the request's context outside "
+                                            "the shortlist (its rare words and names, read "
+                                            "from the head's rows); false: the shortlist "
+                                            "alone", startup_only=True)
 
     def __post_init__(self):
         require(self.draft_vocab >= 0,
@@ -214,7 +219,8 @@ def open_gguf_draft(path: Path, source: DraftSource,
                                  None if context is None else min(context, longest),
                                  source.draft_weights == "auto" and weights == "int4",
                                  None if head_ids is None else tuple(head_ids.tolist()))
-    return (NativeDraftLM(LlamaDrafter(loaded.replica()), head_ids),
+    return (NativeDraftLM(LlamaDrafter(loaded.replica()), head_ids,
+                          widen=source.draft_vocab_context),
             LoadedDraft(None, head_ids, None, str(path)))
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.drafting.context_shortlist import ContextShortlist
 from specdecode.models.kv_cache import DynamicKVCache
 
 if TYPE_CHECKING:
@@ -163,18 +164,35 @@ class NativeDraftLM(DraftCache):
     after them (:meth:`LlamaDrafter.read_tree`), and :meth:`prune` keeps the accepted path's
     rows, so accepted draft tokens are not computed again."""
 
-    def __init__(self, runner: LlamaDrafter, head_ids: torch.Tensor | None = None):
+    def __init__(self, runner: LlamaDrafter, head_ids: torch.Tensor | None = None,
+                 widen: bool = False):
+        """``head_ids``: the shortlist the runner's head scores (None: the vocabulary);
+        ``widen``: it also scores the context's tokens outside it, from the head's rows
+        (drafting/context_shortlist.py)."""
         self.runner = runner
-        self.head_ids = head_ids
         self.vocab_size = runner.vocab_size
         self.hidden_size = runner.hidden_size
+        self.shortlist = None if head_ids is None else ContextShortlist(
+            head_ids, self.vocab_size, runner.head_rows, runner.score)
+        self.widen = widen and head_ids is not None
         self.row_costs = None  # the draft runner's curve, once drafting is priced
         self.reset()
+
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """The ids this draft's logits score, ascending (None: the whole vocabulary)."""
+        return None if self.shortlist is None else self.shortlist.ids
 
     def reset(self) -> None:
         self.runner.rewind(0)
         self.tokens: list[int] = []
+        if self.shortlist is not None:
+            self.shortlist.clear()
         self._clear_tree()
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.runner.lm_head(normed)
+        return logits if self.shortlist is None else self.shortlist.logits(logits, normed)
 
     def _clear_tree(self) -> None:
         self.tree_tokens: list[int] = []
@@ -199,11 +217,17 @@ class NativeDraftLM(DraftCache):
         """As :meth:`DraftLM.catch_up`."""
         self.prune([])
         n = self._reusable(context)
+        if self.widen and self.shortlist.holds_any(self.tokens[n:]):
+            # the scored tokens are the kept context's alone (a seeded request repeats)
+            self.shortlist.clear()
+            self.shortlist.read(self.tokens[:n])
         del self.tokens[n:]
         self.runner.rewind(n)
         hidden = self.runner.extend(context[n:])[-1:]
         self.tokens.extend(context[n:])
-        return self.runner.lm_head(hidden)[0], hidden[0]
+        if self.widen:
+            self.shortlist.read(context[n:])
+        return self._logits(hidden)[0], hidden[0]
 
     def feed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DraftLM.feed`; a parent may also be a row of this same call (a whole
@@ -215,7 +239,7 @@ class NativeDraftLM(DraftCache):
         hidden = self.runner.read_tree(tokens, paths, len(self.tree_tokens))
         self.tree_tokens.extend(tokens)
         self.tree_paths.extend(paths)
-        return self.runner.lm_head(hidden), hidden
+        return self._logits(hidden), hidden
 
     def prune(self, path_rows: Sequence[int]) -> None:
         """As :meth:`DraftLM.prune`."""

@@ -46,6 +46,7 @@ DEFAULT_MAX_CONTEXT = 4096)) plus ``max_draft`` = 256 rows.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -242,6 +243,18 @@ class LlamaRunner(PackedForwards, Runner):
         return cls(file.config, FileTensors(file, blocks, requantise), weights,
                    source=str(path), max_context=context, max_draft=max_draft,
                    head_ids=head_ids, requantised=requantise, **kwargs)
+
+    def head_rows(self, ids: Sequence[int]) -> torch.Tensor:
+        """float32 [n, H]: the LM head's rows of the vocabulary ``ids``, as the whole head's
+        dequantisation gives them (a file's read from its blocks: what a drafter's shortlist
+        adds for a request, drafting/context_shortlist.py)."""
+        tied = self._head_name == "model.embed_tokens.weight"
+        return (self.embed if tied else self._head_table).rows(ids)
+
+    @functools.cached_property
+    def _head_table(self):
+        """An untied head's rows reader (:meth:`head_rows`), made when first asked for."""
+        return embedding_table(self._head_weights, self._head_name)
 
     def replica(self) -> LlamaRunner:
         twin = copy.copy(self)  # weights, rope tables: shared, read-only

@@ -70,3 +70,14 @@ class LlamaDrafter:
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, V] from normed states [n, H]."""
         return lm_head(self.runner, normed)
+
+    def head_rows(self, ids: Sequence[int]) -> torch.Tensor:
+        """float32 [n, H]: the LM head's rows of the vocabulary ``ids`` (see
+        :meth:`LlamaRunner.head_rows`)."""
+        return self.runner.head_rows(ids)
+
+    @torch.inference_mode()
+    def score(self, normed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, len(rows)] of normed states [n, H] against head rows, capped and
+        scaled as :meth:`lm_head`'s."""
+        return self.runner._capped(normed.float() @ rows.T)
