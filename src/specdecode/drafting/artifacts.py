@@ -214,11 +214,10 @@ def open_gguf_draft(path: Path, source: DraftSource,
     longest = LlamaShape.from_config(file.config).max_context
     context = getattr(runner, "max_context", None)  # None: the native default
     weights = native_weights(source.draft_weights, file.config)
-    head_ids = shortlist_ids(file.fields, source.draft_vocab, runner.vocab_size)
-    loaded = _gguf_draft_weights(*file_version(path), weights,
-                                 None if context is None else min(context, longest),
-                                 source.draft_weights == "auto" and weights == "int4",
-                                 None if head_ids is None else tuple(head_ids.tolist()))
+    loaded, head_ids = _gguf_draft_weights(*file_version(path), weights,
+                                           None if context is None else min(context, longest),
+                                           source.draft_weights == "auto" and weights == "int4",
+                                           source.draft_vocab, runner.vocab_size)
     return (NativeDraftLM(LlamaDrafter(loaded.replica()), head_ids,
                           widen=source.draft_vocab_context),
             LoadedDraft(None, head_ids, None, str(path)))
@@ -245,17 +244,19 @@ def shortlist_ids(fields: dict, size: int, vocab: int) -> torch.Tensor | None:
 
 @functools.cache
 def _gguf_draft_weights(path: Path, size: int, mtime_ns: int, weights: str,
-                        max_context: int | None, requantise: bool,
-                        head_ids: tuple[int, ...] | None):
-    """The native runner of a GGUF draft, loaded once a process for a file (as it is on disk:
-    its size and modification time), weight format, context and head shortlist: every
-    proposer drafting with it (a server's slots, a bench's methods) gets a replica, its own KV
-    cache over these weights, so ``--parallel 4`` holds one copy of the draft's weights, not
-    four."""
+                        max_context: int | None, requantise: bool, draft_vocab: int,
+                        vocab: int):
+    """(the native runner of a GGUF draft, its head's shortlist: :func:`shortlist_ids` of
+    ``draft_vocab`` in a ``vocab``), loaded once a process for a file (as it is on disk: its
+    size and modification time), weight format, context and shortlist: every proposer
+    drafting with it (a server's slots, a bench's methods) gets a replica, its own KV cache
+    over these weights, so ``--parallel 4`` holds one copy of the draft's weights, not four."""
+    from specdecode.models.gguf_reader import GGUFFile
     from specdecode.models.llama import LlamaRunner
 
+    head_ids = shortlist_ids(GGUFFile(path).fields, draft_vocab, vocab)
     return LlamaRunner.from_gguf(path, weights, max_context=max_context, requantise=requantise,
-                                 head_ids=None if head_ids is None else torch.tensor(head_ids))
+                                 head_ids=head_ids), head_ids
 
 
 def open_draft(source: DraftSource, runner: Runner,

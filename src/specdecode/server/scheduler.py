@@ -48,7 +48,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.models.kv_cache import common_prefix, held_ids
 from specdecode.sampling import SamplingParams
-from specdecode.estimates import Acceptance, StepOverhead
+from specdecode.estimates import Acceptance, RowCosts, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
                                deepened, learning_cap)
@@ -149,6 +149,19 @@ class _Decoder:
     tokenizer: Any
     #: the estimate it counts against the slot's proposer memory
     bytes: int
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """A decoding sequence's part in a step's draft allocation (``Scheduler._caps``)."""
+
+    #: what ``sizing.allocate`` weighs: its draft levels and their seconds
+    candidate: Candidate
+    #: fallback(row costs, the step's rows): the cap it sends where the allocation sends none
+    #: (``sizing.learning_cap``), or None
+    fallback: Callable[[RowCosts, int], tuple[int, int] | None]
+    #: its deepest draft (its controller's, the server's row cap, the tokens it has left)
+    most: int
 
 
 @dataclass
@@ -467,39 +480,38 @@ class Scheduler:
         level's seconds by its drafter's curve (until its method's drafting is timed)."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
-        candidates, fallbacks, limits = [], [], []
-        for seq, (catch_up_s, level_s) in zip(drafting, priced):
-            prior = self._method_acceptance(seq)
-            generation = seq.generation
-            left = generation.max_new_tokens - len(generation.tokens)
-            most = min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1)
-            limits.append(most)
-            if generation.proposer.prices_own_drafting:  # auto sizes each part's drafts itself
-                candidates.append(Candidate(()))
-                fallbacks.append(lambda *_, whole=(most, self.max_draft_rows): whole)
-                continue
-            levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
-                                           prior)
-            draft_s, level_s = self._drafting(seq).priced(level_s)
-            candidates.append(Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels),
-                                        level_s))
-            # where the budget leaves a sequence without a draft, one is sent anyway when its
-            # method's estimate must learn: a token while the method is seldom seen drafting,
-            # a small draft after long without one (an early miss would keep it at nothing)
-            fallbacks.append(functools.partial(
-                learning_cap, max_depth=most, max_nodes=self.max_draft_rows,
-                tried=max(prior.drafts, seq.acceptance.drafts), idle=seq.idle, tokens_left=left,
-                draft_s=draft_s, level_s=level_s, catch_up_s=catch_up_s))
+        sizings = [self._sizing(seq, *seconds) for seq, seconds in zip(drafting, priced)]
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
-        caps = allocate(candidates, self.row_costs, len(drafting) + prompt_rows,
-                        *self._overhead.line)
+        caps = allocate([sizing.candidate for sizing in sizings], self.row_costs,
+                        len(drafting) + prompt_rows, *self._overhead.line)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
-        return [deepened((depth, min(rows, self.max_draft_rows)), seq.acceptance, most,
+        return [deepened((depth, min(rows, self.max_draft_rows)), seq.acceptance, sizing.most,
                          self.max_draft_rows) if depth
-                else fallback(self.row_costs, step_rows) or (0, 0)
-                for (depth, rows), fallback, seq, most in zip(caps, fallbacks, drafting, limits)]
+                else sizing.fallback(self.row_costs, step_rows) or (0, 0)
+                for (depth, rows), sizing, seq in zip(caps, sizings, drafting)]
+
+    def _sizing(self, seq: _Sequence, catch_up_s: float, level_s: float) -> _Sizing:
+        """``seq``'s part in its step's allocation (see :meth:`_caps`)."""
+        prior = self._method_acceptance(seq)
+        generation = seq.generation
+        left = generation.max_new_tokens - len(generation.tokens)
+        most = min(generation.controller.budget().max_depth, self.max_draft_rows, left - 1)
+        if generation.proposer.prices_own_drafting:  # auto sizes each part's drafts itself
+            whole = (most, self.max_draft_rows)
+            return _Sizing(Candidate(()), lambda *_: whole, most)
+        levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
+                                       prior)
+        draft_s, level_s = self._drafting(seq).priced(level_s)
+        candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels), level_s)
+        # where the budget leaves a sequence without a draft, one is sent anyway when its
+        # method's estimate must learn: a token while the method is seldom seen drafting, a
+        # small draft after long without one (an early miss would keep it at nothing)
+        return _Sizing(candidate, functools.partial(
+            learning_cap, max_depth=most, max_nodes=self.max_draft_rows,
+            tried=max(prior.drafts, seq.acceptance.drafts), idle=seq.idle, tokens_left=left,
+            draft_s=draft_s, level_s=level_s, catch_up_s=catch_up_s), most)
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
