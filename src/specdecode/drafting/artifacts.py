@@ -60,7 +60,7 @@ class DraftSource:
                                             "every token of the request's context outside "
                                             "the shortlist (its rare words and names, read "
                                             "from the head's rows); false: the shortlist "
-                                            "alone", startup_only=True)
+                                            "alone")
 
     def __post_init__(self):
         require(self.draft_vocab >= 0,
