@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 #: context tokens outside the shortlist scored at most (the first in the context's order): a
-#: long prompt's rare tokens add as many head rows (3.7 MB at the 0.5B's 896 dimensions) and a
+#: long prompt's rare tokens add as many head rows (14.7 MB at the 0.5B's 896 dimensions) and a
 #: product with them to every draft row
 MAX_EXTRA = 4096
 
