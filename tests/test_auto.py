@@ -259,6 +259,12 @@ def test_needs_are_the_union_of_the_parts():
     assert auto.needs == Needs(final_hidden=True, layers=(1, 3))
 
 
+def test_the_default_parts_draft_with_a_named_draft_model():
+    assert AutoConfig().part_names == ["suffix", "hydra"]
+    assert AutoConfig(draft="qwen2.5-coder-0.5b").part_names == ["suffix", "draft_model"]
+    assert AutoConfig(parts="suffix,dyspec", draft="d.gguf").part_names == ["suffix", "dyspec"]
+
+
 def test_bad_parts_are_named():
     with pytest.raises(SpecDecodeError, match="two or more parts"):
         AutoConfig(parts="suffix")

@@ -149,6 +149,18 @@ def test_a_widened_shortlist_scores_the_contexts_tokens_as_the_whole_head_does(t
     torch.testing.assert_close(rows, full_rows[:, widened.head_ids], rtol=1e-4, atol=1e-4)
 
 
+def test_auto_given_a_draft_drafts_with_it_and_changes_no_output(target, files):
+    """``auto -c draft=FILE.gguf`` (no parts named): suffix and draft_model, greedy output
+    ``ar``'s; without a draft, a target with no heads is told it may name one."""
+    auto = proposer(target, "auto", str(files["close"]))
+    assert auto.names == ["suffix", "draft_model"]
+    for prompt in repetitive_prompts()[:2]:
+        assert generation(target, auto, prompt, 24).run() == ar(target, prompt, 24), prompt
+    # without a draft its default heads are asked for: none are trained for this target
+    with pytest.raises(SpecDecodeError, match=r"no trained hydra heads.*-c draft=NAME"):
+        proposer(target, "auto")
+
+
 def test_the_shortlist_is_the_first_ids_and_the_control_tokens():
     normal, control, user = 1, 3, 4
     fields = {"tokenizer.ggml.token_type": [normal] * 90 + [control, user, normal] + [5] * 3}

@@ -5,8 +5,8 @@ arXiv 2406.14066, applied per step to a choice between drafters rather than to o
 the choice between a model-free and a learned drafter by recent acceptance follows
 SuffixDecoding's hybrid with EAGLE, Oliaro et al., 2024, arXiv 2411.04975).
 
-The parts (default ``suffix`` and ``hydra``) are registered exact proposers, each with its own
-state. Every verify step is fed to every part (``observe``), drafted or not, so a suffix tree
+The parts (default ``suffix`` and ``hydra``, or ``suffix`` and ``draft_model`` where ``draft``
+names a draft model) are registered exact proposers, each with its own state. Every verify step is fed to every part (``observe``), drafted or not, so a suffix tree
 sees every committed token and a head drafter every committed feature; ``needs`` is the union
 of the parts' ``needs``.
 
@@ -18,7 +18,7 @@ verification and the parts' bookkeeping grow with the rows, which the forward's 
 see; a line through the median seconds of the recent steps by row count, so that a step the
 machine stalled does not price every row after it), and the drafting seconds of each part
 that drafted: a line in its depth, timed per part, and for a draft model (``draft_model``,
-``dyspec``: ``auto:parts=suffix+draft_model`` with ``draft=...``) the reading of the tokens it
+``dyspec``: ``auto:draft=...``) the reading of the tokens it
 skipped while other parts drafted, by its own row-cost curve and spread over the request's
 steps left, as one draft model alone is priced (:mod:`specdecode.sizing`). What a step gains:
 1 + the expected accepted tokens, from the arm's recent acceptance per depth
@@ -65,7 +65,7 @@ from typing import NamedTuple
 from specdecode import registry
 from specdecode.control import Budget, Controller
 from specdecode.draft import Draft
-from specdecode.errors import require
+from specdecode.errors import SpecDecodeError, require
 from specdecode.models.base import Needs, Runner
 from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposer import Feedback, Proposer
@@ -81,9 +81,10 @@ SHARED_FIELDS = ("heads", "min_path_prob", "corpus", "draft")
 @dataclass(frozen=True)
 class AutoConfig:
     # startup only: which proposers one request builds, and so the memory it takes
-    parts: str = param("suffix,hydra", "the proposers to choose between, registered exact "
-                                       "methods (model-free and learned) separated by ',' or "
-                                       "'+' (a bench variant: auto:parts=suffix+eagle)",
+    parts: str = param("auto", "the proposers to choose between, registered exact methods "
+                               "(model-free and learned) separated by ',' or '+' (a bench "
+                               "variant: auto:parts=suffix+eagle); auto: suffix and "
+                               "draft_model where `draft` names a draft, else suffix and hydra",
                        startup_only=True)
     heads: str = param("auto", "trained heads for the parts that take them ('auto': the newest "
                                "for this target, or the one shipped for the default model)")
@@ -93,7 +94,8 @@ class AutoConfig:
                                 "(suffix's corpus: a file, 'auto' or 'none')")
     draft: str = param("distilled", "the draft of the parts that draft with a model "
                                     "(draft_model, dyspec): as their own 'draft', e.g. "
-                                    "qwen2.5-coder-0.5b (auto:parts=suffix+draft_model)")
+                                    "qwen2.5-coder-0.5b (with the default parts: suffix and "
+                                    "draft_model)")
     merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
                                    "anyway, so its acceptance estimate stays current",
@@ -108,7 +110,10 @@ class AutoConfig:
 
     @property
     def part_names(self) -> list[str]:
-        return [name.strip() for name in re.split(r"[,+]", self.parts) if name.strip()]
+        parts = self.parts
+        if parts == "auto":  # a draft named is a draft the user wants drafting
+            parts = "suffix,hydra" if self.draft == "distilled" else "suffix,draft_model"
+        return [name.strip() for name in re.split(r"[,+]", parts) if name.strip()]
 
 
 class _Record:
@@ -244,7 +249,14 @@ class AutoProposer(Proposer):
         method = registry.get(name)
         fields = {f for f, _, _ in method.defaults()}
         shared = {f: getattr(self.config, f) for f in SHARED_FIELDS if f in fields}
-        return method.proposer(method.make_config(shared), self.runner)
+        try:
+            return method.proposer(method.make_config(shared), self.runner)
+        except SpecDecodeError as exc:
+            if self.config.parts != "auto":
+                raise
+            raise SpecDecodeError(f"{exc}; or give auto a draft model to choose instead "
+                                  "(-c draft=NAME or FILE.gguf, e.g. qwen2.5-coder-0.5b) or "
+                                  "other parts (-c parts=suffix,ngram)") from None
 
     def make_controller(self) -> Controller:
         limits = [c.budget() for c in self.controllers]
