@@ -6,9 +6,9 @@ the choice between a model-free and a learned drafter by recent acceptance follo
 SuffixDecoding's hybrid with EAGLE, Oliaro et al., 2024, arXiv 2411.04975).
 
 The parts (default ``suffix`` and ``hydra``, or ``suffix`` and ``draft_model`` where ``draft``
-names a draft model) are registered exact proposers, each with its own state. Every verify step is fed to every part (``observe``), drafted or not, so a suffix tree
-sees every committed token and a head drafter every committed feature; ``needs`` is the union
-of the parts' ``needs``.
+names a draft model) are registered exact proposers, each with its own state. Every verify step
+is fed to every part (``observe``), drafted or not, so a suffix tree sees every committed token
+and a head drafter every committed feature; ``needs`` is the union of the parts' ``needs``.
 
 What a step costs: the forward over ``1 + nodes`` rows (the runner's row-cost curve,
 :func:`specdecode.models.row_costs.cached_row_costs`, measured once on a replica), the seconds
@@ -252,8 +252,8 @@ class AutoProposer(Proposer):
         try:
             return method.proposer(method.make_config(shared), self.runner)
         except SpecDecodeError as exc:
-            if self.config.parts != "auto":
-                raise
+            if self.config.parts != "auto" or self.config.draft != "distilled":
+                raise  # (the default heads are what was missing only without a draft)
             raise SpecDecodeError(f"{exc}; or give auto a draft model to choose instead "
                                   "(-c draft=NAME or FILE.gguf, e.g. qwen2.5-coder-0.5b) or "
                                   "other parts (-c parts=suffix,ngram)") from None
