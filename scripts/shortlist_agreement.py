@@ -5,13 +5,15 @@ shortlisted head and the shortlist widened by the context's tokens (``draft_voca
         docs/results/qwen-coder-1.5b-zen5-greedy/records.jsonl --draft qwen2.5-coder-0.5b
 
 Reads the ``ar`` turns of a bench report's records (their prompt and answer tokens), runs the
-draft (the native runner, its default GGUF-draft format: every matrix requantised to int4)
+draft (the native runner, its layers requantised to int4 as a GGUF draft's are by default)
 over each prompt and answer once, and counts, per task, the answer positions where the draft's
 top token is the answer's next token: over the whole vocabulary, over the first ``--vocab`` ids
 and the control tokens (``shortlist_ids``), and over those and every token of the context so
-far (the prompt and the answer's earlier tokens) outside them, as a drafting request's
-widened shortlist has them. Teacher-forced and greedy: no timing, the same numbers on every
-machine.
+far (the prompt and the answer's earlier tokens) outside them, the tokens a drafting request's
+widened shortlist holds. Every kind is scored by the one whole head, in the file's own blocks
+(a drafting request scores its shortlist's rows requantised to int4 and the context's added
+rows in float32, so a few close argmaxes may fall otherwise). Teacher-forced and greedy: no
+timing, the same numbers on every machine.
 """
 
 from __future__ import annotations
