@@ -40,9 +40,12 @@ from test_exactness import tiny_overrides
 from test_sampling_stats import reference_probs
 from tiny_models import noisy_copy
 
+#: a bias that changes greedy and sampled outputs of the tiny target (a JSON-style key, an int
+#: key; test_logit_bias_changes_the_output holds it to that)
+BIAS = {"7": 3.0, 11: -100.0, 40: 1.5}
 #: every option at once (the registry-wide and oracle tests)
 ALL_OPTIONS = dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
-                   presence_penalty=0.3, frequency_penalty=0.2)
+                   presence_penalty=0.3, frequency_penalty=0.2, logit_bias=BIAS)
 
 
 def transformers_probs(logits, ids, params: SamplingParams) -> torch.Tensor:
@@ -66,6 +69,9 @@ def ours(logits, context, params, prompt_len=None):
     dict(temperature=0.6, top_k=30, top_p=0.9, min_p=0.05),
     dict(temperature=1.0, top_p=0.5, repetition_penalty=1.4),
     dict(temperature=0.5, top_k=5, repetition_penalty=0.8),
+    # a bias on ids the context holds: it comes before the repetition penalty, as there
+    dict(temperature=0.9, repetition_penalty=1.5,
+         logit_bias={i: (i % 7 - 3) * 1.5 for i in range(0, 200, 3)}),
 ])
 def test_filters_match_transformers(options):
     params = SamplingParams(**options)
@@ -109,6 +115,39 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     want[2] = -0.5 - 0.25 * 1
     want[3] = -0.5 - 0.25 * 3
     torch.testing.assert_close(got, want)
+
+
+def test_logit_bias_adds_to_the_logits_of_its_ids():
+    logits = torch.zeros(8)
+    nodes = NodeDistributions(logits[None], SamplingParams(logit_bias={"3": 2.5, 6: -100}),
+                              [1, 2], 2, Draft.empty())
+    want = torch.zeros(8)
+    want[3], want[6] = 2.5, -100
+    torch.testing.assert_close(nodes.penalised(0), want)
+    assert nodes.argmax(0) == 3
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logit_bias_changes_the_output(target, sampled):
+    """The registry-wide cases' bias is not a no-op on the tiny target: with it ar writes
+    other tokens, and a banned token never appears."""
+    options = dict(temperature=0.8, seed=11) if sampled else {}
+    prompt = repetitive_prompts()[1]
+    plain = Decoder(target, None, "ar", eos_token_ids=[]).start(prompt, NEW_TOKENS, **options).run()
+    biased = Decoder(target, None, "ar", eos_token_ids=[]).start(
+        prompt, NEW_TOKENS, logit_bias=BIAS, **options).run()
+    assert biased != plain
+    assert 11 not in biased
+    banned = Decoder(target, None, "ar", eos_token_ids=[]).start(
+        prompt, NEW_TOKENS, logit_bias={t: -100 for t in set(plain)}, **options).run()
+    assert not set(banned) & set(plain)
+
+
+def test_logit_bias_past_the_vocabulary_is_refused(target):
+    with pytest.raises(SpecDecodeError, match=r"logit_bias names token 96, outside the model's "
+                                              r"vocabulary \(ids 0..95\)"):
+        specdecode.generate(target, None, [1, 2, 3], method="ngram", max_new_tokens=4,
+                            logit_bias={96: 1.0})
 
 
 def test_tiny_temperatures_decode_greedily_without_overflow(tiny_model):
@@ -253,9 +292,11 @@ class Recorder:
         return draft
 
 
-#: (options, prompt) pairs of the registry-wide test
+#: (options, prompt) pairs of the registry-wide test (the last greedy: every proposer's tokens
+#: are ar's, whatever its drafts carry)
 REGISTRY_CASES = [(dict(temperature=1.0), repetitive_prompts()[0]),
-                  (ALL_OPTIONS, repetitive_prompts()[1])]
+                  (ALL_OPTIONS, repetitive_prompts()[1]),
+                  (dict(logit_bias=BIAS), repetitive_prompts()[1])]
 NEW_TOKENS = 24
 
 
@@ -274,7 +315,7 @@ def test_seeded_sampling_matches_ar_for_every_proposer(target, draft_folder, ar_
         decoder = Decoder(target, None, method, eos_token_ids=[], **config)
         recorder = Recorder(decoder.proposer)
         tokens = decoder.start(prompt, NEW_TOKENS, seed=11, **options).run()
-        if recorder.with_probs == 0:
+        if recorder.with_probs == 0 or "temperature" not in options:
             assert tokens == expected, (method, options)
         else:
             # drafts with probabilities draw acceptance uniforms: the same distribution as ar
@@ -361,6 +402,14 @@ BAD = [
     (dict(seed=2 ** 64), "seed must be an integer in [-2**63, 2**64)"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2]"),
+    (dict(logit_bias={"the": 1.0}), "logit_bias keys must be token ids (integers >= 0)"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids (integers >= 0)"),
+    (dict(logit_bias={True: 1.0}), "logit_bias keys must be token ids (integers >= 0)"),
+    (dict(logit_bias={"5": 101}), "logit_bias values must be numbers in [-100, 100]"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values must be numbers in [-100, 100]"),
+    (dict(logit_bias={5: "high"}), "logit_bias values must be numbers in [-100, 100]"),
+    (dict(logit_bias="7=1"), "logit_bias must map token ids to numbers"),
+    (dict(logit_bias=[(5, 1.0, 2.0)]), "logit_bias must map token ids to numbers"),
 ]
 
 
@@ -391,6 +440,10 @@ def test_numpy_integers_are_accepted():
     (["--top-k", "-3"], "top_k must be an integer >= 0"),
     (["--min-p", "2"], "min_p must be in [0, 1]"),
     (["--seed", "-99999999999999999999999"], "seed must be an integer in"),
+    (["--logit-bias", "7"], "--logit-bias expects ID=BIAS"),
+    (["--logit-bias", "7=strong"], "--logit-bias expects ID=BIAS"),
+    (["--logit-bias", "x=1"], "logit_bias keys must be token ids"),
+    (["--logit-bias", "7=200"], "logit_bias values must be numbers in [-100, 100]"),
 ])
 def test_cli_bad_options_one_line_exit_2(capsys, argv, message):
     assert main(["generate", "hi", "--method", "ngram"] + argv) == 2

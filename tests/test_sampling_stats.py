@@ -29,14 +29,15 @@ import pytest
 import torch
 from scipy.stats import chi2
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                          SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from specdecode.proposer import Proposer
 import specdecode.verify as verify_module
 from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.models.base import NOTHING, ForwardOutput, Runner
-from specdecode.sampling import NodeDistributions, SamplingParams, apply_penalties, sample
+from specdecode.sampling import NodeDistributions, SamplingParams, adjust_logits, sample
 from specdecode.verify import VerifyResult, verify
 
 from tiny_models import tiny_llama
@@ -50,7 +51,8 @@ LENGTH = 3
 PROMPT = (2, 2, 0)
 PLAIN = SamplingParams(temperature=1.0)
 OPTIONS = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.15, repetition_penalty=1.5,
-                         presence_penalty=0.3, frequency_penalty=0.4)
+                         presence_penalty=0.3, frequency_penalty=0.4,
+                         logit_bias={"1": 0.6, "3": -0.4})
 
 
 # ---- hand-built distributions ------------------------------------------------------------
@@ -74,10 +76,13 @@ def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
 def reference_probs(logits: torch.Tensor, prompt, prefix: tuple[int, ...],
                     params: SamplingParams) -> torch.Tensor:
     """The sampling distribution [V] after ``prompt + prefix`` given the raw next-token
-    ``logits``, processed independently of specdecode: transformers' processors, OpenAI's
-    presence/frequency penalties written out."""
+    ``logits``, processed independently of specdecode: transformers' processors (its
+    sequence bias for ``logit_bias``), OpenAI's presence/frequency penalties written out."""
     ids = torch.tensor([list(prompt) + list(prefix)])
     logits = logits[None].clone()
+    if params.logit_bias:
+        bias = {(token,): value for token, value in params.logit_bias}
+        logits = SequenceBiasLogitsProcessor(bias)(ids, logits)
     if params.repetition_penalty != 1.0:
         logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, logits)
     for token, count in Counter(prefix).items():
@@ -252,7 +257,7 @@ def typical_acceptance(draft, logits, params, context, prompt_len, generator,
 
 def _penalised_without_path(self, row):
     """Wrong: a draft node penalised with the committed context only, not its own path."""
-    return apply_penalties(self.logits[row].float(), self.params, self.seen, self.counts)
+    return adjust_logits(self.logits[row].float(), self.params, self.seen, self.counts)
 
 
 WRONG_RULES = {
@@ -370,7 +375,8 @@ class RandomTreeProposer(Proposer):
 ENGINE_VOCAB = 6
 ENGINE_PROMPT = [1, 4, 4, 3]
 ENGINE_OPTIONS = SamplingParams(temperature=0.9, top_k=4, top_p=0.95, repetition_penalty=1.3,
-                                presence_penalty=0.2, frequency_penalty=0.3)
+                                presence_penalty=0.2, frequency_penalty=0.3,
+                                logit_bias={"2": 0.8, "5": -0.6})
 #: new tokens per request: the prefill's token, then one step with a tree of depth 2
 ENGINE_NEW = 4
 

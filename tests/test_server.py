@@ -186,6 +186,20 @@ def test_seeded_sampling_repeats_and_n_choices(client, model, tokenizer):
         for s in (11, 12, 13))
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_logit_bias_is_the_decoder_apis(client, model, tokenizer, method):
+    """OpenAI's logit_bias: the served answer is the Decoder API's with the same bias, and
+    the tokens of the unbiased answer, all but banned, do not appear."""
+    decoder = Decoder(HFRunner(model), tokenizer, method, [EOS])
+    plain = decoder.generate("Tell me a story", 24)
+    bias = {str(t): -100 for t in set(plain.token_ids)}
+    alone = decoder.generate("Tell me a story", 24, logit_bias=bias)
+    response = chat(client, "Tell me a story", logit_bias=bias,
+                    extra_body={"specdecode": {"method": method}})
+    assert response.choices[0].message.content == alone.text != plain.text
+    assert not set(alone.token_ids) & set(plain.token_ids)
+
+
 def test_models_health_and_metrics(served, client):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == MODEL and f"{MODEL}+suffix" in ids and f"{MODEL}+ar" in ids
@@ -312,6 +326,13 @@ def with_(**changes):
      "prompt", "outside the vocabulary"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), 400,
      "echo", "not supported"),
+    ("/v1/chat/completions", with_(logit_bias={"5": 150}), 400, "logit_bias",
+     "logit_bias values must be numbers in [-100, 100]"),
+    ("/v1/chat/completions", with_(logit_bias={"hello": 1}), 400, "logit_bias",
+     "logit_bias keys must be token ids"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x",
+                                    "logit_bias": {"5000": -100}}).encode(), 400, "logit_bias",
+     "outside this model's vocabulary"),
     ("/v1/nothing", json.dumps(GOOD).encode(), 404, None, "Not Found"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, path, body, status,

@@ -49,6 +49,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                       help="add BIAS (-100..100) to token ID's logit at every position "
+                            "(OpenAI's logit_bias; -100 all but bans it); repeat for more tokens")
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -56,8 +59,25 @@ def sampling_options(args: argparse.Namespace) -> dict:
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
                if hasattr(args, f.name)}
+    if options.get("logit_bias") is not None:
+        options["logit_bias"] = _logit_bias(options["logit_bias"])
     SamplingParams(**options)  # validate before any model loads
     return options
+
+
+def _logit_bias(pairs: list[str]) -> dict[str, float]:
+    """--logit-bias ID=BIAS flags -> {ID: BIAS} (SamplingParams checks the ids and values)."""
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            bias[token.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SpecDecodeError(f"--logit-bias expects ID=BIAS (a token id and a number), "
+                                  f"got {pair!r}")
+    return bias
 
 
 def parse_config(pairs: list[str]) -> dict[str, str]:

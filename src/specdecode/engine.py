@@ -199,6 +199,9 @@ class Generation:
                     f"the constraint was built for a vocabulary of {vocab} tokens but the model "
                     f"has {runner.vocab_size}; build it with the model's vocab_size")
             self.constraint = sampling.constraint.start()
+        require(sampling.max_biased_id < runner.vocab_size,
+                f"logit_bias names token {sampling.max_biased_id}, outside the model's "
+                f"vocabulary (ids 0..{runner.vocab_size - 1})")
         #: one entry per committed token when ``sampling.logprobs`` is set, else None
         self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         self.tokens: list[int] = []

@@ -64,7 +64,7 @@ def target_argmax(feedback: Feedback, rows: Sequence[int], sampling: SamplingPar
     with the request's penalties applied along each node's own path, as the verifier does."""
     if not rows:
         return []
-    if not sampling.has_penalties:
+    if not sampling.adjusts_logits:
         return feedback.logits[list(rows)].argmax(-1).tolist()
     nodes = NodeDistributions(feedback.logits, sampling, feedback.context, prompt_len,
                               feedback.draft)

@@ -1,9 +1,11 @@
 """Sampling options, applied to the target's logits at every draft node with that node's context.
 
 The options keep the meanings users know from ``transformers`` and the OpenAI API, applied in
-the order both use: penalties, then the constraint's token mask (grammar, banned outputs:
-:mod:`specdecode.constraints`), then temperature, then top-k, top-p and min-p.
+the order they use: the logit bias, then penalties, then the constraint's token mask (grammar,
+banned outputs: :mod:`specdecode.constraints`), then temperature, then top-k, top-p and min-p.
 
+- ``logit_bias`` (OpenAI): a number in [-100, 100] added to the logit of each token id it names
+  (-100 all but bans a token, 100 all but forces it), at every position.
 - ``repetition_penalty`` (CTRL / transformers): every token present anywhere in the context
   (prompt and output) has its logit divided by the penalty if positive, multiplied if negative.
 - ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once and
@@ -41,6 +43,8 @@ from specdecode.errors import SpecDecodeError, require
 GREEDY_BELOW = 1e-5
 #: most alternatives reported per token (OpenAI's limit on top_logprobs)
 MAX_TOP_LOGPROBS = 20
+#: the largest logit bias either way (OpenAI's range)
+MAX_LOGIT_BIAS = 100
 
 
 def first_argmax(logits: torch.Tensor) -> int:
@@ -77,6 +81,9 @@ class SamplingParams:
     logprobs: int | None = None
     #: grammar and banned outputs (:func:`specdecode.constraints.make_constraint`); None = none
     constraint: ConstraintSpec | None = None
+    #: token id -> number added to its logit (a mapping, or (id, bias) pairs; ids may be
+    #: decimal strings, as JSON keys are); stored as pairs ascending by id; None = none
+    logit_bias: Mapping[int | str, float] | Sequence[tuple[int, float]] | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -113,6 +120,7 @@ class SamplingParams:
                 "constraint must be built by specdecode.constraints.make_constraint")
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # numpy integers pass the checks above; store plain ints (hashable, JSON-friendly)
         object.__setattr__(self, "top_k", int(self.top_k))
         if self.seed is not None:
@@ -127,6 +135,18 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a logit bias change logits by token id before temperature:
+        then no shortcut may skip the vocabulary's processing (a shortlist's own argmax or
+        softmax, the raw logits' argmax)."""
+        return self.has_penalties or bool(self.logit_bias)
+
+    @property
+    def max_biased_id(self) -> int:
+        """The largest token id ``logit_bias`` names (-1: none), for the vocabulary's check."""
+        return self.logit_bias[-1][0] if self.logit_bias else -1
+
     def generator(self) -> torch.Generator:
         """One generator per request: seeded runs repeat, whatever other requests do."""
         gen = torch.Generator()
@@ -137,6 +157,32 @@ class SamplingParams:
         return gen
 
 
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as (id, bias) pairs ascending by id, checked; None when empty."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    require(isinstance(items, Collection) and not isinstance(items, (str, bytes)),
+            "logit_bias must map token ids to numbers, e.g. {\"42\": -100}, "
+            f"got {type(bias).__name__}")
+    pairs = {}
+    for entry in items:
+        require(isinstance(entry, (tuple, list)) and len(entry) == 2,
+                f"logit_bias must map token ids to numbers, got the entry {entry!r}")
+        token, value = entry
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        require(isinstance(token, numbers.Integral) and not isinstance(token, bool)
+                and token >= 0,
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        require(isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS,
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                f"got {value!r} for token {token}")
+        pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items())) or None
+
+
 GREEDY = SamplingParams()
 
 #: first guess at how many tokens hold top_p of the mass (SmolLM2 at temperature 0.7, top_p
@@ -144,11 +190,16 @@ GREEDY = SamplingParams()
 _NUCLEUS_GUESS = 64
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, seen: Collection[int],
-                    counts: Mapping[int, int]) -> torch.Tensor:
-    """Penalised copy of ``logits`` [V]: ``seen`` holds every token of the context (repetition
-    penalty), ``counts`` each generated token's occurrences (presence/frequency penalties)."""
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, seen: Collection[int],
+                  counts: Mapping[int, int]) -> torch.Tensor:
+    """Penalised and biased copy of ``logits`` [V]: ``seen`` holds every token of the context
+    (repetition penalty), ``counts`` each generated token's occurrences (presence/frequency
+    penalties). The bias comes first, as in ``transformers`` and llama.cpp (it matters
+    for the repetition penalty, which scales a logit)."""
     logits = logits.clone()
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        logits[list(ids)] += torch.tensor(values, dtype=logits.dtype)
     if params.repetition_penalty != 1.0 and seen:
         present = torch.tensor(list(seen), dtype=torch.long)
         chosen = logits[present]
@@ -218,6 +269,7 @@ class NodeDistributions:
         self.draft = draft
         self.constraint = constraint
         self._probs: dict[int, torch.Tensor] = {}
+        self.seen, self.counts = set(), Counter()
         if params.has_penalties:
             self.seen = set(context)
             # the root (committed, its KV not yet cached) counts like any output token
@@ -228,9 +280,9 @@ class NodeDistributions:
         return [self.draft.tokens[i] for i in self.draft.path_to(row - 1)] if row else []
 
     def penalised(self, row: int) -> torch.Tensor:
-        """Row ``row``'s logits [V] after the penalties and the constraint's mask (greedy
-        decoding takes their argmax)."""
-        logits = self._penalties(row)
+        """Row ``row``'s logits [V] after the logit bias, the penalties and the constraint's
+        mask (greedy decoding takes their argmax)."""
+        logits = self._adjusted(row)
         if self.constraint is None:
             return logits
         allowed = self.constraint.allowed(self.path(row))
@@ -239,30 +291,30 @@ class NodeDistributions:
                                   "the grammar no way on); loosen the ban or the grammar")
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def _penalties(self, row: int) -> torch.Tensor:
+    def _adjusted(self, row: int) -> torch.Tensor:
         logits = self.logits[row].float()
-        if not self.params.has_penalties:
+        if not self.params.adjusts_logits:
             return logits
-        path = self.path(row)
+        path = self.path(row) if self.params.has_penalties else []
         if not path:
-            return apply_penalties(logits, self.params, self.seen, self.counts)
-        return apply_penalties(logits, self.params, self.seen.union(path),
-                               self.counts + Counter(path))
+            return adjust_logits(logits, self.params, self.seen, self.counts)
+        return adjust_logits(logits, self.params, self.seen.union(path),
+                             self.counts + Counter(path))
 
     def argmax(self, row: int) -> int:
         if self.constraint is not None:
             # the unmasked argmax, when allowed, is the masked one (ties: the first maximum
             # either way): one token's check instead of a whole mask
-            best = first_argmax(self._penalties(row))
+            best = first_argmax(self._adjusted(row))
             if self.constraint.permits(self.path(row), best):
                 return best
         return first_argmax(self.penalised(row))
 
     def logprobs(self, row: int) -> torch.Tensor:
-        """Row ``row``'s log-probabilities [V] after the request's processors: the penalties,
-        the constraint, and at temperature > 0 temperature, top-k, top-p and min-p (OpenAI's
-        logprobs of the distribution sampled from); at temperature 0, log_softmax of the
-        processed logits. Tokens the processors drop are -inf."""
+        """Row ``row``'s log-probabilities [V] after the request's processors: the logit bias,
+        the penalties, the constraint, and at temperature > 0 temperature, top-k, top-p and
+        min-p (OpenAI's logprobs of the distribution sampled from); at temperature 0,
+        log_softmax of the processed logits. Tokens the processors drop are -inf."""
         if self.params.greedy:
             return self.penalised(row).log_softmax(-1)
         return self.probs(row).log()

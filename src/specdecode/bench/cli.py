@@ -220,7 +220,7 @@ def plan(args: argparse.Namespace) -> Plan:
     require(args.max_minutes is None or args.max_minutes > 0,
             f"--max-minutes must be positive, got {args.max_minutes}")
     lossy = [label for label, method, _ in methods if method.lossy]
-    require(not lossy or sampling.greedy,
+    require(not lossy or (sampling.greedy and not sampling.adjusts_logits),
             f"the lossy methods ({', '.join(lossy)}) decode greedily only; drop them or the "
             "sampling options")
     options = BenchOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,

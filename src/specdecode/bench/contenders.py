@@ -157,6 +157,8 @@ class HFGenerate:
         if not sampling.greedy:
             options.update(temperature=sampling.temperature, top_k=sampling.top_k or None,
                            top_p=sampling.top_p, min_p=sampling.min_p or None)
+        if sampling.logit_bias:
+            options["sequence_bias"] = {(token,): bias for token, bias in sampling.logit_bias}
         if self.prompt_lookup:
             options["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         return GenerationConfig(**options)

@@ -80,6 +80,8 @@ class LlamaServerPeer:
                 "frequency_penalty": sampling.frequency_penalty}
         if sampling.seed is not None:
             body["seed"] = sampling.seed % 2**32
+        if sampling.logit_bias:
+            body["logit_bias"] = [list(pair) for pair in sampling.logit_bias]
         start = time.perf_counter()
         try:
             reply = self.client.post(self.server.url + "/completion", json=body).json()

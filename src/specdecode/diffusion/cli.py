@@ -30,18 +30,23 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
     """The ``generate`` command's diffusion branch: ``config`` the policy's fields (-c),
     ``options`` the constraint keywords, ``load_target(args)`` (runner, tokenizer, eos ids)."""
     from specdecode.api import encode_prompt
-    from specdecode.cli_options import load_diffusion_target
+    from specdecode.cli_options import load_diffusion_target, sampling_options
     from specdecode.constraints import Vocabulary, make_constraint
     from specdecode.diffusion.decode import DEFAULT_BLOCK_SIZE, diffuse
     from specdecode.diffusion.model import DiffusionModel
     from specdecode.diffusion.registry import get_policy
+    from specdecode.sampling import SamplingParams
 
     info = get_policy(args.diffusion)
     policy = info.make(config)
     require(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     require(args.prompt.strip() != "", "the prompt is empty; give some text")
     require(args.method is None, "--diffusion decodes without a speculative method; drop --method")
-    require(args.temperature == 0, "diffusion decoding is greedy here; drop --temperature")
+    sampling = SamplingParams(**sampling_options(args))
+    require(sampling.greedy, "diffusion decoding is greedy here; drop --temperature")
+    require(not sampling.adjusts_logits, "diffusion decoding takes no penalties or logit bias "
+            "here; drop --repetition-penalty, --presence-penalty, --frequency-penalty and "
+            "--logit-bias")
     asked = {k: v for k, v in options.items() if v}
     require(not asked or policy.follows_constraint,
             f"the {info.name} policy does not follow grammars or bans; use --diffusion cfg")

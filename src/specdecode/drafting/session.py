@@ -61,7 +61,7 @@ class DraftSession:
         path is ``context``: (token, the distribution it was drawn from or None when greedy,
         the draft's probability of it)."""
         head_ids = getattr(self.lm, "head_ids", None)
-        if self.sampling.greedy and not self.sampling.has_penalties and head_ids is not None:
+        if self.sampling.greedy and not self.sampling.adjusts_logits and head_ids is not None:
             # the shortlist's argmax and probability: the vocabulary's other tokens have
             # probability 0 (no [V] logits, softmax and argmax per drafted token)
             probs = logits.float().softmax(-1)
@@ -88,7 +88,7 @@ class DraftSession:
         give the same distribution on the shortlist alone, at a sixth of the work. None where
         the vocabulary's processing is needed (penalties read token ids; no shortlist)."""
         head_ids = getattr(self.lm, "head_ids", None)
-        if head_ids is None or self.sampling.has_penalties:
+        if head_ids is None or self.sampling.adjusts_logits:
             return None
         small = filtered_probs(logits.float(), self.sampling)
         full = torch.zeros(self.lm.vocab_size, dtype=small.dtype).index_copy_(0, head_ids, small)

@@ -119,7 +119,7 @@ def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence
     from their shortlist logits [k, V']; ``paths[j]``: node j's path after the committed
     ``context``."""
     sampling, head_ids = session.sampling, getattr(session.lm, "head_ids", None)
-    if sampling.greedy and not sampling.has_penalties:
+    if sampling.greedy and not sampling.adjusts_logits:
         return _shortlist_children(logits, head_ids, limit)
     return [_node_children(session, row, [*context, *path], limit)
             for row, path in zip(logits, paths)]
@@ -212,7 +212,7 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
     vocabulary, the drafter is asked node by node."""
     head_ids = getattr(session.lm, "head_ids", None)
     sampled = not session.sampling.greedy
-    if session.sampling.has_penalties or (sampled and head_ids is None):
+    if session.sampling.adjusts_logits or (sampled and head_ids is None):
         return grow_tree(session, context, budget, settings)
     limit = min(settings.tree_nodes, budget.max_nodes)
     depths: dict[int, object] = {}  # each depth's ranking (greedy) or distributions (sampled)

@@ -44,9 +44,9 @@ class LossyMethod(ABC):
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse sampling options the method does not implement (default: greedy only)."""
-        require(sampling.temperature == 0 and not sampling.has_penalties,
+        require(sampling.temperature == 0 and not sampling.adjusts_logits,
                 f"the lossy method '{self.method_name}' decodes greedily only; leave temperature "
-                "at 0 and the penalties unset, or use an exact method")
+                "at 0 and the penalties and logit_bias unset, or use an exact method")
 
     @abstractmethod
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

@@ -148,7 +148,7 @@ class DeerProposer(HeadProposer):
             return Draft.empty()
         self.lm.catch_up(context)
         block = self.lm.block_logits()[:length]
-        if self.sampling.greedy and not self.sampling.has_penalties:
+        if self.sampling.greedy and not self.sampling.adjusts_logits:
             return self._greedy_chain(block)
         tokens, probs, path_prob = [], [], 1.0
         for logits in block:

@@ -94,9 +94,9 @@ def check_request(name: str, dllm: Dllm | None, sampling: dict[str, Any]) -> Non
             raise ApiError(400, f"diffusion decoding ('{name}') takes no {what} here; leave "
                                 f"out {param}", param=param)
     params = SamplingParams(**options)
-    if not params.greedy or params.has_penalties:
+    if not params.greedy or params.adjusts_logits:
         raise ApiError(400, f"diffusion decoding ('{name}') is greedy here: leave temperature "
-                            "at 0 and the penalties unset", param="temperature")
+                            "at 0 and the penalties and logit_bias unset", param="temperature")
 
 
 class PolicyDecoding(LossyMethod):

@@ -184,7 +184,6 @@ class Endpoint:
         payload = await read_json(request, server.settings.max_body_bytes)
         if self.chat:
             req = parse(ChatRequest, payload)
-            req.unsupported()
             if not req.messages:
                 raise ApiError(400, "'messages' must hold at least one message", param="messages")
             messages = [m.as_template_input() for m in req.messages]

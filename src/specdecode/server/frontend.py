@@ -217,10 +217,14 @@ class Frontend:
     def sampling(self, req: SamplingFields) -> dict[str, Any]:
         options = req.sampling()
         try:
-            SamplingParams(**options)
+            params = SamplingParams(**options)
         except SpecDecodeError as exc:
             param = next((k for k in options if str(exc).startswith(k)), None)
             raise ApiError(400, str(exc), param=param) from None
+        vocab = self.runner_info.vocab_size
+        if params.max_biased_id >= vocab:
+            raise ApiError(400, f"logit_bias names token {params.max_biased_id}, outside this "
+                                f"model's vocabulary (ids 0..{vocab - 1})", param="logit_bias")
         top = req.top_logprobs_count()
         if top is not None:
             options["logprobs"] = top

@@ -127,7 +127,8 @@ class SamplingFields(Strict):
     specdecode: SpecDecodeOptions | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | int | None = None
-    # accepted for compatibility, only in its "off" setting (checked by ``unsupported``)
+    #: token id (a decimal string, as JSON keys are) -> a number in [-100, 100] added to its
+    #: logit at every position (OpenAI's meaning)
     logit_bias: dict[str, float] | None = None
 
     def kept_tokens(self) -> tuple[int, ...]:
@@ -145,8 +146,9 @@ class SamplingFields(Strict):
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (None = the default)."""
         names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+                 "frequency_penalty", "repetition_penalty", "seed", "logit_bias")
+        # an empty logit_bias sets nothing, as OpenAI reads it
+        return {k: getattr(self, k) for k in names if getattr(self, k) not in (None, {})}
 
     @model_validator(mode="after")
     def check_lossy(self):
@@ -196,11 +198,6 @@ class SamplingFields(Strict):
                            param="logprobs")
         return value
 
-    def unsupported(self) -> None:
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server (it would change the "
-                                "target distribution speculation preserves); leave it unset",
-                           param="logit_bias")
 
 
 class LossyRefused(ValueError):
@@ -404,7 +401,6 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def unsupported(self) -> None:
-        super().unsupported()
         if self.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo")
         if self.suffix:
