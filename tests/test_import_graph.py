@@ -23,7 +23,7 @@ PACKAGE = "specdecode"
 LAYERS: list[tuple[str, ...]] = [
     # what every part shares: errors, drafts, sampling, verification, the registry, artifacts
     ("errors", "draft", "sampling", "verify", "control", "estimates", "constraints",
-     "detokenize", "registry", "cache", "artifacts", "agreement", "questions"),
+     "detokenize", "fim", "registry", "cache", "artifacts", "agreement", "questions"),
     ("kernels", "models"),
     # the proposer interface and draft sizing, below the loop that drives them
     ("proposer", "sizing"),

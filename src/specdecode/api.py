@@ -28,6 +28,7 @@ from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.detokenize import IncrementalText, special_tokens
 from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
+from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
 from specdecode.sizing import method_sizing
@@ -200,9 +201,12 @@ class Decoder:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
-              **sampling) -> Generation:
+              suffix: str | None = None, **sampling) -> Generation:
         """A :class:`Generation` over token chunks (the lowest level of streaming); a lossy
         method's :class:`specdecode.lossy.base.LossyGeneration`, iterated the same way.
+        ``suffix``: fill in the middle (specdecode/fim.py): ``prompt`` is the text (or token
+        ids) before the insertion point, ``suffix`` the text after it, framed by the model's
+        tags instead of a chat template, and the tokens that end a middle end the answer.
         ``sampling``: :class:`SamplingParams` fields and the constraint options
         (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
         asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
@@ -211,12 +215,23 @@ class Decoder:
                     "give constraint options or a built constraint, not both")
             sampling["constraint"] = make_constraint(self.vocabulary, **asked)
         params = SamplingParams(**sampling)
+        if suffix is None:
+            ids, ends = self.encode(prompt, chat), self.eos_token_ids
+        else:
+            ids, ends = self.fill_in(prompt, suffix)
         if self.method.lossy:  # its own decode loop (specdecode/lossy/)
-            return self.proposer.generation(self.encode(prompt, chat), max_new_tokens, params,
-                                            self.eos_token_ids)
+            return self.proposer.generation(ids, max_new_tokens, params, ends)
         sizer = None if self.sizing is None else self.sizing.sequence(params)
-        return Generation(self.runner, self.proposer, self.encode(prompt, chat), max_new_tokens,
-                          params, self.eos_token_ids, sizer=sizer, reuse_prefix=self.reuse_prompt)
+        return Generation(self.runner, self.proposer, ids, max_new_tokens, params, ends,
+                          sizer=sizer, reuse_prefix=self.reuse_prompt)
+
+    def fill_in(self, prefix, suffix: str) -> tuple[list[int], list[int]]:
+        """The fill-in-the-middle prompt between ``prefix`` (text or ids) and ``suffix``, and
+        the ids that end its answer (the model's and the tokens that end a middle)."""
+        require(self.tokenizer is not None, "filling in a middle needs a tokenizer")
+        fim = fim_tokens(self.tokenizer)
+        ends = self.eos_token_ids + [e for e in fim.ends if e not in self.eos_token_ids]
+        return fim.prompt(self.tokenizer, prefix, suffix), ends
 
     def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
                stop: Sequence[str] = (), **sampling) -> TextStream:
@@ -284,7 +299,11 @@ class TextStream:
         generation itself calls this after each :meth:`Generation.advance`)."""
         if self._tail_decoder is None:  # no tokenizer
             return ""
-        full = self._tail_decoder.text(self.generation.tokens)
+        tokens, generation = self.generation.tokens, self.generation
+        if generation.finish_reason == "stop" and tokens and tokens[-1] in generation.eos_token_ids:
+            # the end token is not text, special or not (a middle's <|file_sep|> is not)
+            tokens = tokens[:-1]
+        full = self._tail_decoder.text(tokens)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             full, self._stop_found = full[:cut], True

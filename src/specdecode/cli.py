@@ -81,6 +81,18 @@ def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, r
     }
 
 
+def _request_options(args: argparse.Namespace) -> dict:
+    """The request's sampling, constraint and fill-in-the-middle options, checked."""
+    options = {**sampling_options(args), **constraint_options(args)}
+    if args.max_new_tokens <= 0:
+        raise SpecDecodeError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.suffix is not None:  # fill in the middle: the prompt is the text before it
+        options["suffix"] = args.suffix
+    elif not args.prompt.strip():
+        raise SpecDecodeError("the prompt is empty; give some text")
+    return options
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import registry
     from specdecode.api import Decoder
@@ -92,12 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate(args, parse_config(args.config), constraint_options(args), load_target)
     method = registry.get(args.method or registry.DEFAULT_METHOD)
     config = method.make_config(parse_config(args.config))
-    sampling = sampling_options(args)
-    sampling.update(constraint_options(args))
-    if args.max_new_tokens <= 0:
-        raise SpecDecodeError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise SpecDecodeError("the prompt is empty; give some text")
+    sampling = _request_options(args)
 
     started = time.perf_counter()
     runner, tokenizer, eos = load_target(args)
@@ -106,7 +113,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       **dataclasses.asdict(config))
     chat = not args.no_chat
     # warm-up: the first forward of a process pays one-off costs; keep them out of the timing
-    decoder.runner.prefill(decoder.encode(args.prompt, chat))
+    decoder.runner.prefill(decoder.encode(args.prompt, chat) if args.suffix is None
+                           else decoder.fill_in(args.prompt, args.suffix)[0])
 
     stream = decoder.stream(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
     for piece in stream:
@@ -188,6 +196,10 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true",
                      help="feed the prompt as raw text, without the chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--suffix", default=None, metavar="TEXT",
+                     help="fill in the middle: the prompt is the text before the insertion "
+                          "point, TEXT the text after it (a code model's FIM tokens frame them, "
+                          "no chat template)")
     gen.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
                      help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
     add_model_arguments(gen)

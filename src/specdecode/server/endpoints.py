@@ -182,6 +182,7 @@ class Endpoint:
     async def handle(self, request: Request) -> Response:
         server = self.server
         payload = await read_json(request, server.settings.max_body_bytes)
+        ends: tuple[int, ...] = ()
         if self.chat:
             req = parse(ChatRequest, payload)
             if not req.messages:
@@ -202,9 +203,15 @@ class Endpoint:
             req.unsupported()
             if not req.prompts():
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            prompts = [await run_in_threadpool(server.encode, p, False) for p in req.prompts()]
+            if req.suffix:  # fill in the middle: each prompt the text before it
+                filled = [await run_in_threadpool(server.fill_in, p, req.suffix)
+                          for p in req.prompts()]
+                prompts, ends = [ids for ids, _ in filled], filled[0][1]
+            else:
+                prompts = [await run_in_threadpool(server.encode, p, False)
+                           for p in req.prompts()]
             requested, param, answers, reference = req.max_tokens, "prompt", None, ()
-        specs = server.specs(req, prompts, requested, param, reference)
+        specs = server.specs(req, prompts, requested, param, reference, ends)
         capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
             raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "

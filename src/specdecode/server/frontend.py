@@ -19,6 +19,7 @@ from specdecode.api import encode_prompt, with_turn_ends
 from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.engine import check_request
 from specdecode.errors import SpecDecodeError
+from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
 from specdecode.sampling import SamplingParams
 from specdecode.server import limits
@@ -266,8 +267,10 @@ class Frontend:
         return requested
 
     def specs(self, req: SamplingFields, prompts: list[list[int]], requested: int | None,
-              param: str, reference: tuple[int, ...] = ()) -> list[SequenceSpec]:
-        """The sequences of a request (``reference``: its predicted output's token ids)."""
+              param: str, reference: tuple[int, ...] = (),
+              ends: tuple[int, ...] = ()) -> list[SequenceSpec]:
+        """The sequences of a request (``reference``: its predicted output's token ids;
+        ``ends``: tokens that end its answers beside the model's)."""
         if not 1 <= req.n <= self.settings.max_n:
             raise ApiError(400, f"n must be between 1 and {self.settings.max_n}, got {req.n}",
                            param="n")
@@ -293,7 +296,7 @@ class Frontend:
                     seed = options["seed"] + i
                     options["seed"] = seed - SEED_END if seed >= SEED_END else seed
                 specs.append(SequenceSpec(ids, limit, stop, options, method, config,
-                                          proposer_bytes, kept, reference))
+                                          proposer_bytes, kept, reference, ends))
         return specs
 
     def check_size(self, prompt, chat: bool) -> None:
@@ -356,6 +359,25 @@ class Frontend:
         if len(ids) > self.max_context:
             raise too_long
         return tuple(ids)
+
+    def fill_in(self, prefix, suffix: str) -> tuple[list[int], tuple[int, ...]]:
+        """A fill-in-the-middle prompt between ``prefix`` (text or ids) and ``suffix`` (on a
+        worker thread), and the tokens beside the model's ends that end its middle; a 400
+        where the model has no such tokens (specdecode/fim.py)."""
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer, so it cannot fill in a middle; "
+                                "leave out suffix", param="suffix")
+        self.check_size(prefix + suffix if isinstance(prefix, str) else suffix, False)
+        with self._borrowed() as tokenizer:
+            try:
+                fim = fim_tokens(tokenizer)
+                ids = fim.prompt(tokenizer, prefix, suffix)
+            except SpecDecodeError as exc:
+                raise ApiError(400, str(exc), param="suffix") from None
+            except Exception as exc:  # the tokenizer's own errors: what it could not encode
+                raise ApiError(400, f"cannot tokenize the prompt or suffix: "
+                                    f"{type(exc).__name__}: {exc}"[:300], param="suffix") from None
+        return ids, tuple(e for e in fim.ends if e not in self.eos_token_ids)
 
     def encode(self, prompt, chat: bool, tools: list[dict] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -397,15 +397,14 @@ class ChatRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    #: the text after the insertion point: fill in the middle, ``prompt`` the text before it
+    #: (OpenAI's insertion; specdecode/fim.py)
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> None:
         if self.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo")
-        if self.suffix:
-            raise ApiError(400, "suffix (insertion) is not supported by this server",
-                           param="suffix")
         if self.best_of not in (None, 1, self.n):
             raise ApiError(400, "best_of is not supported by this server; use n", param="best_of")
 

@@ -86,6 +86,8 @@ class SequenceSpec:
     kept_tokens: tuple[int, ...] = ()
     #: text the answer is expected to repeat (a predicted output), as token ids
     reference: tuple[int, ...] = ()
+    #: tokens that end the answer beside the model's (a fill-in-the-middle request's)
+    ends: tuple[int, ...] = ()
 
 
 class Job:
@@ -333,14 +335,15 @@ class Scheduler:
         try:
             seq.decoder = self._decoder(seq.slot, spec)
             sampling = SamplingParams(**spec.sampling)
+            ends = self.eos_token_ids + list(spec.ends)
             if seq.decoder.method.lossy:  # its own decode loop (specdecode/lossy/)
                 seq.generation = seq.decoder.proposer.generation(
-                    spec.prompt_ids, spec.max_tokens, sampling, self.eos_token_ids)
+                    spec.prompt_ids, spec.max_tokens, sampling, ends)
                 seq.prefilled = len(spec.prompt_ids)
             else:
                 seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
                                             spec.prompt_ids, spec.max_tokens, sampling,
-                                            self.eos_token_ids, reference=spec.reference)
+                                            ends, reference=spec.reference)
             seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens)
             if seq.decoder.method.lossy:
                 seq.solo = seq.stream.steps()
