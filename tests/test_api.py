@@ -66,3 +66,31 @@ def test_decoder_keeps_proposer_across_requests(tiny_model):
     first = decoder.start(repetitive_prompts()[0], 8).run()
     again = decoder.start(repetitive_prompts()[0], 8).run()
     assert first == again
+
+
+def test_a_gguf_files_ends_are_llama_cpps():
+    """A GGUF file names one end of sequence: the vocabulary's other ends join it as llama.cpp
+    reads them (Phi-3's <|end|> beside <|endoftext|>, Qwen2.5's <|fim_pad|>), harmony's
+    <|end|> aside (it ends a message, not the answer); a checkpoint's config is taken as is."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from specdecode.api import eos_ids
+
+    from tiny_server import build_tokenizer
+
+    def ids(tokenizer, *texts):
+        return tokenizer.convert_tokens_to_ids(list(texts))
+
+    tokenizer = build_tokenizer(special=("<|endoftext|>", "<|end|>", "<|fim_pad|>"))
+    config = GenerationConfig(eos_token_id=ids(tokenizer, "<|endoftext|>")[0])
+    gguf = SimpleNamespace(generation_config=config, gguf_path="model.gguf")
+    assert eos_ids(gguf, tokenizer) == ids(tokenizer, "<|endoftext|>", "<|im_end|>", "<|end|>",
+                                           "<|fim_pad|>")
+    checkpoint = SimpleNamespace(generation_config=config)
+    assert eos_ids(checkpoint, tokenizer) == ids(tokenizer, "<|endoftext|>")
+    harmony = build_tokenizer(special=("<|return|>", "<|end|>", "<|call|>"))
+    config = GenerationConfig(eos_token_id=ids(harmony, "<|return|>")[0])
+    gguf = SimpleNamespace(generation_config=config, gguf_path="model.gguf")
+    assert eos_ids(gguf, harmony) == ids(harmony, "<|return|>", "<|im_end|>", "<|call|>")

@@ -25,7 +25,7 @@ from typing import Any
 
 from specdecode import registry
 from specdecode.constraints import Vocabulary, make_constraint
-from specdecode.detokenize import IncrementalText, special_tokens
+from specdecode.detokenize import IncrementalText, special_tokens, token_id
 from specdecode.engine import Generation, GenerationStats, TokenLogprob
 from specdecode.errors import SpecDecodeError, require
 from specdecode.fim import fim_tokens
@@ -91,16 +91,37 @@ def turn_ends(tokenizer) -> list[int]:
     return [special[t] for t in TURN_ENDS if t in special]
 
 
+#: texts of the tokens that end generation in a GGUF file's vocabulary, as llama.cpp reads them
+#: (llama-vocab.cpp's end-of-generation list, its common part): a GGUF file names one end of
+#: sequence where a model's generation config lists several (Llama 3's <|eot_id|>, <|eom_id|>
+#: and <|end_of_text|>; Phi-3's <|endoftext|> and <|end|>; Qwen2.5's <|im_end|> and
+#: <|endoftext|>, and the tags that end a filled-in middle)
+GGUF_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
+             "<|end|>", "<end_of_turn>", "<EOT>", "<｜end▁of▁sentence｜>", "<|fim_pad|>",
+             "<|repo_name|>", "<|file_sep|>")
+
+
+def gguf_ends(tokenizer) -> list[int]:
+    """The ids of :data:`GGUF_ENDS` the vocabulary holds; harmony's ``<|end|>`` left out (it
+    ends one message of an answer, which ``<|return|>`` ends)."""
+    harmony = token_id(tokenizer, "<|return|>") is not None
+    found = (token_id(tokenizer, t) for t in GGUF_ENDS if not (harmony and t == "<|end|>"))
+    return [i for i in found if i is not None]
+
+
 def eos_ids(model, tokenizer) -> list[int]:
     """End-of-sequence ids as ``transformers.generate`` would use them: the generation config's,
-    else the tokenizer's; and the tokenizer's :func:`turn_ends` (a GGUF file holds one end of
-    sequence, where gpt-oss's generation config lists three)."""
+    else the tokenizer's; for a GGUF file (one end of sequence, where a generation config may
+    list several) also the :func:`gguf_ends` llama.cpp stops at; and the tokenizer's
+    :func:`turn_ends`."""
     config = (getattr(model, "generation_config", None)
               or getattr(getattr(model, "model", None), "generation_config", None))
     eos = getattr(config, "eos_token_id", None)
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     found = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    if getattr(model, "gguf_path", None) is not None and tokenizer is not None:
+        found += [i for i in gguf_ends(tokenizer) if i not in found]
     return with_turn_ends(found, tokenizer)
 
 

@@ -28,6 +28,15 @@ def special_ids(tokenizer) -> set[int]:
         i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
+def token_id(tokenizer, text: str) -> int | None:
+    """The id of the token whose text is ``text``, None where the vocabulary has none (a
+    lookup each: the vocabulary's whole map costs 0.1 s on Qwen's 151,936 tokens)."""
+    token = tokenizer.convert_tokens_to_ids(text)
+    if token is None or tokenizer.convert_ids_to_tokens(token) != text:
+        return None
+    return token
+
+
 def special_tokens(tokenizer) -> dict[str, int]:
     """:func:`special_ids` by their text."""
     ids = sorted(special_ids(tokenizer))

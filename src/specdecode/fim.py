@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdecode.detokenize import token_id
 from specdecode.errors import SpecDecodeError
 
 #: (prefix, suffix, middle) tags of each family, in the order they are looked for
@@ -55,9 +56,9 @@ def fim_tokens(tokenizer) -> FimTokens:
     """The tokenizer's tags (one token each) of the first family of :data:`TAGS` it holds;
     a :class:`SpecDecodeError` naming them when it holds none."""
     for tags in TAGS:
-        ids = [_token_id(tokenizer, tag) for tag in tags]
+        ids = [token_id(tokenizer, tag) for tag in tags]
         if None not in ids:
-            ends = tuple(i for i in (_token_id(tokenizer, tag) for tag in END_TAGS)
+            ends = tuple(i for i in (token_id(tokenizer, tag) for tag in END_TAGS)
                          if i is not None)
             return FimTokens(*ids, ends)
     raise SpecDecodeError(
@@ -66,11 +67,3 @@ def fim_tokens(tokenizer) -> FimTokens:
         + "), so it cannot fill in a middle; leave out the suffix, or use a code model trained "
           "for it (such as qwen2.5-coder-1.5b)")
 
-
-def _token_id(tokenizer, text: str) -> int | None:
-    """The id of the token whose text is ``text``, None where the vocabulary has none (a
-    lookup each: the vocabulary's whole map costs 0.1 s on Qwen's 151,936 tokens)."""
-    token = tokenizer.convert_tokens_to_ids(text)
-    if token is None or tokenizer.convert_ids_to_tokens(token) != text:
-        return None
-    return token
