@@ -200,6 +200,39 @@ def test_logit_bias_is_the_decoder_apis(client, model, tokenizer, method):
     assert not set(alone.token_ids) & set(plain.token_ids)
 
 
+def test_tokenize_gives_the_ids_requests_prompt_with(served, client, model, tokenizer):
+    """vLLM's /tokenize: a completion's prompt and a chat's messages become the ids the
+    requests themselves count as their prompt; /detokenize gives their text back."""
+    def post(path, body, status=200):
+        r = httpx.post(served.url + path, json=body, timeout=30)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    decoder = Decoder(HFRunner(model), tokenizer, "ar", [EOS])
+    raw = post("/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True})
+    assert raw["tokens"] == decoder.encode("Hello there", chat=False)
+    assert raw["count"] == len(raw["tokens"]) and raw["max_model_len"] == CONTEXT
+    assert raw["token_strs"] == [tokenizer.decode([t]) for t in raw["tokens"]]
+    completion = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+    assert completion.usage.prompt_tokens == raw["count"]
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_ids = post("/tokenize", {"messages": messages})
+    assert chat_ids["tokens"] == decoder.encode("Tell me a story") != raw["tokens"]
+    assert chat_ids["token_strs"] is None
+    assert chat(client, "Tell me a story", max_tokens=2).usage.prompt_tokens == chat_ids["count"]
+    assert post("/detokenize", {"tokens": chat_ids["tokens"]})["prompt"] == tokenizer.decode(
+        chat_ids["tokens"])
+    for body, param, needle in [
+            ({"prompt": "x", "messages": messages}, "prompt", "one of them"),
+            ({}, "prompt", "one of them"),
+            ({"prompt": "x", "tools": []}, "tools", "goes with 'messages'"),
+            ({"prompt": "x", "add_bos": True}, "add_bos", "Unrecognized request argument")]:
+        error = post("/tokenize", body, 400)["error"]
+        assert error["param"] == param and needle in error["message"]
+    error = post("/detokenize", {"tokens": [1, 10 ** 6]}, 400)["error"]
+    assert error["param"] == "tokens" and "outside the vocabulary" in error["message"]
+
+
 def test_models_health_and_metrics(served, client):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == MODEL and f"{MODEL}+suffix" in ids and f"{MODEL}+ar" in ids

@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI's chat and completion endpoints (:mod:`.endpoints`), the
-models, health and metrics routes, OpenAI-shaped errors, and the middleware in front of them
-(the Host check, CORS, a count of every request).
+models, health and metrics routes, vLLM's tokenize routes (:mod:`.tokenize`), OpenAI-shaped
+errors, and the middleware in front of them (the Host check, CORS, a count of every request).
 
 A request is checked completely before it takes a place in the queue (Host header, content
 type, body size, JSON, schema, method and config against the server's limits, prompt length
@@ -29,12 +29,14 @@ from specdecode.server.endpoints import Endpoint
 from specdecode.server.frontend import Frontend, Server, Settings
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
 from specdecode.server.protocol import ApiError, error_body
+from specdecode.server.tokenize import add_tokenize_routes
 
 __all__ = ["Server", "Settings", "create_app"]
 
 log = logging.getLogger("specdecode.server")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+             "/tokenize", "/detokenize")
 
 
 class CheckHost:
@@ -122,6 +124,8 @@ def create_app(server: Frontend) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await completion.handle(request)
+
+    add_tokenize_routes(app, server)
 
     @app.get("/v1/models")
     async def models():

@@ -33,6 +33,18 @@ DISCONNECT_POLL_S = 0.25
 OPENAI_UNLIKELY = -9999.0
 
 
+async def chat_prompt(server: Frontend, req: ChatRequest) -> list[int]:
+    """A chat request's prompt ids: its messages through the model's template, with its
+    tools (their call format read off the template first: a 400 where it has none)."""
+    if not req.messages:
+        raise ApiError(400, "'messages' must hold at least one message", param="messages")
+    messages = [m.as_template_input() for m in req.messages]
+    tools = req.tool_request.offered if req.tool_request is not None else None
+    if tools:  # the model's call format, read off its template (or a 400)
+        req.use_tool_format(await run_in_threadpool(server.tool_format))
+    return await run_in_threadpool(server.encode, messages, True, tools, req.template_kwargs())
+
+
 def usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, Any]:
     """OpenAI's token counts plus this request's own speculation statistics."""
     completion = sum(len(r.token_ids) for r in results)
@@ -185,14 +197,7 @@ class Endpoint:
         ends: tuple[int, ...] = ()
         if self.chat:
             req = parse(ChatRequest, payload)
-            if not req.messages:
-                raise ApiError(400, "'messages' must hold at least one message", param="messages")
-            messages = [m.as_template_input() for m in req.messages]
-            tools = req.tool_request.offered if req.tool_request is not None else None
-            if tools:  # the model's call format, read off its template (or a 400)
-                req.use_tool_format(await run_in_threadpool(server.tool_format))
-            prompts = [await run_in_threadpool(server.encode, messages, True, tools,
-                                               req.template_kwargs())]
+            prompts = [await chat_prompt(server, req)]
             answers = await run_in_threadpool(server.answers, prompts[0])
             reference = await run_in_threadpool(server.reference, req.prediction_text())
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None

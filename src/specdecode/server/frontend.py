@@ -360,6 +360,16 @@ class Frontend:
             raise too_long
         return tuple(ids)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included (on a worker thread)."""
+        with self._borrowed() as tokenizer:
+            return tokenizer.decode(ids)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (on a worker thread)."""
+        with self._borrowed() as tokenizer:
+            return [tokenizer.decode([i]) for i in ids]
+
     def fill_in(self, prefix, suffix: str) -> tuple[list[int], tuple[int, ...]]:
         """A fill-in-the-middle prompt between ``prefix`` (text or ids) and ``suffix`` (on a
         worker thread), and the tokens beside the model's ends that end its middle; a 400

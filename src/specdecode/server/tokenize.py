@@ -1,0 +1,86 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the token ids a request's prompt becomes, exactly
+as the chat and completion endpoints encode it (a prompt's length against the context, the ids
+``logit_bias`` names), and the text of token ids.
+
+    POST /tokenize   {"prompt": "text"}  or  {"messages": [...], "tools": [...],
+                     "chat_template_kwargs": {...}}, optional "return_token_strs": true
+                  -> {"count": N, "max_model_len": C, "tokens": [...], "token_strs": [...]}
+    POST /detokenize {"tokens": [...]}  ->  {"prompt": "text"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+
+from specdecode.server.endpoints import chat_prompt, read_json
+from specdecode.server.frontend import Frontend
+from specdecode.server.protocol import ApiError, ChatRequest, Strict, parse
+
+#: the fields of a chat request that shape its prompt
+CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs")
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    #: a chat's messages, tools and template variables (read as the chat endpoint reads them)
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: also each token's text
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_tokenize_routes(app: FastAPI, server: Frontend) -> None:
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(server, await read_json(request, server.settings.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(server, await read_json(request, server.settings.max_body_bytes))
+
+
+async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
+    req = parse(TokenizeRequest, payload)
+    _need_tokenizer(server)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "give 'prompt' (a completion's text) or 'messages' (a chat's), "
+                            "one of them", param="prompt")
+    if req.messages is None:
+        if req.tools is not None or req.chat_template_kwargs is not None:
+            field = "tools" if req.tools is not None else "chat_template_kwargs"
+            raise ApiError(400, f"'{field}' goes with 'messages', not 'prompt'", param=field)
+        ids = await run_in_threadpool(server.encode, req.prompt, False)
+    else:
+        chat = {k: payload[k] for k in CHAT_FIELDS if k in payload}
+        ids = await chat_prompt(server, parse(ChatRequest, {"model": "", **chat}))
+    strs = None
+    if req.return_token_strs:
+        strs = await run_in_threadpool(server.token_texts, ids)
+    return {"count": len(ids), "max_model_len": server.max_context, "tokens": ids,
+            "token_strs": strs}
+
+
+async def detokenize(server: Frontend, payload: Any) -> dict[str, Any]:
+    req = parse(DetokenizeRequest, payload)
+    _need_tokenizer(server)
+    vocab = server.runner_info.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
+                       param="tokens")
+    return {"prompt": await run_in_threadpool(server.decode, req.tokens)}
+
+
+def _need_tokenizer(server: Frontend) -> None:
+    if server.tokenizer is None:
+        raise ApiError(400, "this server has no tokenizer, so it cannot tokenize")
