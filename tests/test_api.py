@@ -94,3 +94,17 @@ def test_a_gguf_files_ends_are_llama_cpps():
     config = GenerationConfig(eos_token_id=ids(harmony, "<|return|>")[0])
     gguf = SimpleNamespace(generation_config=config, gguf_path="model.gguf")
     assert eos_ids(gguf, harmony) == ids(harmony, "<|return|>", "<|im_end|>", "<|call|>")
+
+
+def test_ignore_eos_and_stop_token_ids(tiny_model):
+    """vLLM's ``ignore_eos`` runs past the model's ends to the token limit; ``stop_token_ids``
+    end the answer at other tokens (a bias makes the tiny model write each at once)."""
+    decoder = Decoder(tiny_model, None, "ngram", eos_token_ids=[5])
+    ended = decoder.start([1, 2, 3], 8, logit_bias={5: 100})
+    assert ended.run() == [5] and ended.finish_reason == "stop"
+    past = decoder.start([1, 2, 3], 8, logit_bias={5: 100}, ignore_eos=True)
+    assert past.run() == [5] * 8 and past.finish_reason == "length"
+    stopped = decoder.start([1, 2, 3], 8, logit_bias={7: 100}, stop_token_ids=[7])
+    assert stopped.run() == [7] and stopped.finish_reason == "stop"
+    with pytest.raises(SpecDecodeError, match=r"stop_token_ids \[96\] are outside"):
+        decoder.start([1, 2, 3], 8, stop_token_ids=[96])

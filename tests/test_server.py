@@ -200,6 +200,25 @@ def test_logit_bias_is_the_decoder_apis(client, model, tokenizer, method):
     assert not set(alone.token_ids) & set(plain.token_ids)
 
 
+def test_ignore_eos_and_stop_token_ids(served, client):
+    """vLLM's extras: ``ignore_eos`` runs to max_tokens past the model's end (which a bias
+    makes the tiny model write at once); ``stop_token_ids`` end the answer, out of its text."""
+    forced = {"logit_bias": {str(EOS): 100}, "max_tokens": 5}
+    ended = client.completions.create(model=MODEL, prompt="Hello", **forced)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    past = client.completions.create(model=MODEL, prompt="Hello", **forced,
+                                     extra_body={"ignore_eos": True})
+    assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == 5
+    stopped = chat(client, "Hello", logit_bias={"40": 100},
+                   extra_body={"stop_token_ids": [40]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].message.content == ""
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "stop_token_ids": [10 ** 6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
 def test_tokenize_gives_the_ids_requests_prompt_with(served, client, model, tokenizer):
     """vLLM's /tokenize: a completion's prompt and a chat's messages become the ids the
     requests themselves count as their prompt; /detokenize gives their text back."""

@@ -222,13 +222,15 @@ class Decoder:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def start(self, prompt, max_new_tokens: int = 128, chat: bool = True,
-              suffix: str | None = None, **sampling) -> Generation:
+              suffix: str | None = None, ignore_eos: bool = False,
+              stop_token_ids: Sequence[int] = (), **sampling) -> Generation:
         """A :class:`Generation` over token chunks (the lowest level of streaming); a lossy
         method's :class:`specdecode.lossy.base.LossyGeneration`, iterated the same way.
         ``suffix``: fill in the middle (specdecode/fim.py): ``prompt`` is the text (or token
         ids) before the insertion point, ``suffix`` the text after it, framed by the model's
         tags instead of a chat template, and the tokens that end a middle end the answer.
-        ``sampling``: :class:`SamplingParams` fields and the constraint options
+        ``ignore_eos``: the model's end tokens do not end the answer (it runs to
+        ``max_new_tokens``); ``stop_token_ids``: tokens that end it beside them. ``sampling``: :class:`SamplingParams` fields and the constraint options
         (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
         asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
         if any(v not in (None, False, (), []) for k, v in asked.items() if k != "jump_forward"):
@@ -240,6 +242,10 @@ class Decoder:
             ids, ends = self.encode(prompt, chat), self.eos_token_ids
         else:
             ids, ends = self.fill_in(prompt, suffix)
+        bad = [t for t in stop_token_ids if not 0 <= t < self.runner.vocab_size]
+        require(not bad, f"stop_token_ids {bad[:5]} are outside the model's vocabulary (ids "
+                         f"0..{self.runner.vocab_size - 1})")
+        ends = list(dict.fromkeys([*([] if ignore_eos else ends), *stop_token_ids]))
         if self.method.lossy:  # its own decode loop (specdecode/lossy/)
             return self.proposer.generation(ids, max_new_tokens, params, ends)
         sizer = None if self.sizing is None else self.sizing.sequence(params)

@@ -86,6 +86,7 @@ def _request_options(args: argparse.Namespace) -> dict:
     options = {**sampling_options(args), **constraint_options(args)}
     if args.max_new_tokens <= 0:
         raise SpecDecodeError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    options.update(ignore_eos=args.ignore_eos, stop_token_ids=args.stop_token_id)
     if args.suffix is not None:  # fill in the middle: the prompt is the text before it
         options["suffix"] = args.suffix
     elif not args.prompt.strip():
@@ -196,6 +197,11 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true",
                      help="feed the prompt as raw text, without the chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                     help="a token that ends the answer beside the model's ends (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="the model's end tokens do not end the answer: it runs to "
+                          "--max-new-tokens (fixed-length timing)")
     gen.add_argument("--suffix", default=None, metavar="TEXT",
                      help="fill in the middle: the prompt is the text before the insertion "
                           "point, TEXT the text after it (a code model's FIM tokens frame them, "

@@ -270,7 +270,7 @@ class Frontend:
               param: str, reference: tuple[int, ...] = (),
               ends: tuple[int, ...] = ()) -> list[SequenceSpec]:
         """The sequences of a request (``reference``: its predicted output's token ids;
-        ``ends``: tokens that end its answers beside the model's)."""
+        ``ends``: tokens that end its answers beside the model's, unless it ignores them)."""
         if not 1 <= req.n <= self.settings.max_n:
             raise ApiError(400, f"n must be between 1 and {self.settings.max_n}, got {req.n}",
                            param="n")
@@ -279,6 +279,7 @@ class Frontend:
         if is_diffusion(method.name):
             check_diffusion(method.name, self.dllm, sampling)
         stop = tuple(req.stop_list())
+        ends = self.ends(req, ends)
         kept = req.kept_tokens()
         if isinstance(self.thinking, Harmony) and isinstance(req, ChatRequest):
             kept += tuple(t for t in self.thinking.kept_tokens if t not in kept)
@@ -296,8 +297,22 @@ class Frontend:
                     seed = options["seed"] + i
                     options["seed"] = seed - SEED_END if seed >= SEED_END else seed
                 specs.append(SequenceSpec(ids, limit, stop, options, method, config,
-                                          proposer_bytes, kept, reference, ends))
+                                          proposer_bytes, kept, reference, ends,
+                                          req.ignore_eos))
         return specs
+
+    def ends(self, req: SamplingFields, model_ends: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens that end the request's answers beside the model's end of sequence:
+        ``model_ends`` (a middle's) unless it ignores the model's ends, and its
+        ``stop_token_ids``."""
+        stop_ids = req.stop_token_ids or []
+        vocab = self.runner_info.vocab_size
+        bad = [t for t in stop_ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"stop_token_ids {bad[:5]} are outside this model's vocabulary "
+                                f"(ids 0..{vocab - 1})", param="stop_token_ids")
+        kept = () if req.ignore_eos else model_ends
+        return tuple(dict.fromkeys([*kept, *stop_ids]))
 
     def check_size(self, prompt, chat: bool) -> None:
         """Refuse a text prompt whose length in characters already proves it longer than the

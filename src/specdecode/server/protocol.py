@@ -130,6 +130,10 @@ class SamplingFields(Strict):
     #: token id (a decimal string, as JSON keys are) -> a number in [-100, 100] added to its
     #: logit at every position (OpenAI's meaning)
     logit_bias: dict[str, float] | None = None
+    #: vLLM's: the model's end tokens do not end the answer (fixed-length benchmarks)
+    ignore_eos: bool = False
+    #: vLLM's: tokens that end the answer beside the model's (not in its text)
+    stop_token_ids: list[int] | None = None
 
     def kept_tokens(self) -> tuple[int, ...]:
         """Special tokens whose text the choices' text keeps (a chat request's tool-call

@@ -86,8 +86,11 @@ class SequenceSpec:
     kept_tokens: tuple[int, ...] = ()
     #: text the answer is expected to repeat (a predicted output), as token ids
     reference: tuple[int, ...] = ()
-    #: tokens that end the answer beside the model's (a fill-in-the-middle request's)
+    #: tokens that end the answer beside the model's (a fill-in-the-middle request's, the
+    #: request's stop_token_ids)
     ends: tuple[int, ...] = ()
+    #: the model's end-of-sequence ids do not end the answer (vLLM's ``ignore_eos``)
+    ignore_eos: bool = False
 
 
 class Job:
@@ -335,7 +338,7 @@ class Scheduler:
         try:
             seq.decoder = self._decoder(seq.slot, spec)
             sampling = SamplingParams(**spec.sampling)
-            ends = self.eos_token_ids + list(spec.ends)
+            ends = ([] if spec.ignore_eos else self.eos_token_ids) + list(spec.ends)
             if seq.decoder.method.lossy:  # its own decode loop (specdecode/lossy/)
                 seq.generation = seq.decoder.proposer.generation(
                     spec.prompt_ids, spec.max_tokens, sampling, ends)
