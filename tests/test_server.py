@@ -219,6 +219,24 @@ def test_ignore_eos_and_stop_token_ids(served, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(client, model, tokenizer):
+    """vLLM's continue_final_message: the prompt is the conversation with the assistant's
+    last message left open (transformers' continue_final_message), and the answer is what
+    follows it, as plain decoding of those ids gives it."""
+    messages = [{"role": "user", "content": "Tell me a story"},
+                {"role": "assistant", "content": "Once upon a time"}]
+    ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    assert ids != tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+    alone = Decoder(HFRunner(model), tokenizer, "ngram", [EOS]).generate(ids, 16)
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                         extra_body={"continue_final_message": True})
+    assert got.choices[0].message.content == alone.text
+    assert got.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="must then be the assistant's"):
+        chat(client, "Tell me a story", extra_body={"continue_final_message": True})
+
+
 def test_tokenize_gives_the_ids_requests_prompt_with(served, client, model, tokenizer):
     """vLLM's /tokenize: a completion's prompt and a chat's messages become the ids the
     requests themselves count as their prompt; /detokenize gives their text back."""

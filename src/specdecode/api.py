@@ -164,8 +164,9 @@ def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None
 def _template(tokenizer, messages: list[dict], tools: list[dict] | None = None,
               template_kwargs: dict[str, Any] | None = None) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                            tokenize=True, **(template_kwargs or {}))
+        # the template's variables may continue the last message instead of opening a turn
+        options = {"add_generation_prompt": True, **(template_kwargs or {})}
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **options)
     except Exception as exc:  # jinja errors: malformed messages
         missing = re.search(r"has no attribute '(\w+)'", str(exc))
         fix = (f"; the template reads a field {missing.group(1)!r} that the request does not give "

@@ -320,6 +320,9 @@ class ChatRequest(SamplingFields):
     #: variables for the chat template, as vLLM and llama-server take them (Qwen3's
     #: ``enable_thinking``)
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: the last message, the assistant's, is continued (the answer goes on from its
+    #: text) instead of closed and followed by a new turn
+    continue_final_message: bool = False
     #: OpenAI's Predicted Outputs: text the answer is expected to repeat, which lookups draft
     #: from (server/frontend.py)
     prediction: Prediction | None = None
@@ -343,6 +346,11 @@ class ChatRequest(SamplingFields):
                                 "from the request itself; drop it", param="chat_template_kwargs")
         if self.reasoning_effort is not None:
             out.setdefault("reasoning_effort", self.reasoning_effort)
+        if self.continue_final_message:
+            if not self.messages or self.messages[-1].role != "assistant":
+                raise ApiError(400, "continue_final_message continues the last message, which "
+                                    "must then be the assistant's", param="continue_final_message")
+            out.update(continue_final_message=True, add_generation_prompt=False)
         return out
 
     def prediction_text(self) -> str | None:

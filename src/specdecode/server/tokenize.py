@@ -3,7 +3,8 @@ as the chat and completion endpoints encode it (a prompt's length against the co
 ``logit_bias`` names), and the text of token ids.
 
     POST /tokenize   {"prompt": "text"}  or  {"messages": [...], "tools": [...],
-                     "chat_template_kwargs": {...}}, optional "return_token_strs": true
+                     "chat_template_kwargs": {...}, "continue_final_message": false}, optional
+                     "return_token_strs": true
                   -> {"count": N, "max_model_len": C, "tokens": [...], "token_strs": [...]}
     POST /detokenize {"tokens": [...]}  ->  {"prompt": "text"}
 """
@@ -20,7 +21,7 @@ from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import ApiError, ChatRequest, Strict, parse
 
 #: the fields of a chat request that shape its prompt
-CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs")
+CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "continue_final_message")
 
 
 class TokenizeRequest(Strict):
@@ -30,6 +31,7 @@ class TokenizeRequest(Strict):
     messages: list[Any] | None = None
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     #: also each token's text
     return_token_strs: bool = False
 
@@ -56,9 +58,10 @@ async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
         raise ApiError(400, "give 'prompt' (a completion's text) or 'messages' (a chat's), "
                             "one of them", param="prompt")
     if req.messages is None:
-        if req.tools is not None or req.chat_template_kwargs is not None:
-            field = "tools" if req.tools is not None else "chat_template_kwargs"
-            raise ApiError(400, f"'{field}' goes with 'messages', not 'prompt'", param=field)
+        chat_only = [f for f in CHAT_FIELDS if getattr(req, f) not in (None, False)]
+        if chat_only:
+            raise ApiError(400, f"'{chat_only[0]}' goes with 'messages', not 'prompt'",
+                           param=chat_only[0])
         ids = await run_in_threadpool(server.encode, req.prompt, False)
     else:
         chat = {k: payload[k] for k in CHAT_FIELDS if k in payload}
