@@ -66,4 +66,3 @@ def fim_tokens(tokenizer) -> FimTokens:
         + "; ".join(" ".join(tags) for tags in TAGS)
         + "), so it cannot fill in a middle; leave out the suffix, or use a code model trained "
           "for it (such as qwen2.5-coder-1.5b)")
-
