@@ -79,7 +79,8 @@ def main() -> int:
             result = decoder.generate(case.prefix, args.max_new_tokens, suffix=case.suffix)
             wall = time.perf_counter() - start
             first = result.text.split("\n", 1)[0].strip()
-            rows[label].append((result, wall, result.token_ids == rows["ar"][-1][0].token_ids,
+            reference = result if label == "ar" else rows["ar"][-1][0]  # ar runs first
+            rows[label].append((result, wall, result.token_ids == reference.token_ids,
                                 first == case.line.strip()))
     report(args, todo, rows)
     return 0
