@@ -56,6 +56,8 @@ def test_the_prompt_is_prefix_suffix_middle(fim_tokenizer):
     after = fim_tokenizer.encode(SUFFIX, add_special_tokens=False)
     assert fim.prompt(fim_tokenizer, PREFIX, SUFFIX) == [pre, *before, suf, *after, mid]
     assert fim.prompt(fim_tokenizer, [5, 6], "") == [pre, 5, 6, suf, mid]  # ids as they are
+    with pytest.raises(SpecDecodeError, match="text or token ids, not chat messages"):
+        fim.prompt(fim_tokenizer, [{"role": "user", "content": "x"}], SUFFIX)
 
 
 def test_a_model_without_the_tags_is_told_so():
@@ -107,6 +109,10 @@ def test_the_server_fills_in_openais_suffix(fim_model, fim_tokenizer, tokenizer,
         batch = client.completions.create(model=MODEL, prompt=[ids, ids], suffix=SUFFIX,
                                           max_tokens=16)
         assert [c.text for c in batch.choices] == [want.text, want.text]
+        tokenized = httpx.post(served.url + "/tokenize", timeout=30, json={
+            "prompt": PREFIX, "suffix": SUFFIX}).json()
+        assert tokenized["tokens"] == fim_tokens(fim_tokenizer).prompt(fim_tokenizer, PREFIX,
+                                                                       SUFFIX)
         sep = fim_tokenizer.convert_tokens_to_ids("<|file_sep|>")  # an end of a middle
         ended = client.completions.create(model=MODEL, prompt=PREFIX, suffix=SUFFIX,
                                           max_tokens=16, logit_bias={str(sep): 40})

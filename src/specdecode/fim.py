@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdecode.detokenize import token_id
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, require
 
 #: (prefix, suffix, middle) tags of each family, in the order they are looked for
 TAGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
@@ -46,8 +46,12 @@ class FimTokens:
     def prompt(self, tokenizer, prefix: str | Sequence[int], suffix: str) -> list[int]:
         """The prompt that asks for the middle between ``prefix`` (text, or token ids as they
         are) and ``suffix`` (text)."""
-        before = (list(prefix) if not isinstance(prefix, str)
-                  else tokenizer.encode(prefix, add_special_tokens=False))
+        if isinstance(prefix, str):
+            before = tokenizer.encode(prefix, add_special_tokens=False)
+        else:
+            before = list(prefix)
+            require(all(isinstance(t, int) for t in before),
+                    "the text before a middle is text or token ids, not chat messages")
         after = tokenizer.encode(suffix, add_special_tokens=False)
         return [self.prefix, *before, self.suffix, *after, self.middle]
 

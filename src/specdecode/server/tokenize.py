@@ -2,7 +2,7 @@
 as the chat and completion endpoints encode it (a prompt's length against the context, the ids
 ``logit_bias`` names), and the text of token ids.
 
-    POST /tokenize   {"prompt": "text"}  or  {"messages": [...], "tools": [...],
+    POST /tokenize   {"prompt": "text", "suffix": "text"}  or  {"messages": [...], "tools": [...],
                      "chat_template_kwargs": {...}, "continue_final_message": false}, optional
                      "return_token_strs": true
                   -> {"count": N, "max_model_len": C, "tokens": [...], "token_strs": [...]}
@@ -27,6 +27,8 @@ CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "continue_final_mess
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
+    #: a fill-in-the-middle completion's text after the cursor (``prompt`` the text before it)
+    suffix: str | None = None
     #: a chat's messages, tools and template variables (read as the chat endpoint reads them)
     messages: list[Any] | None = None
     tools: list[Any] | None = None
@@ -62,8 +64,13 @@ async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
         if chat_only:
             raise ApiError(400, f"'{chat_only[0]}' goes with 'messages', not 'prompt'",
                            param=chat_only[0])
-        ids = await run_in_threadpool(server.encode, req.prompt, False)
+        if req.suffix:
+            ids = (await run_in_threadpool(server.fill_in, req.prompt, req.suffix))[0]
+        else:
+            ids = await run_in_threadpool(server.encode, req.prompt, False)
     else:
+        if req.suffix is not None:
+            raise ApiError(400, "'suffix' goes with 'prompt', not 'messages'", param="suffix")
         chat = {k: payload[k] for k in CHAT_FIELDS if k in payload}
         ids = await chat_prompt(server, parse(ChatRequest, {"model": "", **chat}))
     strs = None
