@@ -8,7 +8,12 @@ was at the cursor.
 
     python scripts/fim_bench.py --model qwen2.5-coder-1.5b --methods ar,suffix,ngram
 
-The files are those of the running Python (their text is its version's: the report names it).
+``--typing N``: instead, an editor's session in the first file: the cursor moves down N code
+lines one at a time, the whole file above it the prefix, each contender through the whole
+session on its own (``ar`` with every prompt read whole, ``ar`` and ``suffix`` reusing the
+rows of the request before: a request after a line was written re-reads the prompt only from
+that line on). The files are those of the running Python (their text is its version's: the
+report names it).
 """
 
 from __future__ import annotations
@@ -63,9 +68,13 @@ def main() -> int:
     parser.add_argument("--after", type=int, default=20, help="lines of suffix")
     parser.add_argument("--every", type=int, default=23, help="a cursor every this many lines")
     parser.add_argument("--per-file", type=int, default=4, help="cursor positions a file")
+    parser.add_argument("--typing", type=int, default=0, metavar="N",
+                        help="an editor's session of N cursor lines instead (see above)")
     args = parser.parse_args()
     args.runner, args.weights, args.max_context = "auto", "auto", 4096
     runner, tokenizer, eos = load_target(args)
+    if args.typing:
+        return typing(args, runner, tokenizer, eos)
     # each method's decoder, ar's first; every prompt prefilled whole (no earlier prompt's rows)
     decoders = {label: Decoder(runner, tokenizer, method.name, eos, reuse_prompt=False,
                                **dataclasses.asdict(config))
@@ -83,6 +92,41 @@ def main() -> int:
             rows[label].append((result, wall, result.token_ids == reference.token_ids,
                                 first == case.line.strip()))
     report(args, todo, rows)
+    return 0
+
+
+def typing(args, runner, tokenizer, eos) -> int:
+    lines = inspect.getsource(importlib.import_module(MODULES[0])).splitlines(keepends=True)
+    cursors = [i for i in range(args.before, len(lines) - args.after - 1)
+               if lines[i].strip() and not lines[i].lstrip().startswith("#")][:args.typing]
+    print(f"Model `{args.model}`, an editor's session in {MODULES[0]}.py (Python "
+          f"{platform.python_version()}): the cursor at lines {cursors[0] + 1}-{cursors[-1] + 1} "
+          f"({len(cursors)} code lines), the file above it the prefix, {args.after} lines after "
+          f"it the suffix, at most {args.max_new_tokens} tokens, greedy.\n")
+    print("| contender | s a request (median) | prompt s (median) | prompt tokens (median) | "
+          "of them reused (median) | the cold `ar`'s middle |")
+    print("|---|---:|---:|---:|---:|---:|")
+    cold = None
+    for label, name, reuse in (("ar, every prompt read whole", "ar", False),
+                               ("ar, the prompt reused", "ar", True),
+                               ("suffix, the prompt reused", "suffix", True)):
+        decoder = Decoder(runner, tokenizer, name, eos, reuse_prompt=reuse)
+        decoder.generate("x = 1\n", 4, suffix="\n")  # the runner's cache holds another text
+        walls, results = [], []
+        for i in cursors:
+            start = time.perf_counter()
+            results.append(decoder.generate("".join(lines[:i]), args.max_new_tokens,
+                                            suffix="".join(lines[i + 1:i + 1 + args.after])))
+            walls.append(time.perf_counter() - start)
+        prompts = [len(decoder.fill_in("".join(lines[:i]), "".join(
+            lines[i + 1:i + 1 + args.after]))[0]) for i in cursors]
+        cold = cold or [r.token_ids for r in results]
+        same = sum(r.token_ids == c for r, c in zip(results, cold))
+        print(f"| {label} | {statistics.median(walls):.2f} | "
+              f"{statistics.median(r.stats.prefill_s for r in results):.2f} | "
+              f"{statistics.median(prompts):.0f} | "
+              f"{statistics.median(r.stats.cached_tokens for r in results):.0f} | "
+              f"{same}/{len(results)} |")
     return 0
 
 
