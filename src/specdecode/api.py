@@ -26,7 +26,7 @@ from typing import Any
 from specdecode import registry
 from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.detokenize import IncrementalText, special_tokens, token_id
-from specdecode.engine import Generation, GenerationStats, TokenLogprob
+from specdecode.engine import Generation, GenerationStats, TokenLogprob, check_ids
 from specdecode.errors import SpecDecodeError, require
 from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
@@ -231,7 +231,8 @@ class Decoder:
         ids) before the insertion point, ``suffix`` the text after it, framed by the model's
         tags instead of a chat template, and the tokens that end a middle end the answer.
         ``ignore_eos``: the model's end tokens do not end the answer (it runs to
-        ``max_new_tokens``); ``stop_token_ids``: tokens that end it beside them. ``sampling``: :class:`SamplingParams` fields and the constraint options
+        ``max_new_tokens``); ``stop_token_ids``: tokens that end it beside them.
+        ``sampling``: :class:`SamplingParams` fields and the constraint options
         (``json_schema``, ``regex``, ``grammar``, ``json_object``, ``banned``)."""
         asked = {k: sampling.pop(k) for k in CONSTRAINT_FIELDS & sampling.keys()}
         if any(v not in (None, False, (), []) for k, v in asked.items() if k != "jump_forward"):
@@ -243,9 +244,7 @@ class Decoder:
             ids, ends = self.encode(prompt, chat), self.eos_token_ids
         else:
             ids, ends = self.fill_in(prompt, suffix)
-        bad = [t for t in stop_token_ids if not 0 <= t < self.runner.vocab_size]
-        require(not bad, f"stop_token_ids {bad[:5]} are outside the model's vocabulary (ids "
-                         f"0..{self.runner.vocab_size - 1})")
+        check_ids(stop_token_ids, self.runner.vocab_size, "stop_token_ids")
         ends = list(dict.fromkeys([*([] if ignore_eos else ends), *stop_token_ids]))
         if self.method.lossy:  # its own decode loop (specdecode/lossy/)
             return self.proposer.generation(ids, max_new_tokens, params, ends)

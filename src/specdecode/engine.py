@@ -139,8 +139,14 @@ def check_request(runner: Runner, prompt_ids: Sequence[int], max_new_tokens: int
             f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
             f"exceeds the model's context of {runner.max_context} tokens; lower max_new_tokens "
             f"to at most {runner.max_context - len(prompt_ids)}")
-    bad = [t for t in prompt_ids if not 0 <= t < runner.vocab_size]
-    require(not bad, f"prompt token ids {bad[:5]} are outside the vocabulary (0..{runner.vocab_size - 1})")
+    check_ids(prompt_ids, runner.vocab_size, "prompt token ids")
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """A clear error naming ``what`` and its first ids outside a vocabulary of
+    ``vocab_size`` tokens (a prompt's, stop tokens, ids to decode)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    require(not bad, f"{what} {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
 
 
 def cut_chunk(tokens: Sequence[int], produced: int, max_new_tokens: int,

@@ -17,7 +17,7 @@ from typing import Any
 from specdecode import registry
 from specdecode.api import encode_prompt, with_turn_ends
 from specdecode.constraints import Vocabulary, make_constraint
-from specdecode.engine import check_request
+from specdecode.engine import check_ids, check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
@@ -306,11 +306,10 @@ class Frontend:
         ``model_ends`` (a middle's) unless it ignores the model's ends, and its
         ``stop_token_ids``."""
         stop_ids = req.stop_token_ids or []
-        vocab = self.runner_info.vocab_size
-        bad = [t for t in stop_ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"stop_token_ids {bad[:5]} are outside this model's vocabulary "
-                                f"(ids 0..{vocab - 1})", param="stop_token_ids")
+        try:
+            check_ids(stop_ids, self.runner_info.vocab_size, "stop_token_ids")
+        except SpecDecodeError as exc:
+            raise ApiError(400, str(exc), param="stop_token_ids") from None
         kept = () if req.ignore_eos else model_ends
         return tuple(dict.fromkeys([*kept, *stop_ids]))
 

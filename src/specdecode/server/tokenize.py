@@ -16,6 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from specdecode.engine import check_ids
+from specdecode.errors import SpecDecodeError
 from specdecode.server.endpoints import chat_prompt, read_json
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import ApiError, ChatRequest, Strict, parse
@@ -83,11 +85,10 @@ async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
 async def detokenize(server: Frontend, payload: Any) -> dict[str, Any]:
     req = parse(DetokenizeRequest, payload)
     _need_tokenizer(server)
-    vocab = server.runner_info.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
-                       param="tokens")
+    try:
+        check_ids(req.tokens, server.runner_info.vocab_size, "token ids")
+    except SpecDecodeError as exc:
+        raise ApiError(400, str(exc), param="tokens") from None
     return {"prompt": await run_in_threadpool(server.decode, req.tokens)}
 
 
