@@ -159,3 +159,17 @@ def test_chat_messages_go_on_past_a_backslash_and_between_triple_quotes(monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO(typed))
     assert list(_messages()) == ["Explain:", "def f():\n    return 1", "first \n  second", "/reset",
                                  "no end"]
+
+
+def test_generate_json_reports_the_prompts_logprobs(capsys):
+    import json
+
+    argv = ["Say hi in French.", "--max-new-tokens", "4", "--json", "--no-chat"]
+    assert main(["generate"] + argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate"] + argv + ["--prompt-logprobs", "2"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["token_ids"] == plain["token_ids"] and "prompt_logprobs" not in plain
+    first, *rest = scored["prompt_logprobs"]
+    assert first is None and len(rest) >= 4
+    assert all(e["logprob"] <= 0 and len(e["top"]) == 2 for e in rest)

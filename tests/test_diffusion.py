@@ -276,6 +276,8 @@ def test_window_recomputes_only_its_active_rows(model):
     (["--diffusion", "threshold", "--repetition-penalty", "1.2"], "takes no penalties"),
     (["--diffusion", "threshold", "--logit-bias", "5=2"], "takes no penalties or logit bias"),
     (["--diffusion", "threshold", "--suffix", "x"], "drop --suffix"),
+    (["--diffusion", "threshold", "--logprobs", "2"], "reports no log-probabilities"),
+    (["--diffusion", "threshold", "--prompt-logprobs", "0"], "reports no log-probabilities"),
     (["--diffusion", "threshold", "-c", "threshold=2"], "threshold must be in (0, 1]"),
     (["--diffusion", "threshold", "--regex", "a+"], "does not follow grammars or bans"),
     (["--diffusion", "cfg"], "the cfg policy needs a grammar"),

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
      "detokenize", "fim", "registry", "cache", "artifacts", "agreement", "questions"),
     ("kernels", "models"),
     # the proposer interface and draft sizing, below the loop that drives them
-    ("proposer", "sizing"),
+    ("proposer", "sizing", "prompt_logprobs"),
     ("engine",),
     # the methods and what they share
     ("drafting", "heads", "suffix_tree", "suffix_cache", "suffix_corpus", "proposers", "lossy",

@@ -52,6 +52,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     #: the method's output differs from ``ar``'s on purpose (docs/lossy.md)
     lossy: bool = False
+    #: one per prompt token (the first None) when the request asked for ``prompt_logprobs``
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def as_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method,
@@ -59,14 +61,18 @@ class GenerationResult:
                "stats": self.stats.as_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [dataclasses.asdict(p) for p in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [p and dataclasses.asdict(p) for p in self.prompt_logprobs]
         return out
 
 
 class Piece(str):
     """A streamed text piece; ``logprobs`` holds the log-probabilities of the tokens committed
-    since the last piece (when the request asked for them)."""
+    since the last piece (when the request asked for them), and the first piece the prompt's
+    (``prompt_logprobs``, when asked for)."""
 
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def as_runner(model) -> Runner:
@@ -141,18 +147,21 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 
 def encode_prompt(tokenizer, prompt, chat: bool = True, tools: list[dict] | None = None,
-                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                  template_kwargs: dict[str, Any] | None = None,
+                  add_special_tokens: bool = True) -> list[int]:
     """Token ids of a prompt: text (chat-templated when ``chat`` and the tokenizer has a
     template), chat messages, or ids as they are. ``tools``: OpenAI function definitions the
     chat template shows the model, and ``template_kwargs`` its other variables (Qwen3's
-    ``enable_thinking``; messages only). Needs no model, so a server front end that only routes
-    requests (``specdecode serve --replicas``) encodes with it too."""
+    ``enable_thinking``; messages only). ``add_special_tokens``: False leaves out the BOS (or
+    other tokens) the tokenizer puts around plain text. Needs no model, so a server front end
+    that only routes requests (``specdecode serve --replicas``) encodes with it too."""
     if isinstance(prompt, str):
         require(prompt.strip() != "", "the prompt is empty; give some text")
         require(tokenizer is not None, "a text prompt needs a tokenizer")
         if chat and getattr(tokenizer, "chat_template", None):
             return _template(tokenizer, [{"role": "user", "content": prompt}])
-        return list(tokenizer(prompt)["input_ids"])
+        plain = {} if add_special_tokens else {"add_special_tokens": False}  # stand-ins take none
+        return list(tokenizer(prompt, **plain)["input_ids"])
     if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         require(tokenizer is not None, "chat messages need a tokenizer")
         return _template(tokenizer, list(prompt), tools, template_kwargs or {})
@@ -287,8 +296,9 @@ class TextStream:
         self.text = ""
         self.result: GenerationResult | None = None
         self._stop_found = False
-        #: log-probabilities handed out with pieces so far
+        #: log-probabilities handed out with pieces so far, and whether the prompt's were
         self._reported = 0
+        self._prompt_reported = False
         #: ``kept_tokens``: special tokens whose text stays in the text (a tool-call format's
         #: tags, :attr:`specdecode.server.tools.ToolFormat.kept_tokens`)
         self._tail_decoder = (None if decoder.tokenizer is None
@@ -340,6 +350,9 @@ class TextStream:
         logprobs = self.generation.logprobs
         if piece and logprobs is not None:  # the tokens' log-probabilities ride with the text
             piece.logprobs, self._reported = logprobs[self._reported:], len(logprobs)
+        if piece and not self._prompt_reported:
+            piece.prompt_logprobs = getattr(self.generation, "prompt_logprobs", None)
+            self._prompt_reported = True
         return piece
 
     def finish(self) -> GenerationResult:
@@ -350,7 +363,7 @@ class TextStream:
         self.result = GenerationResult(self.text, list(gen.tokens), method.name, gen.stats,
                                        finish,
                                        None if gen.logprobs is None else list(gen.logprobs),
-                                       method.lossy)
+                                       method.lossy, getattr(gen, "prompt_logprobs", None))
         return self.result
 
     def _unsettled(self, text: str) -> int:

@@ -47,6 +47,9 @@ def add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logprobs", type=int, default=None, metavar="N",
                        help="report each token's log-probability and its N most likely "
                             "alternatives (with --json)")
+    group.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                       help="report each prompt token's log-probability under the model and its "
+                            "N most likely alternatives (with --json)")
 
 
 def constraint_options(args: argparse.Namespace) -> dict:

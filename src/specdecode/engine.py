@@ -35,6 +35,7 @@ from specdecode.draft import Draft
 from specdecode.errors import require
 from specdecode.models.base import Call, ForwardOutput, PrefillCall, Runner, VerifyCall
 from specdecode.models.kv_cache import common_prefix, held_ids
+from specdecode.prompt_logprobs import PromptScoring, TokenLogprob
 from specdecode.proposer import Feedback, Proposer
 from specdecode.sampling import GREEDY, SamplingParams
 from specdecode.sizing import SequenceSizer
@@ -43,18 +44,6 @@ from specdecode.verify import VerifyResult, verify
 #: most forced tokens committed in a row before the next target forward (they ride in its
 #: draft as a chain, so this bounds that pass's rows)
 MAX_FORCED_RUN = 32
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One committed token's log-probability under the request's processed target distribution
-    (:meth:`~specdecode.sampling.NodeDistributions.logprobs`) and the ``top`` most likely
-    (token, log-probability) pairs there, most likely first. A forced token (the constraint
-    allowed nothing else) has log-probability 0 and itself as its only alternative."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -226,6 +215,8 @@ class Generation:
         self._call: Call | None = None
         #: forced tokens committed since the last forward (not yet in the cache)
         self._forced: list[int] = []
+        #: the prompt read row by row and scored, where ``sampling.prompt_logprobs`` asks
+        self._scoring: PromptScoring | None = None
         self._started = 0.0
         self._closed = False
 
@@ -234,8 +225,9 @@ class Generation:
             call = self.begin()
             while True:
                 t0 = time.perf_counter()
+                scoring = self.reading_prompt
                 out = call.run(self.runner)
-                if isinstance(call, VerifyCall):  # a prefill's time is prefill_s
+                if isinstance(call, VerifyCall) and not scoring:  # a prefill's is prefill_s
                     self.stats.verify_s += time.perf_counter() - t0
                 yield self.advance(out)
                 if self.finish_reason is not None:
@@ -245,12 +237,27 @@ class Generation:
             self.close()
 
     @property
+    def reading_prompt(self) -> bool:
+        """The prompt is being read as scored chains (:mod:`specdecode.prompt_logprobs`): the
+        calls until the first token are those, and nothing is drafted."""
+        return self._scoring is not None and not self._scoring.done
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Each prompt token's log-probability (the first None) once the prompt is read,
+        where ``sampling.prompt_logprobs`` asked for them; else None."""
+        if self._scoring is None or not self._scoring.done:
+            return None
+        return self._scoring.entries
+
+    @property
     def pending_call(self) -> Call | None:
         """The call given by :meth:`begin` or :meth:`next_call` and not yet advanced."""
         return self._call
 
     def begin(self) -> PrefillCall:
-        """Start the proposer; the prompt's prefill is the first call."""
+        """Start the proposer; the prompt's prefill is the first call (its first token's, where
+        the prompt is scored)."""
         require(self._call is None and not self.tokens, "this generation has already begun")
         self._started = time.perf_counter()
         self._generator = self.sampling.generator()
@@ -259,6 +266,10 @@ class Generation:
         if self.reference:
             self.proposer.use_reference(self.reference)
         ids = tuple(self.prompt_ids)
+        if self.sampling.prompt_logprobs is not None:  # every row's logits: nothing reused
+            self._scoring = PromptScoring(ids, self.sampling.prompt_logprobs, self.proposer.needs)
+            self._call = self._scoring.next_call()
+            return self._call
         start = self.stats.cached_tokens = self._held_prefix() if self.reuse_prefix else 0
         self._call = PrefillCall(ids, start, len(ids), self.proposer.needs)
         return self._call
@@ -285,6 +296,9 @@ class Generation:
         :attr:`draft_cap`) and give the verify call."""
         require(self.finish_reason is None and self._call is None,
                 "next_call needs a generation whose last call was advanced and that has not finished")
+        if self.reading_prompt:
+            self._call = self._scoring.next_call()
+            return self._call
         t0 = time.perf_counter()
         context = self._context
         if self._forced:  # jump-forward: the forced tokens enter the cache, nothing is drafted
@@ -322,16 +336,15 @@ class Generation:
         require(call is not None, "advance needs a call from begin or next_call")
         context, stats = self._context, self.stats
         prompt_len = len(self.prompt_ids)
-        t0 = time.perf_counter()
+        if self.reading_prompt:
+            out = self._scoring.take(self.runner, call, out)
+            if out is None:  # more of the prompt to read
+                stats.target_forwards += 1
+                return []
+            return self._first_token(out)
         if isinstance(call, PrefillCall):
-            stats.target_forwards += 1
-            stats.prefill_s = t0 - self._started
-            first = verify(Draft.empty(), out.logits, self.sampling, context, prompt_len,
-                           self._generator, self.constraint)
-            self.proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
-                                           first.tokens, out, prefill=True))
-            stats.propose_s += time.perf_counter() - t0
-            return self._emit_verified(first) + self._jump_forward()
+            return self._first_token(out)
+        t0 = time.perf_counter()
         draft, forced = call.draft, self._forced
         if forced:
             # the chain's nodes are committed already: verify only after the last of them
@@ -362,6 +375,20 @@ class Generation:
         # chain counts as this step's accepted draft (what a server's acceptance tracking reads)
         stats.accepted_lengths.append(len(forced) + len(chunk))
         return chunk + self._jump_forward()
+
+    def _first_token(self, out: ForwardOutput) -> list[int]:
+        """The prefill's output (or what the prompt's scored parts add up to): the first
+        token, and the prompt fed back to the proposer."""
+        stats, context = self.stats, self._context
+        t0 = time.perf_counter()
+        stats.target_forwards += 1
+        stats.prefill_s = t0 - self._started
+        first = verify(Draft.empty(), out.logits, self.sampling, context, len(self.prompt_ids),
+                       self._generator, self.constraint)
+        self.proposer.observe(Feedback(tuple(context), Draft.empty(), out.logits, (),
+                                       first.tokens, out, prefill=True))
+        stats.propose_s += time.perf_counter() - t0
+        return self._emit_verified(first) + self._jump_forward()
 
     def close(self) -> None:
         """End it (finished or not): the proposer's ``finish`` runs once."""

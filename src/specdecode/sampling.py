@@ -79,6 +79,10 @@ class SamplingParams:
     #: report each committed token's log-probability and this many most likely alternatives
     #: (0..20, OpenAI's top_logprobs); None = no log-probabilities
     logprobs: int | None = None
+    #: report each prompt token's log-probability under the model (its own, before these
+    #: processors) and this many most likely alternatives (0..20; vLLM's prompt_logprobs,
+    #: specdecode/prompt_logprobs.py); None = none
+    prompt_logprobs: int | None = None
     #: grammar and banned outputs (:func:`specdecode.constraints.make_constraint`); None = none
     constraint: ConstraintSpec | None = None
     #: token id -> number added to its logit (a mapping, or (id, bias) pairs; ids may be
@@ -111,15 +115,17 @@ class SamplingParams:
                                       and not isinstance(self.seed, bool)
                                       and -2**63 <= self.seed < 2**64),
                 f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        require(self.logprobs is None or (isinstance(self.logprobs, numbers.Integral)
-                                          and not isinstance(self.logprobs, bool)
-                                          and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
-                f"reported per token), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, numbers.Integral)
+                                      and not isinstance(value, bool)
+                                      and 0 <= value <= MAX_TOP_LOGPROBS),
+                    f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                    f"reported per token), got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         require(self.constraint is None or isinstance(self.constraint, ConstraintSpec),
                 "constraint must be built by specdecode.constraints.make_constraint")
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", int(self.logprobs))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # numpy integers pass the checks above; store plain ints (hashable, JSON-friendly)
         object.__setattr__(self, "top_k", int(self.top_k))

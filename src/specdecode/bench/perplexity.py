@@ -47,13 +47,18 @@ ARTICLE_TASK = "summarization"
 _INSTRUCTION = "Summarize:"
 
 
-def articles(questions: Sequence[Question]) -> str:
-    """The summarization questions' articles, joined by blank lines."""
+def article_texts(questions: Sequence[Question]) -> list[str]:
+    """The summarization questions' articles, without their instruction."""
     texts = [q.turns[0].removeprefix(_INSTRUCTION).strip() for q in questions
              if q.task == ARTICLE_TASK]
     require(texts, f"the question file has no {ARTICLE_TASK} questions to take a text from; "
                    "give one with --text FILE")
-    return "\n\n".join(texts) + "\n"
+    return texts
+
+
+def articles(questions: Sequence[Question]) -> str:
+    """The summarization questions' articles, joined by blank lines."""
+    return "\n\n".join(article_texts(questions)) + "\n"
 
 
 def tokenize(tokenizer, text: str, bos: int | None) -> list[int]:

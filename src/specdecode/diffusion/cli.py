@@ -48,6 +48,9 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
     require(not sampling.adjusts_logits, "diffusion decoding takes no penalties or logit bias "
             "here; drop --repetition-penalty, --presence-penalty, --frequency-penalty and "
             "--logit-bias")
+    require(sampling.logprobs is None and sampling.prompt_logprobs is None,
+            "diffusion decoding reports no log-probabilities; drop --logprobs and "
+            "--prompt-logprobs")
     asked = {k: v for k, v in options.items() if v}
     require(not asked or policy.follows_constraint,
             f"the {info.name} policy does not follow grammars or bans; use --diffusion cfg")

@@ -47,6 +47,9 @@ class LossyMethod(ABC):
         require(sampling.temperature == 0 and not sampling.adjusts_logits,
                 f"the lossy method '{self.method_name}' decodes greedily only; leave temperature "
                 "at 0 and the penalties and logit_bias unset, or use an exact method")
+        require(sampling.prompt_logprobs is None,
+                f"the lossy method '{self.method_name}' does not score the prompt; leave "
+                "prompt_logprobs unset, or use an exact method")
 
     @abstractmethod
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

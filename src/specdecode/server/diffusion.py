@@ -89,7 +89,8 @@ def check_request(name: str, dllm: Dllm | None, sampling: dict[str, Any]) -> Non
     options = dict(sampling)
     for key, param, what in (("constraint", "response_format", "constraints (response_format, "
                                                                "bans, regex, grammar)"),
-                             ("logprobs", "logprobs", "log-probabilities")):
+                             ("logprobs", "logprobs", "log-probabilities"),
+                             ("prompt_logprobs", "echo", "prompt log-probabilities")):
         if options.pop(key, None) is not None:
             raise ApiError(400, f"diffusion decoding ('{name}') takes no {what} here; leave "
                                 f"out {param}", param=param)

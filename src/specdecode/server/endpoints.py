@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
+from specdecode.server.echo import Echo
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
                                         new_id, now, parse)
@@ -149,18 +150,20 @@ class Endpoint:
         self.object = "chat.completion" if chat else "text_completion"
 
     def choice(self, index: int, text: str, finish: str | None, delta: bool,
-               logprobs: list | None = None) -> dict:
+               logprobs: list | None = None, prompt: tuple | None = None) -> dict:
         """One choice; ``logprobs``: the :class:`~specdecode.engine.TokenLogprob` of its tokens
-        (None = not asked for)."""
-        lp = None if logprobs is None else self.logprobs(logprobs)
+        (None = not asked for); ``prompt``: (ids, prompt log-probabilities) echoed before them."""
+        lp = (None if logprobs is None and prompt is None
+              else self.logprobs(logprobs or [], prompt))
         if not self.chat:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": index, key: body, "logprobs": lp, "finish_reason": finish}
 
-    def logprobs(self, entries: list) -> dict:
-        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists."""
+    def logprobs(self, entries: list, prompt: tuple | None = None) -> dict:
+        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists
+        (``prompt``: (ids, their entries) in front, the first token's null: server/echo.py)."""
         vocab = self.server.vocabulary
         def text(token: int) -> str:
             return vocab.token_bytes[token].decode("utf-8", "replace")
@@ -175,9 +178,14 @@ class Endpoint:
                  "top_logprobs": [{"token": text(t), "logprob": value(v),
                                    "bytes": list(vocab.token_bytes[t])} for t, v in e.top]}
                 for e in entries], "refusal": None}
-        return {"tokens": [text(e.token) for e in entries],
-                "token_logprobs": [value(e.logprob) for e in entries],
-                "top_logprobs": [{text(t): value(v) for t, v in e.top} for e in entries],
+        head: list = [[], [], []]
+        if prompt is not None:
+            ids, scored = prompt
+            head = [[text(ids[0])], [None], [None]]
+            entries = list(scored[1:]) + list(entries)
+        return {"tokens": head[0] + [text(e.token) for e in entries],
+                "token_logprobs": head[1] + [value(e.logprob) for e in entries],
+                "top_logprobs": head[2] + [{text(t): value(v) for t, v in e.top} for e in entries],
                 "text_offset": None}
 
     def parses_tools(self, req) -> ToolRequest | None:
@@ -195,6 +203,7 @@ class Endpoint:
         server = self.server
         payload = await read_json(request, server.settings.max_body_bytes)
         ends: tuple[int, ...] = ()
+        echo = None
         if self.chat:
             req = parse(ChatRequest, payload)
             prompts = [await chat_prompt(server, req)]
@@ -215,7 +224,9 @@ class Endpoint:
             else:
                 prompts = [await run_in_threadpool(server.encode, p, False)
                            for p in req.prompts()]
-            requested, param, answers, reference = req.max_tokens, "prompt", None, ()
+            echo = await run_in_threadpool(Echo.of, req, prompts, server.decode)
+            requested = echo.max_tokens(req.max_tokens) if echo else req.max_tokens
+            param, answers, reference = "prompt", None, ()
         specs = server.specs(req, prompts, requested, param, reference, ends)
         capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
@@ -226,16 +237,17 @@ class Endpoint:
         prompt_tokens = sum(len(ids) for ids in prompts)
         server.metrics.prompt_tokens.inc(prompt_tokens)
         if req.stream:
-            return await self.stream(request, job, req, prompt_tokens, answers)
+            return await self.stream(request, job, req, prompt_tokens, answers, echo)
         try:
-            return await self.collect(request, job, req, prompt_tokens, answers)
+            return await self.collect(request, job, req, prompt_tokens, answers, echo)
         finally:
             job.cancel()  # a no-op when every sequence is done; stops the rest otherwise
             server.metrics.latency.labels(self.path).observe(time.perf_counter() - job.arrived)
 
     async def collect(self, request: Request, job: Job, req, prompt_tokens: int,
-                      answers: Thinking | Harmony | None) -> Response:
-        """The whole response; ``answers``: how a chat answer holds its reasoning."""
+                      answers: Thinking | Harmony | None, echo: Echo | None = None) -> Response:
+        """The whole response; ``answers``: how a chat answer holds its reasoning; ``echo``:
+        the prompts in front of the choices."""
         results: list[GenerationResult | None] = [None] * len(job.specs)
         first_text = True
         watch = ClientWatch(request)
@@ -247,11 +259,11 @@ class Endpoint:
                 first_text = False
                 self.server.metrics.first_token.observe(time.perf_counter() - job.arrived)
             if kind == "done":
-                results[index] = payload
+                results[index] = echo.result(index, payload) if echo else payload
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         body = self.envelope(rid, req.model, chunk=False)
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
-                                       logprobs=r.logprobs)
+                                       logprobs=r.logprobs, prompt=echoed(echo, i, r))
                            for i, r in enumerate(results)]
         if self.chat:
             tools = self.parses_tools(req)
@@ -264,8 +276,8 @@ class Endpoint:
         return JSONResponse(body)
 
     async def stream(self, request: Request, job: Job, req, prompt_tokens: int,
-                     answers: Thinking | Harmony | None) -> Response:
-        """The response as server-sent events; ``answers`` as :meth:`collect`'s."""
+                     answers: Thinking | Harmony | None, echo: Echo | None = None) -> Response:
+        """The response as server-sent events; ``answers`` and ``echo`` as :meth:`collect`'s."""
         # wait for the start (or the first error) while we can still answer with a status code
         try:
             first = await ClientWatch(request).next_event(job)
@@ -278,7 +290,8 @@ class Endpoint:
         rid = new_id("chatcmpl" if self.chat else "cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
-        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req), answers)
+        chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req), answers,
+                        echo)
 
         async def events() -> AsyncIterator[str]:
             results: list[GenerationResult | None] = [None] * len(job.specs)
@@ -300,8 +313,8 @@ class Endpoint:
                         for text in chunks.text(index, payload):
                             yield text
                     elif kind == "done":
-                        results[index] = payload
-                        for text in chunks.end(index, payload):
+                        results[index] = echo.result(index, payload) if echo else payload
+                        for text in chunks.end(index, results[index]):
                             yield text
                         if all(r is not None for r in results):
                             if include_usage:
@@ -327,8 +340,11 @@ class Chunks:
     its first chunk), and each choice's end."""
 
     def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
-                 tools: ToolRequest | None, thinking: Thinking | Harmony | None = None):
+                 tools: ToolRequest | None, thinking: Thinking | Harmony | None = None,
+                 echo: Echo | None = None):
         self.endpoint, self.rid, self.model = endpoint, rid, model
+        #: the prompts sent in front of the choices, each once, before its first text
+        self.echo, self.echoed = echo, [False] * choices
         self.sent = StreamedLogprobs(choices)
         harmony = isinstance(thinking, Harmony)  # its calls are messages, not in the content
         self.deltas = (StreamDeltas(choices, tools.format, tools.schemas)
@@ -352,16 +368,31 @@ class Chunks:
                 out += self.deltas.text(index, event[1])
         return out
 
-    def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+    def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None,
+              prompt: tuple | None = None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)
         choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, prompt=prompt)
         if self.endpoint.chat:
             choice["delta"] = delta
         body["choices"] = [choice]
         return sse(body)
 
+    def _echo(self, index: int, prompt_logprobs: list | None) -> list[str]:
+        """The choice's prompt, before its first text (once)."""
+        if self.echo is None or self.echoed[index]:
+            return []
+        self.echoed[index] = True
+        prompt = None if prompt_logprobs is None else (self.echo.ids[index], prompt_logprobs)
+        return [self.chunk(index, {"content": self.echo.texts[index]}, prompt=prompt)]
+
     def text(self, index: int, piece: str) -> list[str]:
+        echoed = self._echo(index, getattr(piece, "prompt_logprobs", None))
+        if self.echo is not None and self.echo.only:  # the decoded token is dropped
+            return echoed
+        return echoed + self._text(index, piece)
+
+    def _text(self, index: int, piece: str) -> list[str]:
         events = (self.reasoning[index].feed(piece) if self.reasoning is not None
                   else [("content", piece)])
         parts, logprobs = self._deltas(index, events), self.sent.of(index, piece)
@@ -371,12 +402,27 @@ class Chunks:
                 for i, d in enumerate(parts)]
 
     def end(self, index: int, result: GenerationResult) -> list[str]:
+        """The choice's last chunks (``result`` as echoed, where the prompts are)."""
+        echoed = self._echo(index, result.prompt_logprobs)
+        if self.echo is not None and self.echo.only:
+            return echoed + [self.chunk(index, {"content": ""}, result.finish_reason)]
+        return echoed + self._end(index, result)
+
+    def _end(self, index: int, result: GenerationResult) -> list[str]:
         held = self._deltas(index, self.reasoning[index].finish() if self.reasoning is not None
                             else [])
         parts, finish = self.deltas.finish(index, result.finish_reason)
         parts = held + parts
         return [self.chunk(index, d) for d in parts] + [
             self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result))]
+
+
+def echoed(echo: Echo | None, index: int, result: GenerationResult) -> tuple | None:
+    """The prompt's (ids, log-probabilities) in front of choice ``index``'s, where it is
+    echoed with them."""
+    if echo is None or result.prompt_logprobs is None:
+        return None
+    return echo.ids[index], result.prompt_logprobs
 
 
 async def read_json(request: Request, limit: int) -> Any:

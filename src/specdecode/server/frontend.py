@@ -229,6 +229,8 @@ class Frontend:
         top = req.top_logprobs_count()
         if top is not None:
             options["logprobs"] = top
+            if getattr(req, "echo", False):  # the prompt's too (server/echo.py)
+                options["prompt_logprobs"] = top
         asked = req.constraint()
         if isinstance(self.thinking, Harmony) and isinstance(req, ChatRequest):
             asked = in_final_message(asked, self.thinking)
@@ -404,14 +406,17 @@ class Frontend:
         return ids, tuple(e for e in fim.ends if e not in self.eos_token_ids)
 
     def encode(self, prompt, chat: bool, tools: list[dict] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None,
+               add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (on a worker thread, with a tokenizer copy of its own);
         ``tools``: the function definitions the chat template shows the model, and
-        ``template_kwargs`` its other variables. Every failure is a 400."""
+        ``template_kwargs`` its other variables; ``add_special_tokens`` as
+        :func:`~specdecode.api.encode_prompt`'s. Every failure is a 400."""
         self.check_size(prompt, chat)
         with self._borrowed() as tokenizer:
             try:
-                return encode_prompt(tokenizer, prompt, chat, tools, template_kwargs)
+                return encode_prompt(tokenizer, prompt, chat, tools, template_kwargs,
+                                     add_special_tokens)
             except SpecDecodeError as exc:
                 raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
             except Exception as exc:  # the tokenizer's own errors: what it could not encode

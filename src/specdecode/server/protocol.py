@@ -408,6 +408,8 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    #: each choice's text starts with its prompt, and its log-probabilities with the prompt's
+    #: (server/echo.py)
     echo: bool = False
     #: the text after the insertion point: fill in the middle, ``prompt`` the text before it
     #: (OpenAI's insertion; specdecode/fim.py)
@@ -415,8 +417,9 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def unsupported(self) -> None:
-        if self.echo:
-            raise ApiError(400, "echo is not supported by this server", param="echo")
+        if self.echo and self.suffix:
+            raise ApiError(400, "echo and suffix cannot be combined: a filled-in middle has no "
+                                "single prompt to echo", param="echo")
         if self.best_of not in (None, 1, self.n):
             raise ApiError(400, "best_of is not supported by this server; use n", param="best_of")
 

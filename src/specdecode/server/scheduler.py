@@ -125,7 +125,8 @@ class _Sequence:
     decoder: _Decoder | None = None
     generation: Generation | None = None
     stream: TextStream | None = None
-    #: prompt rows in the slot's cache while the prompt is prefilled in parts
+    #: prompt rows in the slot's cache while the prompt is prefilled in parts (all of them
+    #: from the start where the generation reads the prompt itself, scoring it)
     prefilled: int = 0
     #: its recent verify steps, for its draft budget
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -325,6 +326,8 @@ class Scheduler:
         lossy = seq.decoder.method.lossy
         needs = None if lossy else seq.decoder.proposer.needs
         reuse = not lossy and not needs.final_hidden and not needs.layers
+        # a scored prompt needs every row's logits, which no cached row keeps
+        reuse = reuse and seq.spec.sampling.get("prompt_logprobs") is None
         return self.prompt_cache.place(slot.runner, held, held_ids(seq.spec.prompt_ids), reuse)
 
     def _part_rows(self, runner: Runner) -> int:
@@ -354,6 +357,8 @@ class Scheduler:
             else:
                 seq.generation.begin()  # (its clock starts: the placing counts as the prompt's)
                 seq.prefilled = seq.generation.stats.cached_tokens = self._place(seq)
+                if seq.generation.reading_prompt:  # its own calls read the prompt
+                    seq.prefilled = len(spec.prompt_ids)
         except Exception as exc:
             self._fail(seq, exc, "could not start a sequence")
             return
@@ -428,7 +433,7 @@ class Scheduler:
     def _after(self, seq: _Sequence, call: Call, out, forward_s: float) -> None:
         """Take the sequence's share of the forward: a prompt part, or a verify step's
         tokens as text."""
-        if isinstance(call, PrefillCall):
+        if isinstance(call, PrefillCall) and seq.prefilling:
             seq.prefilled = call.stop
             if call.stop < len(call.ids):
                 return
@@ -454,7 +459,11 @@ class Scheduler:
     def _draft_all(self) -> float:
         """Cap every decoding sequence's next draft by goodput, then let each draft; the
         seconds spent drafting."""
-        drafting = [seq for seq in self._active if not seq.prefilling and seq.solo is None]
+        stepped = [seq for seq in self._active if not seq.prefilling and seq.solo is None]
+        for seq in stepped:
+            if seq.generation.reading_prompt:
+                seq.generation.next_call()  # the prompt's next scored part: nothing drafted
+        drafting = [seq for seq in stepped if not seq.generation.reading_prompt]
         # what each draft must first read of the tokens it skipped, and a level's seconds, by
         # the drafter's own row-cost curve, where drafts are priced
         priced = ([seq.generation.draft_seconds() for seq in drafting]
@@ -490,6 +499,9 @@ class Scheduler:
         prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
                               len(seq.spec.prompt_ids) - seq.prefilled)
                           for seq in self._active if seq.prefilling)
+        prompt_rows += sum(_rows(seq.generation.pending_call) for seq in self._active
+                           if seq.solo is None and not seq.prefilling
+                           and seq.generation.reading_prompt)
         caps = allocate([sizing.candidate for sizing in sizings], self.row_costs,
                         len(drafting) + prompt_rows, *self._overhead.line)
         step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)

@@ -1,12 +1,16 @@
-"""vLLM's ``/tokenize`` and ``/detokenize``: the token ids a request's prompt becomes, exactly
-as the chat and completion endpoints encode it (a prompt's length against the context, the ids
-``logit_bias`` names), and the text of token ids.
+"""vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``: the token ids a request's
+prompt becomes, exactly as the chat and completion endpoints encode it (a prompt's length
+against the context, the ids ``logit_bias`` names), the text of token ids, and the tokenizer's
+special tokens and chat template, which is what lm-evaluation-harness's remote tokenizer reads
+(``local-completions`` scores through ``echo`` then needs no tokenizer of its own).
 
-    POST /tokenize   {"prompt": "text", "suffix": "text"}  or  {"messages": [...], "tools": [...],
-                     "chat_template_kwargs": {...}, "continue_final_message": false}, optional
-                     "return_token_strs": true
+    POST /tokenize   {"prompt": "text", "suffix": "text", "add_special_tokens": true}  or
+                     {"messages": [...], "tools": [...], "chat_template_kwargs": {...},
+                     "continue_final_message": false}, optional "return_token_strs": true
                   -> {"count": N, "max_model_len": C, "tokens": [...], "token_strs": [...]}
     POST /detokenize {"tokens": [...]}  ->  {"prompt": "text"}
+    GET /tokenizer_info -> {"tokenizer_class", "eos_token", "bos_token", "pad_token",
+                            "chat_template", "model_max_length"}
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class TokenizeRequest(Strict):
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    #: False: a prompt's text without the BOS (or other tokens) the tokenizer puts around it
+    #: (the completion endpoint encodes with them); a chat's messages are the template's alone
+    add_special_tokens: bool | None = None
     #: also each token's text
     return_token_strs: bool = False
 
@@ -54,6 +61,10 @@ def add_tokenize_routes(app: FastAPI, server: Frontend) -> None:
     async def detokenize_route(request: Request):
         return await detokenize(server, await read_json(request, server.settings.max_body_bytes))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenizer_info(server)
+
 
 async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
     req = parse(TokenizeRequest, payload)
@@ -69,10 +80,14 @@ async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
         if req.suffix:
             ids = (await run_in_threadpool(server.fill_in, req.prompt, req.suffix))[0]
         else:
-            ids = await run_in_threadpool(server.encode, req.prompt, False)
+            ids = await run_in_threadpool(server.encode, req.prompt, False, None, None,
+                                          req.add_special_tokens is not False)
     else:
         if req.suffix is not None:
             raise ApiError(400, "'suffix' goes with 'prompt', not 'messages'", param="suffix")
+        if req.add_special_tokens:
+            raise ApiError(400, "'add_special_tokens' goes with 'prompt': a chat's tokens are "
+                                "its template's", param="add_special_tokens")
         chat = {k: payload[k] for k in CHAT_FIELDS if k in payload}
         ids = await chat_prompt(server, parse(ChatRequest, {"model": "", **chat}))
     strs = None
@@ -90,6 +105,17 @@ async def detokenize(server: Frontend, payload: Any) -> dict[str, Any]:
     except SpecDecodeError as exc:
         raise ApiError(400, str(exc), param="tokens") from None
     return {"prompt": await run_in_threadpool(server.decode, req.tokens)}
+
+
+def tokenizer_info(server: Frontend) -> dict[str, Any]:
+    """The tokenizer's class, special tokens, chat template and the model's context."""
+    _need_tokenizer(server)
+    tokenizer = server.tokenizer
+    return {"tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": server.max_context}
 
 
 def _need_tokenizer(server: Frontend) -> None:
