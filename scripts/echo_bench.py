@@ -35,11 +35,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     texts = article_texts(load_questions())[:args.articles]
-    plain_s, echo_s = [], []
+    plain_s, echo_s, counts = [], [], []
     with httpx.Client(timeout=3600) as client:
         for text in texts:
             ids = client.post(args.url + "/tokenize", json={"prompt": text}).json()["tokens"]
             ids = ids[:args.tokens]
+            counts.append(len(ids))
             seconds, _ = timed(client, args.url, {"model": args.model, "prompt": ids,
                                                   "max_tokens": 1})
             plain_s.append(seconds)
@@ -50,9 +51,10 @@ def main() -> None:
             scored = body["choices"][0]["logprobs"]["token_logprobs"][1:]
             print(f"{len(ids)} tokens: prefill {plain_s[-1]:.2f} s, scored {seconds:.2f} s, "
                   f"mean log-probability {sum(scored) / len(scored):.3f}", flush=True)
-    plain, echo = statistics.median(plain_s), statistics.median(echo_s)
-    print(f"median of {len(texts)}: prefill {plain:.2f} s, scored {echo:.2f} s "
-          f"({echo / plain:.2f}x; {args.tokens / echo:.0f} tokens/s scored)")
+    ratio = statistics.median(e / p for e, p in zip(echo_s, plain_s))
+    print(f"{len(texts)} prompts, {sum(counts)} tokens: prefilled at "
+          f"{sum(counts) / sum(plain_s):.0f} tokens/s, scored at {sum(counts) / sum(echo_s):.0f} "
+          f"tokens/s; scoring a prompt takes a median {ratio:.2f}x its prefill")
 
 
 if __name__ == "__main__":
