@@ -26,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from specdecode.server.tools import (ToolError, ToolFormat, ToolRequest, check_conversation,
                                      template_arguments)
 
-#: OpenAI's limit on stop sequences
-MAX_STOP = 4
+#: most stop sequences a request gives (OpenAI allows 4; lm-evaluation-harness sends a task's
+#: every one and the end of sequence: six for HumanEval; vLLM and llama-server set no limit)
+MAX_STOP = 16
 #: deepest nesting of arrays and objects in a request body (OpenAI's schemas need 5)
 MAX_JSON_DEPTH = 32
 #: most alternatives per token (OpenAI's top_logprobs limit; its completions allow 5)
