@@ -289,10 +289,15 @@ class TextStream:
     """
 
     def __init__(self, decoder: Decoder, generation: Generation, stop: Sequence[str] = (),
-                 kept_tokens: Sequence[int] = ()):
+                 kept_tokens: Sequence[int] = (), limits=None):
         self.decoder = decoder
         self.generation = generation
         self.stop = [s for s in stop if s]
+        #: ends the text where a stop string would not (llama.cpp's ``n_indent`` and
+        #: ``t_max_predict_ms``: server/infill.py): ``limits.cut(text)`` the length the text
+        #: keeps (None: go on), ``limits.held(text)`` characters at its end not to send yet
+        self.limits = limits
+        self._limited = False
         self.text = ""
         self.result: GenerationResult | None = None
         self._stop_found = False
@@ -342,8 +347,11 @@ class TextStream:
             tokens = tokens[:-1]
         full = self._tail_decoder.text(tokens)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        limit = self.limits.cut(full) if self.limits is not None and cut < 0 else None
         if cut >= 0:
             full, self._stop_found = full[:cut], True
+        elif limit is not None:
+            full, self._stop_found, self._limited = full[:max(limit, len(self.text))], True, True
         elif self.generation.finish_reason is None:
             full = full[:len(full) - self._unsettled(full)]
         piece, self.text = Piece(full[len(self.text):]), full
@@ -358,7 +366,8 @@ class TextStream:
     def finish(self) -> GenerationResult:
         """The result, once the generation has ended (closed or finished)."""
         gen = self.generation
-        finish = "stop" if self._stop_found else gen.finish_reason or "stop"
+        finish = ("length" if self._limited else "stop" if self._stop_found
+                  else gen.finish_reason or "stop")
         method = self.decoder.method
         self.result = GenerationResult(self.text, list(gen.tokens), method.name, gen.stats,
                                        finish,
@@ -368,9 +377,12 @@ class TextStream:
 
     def _unsettled(self, text: str) -> int:
         """Characters at the end of ``text`` that may still change, held back until they settle:
-        half a multi-byte character (decoded as U+FFFD), or the beginning of a stop string (a
-        streamed piece must never carry part of a stop string that completes later)."""
+        half a multi-byte character (decoded as U+FFFD), what the limits hold, or the beginning
+        of a stop string (a streamed piece must never carry part of a stop string that
+        completes later)."""
         held = len(text) - len(text.rstrip("\ufffd"))
+        if self.limits is not None:
+            held = max(held, self.limits.held(text))
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(text)), held, -1):
                 if text.endswith(stop[:k]):

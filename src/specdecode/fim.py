@@ -9,6 +9,12 @@ end token. The tags are tokens of the model's vocabulary, named by family:
 - StarCoder, StarCoder2, SantaCoder: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``
 - DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>``
 
+A repository-level prompt (llama.cpp's ``/infill`` with ``input_extra``) puts other files'
+text before the prefix, each after the family's file separator and its name, the whole after a
+repository tag: Qwen2.5-Coder's ``<|repo_name|>`` and ``<|file_sep|>``, StarCoder's
+``<reponame>`` and ``<file_sep>`` (:data:`REPO_TAGS`); a family without them (DeepSeek-Coder)
+gets each file after a plain-text snippet separator.
+
 The middle ends with the end of text, or with a tag its training put after a file
 (:data:`END_TAGS`; llama.cpp ends generation at them too): those of the vocabulary join the
 model's own end-of-sequence ids for a fill-in-the-middle request: Qwen2.5-Coder-1.5B-Instruct
@@ -28,6 +34,11 @@ from specdecode.errors import SpecDecodeError, require
 TAGS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
         ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
         ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+#: (repository, file separator) tags of each family of :data:`TAGS`, where it has them
+REPO_TAGS = (("<|repo_name|>", "<|file_sep|>"), ("<reponame>", "<file_sep>"), (None, None))
+#: llama.cpp's names of the repository and of the file being edited in a repository-level
+#: prompt, and its separator of files where the vocabulary has no file tag
+REPO_NAME, FILE_NAME, SNIPPET = "myproject", "filename", "\n\n--- snippet ---\n\n"
 #: tokens that end a middle where the vocabulary holds them (end of text, padding, the next
 #: file or repository of a repository-level prompt)
 END_TAGS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>",
@@ -42,6 +53,9 @@ class FimTokens:
     suffix: int
     middle: int
     ends: tuple[int, ...]
+    #: the repository and file separator tags (None where the family has none)
+    repo: int | None = None
+    file: int | None = None
 
     def prompt(self, tokenizer, prefix: str | Sequence[int], suffix: str) -> list[int]:
         """The prompt that asks for the middle between ``prefix`` (text, or token ids as they
@@ -55,16 +69,35 @@ class FimTokens:
         after = tokenizer.encode(suffix, add_special_tokens=False)
         return [self.prefix, *before, self.suffix, *after, self.middle]
 
+    def in_repository(self, tokenizer, files: Sequence[tuple[str, str]], prefix: str,
+                      suffix: str, typed: str = "") -> list[int]:
+        """The prompt for the middle between ``prefix`` (then ``typed``, encoded apart) and
+        ``suffix`` of a file, after the text of other ``files`` ((name, text) pairs) of its
+        repository, laid out as llama.cpp's ``/infill`` lays it out (the repository and the
+        file edited named ``myproject`` and ``filename``)."""
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+        ids = [self.repo, *encode(REPO_NAME + "\n")] if self.repo is not None else []
+        for name, text in files:
+            ids += ([self.file, *encode(name + "\n")] if self.file is not None
+                    else encode(SNIPPET))
+            ids += encode(text)
+        if self.file is not None:
+            ids += [self.file, *encode(FILE_NAME + "\n")]
+        return ids + self.prompt(tokenizer, encode(prefix) + encode(typed), suffix)
+
 
 def fim_tokens(tokenizer) -> FimTokens:
     """The tokenizer's tags (one token each) of the first family of :data:`TAGS` it holds;
     a :class:`SpecDecodeError` naming them when it holds none."""
-    for tags in TAGS:
+    for tags, repo_tags in zip(TAGS, REPO_TAGS):
         ids = [token_id(tokenizer, tag) for tag in tags]
         if None not in ids:
             ends = tuple(i for i in (token_id(tokenizer, tag) for tag in END_TAGS)
                          if i is not None)
-            return FimTokens(*ids, ends)
+            repo, file = (None if tag is None else token_id(tokenizer, tag) for tag in repo_tags)
+            return FimTokens(*ids, ends, repo, file)
     raise SpecDecodeError(
         "this model has no fill-in-the-middle tokens (it holds none of "
         + "; ".join(" ".join(tags) for tags in TAGS)

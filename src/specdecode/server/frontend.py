@@ -386,20 +386,25 @@ class Frontend:
         with self._borrowed() as tokenizer:
             return [tokenizer.decode([i]) for i in ids]
 
-    def fill_in(self, prefix, suffix: str) -> tuple[list[int], tuple[int, ...]]:
+    def fill_in(self, prefix, suffix: str, files: list[tuple[str, str]] | None = None,
+                typed: str = "", param: str = "suffix") -> tuple[list[int], tuple[int, ...]]:
         """A fill-in-the-middle prompt between ``prefix`` (text or ids) and ``suffix`` (on a
         worker thread), and the tokens beside the model's ends that end its middle; a 400
-        where the model has no such tokens (specdecode/fim.py)."""
+        naming ``param`` where the model has no such tokens (specdecode/fim.py). ``files``
+        ((name, text) pairs of other files) and ``typed``: the repository-level layout of
+        llama.cpp's ``/infill`` (:meth:`~specdecode.fim.FimTokens.in_repository`)."""
         if self.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot fill in a middle; "
-                                "leave out suffix", param="suffix")
-        self.check_size(prefix + suffix if isinstance(prefix, str) else suffix, False)
+                                f"leave out {param}", param=param)
+        texts = [prefix if isinstance(prefix, str) else "", suffix, typed]
+        self.check_size("".join(texts + [text for _, text in files or ()]), False)
         with self._borrowed() as tokenizer:
             try:
                 fim = fim_tokens(tokenizer)
-                ids = fim.prompt(tokenizer, prefix, suffix)
+                ids = (fim.prompt(tokenizer, prefix, suffix) if files is None else
+                       fim.in_repository(tokenizer, files, prefix, suffix, typed))
             except SpecDecodeError as exc:
-                raise ApiError(400, str(exc), param="suffix") from None
+                raise ApiError(400, str(exc), param=param) from None
             except Exception as exc:  # the tokenizer's own errors: what it could not encode
                 raise ApiError(400, f"cannot tokenize the prompt or suffix: "
                                     f"{type(exc).__name__}: {exc}"[:300], param="suffix") from None

@@ -91,6 +91,10 @@ class SequenceSpec:
     ends: tuple[int, ...] = ()
     #: the model's end-of-sequence ids do not end the answer (vLLM's ``ignore_eos``)
     ignore_eos: bool = False
+    #: where the text ends beside stop strings (llama.cpp's ``n_indent`` and
+    #: ``t_max_predict_ms``): ``limits.start()`` gives a sequence its :class:`TextStream`'s
+    #: ``limits`` (server/infill.py); None: none
+    limits: Any = None
 
 
 class Job:
@@ -350,7 +354,8 @@ class Scheduler:
                 seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
                                             spec.prompt_ids, spec.max_tokens, sampling,
                                             ends, reference=spec.reference)
-            seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens)
+            seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens,
+                                    spec.limits.start() if spec.limits is not None else None)
             if seq.decoder.method.lossy:
                 seq.solo = seq.stream.steps()
                 self._place(seq)  # what the slot held is saved before the loop writes over it

@@ -1,0 +1,289 @@
+"""llama.cpp's ``POST /infill``: code completion for editor plugins (llama.vim, llama.vscode)
+that speak llama-server's own API rather than OpenAI's.
+
+A request gives the text before the cursor (``input_prefix``), after it (``input_suffix``),
+what was typed on the cursor's line (``prompt``, after the prefix) and chunks of other files
+(``input_extra``: ``[{"filename", "text"}]``, a plugin's ring of recently seen code); the prompt
+is the model's repository-level fill-in-the-middle layout (:meth:`specdecode.fim.FimTokens.
+in_repository`, as llama-server lays it out), so the other files come first and stay a cached
+prefix between requests. ``n_predict: 0`` reads the prompt and writes nothing (a plugin's
+warm-up of its ring: the rows stay in the prompt cache).
+
+llama-server's sampling fields are read with its defaults (``temperature`` 0.8, ``top_k`` 40,
+``top_p`` 0.95, ``min_p`` 0.05; ``samplers`` names the ones applied, as its sampler chain does:
+``top_k``, ``top_p``, ``min_p``, ``temperature``, ``penalties``; its ``infill`` sampler is
+accepted and not applied; the others are refused). ``n_indent`` ends the completion at a line
+indented less, ``t_max_predict_ms`` at the first new line after that many milliseconds of
+generation (:class:`LineLimits`). ``response_fields`` keeps only the named fields, nested ones
+as ``"timings/prompt_n"`` keys, as llama-server does. ``cache_prompt``, ``id_slot`` and
+``t_max_prompt_ms`` are accepted and do nothing (llama-server ignores the last too): the prompt
+cache serves every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from specdecode.api import GenerationResult
+from specdecode.server.endpoints import ClientWatch, read_json
+from specdecode.server.frontend import Frontend
+from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeOptions, Strict,
+                                        parse)
+from specdecode.server.scheduler import Job
+
+#: the samplers of llama-server's chain this server applies; ``infill`` is read and not applied
+SAMPLERS = ("top_k", "top_p", "min_p", "temperature", "penalties")
+NOT_APPLIED = ("infill",)
+
+
+class ExtraChunk(BaseModel):
+    """One chunk of another file (a plugin's fields besides these, such as ``time``, are
+    ignored, as llama-server ignores them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: str = ""
+    filename: str = "tmp"
+
+
+class InfillRequest(Strict):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+    prompt: str = ""
+    n_predict: int | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    samplers: list[str] | None = None
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
+    t_max_prompt_ms: int = 0
+    cache_prompt: bool = True
+    id_slot: int = -1
+    return_tokens: bool = False
+    response_fields: list[str] = Field(default_factory=list)
+    model: str | None = None
+    specdecode: SpecDecodeOptions | None = None
+
+    def completion(self, ids: list[int]) -> CompletionRequest:
+        """The OpenAI completion this request asks for (its sampling in OpenAI's fields)."""
+        applied = set(SAMPLERS if self.samplers is None else self.samplers)
+        unknown = applied - set(SAMPLERS) - set(NOT_APPLIED)
+        if unknown:
+            raise ApiError(400, f"sampler {sorted(unknown)[0]!r} is not served; this server "
+                                f"applies {', '.join(SAMPLERS)} (and accepts "
+                                f"{', '.join(NOT_APPLIED)})", param="samplers")
+        predict = self.n_predict if self.n_predict is not None else self.max_tokens
+        body = {"model": "default", "prompt": ids, "stop": self.stop,
+                "max_tokens": None if predict is None or predict < 0 else max(predict, 1),
+                "temperature": max(self.temperature, 0.0) if "temperature" in applied else 1.0,
+                "top_k": self.top_k if "top_k" in applied and self.top_k > 0 else None,
+                "top_p": self.top_p if "top_p" in applied else None,
+                "min_p": self.min_p if "min_p" in applied else None,
+                "seed": self.seed if self.seed >= 0 else None}
+        if "penalties" in applied:
+            body.update(repetition_penalty=self.repeat_penalty,
+                        presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty)
+        if self.specdecode is not None:
+            body["specdecode"] = self.specdecode.model_dump()
+        return parse(CompletionRequest, body)
+
+    @property
+    def writes_nothing(self) -> bool:
+        """``n_predict`` 0: the prompt is read (and cached) and no text returned."""
+        return self.n_predict == 0 or (self.n_predict is None and self.max_tokens == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LineLimits:
+    """llama-server's ``n_indent`` (a line after the first indented by fewer whitespace
+    characters ends the completion before it) and ``t_max_predict_ms`` (once generation has
+    run that long, the next new line ends it, the line kept)."""
+
+    n_indent: int
+    max_predict_s: float
+
+    def start(self) -> _LineLimit:
+        return _LineLimit(self)
+
+
+class _LineLimit:
+    """One sequence's :class:`LineLimits`, its clock started at its first text."""
+
+    def __init__(self, limits: LineLimits):
+        self.limits = limits
+        self.started: float | None = None
+        self.seen = 0  # characters of text already looked at for new lines
+
+    def cut(self, text: str) -> int | None:
+        now = time.perf_counter()
+        if self.started is None:
+            self.started = now
+        if self.limits.n_indent > 0:
+            start = text.find("\n")
+            while start >= 0:
+                line = text[start + 1:]
+                body = line.lstrip(" \t")
+                if body and len(line) - len(body) < self.limits.n_indent:
+                    return start + 1
+                start = text.find("\n", start + 1)
+        fresh, self.seen = text[self.seen:], len(text)
+        if (self.limits.max_predict_s > 0 and "\n" in fresh
+                and now - self.started > self.limits.max_predict_s):
+            return len(text)
+        return None
+
+    def held(self, text: str) -> int:
+        """A last line of whitespace only may still turn out indented too little."""
+        if self.limits.n_indent <= 0 or "\n" not in text:
+            return 0
+        last = text[text.rfind("\n") + 1:]
+        return len(last) if not last.strip(" \t") else 0
+
+
+def add_infill_route(app: FastAPI, server: Frontend) -> None:
+    @app.post("/infill")
+    async def infill_route(request: Request):
+        return await infill(server, request)
+
+
+async def infill(server: Frontend, request: Request):
+    req = parse(InfillRequest, await read_json(request, server.settings.max_body_bytes))
+    files = [(c.filename, c.text) for c in req.input_extra]
+    ids, ends = await run_in_threadpool(server.fill_in, req.input_prefix, req.input_suffix,
+                                        files, req.prompt, "input_prefix")
+    completion = req.completion(ids)
+    specs = server.specs(completion, [ids], completion.max_tokens, "input_prefix", (), ends)
+    if req.n_indent > 0 or req.t_max_predict_ms > 0:
+        limits = LineLimits(req.n_indent, req.t_max_predict_ms / 1000)
+        specs = [dataclasses.replace(spec, limits=limits) for spec in specs]
+    job = Job(specs, asyncio.get_running_loop())
+    server.backend.submit(job)
+    server.metrics.prompt_tokens.inc(len(ids))
+    shown = not req.response_fields or "prompt" in req.response_fields
+    prompt = Prompt(ids, await run_in_threadpool(server.decode, ids) if shown else "",
+                    frozenset(server.eos_token_ids) | frozenset(ends))
+    if req.stream:
+        return await stream(server, request, req, job, prompt)
+    try:
+        result = await finished(ClientWatch(request), job)
+    finally:
+        job.cancel()
+    return JSONResponse(response(server, req, prompt, result))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A request's prompt: its ids, its text, and the tokens that end its middle."""
+
+    ids: list[int]
+    text: str
+    ends: frozenset[int]
+
+
+async def finished(watch: ClientWatch, job: Job) -> GenerationResult:
+    while True:
+        kind, _, payload = await watch.next_event(job)
+        if kind == "error":
+            raise payload
+        if kind == "done":
+            return payload
+
+
+def response(server: Frontend, req: InfillRequest, prompt: Prompt,
+             result: GenerationResult) -> dict[str, Any]:
+    """llama-server's completion object (``response_fields``: only those, flat)."""
+    stats = result.stats
+    content = "" if req.writes_nothing else result.text
+    predicted = 0 if req.writes_nothing else len(result.token_ids)
+    evaluated = len(prompt.ids) - stats.cached_tokens
+    decode_s = max(stats.total_s - stats.prefill_s, 1e-9)
+    stop_type = ("limit" if req.writes_nothing or result.finish_reason == "length" else
+                 "eos" if result.token_ids and result.token_ids[-1] in prompt.ends else "word")
+    body = {
+        "index": 0, "content": content, "tokens": result.token_ids if req.return_tokens else [],
+        "id_slot": req.id_slot, "stop": True, "model": server.settings.model_id,
+        "tokens_predicted": predicted, "tokens_evaluated": len(prompt.ids),
+        "generation_settings": {"n_predict": req.n_predict, "temperature": req.temperature,
+                                "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
+                                "seed": req.seed, "stop": req.stop, "n_indent": req.n_indent,
+                                "t_max_predict_ms": req.t_max_predict_ms,
+                                "samplers": req.samplers, "method": result.method},
+        "prompt": prompt.text, "has_new_line": "\n" in content, "truncated": False,
+        "stop_type": stop_type, "stopping_word": "", "tokens_cached": stats.cached_tokens,
+        "timings": {"cache_n": stats.cached_tokens, "prompt_n": evaluated,
+                    "prompt_ms": stats.prefill_s * 1000,
+                    "prompt_per_token_ms": stats.prefill_s * 1000 / max(evaluated, 1),
+                    "prompt_per_second": evaluated / max(stats.prefill_s, 1e-9),
+                    "predicted_n": predicted, "predicted_ms": decode_s * 1000,
+                    "predicted_per_token_ms": decode_s * 1000 / max(predicted, 1),
+                    "predicted_per_second": predicted / decode_s},
+    }
+    return fields_of(body, req.response_fields) if req.response_fields else body
+
+
+def fields_of(body: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """The named fields of ``body``, a nested one by its path (``timings/prompt_n``), under
+    that path as a key; fields it does not have are left out."""
+    out = {}
+    for path in fields:
+        value: Any = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
+async def stream(server: Frontend, request: Request, req: InfillRequest, job: Job,
+                 prompt: Prompt) -> StreamingResponse:
+    """Server-sent events as llama-server sends them: a ``content`` piece each, then the
+    whole object (its ``content`` empty) with ``stop`` true."""
+    watch = ClientWatch(request)
+    first = await watch.next_event(job)
+    if first[0] == "error":
+        job.cancel()
+        raise first[2]
+
+    async def events() -> AsyncIterator[str]:
+        event = first
+        try:
+            while True:
+                kind, _, payload = event
+                if kind == "error":
+                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    return
+                if kind == "text" and not req.writes_nothing:
+                    yield f"data: {json.dumps({'index': 0, 'content': payload, 'stop': False})}\n\n"
+                if kind == "done":
+                    final = response(server, req, prompt, payload)
+                    final["content"] = ""
+                    yield f"data: {json.dumps(final)}\n\n"
+                    return
+                event = await job.events.get()
+        finally:
+            job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

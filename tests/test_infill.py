@@ -1,0 +1,165 @@
+"""llama.cpp's ``/infill`` (server/infill.py), as editor plugins such as llama.vim send it: the
+repository-level prompt laid out as llama-server lays it out, the middle every method's
+``ar``'s, a warm-up of the other files' chunks (``n_predict`` 0) cached for the next request,
+``n_indent`` and ``t_max_predict_ms``, ``response_fields``, streaming, and 400s."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from specdecode.api import Decoder
+from specdecode.fim import FILE_NAME, REPO_NAME, TAGS, fim_tokens
+from specdecode.models.llama import LlamaRunner
+from specdecode.server.infill import LineLimits
+from tiny_server import EOS, build_tokenizer, make_server, tiny_served_model
+
+#: Qwen2.5-Coder's tags, its repository-level ones, and an end of a middle
+SPECIAL = (*TAGS[0], "<|repo_name|>", "<|file_sep|>", "<|endoftext|>")
+EXTRA = [{"filename": "util.py", "text": "def add(a, b):\n    return a + b\n", "time": 3.5},
+         {"filename": "main.py", "text": "print(add(1, 2))\n"}]
+PREFIX, SUFFIX, TYPED = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n", "ret"
+#: what llama.vim asks for, but greedy
+GREEDY = {"samplers": ["temperature"], "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def fim_tokenizer():
+    return build_tokenizer(special=SPECIAL)
+
+
+@pytest.fixture(scope="module")
+def runner(fim_tokenizer):
+    return LlamaRunner.from_transformers(tiny_served_model(fim_tokenizer), "int4", max_context=256)
+
+
+@pytest.fixture(scope="module")
+def served(fim_tokenizer, runner):
+    with make_server(None, fim_tokenizer, runners=[runner.replica(), runner.replica()],
+                     method="suffix") as background:
+        yield background
+
+
+def infill(served, **body):
+    return httpx.post(served.url + "/infill", json=body, timeout=60)
+
+
+def expected(runner, tokenizer, method="ar", max_tokens=24, **request):
+    """The middle the library writes for llama-server's prompt of ``EXTRA``, ``PREFIX``,
+    ``TYPED`` and ``SUFFIX``."""
+    fim = fim_tokens(tokenizer)
+    ids = fim.in_repository(tokenizer, [(c["filename"], c["text"]) for c in EXTRA], PREFIX,
+                            SUFFIX, TYPED)
+    decoder = Decoder(runner.replica(), tokenizer, method, [EOS, *fim.ends])
+    return ids, decoder.generate(ids, max_tokens, chat=False, **request)
+
+
+def test_the_prompt_is_llama_servers_repository_layout(fim_tokenizer):
+    fim = fim_tokens(fim_tokenizer)
+    pre, suf, mid, repo, sep = (fim_tokenizer.convert_tokens_to_ids(t) for t in SPECIAL[:5])
+    assert (fim.repo, fim.file) == (repo, sep)
+
+    def enc(text):
+        return fim_tokenizer.encode(text, add_special_tokens=False)
+
+    ids = fim.in_repository(fim_tokenizer, [("util.py", "x = 1\n")], PREFIX, SUFFIX, TYPED)
+    assert ids == [repo, *enc(REPO_NAME + "\n"), sep, *enc("util.py\n"), *enc("x = 1\n"),
+                   sep, *enc(FILE_NAME + "\n"), pre, *enc(PREFIX), *enc(TYPED), suf,
+                   *enc(SUFFIX), mid]
+    plain = build_tokenizer(special=(*TAGS[0], "<|endoftext|>"))  # no file tag: snippets
+    assert fim_tokens(plain).in_repository(plain, [("a.py", "x")], "", "")[:3] == \
+        plain.encode("\n\n--- snippet ---\n\n", add_special_tokens=False)[:3]
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix", "ngram"])
+def test_the_middle_is_the_librarys(served, runner, fim_tokenizer, method):
+    ids, want = expected(runner, fim_tokenizer)
+    got = infill(served, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA,
+                 prompt=TYPED, n_predict=24, specdecode={"method": method}, **GREEDY).json()
+    assert got["content"] == want.text
+    assert got["tokens_predicted"] == len(want.token_ids)
+    assert got["tokens_evaluated"] == len(ids)
+    assert got["stop_type"] == ("limit" if want.finish_reason == "length" else "eos")
+    assert got["generation_settings"]["method"] == method
+
+
+def test_a_warm_up_caches_the_other_files_for_the_next_request(served):
+    warm = infill(served, input_extra=EXTRA, n_predict=0, response_fields=[""], **GREEDY)
+    assert warm.status_code == 200 and warm.json() == {}
+    got = infill(served, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA,
+                 prompt=TYPED, n_predict=8, **GREEDY,
+                 response_fields=["content", "tokens_cached", "timings/prompt_n",
+                                  "timings/predicted_n", "truncated"]).json()
+    assert set(got) == {"content", "tokens_cached", "timings/prompt_n", "timings/predicted_n",
+                        "truncated"}
+    # the chunks' rows (up to the prefix tag) were read by the warm-up
+    assert got["tokens_cached"] >= 20 and got["timings/prompt_n"] > 0
+    nothing = infill(served, input_prefix=PREFIX, n_predict=0, **GREEDY).json()
+    assert nothing["content"] == "" and nothing["tokens_predicted"] == 0
+    assert nothing["stop_type"] == "limit"
+
+
+def test_n_indent_and_the_time_limit_end_a_line():
+    indent = LineLimits(4, 0).start()
+    text = "x = 1\n    y = 2\n  z = 3\n"
+    assert indent.cut(text) == text.index("  z")
+    assert indent.cut("x = 1\n    y") is None and indent.held("x = 1\n  ") == 2
+    timed = LineLimits(0, 0.01).start()
+    assert timed.cut("a") is None
+    time.sleep(0.02)
+    assert timed.cut("a b") is None  # no new line yet
+    assert timed.cut("a b\nc") == len("a b\nc")
+
+
+def test_the_server_cuts_where_the_limits_say(served, runner, fim_tokenizer):
+    # a seed whose middle (sampled; the tiny model writes no new line greedily) has a line
+    # after the first that is not indented
+    _, want = expected(runner, fim_tokenizer, max_tokens=40, temperature=1.0, seed=18)
+    cut = LineLimits(1, 0).start().cut(want.text)
+    assert cut is not None and 0 < cut < len(want.text)
+    for stream in (False, True):
+        got = infill(served, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA,
+                     prompt=TYPED, n_predict=40, n_indent=1, samplers=["temperature"],
+                     temperature=1.0, seed=18, stream=stream)
+        content = ("".join(json.loads(line[6:])["content"] for line in got.text.splitlines()
+                           if line.startswith("data: ")) if stream else got.json()["content"])
+        assert content == want.text[:cut]
+
+
+def test_a_stream_is_the_whole_content(served):
+    body = dict(input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA, prompt=TYPED,
+                n_predict=24, **GREEDY)
+    whole = infill(served, **body).json()
+    events = []
+    with httpx.stream("POST", served.url + "/infill", json={**body, "stream": True},
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["stop"] and not any(e["stop"] for e in events[:-1])
+    assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_llama_vims_request_is_served(served):
+    """llama.vim's fields as it sends them (sampling top_k/top_p and its infill sampler)."""
+    got = infill(served, id_slot=0, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA,
+                 prompt=TYPED, n_predict=16, stop=[], n_indent=4, top_k=40, top_p=0.9,
+                 samplers=["top_k", "top_p", "infill"], stream=False, cache_prompt=True,
+                 t_max_prompt_ms=500, t_max_predict_ms=1000,
+                 response_fields=["content", "timings/prompt_n", "timings/prompt_ms",
+                                  "timings/predicted_per_second", "truncated", "tokens_cached"])
+    assert got.status_code == 200 and isinstance(got.json()["content"], str)
+
+
+def test_bad_requests_are_400s(served, model, tokenizer):
+    sampler = infill(served, input_prefix=PREFIX, samplers=["dry"])
+    assert sampler.status_code == 400 and sampler.json()["error"]["param"] == "samplers"
+    unknown = infill(served, input_prefix=PREFIX, mirostat=2)
+    assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
+    with make_server(model, tokenizer) as plain:  # a model without the tags
+        refused = infill(plain, input_prefix=PREFIX)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_prefix"
