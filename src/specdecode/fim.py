@@ -70,11 +70,18 @@ class FimTokens:
         return [self.prefix, *before, self.suffix, *after, self.middle]
 
     def in_repository(self, tokenizer, files: Sequence[tuple[str, str]], prefix: str,
-                      suffix: str, typed: str = "") -> list[int]:
+                      suffix: str, typed: str = "", window: int | None = None,
+                      files_budget: int | None = None) -> tuple[list[int], bool]:
         """The prompt for the middle between ``prefix`` (then ``typed``, encoded apart) and
         ``suffix`` of a file, after the text of other ``files`` ((name, text) pairs) of its
         repository, laid out as llama.cpp's ``/infill`` lays it out (the repository and the
-        file edited named ``myproject`` and ``filename``)."""
+        file edited named ``myproject`` and ``filename``), and whether it was cut to fit.
+
+        Cut as llama.cpp cuts it: within a ``window`` of tokens (its batch), the prefix keeps
+        its last three quarters and the suffix its first quarter less ``typed`` and two tags;
+        the files' part keeps its last ``files_budget`` tokens (a budget that depends on the
+        context and the answer's length only, so that the part a plugin's next request repeats
+        stays a cached prefix)."""
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False) if text else []
 
@@ -85,7 +92,15 @@ class FimTokens:
             ids += encode(text)
         if self.file is not None:
             ids += [self.file, *encode(FILE_NAME + "\n")]
-        return ids + self.prompt(tokenizer, encode(prefix) + encode(typed), suffix)
+        before, after, typed_ids = encode(prefix), encode(suffix), encode(typed)
+        whole = len(ids) + len(before) + len(after)
+        if window is not None:
+            before = before[max(0, len(before) - 3 * window // 4):]
+            after = after[:max(0, window // 4 - 2 - len(typed_ids))]
+        if files_budget is not None:
+            ids = ids[max(0, len(ids) - files_budget):]
+        cut = len(ids) + len(before) + len(after) < whole
+        return ids + [self.prefix, *before, *typed_ids, self.suffix, *after, self.middle], cut
 
 
 def fim_tokens(tokenizer) -> FimTokens:

@@ -386,29 +386,41 @@ class Frontend:
         with self._borrowed() as tokenizer:
             return [tokenizer.decode([i]) for i in ids]
 
-    def fill_in(self, prefix, suffix: str, files: list[tuple[str, str]] | None = None,
-                typed: str = "", param: str = "suffix") -> tuple[list[int], tuple[int, ...]]:
+    def fill_in(self, prefix, suffix: str) -> tuple[list[int], tuple[int, ...]]:
         """A fill-in-the-middle prompt between ``prefix`` (text or ids) and ``suffix`` (on a
         worker thread), and the tokens beside the model's ends that end its middle; a 400
-        naming ``param`` where the model has no such tokens (specdecode/fim.py). ``files``
-        ((name, text) pairs of other files) and ``typed``: the repository-level layout of
-        llama.cpp's ``/infill`` (:meth:`~specdecode.fim.FimTokens.in_repository`)."""
+        where the model has no such tokens (specdecode/fim.py)."""
+        self.check_size(prefix + suffix if isinstance(prefix, str) else suffix, False)
+        return self._fim("suffix", lambda fim, tokenizer: fim.prompt(tokenizer, prefix, suffix))
+
+    def fill_in_repository(self, files: list[tuple[str, str]], prefix: str, suffix: str,
+                           typed: str, window: int, files_budget: int
+                           ) -> tuple[list[int], bool, tuple[int, ...]]:
+        """llama.cpp's ``/infill`` prompt (:meth:`~specdecode.fim.FimTokens.in_repository`:
+        other ``files`` before it, cut to fit), whether it was cut, and the tokens that end
+        its middle as :meth:`fill_in` gives them. No size check: it is cut to fit, and the
+        body's limit bounds the text to read."""
+        (ids, cut), ends = self._fim("input_prefix", lambda fim, tokenizer: fim.in_repository(
+            tokenizer, files, prefix, suffix, typed, window, files_budget))
+        return ids, cut, ends
+
+    def _fim(self, param: str, build) -> tuple[Any, tuple[int, ...]]:
+        """``build(the tokenizer's fill-in-the-middle tags, a tokenizer)`` on a tokenizer copy,
+        every failure a 400 naming ``param``; and the tokens beside the model's ends that end
+        a middle."""
         if self.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot fill in a middle; "
                                 f"leave out {param}", param=param)
-        texts = [prefix if isinstance(prefix, str) else "", suffix, typed]
-        self.check_size("".join(texts + [text for _, text in files or ()]), False)
         with self._borrowed() as tokenizer:
             try:
                 fim = fim_tokens(tokenizer)
-                ids = (fim.prompt(tokenizer, prefix, suffix) if files is None else
-                       fim.in_repository(tokenizer, files, prefix, suffix, typed))
+                built = build(fim, tokenizer)
             except SpecDecodeError as exc:
                 raise ApiError(400, str(exc), param=param) from None
             except Exception as exc:  # the tokenizer's own errors: what it could not encode
-                raise ApiError(400, f"cannot tokenize the prompt or suffix: "
-                                    f"{type(exc).__name__}: {exc}"[:300], param="suffix") from None
-        return ids, tuple(e for e in fim.ends if e not in self.eos_token_ids)
+                raise ApiError(400, f"cannot tokenize the text of the middle's prompt: "
+                                    f"{type(exc).__name__}: {exc}"[:300], param=param) from None
+        return built, tuple(e for e in fim.ends if e not in self.eos_token_ids)
 
     def encode(self, prompt, chat: bool, tools: list[dict] | None = None,
                template_kwargs: dict[str, Any] | None = None,

@@ -41,6 +41,12 @@ from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeO
                                         parse)
 from specdecode.server.scheduler import Job
 
+#: llama-server's default batch: the window its /infill prompt's prefix and suffix are cut to
+#: (at most half the context here)
+LLAMA_BATCH = 2048
+#: the files' budget of a prompt is the same for answers up to this long (llama.vim's and
+#: llama.vscode's n_predict), so that a warm-up (n_predict 0) caches what the completions read
+PLUGIN_ANSWER = 128
 #: the samplers of llama-server's chain this server applies; ``infill`` is read and not applied
 SAMPLERS = ("top_k", "top_p", "min_p", "temperature", "penalties")
 NOT_APPLIED = ("infill",)
@@ -91,9 +97,9 @@ class InfillRequest(Strict):
             raise ApiError(400, f"sampler {sorted(unknown)[0]!r} is not served; this server "
                                 f"applies {', '.join(SAMPLERS)} (and accepts "
                                 f"{', '.join(NOT_APPLIED)})", param="samplers")
-        predict = self.n_predict if self.n_predict is not None else self.max_tokens
+        predict = self.predicted
         body = {"model": "default", "prompt": ids, "stop": self.stop,
-                "max_tokens": None if predict is None or predict < 0 else max(predict, 1),
+                "max_tokens": None if predict is None else max(predict, 1),
                 "temperature": max(self.temperature, 0.0) if "temperature" in applied else 1.0,
                 "top_k": self.top_k if "top_k" in applied and self.top_k > 0 else None,
                 "top_p": self.top_p if "top_p" in applied else None,
@@ -106,6 +112,12 @@ class InfillRequest(Strict):
         if self.specdecode is not None:
             body["specdecode"] = self.specdecode.model_dump()
         return parse(CompletionRequest, body)
+
+    @property
+    def predicted(self) -> int | None:
+        """Tokens to write (``n_predict``, else ``max_tokens``); None: the server's default."""
+        predict = self.n_predict if self.n_predict is not None else self.max_tokens
+        return None if predict is None or predict < 0 else predict
 
     @property
     def writes_nothing(self) -> bool:
@@ -169,8 +181,10 @@ def add_infill_route(app: FastAPI, server: Frontend) -> None:
 async def infill(server: Frontend, request: Request):
     req = parse(InfillRequest, await read_json(request, server.settings.max_body_bytes))
     files = [(c.filename, c.text) for c in req.input_extra]
-    ids, ends = await run_in_threadpool(server.fill_in, req.input_prefix, req.input_suffix,
-                                        files, req.prompt, "input_prefix")
+    predict = req.predicted if req.predicted is not None else server.settings.default_max_tokens
+    ids, cut, ends = await run_in_threadpool(
+        server.fill_in_repository, files, req.input_prefix, req.input_suffix, req.prompt,
+        *fit(server.max_context, max(predict, PLUGIN_ANSWER)))
     completion = req.completion(ids)
     specs = server.specs(completion, [ids], completion.max_tokens, "input_prefix", (), ends)
     if req.n_indent > 0 or req.t_max_predict_ms > 0:
@@ -181,7 +195,7 @@ async def infill(server: Frontend, request: Request):
     server.metrics.prompt_tokens.inc(len(ids))
     shown = not req.response_fields or "prompt" in req.response_fields
     prompt = Prompt(ids, await run_in_threadpool(server.decode, ids) if shown else "",
-                    frozenset(server.eos_token_ids) | frozenset(ends))
+                    frozenset(server.eos_token_ids) | frozenset(ends), cut)
     if req.stream:
         return await stream(server, request, req, job, prompt)
     try:
@@ -191,6 +205,14 @@ async def infill(server: Frontend, request: Request):
     return JSONResponse(response(server, req, prompt, result))
 
 
+def fit(context: int, predict: int) -> tuple[int, int]:
+    """(window, files' budget) of an /infill prompt (:meth:`~specdecode.fim.FimTokens.
+    in_repository`) in a ``context`` of tokens, ``predict`` of them to write: llama-server's
+    rule (its batch, and the context less the batch and twice the tokens to write)."""
+    window = min(LLAMA_BATCH, context // 2)
+    return window, max(0, context - window - 2 * predict)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     """A request's prompt: its ids, its text, and the tokens that end its middle."""
@@ -198,6 +220,8 @@ class Prompt:
     ids: list[int]
     text: str
     ends: frozenset[int]
+    #: cut to fit the context
+    truncated: bool = False
 
 
 async def finished(watch: ClientWatch, job: Job) -> GenerationResult:
@@ -228,7 +252,7 @@ def response(server: Frontend, req: InfillRequest, prompt: Prompt,
                                 "seed": req.seed, "stop": req.stop, "n_indent": req.n_indent,
                                 "t_max_predict_ms": req.t_max_predict_ms,
                                 "samplers": req.samplers, "method": result.method},
-        "prompt": prompt.text, "has_new_line": "\n" in content, "truncated": False,
+        "prompt": prompt.text, "has_new_line": "\n" in content, "truncated": prompt.truncated,
         "stop_type": stop_type, "stopping_word": "", "tokens_cached": stats.cached_tokens,
         "timings": {"cache_n": stats.cached_tokens, "prompt_n": evaluated,
                     "prompt_ms": stats.prefill_s * 1000,
