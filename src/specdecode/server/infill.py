@@ -4,8 +4,8 @@ that speak llama-server's own API rather than OpenAI's.
 A request gives the text before the cursor (``input_prefix``), after it (``input_suffix``),
 what was typed on the cursor's line (``prompt``, after the prefix) and chunks of other files
 (``input_extra``: ``[{"filename", "text"}]``, a plugin's ring of recently seen code); the prompt
-is the model's repository-level fill-in-the-middle layout (:meth:`specdecode.fim.FimTokens.
-in_repository`, as llama-server lays it out), so the other files come first and stay a cached
+is the model's repository-level fill-in-the-middle layout (``FimTokens.in_repository`` in
+specdecode/fim.py, as llama-server lays it out), so the other files come first and stay a cached
 prefix between requests. ``n_predict: 0`` reads the prompt and writes nothing (a plugin's
 warm-up of its ring: the rows stay in the prompt cache).
 
@@ -206,9 +206,9 @@ async def infill(server: Frontend, request: Request):
 
 
 def fit(context: int, predict: int) -> tuple[int, int]:
-    """(window, files' budget) of an /infill prompt (:meth:`~specdecode.fim.FimTokens.
-    in_repository`) in a ``context`` of tokens, ``predict`` of them to write: llama-server's
-    rule (its batch, and the context less the batch and twice the tokens to write)."""
+    """(window, files' budget) of an /infill prompt (``FimTokens.in_repository``) in a
+    ``context`` of tokens, ``predict`` of them to write: llama-server's rule (its batch, and
+    the context less the batch and twice the tokens to write)."""
     window = min(LLAMA_BATCH, context // 2)
     return window, max(0, context - window - 2 * predict)
 
