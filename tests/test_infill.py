@@ -188,6 +188,15 @@ def test_llama_vims_request_is_served(served):
                  response_fields=["content", "timings/prompt_n", "timings/prompt_ms",
                                   "timings/predicted_per_second", "truncated", "tokens_cached"])
     assert got.status_code == 200 and isinstance(got.json()["content"], str)
+    # llama.vscode's: its default fields, chunks with a time, no response_fields
+    vscode = infill(served, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=EXTRA,
+                    prompt=TYPED, n_predict=16, top_k=40, top_p=0.99, stream=False,
+                    samplers=["top_k", "top_p", "infill"], cache_prompt=True, n_indent=4,
+                    t_max_prompt_ms=500, t_max_predict_ms=2500)
+    assert vscode.status_code == 200
+    body = vscode.json()
+    assert {"content", "timings", "tokens_cached", "truncated", "stop_type"} <= set(body)
+    assert body["timings"]["prompt_n"] + body["tokens_cached"] == body["tokens_evaluated"]
 
 
 def test_bad_requests_are_400s(served, model, tokenizer):
