@@ -195,3 +195,31 @@ def test_lm_eval_harness_remote_tokenizer_reads_the_servers(served, tokenizer):
     chat = httpx.post(served.url + "/tokenize", timeout=60, json={
         "messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "add_special_tokens"
+
+
+def test_vllms_prompt_logprobs_field(served, runner, tokenizer):
+    """vLLM's form: per prompt token (the first None) the token and its N best, each with its
+    log-probability, rank and text; a completion's choices carry it, a chat's response."""
+    ids = PROMPT[:70]
+    expected = decoder(runner, tokenizer).generate(ids, 2, prompt_logprobs=3).prompt_logprobs
+    body = post(served, prompt=ids, max_tokens=2, prompt_logprobs=3, echo=True,
+                logprobs=1).json()
+    form = body["choices"][0]["prompt_logprobs"]
+    assert len(form) == len(ids) and form[0] is None
+    for entry, want, token in zip(form[1:], expected[1:], ids[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+        assert entry[str(token)]["rank"] == want.rank >= 1
+        assert [entry[str(t)]["rank"] for t, _ in want.top] == [1, 2, 3]
+        assert len(entry) == 3 + (token not in {t for t, _ in want.top})
+    # echo's lists keep their own count (logprobs 1) though the prompt was scored with 3
+    assert all(len(top) == 1 for top in body["choices"][0]["logprobs"]["top_logprobs"][1:])
+    chat = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == \
+        chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    for bad, message in (({"prompt_logprobs": 21}, "must be in [0, 20]"),
+                         ({"prompt_logprobs": 1, "stream": True}, "whole responses only")):
+        refused = post(served, prompt="Hi", max_tokens=2, **bad)
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"]

@@ -38,6 +38,9 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: the token's place in its distribution, 1 the most likely (a prompt token's; None where
+    #: not counted)
+    rank: int | None = None
 
 
 class PromptScoring:
@@ -92,10 +95,12 @@ class PromptScoring:
 
     def _score(self, logits: torch.Tensor, tokens: Sequence[int]) -> None:
         logp = torch.log_softmax(logits.float(), dim=-1)
-        picked = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        picked = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+        ranks = ((logp > picked[:, None]).sum(-1) + 1).tolist()
         if self.top:
             values, ids = logp.topk(self.top, dim=-1)
             tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             tops = [()] * len(tokens)
-        self.entries += [TokenLogprob(t, p, top) for t, p, top in zip(tokens, picked, tops)]
+        self.entries += [TokenLogprob(t, p, top, rank)
+                         for t, p, top, rank in zip(tokens, picked.tolist(), tops, ranks)]

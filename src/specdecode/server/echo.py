@@ -7,11 +7,15 @@ it is the same.
 
 ``max_tokens`` 0 (only with ``echo``) returns the prompt alone: one token is decoded (its
 logits come with the prompt's last part, no forward of its own) and dropped.
+
+vLLM's ``prompt_logprobs`` field gives the same numbers in vLLM's form (:func:`vllm_form`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from specdecode.api import GenerationResult
 from specdecode.server.protocol import CompletionRequest
@@ -24,6 +28,9 @@ class Echo:
     ids: tuple[tuple[int, ...], ...]
     #: ``max_tokens`` 0: the prompt alone
     only: bool
+    #: alternatives a token lists (``logprobs``; None: no log-probabilities; the prompt may be
+    #: scored with more, for ``prompt_logprobs``)
+    top: int | None = None
 
     @classmethod
     def of(cls, req: CompletionRequest, prompts: list[list[int]], decode) -> Echo | None:
@@ -34,7 +41,15 @@ class Echo:
         texts = [p if isinstance(p, str) else decode(ids) for p, ids in zip(req.prompts(), prompts)]
         n = req.n
         return cls(tuple(t for t in texts for _ in range(n)),
-                   tuple(tuple(ids) for ids in prompts for _ in range(n)), req.max_tokens == 0)
+                   tuple(tuple(ids) for ids in prompts for _ in range(n)), req.max_tokens == 0,
+                   req.top_logprobs_count())
+
+    def scored(self, index: int, entries: list | None) -> tuple | None:
+        """Choice ``index``'s prompt as (ids, entries with this request's alternatives) for
+        its log-probabilities; None where they are not asked for."""
+        if entries is None or self.top is None:
+            return None
+        return self.ids[index], [e and replace(e, top=e.top[:self.top]) for e in entries]
 
     def max_tokens(self, requested: int | None) -> int | None:
         """What to decode: one token (dropped) for ``max_tokens`` 0."""
@@ -47,3 +62,20 @@ class Echo:
             result = replace(result, text="", token_ids=[], finish_reason="length",
                              logprobs=None if result.logprobs is None else [])
         return replace(result, text=self.texts[index] + result.text)
+
+
+def vllm_form(entries: list, count: int, text: Callable[[int], str]) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the token and its ``count`` most likely alternatives."""
+    def one(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": text(token)}
+
+    out: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = {str(t): one(t, v, i + 1) for i, (t, v) in enumerate(entry.top[:count])}
+        chosen[str(entry.token)] = one(entry.token, entry.logprob, entry.rank)
+        out.append(chosen)
+    return out

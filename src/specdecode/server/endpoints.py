@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
-from specdecode.server.echo import Echo
+from specdecode.server.echo import Echo, vllm_form
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, ChatRequest, CompletionRequest, decode_json,
                                         new_id, now, parse)
@@ -165,8 +165,7 @@ class Endpoint:
         """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists
         (``prompt``: (ids, their entries) in front, the first token's null: server/echo.py)."""
         vocab = self.server.vocabulary
-        def text(token: int) -> str:
-            return vocab.token_bytes[token].decode("utf-8", "replace")
+        text = self.token_text
 
         def value(logprob: float) -> float:
             return max(logprob, OPENAI_UNLIKELY)  # -inf (a masked token) is not JSON
@@ -187,6 +186,9 @@ class Endpoint:
                 "token_logprobs": head[1] + [value(e.logprob) for e in entries],
                 "top_logprobs": head[2] + [{text(t): value(v) for t, v in e.top} for e in entries],
                 "text_offset": None}
+
+    def token_text(self, token: int) -> str:
+        return self.server.vocabulary.token_bytes[token].decode("utf-8", "replace")
 
     def parses_tools(self, req) -> ToolRequest | None:
         """The tools whose calls the response's text is parsed for (server/tool_parser.py);
@@ -272,6 +274,14 @@ class Endpoint:
         if req.specdecode and req.specdecode.return_token_ids:
             for choice, result in zip(body["choices"], results):
                 choice["token_ids"] = result.token_ids
+        if req.prompt_logprobs is not None:  # vLLM's: a chat's prompt, or each choice's
+            forms = [vllm_form(r.prompt_logprobs, req.prompt_logprobs, self.token_text)
+                     for r in results]
+            if self.chat:
+                body["prompt_logprobs"] = forms[0]
+            else:
+                for choice, form in zip(body["choices"], forms):
+                    choice["prompt_logprobs"] = form
         body["usage"] = usage(prompt_tokens, results)
         return JSONResponse(body)
 
@@ -383,7 +393,7 @@ class Chunks:
         if self.echo is None or self.echoed[index]:
             return []
         self.echoed[index] = True
-        prompt = None if prompt_logprobs is None else (self.echo.ids[index], prompt_logprobs)
+        prompt = self.echo.scored(index, prompt_logprobs)
         return [self.chunk(index, {"content": self.echo.texts[index]}, prompt=prompt)]
 
     def text(self, index: int, piece: str) -> list[str]:
@@ -420,9 +430,7 @@ class Chunks:
 def echoed(echo: Echo | None, index: int, result: GenerationResult) -> tuple | None:
     """The prompt's (ids, log-probabilities) in front of choice ``index``'s, where it is
     echoed with them."""
-    if echo is None or result.prompt_logprobs is None:
-        return None
-    return echo.ids[index], result.prompt_logprobs
+    return None if echo is None else echo.scored(index, result.prompt_logprobs)
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -135,6 +135,9 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     #: vLLM's: tokens that end the answer beside the model's (not in its text)
     stop_token_ids: list[int] | None = None
+    #: vLLM's: each prompt token's log-probability and this many alternatives, in vLLM's form
+    #: (a completion's choices' ``prompt_logprobs``, a chat's ``prompt_logprobs``)
+    prompt_logprobs: int | None = None
 
     def kept_tokens(self) -> tuple[int, ...]:
         """Special tokens whose text the choices' text keeps (a chat request's tool-call
