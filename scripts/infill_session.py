@@ -1,13 +1,13 @@
 """An editor plugin's session through llama.cpp's ``/infill``, as llama.vim asks: a ring of
 chunks of other files (three 64-line chunks of other standard-library modules) sent first as a
 warm-up (``n_predict`` 0), then the cursor down ``--lines`` code lines of ``textwrap.py`` one at
-a time, each request with up to 256 lines before the cursor as ``input_prefix``, 64 after it as
-``input_suffix`` (``--prefix-lines``, ``--suffix-lines``), the ring as ``input_extra``, ``n_indent`` the cursor line's indentation and
-``n_predict`` 128 (llama.vim's defaults), greedy (llama.vim samples; greedy so that the methods'
-middles can be compared). Each method runs the whole session on a server of its own (started
-here, so that no method reads rows another one cached). Printed: per method, seconds a request
-(median), prompt tokens read and reused, tokens written, and how many middles are the first
-method's.
+a time, each request with up to 256 lines before the cursor as ``input_prefix`` and 64 after it
+as ``input_suffix`` (``--prefix-lines``, ``--suffix-lines``), the ring as ``input_extra``,
+``n_indent`` the cursor line's indentation and ``n_predict`` 128 (llama.vim's defaults), greedy
+(llama.vim samples; greedy so that the methods' middles can be compared). Each method runs the
+whole session on a server of its own (started here, so that no method reads rows another one
+cached). Printed: per method, seconds a request (median), prompt tokens read and reused, tokens
+written, and how many middles are the first method's.
 
     python scripts/infill_session.py --model qwen2.5-coder-1.5b --methods ar,suffix
 """

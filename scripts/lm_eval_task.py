@@ -6,7 +6,8 @@ perplexity, bits per byte, as lm-eval's wikitext task reports them).
     python scripts/lm_eval_task.py --out /tmp/lm-task
     specdecode serve --model qwen2.5-coder-1.5b --port 8000 &
     lm_eval --model local-completions --include_path /tmp/lm-task --tasks specdecode_articles \\
-      --model_args model=qwen2.5-coder-1.5b,base_url=http://127.0.0.1:8000/v1/completions,max_length=512
+      --model_args \\
+      model=qwen2.5-coder-1.5b,base_url=http://127.0.0.1:8000/v1/completions,max_length=512
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ TASK = "specdecode_articles"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the task (lm_eval --include_path)")
-    parser.add_argument("--data", default=None, help="question file (default: the packaged dev half)")
+    parser.add_argument("--data", default=None,
+                        help="question file (default: the packaged dev half)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
