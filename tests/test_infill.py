@@ -1,7 +1,8 @@
 """llama.cpp's ``/infill`` (server/infill.py), as editor plugins such as llama.vim send it: the
 repository-level prompt laid out as llama-server lays it out, the middle every method's
 ``ar``'s, a warm-up of the other files' chunks (``n_predict`` 0) cached for the next request,
-``n_indent`` and ``t_max_predict_ms``, ``response_fields``, streaming, and 400s."""
+``n_indent`` and ``t_max_predict_ms``, ``response_fields``, streaming, and 400s; and its
+``/completion`` around a plain prompt."""
 
 from __future__ import annotations
 
@@ -207,3 +208,17 @@ def test_bad_requests_are_400s(served, model, tokenizer):
     with make_server(model, tokenizer) as plain:  # a model without the tags
         refused = infill(plain, input_prefix=PREFIX)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_prefix"
+
+
+@pytest.mark.parametrize("path", ["/completion", "/completions"])
+def test_llama_servers_completion_is_the_librarys(served, runner, fim_tokenizer, path):
+    prompt = "def add(a, b):\n"
+    want = Decoder(runner.replica(), fim_tokenizer, "ar", [EOS]).generate(prompt, 16, chat=False)
+    got = httpx.post(served.url + path, timeout=60, json={
+        "prompt": prompt, "n_predict": 16, **GREEDY}).json()
+    assert got["content"] == want.text and got["tokens_predicted"] == len(want.token_ids)
+    ids = fim_tokenizer(prompt)["input_ids"]
+    by_ids = httpx.post(served.url + path, timeout=60, json={
+        "prompt": ids, "n_predict": 16, "return_tokens": True, **GREEDY}).json()
+    assert by_ids["tokens"] == want.token_ids and by_ids["tokens_evaluated"] == len(ids)
+    assert by_ids["tokens_cached"] > 0  # the same prompt again: its rows were kept

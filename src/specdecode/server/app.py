@@ -29,7 +29,7 @@ from specdecode.server.endpoints import Endpoint
 from specdecode.server.frontend import Frontend, Server, Settings
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
 from specdecode.server.protocol import ApiError, error_body
-from specdecode.server.infill import add_infill_route
+from specdecode.server.infill import add_llama_routes
 from specdecode.server.tokenize import add_tokenize_routes
 
 __all__ = ["Server", "Settings", "create_app"]
@@ -127,7 +127,7 @@ def create_app(server: Frontend) -> FastAPI:
         return await completion.handle(request)
 
     add_tokenize_routes(app, server)
-    add_infill_route(app, server)
+    add_llama_routes(app, server)
 
     @app.get("/v1/models")
     async def models():

@@ -1,5 +1,7 @@
 """llama.cpp's ``POST /infill``: code completion for editor plugins (llama.vim, llama.vscode)
-that speak llama-server's own API rather than OpenAI's.
+that speak llama-server's own API rather than OpenAI's; and its ``POST /completion`` (also
+``/completions``), the same fields and answer around a plain ``prompt`` (text or token ids), as
+clients with a llama.cpp backend send it.
 
 A request gives the text before the cursor (``input_prefix``), after it (``input_suffix``),
 what was typed on the cursor's line (``prompt``, after the prefix) and chunks of other files
@@ -61,11 +63,9 @@ class ExtraChunk(BaseModel):
     filename: str = "tmp"
 
 
-class InfillRequest(Strict):
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraChunk] = Field(default_factory=list)
-    prompt: str = ""
+class LlamaRequest(Strict):
+    """llama-server's generation fields, with its defaults."""
+
     n_predict: int | None = None
     max_tokens: int | None = None
     temperature: float = 0.8
@@ -125,6 +125,17 @@ class InfillRequest(Strict):
         return self.n_predict == 0 or (self.n_predict is None and self.max_tokens == 0)
 
 
+class InfillRequest(LlamaRequest):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+    prompt: str = ""
+
+
+class NativeCompletionRequest(LlamaRequest):
+    prompt: str | list[int]
+
+
 @dataclasses.dataclass(frozen=True)
 class LineLimits:
     """llama-server's ``n_indent`` (a line after the first indented by fewer whitespace
@@ -172,10 +183,15 @@ class _LineLimit:
         return len(last) if not last.strip(" \t") else 0
 
 
-def add_infill_route(app: FastAPI, server: Frontend) -> None:
+def add_llama_routes(app: FastAPI, server: Frontend) -> None:
     @app.post("/infill")
     async def infill_route(request: Request):
         return await infill(server, request)
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion_route(request: Request):
+        return await native_completion(server, request)
 
 
 async def infill(server: Frontend, request: Request):
@@ -185,8 +201,23 @@ async def infill(server: Frontend, request: Request):
     ids, cut, ends = await run_in_threadpool(
         server.fill_in_repository, files, req.input_prefix, req.input_suffix, req.prompt,
         *fit(server.max_context, max(predict, PLUGIN_ANSWER)))
+    return await answer(server, request, req, Prompt(ids, "", frozenset(ends), cut),
+                        "input_prefix")
+
+
+async def native_completion(server: Frontend, request: Request):
+    req = parse(NativeCompletionRequest, await read_json(request, server.settings.max_body_bytes))
+    ids = await run_in_threadpool(server.encode, req.prompt, False)
+    return await answer(server, request, req, Prompt(ids, "", frozenset()), "prompt")
+
+
+async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: Prompt,
+                 param: str):
+    """Run the request on ``prompt`` (its ``ends`` those beside the model's) and answer as
+    llama-server does, whole or streamed."""
+    ids = prompt.ids
     completion = req.completion(ids)
-    specs = server.specs(completion, [ids], completion.max_tokens, "input_prefix", (), ends)
+    specs = server.specs(completion, [ids], completion.max_tokens, param, (), tuple(prompt.ends))
     if req.n_indent > 0 or req.t_max_predict_ms > 0:
         limits = LineLimits(req.n_indent, req.t_max_predict_ms / 1000)
         specs = [dataclasses.replace(spec, limits=limits) for spec in specs]
@@ -194,8 +225,9 @@ async def infill(server: Frontend, request: Request):
     server.backend.submit(job)
     server.metrics.prompt_tokens.inc(len(ids))
     shown = not req.response_fields or "prompt" in req.response_fields
-    prompt = Prompt(ids, await run_in_threadpool(server.decode, ids) if shown else "",
-                    frozenset(server.eos_token_ids) | frozenset(ends), cut)
+    prompt = dataclasses.replace(
+        prompt, text=await run_in_threadpool(server.decode, ids) if shown else "",
+        ends=frozenset(server.eos_token_ids) | prompt.ends)
     if req.stream:
         return await stream(server, request, req, job, prompt)
     try:
@@ -215,7 +247,8 @@ def fit(context: int, predict: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """A request's prompt: its ids, its text, and the tokens that end its middle."""
+    """A request's prompt: its ids, its text, and the tokens that end its answer (a middle's
+    beside the model's, until ``answer`` adds the model's)."""
 
     ids: list[int]
     text: str
@@ -233,7 +266,7 @@ async def finished(watch: ClientWatch, job: Job) -> GenerationResult:
             return payload
 
 
-def response(server: Frontend, req: InfillRequest, prompt: Prompt,
+def response(server: Frontend, req: LlamaRequest, prompt: Prompt,
              result: GenerationResult) -> dict[str, Any]:
     """llama-server's completion object (``response_fields``: only those, flat)."""
     stats = result.stats
@@ -280,7 +313,7 @@ def fields_of(body: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return out
 
 
-async def stream(server: Frontend, request: Request, req: InfillRequest, job: Job,
+async def stream(server: Frontend, request: Request, req: LlamaRequest, job: Job,
                  prompt: Prompt) -> StreamingResponse:
     """Server-sent events as llama-server sends them: a ``content`` piece each, then the
     whole object (its ``content`` empty) with ``stop`` true."""
