@@ -219,7 +219,7 @@ def test_vllms_prompt_logprobs_field(served, runner, tokenizer):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == \
         chat["usage"]["prompt_tokens"]
     assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
-    for bad, message in (({"prompt_logprobs": 21}, "must be in [0, 20]"),
+    for bad, message in (({"prompt_logprobs": 21}, "must be an integer in [0, 20]"),
                          ({"prompt_logprobs": 1, "stream": True}, "whole responses only")):
         refused = post(served, prompt="Hi", max_tokens=2, **bad)
         assert refused.status_code == 400 and message in refused.json()["error"]["message"]

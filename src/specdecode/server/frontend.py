@@ -21,7 +21,7 @@ from specdecode.engine import check_ids, check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
-from specdecode.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specdecode.sampling import SamplingParams
 from specdecode.server import limits
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
 from specdecode.server.diffusion import Dllm, is_diffusion, make_factory, served_method
@@ -229,17 +229,11 @@ class Frontend:
         top = req.top_logprobs_count()
         if top is not None:
             options["logprobs"] = top
-            if getattr(req, "echo", False):  # the prompt's too (server/echo.py)
-                options["prompt_logprobs"] = top
-        if req.prompt_logprobs is not None:  # vLLM's field: the most either asks for
-            if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
-                raise ApiError(400, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
-                                    f"{req.prompt_logprobs}", param="prompt_logprobs")
-            if req.stream:
-                raise ApiError(400, "prompt_logprobs is returned with whole responses only; "
-                                    "send stream false", param="prompt_logprobs")
-            options["prompt_logprobs"] = max(req.prompt_logprobs,
-                                             options.get("prompt_logprobs") or 0)
+            if getattr(req, "echo", False):  # the prompt's too (server/echo.py), as many
+                options["prompt_logprobs"] = max(top, req.prompt_logprobs or 0)  # as asked
+        if req.prompt_logprobs is not None and req.stream:  # vLLM's field (checked above)
+            raise ApiError(400, "prompt_logprobs is returned with whole responses only; send "
+                                "stream false", param="prompt_logprobs")
         asked = req.constraint()
         if isinstance(self.thinking, Harmony) and isinstance(req, ChatRequest):
             asked = in_final_message(asked, self.thinking)

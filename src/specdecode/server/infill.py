@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
-from specdecode.server.endpoints import ClientWatch, read_json
+from specdecode.server.endpoints import ClientWatch, read_json, sse
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeOptions, Strict,
                                         parse)
@@ -201,14 +200,13 @@ async def infill(server: Frontend, request: Request):
     ids, cut, ends = await run_in_threadpool(
         server.fill_in_repository, files, req.input_prefix, req.input_suffix, req.prompt,
         *fit(server.max_context, max(predict, PLUGIN_ANSWER)))
-    return await answer(server, request, req, Prompt(ids, "", frozenset(ends), cut),
-                        "input_prefix")
+    return await answer(server, request, req, Prompt(ids, ends, cut), "input_prefix")
 
 
 async def native_completion(server: Frontend, request: Request):
     req = parse(NativeCompletionRequest, await read_json(request, server.settings.max_body_bytes))
     ids = await run_in_threadpool(server.encode, req.prompt, False)
-    return await answer(server, request, req, Prompt(ids, "", frozenset()), "prompt")
+    return await answer(server, request, req, Prompt(ids), "prompt")
 
 
 async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: Prompt,
@@ -217,17 +215,15 @@ async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: 
     llama-server does, whole or streamed."""
     ids = prompt.ids
     completion = req.completion(ids)
-    specs = server.specs(completion, [ids], completion.max_tokens, param, (), tuple(prompt.ends))
+    specs = server.specs(completion, [ids], completion.max_tokens, param, (), prompt.ends)
     if req.n_indent > 0 or req.t_max_predict_ms > 0:
         limits = LineLimits(req.n_indent, req.t_max_predict_ms / 1000)
         specs = [dataclasses.replace(spec, limits=limits) for spec in specs]
     job = Job(specs, asyncio.get_running_loop())
     server.backend.submit(job)
     server.metrics.prompt_tokens.inc(len(ids))
-    shown = not req.response_fields or "prompt" in req.response_fields
-    prompt = dataclasses.replace(
-        prompt, text=await run_in_threadpool(server.decode, ids) if shown else "",
-        ends=frozenset(server.eos_token_ids) | prompt.ends)
+    if not req.response_fields or "prompt" in req.response_fields:
+        prompt = dataclasses.replace(prompt, text=await run_in_threadpool(server.decode, ids))
     if req.stream:
         return await stream(server, request, req, job, prompt)
     try:
@@ -247,14 +243,14 @@ def fit(context: int, predict: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """A request's prompt: its ids, its text, and the tokens that end its answer (a middle's
-    beside the model's, until ``answer`` adds the model's)."""
+    """A request's prompt: its ids, the tokens beside the model's ends that end its answer (a
+    middle's), whether it was cut to fit the context, and its text (where the answer shows
+    it)."""
 
     ids: list[int]
-    text: str
-    ends: frozenset[int]
-    #: cut to fit the context
+    ends: tuple[int, ...] = ()
     truncated: bool = False
+    text: str = ""
 
 
 async def finished(watch: ClientWatch, job: Job) -> GenerationResult:
@@ -274,8 +270,9 @@ def response(server: Frontend, req: LlamaRequest, prompt: Prompt,
     predicted = 0 if req.writes_nothing else len(result.token_ids)
     evaluated = len(prompt.ids) - stats.cached_tokens
     decode_s = max(stats.total_s - stats.prefill_s, 1e-9)
+    ends = {*server.eos_token_ids, *prompt.ends}
     stop_type = ("limit" if req.writes_nothing or result.finish_reason == "length" else
-                 "eos" if result.token_ids and result.token_ids[-1] in prompt.ends else "word")
+                 "eos" if result.token_ids and result.token_ids[-1] in ends else "word")
     body = {
         "index": 0, "content": content, "tokens": result.token_ids if req.return_tokens else [],
         "id_slot": req.id_slot, "stop": True, "model": server.settings.model_id,
@@ -329,14 +326,12 @@ async def stream(server: Frontend, request: Request, req: LlamaRequest, job: Job
             while True:
                 kind, _, payload = event
                 if kind == "error":
-                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    yield sse(payload.body())
                     return
                 if kind == "text" and not req.writes_nothing:
-                    yield f"data: {json.dumps({'index': 0, 'content': payload, 'stop': False})}\n\n"
+                    yield sse({"index": 0, "content": payload, "stop": False})
                 if kind == "done":
-                    final = response(server, req, prompt, payload)
-                    final["content"] = ""
-                    yield f"data: {json.dumps(final)}\n\n"
+                    yield sse({**response(server, req, prompt, payload), "content": ""})
                     return
                 event = await job.events.get()
         finally:

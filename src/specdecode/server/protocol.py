@@ -154,7 +154,8 @@ class SamplingFields(Strict):
     def sampling(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (None = the default)."""
         names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed", "logit_bias")
+                 "frequency_penalty", "repetition_penalty", "seed", "logit_bias",
+                 "prompt_logprobs")
         # an empty logit_bias sets nothing, as OpenAI reads it
         return {k: getattr(self, k) for k in names if getattr(self, k) not in (None, {})}
 
