@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_llama
+from tiny_models import scratch_dir, tiny_llama
 from tiny_server import build_tokenizer, openai_client, tiny_served_model
 
 
@@ -192,8 +192,6 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None,
     it scores (FR-Spec's ``head_ids``; default every token); ``steps``: training steps (0: the
     untrained network, for a real model's vocabulary, where training takes minutes). Cached
     per target."""
-    import tempfile
-
     from specdecode.api import Decoder, as_runner
     from specdecode.heads.artifact import save_heads
     from specdecode.heads.networks import feature_layers, make_network
@@ -226,7 +224,7 @@ def tiny_heads(kind: str, target, shortlist: tuple[int, ...] | None = None,
         optim.zero_grad()
         step_loss(kind, losses).backward()
         optim.step()
-    path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-heads-")) / f"{kind}.safetensors"
+    path = scratch_dir("specdecode-tiny-heads-") / f"{kind}.safetensors"
     head_ids = None if shortlist is None else torch.tensor(shortlist)
     _TINY_HEADS[key] = str(save_heads(path, net.eval(), head_ids, runner.fingerprint(), {}))
     return _TINY_HEADS[key]

@@ -13,7 +13,6 @@ with its defaults gets its tiny-model config in ``TINY_CONFIG`` with the reason.
 from __future__ import annotations
 
 import functools
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from specdecode.api import Decoder
 
 from conftest import PRECISE_TARGET, repetitive_prompts
-from tiny_models import tiny_llama
+from tiny_models import scratch_dir, tiny_llama
 from test_exactness import METHODS, dev_prompts, needs_draft_model, tiny_overrides
 
 NEW_TOKENS = 32
@@ -32,7 +31,7 @@ def itself_as_draft(seed: int, layers: int, tie: bool) -> str:
     """The tiny target saved as a checkpoint folder, to serve as its own draft model: a draft
     that always agrees with the target. A random tiny draft of other weights agrees with it
     about never (one accepted token in 700 drafted), which would test nothing."""
-    path = Path(tempfile.mkdtemp(prefix="specdecode-self-draft-"))
+    path = scratch_dir("specdecode-self-draft-")
     tiny_llama(seed=seed, layers=layers, tie_embeddings=tie).save_pretrained(path)
     return str(path)
 

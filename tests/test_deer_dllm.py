@@ -6,7 +6,6 @@ follows the committed context through rejections, and a missing delta is named."
 from __future__ import annotations
 
 import functools
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from specdecode.sampling import SamplingParams
 
 from conftest import repetitive_prompts
 from test_draft_heads import check_sampled_distribution
-from tiny_models import tiny_llama
+from tiny_models import scratch_dir, tiny_llama
 
 BLOCK = 8
 
@@ -47,7 +46,7 @@ def tiny_dllm(model) -> str:
     """A random delta for ``model`` saved as an artifact (cached per model)."""
     key = HFRunner(model).fingerprint()
     if key not in _DELTAS:
-        path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-dllm-")) / "dllm.safetensors"
+        path = scratch_dir("specdecode-tiny-dllm-") / "dllm.safetensors"
         _DELTAS[key] = str(random_delta(model).save(path, key))
     return _DELTAS[key]
 

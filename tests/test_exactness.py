@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from specdecode import registry
 from specdecode.api import Decoder
 
 from conftest import PRECISE_TARGET, repetitive_prompts, tiny_heads
-from tiny_models import tiny_llama
+from tiny_models import scratch_dir, tiny_llama
 
 DEV = Path(__file__).resolve().parents[1] / "src" / "specdecode" / "data" / "spec_bench_dev.jsonl"
 if not DEV.is_file():
@@ -42,7 +41,7 @@ def needs_draft_model(method: str) -> bool:
 @functools.cache
 def tiny_draft_dir() -> str:
     """A tiny random draft model (the tiny targets' vocabulary) saved as a checkpoint folder."""
-    path = Path(tempfile.mkdtemp(prefix="specdecode-tiny-draft-"))
+    path = scratch_dir("specdecode-tiny-draft-")
     tiny_llama(seed=7, layers=1).save_pretrained(path)
     return str(path)
 
@@ -138,7 +137,7 @@ def test_ar_matches_transformers_generate(real_model):
 def random_draft_dir(vocab_size: int) -> str:
     """A tiny random draft model of ``vocab_size`` tokens saved as a checkpoint folder, with
     positions for the dev prompts' long contexts (1,500 tokens of Gemma's RAG prompt)."""
-    path = Path(tempfile.mkdtemp(prefix="specdecode-random-draft-"))
+    path = scratch_dir("specdecode-random-draft-")
     tiny_llama(vocab_size=vocab_size, seed=7, layers=1, max_positions=4096).save_pretrained(path)
     return str(path)
 

@@ -4,8 +4,19 @@ helpers, not shipped: ``from tiny_models import tiny_llama``)."""
 from __future__ import annotations
 
 import copy
+import tempfile
+from pathlib import Path
 
 import torch
+
+#: where the test fixtures save the models and artifacts they make (tiny heads are 17 MB a
+#: file): one folder, removed when the run ends, so that runs leave nothing in /tmp
+_SCRATCH = tempfile.TemporaryDirectory(prefix="specdecode-tests-")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new folder for a fixture's files, removed with the run's scratch folder."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH.name))
 
 
 def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, heads: int = 4,
