@@ -22,8 +22,9 @@ PACKAGE = "specdecode"
 #: the CLI as a library). The commands of ``bench`` and ``train`` are in their packages' layers.
 LAYERS: list[tuple[str, ...]] = [
     # what every part shares: errors, drafts, sampling, verification, the registry, artifacts
-    ("errors", "draft", "sampling", "verify", "control", "estimates", "constraints",
-     "detokenize", "fim", "registry", "cache", "artifacts", "agreement", "questions"),
+    ("errors", "draft", "infill_sampler", "sampling", "verify", "control", "estimates",
+     "constraints", "detokenize", "fim", "registry", "cache", "artifacts", "agreement",
+     "questions"),
     ("kernels", "models"),
     # the proposer interface and draft sizing, below the loop that drives them
     ("proposer", "sizing", "prompt_logprobs"),

@@ -14,6 +14,11 @@ banned outputs: :mod:`specdecode.constraints`), then temperature, then top-k, to
   the tokens more likely than it already hold ``top_p`` of the mass; ``min_p`` drops tokens less
   likely than ``min_p`` times the most likely one. These are ``transformers``' TopK, TopP and
   MinP warpers (tested against them).
+- ``temperature_last`` applies temperature after the cuts instead (llama.cpp's default chain;
+  text-generation-webui's option of that name): top-p and min-p cut the unscaled distribution,
+  and temperature shapes what they keep.
+- ``infill``: llama.cpp's ``infill`` sampler after the cuts (:mod:`specdecode.infill_sampler`),
+  as code-completion plugins ask llama-server for it.
 
 A draft node deep in a tree is penalised with the committed tokens *plus the path to it*, so
 every node sees exactly the distribution plain decoding would have used there.
@@ -37,6 +42,7 @@ import torch
 from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError, require
+from specdecode.infill_sampler import MAX_CANDIDATES, InfillSampler
 
 
 #: temperatures below this decode greedily
@@ -88,6 +94,12 @@ class SamplingParams:
     #: token id -> number added to its logit (a mapping, or (id, bias) pairs; ids may be
     #: decimal strings, as JSON keys are); stored as pairs ascending by id; None = none
     logit_bias: Mapping[int | str, float] | Sequence[tuple[int, float]] | None = None
+    #: temperature after top-k, top-p, min-p and the infill cut, which then read the unscaled
+    #: distribution (llama.cpp's default chain); False: temperature first (transformers')
+    temperature_last: bool = False
+    #: llama.cpp's infill sampler after the other cuts (specdecode/infill_sampler.py); needs
+    #: top_k; None = none
+    infill: InfillSampler | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -127,6 +139,13 @@ class SamplingParams:
         require(self.constraint is None or isinstance(self.constraint, ConstraintSpec),
                 "constraint must be built by specdecode.constraints.make_constraint")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        require(isinstance(self.temperature_last, bool),
+                f"temperature_last must be true or false, got {self.temperature_last!r}")
+        require(self.infill is None or isinstance(self.infill, InfillSampler),
+                "infill must be a specdecode.infill_sampler.InfillSampler")
+        require(self.infill is None or 0 < self.top_k <= MAX_CANDIDATES,
+                "the infill sampler compares every pair of candidates: give top_k between 1 "
+                f"and {MAX_CANDIDATES} with it (llama.vim sends 40), got {self.top_k}")
         # numpy integers pass the checks above; store plain ints (hashable, JSON-friendly)
         object.__setattr__(self, "top_k", int(self.top_k))
         if self.seed is not None:
@@ -147,6 +166,12 @@ class SamplingParams:
         then no shortcut may skip the vocabulary's processing (a shortlist's own argmax or
         softmax, the raw logits' argmax)."""
         return self.has_penalties or bool(self.logit_bias)
+
+    @property
+    def reads_token_ids(self) -> bool:
+        """Whether the processing reads token ids (penalties, a logit bias, the infill
+        cut): then it cannot run on a shortlist's logits alone."""
+        return self.adjusts_logits or self.infill is not None
 
     @property
     def max_biased_id(self) -> int:
@@ -237,8 +262,20 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on (penalised) logits [V] -> probabilities [V]."""
-    logits = logits / params.temperature
+    """Temperature, top-k, top-p, min-p and the infill cut on (penalised) logits [V] ->
+    probabilities [V]; with ``temperature_last`` the cuts read the unscaled distribution and
+    temperature shapes what they keep."""
+    scaled = logits / params.temperature
+    probs = _cut(logits if params.temperature_last else scaled, params)
+    if params.temperature_last and params.temperature != 1.0:
+        kept = probs.nonzero().flatten()
+        probs = torch.zeros_like(probs).index_copy_(0, kept, scaled[kept].softmax(-1))
+    return probs / probs.sum()
+
+
+def _cut(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(logits) [V] with what top-k, top-p, min-p and the infill cut drop zeroed (not
+    renormalised)."""
     vocab = logits.shape[-1]
     kept = None  # top-k's token ids, when the rest of the work can run on those k alone
     if 0 < params.top_k < vocab:
@@ -255,7 +292,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if kept is not None:
         probs = torch.zeros(vocab, dtype=probs.dtype).index_copy_(0, kept, probs)
-    return probs / probs.sum()
+    if params.infill is not None:
+        probs = params.infill.cut(probs)
+    return probs
 
 
 class NodeDistributions:

@@ -86,9 +86,10 @@ class DraftSession:
         of shortlist logits [V'] over the shortlist and over the vocabulary [V]. The
         vocabulary's other tokens have probability 0, so temperature, top-k, top-p and min-p
         give the same distribution on the shortlist alone, at a sixth of the work. None where
-        the vocabulary's processing is needed (penalties read token ids; no shortlist)."""
+        the vocabulary's processing is needed (penalties, a logit bias and the infill cut read
+        token ids; no shortlist)."""
         head_ids = getattr(self.lm, "head_ids", None)
-        if head_ids is None or self.sampling.adjusts_logits:
+        if head_ids is None or self.sampling.reads_token_ids:
             return None
         small = filtered_probs(logits.float(), self.sampling)
         full = torch.zeros(self.lm.vocab_size, dtype=small.dtype).index_copy_(0, head_ids, small)

@@ -208,11 +208,11 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
     same best-first growth and sampling rules, with each depth's ranking made once (greedy:
     every node of a depth has the same ranked children; sampled: the same distribution, and
     each node its own draws from it) and no drafter call after the first. With penalties
-    (each node's distribution reads its own path), or sampled over a drafter's whole
-    vocabulary, the drafter is asked node by node."""
+    (each node's distribution reads its own path) or a cut that reads token ids, or sampled
+    over a drafter's whole vocabulary, the drafter is asked node by node."""
     head_ids = getattr(session.lm, "head_ids", None)
     sampled = not session.sampling.greedy
-    if session.sampling.adjusts_logits or (sampled and head_ids is None):
+    if session.sampling.reads_token_ids or (sampled and head_ids is None):
         return grow_tree(session, context, budget, settings)
     limit = min(settings.tree_nodes, budget.max_nodes)
     depths: dict[int, object] = {}  # each depth's ranking (greedy) or distributions (sampled)

@@ -12,9 +12,11 @@ prefix between requests. ``n_predict: 0`` reads the prompt and writes nothing (a
 warm-up of its ring: the rows stay in the prompt cache).
 
 llama-server's sampling fields are read with its defaults (``temperature`` 0.8, ``top_k`` 40,
-``top_p`` 0.95, ``min_p`` 0.05; ``samplers`` names the ones applied, as its sampler chain does:
-``top_k``, ``top_p``, ``min_p``, ``temperature``, ``penalties``; its ``infill`` sampler is
-accepted and not applied; the others are refused). ``n_indent`` ends the completion at a line
+``top_p`` 0.95, ``min_p`` 0.05) and ``samplers`` names the ones applied in its chain's order:
+``penalties``, then ``top_k``, ``top_p``, ``min_p`` and ``infill`` (llama.cpp's cut for code
+completion, specdecode/infill_sampler.py) in that order, with ``temperature`` before or after
+all of them (after: llama-server's default chain, ``SamplingParams.temperature_last``); another
+order, or another sampler, is refused. ``n_indent`` ends the completion at a line
 indented less, ``t_max_predict_ms`` at the first new line after that many milliseconds of
 generation (:class:`LineLimits`). ``response_fields`` keeps only the named fields, nested ones
 as ``"timings/prompt_n"`` keys, as llama-server does. ``cache_prompt``, ``id_slot`` and
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
+from specdecode.infill_sampler import MAX_CANDIDATES, InfillSampler
 from specdecode.server.endpoints import ClientWatch, read_json, sse
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeOptions, Strict,
@@ -48,9 +51,13 @@ LLAMA_BATCH = 2048
 #: the files' budget of a prompt is the same for answers up to this long (llama.vim's and
 #: llama.vscode's n_predict), so that a warm-up (n_predict 0) caches what the completions read
 PLUGIN_ANSWER = 128
-#: the samplers of llama-server's chain this server applies; ``infill`` is read and not applied
-SAMPLERS = ("top_k", "top_p", "min_p", "temperature", "penalties")
-NOT_APPLIED = ("infill",)
+#: the samplers of llama-server's chain this server applies, in the order it applies them
+#: (``temperature`` may come first instead)
+SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "infill", "temperature")
+#: llama-server's default chain, less its samplers that are off by default
+DEFAULT_CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
+#: the samplers whose cut temperature changes
+SHAPED = ("top_p", "min_p", "infill")
 
 
 class ExtraChunk(BaseModel):
@@ -88,14 +95,39 @@ class LlamaRequest(Strict):
     model: str | None = None
     specdecode: SpecDecodeOptions | None = None
 
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The samplers applied, in their order, checked against the order this server
+        applies them in (a 400 naming the difference)."""
+        chain = DEFAULT_CHAIN if self.samplers is None else tuple(self.samplers)
+        unknown = sorted(set(chain) - set(SAMPLERS))
+        if unknown:
+            raise ApiError(400, f"sampler {unknown[0]!r} is not served; this server applies "
+                                f"{', '.join(SAMPLERS)}", param="samplers")
+        if len(set(chain)) < len(chain):
+            raise ApiError(400, "samplers names a sampler twice; name each once",
+                           param="samplers")
+        cuts = [name for name in chain if name != "temperature"]
+        if cuts != sorted(cuts, key=SAMPLERS.index):
+            raise ApiError(400, f"samplers in the order {', '.join(cuts)}: this server applies "
+                                f"{', '.join(SAMPLERS[:-1])} in that order (temperature before "
+                                "or after them all)", param="samplers")
+        if "temperature" in chain and 0 < chain.index("temperature") < len(chain) - 1:
+            here = chain.index("temperature")
+            if any(name in SHAPED for name in chain[:here]) and \
+                    any(name in SHAPED for name in chain[here + 1:]):
+                raise ApiError(400, "temperature between the cuts: this server applies it "
+                                    "before or after all of top_p, min_p and infill",
+                               param="samplers")
+        if "infill" in chain and not ("top_k" in chain and 0 < self.top_k <= MAX_CANDIDATES):
+            raise ApiError(400, "the infill sampler compares every pair of candidates: put "
+                                f"top_k before it, with top_k between 1 and {MAX_CANDIDATES} "
+                                "(llama.vim sends 40)", param="samplers")
+        return chain
+
     def completion(self, ids: list[int]) -> CompletionRequest:
         """The OpenAI completion this request asks for (its sampling in OpenAI's fields)."""
-        applied = set(SAMPLERS if self.samplers is None else self.samplers)
-        unknown = applied - set(SAMPLERS) - set(NOT_APPLIED)
-        if unknown:
-            raise ApiError(400, f"sampler {sorted(unknown)[0]!r} is not served; this server "
-                                f"applies {', '.join(SAMPLERS)} (and accepts "
-                                f"{', '.join(NOT_APPLIED)})", param="samplers")
+        applied = self.chain
         predict = self.predicted
         body = {"model": "default", "prompt": ids, "stop": self.stop,
                 "max_tokens": None if predict is None else max(predict, 1),
@@ -111,6 +143,24 @@ class LlamaRequest(Strict):
         if self.specdecode is not None:
             body["specdecode"] = self.specdecode.model_dump()
         return parse(CompletionRequest, body)
+
+    def chain_sampling(self, server: Frontend, ends: tuple[int, ...]) -> dict[str, Any]:
+        """The SamplingParams fields of the chain beside OpenAI's: temperature after the cuts,
+        and the infill sampler (``ends``: the tokens that end this answer)."""
+        chain = self.chain
+        out: dict[str, Any] = {}
+        if "temperature" in chain:
+            here = chain.index("temperature")
+            out["temperature_last"] = any(name in SHAPED for name in chain[:here])
+        if "infill" in chain:
+            if server.tokenizer is None:
+                raise ApiError(400, "this server has no tokenizer, so it cannot apply the "
+                                    "infill sampler (it reads the tokens' text)",
+                               param="samplers")
+            model_ends = server.eos_token_ids
+            out["infill"] = InfillSampler(server.vocabulary.token_bytes,
+                                          frozenset((*model_ends, *ends)), model_ends[0])
+        return out
 
     @property
     def predicted(self) -> int | None:
@@ -216,6 +266,8 @@ async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: 
     ids = prompt.ids
     completion = req.completion(ids)
     specs = server.specs(completion, [ids], completion.max_tokens, param, (), prompt.ends)
+    chain = req.chain_sampling(server, prompt.ends)
+    specs = [dataclasses.replace(spec, sampling={**spec.sampling, **chain}) for spec in specs]
     if req.n_indent > 0 or req.t_max_predict_ms > 0:
         limits = LineLimits(req.n_indent, req.t_max_predict_ms / 1000)
         specs = [dataclasses.replace(spec, limits=limits) for spec in specs]
