@@ -3,8 +3,10 @@ chunks of other files (three 64-line chunks of other standard-library modules) s
 warm-up (``n_predict`` 0), then the cursor down ``--lines`` code lines of ``textwrap.py`` one at
 a time, each request with up to 256 lines before the cursor as ``input_prefix`` and 64 after it
 as ``input_suffix`` (``--prefix-lines``, ``--suffix-lines``), the ring as ``input_extra``,
-``n_indent`` the cursor line's indentation and ``n_predict`` 128 (llama.vim's defaults), greedy
-(llama.vim samples; greedy so that the methods' middles can be compared). Each method runs the
+``n_indent`` the cursor line's indentation and ``n_predict`` 128 (llama.vim's defaults), greedy,
+or with ``--sampling llama.vim`` as llama.vim samples (top-k 40, top-p 0.9 and llama.cpp's
+infill sampler) seeded by the cursor's line, so that the methods' middles can be compared in
+either case. Each method runs the
 whole session on a server of its own (started here, so that no method reads rows another one
 cached). Printed: per method, seconds a request (median), prompt tokens read and reused, tokens
 written, and how many middles are the first method's.
@@ -32,13 +34,18 @@ def lines_of(module: str) -> list[str]:
     return inspect.getsource(importlib.import_module(module)).splitlines(keepends=True)
 
 
+#: each --sampling's fields (llama.vim's own: its samplers after top-k 40 and top-p 0.9)
+SAMPLING = {"greedy": {"samplers": ["temperature"], "temperature": 0.0},
+            "llama.vim": {"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.9}}
+
+
 def session(url: str, method: str, start: int, count: int, before: int = PREFIX_LINES,
-            after: int = SUFFIX_LINES) -> list[dict]:
+            after: int = SUFFIX_LINES, sampling: str = "greedy") -> list[dict]:
     ring = [{"filename": f"{name}.py", "text": "".join(lines_of(name)[100:100 + CHUNK_LINES])}
             for name in RING]
-    greedy = {"samplers": ["temperature"], "temperature": 0.0, "specdecode": {"method": method}}
+    asked = {**SAMPLING[sampling], "specdecode": {"method": method}}
     with httpx.Client(timeout=600) as client:
-        client.post(url + "/infill", json={"input_extra": ring, "n_predict": 0, **greedy})
+        client.post(url + "/infill", json={"input_extra": ring, "n_predict": 0, **asked})
         lines, out, i = lines_of("textwrap"), [], start
         while len(out) < count:
             line = lines[i]
@@ -46,7 +53,7 @@ def session(url: str, method: str, start: int, count: int, before: int = PREFIX_
                 body = {"input_prefix": "".join(lines[max(0, i - before):i]),
                         "input_suffix": "".join(lines[i + 1:i + 1 + after]),
                         "input_extra": ring, "prompt": "", "n_predict": 128,
-                        "n_indent": len(line) - len(line.lstrip()), **greedy}
+                        "n_indent": len(line) - len(line.lstrip()), "seed": i, **asked}
                 started = time.perf_counter()
                 got = client.post(url + "/infill", json=body).json()
                 got["seconds"] = time.perf_counter() - started
@@ -81,6 +88,7 @@ def main() -> None:
                         help="lines before the cursor (llama.vim's n_prefix)")
     parser.add_argument("--suffix-lines", type=int, default=SUFFIX_LINES,
                         help="lines after the cursor (llama.vim's n_suffix)")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     args = parser.parse_args()
     first = None
     print(f"Python {sys.version.split()[0]}'s textwrap.py from line {args.start + 1}")
@@ -88,7 +96,7 @@ def main() -> None:
         server = serve(args.model, args.port)
         try:
             rows = session(f"http://127.0.0.1:{args.port}", method, args.start, args.lines,
-                           args.prefix_lines, args.suffix_lines)
+                           args.prefix_lines, args.suffix_lines, args.sampling)
         finally:
             server.terminate()
             server.wait()

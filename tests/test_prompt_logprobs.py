@@ -151,13 +151,17 @@ def test_max_tokens_zero_with_echo_returns_the_prompt_scored(served, runner, tok
         assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected[1:]],
                                                          abs=1e-5)
         assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+        starts = [0]  # each token's first character in the text its tokens spell
+        for token in lp["tokens"][:-1]:
+            starts.append(starts[-1] + len(token))
+        assert lp["text_offset"] == starts
 
 
 @pytest.mark.parametrize("max_tokens", [0, 6])
 def test_a_streamed_echo_is_the_whole_ones(served, max_tokens):
     request = dict(prompt="Hello world", max_tokens=max_tokens, echo=True, logprobs=1)
     whole = post(served, **request).json()["choices"][0]
-    text, tokens, values = "", [], []
+    text, tokens, values, offsets = "", [], [], []
     with httpx.stream("POST", served.url + "/v1/completions", timeout=60,
                       json={"model": MODEL, "stream": True, **request}) as response:
         for line in response.iter_lines():
@@ -167,9 +171,12 @@ def test_a_streamed_echo_is_the_whole_ones(served, max_tokens):
                 if choice["logprobs"] is not None:
                     tokens += choice["logprobs"]["tokens"]
                     values += choice["logprobs"]["token_logprobs"]
+                    offsets += choice["logprobs"]["text_offset"]
     assert text == whole["text"]
     assert tokens == whole["logprobs"]["tokens"]
     assert values == whole["logprobs"]["token_logprobs"]
+    # each chunk's offsets go on from the last chunk's
+    assert offsets == whole["logprobs"]["text_offset"] and len(offsets) == len(tokens)
 
 
 def test_echo_errors_are_400s(served):

@@ -8,6 +8,7 @@ job.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -125,10 +126,12 @@ def sse(data: Any) -> str:
 
 class StreamedLogprobs:
     """Per choice of a stream, the log-probabilities sent so far: a text piece carries those of
-    its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left."""
+    its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left; and the
+    characters of the tokens sent, where the next chunk's ``text_offset`` starts."""
 
     def __init__(self, choices: int):
         self.sent = [0] * choices
+        self.chars = [0] * choices
 
     def of(self, index: int, piece: str) -> list | None:
         logprobs = getattr(piece, "logprobs", None)
@@ -150,20 +153,24 @@ class Endpoint:
         self.object = "chat.completion" if chat else "text_completion"
 
     def choice(self, index: int, text: str, finish: str | None, delta: bool,
-               logprobs: list | None = None, prompt: tuple | None = None) -> dict:
+               logprobs: list | None = None, prompt: tuple | None = None,
+               offset: int = 0) -> dict:
         """One choice; ``logprobs``: the :class:`~specdecode.engine.TokenLogprob` of its tokens
-        (None = not asked for); ``prompt``: (ids, prompt log-probabilities) echoed before them."""
+        (None = not asked for); ``prompt``: (ids, prompt log-probabilities) echoed before them;
+        ``offset``: the characters of the choice's text before them (a stream's)."""
         lp = (None if logprobs is None and prompt is None
-              else self.logprobs(logprobs or [], prompt))
+              else self.logprobs(logprobs or [], prompt, offset))
         if not self.chat:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         key = "delta" if delta else "message"
         body = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": index, key: body, "logprobs": lp, "finish_reason": finish}
 
-    def logprobs(self, entries: list, prompt: tuple | None = None) -> dict:
+    def logprobs(self, entries: list, prompt: tuple | None = None, offset: int = 0) -> dict:
         """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel lists
-        (``prompt``: (ids, their entries) in front, the first token's null: server/echo.py)."""
+        (``prompt``: (ids, their entries) in front, the first token's null: server/echo.py),
+        ``text_offset`` each token's first character in the choice's text, from ``offset``
+        (counted in the tokens' texts, as vLLM counts them)."""
         vocab = self.server.vocabulary
         text = self.token_text
 
@@ -182,10 +189,12 @@ class Endpoint:
             ids, scored = prompt
             head = [[text(ids[0])], [None], [None]]
             entries = list(scored[1:]) + list(entries)
-        return {"tokens": head[0] + [text(e.token) for e in entries],
+        tokens = head[0] + [text(e.token) for e in entries]
+        return {"tokens": tokens,
                 "token_logprobs": head[1] + [value(e.logprob) for e in entries],
                 "top_logprobs": head[2] + [{text(t): value(v) for t, v in e.top} for e in entries],
-                "text_offset": None}
+                "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))
+                if tokens else []}
 
     def token_text(self, token: int) -> str:
         return self.server.vocabulary.token_bytes[token].decode("utf-8", "replace")
@@ -382,9 +391,12 @@ class Chunks:
               prompt: tuple | None = None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)
         choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
-                                      logprobs=logprobs, prompt=prompt)
+                                      logprobs=logprobs, prompt=prompt,
+                                      offset=self.sent.chars[index])
         if self.endpoint.chat:
             choice["delta"] = delta
+        elif choice["logprobs"] is not None:
+            self.sent.chars[index] += sum(map(len, choice["logprobs"]["tokens"]))
         body["choices"] = [choice]
         return sse(body)
 
