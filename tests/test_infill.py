@@ -7,6 +7,7 @@ repository-level prompt laid out as llama-server lays it out, the middle every m
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
@@ -222,3 +223,65 @@ def test_llama_servers_completion_is_the_librarys(served, runner, fim_tokenizer,
         "prompt": ids, "n_predict": 16, "return_tokens": True, **GREEDY}).json()
     assert by_ids["tokens"] == want.token_ids and by_ids["tokens_evaluated"] == len(ids)
     assert by_ids["tokens_cached"] > 0  # the same prompt again: its rows were kept
+
+
+COMPLETE = {"prompt": "def add(a, b):\n", "n_predict": 12, "return_tokens": True, **GREEDY}
+
+
+def complete(served, **body):
+    return httpx.post(served.url + "/completion", json={**COMPLETE, **body}, timeout=60)
+
+
+def test_a_grammar_or_a_json_schema_constrains_the_answer(served, runner, fim_tokenizer):
+    decoder = Decoder(runner.replica(), fim_tokenizer, "ar", [EOS])
+    prompt = COMPLETE["prompt"]
+    gbnf = 'root ::= "return " [a-z]+ " + " [a-z]+'
+    got = complete(served, grammar=gbnf).json()
+    assert got["content"] == decoder.generate(prompt, 12, chat=False, grammar=gbnf).text
+    assert got["content"].startswith("return ")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    got = complete(served, json_schema=schema, n_predict=16).json()
+    assert got["content"] == decoder.generate(prompt, 16, chat=False, json_schema=schema).text
+    assert got["content"].startswith('{"a":')
+    anything = complete(served, json_schema={}, n_predict=8).json()["content"]
+    assert anything.startswith("{")  # an empty schema: any object, as llama-server reads it
+    both = complete(served, json_schema=schema, grammar=gbnf).json()["content"]
+    assert both.startswith("return ")  # the grammar wins, as in llama-server
+    bad = complete(served, grammar="root ::= (")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "grammar"
+
+
+def test_n_probs_are_the_models_own_or_the_sampled_distributions(served, runner,
+                                                                  fim_tokenizer):
+    decoder = Decoder(runner.replica(), fim_tokenizer, "ar", [EOS])
+    prompt = COMPLETE["prompt"]
+    sampled = dict(samplers=["top_k", "temperature"], top_k=3, temperature=0.9, seed=5)
+    wants = {}
+    for post in (False, True):
+        got = complete(served, n_probs=3, post_sampling_probs=post, **sampled).json()
+        want = decoder.generate(prompt, 12, chat=False, temperature=0.9, top_k=3, seed=5,
+                                logprobs=3, raw_logprobs=not post)
+        probs = got["completion_probabilities"]
+        assert [p["id"] for p in probs] == got["tokens"] == want.token_ids
+        key = "prob" if post else "logprob"
+        for entry, theirs in zip(probs, want.logprobs):
+            value = math.exp(theirs.logprob) if post else theirs.logprob
+            assert entry[key] == pytest.approx(value, abs=1e-5)
+            assert [t["id"] for t in entry["top_" + key + "s"]] == [t for t, _ in theirs.top]
+            assert bytes(entry["bytes"]).decode() == entry["token"]
+        if post:  # the sampled distribution: three tokens at most, their probabilities <= 1
+            assert all(sum(t["prob"] for t in e["top_probs"]) <= 1 + 1e-6 for e in probs)
+        else:  # the model's own: every token has a probability, top-k or not
+            assert all(len(e["top_logprobs"]) == 3 for e in probs)
+        wants[post] = want.logprobs
+    # the same tokens; the model's own log-probability is below the cut distribution's
+    assert all(raw.logprob < cut.logprob for raw, cut in zip(wants[False], wants[True]))
+    whole = complete(served, n_probs=2, n_predict=12).json()
+    streamed = []
+    with httpx.stream("POST", served.url + "/completion", timeout=60,
+                      json={**COMPLETE, "n_probs": 2, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                streamed += json.loads(line[6:]).get("completion_probabilities", [])
+    assert streamed == whole["completion_probabilities"]
+    assert complete(served, n_probs=21).status_code == 400

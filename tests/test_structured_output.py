@@ -317,6 +317,14 @@ def test_logprobs_equal_transformers_with_sampling_processors(tiny_models, vocab
         expected = row[0].log_softmax(-1)
         assert entry.logprob == pytest.approx(float(expected[entry.token]), abs=1e-4)
         assert entry.top[0][1] == pytest.approx(float(expected.max()), abs=1e-4)
+    # raw_logprobs: the same draws, reported as the model's own log-softmax
+    raw = run(model, "ngram", prompt, 12, vocab, temperature=0.7, top_k=5, seed=4, logprobs=2,
+              raw_logprobs=True)
+    assert raw.tokens == gen.tokens
+    for j, entry in enumerate(raw.logprobs):
+        own = logits[j].log_softmax(-1)
+        assert entry.logprob == pytest.approx(float(own[entry.token]), abs=1e-4)
+        assert [t for t, _ in entry.top] == own.topk(2).indices.tolist()
 
 
 @pytest.mark.slow

@@ -407,8 +407,10 @@ class Generation:
         entries = []
         if self.logprobs is not None:
             top = self.sampling.logprobs
+            raw = self.sampling.raw_logprobs
             for token, row in zip(result.tokens, result.rows):
-                logprobs = result.target.logprobs(row)
+                logprobs = (result.target.logits[row].float().log_softmax(-1) if raw
+                            else result.target.logprobs(row))
                 values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
                 alternatives = tuple((i, v) for i, v in zip(ids.tolist(), values.tolist())
                                      if v > float("-inf"))  # tokens the processors dropped: none

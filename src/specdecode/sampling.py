@@ -100,6 +100,10 @@ class SamplingParams:
     #: llama.cpp's infill sampler after the other cuts (specdecode/infill_sampler.py); needs
     #: top_k; None = none
     infill: InfillSampler | None = None
+    #: the log-probabilities reported (``logprobs``) are the model's own (log-softmax of its
+    #: logits, before any processing: llama-server's ``n_probs``, vLLM's raw_logprobs mode),
+    #: not those of the distribution sampled from
+    raw_logprobs: bool = False
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -139,8 +143,9 @@ class SamplingParams:
         require(self.constraint is None or isinstance(self.constraint, ConstraintSpec),
                 "constraint must be built by specdecode.constraints.make_constraint")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        require(isinstance(self.temperature_last, bool),
-                f"temperature_last must be true or false, got {self.temperature_last!r}")
+        for name in ("temperature_last", "raw_logprobs"):
+            require(isinstance(getattr(self, name), bool),
+                    f"{name} must be true or false, got {getattr(self, name)!r}")
         require(self.infill is None or isinstance(self.infill, InfillSampler),
                 "infill must be a specdecode.infill_sampler.InfillSampler")
         require(self.infill is None or 0 < self.top_k <= MAX_CANDIDATES,

@@ -18,7 +18,11 @@ completion, specdecode/infill_sampler.py) in that order, with ``temperature`` be
 all of them (after: llama-server's default chain, ``SamplingParams.temperature_last``); another
 order, or another sampler, is refused. ``n_indent`` ends the completion at a line
 indented less, ``t_max_predict_ms`` at the first new line after that many milliseconds of
-generation (:class:`LineLimits`). ``response_fields`` keeps only the named fields, nested ones
+generation (:class:`LineLimits`). ``grammar`` (GBNF) or ``json_schema`` constrains the answer
+(specdecode/constraints.py). ``n_probs`` reports each token's log-probability and its most
+likely alternatives in ``completion_probabilities``: the model's own, as llama-server reports
+them, or with ``post_sampling_probs`` the probabilities of the distribution sampled from.
+``response_fields`` keeps only the named fields, nested ones
 as ``"timings/prompt_n"`` keys, as llama-server does. ``cache_prompt``, ``id_slot`` and
 ``t_max_prompt_ms`` are accepted and do nothing (llama-server ignores the last too): the prompt
 cache serves every request.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,7 +44,9 @@ from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
 from specdecode.infill_sampler import MAX_CANDIDATES, InfillSampler
-from specdecode.server.endpoints import ClientWatch, read_json, sse
+from specdecode.sampling import MAX_TOP_LOGPROBS
+from specdecode.server.endpoints import (OPENAI_UNLIKELY, ClientWatch, StreamedLogprobs,
+                                         read_json, sse)
 from specdecode.server.frontend import Frontend
 from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeOptions, Strict,
                                         parse)
@@ -91,6 +98,14 @@ class LlamaRequest(Strict):
     cache_prompt: bool = True
     id_slot: int = -1
     return_tokens: bool = False
+    #: each token's log-probability and its ``n_probs`` most likely alternatives in
+    #: ``completion_probabilities``: the model's own, or with ``post_sampling_probs`` the
+    #: probabilities of the distribution sampled from
+    n_probs: int = 0
+    post_sampling_probs: bool = False
+    #: a GBNF grammar, or a JSON schema, the answer follows (the grammar where both are given)
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     response_fields: list[str] = Field(default_factory=list)
     model: str | None = None
     specdecode: SpecDecodeOptions | None = None
@@ -140,15 +155,27 @@ class LlamaRequest(Strict):
             body.update(repetition_penalty=self.repeat_penalty,
                         presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty)
-        if self.specdecode is not None:
-            body["specdecode"] = self.specdecode.model_dump()
+        if not 0 <= self.n_probs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"n_probs must be in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
+                                f"reported per token), got {self.n_probs}", param="n_probs")
+        if self.n_probs:
+            body["logprobs"] = self.n_probs
+        extension = self.specdecode.model_dump() if self.specdecode is not None else {}
+        if self.grammar:
+            extension["grammar"] = self.grammar
+        elif self.json_schema is not None:  # an empty schema: any object, as llama-server has it
+            schema = self.json_schema or {"type": "object"}
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "json_schema", "schema": schema}}
+        if extension:
+            body["specdecode"] = extension
         return parse(CompletionRequest, body)
 
     def chain_sampling(self, server: Frontend, ends: tuple[int, ...]) -> dict[str, Any]:
         """The SamplingParams fields of the chain beside OpenAI's: temperature after the cuts,
         and the infill sampler (``ends``: the tokens that end this answer)."""
         chain = self.chain
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"raw_logprobs": not self.post_sampling_probs}
         if "temperature" in chain:
             here = chain.index("temperature")
             out["temperature_last"] = any(name in SHAPED for name in chain[:here])
@@ -265,7 +292,12 @@ async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: 
     llama-server does, whole or streamed."""
     ids = prompt.ids
     completion = req.completion(ids)
-    specs = server.specs(completion, [ids], completion.max_tokens, param, (), prompt.ends)
+    try:
+        specs = server.specs(completion, [ids], completion.max_tokens, param, (), prompt.ends)
+    except ApiError as exc:  # the constraint's fields by llama-server's names
+        exc.param = {"response_format": "json_schema", "specdecode.grammar": "grammar"}.get(
+            exc.param, exc.param)
+        raise
     chain = req.chain_sampling(server, prompt.ends)
     specs = [dataclasses.replace(spec, sampling={**spec.sampling, **chain}) for spec in specs]
     if req.n_indent > 0 or req.t_max_predict_ms > 0:
@@ -336,6 +368,7 @@ def response(server: Frontend, req: LlamaRequest, prompt: Prompt,
                                 "samplers": req.samplers, "method": result.method},
         "prompt": prompt.text, "has_new_line": "\n" in content, "truncated": prompt.truncated,
         "stop_type": stop_type, "stopping_word": "", "tokens_cached": stats.cached_tokens,
+        **probabilities(server, req, [] if req.writes_nothing else result.logprobs),
         "timings": {"cache_n": stats.cached_tokens, "prompt_n": evaluated,
                     "prompt_ms": stats.prefill_s * 1000,
                     "prompt_per_token_ms": stats.prefill_s * 1000 / max(evaluated, 1),
@@ -345,6 +378,28 @@ def response(server: Frontend, req: LlamaRequest, prompt: Prompt,
                     "predicted_per_second": predicted / decode_s},
     }
     return fields_of(body, req.response_fields) if req.response_fields else body
+
+
+def probabilities(server: Frontend, req: LlamaRequest, entries: list | None) -> dict[str, Any]:
+    """llama-server's ``completion_probabilities`` of these tokens' log-probabilities
+    (:class:`~specdecode.engine.TokenLogprob`), where the request asks for them (``n_probs``):
+    ``logprob`` and ``top_logprobs``, or with ``post_sampling_probs`` ``prob`` and
+    ``top_probs`` (the alternatives the sampled distribution gives a probability)."""
+    if not req.n_probs or entries is None:
+        return {}
+    pieces = server.vocabulary.token_bytes
+    post = req.post_sampling_probs
+    key = "prob" if post else "logprob"
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        piece = pieces[token]
+        value = math.exp(logprob) if post else max(logprob, OPENAI_UNLIKELY)
+        return {"id": token, "token": piece.decode("utf-8", "ignore"), "bytes": list(piece),
+                key: value}
+
+    return {"completion_probabilities": [
+        {**one(e.token, e.logprob), "top_" + key + "s": [
+            one(t, v) for t, v in e.top if not post or v > -math.inf]} for e in entries]}
 
 
 def fields_of(body: dict[str, Any], fields: list[str]) -> dict[str, Any]:
@@ -367,6 +422,7 @@ async def stream(server: Frontend, request: Request, req: LlamaRequest, job: Job
     """Server-sent events as llama-server sends them: a ``content`` piece each, then the
     whole object (its ``content`` empty) with ``stop`` true."""
     watch = ClientWatch(request)
+    sent = StreamedLogprobs(1)
     first = await watch.next_event(job)
     if first[0] == "error":
         job.cancel()
@@ -381,9 +437,13 @@ async def stream(server: Frontend, request: Request, req: LlamaRequest, job: Job
                     yield sse(payload.body())
                     return
                 if kind == "text" and not req.writes_nothing:
-                    yield sse({"index": 0, "content": payload, "stop": False})
+                    yield sse({"index": 0, "content": payload, "stop": False,
+                               **probabilities(server, req, sent.of(0, payload))})
                 if kind == "done":
-                    yield sse({**response(server, req, prompt, payload), "content": ""})
+                    last = {**response(server, req, prompt, payload), "content": ""}
+                    last.pop("completion_probabilities", None)
+                    rest = [] if req.writes_nothing else sent.rest(0, payload)
+                    yield sse({**last, **probabilities(server, req, rest)})
                     return
                 event = await job.events.get()
         finally:
