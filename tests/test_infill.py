@@ -202,7 +202,7 @@ def test_llama_vims_request_is_served(served):
 
 
 def test_bad_requests_are_400s(served, model, tokenizer):
-    sampler = infill(served, input_prefix=PREFIX, samplers=["dry"])
+    sampler = infill(served, input_prefix=PREFIX, samplers=["dry"], dry_multiplier=0.8)
     assert sampler.status_code == 400 and sampler.json()["error"]["param"] == "samplers"
     unknown = infill(served, input_prefix=PREFIX, mirostat=2)
     assert unknown.status_code == 400 and "mirostat" in unknown.json()["error"]["message"]
@@ -285,3 +285,13 @@ def test_n_probs_are_the_models_own_or_the_sampled_distributions(served, runner,
                 streamed += json.loads(line[6:]).get("completion_probabilities", [])
     assert streamed == whole["completion_probabilities"]
     assert complete(served, n_probs=21).status_code == 400
+
+
+def test_props_tell_the_context_slots_and_defaults(served, fim_tokenizer):
+    props = httpx.get(served.url + "/props", timeout=30).json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == CONTEXT and props["total_slots"] == 2
+    assert settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
+    assert settings["params"]["samplers"][-1] == "temperature"
+    assert props["chat_template"] == fim_tokenizer.chat_template
+    assert props["eos_token"] == fim_tokenizer.eos_token

@@ -166,10 +166,86 @@ def test_the_default_chain_applies_temperature_last(served, sharp_runner, fim_to
     (["top_k", "top_k"], "twice"),
     (["top_p", "infill"], "top_k before it"),
     (["xtc"], "not served"),
+    (["top_k", "mirror"], "not one of llama-server's"),
 ])
 def test_chains_in_another_order_are_400s(served, samplers, says):
     got = httpx.post(served.url + "/infill", timeout=60, json={
-        "input_prefix": PREFIX, "samplers": samplers, "n_predict": 4})
+        "input_prefix": PREFIX, "samplers": samplers, "n_predict": 4, "xtc_probability": 0.5})
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert error["param"] == "samplers" and says in error["message"]
+
+
+# ---- llama-server's other sampling fields (server/llama_sampling.py) ----
+
+#: a client's request with every field of llama-server's, most at the value that turns a
+#: sampler off (as SillyTavern sends them)
+EVERY_FIELD = {
+    "n_predict": 16, "temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+    "typical_p": 1, "top_n_sigma": -1, "xtc_probability": 0, "xtc_threshold": 0.1,
+    "repeat_last_n": 4, "repeat_penalty": 1.3, "presence_penalty": 1.5,
+    "frequency_penalty": 0.5, "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":"], "mirostat": 0,
+    "mirostat_tau": 5, "mirostat_eta": 0.1, "dynatemp_range": 0, "dynatemp_exponent": 1,
+    "min_keep": 0, "stop": "\n\n", "ignore_eos": False, "n_probs": 0, "cache_prompt": True,
+    "n_keep": 0, "timings_per_token": False, "stream": False,
+    "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                 "temperature"]}
+#: what the library is asked for to answer it the same
+EVERY_FIELD_LIBRARY = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05,
+                           repetition_penalty=1.3, presence_penalty=1.5, frequency_penalty=0.5,
+                           penalty_last_n=4, temperature_last=True)
+
+
+def test_a_clients_every_field_is_the_librarys_llama_sampling(served, sharp_runner,
+                                                              fim_tokenizer):
+    prompt = "def add(a, b):\n    return a + b\n" * 2  # repeated: the penalties matter
+    bias_text = fim_tokenizer.encode(" jumps", add_special_tokens=False)
+    decoder = Decoder(sharp_runner.replica(), fim_tokenizer, "ar", [EOS])
+    changed = 0
+    for seed in range(3):
+        body = {**EVERY_FIELD, "prompt": prompt, "seed": seed,
+                "logit_bias": [[7, -3.0], [" jumps", 2], [9, False]]}
+        got = httpx.post(served.url + "/completion", json=body, timeout=60).json()["content"]
+        bias = {7: -3.0, 9: -100.0, **{t: 2.0 for t in bias_text}}
+        want = decoder.generate(prompt, 16, chat=False, stop=["\n\n"], seed=seed,
+                                logit_bias=bias, **EVERY_FIELD_LIBRARY).text
+        assert got == want
+        for samplers in ("edskypmxt", ["penalties", "top-k", "nucleus", "min-p", "temp"]):
+            again = httpx.post(served.url + "/completion", timeout=60,
+                               json={**body, "samplers": samplers}).json()["content"]
+            assert again == want, samplers
+        as_object = {**body, "logit_bias": {"7": -3.0, " jumps": 2, "9": False}}
+        assert httpx.post(served.url + "/completion", json=as_object,
+                          timeout=60).json()["content"] == want
+        openai_counting = {**EVERY_FIELD_LIBRARY, "penalty_last_n": None}
+        changed += want != decoder.generate(prompt, 16, chat=False, stop=["\n\n"], seed=seed,
+                                            logit_bias=bias, **openai_counting).text
+    assert changed  # the window changes answers
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"typical_p": 0.9}, "samplers"),  # typ_p is in the default chain
+    ({"mirostat": 2}, "mirostat"),
+    ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"min_keep": 5}, "min_keep"),
+    ({"n_cmpl": 2}, "n_cmpl"),
+    ({"repeat_last_n": -2}, "repeat_last_n"),
+    ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+    ({"logit_bias": {"7": "much"}}, "logit_bias"),
+    ({"logit_bias": {"7": 500}}, "logit_bias"),
+])
+def test_samplers_turned_on_that_are_not_served_are_400s(served, fields, param):
+    got = httpx.post(served.url + "/completion", timeout=60,
+                     json={"prompt": "The quick", "n_predict": 4, **fields})
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == param
+
+
+def test_a_sampler_outside_the_chain_is_not_applied(served):
+    # llama-server applies only the chain: typical_p without typ_p in it changes nothing
+    body = {"prompt": "The quick", "n_predict": 8, "seed": 1, "samplers": ["top_k", "temp"]}
+    plain = httpx.post(served.url + "/completion", json=body, timeout=60).json()
+    typical = httpx.post(served.url + "/completion", json={**body, "typical_p": 0.5},
+                         timeout=60).json()
+    assert typical["content"] == plain["content"]

@@ -46,6 +46,10 @@ BIAS = {"7": 3.0, 11: -100.0, 40: 1.5}
 #: every option at once (the registry-wide and oracle tests)
 ALL_OPTIONS = dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
                    presence_penalty=0.3, frequency_penalty=0.2, logit_bias=BIAS)
+#: llama.cpp's reading of them: the penalties over the last tokens, temperature after the cuts
+LLAMA_OPTIONS = dict(temperature=0.8, top_k=12, top_p=0.9, repetition_penalty=1.3,
+                     presence_penalty=0.3, frequency_penalty=0.2, penalty_last_n=6,
+                     temperature_last=True)
 
 
 def transformers_probs(logits, ids, params: SamplingParams) -> torch.Tensor:
@@ -296,6 +300,7 @@ class Recorder:
 #: are ar's, whatever its drafts carry)
 REGISTRY_CASES = [(dict(temperature=1.0), repetitive_prompts()[0]),
                   (ALL_OPTIONS, repetitive_prompts()[1]),
+                  (LLAMA_OPTIONS, repetitive_prompts()[2]),
                   (dict(logit_bias=BIAS), repetitive_prompts()[1])]
 NEW_TOKENS = 24
 
@@ -477,3 +482,24 @@ def test_first_argmax_is_torchs_argmax_with_ties_nans_and_infinities():
         assert first_argmax(x.to(torch.float64)) == int(x.argmax())
     strided = torch.randn(4, 100)[:, 7]
     assert first_argmax(strided) == int(strided.argmax())
+
+
+def test_a_penalty_window_counts_the_last_tokens_of_prompt_and_path():
+    """llama.cpp's repeat_last_n: the three penalties count the last n tokens of the context
+    and of a node's path, prompt and output alike."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    context, prompt_len, draft = [1, 2, 3, 4, 4], 3, Draft.chain([5, 4])
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5,
+                            frequency_penalty=0.25, penalty_last_n=3)
+    nodes = NodeDistributions(logits, params, context, prompt_len, draft)
+    for row, window in [(0, [3, 4, 4]), (1, [4, 4, 5]), (2, [4, 5, 4])]:
+        want = logits[row].clone()
+        for token in set(window):
+            value = want[token] / 1.5 if want[token] > 0 else want[token] * 1.5
+            want[token] = value - 0.25 * window.count(token) - 0.5
+        assert torch.allclose(nodes.penalised(row), want), row
+    none = dataclasses.replace(params, penalty_last_n=0)
+    assert torch.equal(NodeDistributions(logits, none, context, prompt_len, draft).penalised(2),
+                       logits[2])
+    with pytest.raises(SpecDecodeError, match="penalty_last_n"):
+        SamplingParams(penalty_last_n=-1)

@@ -272,6 +272,27 @@ def test_tokenize_gives_the_ids_requests_prompt_with(served, client, model, toke
     assert error["param"] == "tokens" and "outside the vocabulary" in error["message"]
 
 
+def test_llama_servers_tokenize_and_detokenize(served, tokenizer):
+    """llama-server's forms: ``content`` (text, or text and ids mixed), its pieces; the text
+    of ids under ``content``."""
+    def post(path, body, status=200):
+        r = httpx.post(served.url + path, json=body, timeout=30)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    assert post("/tokenize", {"content": "Hello there"}) == {"tokens": ids}
+    mixed = post("/tokenize", {"content": ["Hello there", 7, "Hello there"]})["tokens"]
+    assert mixed == ids + [7] + ids
+    pieces = post("/tokenize", {"content": "Hello there", "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert "".join(p["piece"] for p in pieces).strip() == "Hello there"
+    assert post("/detokenize", {"tokens": ids})["content"] == tokenizer.decode(ids)
+    assert post("/tokenize", {"content": "x", "parse_special": False}, 400)["error"][
+        "param"] == "parse_special"
+    assert post("/tokenize", {"content": [10 ** 6]}, 400)["error"]["param"] == "content"
+
+
 def test_models_health_and_metrics(served, client):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == MODEL and f"{MODEL}+suffix" in ids and f"{MODEL}+ar" in ids

@@ -10,6 +10,8 @@ banned outputs: :mod:`specdecode.constraints`), then temperature, then top-k, to
   (prompt and output) has its logit divided by the penalty if positive, multiplied if negative.
 - ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once and
   ``frequency`` per occurrence, counting the generated tokens only (as OpenAI and vLLM do).
+- ``penalty_last_n`` (llama.cpp's ``repeat_last_n``): the three penalties count the last n
+  tokens of the context instead, prompt and output alike, as llama.cpp counts them (0: none).
 - ``top_k`` keeps every token whose logit reaches the k-th largest; ``top_p`` drops a token when
   the tokens more likely than it already hold ``top_p`` of the mass; ``min_p`` drops tokens less
   likely than ``min_p`` times the most likely one. These are ``transformers``' TopK, TopP and
@@ -104,6 +106,10 @@ class SamplingParams:
     #: logits, before any processing: llama-server's ``n_probs``, vLLM's raw_logprobs mode),
     #: not those of the distribution sampled from
     raw_logprobs: bool = False
+    #: the penalties count only the last n tokens of the context, prompt included (llama.cpp's
+    #: repeat_last_n); None = OpenAI's counting (repetition: the whole context; presence and
+    #: frequency: the output)
+    penalty_last_n: int | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -143,6 +149,11 @@ class SamplingParams:
         require(self.constraint is None or isinstance(self.constraint, ConstraintSpec),
                 "constraint must be built by specdecode.constraints.make_constraint")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        require(self.penalty_last_n is None or (
+            isinstance(self.penalty_last_n, numbers.Integral)
+            and not isinstance(self.penalty_last_n, bool) and self.penalty_last_n >= 0),
+            f"penalty_last_n must be an integer >= 0 (0: no penalties), got "
+            f"{self.penalty_last_n!r}")
         for name in ("temperature_last", "raw_logprobs"):
             require(isinstance(getattr(self, name), bool),
                     f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -320,7 +331,12 @@ class NodeDistributions:
         self.constraint = constraint
         self._probs: dict[int, torch.Tensor] = {}
         self.seen, self.counts = set(), Counter()
-        if params.has_penalties:
+        #: the context's last tokens a penalty window reads (each node adds its own path)
+        self.recent: list[int] = []
+        window = params.penalty_last_n
+        if params.has_penalties and window is not None:
+            self.recent = list(context[max(0, len(context) - window):]) if window else []
+        elif params.has_penalties:
             self.seen = set(context)
             # the root (committed, its KV not yet cached) counts like any output token
             self.counts = Counter(context[prompt_len:])
@@ -346,6 +362,11 @@ class NodeDistributions:
         if not self.params.adjusts_logits:
             return logits
         path = self.path(row) if self.params.has_penalties else []
+        window = self.params.penalty_last_n
+        if window is not None and self.params.has_penalties:
+            tokens = self.recent + path
+            counts = Counter(tokens[max(0, len(tokens) - window):] if window else ())
+            return adjust_logits(logits, self.params, counts.keys(), counts)
         if not path:
             return adjust_logits(logits, self.params, self.seen, self.counts)
         return adjust_logits(logits, self.params, self.seen.union(path),

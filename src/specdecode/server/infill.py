@@ -11,21 +11,18 @@ specdecode/fim.py, as llama-server lays it out), so the other files come first a
 prefix between requests. ``n_predict: 0`` reads the prompt and writes nothing (a plugin's
 warm-up of its ring: the rows stay in the prompt cache).
 
-llama-server's sampling fields are read with its defaults (``temperature`` 0.8, ``top_k`` 40,
-``top_p`` 0.95, ``min_p`` 0.05) and ``samplers`` names the ones applied in its chain's order:
-``penalties``, then ``top_k``, ``top_p``, ``min_p`` and ``infill`` (llama.cpp's cut for code
-completion, specdecode/infill_sampler.py) in that order, with ``temperature`` before or after
-all of them (after: llama-server's default chain, ``SamplingParams.temperature_last``); another
-order, or another sampler, is refused. ``n_indent`` ends the completion at a line
-indented less, ``t_max_predict_ms`` at the first new line after that many milliseconds of
-generation (:class:`LineLimits`). ``grammar`` (GBNF) or ``json_schema`` constrains the answer
+llama-server's sampling fields and its chain (``samplers``) are read as
+server/llama_sampling.py says. ``n_indent`` ends the completion at a line indented less,
+``t_max_predict_ms`` at the first new line after that many milliseconds of generation
+(:class:`LineLimits`). ``grammar`` (GBNF) or ``json_schema`` constrains the answer
 (specdecode/constraints.py). ``n_probs`` reports each token's log-probability and its most
 likely alternatives in ``completion_probabilities``: the model's own, as llama-server reports
 them, or with ``post_sampling_probs`` the probabilities of the distribution sampled from.
 ``response_fields`` keeps only the named fields, nested ones
 as ``"timings/prompt_n"`` keys, as llama-server does. ``cache_prompt``, ``id_slot`` and
 ``t_max_prompt_ms`` are accepted and do nothing (llama-server ignores the last too): the prompt
-cache serves every request.
+cache serves every request; so are its fields for context shifting, row reuse by shifting, and
+its debug and progress output (:class:`LlamaRequest`).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,13 +40,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.api import GenerationResult
-from specdecode.infill_sampler import MAX_CANDIDATES, InfillSampler
-from specdecode.sampling import MAX_TOP_LOGPROBS
 from specdecode.server.endpoints import (OPENAI_UNLIKELY, ClientWatch, StreamedLogprobs,
                                          read_json, sse)
 from specdecode.server.frontend import Frontend
-from specdecode.server.protocol import (ApiError, CompletionRequest, SpecDecodeOptions, Strict,
-                                        parse)
+from specdecode.server.llama_sampling import DEFAULT_CHAIN, LlamaSampling
+from specdecode.server.protocol import ApiError, CompletionRequest, SpecDecodeOptions, parse
 from specdecode.server.scheduler import Job
 
 #: llama-server's default batch: the window its /infill prompt's prefix and suffix are cut to
@@ -58,15 +53,6 @@ LLAMA_BATCH = 2048
 #: the files' budget of a prompt is the same for answers up to this long (llama.vim's and
 #: llama.vscode's n_predict), so that a warm-up (n_predict 0) caches what the completions read
 PLUGIN_ANSWER = 128
-#: the samplers of llama-server's chain this server applies, in the order it applies them
-#: (``temperature`` may come first instead)
-SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "infill", "temperature")
-#: llama-server's default chain, less its samplers that are off by default
-DEFAULT_CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
-#: the samplers whose cut temperature changes
-SHAPED = ("top_p", "min_p", "infill")
-
-
 class ExtraChunk(BaseModel):
     """One chunk of another file (a plugin's fields besides these, such as ``time``, are
     ignored, as llama-server ignores them)."""
@@ -76,21 +62,14 @@ class ExtraChunk(BaseModel):
     filename: str = "tmp"
 
 
-class LlamaRequest(Strict):
-    """llama-server's generation fields, with its defaults."""
+class LlamaRequest(LlamaSampling):
+    """llama-server's generation fields, with its defaults (its sampling's in
+    :class:`~specdecode.server.llama_sampling.LlamaSampling`)."""
 
     n_predict: int | None = None
     max_tokens: int | None = None
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
-    samplers: list[str] | None = None
-    stop: list[str] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    stop: str | list[str] = Field(default_factory=list)
     stream: bool = False
     n_indent: int = 0
     t_max_predict_ms: int = 0
@@ -98,68 +77,36 @@ class LlamaRequest(Strict):
     cache_prompt: bool = True
     id_slot: int = -1
     return_tokens: bool = False
-    #: each token's log-probability and its ``n_probs`` most likely alternatives in
-    #: ``completion_probabilities``: the model's own, or with ``post_sampling_probs`` the
-    #: probabilities of the distribution sampled from
-    n_probs: int = 0
-    post_sampling_probs: bool = False
     #: a GBNF grammar, or a JSON schema, the answer follows (the grammar where both are given)
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     response_fields: list[str] = Field(default_factory=list)
+    #: accepted and without effect here: context shifting (a prompt and answer past the
+    #: context is a 400), cache reuse by shifting rows, llama-server's debug and progress
+    #: output
+    n_keep: int = 0
+    n_discard: int = 0
+    n_cache_reuse: int = 0
+    timings_per_token: bool = False
+    return_progress: bool = False
+    verbose: bool = False
+    backend_sampling: bool = False
+    sse_ping_interval: int | None = None
+    stream_options: dict[str, Any] | None = None
+    n_cmpl: int = 1
     model: str | None = None
     specdecode: SpecDecodeOptions | None = None
 
-    @property
-    def chain(self) -> tuple[str, ...]:
-        """The samplers applied, in their order, checked against the order this server
-        applies them in (a 400 naming the difference)."""
-        chain = DEFAULT_CHAIN if self.samplers is None else tuple(self.samplers)
-        unknown = sorted(set(chain) - set(SAMPLERS))
-        if unknown:
-            raise ApiError(400, f"sampler {unknown[0]!r} is not served; this server applies "
-                                f"{', '.join(SAMPLERS)}", param="samplers")
-        if len(set(chain)) < len(chain):
-            raise ApiError(400, "samplers names a sampler twice; name each once",
-                           param="samplers")
-        cuts = [name for name in chain if name != "temperature"]
-        if cuts != sorted(cuts, key=SAMPLERS.index):
-            raise ApiError(400, f"samplers in the order {', '.join(cuts)}: this server applies "
-                                f"{', '.join(SAMPLERS[:-1])} in that order (temperature before "
-                                "or after them all)", param="samplers")
-        if "temperature" in chain and 0 < chain.index("temperature") < len(chain) - 1:
-            here = chain.index("temperature")
-            if any(name in SHAPED for name in chain[:here]) and \
-                    any(name in SHAPED for name in chain[here + 1:]):
-                raise ApiError(400, "temperature between the cuts: this server applies it "
-                                    "before or after all of top_p, min_p and infill",
-                               param="samplers")
-        if "infill" in chain and not ("top_k" in chain and 0 < self.top_k <= MAX_CANDIDATES):
-            raise ApiError(400, "the infill sampler compares every pair of candidates: put "
-                                f"top_k before it, with top_k between 1 and {MAX_CANDIDATES} "
-                                "(llama.vim sends 40)", param="samplers")
-        return chain
-
-    def completion(self, ids: list[int]) -> CompletionRequest:
-        """The OpenAI completion this request asks for (its sampling in OpenAI's fields)."""
-        applied = self.chain
+    def completion(self, ids: list[int], encode: Callable[[str], list[int]]) -> CompletionRequest:
+        """The OpenAI completion this request asks for (its sampling in OpenAI's fields;
+        ``encode``: a text's token ids, for ``logit_bias`` by text)."""
+        if self.n_cmpl != 1:
+            raise ApiError(400, "one completion a request here; send n_cmpl 1",
+                           param="n_cmpl")
         predict = self.predicted
         body = {"model": "default", "prompt": ids, "stop": self.stop,
                 "max_tokens": None if predict is None else max(predict, 1),
-                "temperature": max(self.temperature, 0.0) if "temperature" in applied else 1.0,
-                "top_k": self.top_k if "top_k" in applied and self.top_k > 0 else None,
-                "top_p": self.top_p if "top_p" in applied else None,
-                "min_p": self.min_p if "min_p" in applied else None,
-                "seed": self.seed if self.seed >= 0 else None}
-        if "penalties" in applied:
-            body.update(repetition_penalty=self.repeat_penalty,
-                        presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty)
-        if not 0 <= self.n_probs <= MAX_TOP_LOGPROBS:
-            raise ApiError(400, f"n_probs must be in [0, {MAX_TOP_LOGPROBS}] (the alternatives "
-                                f"reported per token), got {self.n_probs}", param="n_probs")
-        if self.n_probs:
-            body["logprobs"] = self.n_probs
+                **self.openai_fields(encode)}
         extension = self.specdecode.model_dump() if self.specdecode is not None else {}
         if self.grammar:
             extension["grammar"] = self.grammar
@@ -171,34 +118,17 @@ class LlamaRequest(Strict):
             body["specdecode"] = extension
         return parse(CompletionRequest, body)
 
-    def chain_sampling(self, server: Frontend, ends: tuple[int, ...]) -> dict[str, Any]:
-        """The SamplingParams fields of the chain beside OpenAI's: temperature after the cuts,
-        and the infill sampler (``ends``: the tokens that end this answer)."""
-        chain = self.chain
-        out: dict[str, Any] = {"raw_logprobs": not self.post_sampling_probs}
-        if "temperature" in chain:
-            here = chain.index("temperature")
-            out["temperature_last"] = any(name in SHAPED for name in chain[:here])
-        if "infill" in chain:
-            if server.tokenizer is None:
-                raise ApiError(400, "this server has no tokenizer, so it cannot apply the "
-                                    "infill sampler (it reads the tokens' text)",
-                               param="samplers")
-            model_ends = server.eos_token_ids
-            out["infill"] = InfillSampler(server.vocabulary.token_bytes,
-                                          frozenset((*model_ends, *ends)), model_ends[0])
-        return out
-
     @property
     def predicted(self) -> int | None:
         """Tokens to write (``n_predict``, else ``max_tokens``); None: the server's default."""
-        predict = self.n_predict if self.n_predict is not None else self.max_tokens
+        predict = next((n for n in (self.n_predict, self.max_tokens, self.max_completion_tokens)
+                        if n is not None), None)
         return None if predict is None or predict < 0 else predict
 
     @property
     def writes_nothing(self) -> bool:
         """``n_predict`` 0: the prompt is read (and cached) and no text returned."""
-        return self.n_predict == 0 or (self.n_predict is None and self.max_tokens == 0)
+        return self.predicted == 0
 
 
 class InfillRequest(LlamaRequest):
@@ -269,6 +199,28 @@ def add_llama_routes(app: FastAPI, server: Frontend) -> None:
     async def completion_route(request: Request):
         return await native_completion(server, request)
 
+    @app.get("/props")
+    async def props_route():
+        return props(server)
+
+
+def props(server: Frontend) -> dict[str, Any]:
+    """llama-server's ``GET /props``: the sampling a request starts from and the context
+    (``default_generation_settings``), the slots, the chat template and the end tokens, which
+    clients with a llama.cpp backend read before their first request."""
+    tokenizer = server.tokenizer
+    defaults = {**LlamaSampling().model_dump(), "samplers": list(DEFAULT_CHAIN), "n_predict": -1}
+    return {"default_generation_settings": {"n_ctx": server.max_context, "params": defaults},
+            "total_slots": server.backend.parallel, "model_alias": server.settings.model_id,
+            "model_path": server.settings.model_id,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+            "chat_template": getattr(tokenizer, "chat_template", None) or "",
+            "bos_token": getattr(tokenizer, "bos_token", None) or "",
+            "eos_token": getattr(tokenizer, "eos_token", None) or "",
+            "build_info": "specdecode",
+            "is_sleeping": False}
+
 
 async def infill(server: Frontend, request: Request):
     req = parse(InfillRequest, await read_json(request, server.settings.max_body_bytes))
@@ -291,7 +243,7 @@ async def answer(server: Frontend, request: Request, req: LlamaRequest, prompt: 
     """Run the request on ``prompt`` (its ``ends`` those beside the model's) and answer as
     llama-server does, whole or streamed."""
     ids = prompt.ids
-    completion = req.completion(ids)
+    completion = req.completion(ids, lambda text: server.encode(text, False))
     try:
         specs = server.specs(completion, [ids], completion.max_tokens, param, (), prompt.ends)
     except ApiError as exc:  # the constraint's fields by llama-server's names

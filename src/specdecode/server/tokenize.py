@@ -8,9 +8,16 @@ special tokens and chat template, which is what lm-evaluation-harness's remote t
                      {"messages": [...], "tools": [...], "chat_template_kwargs": {...},
                      "continue_final_message": false}, optional "return_token_strs": true
                   -> {"count": N, "max_model_len": C, "tokens": [...], "token_strs": [...]}
-    POST /detokenize {"tokens": [...]}  ->  {"prompt": "text"}
+    POST /detokenize {"tokens": [...]}  ->  {"prompt": "text", "content": "text"}
     GET /tokenizer_info -> {"tokenizer_class", "eos_token", "bos_token", "pad_token",
                             "chat_template", "model_max_length"}
+
+and llama-server's forms of the first two, which clients with a llama.cpp backend send:
+
+    POST /tokenize   {"content": "text" or ["text", id, ...], "add_special": false,
+                      "with_pieces": false}
+                  -> {"tokens": [...]}, with pieces [{"id": N, "piece": "text" or [bytes]}]
+    POST /detokenize {"tokens": [...]}  ->  {"content": "text"} (the same answer)
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ class TokenizeRequest(Strict):
     return_token_strs: bool = False
 
 
+class LlamaTokenizeRequest(Strict):
+    """llama-server's: text, or text and token ids mixed (ids kept as they are)."""
+
+    content: str | list[str | int]
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
@@ -67,6 +83,8 @@ def add_tokenize_routes(app: FastAPI, server: Frontend) -> None:
 
 
 async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
+    if isinstance(payload, dict) and "content" in payload:
+        return await tokenize_llama(server, parse(LlamaTokenizeRequest, payload))
     req = parse(TokenizeRequest, payload)
     _need_tokenizer(server)
     if (req.prompt is None) == (req.messages is None):
@@ -97,6 +115,39 @@ async def tokenize(server: Frontend, payload: Any) -> dict[str, Any]:
             "token_strs": strs}
 
 
+async def tokenize_llama(server: Frontend, req: LlamaTokenizeRequest) -> dict[str, Any]:
+    """llama-server's ``/tokenize``: each text part encoded (the tokenizer's special tokens
+    around the first only with ``add_special``), each id kept."""
+    _need_tokenizer(server)
+    if not req.parse_special:
+        raise ApiError(400, "parse_special false (special tokens' text read as plain text) is "
+                            "not served; send true", param="parse_special")
+    parts = [req.content] if isinstance(req.content, str) else req.content
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            ids.append(part)
+            continue
+        ids += await run_in_threadpool(server.encode, part, False, None, None,
+                                       req.add_special and i == 0)
+    try:
+        check_ids(ids, server.runner_info.vocab_size, "token ids")
+    except SpecDecodeError as exc:
+        raise ApiError(400, str(exc), param="content") from None
+    if not req.with_pieces:
+        return {"tokens": ids}
+    pieces = server.vocabulary.token_bytes
+    return {"tokens": [{"id": t, "piece": _piece(pieces[t])} for t in ids]}
+
+
+def _piece(piece: bytes) -> str | list[int]:
+    """A token's text, or its bytes where they are not whole UTF-8 (llama-server's form)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
 async def detokenize(server: Frontend, payload: Any) -> dict[str, Any]:
     req = parse(DetokenizeRequest, payload)
     _need_tokenizer(server)
@@ -104,7 +155,8 @@ async def detokenize(server: Frontend, payload: Any) -> dict[str, Any]:
         check_ids(req.tokens, server.runner_info.vocab_size, "token ids")
     except SpecDecodeError as exc:
         raise ApiError(400, str(exc), param="tokens") from None
-    return {"prompt": await run_in_threadpool(server.decode, req.tokens)}
+    text = await run_in_threadpool(server.decode, req.tokens)
+    return {"prompt": text, "content": text}  # vLLM's key and llama-server's
 
 
 def tokenizer_info(server: Frontend) -> dict[str, Any]:
