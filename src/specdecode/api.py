@@ -54,6 +54,8 @@ class GenerationResult:
     lossy: bool = False
     #: one per prompt token (the first None) when the request asked for ``prompt_logprobs``
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: the stop string that ended the text, if one did (vLLM's ``stop_reason``)
+    stop_string: str | None = None
 
     def as_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "method": self.method,
@@ -63,6 +65,8 @@ class GenerationResult:
             out["logprobs"] = [dataclasses.asdict(p) for p in self.logprobs]
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = [p and dataclasses.asdict(p) for p in self.prompt_logprobs]
+        if self.stop_string is not None:
+            out["stop_string"] = self.stop_string
         return out
 
 
@@ -301,6 +305,7 @@ class TextStream:
         self.text = ""
         self.result: GenerationResult | None = None
         self._stop_found = False
+        self._stop_string: str | None = None
         #: log-probabilities handed out with pieces so far, and whether the prompt's were
         self._reported = 0
         self._prompt_reported = False
@@ -346,10 +351,11 @@ class TextStream:
             # the end token is not text, special or not (a middle's <|file_sep|> is not)
             tokens = tokens[:-1]
         full = self._tail_decoder.text(tokens)
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut, stop = min(((i, s) for s in self.stop if (i := full.find(s)) >= 0),
+                        default=(-1, None))
         limit = self.limits.cut(full) if self.limits is not None and cut < 0 else None
         if cut >= 0:
-            full, self._stop_found = full[:cut], True
+            full, self._stop_found, self._stop_string = full[:cut], True, stop
         elif limit is not None:
             full, self._stop_found, self._limited = full[:max(limit, len(self.text))], True, True
         elif self.generation.finish_reason is None:
@@ -372,7 +378,8 @@ class TextStream:
         self.result = GenerationResult(self.text, list(gen.tokens), method.name, gen.stats,
                                        finish,
                                        None if gen.logprobs is None else list(gen.logprobs),
-                                       method.lossy, getattr(gen, "prompt_logprobs", None))
+                                       method.lossy, getattr(gen, "prompt_logprobs", None),
+                                       self._stop_string)
         return self.result
 
     def _unsettled(self, text: str) -> int:

@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's chat and completion endpoints (:mod:`.endpoints`), the
-models, health and metrics routes, vLLM's tokenize routes (:mod:`.tokenize`), OpenAI-shaped
+models, health and metrics routes, vLLM's tokenize routes (:mod:`.tokenize`), llama-server's
+routes (:mod:`.infill`), Anthropic's Messages API (:mod:`.anthropic`), OpenAI-shaped
 errors, and the middleware in front of them (the Host check, CORS, a count of every request).
 
 A request is checked completely before it takes a place in the queue (Host header, content
@@ -22,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode import registry
+from specdecode.server.anthropic import add_anthropic_routes
 from specdecode.server.diffusion import served_policies
 from specdecode.server.endpoints import Endpoint
 # Server and Settings: the library's way to run a server in-process (tests, scripts) is
@@ -37,7 +39,7 @@ __all__ = ["Server", "Settings", "create_app"]
 log = logging.getLogger("specdecode.server")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/tokenize", "/detokenize")
+             "/tokenize", "/detokenize", "/v1/messages")
 
 
 class CheckHost:
@@ -128,6 +130,7 @@ def create_app(server: Frontend) -> FastAPI:
 
     add_tokenize_routes(app, server)
     add_llama_routes(app, server)
+    add_anthropic_routes(app, chat)
 
     @app.get("/v1/models")
     async def models():
@@ -179,7 +182,8 @@ def add_middleware(app: FastAPI, server: Frontend) -> None:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"], max_age=600)
+                           allow_headers=["authorization", "content-type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"], max_age=600)
     if settings.allowed_hosts is not None:
         app.add_middleware(CheckHost, allowed=settings.allowed_hosts)
     app.add_middleware(CountRequests, metrics=server.metrics)  # outermost: counts every answer

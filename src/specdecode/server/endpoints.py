@@ -211,8 +211,13 @@ class Endpoint:
                 "system_fingerprint": self.server.fingerprint}
 
     async def handle(self, request: Request) -> Response:
+        return await self.respond(request, await read_json(request,
+                                                           self.server.settings.max_body_bytes))
+
+    async def respond(self, request: Request, payload: Any) -> Response:
+        """The response to a request's JSON ``payload`` (``request``: its connection, watched
+        for a client that leaves)."""
         server = self.server
-        payload = await read_json(request, server.settings.max_body_bytes)
         ends: tuple[int, ...] = ()
         echo = None
         if self.chat:
@@ -276,6 +281,8 @@ class Endpoint:
         body["choices"] = [self.choice(i, r.text, r.finish_reason, delta=False,
                                        logprobs=r.logprobs, prompt=echoed(echo, i, r))
                            for i, r in enumerate(results)]
+        for choice, result in zip(body["choices"], results):
+            choice["stop_reason"] = result.stop_string  # vLLM's: the stop string that ended it
         if self.chat:
             tools = self.parses_tools(req)
             for choice, result in zip(body["choices"], results):
@@ -388,11 +395,13 @@ class Chunks:
         return out
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None,
-              prompt: tuple | None = None) -> str:
+              prompt: tuple | None = None, stop: str | None = None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)
         choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
                                       logprobs=logprobs, prompt=prompt,
                                       offset=self.sent.chars[index])
+        if finish is not None:
+            choice["stop_reason"] = stop
         if self.endpoint.chat:
             choice["delta"] = delta
         elif choice["logprobs"] is not None:
@@ -436,7 +445,8 @@ class Chunks:
         parts, finish = self.deltas.finish(index, result.finish_reason)
         parts = held + parts
         return [self.chunk(index, d) for d in parts] + [
-            self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result))]
+            self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result),
+                       stop=result.stop_string)]
 
 
 def echoed(echo: Echo | None, index: int, result: GenerationResult) -> tuple | None:
