@@ -128,6 +128,19 @@ def test_a_stream_adds_up_to_the_whole_message(claude):
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_claude_codes_fields_are_taken(claude):
+    """What Claude Code sends beside the messages: max_tokens far past the context (a cap),
+    adaptive thinking, effort, context management, metadata, a system message among them."""
+    message = claude.messages.create(
+        model=MODEL, max_tokens=32000, thinking={"type": "adaptive"},
+        output_config={"effort": "high"}, metadata={"user_id": "someone"},
+        messages=[*QUESTION, {"role": "system", "content": "Be brief."}],
+        extra_body={"context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                      "keep": "all"}]}, **GREEDY})
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens + message.usage.output_tokens <= 2 * CONTEXT
+
+
 def test_errors_are_anthropics(served, claude):
     with pytest.raises(anthropic.BadRequestError) as server_tool:
         claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=8,

@@ -15,8 +15,10 @@ named one, ``none``; ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequ
 template's ``enable_thinking``, which Qwen3's reads; a budget is not enforced),
 ``output_config`` (``effort``: the template's ``reasoning_effort``; ``format``: a JSON schema
 the answer follows), ``system`` messages among the messages, and the ``specdecode`` extension.
-``metadata``, ``service_tier``, ``cache_control`` (here and on blocks: the prompt cache needs no
-marks), ``container``, ``diagnostics``, ``inference_geo``, ``speed``, ``user_profile_id`` and
+``max_tokens`` is a cap, as Anthropic reads it: an answer may fill the context the prompt
+leaves. ``metadata``, ``service_tier``, ``cache_control`` (here and on blocks: the prompt cache
+needs no marks), ``context_management`` (not applied: the whole conversation is read),
+``container``, ``diagnostics``, ``inference_geo``, ``speed``, ``user_profile_id`` and
 ``workspace_id`` change nothing. Written: ``content`` blocks
 (``thinking``, ``text``, ``tool_use`` with the parsed ``input``), ``stop_reason`` (``end_turn``,
 ``max_tokens``, ``stop_sequence`` with the ``stop_sequence`` that ended it, ``tool_use``) and
@@ -99,6 +101,9 @@ class MessagesRequest(Strict):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None
+    #: Anthropic's server-side clearing of old thinking and tool results: not applied (the
+    #: whole conversation is read)
+    context_management: dict[str, Any] | None = None
     container: Any = None
     diagnostics: dict[str, Any] | None = None
     inference_geo: str | None = None
@@ -139,10 +144,17 @@ async def messages(chat: Endpoint, request: Request):
     if req.max_tokens is None:
         raise ApiError(400, "max_tokens is required", param="max_tokens")
     body = openai_chat(req)
+    # max_tokens is a cap in Anthropic's API: an answer may fill what the context leaves
+    input_tokens = len(await chat_prompt(chat.server, parse(ChatRequest, body)))
+    room = chat.server.max_context - input_tokens
+    if room < 1:
+        raise ApiError(400, f"prompt is too long: {input_tokens} tokens > "
+                            f"{chat.server.max_context - 1} maximum (this server's context)",
+                       param="messages")
+    body["max_tokens"] = min(req.max_tokens, room)
     response = await chat.respond(request, body)
     if not req.stream:
         return JSONResponse(anthropic_message(json.loads(response.body), req))
-    input_tokens = len(await chat_prompt(chat.server, parse(ChatRequest, body)))
     events = AnthropicEvents(req, input_tokens)
     return StreamingResponse(events.of(response.body_iterator), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
