@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from specdecode.server.endpoints import Endpoint, chat_prompt, read_json
+from specdecode.server.endpoints import Endpoint, chat_prompt, read_json, sse_objects
 from specdecode.server.protocol import (ApiError, ChatRequest, SpecDecodeOptions, Strict, new_id,
                                         parse)
 
@@ -313,18 +313,13 @@ class AnthropicEvents:
             "model": self.req.model, "content": [], "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}})
-        async for raw in chunks:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            for line in text.splitlines():
-                if not line.startswith("data: {"):
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    yield event("error", {"type": "error", "error": {
-                        "type": "api_error", "message": data["error"].get("message", "")}})
-                    return
-                for out in self.chunk(data):
-                    yield out
+        async for data in sse_objects(chunks):
+            if "error" in data:
+                yield event("error", {"type": "error", "error": {
+                    "type": "api_error", "message": data["error"].get("message", "")}})
+                return
+            for out in self.chunk(data):
+                yield out
 
     def chunk(self, data: dict[str, Any]) -> list[str]:
         out: list[str] = []

@@ -124,6 +124,16 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+async def sse_objects(events: AsyncIterator[str | bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a stream of server-sent events (a streamed response's body, read
+    by the endpoints that answer in another API's form)."""
+    async for raw in events:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        for line in text.splitlines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
+
+
 class StreamedLogprobs:
     """Per choice of a stream, the log-probabilities sent so far: a text piece carries those of
     its tokens (:class:`~specdecode.api.Piece`), the last chunk whatever is left; and the
