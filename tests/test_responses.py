@@ -60,6 +60,17 @@ def test_a_named_function_gives_a_function_call_item(client, method):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
+def chat_after_call(client, call):
+    """The chat endpoint's answer after the question, ``call`` and its output "Sunny"."""
+    return client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0.0, tools=CHAT_TOOLS, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}])
+
+
 def test_a_calls_output_goes_back_as_the_chat_endpoints_tool_message(client):
     first = client.responses.create(model=MODEL, input=QUESTION, tools=TOOLS,
                                     tool_choice=NAMED, max_output_tokens=128)
@@ -70,13 +81,7 @@ def test_a_calls_output_goes_back_as_the_chat_endpoints_tool_message(client):
              {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
     answer = client.responses.create(model=MODEL, input=items, tools=TOOLS,
                                      max_output_tokens=16, temperature=0.0)
-    chat = client.chat.completions.create(
-        model=MODEL, max_tokens=16, temperature=0.0, tools=CHAT_TOOLS, messages=[
-            {"role": "user", "content": QUESTION},
-            {"role": "assistant", "content": "", "tool_calls": [{
-                "id": call.call_id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}]},
-            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}])
+    chat = chat_after_call(client, call)
     assert answer.output_text == (chat.choices[0].message.content or "")
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
 
@@ -129,7 +134,7 @@ def test_codexs_tools_a_namespace_and_a_hosted_search(client):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
     ({"tools": [*TOOLS, {"type": "namespace", "name": "n", "tools": TOOLS}]}, "tools"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
@@ -140,3 +145,43 @@ def test_what_is_not_served_is_a_400(client, fields, param):
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **fields})
     assert error.value.body["param"] == param
+
+
+def test_a_stored_response_is_continued_retrieved_and_deleted(client):
+    first = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.",
+                                    max_output_tokens=12, temperature=0.0)
+    assert first.store
+    then = client.responses.create(model=MODEL, input="And tomorrow?", max_output_tokens=12,
+                                   previous_response_id=first.id, temperature=0.0)
+    # the stored conversation, then the new input; the first request's instructions stay
+    # behind, as OpenAI has it
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=12, temperature=0.0,
+        messages=[{"role": "user", "content": QUESTION},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "And tomorrow?"}])
+    assert then.output_text == chat.choices[0].message.content
+    assert then.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unkept = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4,
+                                     store=False)
+    assert not unkept.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id=unkept.id)
+
+
+def test_a_streamed_call_is_stored_for_its_output(client):
+    with client.responses.stream(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice=NAMED,
+                                 max_output_tokens=128) as stream:
+        first = stream.get_final_response()
+    [call] = [item for item in first.output if item.type == "function_call"]
+    then = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=TOOLS, max_output_tokens=16,
+        temperature=0.0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                 "output": "Sunny"}])
+    chat = chat_after_call(client, call)
+    assert then.output_text == (chat.choices[0].message.content or "")
+    assert then.usage.input_tokens == chat.usage.prompt_tokens

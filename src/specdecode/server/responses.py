@@ -13,11 +13,12 @@ API's own servers run, such as ``web_search``, are left out: the model is not to
 other kinds are a 400), ``tool_choice``,
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``,
 ``reasoning.effort`` (the template's ``reasoning_effort``), ``text.format`` (``json_schema`` or
-``json_object``) and the ``specdecode`` extension. The server keeps no responses: ``store`` is
-read as false, and ``previous_response_id`` or ``background`` is a 400 (send the conversation
-as ``input``, as Codex does). ``include``, ``metadata``, ``client_metadata``, ``user``,
-``prompt_cache_key``, ``safety_identifier``, ``service_tier``, ``truncation`` and
-``text.verbosity`` change nothing.
+``json_object``) and the ``specdecode`` extension. A response is kept (``store``, true unless
+false) for ``previous_response_id`` (its conversation goes before the new input; its
+instructions do not, as OpenAI has it) and for ``GET``/``DELETE /v1/responses/{id}``: the last
+STORED_RESPONSES in memory; ``background`` is a 400. ``include``, ``metadata``,
+``client_metadata``, ``user``, ``prompt_cache_key``, ``safety_identifier``, ``service_tier``,
+``truncation`` and ``text.verbosity`` change nothing.
 Written: ``reasoning``, ``message`` (``output_text``) and ``function_call`` items, ``status``
 (``incomplete`` with ``max_output_tokens`` where the answer was cut), ``usage`` (cached input
 tokens: the rows the prompt cache held); streamed, the Responses events, numbered.
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specdecode.server.endpoints import Endpoint, read_json, sse_objects
 from specdecode.server.protocol import ApiError, SpecDecodeOptions, Strict, new_id, parse
 
+#: responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``
+STORED_RESPONSES = 256
 #: tools the API's own servers run: left out of the prompt here (a server without them)
 HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "mcp")
@@ -75,30 +79,72 @@ class ResponsesRequest(Strict):
 
 
 
+class ResponseStore:
+    """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: each its
+    response object and its conversation as chat messages (its answer included, its
+    ``instructions`` not, as OpenAI carries them over), in memory, the least recently used
+    dropped past ``limit``."""
+
+    def __init__(self, limit: int = STORED_RESPONSES):
+        self.limit = limit
+        self.kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self.kept[response["id"]] = (response, conversation)
+        while len(self.kept) > self.limit:
+            self.kept.popitem(last=False)
+
+    def get(self, rid: str,
+            param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if rid not in self.kept:
+            raise ApiError(404, f"no response {rid!r} is kept here (this server keeps the last "
+                                f"{self.limit} responses stored with store true, in memory)",
+                           param=param, code="not_found")
+        self.kept.move_to_end(rid)
+        return self.kept[rid]
+
+
 def add_responses_routes(app: FastAPI, chat: Endpoint) -> None:
+    store = ResponseStore()
+
     @app.post("/v1/responses")
     async def responses_route(request: Request):
         payload = await read_json(request, chat.server.settings.max_body_bytes)
         req = parse(ResponsesRequest, payload)
-        if req.previous_response_id is not None or req.background:
-            field = "previous_response_id" if req.previous_response_id else "background"
-            raise ApiError(400, f"{field}: this server keeps no responses; send the whole "
-                                "conversation as input", param=field)
-        body = openai_chat(req)
-        response = await chat.respond(request, body)
+        if req.background:
+            raise ApiError(400, "background: this server answers while the request waits; "
+                                "send background false", param="background")
+        history = ([] if req.previous_response_id is None else
+                   store.get(req.previous_response_id, "previous_response_id")[1])
+        items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) \
+            else req.input
+        conversation = history + chat_messages(items)
+        builder = ResponseBuilder(req, None if req.store is False else (
+            lambda response, answer: store.put(response, conversation + [answer])))
+        response = await chat.respond(request, openai_chat(req, conversation))
         if not req.stream:
-            return JSONResponse(ResponseBuilder(req).whole(json.loads(response.body)))
-        return StreamingResponse(ResponseBuilder(req).events(response.body_iterator),
+            return JSONResponse(builder.whole(json.loads(response.body)))
+        return StreamingResponse(builder.events(response.body_iterator),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
 
+    @app.get("/v1/responses/{rid}")
+    async def retrieve_route(rid: str):
+        return store.get(rid)[0]
 
-def openai_chat(req: ResponsesRequest) -> dict[str, Any]:
-    """The chat request ``req`` is, in the chat endpoint's fields."""
+    @app.delete("/v1/responses/{rid}")
+    async def delete_route(rid: str):
+        store.get(rid)
+        del store.kept[rid]
+        return {"id": rid, "object": "response", "deleted": True}
+
+
+def openai_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request ``req`` is, in the chat endpoint's fields (``conversation``: its
+    input, after the stored conversation it continues, as chat messages)."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    messages += chat_messages(items)
+    messages += conversation
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
@@ -215,8 +261,11 @@ class ResponseBuilder:
     """A response object from the chat endpoint's answer, whole or from its stream of chunks
     (then as the Responses events, each numbered)."""
 
-    def __init__(self, req: ResponsesRequest):
+    def __init__(self, req: ResponsesRequest,
+                 keep: Callable[[dict[str, Any], dict[str, Any]], None] | None = None):
         self.req = req
+        #: called with the finished response and its answer as a chat message, to store it
+        self.keep = keep
         self.namespaces = {f.get("name"): space for f, space in function_tools(req.tools)}
         self.id = item_id("resp")
         self.created = int(time.time())
@@ -235,7 +284,8 @@ class ResponseBuilder:
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "temperature": req.temperature, "top_p": req.top_p,
                 "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-                "reasoning": req.reasoning, "store": False, "truncation": "disabled",
+                "reasoning": req.reasoning, "store": self.keep is not None,
+                "truncation": "disabled",
                 "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
                 "usage": usage and response_usage(usage)}
 
@@ -250,7 +300,14 @@ class ResponseBuilder:
             self.output.append(self.call(call["id"], call["function"]["name"],
                                          call["function"]["arguments"]))
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        return self.response(status, body["usage"])
+        return self.finished(status, body["usage"])
+
+    def finished(self, status: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, stored where the request asks for it."""
+        response = self.response(status, usage)
+        if self.keep is not None:
+            self.keep(response, assistant_message(self.output))
+        return response
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -276,7 +333,7 @@ class ResponseBuilder:
                     yield out
                 status = "incomplete" if finish == "length" else "completed"
                 yield self.event(f"response.{status}",
-                                 response=self.response(status, data["usage"]))
+                                 response=self.finished(status, data["usage"]))
 
     def delta(self, delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
@@ -349,6 +406,23 @@ class ResponseBuilder:
         self.open = None
         return out + [self.event("response.output_item.done", output_index=at["output_index"],
                                  item=item)]
+
+
+def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the chat message that answered."""
+    def texts(kind: str) -> str:
+        return "".join(part["text"] for item in output if item["type"] == kind
+                       for part in item["content"])
+
+    message: dict[str, Any] = {"role": "assistant", "content": texts("message")}
+    if texts("reasoning"):
+        message["reasoning_content"] = texts("reasoning")
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
