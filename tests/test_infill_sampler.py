@@ -1,7 +1,9 @@
 """llama.cpp's ``infill`` sampler (specdecode/infill_sampler.py) and temperature after the cuts
 (``SamplingParams.temperature_last``): each step of the cut on hand-made candidates, the
-distributions they give, and llama-server's chains on ``/infill`` and ``/completion``
-answered as the library answers them, with every method."""
+distributions they give, and llama-server's chains on ``/infill`` and ``/completion`` answered
+as the library answers them, with every method; and llama-server's other sampling fields
+(server/llama_sampling.py): a client's every field, the penalty window, the samplers a request
+turns on that are not served."""
 
 from __future__ import annotations
 
