@@ -152,6 +152,10 @@ def test_errors_are_anthropics(served, claude):
     assert "max_tokens" in body["error"]["message"]
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                           "data": "AA=="}}
+    result = {"type": "tool_result", "content": "Sunny"}  # no tool_use_id
+    with pytest.raises(anthropic.BadRequestError, match="tool_use_id"):
+        claude.messages.create(model=MODEL, max_tokens=8,
+                               messages=[{"role": "user", "content": [result]}])
     with pytest.raises(anthropic.BadRequestError, match="image"):
         claude.messages.create(model=MODEL, max_tokens=8,
                                messages=[{"role": "user", "content": [image]}])

@@ -236,6 +236,7 @@ def test_a_clients_every_field_is_the_librarys_llama_sampling(served, sharp_runn
     ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
     ({"logit_bias": {"7": "much"}}, "logit_bias"),
     ({"logit_bias": {"7": 500}}, "logit_bias"),
+    ({"logit_bias": [["", 1]]}, "logit_bias"),
 ])
 def test_samplers_turned_on_that_are_not_served_are_400s(served, fields, param):
     got = httpx.post(served.url + "/completion", timeout=60,

@@ -135,6 +135,9 @@ def test_codexs_tools_a_namespace_and_a_hosted_search(client):
 
 @pytest.mark.parametrize("fields, param", [
     ({"background": True}, "background"),
+    ({"input": [{"type": "function_call", "name": "get_weather", "arguments": "{}"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": "get_weather"}]}, "tools"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
     ({"tools": [*TOOLS, {"type": "namespace", "name": "n", "tools": TOOLS}]}, "tools"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),

@@ -217,6 +217,12 @@ def openai_messages(message: AnthropicMessage) -> list[dict[str, Any]]:
         raise ApiError(400, f"a {sorted(kinds - allowed)[0]!r} block in a {message.role} "
                             f"message is not served; this server reads "
                             f"{', '.join(sorted(allowed))} there", param="messages")
+    for block in message.content:
+        missing = [f for f in {"tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}.get(
+            block.type, ()) if getattr(block, f) is None]
+        if missing:
+            raise ApiError(400, f"a {block.type} block needs its {missing[0]}",
+                           param="messages")
     text = "".join(b.text or "" for b in message.content if b.type == "text")
     if message.role == "user":
         results = [{"role": "tool", "tool_call_id": b.tool_use_id,

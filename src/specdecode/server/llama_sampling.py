@@ -185,6 +185,8 @@ class LlamaSampling(Strict):
             if isinstance(bias, bool) or not isinstance(bias, (int, float)):
                 raise ApiError(400, f"a logit_bias is a number or false, got {bias!r}",
                                param="logit_bias")
+            if token == "":
+                raise ApiError(400, "a logit_bias token text is empty", param="logit_bias")
             numeric = (isinstance(token, int) and not isinstance(token, bool)) or (
                 isinstance(token, str) and token.isdigit())
             ids = [int(token)] if numeric else encode(token) if isinstance(token, str) else None

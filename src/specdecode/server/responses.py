@@ -186,6 +186,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, ""
             out.append(message)
         elif kind == "function_call":
+            needs(item, ("call_id", "name"), kind)
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": ""})
             if reasoning:
@@ -194,6 +195,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}})
         elif kind == "function_call_output":
+            needs(item, ("call_id",), kind)
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else parts_text(output)})
@@ -207,10 +209,20 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def needs(item: dict[str, Any], fields: tuple[str, ...], kind: str) -> None:
+    """A 400 unless each of ``fields`` of ``item`` is a string."""
+    for field in fields:
+        if not isinstance(item.get(field), str):
+            raise ApiError(400, f"a {kind} item needs its {field} (a string)", param="input")
+
+
 def parts_text(content: Any) -> str:
     """A message's text: a string, or its text parts (others are a 400)."""
     if isinstance(content, str) or content is None:
         return content or ""
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise ApiError(400, "content is text or a list of parts ({\"type\": \"input_text\", "
+                            "\"text\": ...})", param="input")
     texts = []
     for part in content:
         if part.get("type") not in ("input_text", "output_text", "text"):
@@ -227,7 +239,11 @@ def function_tools(tools: list[dict[str, Any]] | None) -> list[tuple[dict[str, A
     for tool in tools or []:
         kind = tool.get("type")
         if kind == "namespace":
-            out += [(function, tool.get("name")) for function in tool.get("tools") or []]
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not all(isinstance(f, dict) for f in inner):
+                raise ApiError(400, "a namespace's tools are a list of function tools",
+                               param="tools")
+            out += [(function, tool.get("name")) for function in inner]
         elif kind not in HOSTED:
             out.append((tool, None))
     names = [function.get("name") for function, _ in out]
