@@ -53,6 +53,8 @@ LLAMA_BATCH = 2048
 #: the files' budget of a prompt is the same for answers up to this long (llama.vim's and
 #: llama.vscode's n_predict), so that a warm-up (n_predict 0) caches what the completions read
 PLUGIN_ANSWER = 128
+
+
 class ExtraChunk(BaseModel):
     """One chunk of another file (a plugin's fields besides these, such as ``time``, are
     ignored, as llama-server ignores them)."""
