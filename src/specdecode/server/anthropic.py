@@ -145,14 +145,15 @@ async def messages(chat: Endpoint, request: Request):
         raise ApiError(400, "max_tokens is required", param="max_tokens")
     body = openai_chat(req)
     # max_tokens is a cap in Anthropic's API: an answer may fill what the context leaves
-    input_tokens = len(await chat_prompt(chat.server, parse(ChatRequest, body)))
+    ids = await chat_prompt(chat.server, parse(ChatRequest, body))
+    input_tokens = len(ids)
     room = chat.server.max_context - input_tokens
     if room < 1:
         raise ApiError(400, f"prompt is too long: {input_tokens} tokens > "
                             f"{chat.server.max_context - 1} maximum (this server's context)",
                        param="messages")
     body["max_tokens"] = min(req.max_tokens, room)
-    response = await chat.respond(request, body)
+    response = await chat.respond(request, body, ids)  # encoded once
     if not req.stream:
         return JSONResponse(anthropic_message(json.loads(response.body), req))
     events = AnthropicEvents(req, input_tokens)

@@ -224,15 +224,17 @@ class Endpoint:
         return await self.respond(request, await read_json(request,
                                                            self.server.settings.max_body_bytes))
 
-    async def respond(self, request: Request, payload: Any) -> Response:
+    async def respond(self, request: Request, payload: Any,
+                      prompt: list[int] | None = None) -> Response:
         """The response to a request's JSON ``payload`` (``request``: its connection, watched
-        for a client that leaves)."""
+        for a client that leaves; ``prompt``: a chat payload's prompt ids, where the caller
+        has encoded them already)."""
         server = self.server
         ends: tuple[int, ...] = ()
         echo = None
         if self.chat:
             req = parse(ChatRequest, payload)
-            prompts = [await chat_prompt(server, req)]
+            prompts = [prompt if prompt is not None else await chat_prompt(server, req)]
             answers = await run_in_threadpool(server.answers, prompts[0])
             reference = await run_in_threadpool(server.reference, req.prediction_text())
             requested = (req.max_completion_tokens if req.max_completion_tokens is not None
