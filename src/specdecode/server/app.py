@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI's chat and completion endpoints (:mod:`.endpoints`), the
 models, health and metrics routes, vLLM's tokenize routes (:mod:`.tokenize`), llama-server's
 routes (:mod:`.infill`), Anthropic's Messages API (:mod:`.anthropic`), OpenAI's Responses API
-(:mod:`.responses`), OpenAI-shaped errors, and the middleware in front of them (the Host
+(:mod:`.responses`), Ollama's API (:mod:`.ollama`), OpenAI-shaped errors, and the middleware in front of them (the Host
 check, CORS, a count of every request).
 
 A request is checked completely before it takes a place in the queue (Host header, content
@@ -31,6 +31,7 @@ from specdecode.server.endpoints import Endpoint
 # ``from specdecode.server.app import Server, Settings, create_app``
 from specdecode.server.frontend import Frontend, Server, Settings
 from specdecode.server.metrics import CONTENT_TYPE, Metrics
+from specdecode.server.ollama import add_ollama_routes
 from specdecode.server.protocol import ApiError, error_body
 from specdecode.server.responses import add_responses_routes
 from specdecode.server.infill import add_llama_routes
@@ -41,7 +42,8 @@ __all__ = ["Server", "Settings", "create_app"]
 log = logging.getLogger("specdecode.server")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-             "/tokenize", "/detokenize", "/v1/messages", "/v1/responses")
+             "/tokenize", "/detokenize", "/v1/messages", "/v1/responses", "/api/chat",
+             "/api/generate")
 
 
 class CheckHost:
@@ -134,6 +136,7 @@ def create_app(server: Frontend) -> FastAPI:
     add_llama_routes(app, server)
     add_anthropic_routes(app, chat)
     add_responses_routes(app, chat)
+    add_ollama_routes(app, chat, completion)
 
     @app.get("/v1/models")
     async def models():

@@ -8,6 +8,7 @@ job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -224,11 +225,12 @@ class Endpoint:
         return await self.respond(request, await read_json(request,
                                                            self.server.settings.max_body_bytes))
 
-    async def respond(self, request: Request, payload: Any,
-                      prompt: list[int] | None = None) -> Response:
+    async def respond(self, request: Request, payload: Any, prompt: list[int] | None = None,
+                      sampling: dict[str, Any] | None = None) -> Response:
         """The response to a request's JSON ``payload`` (``request``: its connection, watched
         for a client that leaves; ``prompt``: a chat payload's prompt ids, where the caller
-        has encoded them already)."""
+        has encoded them already; ``sampling``: SamplingParams fields beside OpenAI's, which
+        another API's sampler chain sets)."""
         server = self.server
         ends: tuple[int, ...] = ()
         echo = None
@@ -256,6 +258,9 @@ class Endpoint:
             requested = echo.max_tokens(req.max_tokens) if echo else req.max_tokens
             param, answers, reference = "prompt", None, ()
         specs = server.specs(req, prompts, requested, param, reference, ends)
+        if sampling:
+            specs = [dataclasses.replace(spec, sampling={**spec.sampling, **sampling})
+                     for spec in specs]
         capacity = server.backend.parallel + server.settings.max_queue
         if len(specs) > capacity:  # could never be admitted: retrying would not help
             raise ApiError(400, f"this request asks for {len(specs)} sequences (prompts x n); "
@@ -329,7 +334,7 @@ class Endpoint:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         metrics = self.server.metrics
         chunks = Chunks(self, rid, req.model, len(job.specs), self.parses_tools(req), answers,
-                        echo)
+                        echo, bool(req.specdecode and req.specdecode.return_token_ids))
 
         async def events() -> AsyncIterator[str]:
             results: list[GenerationResult | None] = [None] * len(job.specs)
@@ -379,8 +384,10 @@ class Chunks:
 
     def __init__(self, endpoint: Endpoint, rid: str, model: str, choices: int,
                  tools: ToolRequest | None, thinking: Thinking | Harmony | None = None,
-                 echo: Echo | None = None):
+                 echo: Echo | None = None, token_ids: bool = False):
         self.endpoint, self.rid, self.model = endpoint, rid, model
+        #: whether a choice's last chunk carries its answer's token ids
+        self.token_ids = token_ids
         #: the prompts sent in front of the choices, each once, before its first text
         self.echo, self.echoed = echo, [False] * choices
         self.sent = StreamedLogprobs(choices)
@@ -407,13 +414,16 @@ class Chunks:
         return out
 
     def chunk(self, index: int, delta: dict, finish: str | None = None, logprobs=None,
-              prompt: tuple | None = None, stop: str | None = None) -> str:
+              prompt: tuple | None = None, stop: str | None = None,
+              token_ids: list[int] | None = None) -> str:
         body = self.endpoint.envelope(self.rid, self.model, chunk=True)
         choice = self.endpoint.choice(index, delta.get("content", ""), finish, delta=True,
                                       logprobs=logprobs, prompt=prompt,
                                       offset=self.sent.chars[index])
         if finish is not None:
             choice["stop_reason"] = stop
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         if self.endpoint.chat:
             choice["delta"] = delta
         elif choice["logprobs"] is not None:
@@ -458,7 +468,8 @@ class Chunks:
         parts = held + parts
         return [self.chunk(index, d) for d in parts] + [
             self.chunk(index, {"content": ""}, finish, logprobs=self.sent.rest(index, result),
-                       stop=result.stop_string)]
+                       stop=result.stop_string,
+                       token_ids=result.token_ids if self.token_ids else None)]
 
 
 def echoed(echo: Echo | None, index: int, result: GenerationResult) -> tuple | None:
