@@ -383,11 +383,12 @@ def answered_call(message: OllamaMessage, open_calls: list[tuple[str, str]], ind
                    param="messages")
 
 
-def cap(num_predict: int, room: int) -> int:
-    """Tokens an answer may take: ``num_predict`` (-1, -2: all) within the context's ``room``."""
+def cap(num_predict: int, room: int, param: str) -> int:
+    """Tokens an answer may take: ``num_predict`` (-1, -2: all) within the context's ``room``
+    (none left: a 400 naming ``param``, the prompt's field)."""
     if room < 1:
         raise ApiError(400, "the prompt fills this server's context; shorten it or start "
-                            "the server with a larger --max-context", param="prompt")
+                            "the server with a larger --max-context", param=param)
     return room if num_predict < 0 else min(num_predict, room)
 
 
@@ -403,7 +404,7 @@ async def ollama_chat(endpoint: Endpoint, request: Request):
             **log_fields(req, chat=True)}
     body = {k: v for k, v in body.items() if v is not None}
     ids = await chat_prompt(server, parse(ChatRequest, body))
-    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids))
+    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids), "messages")
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     response = await endpoint.respond(request, body, ids, sampling)
@@ -451,7 +452,7 @@ async def templated_answer(chat: Endpoint, request: Request, req: OllamaGenerate
     body.update(messages=messages, **thinking_fields(req))
     body["specdecode"] = {**body.get("specdecode", {}), "return_token_ids": True}
     ids = list(req.context or []) + await chat_prompt(server, parse(ChatRequest, body))
-    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids))
+    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids), "prompt")
     return await chat.respond(request, body, ids, sampling), ids
 
 
@@ -467,7 +468,7 @@ async def plain_answer(completion: Endpoint, request: Request, req: OllamaGenera
         ids = list(req.context or []) + await run_in_threadpool(server.encode, req.prompt,
                                                                  False)
         body["prompt"] = ids
-    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids))
+    body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids), "prompt")
     return await completion.respond(request, body, None, sampling), None
 
 
@@ -536,13 +537,11 @@ class OllamaAnswer:
         choice = response["choices"][0]
         self.finish = choice["finish_reason"]
         self.token_ids = choice.get("token_ids") or []
-        if self.chat or "message" in choice:
+        if "message" in choice:  # the chat endpoint's (a templated /api/generate's too)
             message = choice["message"]
             body = self.piece(message.get("content") or "", message.get("reasoning_content"),
                               [ollama_call(c) for c in message.get("tool_calls") or []],
                               ollama_logprobs(choice.get("logprobs")))
-            if not self.chat:  # a templated /api/generate: the chat endpoint's answer
-                body.pop("message", None)
         else:
             body = self.piece(choice.get("text") or "",
                               logprobs=ollama_logprobs(choice.get("logprobs")))
