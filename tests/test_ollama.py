@@ -206,7 +206,6 @@ def test_the_routes_clients_read_first(served, client):
     ({"options": {"typical_p": 0.5}}, "typical_p"),
     ({"options": {"mirostat": 2}}, "mirostat"),
     ({"options": {"num_predict": 0}}, "num_predict"),
-    ({"options": {"no_such_option": 1}}, "no_such_option"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["AAAA"]}]}, "images"),
     ({"format": "yaml"}, "format"),
     ({"model": "other"}, "other"),
@@ -215,6 +214,16 @@ def test_bad_requests_are_errors_in_ollamas_form(served, request_fields, says):
     body = {"model": MODEL, "messages": QUESTION, "stream": False, **request_fields}
     answer = httpx.post(served.url + "/api/chat", json=body, timeout=10)
     assert answer.status_code in (400, 404) and says in answer.json()["error"]
+
+
+def test_unknown_fields_and_nulls_are_read_as_ollama_reads_them(served, client):
+    """Ignored, and the default (Go's JSON decoding): clients send both."""
+    want = client.chat(model=MODEL, messages=QUESTION, options={"seed": 2, "num_predict": 8})
+    body = {"model": MODEL, "messages": QUESTION, "stream": False, "no_such_field": 1,
+            "options": {"seed": 2, "num_predict": 8, "mirostat": None, "top_k": None,
+                        "system": "not an option"}}
+    got = httpx.post(served.url + "/api/chat", json=body, timeout=30).json()
+    assert got["message"]["content"] == want.message.content
 
 
 def test_the_client_raises_the_servers_error(client):

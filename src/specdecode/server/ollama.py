@@ -17,7 +17,8 @@ temperature 0 takes the argmax of the penalised logits, as Ollama does. ``num_pr
 cap: -1 (the default) and -2 write until the context is full. ``typical_p`` below 1 and
 ``mirostat`` are 400s; ``tfs_z`` and ``penalize_newline`` (which Ollama no longer applies),
 ``num_ctx`` (the server's ``--max-context`` holds: nothing is cut from a prompt), the load-time
-options and ``keep_alive`` change nothing. ``format`` is ``"json"`` or a JSON schema the answer
+options and ``keep_alive`` change nothing; a field or option Ollama does not know is ignored,
+and null is the default, as Ollama reads a request. ``format`` is ``"json"`` or a JSON schema the answer
 follows; ``think`` (true, false, or an effort) is the template's ``enable_thinking`` (and
 ``reasoning_effort``), the reasoning sent as ``thinking``; ``logprobs`` and ``top_logprobs``
 give the model's own log-probabilities. Tool calls come back with their arguments as objects,
@@ -40,7 +41,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from specdecode import registry
@@ -48,7 +49,7 @@ from specdecode.fim import fim_tokens
 from specdecode.server.endpoints import Endpoint, chat_prompt, read_json, sse_objects
 from specdecode.server.frontend import Frontend
 from specdecode.server.llama_sampling import LlamaSampling
-from specdecode.server.protocol import ApiError, ChatRequest, SpecDecodeOptions, Strict, parse
+from specdecode.server.protocol import ApiError, ChatRequest, SpecDecodeOptions, parse
 
 #: the Ollama release whose API these routes follow (clients read it before using newer fields)
 OLLAMA_VERSION = "0.12.6"
@@ -62,7 +63,20 @@ DONE_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length"}
 MANAGEMENT = ("pull", "push", "create", "copy", "delete")
 
 
-class OllamaOptions(Strict):
+class Lenient(BaseModel):
+    """A request read as Ollama reads it (Go's JSON decoding): a field it does not know is
+    ignored, and null is the default."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def nulls_are_defaults(cls, data: Any) -> Any:
+        return ({k: v for k, v in data.items() if v is not None} if isinstance(data, dict)
+                else data)
+
+
+class OllamaOptions(Lenient):
     """Ollama's ``options``, with its defaults."""
 
     temperature: float = 0.8
@@ -116,7 +130,7 @@ class OllamaOptions(Strict):
             seed=self.seed, mirostat=self.mirostat, samplers=OLLAMA_CHAIN)
 
 
-class OllamaMessage(Strict):
+class OllamaMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: str | None = None
@@ -126,7 +140,7 @@ class OllamaMessage(Strict):
     tool_call_id: str | None = None
 
 
-class OllamaRequest(Strict):
+class OllamaRequest(Lenient):
     """The fields ``/api/chat`` and ``/api/generate`` share (``stream`` is on unless false)."""
 
     model: str
