@@ -62,9 +62,10 @@ def session(url: str, method: str, start: int, count: int, before: int = PREFIX_
     return out
 
 
-def serve(model: str, port: int) -> subprocess.Popen:
+def serve(model: str, port: int, *options: str) -> subprocess.Popen:
+    """``specdecode serve`` of ``model`` on ``port`` (with ``options``), once it answers."""
     server = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--model", model,
-                               "--port", str(port)], stdout=subprocess.DEVNULL,
+                               "--port", str(port), *options], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     for _ in range(300):
         try:

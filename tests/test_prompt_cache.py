@@ -229,3 +229,63 @@ def test_the_store_keeps_to_its_budget(model, tokenizer):
         evicted = metric(served.url, "specdecode_prompt_cache_evictions_total")
     assert 0 < held <= one_prompt * 1.5
     assert evicted >= 1
+
+
+# ---- across restarts: --prompt-cache-file ------------------------------------------------------
+
+def serve_file(path, tokenizer, cache_file, weights="int4", **settings):
+    """A one-slot server on the GGUF file at ``path`` that keeps its prompt cache in
+    ``cache_file``."""
+    runner = LlamaRunner.from_gguf(path, weights, max_context=448)
+    options = dict(model_id=MODEL, method="suffix", prompt_cache_file=str(cache_file))
+    options.update(settings)
+    return BackgroundServer(create_app(Server([runner], tokenizer, [EOS], Settings(**options))))
+
+
+@pytest.fixture(scope="module")
+def gguf_path(model, tmp_path_factory):
+    from test_llama_runner import write_gguf
+
+    return write_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_restarted_server_reads_its_prompts_rows_from_the_file(gguf_path, tokenizer, tmp_path,
+                                                                 options):
+    cache_file = tmp_path / "prompts.safetensors"
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": CORPUS[0]}]
+    with serve_file(gguf_path, tokenizer, cache_file) as served:
+        answer, _ = chat(served.url, first, **options)
+    assert cache_file.exists()
+    follow_up = first + [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": CORPUS[1]}]
+    with serve_file(gguf_path, tokenizer, tmp_path / "none.safetensors",
+                    prompt_cache_bytes=0) as served:
+        want = [chat(served.url, messages, **options) for messages in (first, follow_up)]
+    with serve_file(gguf_path, tokenizer, cache_file) as served:
+        got = [chat(served.url, messages, **options) for messages in (first, follow_up)]
+    prompt = len(tokenizer.apply_chat_template(first, add_generation_prompt=True))
+    assert [text for text, _ in got] == [text for text, _ in want]
+    assert got[0][1] == prompt - 1  # all but the last prompt token, read from the file
+    assert got[1][1] >= prompt - 1
+
+
+def test_a_file_written_for_other_rows_is_not_read(gguf_path, tokenizer, tmp_path, caplog):
+    cache_file = tmp_path / "prompts.safetensors"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": CORPUS[2]}]
+    with serve_file(gguf_path, tokenizer, cache_file, weights="int8") as served:
+        want, _ = chat(served.url, messages)
+    with serve_file(gguf_path, tokenizer, cache_file) as served:  # int4: other rows
+        got, cached = chat(served.url, messages)
+    assert cached == 0 and "written for other weights" in caplog.text
+    cache_file.write_bytes(b"not a safetensors file")
+    with serve_file(gguf_path, tokenizer, cache_file) as served:
+        assert chat(served.url, messages) == (got, 0)
+    assert "could not be read" in caplog.text
+
+
+def test_a_runner_whose_rows_cannot_be_kept_is_refused(model, tokenizer, tmp_path):
+    runner = LlamaRunner.from_transformers(model, "int4", max_context=448)  # no file
+    with pytest.raises(SpecDecodeError, match="--prompt-cache-file"):
+        Server([runner], tokenizer, [EOS], Settings(model_id=MODEL,
+                                                     prompt_cache_file=str(tmp_path / "f")))

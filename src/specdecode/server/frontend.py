@@ -31,6 +31,7 @@ from specdecode.server.harmony import Harmony, harmony_of, in_final_message
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
+from specdecode.server.prompt_cache_file import PromptCacheFile, rows_key
 from specdecode.server.protocol import ApiError, ChatRequest, SamplingFields, now
 from specdecode.server.reasoning import Thinking, left_open, thinking_of
 from specdecode.server.scheduler import Scheduler, SequenceSpec
@@ -80,6 +81,9 @@ class Settings:
     #: memory for earlier prompts' rows that the slots wrote over (:mod:`.prompt_cache`);
     #: 0 = no prompt cache at all
     prompt_cache_bytes: int = 1024 * 2**20
+    #: where the prompt cache is read from at start and written to on shutdown (None: kept in
+    #: memory only)
+    prompt_cache_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -456,7 +460,9 @@ class Server(Frontend):
         memory = memory or SharedMemory()
         metrics = Metrics()
         eos_token_ids = with_turn_ends(eos_token_ids, tokenizer)
-        prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics)
+        file = (PromptCacheFile(settings.prompt_cache_file, rows_key(runners[0]))
+                if settings.prompt_cache_file else None)
+        prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics, file)
                         if settings.prompt_cache_bytes else None)
         scheduler = Scheduler(runners, tokenizer, eos_token_ids,
                               make_factory(memory.make_proposer, dllm), settings.max_queue,

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "wrote over, kept for requests that start with them (least "
                              "recently used dropped first); the slots' own rows are reused "
                              "besides; 0: no prompt cache, every prompt prefilled whole")
+    parser.add_argument("--prompt-cache-file", default=None, metavar="PATH",
+                        help="read the prompt cache from PATH at start (when it exists and was "
+                             "written for this model file, format and kernels) and write it "
+                             "there on shutdown: long prompts stay cached across restarts")
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
@@ -127,7 +131,7 @@ def settings_of(args: argparse.Namespace):
         allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
         proposer_memory_bytes=args.proposer_memory_mb * 2**20, batching=batching_of(args),
-        prompt_cache_bytes=args.prompt_cache_mb * 2**20)
+        prompt_cache_bytes=args.prompt_cache_mb * 2**20, prompt_cache_file=args.prompt_cache_file)
     registry.get(settings.method).make_config(settings.config)
     for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
         if getattr(args, flag) < 1:
@@ -135,6 +139,9 @@ def settings_of(args: argparse.Namespace):
     for flag in ("max_queue", "prompt_cache_mb"):
         if getattr(args, flag) < 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.prompt_cache_file and (args.replicas or not args.prompt_cache_mb):
+        raise SpecDecodeError("--prompt-cache-file keeps the single-process server's prompt "
+                              "cache: drop it, or --replicas, or --prompt-cache-mb 0")
     if args.replicas and args.dllm != "none":
         raise SpecDecodeError("--dllm is served by the single-process server; drop --replicas "
                               "or --dllm")

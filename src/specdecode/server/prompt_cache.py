@@ -16,6 +16,7 @@ and SGLang's RadixAttention share prefixes across requests. Here, two levels:
   one extends is dropped (the longer one serves every prompt the shorter one served).
 
 At least the prompt's last token is always prefilled: its logits give the first new token.
+With a file (:mod:`.prompt_cache_file`), the store and the slots' rows outlive the process.
 
 Exactness: only a runner whose prompt rows are bitwise the rows its decode steps write reuses
 rows (:attr:`~specdecode.models.base.Runner.reuses_prefix`: the native runner's int4 and int8
@@ -35,6 +36,7 @@ import numpy as np
 from specdecode.models.base import Runner
 from specdecode.models.kv_cache import common_prefix
 from specdecode.server.metrics import Metrics
+from specdecode.server.prompt_cache_file import PromptCacheFile
 
 #: rows worth copying into the store: a shorter prefix is prefilled again in a moment
 MIN_SAVED_TOKENS = 64
@@ -52,13 +54,17 @@ class Saved:
 class PromptCache:
     """The store of saved rows, and the placement of a prompt in a slot's cache."""
 
-    def __init__(self, budget_bytes: int, metrics: Metrics):
+    def __init__(self, budget_bytes: int, metrics: Metrics, file: PromptCacheFile | None = None):
+        """``file``: where the entries are read from now and written to by :meth:`persist`."""
         self.budget = budget_bytes
         self.metrics = metrics
         #: entries, least recently used first
         self._entries: collections.OrderedDict[int, Saved] = collections.OrderedDict()
         self._next_key = 0
         self.bytes = 0
+        self.file = file
+        for ids, rows in file.read() if file is not None else ():
+            self._add(ids, rows)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -94,7 +100,10 @@ class PromptCache:
                 return
             if shared == len(entry.ids):  # these extend the entry: it is not needed any more
                 self._drop(key)
-        rows = runner.saved_rows(len(ids))
+        self._add(ids, runner.saved_rows(len(ids)))
+
+    def _add(self, ids: np.ndarray, rows: Any) -> None:
+        """A new entry, most recently used; least recently used entries make room."""
         if rows.nbytes > self.budget:
             return
         while self.bytes + rows.nbytes > self.budget:
@@ -104,6 +113,16 @@ class PromptCache:
         self._next_key += 1
         self.bytes += rows.nbytes
         self._observe()
+
+    def persist(self, slots: list[tuple[np.ndarray, Runner]]) -> None:
+        """Shutdown: with a file, the slots' own rows (``(held ids, runner)`` of each) join the
+        store, and the store is written to it."""
+        if self.file is None:
+            return
+        for held, runner in slots:
+            if len(held) >= MIN_SAVED_TOKENS and runner.reuses_prefix:
+                self.save(held, runner)
+        self.file.write([(entry.ids, entry.rows) for entry in self._entries.values()])
 
     def _match(self, prompt: np.ndarray) -> tuple[Saved | None, int]:
         """The entry sharing the longest prefix with ``prompt`` (now the most recently used)."""

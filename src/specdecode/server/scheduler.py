@@ -266,12 +266,15 @@ class Scheduler:
                     "kv_cache_bytes": [runner.kv_bytes for runner in self._runners]}
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel everything and wait for the thread (proposers see ``finish`` for each)."""
+        """Cancel everything and wait for the thread (proposers see ``finish`` for each); then
+        the prompt cache is written to its file, where it has one."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.prompt_cache is not None and not self._thread.is_alive():
+            self.prompt_cache.persist([(slot.held, slot.runner) for slot in self._free])
 
     # ---- the scheduler thread ----------------------------------------------------------------
 

@@ -1,0 +1,92 @@
+"""The prompt cache kept across restarts (``serve --prompt-cache-file PATH``): on shutdown the
+store's entries and the slots' own rows are written to one safetensors file, and on start they
+are read back, so that an agent's long system prompt and tool definitions (Claude Code's are
+about 19,000 tokens, minutes of prefill on two cores) are not prefilled again after a restart.
+
+The rows are reused only where they are bitwise what this server would write: the file names
+the weights file (path, size, modification time), the weight format, the kernels' build and the
+KV cache's layout it was written with (:func:`rows_key`), and a file written under anything
+else is not read (a warning; the next shutdown writes over it). A file that cannot be read is
+left out the same way: the cache changes when, never what.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import Runner
+from specdecode.models.kv_cache import SavedRows
+
+log = logging.getLogger("specdecode.server")
+
+
+def rows_key(runner: Runner) -> str:
+    """What a runner's prompt rows depend on: its weights file, format and kernels
+    (``cost_key``) and its cache's layout; a SpecDecodeError where rows cannot be kept (weights
+    that are not a file, or a runner that does not reuse rows)."""
+    cost = runner.cost_key()
+    if cost is None or not runner.reuses_prefix:
+        raise SpecDecodeError(
+            "--prompt-cache-file keeps the rows of the native runner's int4 or int8 weights read "
+            "from a model file (--model a GGUF file or a named model); this runner's "
+            f"({runner.name}) rows cannot be kept: drop --prompt-cache-file")
+    empty = runner.saved_rows(0)
+    return (f"{cost} keys {tuple(empty.keys.shape)} {empty.keys.dtype} "
+            f"values {tuple(empty.values.shape)} {empty.values.dtype}")
+
+
+class PromptCacheFile:
+    def __init__(self, path: str | Path, key: str):
+        self.path = Path(path).expanduser()
+        self.key = key
+
+    def read(self) -> list[tuple[np.ndarray, SavedRows]]:
+        """The entries the file holds, least recently used first; none where it is missing,
+        was written under another key or cannot be read (a warning says which)."""
+        if not self.path.exists():
+            return []
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as file:
+                meta = file.metadata() or {}
+                if meta.get("key") != self.key:
+                    log.warning("prompt cache %s was written for other weights, kernels or "
+                                "cache layout; starting without it", self.path)
+                    return []
+                entries = []
+                for i in range(int(meta["entries"])):
+                    ids = file.get_tensor(f"{i}.ids").numpy()
+                    entries.append((ids, SavedRows(file.get_tensor(f"{i}.keys"),
+                                                   file.get_tensor(f"{i}.values"), len(ids))))
+        except (OSError, SafetensorError, KeyError, ValueError) as exc:
+            log.warning("prompt cache %s could not be read (%s); starting without it",
+                        self.path, exc)
+            return []
+        log.info("loaded %d prompt cache entries (%d tokens) from %s", len(entries),
+                 sum(len(ids) for ids, _ in entries), self.path)
+        return entries
+
+    def write(self, entries: list[tuple[np.ndarray, SavedRows]]) -> None:
+        """Write ``entries`` (least recently used first) in place of the file's, whole or not
+        at all (a temporary file renamed over it)."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (ids, rows) in enumerate(entries):
+            tensors[f"{i}.ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+            tensors[f"{i}.keys"] = rows.keys.contiguous()
+            tensors[f"{i}.values"] = rows.values.contiguous()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(self.path.name + ".partial")
+        save_file(tensors, str(temporary), metadata={"key": self.key,
+                                                     "entries": str(len(entries))})
+        os.replace(temporary, self.path)
+        log.info("saved %d prompt cache entries (%d tokens) to %s", len(entries),
+                 sum(len(ids) for ids, _ in entries), self.path)
