@@ -157,3 +157,13 @@ def test_a_limit_beyond_the_context_is_refused_naming_the_fix(client, field):
     with pytest.raises(openai.BadRequestError) as info:
         ask(client, **{field: CONTEXT})
     assert "lower max_tokens to at most" in str(info.value)
+
+
+def test_the_prompt_cache_file_flag_reaches_the_server_or_names_its_conflict():
+    from specdecode.errors import SpecDecodeError
+
+    assert serve_settings("--prompt-cache-file", "/tmp/p.safetensors").prompt_cache_file == (
+        "/tmp/p.safetensors")
+    for conflict in (["--replicas", "2"], ["--prompt-cache-mb", "0"]):
+        with pytest.raises(SpecDecodeError, match="--prompt-cache-file"):
+            serve_settings("--prompt-cache-file", "/tmp/p.safetensors", *conflict)

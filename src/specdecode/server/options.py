@@ -57,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="proposer memory each slot keeps for per-request method configs "
                              "(least recently used dropped first); a request whose config "
                              "needs more gets 400")
+    add_memory_arguments(parser)
+    add_dllm_argument(parser)
+    add_replica_arguments(parser)
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    add_model_arguments(parser)
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the server keeps of earlier requests: the prompt cache and the suffix tree."""
     parser.add_argument("--prompt-cache-mb", type=int, default=1024,
                         help="memory for the rows of earlier prompts and answers that the slots "
                              "wrote over, kept for requests that start with them (least "
@@ -69,11 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-cache", type=Path, default=None, metavar="PATH",
                         help="load the suffix proposer's global tree from PATH at start (when it "
                              "exists) and save it there on shutdown")
-    add_dllm_argument(parser)
-    add_replica_arguments(parser)
-    parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
-    add_model_arguments(parser)
 
 
 def add_dllm_argument(parser: argparse.ArgumentParser) -> None:
