@@ -289,3 +289,13 @@ def test_a_runner_whose_rows_cannot_be_kept_is_refused(model, tokenizer, tmp_pat
     with pytest.raises(SpecDecodeError, match="--prompt-cache-file"):
         Server([runner], tokenizer, [EOS], Settings(model_id=MODEL,
                                                      prompt_cache_file=str(tmp_path / "f")))
+
+
+def test_a_file_that_cannot_be_written_is_logged_and_shutdown_goes_on(gguf_path, tokenizer,
+                                                                      tmp_path, caplog):
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": CORPUS[3]}]
+    with serve_file(gguf_path, tokenizer, blocked / "prompts.safetensors") as served:
+        chat(served.url, messages)
+    assert "could not be written" in caplog.text

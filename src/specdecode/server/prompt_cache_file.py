@@ -75,7 +75,7 @@ class PromptCacheFile:
 
     def write(self, entries: list[tuple[np.ndarray, SavedRows]]) -> None:
         """Write ``entries`` (least recently used first) in place of the file's, whole or not
-        at all (a temporary file renamed over it)."""
+        at all (a temporary file renamed over it; a failure is logged, the old file kept)."""
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
@@ -83,10 +83,14 @@ class PromptCacheFile:
             tensors[f"{i}.ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
             tensors[f"{i}.keys"] = rows.keys.contiguous()
             tensors[f"{i}.values"] = rows.values.contiguous()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_name(self.path.name + ".partial")
-        save_file(tensors, str(temporary), metadata={"key": self.key,
-                                                     "entries": str(len(entries))})
-        os.replace(temporary, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(temporary), metadata={"key": self.key,
+                                                         "entries": str(len(entries))})
+            os.replace(temporary, self.path)
+        except OSError as exc:  # shutdown goes on: the cache is lost, not the server's state
+            log.error("prompt cache could not be written to %s: %s", self.path, exc)
+            return
         log.info("saved %d prompt cache entries (%d tokens) to %s", len(entries),
                  sum(len(ids) for ids, _ in entries), self.path)
