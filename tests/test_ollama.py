@@ -4,7 +4,9 @@ the library's answer under Ollama's sampling (its defaults, its order, the penal
 with every method; a stream adds up to the whole answer; ``context`` continues a generation;
 ``raw`` and ``suffix`` are the completion endpoint's answers; a conversation's tool calls and
 results read as OpenAI's, and a streamed call comes back whole with its arguments an object;
-the routes clients read first; errors in Ollama's form."""
+the routes clients read first; errors in Ollama's form. Marked slow: the real Qwen2.5-Coder-0.5B
+under Ollama's sampling is the library's answer with ``ar`` and ``suffix``, and its middle the
+completion endpoint's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from specdecode.api import Decoder
 from specdecode.models.llama import LlamaRunner
 from specdecode.server.ollama import OllamaAnswer
 from test_infill import SPECIAL
-from test_server_tools import TOOL_TEMPLATE, WEATHER
+from test_server_tools import TOOL_TEMPLATE, WEATHER, qwen  # noqa: F401 - a fixture
 from tiny_models import tiny_llama
 from tiny_server import EOS, MODEL, build_tokenizer, make_server, openai_client
 
@@ -239,3 +241,42 @@ def test_what_is_not_served_names_why(served):
     answer = httpx.post(served.url + "/api/generate", timeout=10,
                         json={"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"})
     assert answer.status_code == 400 and "template" in answer.json()["error"]
+
+
+# ---- the real Qwen2.5-Coder-0.5B -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_served(qwen):
+    """A server of the 0.5B, and a runner beside it for the library's answers."""
+    from specdecode.api import eos_ids
+    from specdecode.models.loading import make_runner
+    from specdecode.server import BackgroundServer
+    from specdecode.server.app import Server, Settings, create_app
+
+    runner = make_runner(qwen)
+    server = Server([runner.replica()], qwen.tokenizer, eos_ids(qwen, qwen.tokenizer),
+                    Settings(model_id=MODEL, method="suffix"))
+    with BackgroundServer(create_app(server)) as background:
+        yield background, runner
+
+
+@pytest.mark.slow
+def test_the_real_model_under_ollamas_sampling_is_the_librarys(qwen, qwen_served):
+    from specdecode.api import eos_ids
+
+    served, runner = qwen_served
+    client = ollama.Client(host=served.url, timeout=600)
+    decoder = Decoder(runner.replica(), qwen.tokenizer, "ar", eos_ids(qwen, qwen.tokenizer))
+    messages = [{"role": "user", "content": "Rename x to total and return the whole function:"
+                                            "\n\ndef double(x):\n    return x + x\n"}]
+    want = decoder.generate(messages, 48, seed=3, **OLLAMA_DEFAULTS).text
+    for method in ("ar", "suffix"):
+        got = client.chat(model=f"{MODEL}+{method}", messages=messages,
+                          options={"seed": 3, "num_predict": 48})
+        assert got.message.content == want, method
+    middle = client.generate(model=MODEL, prompt="def double(x):\n", suffix="\n\nprint(double(2))",
+                             options={**PLAIN, "num_predict": 24})
+    fim = openai_client(served).completions.create(
+        model=MODEL, prompt="def double(x):\n", suffix="\n\nprint(double(2))", max_tokens=24,
+        temperature=0)
+    assert middle.response == fim.choices[0].text and "return" in middle.response
