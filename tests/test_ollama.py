@@ -241,6 +241,9 @@ def test_what_is_not_served_names_why(served):
     answer = httpx.post(served.url + "/api/generate", timeout=10,
                         json={"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"})
     assert answer.status_code == 400 and "template" in answer.json()["error"]
+    for body, status in (({}, 400), ({"model": "other"}, 404)):
+        answer = httpx.post(served.url + "/api/show", json=body, timeout=10)
+        assert answer.status_code == status and "model" in answer.json()["error"]
 
 
 # ---- the real Qwen2.5-Coder-0.5B -------------------------------------------------------------

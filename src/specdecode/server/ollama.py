@@ -274,8 +274,9 @@ async def show_model(server: Frontend, request: Request) -> dict[str, Any]:
     tokens; ``thinking`` where its answers hold reasoning)."""
     payload = await read_json(request, server.settings.max_body_bytes)
     name = payload.get("model") or payload.get("name") if isinstance(payload, dict) else None
-    if not isinstance(name, str) or model_name(name).partition("+")[0] not in (
-            server.settings.model_id, "default"):
+    if not isinstance(name, str):
+        raise ApiError(400, "give the model to show as {\"model\": NAME}", param="model")
+    if model_name(name).partition("+")[0] not in (server.settings.model_id, "default"):
         raise ApiError(404, f"model {name!r} not found; this server serves "
                             f"{server.settings.model_id!r}", param="model")
     capabilities = ["completion"]
