@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI's chat and completion endpoints (:mod:`.endpoints`), the
 models, health and metrics routes, vLLM's tokenize routes (:mod:`.tokenize`), llama-server's
 routes (:mod:`.infill`), Anthropic's Messages API (:mod:`.anthropic`), OpenAI's Responses API
-(:mod:`.responses`), Ollama's API (:mod:`.ollama`), OpenAI-shaped errors, and the middleware in front of them (the Host
-check, CORS, a count of every request).
+(:mod:`.responses`), Ollama's API (:mod:`.ollama`), OpenAI-shaped errors, and the middleware in
+front of them (the Host check, CORS, a count of every request).
 
 A request is checked completely before it takes a place in the queue (Host header, content
 type, body size, JSON, schema, method and config against the server's limits, prompt length

@@ -461,7 +461,7 @@ class Server(Frontend):
         metrics = Metrics()
         eos_token_ids = with_turn_ends(eos_token_ids, tokenizer)
         file = (PromptCacheFile(settings.prompt_cache_file, rows_key(runners[0]))
-                if settings.prompt_cache_file else None)
+                if settings.prompt_cache_file and settings.prompt_cache_bytes else None)
         prompt_cache = (PromptCache(settings.prompt_cache_bytes, metrics, file)
                         if settings.prompt_cache_bytes else None)
         scheduler = Scheduler(runners, tokenizer, eos_token_ids,

@@ -18,8 +18,8 @@ cap: -1 (the default) and -2 write until the context is full. ``typical_p`` belo
 ``mirostat`` are 400s; ``tfs_z`` and ``penalize_newline`` (which Ollama no longer applies),
 ``num_ctx`` (the server's ``--max-context`` holds: nothing is cut from a prompt), the load-time
 options and ``keep_alive`` change nothing; a field or option Ollama does not know is ignored,
-and null is the default, as Ollama reads a request. ``format`` is ``"json"`` or a JSON schema the answer
-follows; ``think`` (true, false, or an effort) is the template's ``enable_thinking`` (and
+and null is the default, as Ollama reads a request. ``format`` is ``"json"`` or a JSON schema
+the answer follows; ``think`` (true, false, or an effort) is the template's ``enable_thinking`` (and
 ``reasoning_effort``), the reasoning sent as ``thinking``; ``logprobs`` and ``top_logprobs``
 give the model's own log-probabilities. Tool calls come back with their arguments as objects,
 each whole in one streamed object; a ``tool`` message answers the call of its ``tool_call_id``,
@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from specdecode import registry
+from specdecode.errors import SpecDecodeError
 from specdecode.fim import fim_tokens
 from specdecode.server.endpoints import Endpoint, chat_prompt, read_json, sse_objects
 from specdecode.server.frontend import Frontend
@@ -286,9 +287,10 @@ async def show_model(server: Frontend, request: Request) -> dict[str, Any]:
     except ApiError:
         pass
     try:
-        fim_tokens(server.tokenizer)
-        capabilities.append("insert")
-    except Exception:  # noqa: BLE001 - no tokenizer, or none of the known tags
+        if server.tokenizer is not None:
+            fim_tokens(server.tokenizer)
+            capabilities.append("insert")
+    except SpecDecodeError:  # none of the known tags
         pass
     if server.thinking is not None:
         capabilities.append("thinking")
@@ -316,8 +318,7 @@ def openai_fields(req: OllamaRequest, server: Frontend) -> tuple[dict[str, Any],
     Ollama's chain beside them)."""
     llama = req.options.sampling()
     encode = lambda text: server.encode(text, False)  # noqa: E731 - logit_bias by text
-    body = {k: v for k, v in llama.openai_fields(encode).items()
-            if k not in ("logprobs", "ignore_eos", "logit_bias") and v is not None}
+    body = {k: v for k, v in llama.openai_fields(encode).items() if v is not None}
     body["model"] = model_name(req.model)
     body["stop"] = req.options.stop or None
     fmt = req.format
@@ -423,10 +424,7 @@ async def ollama_chat(endpoint: Endpoint, request: Request):
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     response = await endpoint.respond(request, body, ids, sampling)
-    answer = OllamaAnswer(req.model, started, chat=True)
-    if not req.stream:
-        return JSONResponse(answer.whole(json.loads(response.body)))
-    return ndjson(answer.stream(response.body_iterator))
+    return OllamaAnswer(req.model, started, chat=True).of(response, req.stream)
 
 
 async def ollama_generate(chat: Endpoint, completion: Endpoint, request: Request):
@@ -451,10 +449,7 @@ async def ollama_generate(chat: Endpoint, completion: Endpoint, request: Request
         response, ids = await templated_answer(chat, request, req, body, sampling)
     else:
         response, ids = await plain_answer(completion, request, req, body, sampling)
-    answer = OllamaAnswer(req.model, started, chat=False, context=ids)
-    if not req.stream:
-        return JSONResponse(answer.whole(json.loads(response.body)))
-    return ndjson(answer.stream(response.body_iterator))
+    return OllamaAnswer(req.model, started, chat=False, context=ids).of(response, req.stream)
 
 
 async def templated_answer(chat: Endpoint, request: Request, req: OllamaGenerateRequest,
@@ -494,11 +489,6 @@ def log_fields(req: OllamaRequest, chat: bool) -> dict[str, Any]:
     if chat:
         return {"logprobs": True, "top_logprobs": req.top_logprobs}
     return {"logprobs": req.top_logprobs}
-
-
-def ndjson(lines: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(lines, media_type="application/x-ndjson",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class OllamaAnswer:
@@ -547,6 +537,14 @@ class OllamaAnswer:
         if self.context is not None:
             body["context"] = self.context + self.token_ids
         return body
+
+    def of(self, response, stream: bool):
+        """The endpoint's ``response`` in Ollama's form: one object, or its lines."""
+        if not stream:
+            return JSONResponse(self.whole(json.loads(response.body)))
+        return StreamingResponse(self.stream(response.body_iterator),
+                                 media_type="application/x-ndjson",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def whole(self, response: dict[str, Any]) -> dict[str, Any]:
         choice = response["choices"][0]

@@ -61,7 +61,8 @@ class ResponsesRequest(Strict):
     stream: bool = False
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
-    #: the server keeps no responses: these are refused unless they ask for nothing
+    #: ``store`` (true unless false) keeps the response for ``previous_response_id``;
+    #: ``background`` is refused
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
@@ -103,6 +104,10 @@ class ResponseStore:
         self.kept.move_to_end(rid)
         return self.kept[rid]
 
+    def delete(self, rid: str) -> None:
+        self.get(rid)  # a 404 where it is not kept
+        del self.kept[rid]
+
 
 def add_responses_routes(app: FastAPI, chat: Endpoint) -> None:
     store = ResponseStore()
@@ -135,8 +140,7 @@ def add_responses_routes(app: FastAPI, chat: Endpoint) -> None:
 
     @app.delete("/v1/responses/{rid}")
     async def delete_route(rid: str):
-        store.get(rid)
-        del store.kept[rid]
+        store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
 
