@@ -29,6 +29,8 @@ from specdecode.cli import main
      "--max-tokens must be at least 0"),
     (["generate", "hi", "--method", "suffix", "-c", "corpus=/nonexistent.safetensors"],
      "suffix corpus /nonexistent.safetensors does not exist"),
+    (["generate", "hi", "--diffusion", "freedave", "--prompt-cache-file", "rows.safetensors"],
+     "--diffusion keeps no prompt rows; drop --prompt-cache-file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
@@ -173,3 +175,29 @@ def test_generate_json_reports_the_prompts_logprobs(capsys):
     first, *rest = scored["prompt_logprobs"]
     assert first is None and len(rest) >= 4
     assert all(e["logprob"] <= 0 and len(e["top"]) == 2 for e in rest)
+
+
+def test_generate_reads_and_writes_its_prompt_rows_in_a_file(capsys, tmp_path):
+    """A second command that asks about the same text reads its rows from the first one's
+    file: the same answer as without the file, its prompt all but the question's tokens."""
+    import json
+
+    text = "Here is a list of fruits: apple, banana, cherry, damson, elderberry, fig, grape. "
+    argv = ["--max-new-tokens", "8", "--json", "--no-chat", "--method", "suffix"]
+    cache = ["--prompt-cache-file", str(tmp_path / "rows.safetensors")]
+    assert main(["generate", text + "The third one is"] + argv + cache + ["--compare"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["stats"]["cached_tokens"] == first["compare"]["ar_cached_tokens"] == 0
+    assert main(["generate", text + "The last one is"] + argv + cache + ["--compare"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert main(["generate", text + "The last one is"] + argv) == 0
+    assert second["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    assert second["compare"]["identical"]
+    from specdecode.api import encode_prompt
+    from specdecode.models.loading import load_model
+
+    tokenizer = load_model().tokenizer
+    asked, asked_again = (encode_prompt(tokenizer, text + end, chat=False)
+                          for end in ("The third one is", "The last one is"))
+    shared = next(i for i, (a, b) in enumerate(zip(asked, asked_again)) if a != b)
+    assert second["stats"]["cached_tokens"] == second["compare"]["ar_cached_tokens"] == shared

@@ -299,3 +299,57 @@ def test_a_file_that_cannot_be_written_is_logged_and_shutdown_goes_on(gguf_path,
     with serve_file(gguf_path, tokenizer, blocked / "prompts.safetensors") as served:
         chat(served.url, messages)
     assert "could not be written" in caplog.text
+
+
+# ---- a Decoder's rows in a file: generate --prompt-cache-file ------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "suffix"])
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_decoder_reads_an_earlier_processs_rows_from_the_file(gguf_path, tmp_path, method,
+                                                                options):
+    from specdecode.api import Decoder
+
+    def decoder(reuse=True):  # a new runner each time: what another process starts with
+        runner = LlamaRunner.from_gguf(gguf_path, "int4", max_context=448)
+        return Decoder(runner, None, method, eos_token_ids=[], reuse_prompt=reuse)
+
+    context = [(7 * i) % 90 + 3 for i in range(150)]
+    asked, asked_again = context + [5, 6, 7], context + [8, 9]
+    cache_file = tmp_path / "rows.safetensors"
+    first = decoder()
+    answer = first.start(asked, 16, chat=False, **options).run()
+    assert first.save_prompt_cache(cache_file) == len(asked) + len(answer) - 1
+    want = [decoder(reuse=False).start(ids, 16, chat=False, **options).run()
+            for ids in (asked_again, asked)]
+    for ids, expected in zip((asked_again, asked), want):
+        later = decoder()
+        assert later.load_prompt_cache(cache_file, ids) == len(asked) + len(answer) - 1
+        generation = later.start(ids, 16, chat=False, **options)
+        assert generation.run() == expected
+        assert generation.stats.cached_tokens == common_start(ids, asked + answer, len(ids) - 1)
+
+
+def common_start(a, b, limit):
+    n = 0
+    while n < min(len(a), len(b), limit) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_decoder_reads_no_rows_written_for_other_weights_or_missing(gguf_path, model,
+                                                                      tmp_path, caplog):
+    from specdecode.api import Decoder
+
+    cache_file = tmp_path / "rows.safetensors"
+    int8 = Decoder(LlamaRunner.from_gguf(gguf_path, "int8", max_context=448), None, "ar",
+                   eos_token_ids=[])
+    assert int8.load_prompt_cache(cache_file) == 0  # no file yet
+    int8.start([5] * 80, 4, chat=False).run()
+    assert int8.save_prompt_cache(cache_file) == 83
+    int4 = Decoder(LlamaRunner.from_gguf(gguf_path, "int4", max_context=448), None, "ar",
+                   eos_token_ids=[])
+    assert int4.load_prompt_cache(cache_file) == 0 and "written for other weights" in caplog.text
+    in_memory = Decoder(LlamaRunner.from_transformers(model, "int4", max_context=448), None, "ar",
+                        eos_token_ids=[])
+    with pytest.raises(SpecDecodeError, match="--prompt-cache-file"):
+        in_memory.save_prompt_cache(cache_file)

@@ -18,6 +18,7 @@ everything else to the method's frozen config.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from specdecode.engine import Generation, GenerationStats, TokenLogprob, check_i
 from specdecode.errors import SpecDecodeError, require
 from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
+from specdecode.models.kv_cache import common_prefix, held_ids
+from specdecode.models.prompt_cache_file import PromptCacheFile, rows_key
 from specdecode.sampling import SamplingParams
 from specdecode.sizing import method_sizing
 
@@ -272,6 +275,37 @@ class Decoder:
         fim = fim_tokens(self.tokenizer)
         ends = self.eos_token_ids + [e for e in fim.ends if e not in self.eos_token_ids]
         return fim.prompt(self.tokenizer, prefix, suffix), ends
+
+    def save_prompt_cache(self, path: str | os.PathLike) -> int:
+        """Write the rows the runner holds (the last request's prompt and answer, which
+        ``reuse_prompt`` reuses in this process) to the safetensors file ``path`` in place of
+        what it held, for :meth:`load_prompt_cache` in a later process; the tokens written (a
+        failed write is logged, not raised). A SpecDecodeError where the rows cannot be kept:
+        only the native runner's int4 and int8 weights read from a model file keep them."""
+        ids = self.runner.held_tokens()
+        file = PromptCacheFile(path, rows_key(self.runner))
+        file.write([(ids, self.runner.saved_rows(len(ids)))] if len(ids) else [])
+        return len(ids)
+
+    def load_prompt_cache(self, path: str | os.PathLike, prompt=None, chat: bool = True) -> int:
+        """Hold the rows the file ``path`` keeps (written by :meth:`save_prompt_cache`, or by a
+        server's ``--prompt-cache-file``, for the same weights file, format and kernels), so
+        that a next prompt starting with their tokens prefills only what follows, with bitwise
+        the same answer (``reuse_prompt`` on). Of several entries, the one that shares the
+        longest start with ``prompt`` (as :meth:`start` encodes it; None: the most recent).
+        The tokens held: 0 where the file is missing, or unreadable or written for other rows
+        (a warning says which)."""
+        entries = PromptCacheFile(path, rows_key(self.runner)).read()
+        if not entries:
+            return 0
+        ids, rows = entries[-1]
+        if prompt is not None:
+            wanted = held_ids(self.encode(prompt, chat))
+            ids, rows = max(reversed(entries), key=lambda entry: common_prefix(entry[0], wanted))
+        length = min(len(ids), self.runner.max_context)
+        self.runner.load_rows(rows, length)
+        self.runner.note_held(ids[:length])
+        return length
 
     def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
                stop: Sequence[str] = (), **sampling) -> TextStream:

@@ -66,18 +66,27 @@ def constraint_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, result) -> dict:
-    """``generate --compare``: the same request decoded by ``ar``, beside ``result``."""
+#: prompt tokens the warm-up forward of ``generate`` runs
+WARM_UP_TOKENS = 128
+
+
+def _compare_with_ar(args, runner, tokenizer, eos, chat: bool, sampling: dict, result,
+                     ids: list[int]) -> dict:
+    """``generate --compare``: the same request decoded by ``ar``, beside ``result``: its
+    prompt prefilled and timed too, after the rows of ``--prompt-cache-file`` where given."""
     from specdecode.api import Decoder
     from specdecode.agreement import token_agreement
 
-    reference = Decoder(runner, tokenizer, "ar", eos, reuse_prompt=False)  # its prompt timed too
+    reference = Decoder(runner, tokenizer, "ar", eos, reuse_prompt=False)
+    if args.prompt_cache_file:  # else it would reuse the rows the method's request left
+        reference.reuse_prompt = reference.load_prompt_cache(args.prompt_cache_file, ids) > 0
     ar = reference.generate(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
     speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
     return {
         "ar_token_ids": ar.token_ids,
         "ar_tokens_per_s": round(ar.stats.tokens_per_s, 3),
         "ar_mean_accepted": round(ar.stats.mean_accepted, 4),
+        "ar_cached_tokens": ar.stats.cached_tokens,
         "speedup": round(speedup, 3),
         "identical": ar.token_ids == result.token_ids,
         "token_agreement": round(token_agreement(result.token_ids, ar.token_ids), 4),
@@ -116,9 +125,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = Decoder(runner, tokenizer, method.name, eos, draft_budget=args.draft_budget,
                       **dataclasses.asdict(config))
     chat = not args.no_chat
-    # warm-up: the first forward of a process pays one-off costs; keep them out of the timing
-    decoder.runner.prefill(decoder.encode(args.prompt, chat) if args.suffix is None
-                           else decoder.fill_in(args.prompt, args.suffix)[0])
+    # warm-up: the first forward of a process pays one-off costs (threads, the weights' first
+    # reads); keep them out of the timing. A block of the prompt runs every layer; the whole
+    # of a long prompt would double its prefill (a 1,521-token one: 16 s more on the 1.5B)
+    ids = (decoder.encode(args.prompt, chat) if args.suffix is None
+           else decoder.fill_in(args.prompt, args.suffix)[0])
+    decoder.runner.prefill(ids[:WARM_UP_TOKENS])
+    cache_file = args.prompt_cache_file
+    if cache_file:
+        decoder.load_prompt_cache(cache_file, ids)
 
     stream = decoder.stream(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
     for piece in stream:
@@ -127,31 +142,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = stream.result
     out = result.as_dict()
     out["load_s"] = round(load_s, 4)  # the model's header, tokenizer and weights
-    if args.compare:
-        out["compare"] = _compare_with_ar(args, runner, tokenizer, eos, chat, sampling, result)
+    if args.compare:  # from the file's rows too, so written after it
+        out["compare"] = _compare_with_ar(args, runner, tokenizer, eos, chat, sampling, result, ids)
+    if cache_file:
+        decoder.save_prompt_cache(cache_file)
     if args.json:
         out.pop("finish_reason")
         print(json.dumps(out))
         return 0
-    s = result.stats
+    print_summary(method, result.stats, out.get("compare"), sampling["temperature"] > 0,
+                  cache_file, len(ids))
+    return 0
+
+
+def print_summary(method, s, c: dict | None, sampled: bool, cache_file: str | None,
+                  prompt_tokens: int) -> None:
+    """``generate``'s lines after the answer: the method's stats (``s``), where the prompt came
+    from with a cache file, and ``--compare``'s ``ar`` beside it (``c``)."""
     if method.lossy:
         print(f"\n[{method.name}] lossy: this output differs from plain decoding's on purpose "
               "(docs/lossy.md)", end="")
     print(f"\n[{method.name}] {s.new_tokens} new tokens, {s.target_forwards} target forwards, "
           f"mean accepted {s.mean_accepted:.2f}, {s.tokens_per_s:.1f} tokens/s")
-    if args.compare:
-        c = out["compare"]
-        if sampling["temperature"] > 0:
-            # sampled: equal tokens are guaranteed only for drafts without probabilities at the
-            # same seed; otherwise both are exact samples of one distribution
-            same = "yes" if c["identical"] else "no (expected when drafts carry probabilities)"
-        else:
-            same = "yes" if c["identical"] else "NO"
-        if method.lossy:
-            same = f"{c['token_agreement']:.0%} of positions agree"
-        print(f"[ar] {c['ar_tokens_per_s']:.1f} tokens/s, mean accepted "
-              f"{c['ar_mean_accepted']:.2f}; speedup {c['speedup']:.2f}x; tokens identical: {same}")
-    return 0
+    if cache_file:
+        print(f"[prompt] {s.cached_tokens} of {prompt_tokens} tokens from {cache_file}, the rest "
+              f"read in {s.prefill_s:.2f} s")
+    if c is None:
+        return
+    if sampled:
+        # sampled: equal tokens are guaranteed only for drafts without probabilities at the
+        # same seed; otherwise both are exact samples of one distribution
+        same = "yes" if c["identical"] else "no (expected when drafts carry probabilities)"
+    else:
+        same = "yes" if c["identical"] else "NO"
+    if method.lossy:
+        same = f"{c['token_agreement']:.0%} of positions agree"
+    print(f"[ar] {c['ar_tokens_per_s']:.1f} tokens/s, mean accepted "
+          f"{c['ar_mean_accepted']:.2f}; speedup {c['speedup']:.2f}x; tokens identical: {same}")
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -211,6 +238,10 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
                           "no chat template)")
     gen.add_argument("-c", "--config", action="append", default=[], metavar="KEY=VALUE",
                      help="method config field (repeatable), e.g. -c num_speculative_tokens=5")
+    gen.add_argument("--prompt-cache-file", default=None, metavar="PATH",
+                     help="read the prompt rows PATH keeps, so that a prompt starting with "
+                          "their tokens prefills only what follows, and write this prompt's "
+                          "and answer's rows to it (the native runner's int4 and int8 only)")
     add_model_arguments(gen)
     add_draft_budget_argument(gen)
     add_sampling_arguments(gen)

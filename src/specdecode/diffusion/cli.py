@@ -43,6 +43,8 @@ def generate(args: argparse.Namespace, config: dict, options: dict, load_target)
     require(args.prompt.strip() != "", "the prompt is empty; give some text")
     require(args.method is None, "--diffusion decodes without a speculative method; drop --method")
     require(args.suffix is None, "--diffusion does not fill in a middle; drop --suffix")
+    require(args.prompt_cache_file is None,
+            "--diffusion keeps no prompt rows; drop --prompt-cache-file")
     sampling = SamplingParams(**sampling_options(args))
     require(sampling.greedy, "diffusion decoding is greedy here; drop --temperature")
     require(not sampling.adjusts_logits, "diffusion decoding takes no penalties or logit bias "

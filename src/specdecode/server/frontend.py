@@ -31,7 +31,7 @@ from specdecode.server.harmony import Harmony, harmony_of, in_final_message
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
-from specdecode.server.prompt_cache_file import PromptCacheFile, rows_key
+from specdecode.models.prompt_cache_file import PromptCacheFile, rows_key
 from specdecode.server.protocol import ApiError, ChatRequest, SamplingFields, now
 from specdecode.server.reasoning import Thinking, left_open, thinking_of
 from specdecode.server.scheduler import Scheduler, SequenceSpec

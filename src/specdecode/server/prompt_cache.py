@@ -16,7 +16,8 @@ and SGLang's RadixAttention share prefixes across requests. Here, two levels:
   one extends is dropped (the longer one serves every prompt the shorter one served).
 
 At least the prompt's last token is always prefilled: its logits give the first new token.
-With a file (:mod:`.prompt_cache_file`), the store and the slots' rows outlive the process.
+With a file (:mod:`specdecode.models.prompt_cache_file`), the store and the slots' rows outlive
+the process.
 
 Exactness: only a runner whose prompt rows are bitwise the rows its decode steps write reuses
 rows (:attr:`~specdecode.models.base.Runner.reuses_prefix`: the native runner's int4 and int8
@@ -36,7 +37,7 @@ import numpy as np
 from specdecode.models.base import Runner
 from specdecode.models.kv_cache import common_prefix
 from specdecode.server.metrics import Metrics
-from specdecode.server.prompt_cache_file import PromptCacheFile
+from specdecode.models.prompt_cache_file import PromptCacheFile
 
 #: rows worth copying into the store: a shorter prefix is prefilled again in a moment
 MIN_SAVED_TOKENS = 64

@@ -1,13 +1,15 @@
-"""The prompt cache kept across restarts (``serve --prompt-cache-file PATH``): on shutdown the
-store's entries and the slots' own rows are written to one safetensors file, and on start they
-are read back, so that an agent's long system prompt and tool definitions (Claude Code's are
-about 19,000 tokens, minutes of prefill on two cores) are not prefilled again after a restart.
+"""Prompt rows kept in a file, so that a long prompt is not prefilled again by the next process:
+the server's prompt cache across restarts (``serve --prompt-cache-file PATH``: on shutdown the
+store's entries and the slots' own rows, read back at start) and a command's or a
+:class:`~specdecode.api.Decoder`'s last prompt and answer (``generate --prompt-cache-file PATH``,
+``Decoder.save_prompt_cache`` / ``load_prompt_cache``). An agent's long system prompt (Claude
+Code's is about 19,000 tokens) or a file asked about again costs minutes of prefill on two cores.
 
-The rows are reused only where they are bitwise what this server would write: the file names
+The rows are reused only where they are bitwise what this runner would write: the file names
 the weights file (path, size, modification time), the weight format, the kernels' build and the
 KV cache's layout it was written with (:func:`rows_key`), and a file written under anything
-else is not read (a warning; the next shutdown writes over it). A file that cannot be read is
-left out the same way: the cache changes when, never what.
+else is not read (a warning; the next write replaces it). A file that cannot be read is left
+out the same way: the cache changes when, never what.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Runner
 from specdecode.models.kv_cache import SavedRows
 
-log = logging.getLogger("specdecode.server")
+log = logging.getLogger(__name__)
 
 
 def rows_key(runner: Runner) -> str:
@@ -33,9 +35,10 @@ def rows_key(runner: Runner) -> str:
     cost = runner.cost_key()
     if cost is None or not runner.reuses_prefix:
         raise SpecDecodeError(
-            "--prompt-cache-file keeps the rows of the native runner's int4 or int8 weights read "
-            "from a model file (--model a GGUF file or a named model); this runner's "
-            f"({runner.name}) rows cannot be kept: drop --prompt-cache-file")
+            "a prompt cache file (--prompt-cache-file, Decoder.save_prompt_cache) keeps the rows "
+            "of the native runner's int4 or int8 weights read from a model file (--model a GGUF "
+            f"file or a named model); this runner's ({runner.name}) rows cannot be kept: drop "
+            "--prompt-cache-file")
     empty = runner.saved_rows(0)
     return (f"{cost} keys {tuple(empty.keys.shape)} {empty.keys.dtype} "
             f"values {tuple(empty.values.shape)} {empty.values.dtype}")
@@ -58,7 +61,7 @@ class PromptCacheFile:
                 meta = file.metadata() or {}
                 if meta.get("key") != self.key:
                     log.warning("prompt cache %s was written for other weights, kernels or "
-                                "cache layout; starting without it", self.path)
+                                "cache layout; going on without it", self.path)
                     return []
                 entries = []
                 for i in range(int(meta["entries"])):
@@ -66,7 +69,7 @@ class PromptCacheFile:
                     entries.append((ids, SavedRows(file.get_tensor(f"{i}.keys"),
                                                    file.get_tensor(f"{i}.values"), len(ids))))
         except (OSError, SafetensorError, KeyError, ValueError) as exc:
-            log.warning("prompt cache %s could not be read (%s); starting without it",
+            log.warning("prompt cache %s could not be read (%s); going on without it",
                         self.path, exc)
             return []
         log.info("loaded %d prompt cache entries (%d tokens) from %s", len(entries),
@@ -89,7 +92,7 @@ class PromptCacheFile:
             save_file(tensors, str(temporary), metadata={"key": self.key,
                                                          "entries": str(len(entries))})
             os.replace(temporary, self.path)
-        except OSError as exc:  # shutdown goes on: the cache is lost, not the server's state
+        except OSError as exc:  # the caller goes on: the cache is lost, not its state
             log.error("prompt cache could not be written to %s: %s", self.path, exc)
             return
         log.info("saved %d prompt cache entries (%d tokens) to %s", len(entries),
