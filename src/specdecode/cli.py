@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -133,6 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder.runner.prefill(ids[:WARM_UP_TOKENS])
     cache_file = args.prompt_cache_file
     if cache_file:
+        logging.basicConfig(format="specdecode: %(message)s")
         decoder.load_prompt_cache(cache_file, ids)
 
     stream = decoder.stream(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
@@ -144,14 +146,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out["load_s"] = round(load_s, 4)  # the model's header, tokenizer and weights
     if args.compare:  # from the file's rows too, so written after it
         out["compare"] = _compare_with_ar(args, runner, tokenizer, eos, chat, sampling, result, ids)
-    if cache_file:
-        decoder.save_prompt_cache(cache_file)
     if args.json:
         out.pop("finish_reason")
         print(json.dumps(out))
-        return 0
-    print_summary(method, result.stats, out.get("compare"), sampling["temperature"] > 0,
-                  cache_file, len(ids))
+    else:
+        print_summary(method, result.stats, out.get("compare"), sampling["temperature"] > 0,
+                      cache_file, len(ids))
+    if cache_file:  # a file that cannot be read or written is a warning, after the answer
+        logging.basicConfig(format="specdecode: %(message)s")
+        decoder.save_prompt_cache(cache_file)
     return 0
 
 
