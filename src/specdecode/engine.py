@@ -121,13 +121,16 @@ def check_request(runner: Runner, prompt_ids: Sequence[int], max_new_tokens: int
     require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
             and max_new_tokens > 0,
             f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    # the native runner holds min(the model's context, 4096) positions unless told more
+    larger = ("shorten the prompt, or load the model with more positions (--max-context N, "
+              "max_context=N: up to its context length)")
     require(len(prompt_ids) < runner.max_context,
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is "
-            f"{runner.max_context}; shorten the prompt")
+            f"the prompt has {len(prompt_ids)} tokens but the runner holds "
+            f"{runner.max_context} positions; {larger}")
     require(len(prompt_ids) + max_new_tokens <= runner.max_context,
             f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {runner.max_context} tokens; lower max_new_tokens "
-            f"to at most {runner.max_context - len(prompt_ids)}")
+            f"exceeds the runner's {runner.max_context} positions; lower max_new_tokens "
+            f"to at most {runner.max_context - len(prompt_ids)}, or {larger}")
     check_ids(prompt_ids, runner.vocab_size, "prompt token ids")
 
 
