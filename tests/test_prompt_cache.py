@@ -319,6 +319,7 @@ def test_a_decoder_reads_an_earlier_processs_rows_from_the_file(gguf_path, tmp_p
     first = decoder()
     answer = first.start(asked, 16, chat=False, **options).run()
     assert first.save_prompt_cache(cache_file) == len(asked) + len(answer) - 1
+    assert decoder().save_prompt_cache(cache_file) == 0  # holds nothing: the file stays
     want = [decoder(reuse=False).start(ids, 16, chat=False, **options).run()
             for ids in (asked_again, asked)]
     for ids, expected in zip((asked_again, asked), want):

@@ -280,11 +280,14 @@ class Decoder:
         """Write the rows the runner holds (the last request's prompt and answer, which
         ``reuse_prompt`` reuses in this process) to the safetensors file ``path`` in place of
         what it held, for :meth:`load_prompt_cache` in a later process; the tokens written (a
-        failed write is logged, not raised). A SpecDecodeError where the rows cannot be kept:
-        only the native runner's int4 and int8 weights read from a model file keep them."""
-        ids = self.runner.held_tokens()
+        failed write is logged, not raised; where the runner holds no known rows, as after a
+        lossy method's request, the file is left as it was). A SpecDecodeError where the rows
+        cannot be kept: only the native runner's int4 and int8 weights read from a model file
+        keep them."""
         file = PromptCacheFile(path, rows_key(self.runner))
-        file.write([(ids, self.runner.saved_rows(len(ids)))] if len(ids) else [])
+        ids = self.runner.held_tokens()
+        if len(ids):
+            file.write([(ids, self.runner.saved_rows(len(ids)))])
         return len(ids)
 
     def load_prompt_cache(self, path: str | os.PathLike, prompt=None, chat: bool = True) -> int:

@@ -134,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder.runner.prefill(ids[:WARM_UP_TOKENS])
     cache_file = args.prompt_cache_file
     if cache_file:
-        logging.basicConfig(format="specdecode: %(message)s")
+        logging.basicConfig(format="specdecode: %(message)s")  # the file's warnings
         decoder.load_prompt_cache(cache_file, ids)
 
     stream = decoder.stream(args.prompt, args.max_new_tokens, chat, args.stop, **sampling)
@@ -152,8 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print_summary(method, result.stats, out.get("compare"), sampling["temperature"] > 0,
                       cache_file, len(ids))
-    if cache_file:  # a file that cannot be read or written is a warning, after the answer
-        logging.basicConfig(format="specdecode: %(message)s")
+    if cache_file:  # a file that cannot be written is a warning, after the answer
         decoder.save_prompt_cache(cache_file)
     return 0
 
