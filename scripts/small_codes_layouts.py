@@ -2,11 +2,13 @@
 
     PYTHONPATH=src python scripts/small_codes_layouts.py                   # qwen2.5-coder-1.5b
     PYTHONPATH=src python scripts/small_codes_layouts.py --model qwen2.5-coder-0.5b --rows 1 4 16
+    PYTHONPATH=src python scripts/small_codes_layouts.py --model q5km.gguf    # a Q5_K_M file
 
-Every weight matrix of the file in Q6_K, Q5_0, Q5_1 or MXFP4 (the token embedding aside: it is
-read by row) is built twice from the same blocks: ``Int8BlockLinear``, which holds it in the
-file's own bytes (kernels/small_codes.h: 0.83 bytes a weight for Q6_K, 0.69-0.75 for the
-five-bit types), and block int8 (kernels/q8_blocks.h: 1.25, 1.06-1.13). The five-bit types
+Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4 or Q5_K (the token embedding aside:
+it is read by row) is built twice from the same blocks: ``Int8BlockLinear``, which holds it in
+the file's own bytes (kernels/small_codes.h: 0.83 bytes a weight for Q6_K, 0.69-0.75 for the
+five-bit types, 0.875 for Q5_K with its float32 scales where AVX2 is the CPU's best), and block
+int8 (kernels/q8_blocks.h: 1.25, 1.06-1.13, 1.25). The five-bit types
 compute the same bits in both (asserted here as well); Q6_K folds its sub-block scales in
 integers in its own layout, against block int8's float fold per 16 inputs. Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
@@ -26,7 +28,7 @@ from specdecode.models.gguf_reader import GGUFFile
 from specdecode.models.int8_blocks import Int8BlockLinear
 from specdecode.models.loading import NAMED_MODELS
 
-TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4")
+TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4", "Q5_K")
 
 
 class BlockInt8:
@@ -43,11 +45,11 @@ class BlockInt8:
         return kernels.q8_linear(x, self.packed, group, minimum, half, n)
 
 
-def layouts(path) -> tuple[list, list, dict]:
+def layouts(path, kinds=TYPES) -> tuple[list, list, dict]:
     file = GGUFFile(path)
     own, block, types = [], [], {}
     for name, entry in file.entries.items():
-        if entry.qtype in TYPES and len(entry.shape) == 2 and "embed_tokens" not in name:
+        if entry.qtype in kinds and len(entry.shape) == 2 and "embed_tokens" not in name:
             weight = file.read_blocks(name)
             own.append(Int8BlockLinear(weight))
             block.append(BlockInt8(weight, own[-1]))
@@ -69,9 +71,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES,
+                        help="the block types whose matrices are timed (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    own, block, types = layouts(NAMED_MODELS[args.model]() if args.model in NAMED_MODELS else args.model)
+    own, block, types = layouts(NAMED_MODELS[args.model]() if args.model in NAMED_MODELS
+                                else args.model, args.types)
     if not own:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):

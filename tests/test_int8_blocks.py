@@ -145,27 +145,34 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
     assert torch.allclose(outs[0].double(), xe.double() @ w.double().T, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype,layout,bytes_a_weight", [("Q5_0", "five_bit", 352 / 512),
-                                                         ("Q5_1", "five_bit", 384 / 512),
-                                                         ("MXFP4", "five_bit", 352 / 512)])
-def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, layout, bytes_a_weight):
+@pytest.mark.parametrize("qtype,half,bytes_a_weight", [("Q5_0", True, 352 / 512),
+                                                       ("Q5_1", True, 384 / 512),
+                                                       ("MXFP4", True, 352 / 512),
+                                                       ("Q5_K", False, 448 / 512)])
+def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, half, bytes_a_weight):
     # a matrix of 5-bit codes held in the file's own bytes computes block int8's numbers
-    # (1.06-1.13 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
+    # (1.06-1.25 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
     # tiles decoded once from there), every position, every instruction set; 5 column tiles, so
-    # the decoded tiles' last pair is one tile
+    # the decoded tiles' last pair is one tile. Q5_K's scales d * sc are not float16 numbers:
+    # float32 (five_bit32), on AVX2 and the portable kernel (AVX-512 CPUs run AVX2's)
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
-    layer = Int8BlockLinear(weight)
-    assert layer.layout == layout
-    assert layer.nbytes == 80 * 512 * bytes_a_weight
-    group, minimum, half = weight.group, weight.minimum is not None, layer.half
+    layout = "five_bit" if half else "five_bit32"
+    packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum, half=half)
+    assert packed.numel() == 80 * 512 * bytes_a_weight
+    group, minimum = weight.group, weight.minimum is not None
     block = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, group, half)
-    assert layer.nbytes / block.numel() < 0.7
+    assert packed.numel() / block.numel() <= 0.7
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
+    code = kernels.SMALL_CODES_LAYOUTS[layout]
     for isa in isas(ext):
         got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, layer.packed, 1, minimum, None, 72, isa), x)
+            lambda rows: ext.small_codes_linear(rows, packed, code, minimum, None, 72, isa), x)
         assert torch.equal(got, expected), isa
+    # the loader's choice: float32 scales stay block int8 where VNNI takes many rows faster
+    layer = Int8BlockLinear(weight)
+    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+    assert layer.layout == (layout if half or avx2 else "block")
     assert torch.equal(layer(x), expected)
 
 
@@ -325,7 +332,8 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"0 \(Q6_K\) or 1 \(five-bit codes\), not 7"):
+    with pytest.raises(RuntimeError, match=r"1 \(five-bit codes\) or 2 \(five-bit codes, "
+                                           r"float32 scales\), not 7"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K layout has no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)

@@ -195,23 +195,25 @@ def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
                            super_scale.to(torch.float16).contiguous())
 
 
-def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
-    """Block int8 weights in groups of 32 with float16 scales (and minimums) whose codes fit in
-    5 bits (-16..15 without minimums, 0..31 with: GGUF Q5_0, Q5_1, MXFP4) -> uint8 [N / 16,
-    K / 32, 352 or 384]: per tile and group, eight 64-byte slices of u = code + 16 (+ 0 with
-    minimums) in VPDPBUSD's order stored as the nibbles of slices 2i and 2i + 1, then their
-    fifth bits (slice j's at bit j), then the 16 scales and minimums as float16
-    (kernels/small_codes.h)."""
+def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                  half: bool = True) -> torch.Tensor:
+    """Block int8 weights in groups of 32 whose codes fit in 5 bits (-16..15 without minimums,
+    0..31 with: GGUF Q5_0, Q5_1, MXFP4; Q5_K with ``half`` False) -> uint8 [N / 16, K / 32,
+    320 + 32 (64) x (1 or 2)]: per tile and group, eight 64-byte slices of u = code + 16 (+ 0
+    with minimums) in VPDPBUSD's order stored as the nibbles of slices 2i and 2i + 1, then their
+    fifth bits (slice j's at bit j), then the 16 scales and minimums as float16 (``half``; as
+    float32 where they are not float16 numbers: the ``five_bit32`` layout) (kernels/small_codes.h)."""
     n, k = codes.shape
     require(k % 32 == 0 and tuple(scale.shape) == (n, k // 32),
             f"five-bit weights: codes [N, a multiple of 32] with scales [N, K / 32], got "
             f"{tuple(codes.shape)}, {tuple(scale.shape)}")
-    return load().pack_five_bit(codes.to(torch.int8).contiguous(), scale.to(torch.float16).contiguous(),
-                                None if minimum is None else minimum.to(torch.float16).contiguous())
+    dtype = torch.float16 if half else torch.float32
+    return load().pack_five_bit(codes.to(torch.int8).contiguous(), scale.to(dtype).contiguous(),
+                                None if minimum is None else minimum.to(dtype).contiguous())
 
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
-SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1}
+SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):

@@ -263,21 +263,23 @@ at::Tensor pack_q6k(const at::Tensor& codes, const at::Tensor& sub_scale, const 
 }
 
 // Weights of codes that fit in 5 bits (int8 [N, K]; -16..15 without minimums, 0..31 with) with
-// float16 scales (and minimums) [N, K / 32] -> kernels.pack_five_bit's layout uint8 [N / 16,
-// K / 32, 352 or 384] (see its docstring); rows past the last are zero bytes.
+// float16 or float32 scales (and minimums, the same type) [N, K / 32] -> kernels.pack_five_bit's
+// layout uint8 [N / 16, K / 32, 320 + 16 x the scale's bytes x (1 or 2)] (see its docstring);
+// rows past the last are zero bytes.
 at::Tensor pack_five_bit(const at::Tensor& codes, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& minimum) {
   const int64_t n = codes.size(0), k = codes.size(1), groups = k / 32, tiles = (n + 15) / 16;
   const bool with_min = minimum.has_value();
+  const auto type = scale.scalar_type();
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
-                  scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
-                  (!with_min || (minimum->scalar_type() == at::kHalf && minimum->is_contiguous())),
-              "pack_five_bit: contiguous codes int8, scales and minimums float16");
-  const int64_t width = 320 + 32 * (with_min ? 2 : 1);
+                  (type == at::kHalf || type == at::kFloat) && scale.is_contiguous() &&
+                  (!with_min || (minimum->scalar_type() == type && minimum->is_contiguous())),
+              "pack_five_bit: contiguous codes int8, scales and minimums both float16 or float32");
+  const int64_t size = scale.element_size(), width = 320 + 16 * size * (with_min ? 2 : 1);
   at::Tensor packed = at::zeros({tiles, groups, width}, at::kByte);
   const int8_t* q = codes.data_ptr<int8_t>();
-  const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale.data_ptr<at::Half>());
-  const uint8_t* mn = with_min ? reinterpret_cast<const uint8_t*>(minimum->data_ptr<at::Half>()) : nullptr;
+  const uint8_t* sc = reinterpret_cast<const uint8_t*>(scale.data_ptr());
+  const uint8_t* mn = with_min ? reinterpret_cast<const uint8_t*>(minimum->data_ptr()) : nullptr;
   const int offset = with_min ? 0 : 16;
   each_column_of_blocks(packed.data_ptr<uint8_t>(), tiles, groups, width,
                         [&](uint8_t* block, int64_t row, int64_t g, int c) {
@@ -295,8 +297,8 @@ at::Tensor pack_five_bit(const at::Tensor& codes, const at::Tensor& scale,
       block[256 + at] = top;
     }
     if (!real) return;
-    std::memcpy(block + 320 + 2 * c, sc + (row * groups + g) * 2, 2);
-    if (with_min) std::memcpy(block + 352 + 2 * c, mn + (row * groups + g) * 2, 2);
+    std::memcpy(block + 320 + size * c, sc + (row * groups + g) * size, size);
+    if (with_min) std::memcpy(block + 320 + 16 * size + size * c, mn + (row * groups + g) * size, size);
   });
   return packed;
 }

@@ -3,7 +3,7 @@
 // Included once by cpu_kernels.cpp, after q8_blocks.h, whose activation quantisers and kernel
 // it uses.
 //
-// Two layouts:
+// Three layouts:
 // - FIVE_BIT: block int8 in groups of 32 with float16 scales (and minimums) whose codes fit in 5
 //   bits (-16..15 without minimums, 0..31 with): GGUF Q5_0, Q5_1 and MXFP4, in 0.69 (0.75) bytes
 //   a weight instead of 1.06 (1.13). Block int8's numbers: per row, column and group the exact
@@ -30,7 +30,11 @@
 // - Q6K: GROUPS = 16 of G = 16, TOP = 2: 16 x 192 bytes, the groups' sc (16 x 16 bytes, group
 //   major), the columns' d (float16), 32 bytes of padding: B = 3392, 53 cache lines;
 // - FIVE_BIT: GROUPS = 1 of G = 32, TOP = 1: 320 bytes, the columns' scales (float16), their
-//   minimums (float16) if any: B = 352 or 384.
+//   minimums (float16) if any: B = 352 or 384;
+// - FIVE_BIT32: FIVE_BIT with float32 scales and minimums (GGUF Q5_K: d * sc and dmin * m have
+//   up to 17 significant bits): B = 384 or 448, 0.875 bytes a weight against block int8's 1.25,
+//   block int8's numbers; on AVX2 and the portable kernel (AVX-512 CPUs run the AVX2 one, and
+//   the loader keeps block int8 there, whose VNNI kernels take many rows faster).
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 
@@ -69,7 +73,7 @@ static inline float half_at(const uint8_t* at, int c) {
 // computes block int8's numbers
 struct Q6K {
   static constexpr int G = 16, TOP = 2, GROUPS = 16, OFFSET = 32;
-  static constexpr bool SUPER = true;
+  static constexpr bool SUPER = true, FLOAT32 = false;
   static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
@@ -79,14 +83,32 @@ struct Q6K {
   static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
 };
 
-struct FiveBit {
-  static constexpr int G = 32, TOP = 1, GROUPS = 1;
-  static constexpr bool SUPER = false;
-  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUP_BYTES, MIN_AT = SC_AT + 32;
-  static constexpr int64_t block_bytes(bool minimum) { return MIN_AT + (minimum ? 32 : 0); }
-  static inline float scale(const uint8_t* block, int, int c) { return half_at(block + SC_AT, c); }
-  static inline float minimum(const uint8_t* block, int, int c) { return half_at(block + MIN_AT, c); }
+// column c's float32 number at `at`
+static inline float float_at(const uint8_t* at, int c) {
+  float f;
+  std::memcpy(&f, at + 4 * c, 4);
+  return f;
+}
+
+// F32: the scales and minimums as float32 (FIVE_BIT32: Q5_K's d * sc and dmin * m, which are
+// not float16 numbers), else float16
+template <bool F32>
+struct FiveBitScales {
+  static constexpr int G = 32, TOP = 1, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2;
+  static constexpr bool SUPER = false, FLOAT32 = F32;
+  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUP_BYTES,
+                       MIN_AT = SC_AT + 16 * SCALE_BYTES;
+  static constexpr int64_t block_bytes(bool minimum) {
+    return MIN_AT + (minimum ? 16 * SCALE_BYTES : 0);
+  }
+  static inline float number(const uint8_t* at, int c) {
+    return F32 ? float_at(at, c) : half_at(at, c);
+  }
+  static inline float scale(const uint8_t* block, int, int c) { return number(block + SC_AT, c); }
+  static inline float minimum(const uint8_t* block, int, int c) { return number(block + MIN_AT, c); }
 };
+using FiveBit = FiveBitScales<false>;
+using FiveBit32 = FiveBitScales<true>;
 
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
@@ -185,6 +207,13 @@ static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
   }
 }
 
+// the 8 scales or minimums of half h's columns at `at`, float16 or (FIVE_BIT32) float32
+template <class F>
+static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
+  if constexpr (F::FLOAT32) return _mm256_loadu_ps(reinterpret_cast<const float*>(at) + 8 * h);
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16 * h)));
+}
+
 // R rows x H halves (8 columns each, from half h0) of one column tile, for CPUs without
 // VPDPBUSD: VPMADDUBSW multiplies a slice by four activation bytes a column and adds pairs
 // into 16-bit lanes; CHUNK slices' products are added there exactly (Q6K: u <= 63,
@@ -235,13 +264,13 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
           for (int r = 0; r < R; r++)
             super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
         } else {
-          const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::SC_AT + 16 * half)));
+          const __m256 scale = numbers8_avx2<F>(block + F::SC_AT, half);
           for (int r = 0; r < R; r++) {
             const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + at]));
             acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sd, acc[r][h]);
           }
           if constexpr (MIN) {
-            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + FiveBit::MIN_AT + 16 * half)));
+            const __m256 mn = numbers8_avx2<F>(block + F::MIN_AT, half);
             for (int r = 0; r < R; r++)
               acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][h]);
           }
@@ -780,16 +809,18 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
   if constexpr (is_q6k<F>) {
     if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
     if (a.xu) return q6k_columns_decoded_avx2(a, m, packed, residual, y, n, t0, t1);
-  } else {
+  } else if constexpr (!F::FLOAT32) {
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
   }
-  if (isa >= AVX512) columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-  else if (isa == AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  if constexpr (!F::FLOAT32) {  // FIVE_BIT32 has no AVX-512 kernels: AVX2's run on those CPUs
+    if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  }
+  if (isa >= AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   else columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
 }
 
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
-enum Layout : int64_t { Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1 };
+enum Layout : int64_t { Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2 };
 
 }  // namespace small_codes
 
@@ -799,11 +830,13 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa) {
   using namespace small_codes;
-  TORCH_CHECK(layout == Q6K_LAYOUT || layout == FIVE_BIT_LAYOUT,
-              "small-code layouts: 0 (Q6_K) or 1 (five-bit codes), not ", layout);
-  const bool q6k = layout == Q6K_LAYOUT;
+  TORCH_CHECK(layout == Q6K_LAYOUT || layout == FIVE_BIT_LAYOUT || layout == FIVE_BIT32_LAYOUT,
+              "small-code layouts: 0 (Q6_K), 1 (five-bit codes) or 2 (five-bit codes, float32 "
+              "scales), not ", layout);
+  const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
   TORCH_CHECK(!q6k || !minimum, "the Q6_K layout has no minimums");
-  const int64_t bytes = q6k ? Q6K::block_bytes(false) : FiveBit::block_bytes(minimum);
+  const int64_t bytes = q6k ? Q6K::block_bytes(false)
+                        : f32 ? FiveBit32::block_bytes(minimum) : FiveBit::block_bytes(minimum);
   const int64_t inputs = q6k ? 256 : 32, group = q6k ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
@@ -817,7 +850,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows, or on AVX2
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
-  const bool decoded = !q6k && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
+  const bool decoded = !q6k && !f32 && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
   const bool q6k_decoded = q6k && !amx && isa == AVX2 && m >= Q6K_AVX2_DECODE_MIN_ROWS;
   const int32_t code_offset = q6k ? offset<Q6K>(false) : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
@@ -844,6 +877,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (f32 && minimum) columns<FiveBit32, true>(isa, false, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (f32) columns<FiveBit32, false>(isa, false, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else columns<FiveBit, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
   });

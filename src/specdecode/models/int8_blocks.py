@@ -254,13 +254,18 @@ class Int8BlockLinear:
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
         # the file's own bytes where the codes are 5 or 6 bits (kernels/small_codes.h): a Q6_K
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
-        # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, block int8's numbers
+        # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, and Q5_K (float32 scales)
+        # in 0.875, not 1.25, where AVX2 is the best the CPU has: block int8's numbers
         self.layout = ("q6k" if isinstance(weight, Q6KWeight)
-                       else "five_bit" if self.half and _five_bit_codes(weight) else "block")
+                       else "block" if not _five_bit_codes(weight)
+                       else "five_bit" if self.half
+                       else "five_bit32" if kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+                       else "block")
         if self.layout == "q6k":
             self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
-        elif self.layout == "five_bit":
-            self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum)
+        elif self.layout != "block":
+            self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum,
+                                                half=self.layout == "five_bit")
         else:
             self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
                                                  weight.group, self.half)
