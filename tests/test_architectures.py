@@ -14,6 +14,7 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.kernels import ISA_LEVELS
 from specdecode.models.hf import HFRunner
 from specdecode.models.llama import LlamaRunner
 from specdecode.models.quant import WEIGHT_FORMATS, Q4Weight
@@ -178,11 +179,19 @@ def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | None = None) -> None:
+def random_q5k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q5_K data [rows, cols / 256 * 176]: random codes and 6-bit scales, small float16 d, dmin."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8)
+    blocks[..., 0:4] = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | None = None,
+               q5k: tuple[str, ...] = ()) -> None:
     """``model`` as llama.cpp writes it: Q8_0 embeddings, Q5_0 q/k/v, Q4_K for the matrices
-    named in ``q4k`` (random blocks), Q4_1 for the rest, f32 norms (Gemma's as 1 + w) and
-    biases; ``extra``: more tensors (GGUF name: float32 array). The model's weights become the
-    file's dequantised ones."""
+    named in ``q4k`` and Q5_K for those in ``q5k`` (random blocks), Q4_1 for the rest, f32
+    norms (Gemma's as 1 + w) and biases; ``extra``: more tensors (GGUF name: float32 array).
+    The model's weights become the file's dequantised ones."""
     import gguf
 
     c = model.config
@@ -215,6 +224,8 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | 
                 continue
             if any(part in name for part in q4k):
                 qtype, data = q.Q4_K, random_q4k(*w.shape, rng)
+            elif any(part in name for part in q5k):
+                qtype, data = q.Q5_K, random_q5k(*w.shape, rng)
             else:
                 qtype = (q.Q8_0 if "embed" in name or "lm_head" in name else
                          q.Q5_0 if "self_attn" in name and "o_proj" not in name else q.Q4_1)
@@ -266,6 +277,36 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
     assert (native.prefill(prompt).logits[0] - reference(model, prompt)).abs().max() < 1e-2
     runner = LlamaRunner.from_gguf(path, "int4")
     for prompt in repetitive_prompts()[:3]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
+def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monkeypatch):
+    """A file's Q5_K matrices (float32 scales d * sc) in the five-bit layout, as CPUs whose best
+    is AVX2 hold them, and as block int8, as AVX-512 CPUs do: the same logits, bit for bit,
+    through the layer stack (prefill and a verify chain), and every method's tokens ar's."""
+    from specdecode.models import int8_blocks
+
+    # intermediate 256: the down projection's rows are one Q5_K super-block
+    model = build("qwen2", seed=8, intermediate_size=256)
+    path = tmp_path / "q5k.gguf"
+    write_gguf(model, path, "qwen2", q5k=("down_proj",))
+    runners = {}
+    for layout, level in (("five_bit32", "avx2"), ("block", "avx512")):
+        monkeypatch.setattr(int8_blocks.kernels, "isa", lambda level=level: ISA_LEVELS.index(level))
+        runners[layout] = LlamaRunner.from_gguf(path, "int4")
+        downs = [layer.down.layout for layer in runners[layout].layers]
+        assert downs == [layout] * len(downs)
+    monkeypatch.undo()
+    prompt = repetitive_prompts()[2]
+    outs = []
+    for runner in runners.values():
+        first = runner.prefill(prompt).logits
+        chain = runner.forward(prompt[-1], Draft.chain(prompt[:5])).logits
+        outs.append((first, chain))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    runner = runners["five_bit32"]
+    for prompt in repetitive_prompts()[:2]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
 
