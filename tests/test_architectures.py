@@ -172,17 +172,14 @@ def add_family_metadata(writer, c, arch: str) -> None:
         writer.add_logit_scale(c.logits_scaling)
 
 
-def random_q4k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K data [rows, cols / 256 * 144]: random codes and 6-bit scales, small float16 d, dmin."""
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:4] = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, -1)
+def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K or Q5_K data [rows, cols / 256 x its block's bytes]: random codes and 6-bit scales,
+    small float16 d and dmin (both types' first four bytes)."""
+    from specdecode.models.int8_blocks import BLOCK_BYTES
 
-
-def random_q5k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Q5_K data [rows, cols / 256 * 176]: random codes and 6-bit scales, small float16 d, dmin."""
-    blocks = rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8)
-    blocks[..., 0:4] = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)
+    blocks[..., 0:4] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -223,9 +220,9 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | 
                 param.copy_(torch.from_numpy((w + shift) - shift))  # as a reader gets it back
                 continue
             if any(part in name for part in q4k):
-                qtype, data = q.Q4_K, random_q4k(*w.shape, rng)
+                qtype, data = q.Q4_K, random_k_blocks("Q4_K", *w.shape, rng)
             elif any(part in name for part in q5k):
-                qtype, data = q.Q5_K, random_q5k(*w.shape, rng)
+                qtype, data = q.Q5_K, random_k_blocks("Q5_K", *w.shape, rng)
             else:
                 qtype = (q.Q8_0 if "embed" in name or "lm_head" in name else
                          q.Q5_0 if "self_attn" in name and "o_proj" not in name else q.Q4_1)
@@ -316,7 +313,7 @@ def test_q4_k_blocks_unpack_like_ggml():
 
     from specdecode.models.gguf_reader import q4k_blocks
 
-    raw = random_q4k(8, 512, np.random.default_rng(1))
+    raw = random_k_blocks("Q4_K", 8, 512, np.random.default_rng(1))
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)  # float32 [8, 512]
     codes, scale, minimum, inexact = q4k_blocks(raw)
     assert codes.max() <= 15 and tuple(codes.shape) == (8, 512) and tuple(scale.shape) == (8, 16)

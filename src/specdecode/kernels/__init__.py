@@ -202,7 +202,8 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     320 + 32 (64) x (1 or 2)]: per tile and group, eight 64-byte slices of u = code + 16 (+ 0
     with minimums) in VPDPBUSD's order stored as the nibbles of slices 2i and 2i + 1, then their
     fifth bits (slice j's at bit j), then the 16 scales and minimums as float16 (``half``; as
-    float32 where they are not float16 numbers: the ``five_bit32`` layout) (kernels/small_codes.h)."""
+    float32 where they are not float16 numbers: the ``five_bit32`` layout)
+    (kernels/small_codes.h)."""
     n, k = codes.shape
     require(k % 32 == 0 and tuple(scale.shape) == (n, k // 32),
             f"five-bit weights: codes [N, a multiple of 32] with scales [N, K / 32], got "

@@ -877,8 +877,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
-    else if (f32 && minimum) columns<FiveBit32, true>(isa, false, acts, acts8, m, w, res, yp, n, t0, t1);
-    else if (f32) columns<FiveBit32, false>(isa, false, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (f32) columns<FiveBit32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else columns<FiveBit, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
   });

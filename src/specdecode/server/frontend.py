@@ -21,6 +21,7 @@ from specdecode.engine import check_ids, check_request
 from specdecode.errors import SpecDecodeError
 from specdecode.fim import fim_tokens
 from specdecode.models.base import Runner
+from specdecode.models.prompt_cache_file import PromptCacheFile, rows_key
 from specdecode.sampling import SamplingParams
 from specdecode.server import limits
 from specdecode.server.artifacts import ARTIFACT_FIELDS, Catalogue
@@ -31,7 +32,6 @@ from specdecode.server.harmony import Harmony, harmony_of, in_final_message
 from specdecode.server.memory import SharedMemory
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
-from specdecode.models.prompt_cache_file import PromptCacheFile, rows_key
 from specdecode.server.protocol import ApiError, ChatRequest, SamplingFields, now
 from specdecode.server.reasoning import Thinking, left_open, thinking_of
 from specdecode.server.scheduler import Scheduler, SequenceSpec
