@@ -172,23 +172,30 @@ def add_family_metadata(writer, c, arch: str) -> None:
         writer.add_logit_scale(c.logits_scaling)
 
 
+#: where a block type's float16 scales are: (first byte, how many); the other bytes (codes,
+#: sub-block scales) are valid whatever their bits
+_SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1)}
+
+
 def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K or Q5_K data [rows, cols / 256 x its block's bytes]: random codes and 6-bit scales,
-    small float16 d and dmin (both types' first four bytes)."""
+    """Data of a type of 256-weight blocks (``_SCALES_AT``) [rows, cols / 256 x its block's
+    bytes]: random codes and sub-block scales, small float16 super-block scales."""
     from specdecode.models.int8_blocks import BLOCK_BYTES
 
     blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)
-    blocks[..., 0:4] = scales.view(np.uint8)
+    at, count = _SCALES_AT[qtype]
+    scales = rng.uniform(1e-4, 2e-3, (rows, cols // 256, count)).astype(np.float16)
+    blocks[..., at:at + 2 * count] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | None = None,
-               q5k: tuple[str, ...] = ()) -> None:
-    """``model`` as llama.cpp writes it: Q8_0 embeddings, Q5_0 q/k/v, Q4_K for the matrices
-    named in ``q4k`` and Q5_K for those in ``q5k`` (random blocks), Q4_1 for the rest, f32
-    norms (Gemma's as 1 + w) and biases; ``extra``: more tensors (GGUF name: float32 array).
-    The model's weights become the file's dequantised ones."""
+def write_gguf(model, path, arch: str, random_blocks: dict[str, str] | None = None,
+               extra: dict | None = None) -> None:
+    """``model`` as llama.cpp writes it: Q8_0 embeddings, Q5_0 q/k/v, Q4_1 for the rest, and
+    random blocks of the type ``random_blocks`` names for matrices whose name holds its key
+    ({"down_proj": "Q4_K"}: ``random_k_blocks``); f32 norms (Gemma's as 1 + w) and biases;
+    ``extra``: more tensors (GGUF name: float32 array). The model's weights become the file's
+    dequantised ones."""
     import gguf
 
     c = model.config
@@ -219,10 +226,9 @@ def write_gguf(model, path, arch: str, q4k: tuple[str, ...] = (), extra: dict | 
                 writer.add_tensor(gguf_name, w + shift)
                 param.copy_(torch.from_numpy((w + shift) - shift))  # as a reader gets it back
                 continue
-            if any(part in name for part in q4k):
-                qtype, data = q.Q4_K, random_k_blocks("Q4_K", *w.shape, rng)
-            elif any(part in name for part in q5k):
-                qtype, data = q.Q5_K, random_k_blocks("Q5_K", *w.shape, rng)
+            kind = next((k for part, k in (random_blocks or {}).items() if part in name), None)
+            if kind is not None:
+                qtype, data = q[kind], random_k_blocks(kind, *w.shape, rng)
             else:
                 qtype = (q.Q8_0 if "embed" in name or "lm_head" in name else
                          q.Q5_0 if "self_attn" in name and "o_proj" not in name else q.Q4_1)
@@ -252,7 +258,7 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
                "smollm3": {"layers": 4, "no_rope_layers": None}}.get(arch, {})
     model = build(name, seed=8, intermediate_size=256, **pattern)
     path = tmp_path / f"{name}.gguf"
-    write_gguf(model, path, arch, q4k=("down_proj",))
+    write_gguf(model, path, arch, {"down_proj": "Q4_K"})
     config, tensors = read_gguf(path)
     assert config.model_type == model.config.model_type
     for field in ("sliding_window", "layer_types", "head_dim", "rope_theta",
@@ -287,7 +293,7 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
     # intermediate 256: the down projection's rows are one Q5_K super-block
     model = build("qwen2", seed=8, intermediate_size=256)
     path = tmp_path / "q5k.gguf"
-    write_gguf(model, path, "qwen2", q5k=("down_proj",))
+    write_gguf(model, path, "qwen2", {"down_proj": "Q5_K"})
     runners = {}
     for layout, level in (("five_bit32", "avx2"), ("block", "avx512")):
         monkeypatch.setattr(int8_blocks.kernels, "isa", lambda level=level: ISA_LEVELS.index(level))
@@ -303,6 +309,40 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
         outs.append((first, chain))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     runner = runners["five_bit32"]
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
+@pytest.mark.parametrize("qtype,layout", [("Q3_K", "q6k"), ("IQ4_XS", "iq4_32")])
+def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout):
+    """Q3_K and IQ4_XS hold no Q4_1 block exactly: the int4 runner keeps a file's such matrices
+    with their own values (Q3_K in Q6_K's layout, IQ4_XS as indices into its values where AVX2
+    is the CPU's best, else block int8), not re-quantised; logits within the int8 activations
+    of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
+    import gguf
+
+    from specdecode import kernels
+    from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.int8_blocks import Int8BlockWeight
+
+    model = build("qwen2", seed=8, intermediate_size=256)
+    path = tmp_path / f"{qtype}.gguf"
+    write_gguf(model, path, "qwen2", {"down_proj": qtype})
+    file = GGUFFile(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    weight = file.read_blocks(name)
+    assert isinstance(weight, Int8BlockWeight)
+    raw = file.raw(name)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(weight.dequantize().numpy(), expected)
+    runner = LlamaRunner.from_gguf(path, "int4")
+    if layout == "iq4_32" and kernels.isa() > ISA_LEVELS.index("avx2"):
+        layout = "block"
+    assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
+    prompt = repetitive_prompts()[2]
+    exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
+    assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()
     for prompt in repetitive_prompts()[:2]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar

@@ -11,8 +11,10 @@ import torch
 from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
-from specdecode.models.int8_blocks import (BLOCK_BYTES, Int8BlockLinear, Int8BlockWeight,
-                                           Q6KWeight, decode_gguf_blocks, quantize_int8_blocks)
+from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, Int8BlockLinear,
+                                           Int8BlockWeight, Q6KWeight, decode_gguf_blocks,
+                                           quantize_int8_blocks)
+from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
 from specdecode.models.quant import make_linear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's reader) is not installed")
@@ -42,15 +44,18 @@ def gguf_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype in QUANTISED:
         return gguf.quants.quantize(rng.normal(0, 0.02, (rows, cols)).astype(np.float32), kind)
-    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows, cols // BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]),
+                          dtype=np.uint8)
     def halves(count: int) -> np.ndarray:
-        values = rng.uniform(-3e-3, 3e-3, (rows, cols // 256, count))
+        values = rng.uniform(-3e-3, 3e-3, (rows, cols // BLOCK_WEIGHTS[qtype], count))
         return values.astype(np.float16).view(np.uint8)
 
-    if qtype == "Q6_K":
-        blocks[..., 208:210] = halves(1)  # d last
-    else:
+    if qtype in ("Q6_K", "Q3_K"):
+        blocks[..., -2:] = halves(1)  # d last
+    elif qtype in ("Q4_K", "Q5_K"):
         blocks[..., 0:4] = halves(2)  # d, dmin first
+    else:
+        blocks[..., 0:2] = halves(1)  # d first
     return blocks.reshape(rows, -1)
 
 
@@ -62,13 +67,15 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     got = weight.dequantize().numpy()
     assert got.shape == expected.shape == (6, 512)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qtype
-    assert weight.group == (16 if qtype == "Q6_K" else 32)
+    assert weight.group == (16 if qtype in ("Q6_K", "Q3_K") else 32)
+    assert isinstance(weight, Q6KWeight) == (qtype in ("Q6_K", "Q3_K"))
     assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
-    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(qtype, 4)
-    signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K")
+    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 3}.get(qtype, 4)
+    signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q3_K")
     low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if signed else (0, (1 << bits) - 1)
-    if qtype == "MXFP4":  # e2m1 values doubled
-        low, high = -12, 12
+    # MXFP4: e2m1 values doubled; the IQ4 types: ggml's sixteen values
+    low, high = {"MXFP4": (-12, 12), "IQ4_NL": (-127, 113), "IQ4_XS": (-127, 113)}.get(
+        qtype, (low, high))
     assert low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
 
 
@@ -95,14 +102,14 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor, inputs: int = 32) ->
     return half_step.double() @ weight.abs().double().T
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q5_1", "Q3_K", "IQ4_XS"])
 def test_linear_within_the_activation_bound(ext, qtype):
     weight = decode_gguf_blocks(gguf_blocks(qtype, 40, 512, seed=3), qtype)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     w = weight.dequantize()
     exact = x.double() @ w.double().T
     layer = Int8BlockLinear(weight)
-    inputs = 256 if layer.layout == "q6k" else 32  # Q6_K against activations per super-block
+    inputs = 256 if layer.layout == "q6k" else 32  # Q6_K, Q3_K: activations per super-block
     bound = activation_bound(x, w, inputs) * 1.0001 + 1e-6 * (x.abs().double() @ w.abs().double().T)
     got = layer(x).double()
     error = (got - exact).abs()
@@ -174,6 +181,41 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
     assert layer.layout == (layout if half or avx2 else "block")
     assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("qtype,half,bytes_a_weight", [("IQ4_NL", True, 288 / 512),
+                                                       ("IQ4_XS", False, 320 / 512)])
+def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, bytes_a_weight):
+    # IQ4_NL and IQ4_XS matrices held as 4-bit indices into the IQ4 values compute block int8's
+    # numbers bit for bit: every row count and position, every instruction set (AVX-512 CPUs
+    # run the AVX2 kernel, and their loader keeps block int8); the extreme codes -127 and 113
+    # against activations of +-127 included
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
+    codes = weight.codes.clone()
+    codes[0, :64] = -127
+    codes[1, :64] = 113
+    weight = Int8BlockWeight(codes, weight.scale, None, 32)
+    layer = Int8BlockLinear(weight)
+    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+    layout = "iq4" if half else "iq4_32"
+    assert layer.layout == (layout if avx2 else "block") and layer.half == half
+    values = torch.from_numpy(IQ4_VALUES)
+    indices = (codes[..., None] == values).int().argmax(-1)
+    packed = kernels.pack_iq4(indices, weight.scale, half=half)
+    assert packed.numel() == 80 * 512 * bytes_a_weight
+    block = kernels.pack_q8_blocks(codes, weight.scale, None, 32, half)
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    x[0, :64] = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
+    expected = ext.q8_linear(x, block, 32, False, half, None, 72, 0)
+    code = kernels.SMALL_CODES_LAYOUTS[layout]
+    for isa in isas(ext):
+        got = assert_row_invariant(
+            lambda rows: ext.small_codes_linear(rows, packed, code, False, None, 72, isa), x)
+        assert torch.equal(got, expected), isa
+    assert torch.equal(layer(x), expected)
+    # codes outside the IQ4 values, or minimums: not this layout
+    q8 = decode_gguf_blocks(gguf_blocks("Q8_0", 16, 64), "Q8_0")
+    assert Int8BlockLinear(q8).layout == "block"
 
 
 def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
@@ -332,10 +374,10 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"1 \(five-bit codes\) or 2 \(five-bit codes, "
-                                           r"float32 scales\), not 7"):
+    with pytest.raises(RuntimeError, match=r"3 \(IQ4 indices\) or 4 \(IQ4 indices, float32 "
+                                           r"scales\), not 7"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
-    with pytest.raises(RuntimeError, match="Q6_K layout has no minimums"):
+    with pytest.raises(RuntimeError, match="Q6_K and IQ4 layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
 
 

@@ -10,7 +10,7 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
+``pack_five_bit``, ``pack_iq4``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
@@ -213,8 +213,21 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
                                 None if minimum is None else minimum.to(dtype).contiguous())
 
 
+def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> torch.Tensor:
+    """Weights whose codes are GGUF IQ4's sixteen values, given as their indices (0..15, int
+    [N, K]) with scales [N, K / 32] (float16 where ``half``, IQ4_NL's; else float32, IQ4_XS's
+    d * (ls - 32)) -> uint8 [N / 16, K / 32, 256 + 32 (64)]: the five-bit layout's nibbles of
+    the indices, no top bits, then the scales (the ``iq4`` and ``iq4_32`` layouts,
+    kernels/small_codes.h)."""
+    require(int(indices.min()) >= 0 and int(indices.max()) <= 15,
+            "IQ4 weights are indices 0..15 into the IQ4 values")
+    # the five-bit layout holds code + 16 without minimums: the index, with zero top bits
+    packed = pack_five_bit(indices.to(torch.int8) - 16, scale, None, half)
+    return torch.cat([packed[..., :256], packed[..., 320:]], -1).contiguous()
+
+
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
-SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2}
+SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_32": 4}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):

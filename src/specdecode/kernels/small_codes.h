@@ -35,6 +35,11 @@
 //   up to 17 significant bits): B = 384 or 448, 0.875 bytes a weight against block int8's 1.25,
 //   block int8's numbers; on AVX2 and the portable kernel (AVX-512 CPUs run the AVX2 one, and
 //   the loader keeps block int8 there, whose VNNI kernels take many rows faster).
+// - IQ4, IQ4_32: GGUF IQ4_NL (float16 scales) and IQ4_XS (float32 scales d * (ls - 32)): codes
+//   from ggml's table of sixteen values (kvalues_iq4nl, -127..113), stored as their 4-bit
+//   index, TOP = 0 (no top bits): B = 288 or 320, 0.56 or 0.63 bytes a weight against block
+//   int8's 1.06 or 1.13, and block int8's numbers (the index looked up with VPSHUFB, then block
+//   int8's AVX2 arithmetic on the signed codes). AVX2 and the portable kernel only, as FIVE_BIT32.
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 
@@ -70,10 +75,11 @@ static inline float half_at(const uint8_t* at, int c) {
 }
 
 // SUPER: Q6K's sub-block scales folded in integers per super-block of 256 inputs; FIVE_BIT
-// computes block int8's numbers
+// computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into IQ4_VALUES (the
+// codes signed, no offset). AVX512: the layout has AVX-512 kernels (the others run AVX2's).
 struct Q6K {
   static constexpr int G = 16, TOP = 2, GROUPS = 16, OFFSET = 32;
-  static constexpr bool SUPER = true, FLOAT32 = false;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = true;
   static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
@@ -92,11 +98,12 @@ static inline float float_at(const uint8_t* at, int c) {
 
 // F32: the scales and minimums as float32 (FIVE_BIT32: Q5_K's d * sc and dmin * m, which are
 // not float16 numbers), else float16
-template <bool F32>
+// TOP bits of each code above its nibble (1: five-bit codes; 0: IQ4's indices)
+template <bool F32, int TOP_BITS = 1>
 struct FiveBitScales {
-  static constexpr int G = 32, TOP = 1, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2;
-  static constexpr bool SUPER = false, FLOAT32 = F32;
-  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUP_BYTES,
+  static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2;
+  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = !F32 && TOP;
+  static constexpr int GROUP_BYTES = 8 * G + 8 * TOP * G / 4, SC_AT = GROUP_BYTES,
                        MIN_AT = SC_AT + 16 * SCALE_BYTES;
   static constexpr int64_t block_bytes(bool minimum) {
     return MIN_AT + (minimum ? 16 * SCALE_BYTES : 0);
@@ -109,11 +116,18 @@ struct FiveBitScales {
 };
 using FiveBit = FiveBitScales<false>;
 using FiveBit32 = FiveBitScales<true>;
+using IQ4 = FiveBitScales<false, 0>;
+using IQ4_32 = FiveBitScales<true, 0>;
+
+// ggml's kvalues_iq4nl (models/q3k_iq4_blocks.py's IQ4_VALUES)
+alignas(16) static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                  1,    13,   25,  38,  53,  69,  89,  113};
 
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
 constexpr int32_t offset(bool minimum) {
   if constexpr (F::SUPER) return F::OFFSET;
+  else if constexpr (F::CODEBOOK) return 0;
   else return minimum ? 0 : 16;  // 0..31 with minimums, -16..15 without
 }
 
@@ -133,11 +147,12 @@ struct Acts {
 template <class F>
 constexpr bool is_q6k = std::is_same_v<F, Q6K>;
 
-// u of input i of column c in a packed group
+// u of input i of column c in a packed group (CODEBOOK: the code its index names)
 template <class F>
 static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
   const int j = i / 4, at = 4 * c + i % 4;
   const int low = (grp[64 * (j / 2) + at] >> (4 * (j % 2))) & 15;
+  if constexpr (F::CODEBOOK) return IQ4_VALUES[low];
   const int top = (grp[8 * F::G + at] >> (F::TOP * j)) & ((1 << F::TOP) - 1);
   return low | top << 4;
 }
@@ -191,6 +206,9 @@ template <class F, int J>
 static inline __m256i slice_avx2(const uint8_t* grp, int h) {
   const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (J / 2) + 32 * h));
   const __m256i low = _mm256_and_si256(J % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles, _mm256_set1_epi8(0x0f));
+  if constexpr (F::CODEBOOK)  // the signed codes (VPSHUFB looks up each 128-bit lane's bytes)
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))), low);
   const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 8 * F::G + 32 * h));
   constexpr int shift = 4 - F::TOP * J;  // from bit TOP j to bit 4
   const __m256i moved = shift > 0 ? _mm256_slli_epi16(tops, shift)
@@ -219,13 +237,15 @@ static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
 // into 16-bit lanes; CHUNK slices' products are added there exactly (Q6K: u <= 63,
 // 2 x 2 x 63 x 127 = 32004; FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before
 // VPMADDWD by ones widens them into the group's 32-bit sum, the integer VPDPBUSD gives. The
+// CODEBOOK codes are signed, so as block int8's AVX2 kernel it multiplies |code| by xq
+// carrying the code's sign (a pair: |.| <= 2 x 127 x 127 < 2^15) and widens every slice. The
 // folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
 // SMALL_CODES_PREFETCH bytes ahead; a later pass asks for its share of the next tile, `ahead`
 // (its lines a group, over the tile's groups).
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  constexpr int CHUNK = F::TOP == 2 ? 2 : 4;
+  constexpr int CHUNK = F::CODEBOOK ? 1 : F::TOP == 2 ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -249,10 +269,12 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
         for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
         each_slice_avx2<F>(block + g * F::GROUP_BYTES, half, [&](auto j, __m256i u) {
           constexpr int J = decltype(j)::value;
+          const __m256i unsigned_u = F::CODEBOOK ? _mm256_abs_epi8(u) : u;
           for (int r = 0; r < R; r++) {
             int32_t four;
             std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
-            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
+            const __m256i x = _mm256_set1_epi32(four);
+            const __m256i p = _mm256_maddubs_epi16(unsigned_u, F::CODEBOOK ? _mm256_sign_epi8(x, u) : x);
             part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
             if constexpr (J % CHUNK == CHUNK - 1)
               isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
@@ -809,10 +831,10 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
   if constexpr (is_q6k<F>) {
     if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
     if (a.xu) return q6k_columns_decoded_avx2(a, m, packed, residual, y, n, t0, t1);
-  } else if constexpr (!F::FLOAT32) {
+  } else if constexpr (F::AVX512) {
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
   }
-  if constexpr (!F::FLOAT32) {  // FIVE_BIT32 has no AVX-512 kernels: AVX2's run on those CPUs
+  if constexpr (F::AVX512) {  // FIVE_BIT32 and IQ4 have none: AVX2's run on those CPUs
     if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   }
   if (isa >= AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
@@ -820,23 +842,30 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 }
 
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
-enum Layout : int64_t { Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2 };
+enum Layout : int64_t {
+  Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, IQ4_LAYOUT = 3, IQ4_32_LAYOUT = 4
+};
 
 }  // namespace small_codes
 
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
-// [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`]
+// [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], IQ4 [N / 16,
+// K / 32, 288] (IQ4_32: 320)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa) {
   using namespace small_codes;
-  TORCH_CHECK(layout == Q6K_LAYOUT || layout == FIVE_BIT_LAYOUT || layout == FIVE_BIT32_LAYOUT,
-              "small-code layouts: 0 (Q6_K), 1 (five-bit codes) or 2 (five-bit codes, float32 "
-              "scales), not ", layout);
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= IQ4_32_LAYOUT,
+              "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
+              "scales), 3 (IQ4 indices) or 4 (IQ4 indices, float32 scales), not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
-  TORCH_CHECK(!q6k || !minimum, "the Q6_K layout has no minimums");
+  const bool iq4 = layout == IQ4_LAYOUT || layout == IQ4_32_LAYOUT;
+  TORCH_CHECK(!(q6k || iq4) || !minimum, "the Q6_K and IQ4 layouts have no minimums");
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
-                        : f32 ? FiveBit32::block_bytes(minimum) : FiveBit::block_bytes(minimum);
+                        : f32 ? FiveBit32::block_bytes(minimum)
+                        : layout == IQ4_LAYOUT ? IQ4::block_bytes(false)
+                        : layout == IQ4_32_LAYOUT ? IQ4_32::block_bytes(false)
+                        : FiveBit::block_bytes(minimum);
   const int64_t inputs = q6k ? 256 : 32, group = q6k ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
@@ -850,9 +879,9 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows, or on AVX2
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
-  const bool decoded = !q6k && !f32 && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
+  const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
   const bool q6k_decoded = q6k && !amx && isa == AVX2 && m >= Q6K_AVX2_DECODE_MIN_ROWS;
-  const int32_t code_offset = q6k ? offset<Q6K>(false) : offset<FiveBit>(minimum);
+  const int32_t code_offset = q6k ? offset<Q6K>(false) : iq4 ? offset<IQ4>(false) : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (q6k ? 256 : 32))), sx(q6k ? 0 : m * (k / 32));
   std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
@@ -877,6 +906,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (layout == IQ4_LAYOUT) columns<IQ4, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (layout == IQ4_32_LAYOUT) columns<IQ4_32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32) columns<FiveBit32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

@@ -14,6 +14,7 @@ them with):
     Q5_K   256 (8 x 32)     0..31      d * sc            -(dmin * m)  32
     Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
     MXFP4  32               -12..12    2^(e - 128)       -            32
+    Q3_K, IQ4_NL, IQ4_XS: models/q3k_iq4_blocks.py
 
 d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
 sub-block integers. MXFP4 (gpt-oss's experts) holds an e8m0 exponent byte e and 4-bit e2m1
@@ -49,6 +50,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError, require
+from specdecode.models import q3k_iq4_blocks
 
 #: inputs per group that the kernel accepts; activations are quantised per 32 in any case
 GROUPS = (16, 32)
@@ -56,10 +58,14 @@ GROUPS = (16, 32)
 INT8_GROUP = 32
 #: bytes of one block, per GGUF type this module decodes
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17}
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, **q3k_iq4_blocks.BLOCK_BYTES}
 #: weights of one block, per GGUF type
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
-                 "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32}
+                 "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
+                 **q3k_iq4_blocks.BLOCK_WEIGHTS}
+#: code + 128 -> its index in the IQ4 values (255: not one of them)
+_IQ4_INDEX = np.full(256, 255, np.uint8)
+_IQ4_INDEX[q3k_iq4_blocks.IQ4_VALUES.astype(np.int16) + 128] = np.arange(16)
 #: MXFP4's e2m1 code -> its value doubled (ggml-common.h's kvalues_mxfp4)
 _MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
@@ -214,6 +220,13 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
             f"{raw.dtype} {raw.shape}")
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[qtype])
+    if qtype in q3k_iq4_blocks.BLOCK_BYTES:  # decoded in numpy (models/q3k_iq4_blocks.py)
+        d = q3k_iq4_blocks.decode_q3k_iq4(blocks, qtype)
+        codes, scale = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.codes, d.scale))
+        if d.sub_scale is None:
+            return Int8BlockWeight(codes, scale, None, d.group)
+        factors = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.sub_scale, d.super_scale))
+        return Q6KWeight(codes, scale, None, d.group, *factors)
     codes, scale, minimum = kernels.load().decode_blocks(torch.from_numpy(blocks), qtype)
     codes, scale = codes.view(rows, -1), scale.view(rows, -1)
     group = 16 if qtype == "Q6_K" else 32
@@ -231,6 +244,18 @@ def _five_bit_codes(weight: Int8BlockWeight) -> bool:
     or 0..31 where there are minimums."""
     low, high = (0, 31) if weight.minimum is not None else (-16, 15)
     return weight.group == 32 and low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
+
+
+def _iq4_indices(weight: Int8BlockWeight) -> torch.Tensor | None:
+    """``weight``'s codes as indices into the IQ4 values (uint8 [out, in]), where every code is
+    one of them and there are no minimums (GGUF IQ4_NL and IQ4_XS matrices); else None."""
+    if weight.group != 32 or weight.minimum is not None:
+        return None
+    codes = weight.codes.numpy().view(np.uint8) ^ 0x80  # code + 128
+    if (_IQ4_INDEX[codes[0]] > 15).any():  # a first row tells other types apart cheaply
+        return None
+    indices = _IQ4_INDEX[codes]
+    return None if (indices > 15).any() else torch.from_numpy(indices)
 
 
 class Int8BlockLinear:
@@ -252,17 +277,24 @@ class Int8BlockLinear:
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
-        # the file's own bytes where the codes are 5 or 6 bits (kernels/small_codes.h): a Q6_K
+        # the file's own bytes where the codes are 4 to 6 bits (kernels/small_codes.h): a Q6_K
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
         # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, and Q5_K (float32 scales)
         # in 0.875, not 1.25, where AVX2 is the best the CPU has: block int8's numbers
+        # IQ4_NL or IQ4_XS codes in their 4-bit indices: 0.56 or 0.63 bytes a weight, not 1.06
+        # or 1.13, where AVX2 is the best the CPU has (as five_bit32)
+        avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+        indices = _iq4_indices(weight) if avx2 else None
         self.layout = ("q6k" if isinstance(weight, Q6KWeight)
+                       else ("iq4" if self.half else "iq4_32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
-                       else "five_bit32" if kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+                       else "five_bit32" if avx2
                        else "block")
         if self.layout == "q6k":
             self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
+        elif indices is not None:
+            self.packed = kernels.pack_iq4(indices, weight.scale, half=self.half)
         elif self.layout != "block":
             self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum,
                                                 half=self.layout == "five_bit")
