@@ -314,12 +314,14 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
 
 
-@pytest.mark.parametrize("qtype,layout", [("Q3_K", "q6k"), ("IQ4_XS", "iq4_32")])
-def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout):
+@pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
+                                                        ("IQ4_XS", "iq4_32", "block")])
+def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
     """Q3_K and IQ4_XS hold no Q4_1 block exactly: the int4 runner keeps a file's such matrices
-    with their own values (Q3_K in Q6_K's layout, IQ4_XS as indices into its values where AVX2
-    is the CPU's best, else block int8), not re-quantised; logits within the int8 activations
-    of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
+    with their own values (where AVX2 is the CPU's best Q3_K's codes in nibbles and IQ4_XS's as
+    indices into its values; else Q6_K's layout and block int8), not re-quantised; logits
+    within the int8 activations of the fp32 runner's (gguf's dequantised weights), and suffix =
+    ar."""
     import gguf
 
     from specdecode import kernels
@@ -337,8 +339,8 @@ def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout):
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(weight.dequantize().numpy(), expected)
     runner = LlamaRunner.from_gguf(path, "int4")
-    if layout == "iq4_32" and kernels.isa() > ISA_LEVELS.index("avx2"):
-        layout = "block"
+    if kernels.isa() > ISA_LEVELS.index("avx2"):
+        layout = avx512_layout
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
     prompt = repetitive_prompts()[2]
     exact = LlamaRunner.from_gguf(path).prefill(prompt).logits

@@ -271,6 +271,34 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
         assert torch.equal(ext.small_codes_linear(xe, packed, 0, False, None, 16, isa), want), isa
 
 
+def test_q3k_in_nibbles_gives_q6ks_bits(ext):
+    # Q3_K is Q6_K's form with codes -4..3: held as u = code + 8 in nibbles alone (0.58 bytes a
+    # weight against 0.83) it computes Q6_K's numbers, the reference's, on every row count,
+    # position and instruction set (AVX-512 CPUs run AVX2's kernel; their loader keeps the
+    # Q6_K layout); the extreme codes -4 and 3 against sc -32 and 31 included
+    weight = decode_gguf_blocks(gguf_blocks("Q3_K", 72, 512, seed=5), "Q3_K")
+    assert isinstance(weight, Q6KWeight) and -4 <= int(weight.codes.min()) <= int(weight.codes.max()) <= 3
+    weight.codes[0, :256], weight.sub_scale[0, :16] = -4, -32
+    weight.codes[1, :256], weight.sub_scale[1, :16] = 3, 31
+    packed = kernels.pack_q3k(weight.codes, weight.sub_scale, weight.super_scale)
+    assert packed.numel() == 80 * 512 * 2368 / 4096
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    x[0, :256] = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    expected = q6k_reference(x, weight)
+    code = kernels.SMALL_CODES_LAYOUTS["q3k"]
+    for isa in isas(ext):
+        got = assert_row_invariant(
+            lambda rows: ext.small_codes_linear(rows, packed, code, False, None, 72, isa), x)
+        assert torch.equal(got, expected), isa
+    layer = Int8BlockLinear(weight)
+    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+    assert layer.layout == ("q3k" if avx2 else "q6k")
+    assert torch.equal(layer(x), expected)
+    # Q6_K's codes past 4 bits keep the Q6_K layout
+    q6 = decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K")
+    assert Int8BlockLinear(q6).layout == "q6k"
+
+
 def test_codes_past_five_bits_stay_block_int8(ext):
     assert Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q8_0", 16, 64), "Q8_0")).layout == "block"
     assert Int8BlockLinear.quantize(torch.randn(16, 64)).layout == "block"
@@ -374,10 +402,10 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"3 \(IQ4 indices\) or 4 \(IQ4 indices, float32 "
-                                           r"scales\), not 7"):
+    with pytest.raises(RuntimeError, match=r"4 \(IQ4 indices, float32 scales\) or 5 \(Q3_K\), "
+                                           r"not 7"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
-    with pytest.raises(RuntimeError, match="Q6_K and IQ4 layouts have no minimums"):
+    with pytest.raises(RuntimeError, match="Q6_K, Q3_K and IQ4 layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
 
 

@@ -10,7 +10,7 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``pack_iq4``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
+``pack_five_bit``, ``pack_iq4``, ``pack_q3k``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
@@ -195,6 +195,18 @@ def pack_q6k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
                            super_scale.to(torch.float16).contiguous())
 
 
+def pack_q3k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Tensor) -> torch.Tensor:
+    """Weights of Q6_K's form whose codes are -8..7 (GGUF Q3_K: -4..3, sc = its 6-bit scale -
+    32) -> uint8 [N / 16, K / 256, 2368]: ``pack_q6k``'s layout holding u = code + 8 in the
+    nibbles alone, without the groups' top bits (the ``q3k`` layout, kernels/small_codes.h)."""
+    require(int(codes.min()) >= -8 and int(codes.max()) <= 7, "Q3_K codes are -8..7")
+    # pack_q6k holds code + 32: codes 24 less are u = code + 8, top bits zero
+    packed = pack_q6k(codes.to(torch.int8) - 24, sub_scale, super_scale)
+    tiles, supers = packed.shape[:2]
+    groups = packed[..., :3072].view(tiles, supers, 16, 192)[..., :128].reshape(tiles, supers, 2048)
+    return torch.cat([groups, packed[..., 3072:]], -1).contiguous()
+
+
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                   half: bool = True) -> torch.Tensor:
     """Block int8 weights in groups of 32 whose codes fit in 5 bits (-16..15 without minimums,
@@ -227,7 +239,8 @@ def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> t
 
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
-SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_32": 4}
+SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_32": 4,
+                       "q3k": 5}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):

@@ -96,6 +96,18 @@ static void columns_generic(
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+// Where halves_avx2 reads a group's codes: block int8's bytes, code + 128 in VPDPBUSD's order
+// (small_codes.h's IQ4 layouts give another source: the codes' 4-bit indices)
+struct ByteCodes {
+  // bytes of a group's codes; its scales follow them
+  static constexpr int64_t code_bytes(int group) { return 16 * group; }
+  // slice j (4 inputs of 16 columns) of half h (8 columns) of the group at `blk`: the codes
+  static inline __m256i slice(const uint8_t* blk, int j, int h) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h)),
+                            _mm256_set1_epi8((char)0x80));
+  }
+};
+
 // 8 columns' float32 numbers at `at` (float32, or float16 widened exactly)
 template <bool HALF>
 static inline __m256 numbers8(const uint8_t* at) {
@@ -110,13 +122,13 @@ static inline __m256 numbers8(const uint8_t* at) {
 // VPMADDWD by ones adds a column's pairs into its 32-bit sum. The group's integer is VPDPBUSD's
 // (sum of code * xq) and the folds are columns_vnni's. `prefetch`: the pass that streams the
 // tile asks for it Q8_PREFETCH bytes ahead; a later pass asks for its share of the next tile,
-// `ahead`.
-template <int G, bool MIN, bool HALF, int R, int H>
+// `ahead`. `Codes`: where the codes are read (ByteCodes).
+template <int G, bool MIN, bool HALF, int R, int H, class Codes = ByteCodes>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  constexpr int64_t B = block_bytes(G, MIN, HALF), S = HALF ? 32 : 64;
+  constexpr int64_t C = Codes::code_bytes(G), S = HALF ? 32 : 64, B = C + S * (MIN ? 2 : 1);
   const int64_t groups = a.k / G, agroups = a.k / 32;
-  const __m256i ones = _mm256_set1_epi16(1), offset = _mm256_set1_epi8((char)0x80);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; r++)
     for (int h = 0; h < H; h++) acc[r][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
@@ -132,8 +144,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
     for (int j = 0; j < G / 4; j++) {
       __m256i code[H], magnitude[H];
       for (int h = 0; h < H; h++) {
-        code[h] = _mm256_xor_si256(  // code + 128 -> code
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * (h0 + h))), offset);
+        code[h] = Codes::slice(blk, j, h0 + h);
         magnitude[h] = _mm256_abs_epi8(code[h]);
       }
       for (int r = 0; r < R; r++) {
@@ -147,13 +158,13 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
       }
     }
     for (int h = 0; h < H; h++) {
-      const __m256 scale = numbers8<HALF>(blk + 16 * G + (HALF ? 16 : 32) * (h0 + h));
+      const __m256 scale = numbers8<HALF>(blk + C + (HALF ? 16 : 32) * (h0 + h));
       for (int r = 0; r < R; r++) {
         const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + g * G / 32]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), sd, acc[r][h]);
       }
       if constexpr (MIN) {
-        const __m256 minimum = numbers8<HALF>(blk + 16 * G + S + (HALF ? 16 : 32) * (h0 + h));
+        const __m256 minimum = numbers8<HALF>(blk + C + S + (HALF ? 16 : 32) * (h0 + h));
         for (int r = 0; r < R; r++)
           acc[r][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(a.sx[(r0 + r) * groups + g]), acc[r][h]);
       }
@@ -162,10 +173,11 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
 }
 
 // each tile in k_avx2::row_passes
-template <int G, bool MIN, bool HALF>
+template <int G, bool MIN, bool HALF, class Codes = ByteCodes>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
-  const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF);
+  const int64_t groups = a.k / G;
+  const int64_t tile_bytes = groups * (Codes::code_bytes(G) + (HALF ? 32 : 64) * (MIN ? 2 : 1));
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
     const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
@@ -173,7 +185,7 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
                        [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
       constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
       __m256 acc[R][H];
-      halves_avx2<G, MIN, HALF, R, H>(a, r0, tile, h0, first, ahead, acc);
+      halves_avx2<G, MIN, HALF, R, H, Codes>(a, r0, tile, h0, first, ahead, acc);
       k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     });
   }

@@ -19,6 +19,9 @@
 //   one float fold per 256 inputs instead of 16. On AMX the sub-block scales go into the weight
 //   tiles (v = sc * code, -4064..4096, split into bytes v = 256 hi + lo), so the tiles sum a whole
 //   super-block and only S is folded (q6k_columns_amx below).
+// - Q3K: GGUF Q3_K in Q6K's form (codes -4..3, sc - 32 per 16 inputs, d per 256) with u = code
+//   + 8 in the nibbles only (TOP = 0): B = 2368, 0.58 bytes a weight against Q6K's 0.83, Q6K's
+//   numbers; AVX2 and the portable kernel only, as FIVE_BIT32.
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
 // output is the same in a call of any size and position, on every instruction set (tested).
 //
@@ -57,6 +60,10 @@
 #ifndef Q6K_AVX2_DECODE_MIN_ROWS
 #define Q6K_AVX2_DECODE_MIN_ROWS 5
 #endif
+// the same for Q3K
+#ifndef Q3K_AVX2_DECODE_MIN_ROWS
+#define Q3K_AVX2_DECODE_MIN_ROWS 4
+#endif
 // the fewest rows for which Q6K takes the AMX tiles (where the CPU has them): each call decodes
 // its weights into tiles, which fewer rows do not repay (measured on the 1.5B's Q6_K downs and
 // head, 2 threads: AMX / VNNI 1.3x at 8 rows, 1.06-1.23x at 12, 0.89-1.0x at 16, 0.45-0.58x at
@@ -74,13 +81,15 @@ static inline float half_at(const uint8_t* at, int c) {
   return k_generic::half_to_float(h);
 }
 
-// SUPER: Q6K's sub-block scales folded in integers per super-block of 256 inputs; FIVE_BIT
-// computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into IQ4_VALUES (the
-// codes signed, no offset). AVX512: the layout has AVX-512 kernels (the others run AVX2's).
-struct Q6K {
-  static constexpr int G = 16, TOP = 2, GROUPS = 16, OFFSET = 32;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = true;
-  static constexpr int GROUP_BYTES = 8 * G + 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
+// SUPER: Q6K's and Q3K's sub-block scales folded in integers per super-block of 256 inputs;
+// FIVE_BIT computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into
+// IQ4_VALUES (the codes signed, no offset). AVX512: the layout has AVX-512 kernels (the others
+// run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes -8..7, offset 8).
+template <int TOP_BITS>
+struct SuperScales {
+  static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = TOP == 2;
+  static constexpr int GROUP_BYTES = 8 * G + 32 * TOP, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
   static inline int32_t sub_scale(const uint8_t* block, int g, int c) {
@@ -88,6 +97,8 @@ struct Q6K {
   }
   static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
 };
+using Q6K = SuperScales<2>;
+using Q3K = SuperScales<0>;
 
 // column c's float32 number at `at`
 static inline float float_at(const uint8_t* at, int c) {
@@ -153,6 +164,7 @@ static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
   const int j = i / 4, at = 4 * c + i % 4;
   const int low = (grp[64 * (j / 2) + at] >> (4 * (j % 2))) & 15;
   if constexpr (F::CODEBOOK) return IQ4_VALUES[low];
+  if constexpr (F::TOP == 0) return low;
   const int top = (grp[8 * F::G + at] >> (F::TOP * j)) & ((1 << F::TOP) - 1);
   return low | top << 4;
 }
@@ -206,9 +218,7 @@ template <class F, int J>
 static inline __m256i slice_avx2(const uint8_t* grp, int h) {
   const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (J / 2) + 32 * h));
   const __m256i low = _mm256_and_si256(J % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles, _mm256_set1_epi8(0x0f));
-  if constexpr (F::CODEBOOK)  // the signed codes (VPSHUFB looks up each 128-bit lane's bytes)
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
-        _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))), low);
+  if constexpr (F::TOP == 0) return low;
   const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 8 * F::G + 32 * h));
   constexpr int shift = 4 - F::TOP * J;  // from bit TOP j to bit 4
   const __m256i moved = shift > 0 ? _mm256_slli_epi16(tops, shift)
@@ -225,6 +235,20 @@ static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
   }
 }
 
+// IQ4's codes for block int8's AVX2 kernel (q8blocks::halves_avx2): slice j's 4-bit indices
+// (the nibbles of slices 2i and 2i + 1 share 64 bytes) looked up in IQ4_VALUES with VPSHUFB
+// (which looks up within each 128-bit lane: the table is in both)
+struct IQ4Codes {
+  static constexpr int64_t code_bytes(int group) { return 8 * group; }
+  static inline __m256i slice(const uint8_t* grp, int j, int h) {
+    const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (j / 2) + 32 * h));
+    const __m256i index = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles,
+                                           _mm256_set1_epi8(0x0f));
+    return _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))), index);
+  }
+};
+
 // the 8 scales or minimums of half h's columns at `at`, float16 or (FIVE_BIT32) float32
 template <class F>
 static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
@@ -237,15 +261,13 @@ static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
 // into 16-bit lanes; CHUNK slices' products are added there exactly (Q6K: u <= 63,
 // 2 x 2 x 63 x 127 = 32004; FIVE_BIT: u <= 31, 4 x 2 x 31 x 127 = 31496; both < 2^15) before
 // VPMADDWD by ones widens them into the group's 32-bit sum, the integer VPDPBUSD gives. The
-// CODEBOOK codes are signed, so as block int8's AVX2 kernel it multiplies |code| by xq
-// carrying the code's sign (a pair: |.| <= 2 x 127 x 127 < 2^15) and widens every slice. The
 // folds are columns_vnni's. `prefetch`: the pass that streams the tile asks for it
 // SMALL_CODES_PREFETCH bytes ahead; a later pass asks for its share of the next tile, `ahead`
 // (its lines a group, over the tile's groups).
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  constexpr int CHUNK = F::CODEBOOK ? 1 : F::TOP == 2 ? 2 : 4;
+  constexpr int CHUNK = F::SUPER ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -269,12 +291,10 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
         for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
         each_slice_avx2<F>(block + g * F::GROUP_BYTES, half, [&](auto j, __m256i u) {
           constexpr int J = decltype(j)::value;
-          const __m256i unsigned_u = F::CODEBOOK ? _mm256_abs_epi8(u) : u;
           for (int r = 0; r < R; r++) {
             int32_t four;
             std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
-            const __m256i x = _mm256_set1_epi32(four);
-            const __m256i p = _mm256_maddubs_epi16(unsigned_u, F::CODEBOOK ? _mm256_sign_epi8(x, u) : x);
+            const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
             part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
             if constexpr (J % CHUNK == CHUNK - 1)
               isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
@@ -282,7 +302,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
         });
         if constexpr (F::SUPER) {
           const __m256i sc = _mm256_cvtepi8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g + 8 * half)));
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * half)));
           for (int r = 0; r < R; r++)
             super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
         } else {
@@ -301,7 +321,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
     }
     if constexpr (F::SUPER)
       for (int h = 0; h < H; h++) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::D_AT + 16 * (h0 + h))));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::D_AT + 16 * (h0 + h))));
         for (int r = 0; r < R; r++)
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super_sum[r][h]),
                                       _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][h]);
@@ -325,12 +345,13 @@ constexpr int64_t CORRECTION = 2 * 32;           // then its 2 halves' 128 C (in
 constexpr int64_t bytes(int64_t k) { return k / 256 * (BLOCK + CORRECTION); }
 }  // namespace q6k_decoded
 
-// a packed Q6K column tile into `out` (32-byte aligned, q6k_decoded::bytes(k)), streaming the
-// tile SMALL_CODES_PREFETCH ahead
+// a packed Q6K (or Q3K) column tile into `out` (32-byte aligned, q6k_decoded::bytes(k)),
+// streaming the tile SMALL_CODES_PREFETCH ahead
+template <class F>
 static void decode_q6k_avx2(const uint8_t* tile, int64_t k, uint8_t* out) {
   using namespace q6k_decoded;
-  constexpr int64_t bytes = Q6K::block_bytes(false), lines = (bytes + 63) / 64;
-  const __m256i offset = _mm256_set1_epi8(Q6K::OFFSET), ones8 = _mm256_set1_epi8(1),
+  constexpr int64_t bytes = F::block_bytes(false), lines = (bytes + 63) / 64;
+  const __m256i offset = _mm256_set1_epi8(F::OFFSET), ones8 = _mm256_set1_epi8(1),
                 ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / 256; b++) {
     const uint8_t* block = tile + b * bytes;
@@ -342,12 +363,12 @@ static void decode_q6k_avx2(const uint8_t* tile, int64_t k, uint8_t* out) {
       for (int h = 0; h < 2; h++) {
         uint8_t* half = to + (g * 2 + h) * HALF_GROUP;
         __m256i sum = _mm256_setzero_si256();  // sum(q) of each column (32-bit lanes)
-        each_slice_avx2<Q6K>(block + g * Q6K::GROUP_BYTES, h, [&](auto j, __m256i u) {
+        each_slice_avx2<F>(block + g * F::GROUP_BYTES, h, [&](auto j, __m256i u) {
           const __m256i q = _mm256_sub_epi8(u, offset);
           _mm256_store_si256(reinterpret_cast<__m256i*>(half + 32 * decltype(j)::value), q);
           sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16));
         });
-        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g + 8 * h));
+        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
         _mm256_store_si256(reinterpret_cast<__m256i*>(half + SLICES),
                            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc, sc)));
         correction[h] = _mm256_add_epi32(correction[h], _mm256_mullo_epi32(sum, _mm256_cvtepi8_epi32(sc)));
@@ -359,7 +380,7 @@ static void decode_q6k_avx2(const uint8_t* tile, int64_t k, uint8_t* out) {
 
 // R rows of half h of a decoded Q6K tile (`tile` the packed one, for its d); `ahead` as
 // halves_avx2's
-template <int R>
+template <class F, int R>
 static void q6k_decoded_half_avx2(const Acts& a, int64_t r0, const uint8_t* tile, const uint8_t* decoded,
                                   int h, Ahead ahead, __m256 (&acc)[R][1]) {
   using namespace q6k_decoded;
@@ -390,7 +411,7 @@ static void q6k_decoded_half_avx2(const Acts& a, int64_t r0, const uint8_t* tile
       }
     }
     const __m256i correction = _mm256_load_si256(reinterpret_cast<const __m256i*>(from + BLOCK + 32 * h));
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + b * Q6K::block_bytes(false) + Q6K::D_AT + 16 * h)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + b * F::block_bytes(false) + F::D_AT + 16 * h)));
     for (int r = 0; r < R; r++)
       acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(super_sum[r], correction)),
                                   _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][0]);
@@ -418,17 +439,18 @@ static void q6k_interleave(const int8_t* xq, int64_t m, int64_t k, uint8_t* out)
   });
 }
 
-// Q6K's column tiles t0..t1 decoded (a.xu set), each in passes of up to Q6K_DECODED_ROWS rows
-// over one half
+// Q6K's (or Q3K's) column tiles t0..t1 decoded (a.xu set), each in passes of up to
+// Q6K_DECODED_ROWS rows over one half
+template <class F>
 static void q6k_columns_decoded_avx2(const Acts& a, int64_t m, const uint8_t* packed,
                                      const float* residual, float* y, int64_t n, int64_t t0, int64_t t1) {
-  const int64_t tile_bytes = a.k / 256 * Q6K::block_bytes(false);
+  const int64_t tile_bytes = a.k / 256 * F::block_bytes(false);
   // a byte vector aligned by hand (a vector of __m256i is not: this file's default target)
   std::vector<uint8_t> buffer(q6k_decoded::bytes(a.k) + 32);
   uint8_t* decoded = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) & 31);
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
-    decode_q6k_avx2(tile, a.k, decoded);
+    decode_q6k_avx2<F>(tile, a.k, decoded);
     const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
     const int64_t passes = 2 * ((m + Q6K_DECODED_ROWS - 1) / Q6K_DECODED_ROWS);
     for (int64_t r0 = 0; r0 < m; r0 += Q6K_DECODED_ROWS)
@@ -437,7 +459,7 @@ static void q6k_columns_decoded_avx2(const Acts& a, int64_t m, const uint8_t* pa
         auto pass = [&](auto rows) {
           constexpr int R = decltype(rows)::value;
           __m256 acc[R][1];
-          q6k_decoded_half_avx2<R>(a, r0, tile, decoded, h, ahead, acc);
+          q6k_decoded_half_avx2<F, R>(a, r0, tile, decoded, h, ahead, acc);
           k_avx2::store_halves_avx2<R, 1>(acc, r0, t * 16 + 8 * h, residual, y, n);
         };
         switch (std::min<int64_t>(Q6K_DECODED_ROWS, m - r0)) {
@@ -828,45 +850,55 @@ template <class F, bool MIN>
 static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Acts& a8, int64_t m,
                     const uint8_t* packed, const float* residual, float* y, int64_t n,
                     int64_t t0, int64_t t1) {
-  if constexpr (is_q6k<F>) {
-    if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
-    if (a.xu) return q6k_columns_decoded_avx2(a, m, packed, residual, y, n, t0, t1);
+  if constexpr (F::SUPER) {
+    if constexpr (is_q6k<F>)
+      if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
+    if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
+  } else if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
+    if (isa >= AVX2)
+      return q8blocks::columns_avx2<32, false, !F::FLOAT32, IQ4Codes>(a8, m, packed, residual, y, n, t0, t1);
+    return columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   } else if constexpr (F::AVX512) {
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
   }
-  if constexpr (F::AVX512) {  // FIVE_BIT32 and IQ4 have none: AVX2's run on those CPUs
+  if constexpr (F::AVX512) {  // FIVE_BIT32 and Q3K have none: AVX2's run on those CPUs
     if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   }
-  if (isa >= AVX2) columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-  else columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  if constexpr (!F::CODEBOOK) {
+    if (isa >= AVX2) return columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  }
+  columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
 }
 
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
-  Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, IQ4_LAYOUT = 3, IQ4_32_LAYOUT = 4
+  Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, IQ4_LAYOUT = 3, IQ4_32_LAYOUT = 4,
+  Q3K_LAYOUT = 5
 };
 
 }  // namespace small_codes
 
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], IQ4 [N / 16,
-// K / 32, 288] (IQ4_32: 320)
+// K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368]
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= IQ4_32_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q3K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
-              "scales), 3 (IQ4 indices) or 4 (IQ4 indices, float32 scales), not ", layout);
+              "scales), 3 (IQ4 indices), 4 (IQ4 indices, float32 scales) or 5 (Q3_K), not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
-  const bool iq4 = layout == IQ4_LAYOUT || layout == IQ4_32_LAYOUT;
-  TORCH_CHECK(!(q6k || iq4) || !minimum, "the Q6_K and IQ4 layouts have no minimums");
+  const bool iq4 = layout == IQ4_LAYOUT || layout == IQ4_32_LAYOUT, q3k = layout == Q3K_LAYOUT;
+  const bool super = q6k || q3k;  // activations per 256 inputs, sub-block scales in integers
+  TORCH_CHECK(!(super || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
+                        : q3k ? Q3K::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == IQ4_LAYOUT ? IQ4::block_bytes(false)
                         : layout == IQ4_32_LAYOUT ? IQ4_32::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
-  const int64_t inputs = q6k ? 256 : 32, group = q6k ? 16 : 32;
+  const int64_t inputs = super ? 256 : 32, group = super ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
@@ -880,14 +912,16 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
-  const bool q6k_decoded = q6k && !amx && isa == AVX2 && m >= Q6K_AVX2_DECODE_MIN_ROWS;
-  const int32_t code_offset = q6k ? offset<Q6K>(false) : iq4 ? offset<IQ4>(false) : offset<FiveBit>(minimum);
+  const bool q6k_decoded = super && !amx && isa == AVX2 &&
+                           m >= (q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q6K_AVX2_DECODE_MIN_ROWS);
+  const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
+                              : iq4 ? offset<IQ4>(false) : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
-  std::vector<float> dx(m * (k / (q6k ? 256 : 32))), sx(q6k ? 0 : m * (k / 32));
+  std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
   std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
-    if (q6k) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
+    if (super) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
     else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
     if (q6k_decoded) return;
     for (int64_t r = r0; r < r1; r++)
@@ -906,6 +940,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (q3k) columns<Q3K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == IQ4_LAYOUT) columns<IQ4, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == IQ4_32_LAYOUT) columns<IQ4_32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

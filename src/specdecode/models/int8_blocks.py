@@ -246,6 +246,12 @@ def _five_bit_codes(weight: Int8BlockWeight) -> bool:
     return weight.group == 32 and low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
 
 
+def _q3k_codes(weight: Q6KWeight) -> bool:
+    """Whether a Q6_K-form ``weight``'s codes fit in the ``q3k`` layout's 4 bits (-8..7: GGUF
+    Q3_K's -4..3)."""
+    return -8 <= int(weight.codes.min()) and int(weight.codes.max()) <= 7
+
+
 def _iq4_indices(weight: Int8BlockWeight) -> torch.Tensor | None:
     """``weight``'s codes as indices into the IQ4 values (uint8 [out, in]), where every code is
     one of them and there are no minimums (GGUF IQ4_NL and IQ4_XS matrices); else None."""
@@ -281,18 +287,22 @@ class Int8BlockLinear:
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
         # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, and Q5_K (float32 scales)
         # in 0.875, not 1.25, where AVX2 is the best the CPU has: block int8's numbers
-        # IQ4_NL or IQ4_XS codes in their 4-bit indices: 0.56 or 0.63 bytes a weight, not 1.06
-        # or 1.13, where AVX2 is the best the CPU has (as five_bit32)
+        # where AVX2 is the best the CPU has (as five_bit32): IQ4_NL or IQ4_XS codes as their
+        # 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06 or 1.13; Q3_K's codes in Q6_K's
+        # layout without the top bits, 0.58, not 0.83
         avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
         indices = _iq4_indices(weight) if avx2 else None
-        self.layout = ("q6k" if isinstance(weight, Q6KWeight)
+        q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
+        self.layout = ("q3k" if q3k
+                       else "q6k" if isinstance(weight, Q6KWeight)
                        else ("iq4" if self.half else "iq4_32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
                        else "five_bit32" if avx2
                        else "block")
-        if self.layout == "q6k":
-            self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
+        if self.layout in ("q6k", "q3k"):
+            pack = kernels.pack_q3k if q3k else kernels.pack_q6k
+            self.packed = pack(weight.codes, weight.sub_scale, weight.super_scale)
         elif indices is not None:
             self.packed = kernels.pack_iq4(indices, weight.scale, half=self.half)
         elif self.layout != "block":

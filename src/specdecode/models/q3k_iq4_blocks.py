@@ -13,7 +13,8 @@ block layouts, decoded here in numpy; tested bit for bit against ``gguf.quants.d
 
 Q3_K has Q6_K's form (signed codes, a signed integer scale per 16 weights under a float16
 super-block scale), so ``int8_blocks.decode_gguf_blocks`` makes it a ``Q6KWeight`` and the
-kernels hold it in Q6_K's 6.6 bits a weight with its scales folded in integers. The IQ4 types
+kernels fold its scales in integers as Q6_K's; where AVX2 is the CPU's best they hold its codes
+in 4 bits (0.58 bytes a weight: small_codes.h's Q3K layout), else in Q6_K's 6.6. The IQ4 types
 are block int8, held where AVX2 is the CPU's best as 4-bit indices into IQ4_VALUES with their
 scales (kernels/small_codes.h: 0.56 bytes a weight for IQ4_NL's float16 scales, 0.63 for
 IQ4_XS's products, computing block int8's bits), else as block int8 (1.06, 1.13).
