@@ -82,7 +82,7 @@ def main() -> None:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):
         x = torch.randn(3, a.in_features)
-        assert a.layout == "q6k" or torch.equal(a(x), b(x)), \
+        assert a.layout in ("q6k", "q3k") or torch.equal(a(x), b(x)), \
             "five-bit and IQ4 codes: block int8's bits"
     megabytes = [sum(lin.packed.numel() for lin in group) / 1e6 for group in (own, block)]
     print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "

@@ -249,7 +249,10 @@ def _five_bit_codes(weight: Int8BlockWeight) -> bool:
 def _q3k_codes(weight: Q6KWeight) -> bool:
     """Whether a Q6_K-form ``weight``'s codes fit in the ``q3k`` layout's 4 bits (-8..7: GGUF
     Q3_K's -4..3)."""
-    return -8 <= int(weight.codes.min()) and int(weight.codes.max()) <= 7
+    def fits(codes: torch.Tensor) -> bool:
+        return -8 <= int(codes.min()) and int(codes.max()) <= 7
+
+    return fits(weight.codes[0]) and fits(weight.codes)  # a first row tells Q6_K apart cheaply
 
 
 def _iq4_indices(weight: Int8BlockWeight) -> torch.Tensor | None:
