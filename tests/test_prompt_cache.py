@@ -354,3 +354,45 @@ def test_a_decoder_reads_no_rows_written_for_other_weights_or_missing(gguf_path,
                         eos_token_ids=[])
     with pytest.raises(SpecDecodeError, match="--prompt-cache-file"):
         in_memory.save_prompt_cache(cache_file)
+
+
+@pytest.mark.parametrize("method,config", [("draft_model", {}),
+                                           ("dyspec", {"tree_nodes": 8, "max_depth": 4})])
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 5}])
+def test_a_draft_models_rows_come_back_from_the_file_too(gguf_path, model, tmp_path, method,
+                                                        config, options):
+    # a draft model read from a file keeps its own rows of the prompt beside the target's: a
+    # later process's draft holds them (it reads only what follows), and the answers are a
+    # fresh decoder's, greedy and seeded
+    from specdecode.api import Decoder
+    from test_llama_runner import write_gguf
+    from tiny_models import noisy_copy
+
+    draft = write_gguf(noisy_copy(model, 0.3, seed=1), tmp_path / "draft.gguf")
+
+    def decoder(reuse=True):
+        runner = LlamaRunner.from_gguf(gguf_path, "int4", max_context=448)
+        return Decoder(runner, None, method, eos_token_ids=[], reuse_prompt=reuse,
+                       draft_budget="full", draft=str(draft), **config)
+
+    context = [(7 * i) % 90 + 3 for i in range(150)]
+    asked, asked_again = context + [5, 6, 7], context + [8, 9]
+    cache_file = tmp_path / "rows.safetensors"
+    first = decoder()
+    first.start(asked, 16, chat=False, **options).run()
+    draft_ids = list(first.proposer.lm.tokens)
+    assert len(draft_ids) >= len(asked)
+    first.save_prompt_cache(cache_file)
+    expected = decoder(reuse=False).start(asked_again, 16, chat=False, **options).run()
+    later = decoder()
+    later.load_prompt_cache(cache_file, asked_again)
+    assert later.proposer.lm.tokens == draft_ids  # held, not read again
+    assert later.start(asked_again, 16, chat=False, **options).run() == expected
+    # a target-only file (ar wrote it) leaves the draft to read the prompt itself
+    plain = Decoder(LlamaRunner.from_gguf(gguf_path, "int4", max_context=448), None, "ar",
+                    eos_token_ids=[])
+    plain.start(asked, 4, chat=False).run()
+    plain.save_prompt_cache(cache_file)
+    fresh = decoder()
+    fresh.load_prompt_cache(cache_file, asked_again)
+    assert fresh.proposer.lm.tokens == []

@@ -27,6 +27,7 @@ from typing import Any
 from specdecode import registry
 from specdecode.constraints import Vocabulary, make_constraint
 from specdecode.detokenize import IncrementalText, special_tokens, token_id
+from specdecode.drafting.caches import NativeDraftLM
 from specdecode.engine import Generation, GenerationStats, TokenLogprob, check_ids
 from specdecode.errors import SpecDecodeError, require
 from specdecode.fim import fim_tokens
@@ -281,13 +282,16 @@ class Decoder:
         ``reuse_prompt`` reuses in this process) to the safetensors file ``path`` in place of
         what it held, for :meth:`load_prompt_cache` in a later process; the tokens written (a
         failed write is logged, not raised; where the runner holds no known rows, as after a
-        lossy method's request, the file is left as it was). A SpecDecodeError where the rows
-        cannot be kept: only the native runner's int4 and int8 weights read from a model file
-        keep them."""
+        lossy method's request, the file is left as it was). A draft model read from a file
+        (``draft_model``, ``dyspec``, ... with ``draft=FILE.gguf``) has its own rows written
+        beside them. A SpecDecodeError where the rows cannot be kept: only the native runner's
+        int4 and int8 weights read from a model file keep them."""
         file = PromptCacheFile(path, rows_key(self.runner))
         ids = self.runner.held_tokens()
         if len(ids):
-            file.write([(ids, self.runner.saved_rows(len(ids)))])
+            draft = self._kept_draft()
+            file.write([(ids, self.runner.saved_rows(len(ids)))],
+                       None if draft is None else (draft[0], *draft[1].kept_rows()))
         return len(ids)
 
     def load_prompt_cache(self, path: str | os.PathLike, prompt=None, chat: bool = True) -> int:
@@ -296,9 +300,11 @@ class Decoder:
         that a next prompt starting with their tokens prefills only what follows, with bitwise
         the same answer (``reuse_prompt`` on). Of several entries, the one that shares the
         longest start with ``prompt`` (as :meth:`start` encodes it; None: the most recent).
-        The tokens held: 0 where the file is missing, or unreadable or written for other rows
-        (a warning says which)."""
-        entries = PromptCacheFile(path, rows_key(self.runner)).read()
+        A draft model of the same file, format and kernels holds the draft rows written with
+        them (the draft then reads only what follows too). The tokens held: 0 where the file
+        is missing, or unreadable or written for other rows (a warning says which)."""
+        file = PromptCacheFile(path, rows_key(self.runner))
+        entries = file.read()
         if not entries:
             return 0
         ids, rows = entries[-1]
@@ -308,7 +314,24 @@ class Decoder:
         length = min(len(ids), self.runner.max_context)
         self.runner.load_rows(rows, length)
         self.runner.note_held(ids[:length])
+        draft = self._kept_draft()
+        kept = None if draft is None else file.read_draft(draft[0])
+        if kept is not None:
+            draft[1].hold_rows(*kept)
         return length
+
+    def _kept_draft(self) -> tuple[str, NativeDraftLM] | None:
+        """(its rows' key, the draft cache) of a draft model read from a file on the native
+        runner (``draft_model``, ``dyspec``, ...), whose rows a prompt cache file keeps beside
+        the target's, so that a later process's draft does not read the prompt again; else
+        None."""
+        lm = getattr(getattr(self.proposer, "session", None), "lm", None)
+        if not isinstance(lm, NativeDraftLM):
+            return None
+        try:
+            return rows_key(lm.runner.runner), lm
+        except SpecDecodeError:  # a draft whose rows cannot be kept: it reads the prompt
+            return None
 
     def stream(self, prompt, max_new_tokens: int = 128, chat: bool = True,
                stop: Sequence[str] = (), **sampling) -> TextStream:

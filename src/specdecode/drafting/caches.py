@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.drafting.context_shortlist import ContextShortlist
-from specdecode.models.kv_cache import DynamicKVCache
+from specdecode.models.kv_cache import DynamicKVCache, SavedRows
 
 if TYPE_CHECKING:
     from specdecode.models.llama_drafter import LlamaDrafter
@@ -247,3 +247,20 @@ class NativeDraftLM(DraftCache):
             self.runner.keep_tree(path_rows)
             self.tokens.extend(self.tree_tokens[r] for r in path_rows)
         self._clear_tree()
+
+    def kept_rows(self) -> tuple[list[int], SavedRows]:
+        """The committed tokens and a copy of their rows (for a prompt cache file)."""
+        self.prune([])
+        return list(self.tokens), self.runner.runner.saved_rows(len(self.tokens))
+
+    def hold_rows(self, ids: Sequence[int], rows: SavedRows) -> int:
+        """Hold ``rows`` of the tokens ``ids`` (:meth:`kept_rows`' of this draft, in an earlier
+        process) as the committed tokens, as if it had read them: the next :meth:`catch_up`
+        reads only what follows. The tokens held (at most the runner's positions)."""
+        self.reset()
+        length = min(len(ids), self.runner.runner.max_context)
+        self.runner.runner.load_rows(rows, length)
+        self.tokens = [int(t) for t in ids[:length]]
+        if self.widen:
+            self.shortlist.read(self.tokens)
+        return length

@@ -45,6 +45,10 @@ def rows_key(runner: Runner) -> str:
 
 
 class PromptCacheFile:
+    """``key``: what the target's rows depend on (:func:`rows_key`). A file may also hold one
+    entry of a draft model's rows (a ``draft_model`` decoder's own cache of the same prompt)
+    under the draft's key: read only by a draft of that key (:meth:`read_draft`)."""
+
     def __init__(self, path: str | Path, key: str):
         self.path = Path(path).expanduser()
         self.key = key
@@ -63,11 +67,7 @@ class PromptCacheFile:
                     log.warning("prompt cache %s was written for other weights, kernels or "
                                 "cache layout; going on without it", self.path)
                     return []
-                entries = []
-                for i in range(int(meta["entries"])):
-                    ids = file.get_tensor(f"{i}.ids").numpy()
-                    entries.append((ids, SavedRows(file.get_tensor(f"{i}.keys"),
-                                                   file.get_tensor(f"{i}.values"), len(ids))))
+                entries = [_entry(file, str(i)) for i in range(int(meta["entries"]))]
         except (OSError, SafetensorError, KeyError, ValueError) as exc:
             log.warning("prompt cache %s could not be read (%s); going on without it",
                         self.path, exc)
@@ -76,24 +76,53 @@ class PromptCacheFile:
                  sum(len(ids) for ids, _ in entries), self.path)
         return entries
 
-    def write(self, entries: list[tuple[np.ndarray, SavedRows]]) -> None:
-        """Write ``entries`` (least recently used first) in place of the file's, whole or not
-        at all (a temporary file renamed over it; a failure is logged, the old file kept)."""
+    def read_draft(self, draft_key: str) -> tuple[np.ndarray, SavedRows] | None:
+        """The draft model's entry the file holds for a draft of ``draft_key`` (and this
+        file's target key); None where it holds none (quietly: :meth:`read` warns)."""
+        if not self.path.exists():
+            return None
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as file:
+                meta = file.metadata() or {}
+                if meta.get("key") != self.key or meta.get("draft_key") != draft_key:
+                    return None
+                return _entry(file, "draft")
+        except (OSError, SafetensorError, KeyError, ValueError):
+            return None
+
+    def write(self, entries: list[tuple[np.ndarray, SavedRows]],
+              draft: tuple[str, np.ndarray, SavedRows] | None = None) -> None:
+        """Write ``entries`` (least recently used first), and ``draft`` (a draft model's key,
+        ids and rows) where given, in place of the file's, whole or not at all (a temporary
+        file renamed over it; a failure is logged, the old file kept)."""
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
-        for i, (ids, rows) in enumerate(entries):
-            tensors[f"{i}.ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-            tensors[f"{i}.keys"] = rows.keys.contiguous()
-            tensors[f"{i}.values"] = rows.values.contiguous()
+        named = [(str(i), ids, rows) for i, (ids, rows) in enumerate(entries)]
+        metadata = {"key": self.key, "entries": str(len(entries))}
+        if draft is not None:
+            metadata["draft_key"] = draft[0]
+            named.append(("draft", *draft[1:]))
+        for name, ids, rows in named:
+            tensors[f"{name}.ids"] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+            tensors[f"{name}.keys"] = rows.keys.contiguous()
+            tensors[f"{name}.values"] = rows.values.contiguous()
         temporary = self.path.with_name(self.path.name + ".partial")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(temporary), metadata={"key": self.key,
-                                                         "entries": str(len(entries))})
+            save_file(tensors, str(temporary), metadata=metadata)
             os.replace(temporary, self.path)
         except OSError as exc:  # the caller goes on: the cache is lost, not its state
             log.error("prompt cache could not be written to %s: %s", self.path, exc)
             return
         log.info("saved %d prompt cache entries (%d tokens) to %s", len(entries),
                  sum(len(ids) for ids, _ in entries), self.path)
+
+
+def _entry(file, name: str) -> tuple[np.ndarray, SavedRows]:
+    """The entry ``name`` of an open safetensors file: its ids and rows."""
+    ids = file.get_tensor(f"{name}.ids").numpy()
+    return ids, SavedRows(file.get_tensor(f"{name}.keys"), file.get_tensor(f"{name}.values"),
+                          len(ids))
