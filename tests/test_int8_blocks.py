@@ -152,6 +152,21 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
     assert torch.allclose(outs[0].double(), xe.double() @ w.double().T, rtol=1e-5, atol=1e-4)
 
 
+def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, expected):
+    """``packed`` in ``layout`` gives ``expected``'s bits on every instruction set, every row
+    count and position of ``x``."""
+    code = kernels.SMALL_CODES_LAYOUTS[layout]
+    for isa in isas(ext):
+        got = assert_row_invariant(
+            lambda rows: ext.small_codes_linear(rows, packed, code, minimum, None, n, isa), x)
+        assert torch.equal(got, expected), isa
+
+
+def avx2_best() -> bool:
+    """Whether AVX2 is the best instruction set this CPU has (or less)."""
+    return kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+
+
 @pytest.mark.parametrize("qtype,half,bytes_a_weight", [("Q5_0", True, 352 / 512),
                                                        ("Q5_1", True, 384 / 512),
                                                        ("MXFP4", True, 352 / 512),
@@ -171,15 +186,10 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     assert packed.numel() / block.numel() <= 0.7
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
-    code = kernels.SMALL_CODES_LAYOUTS[layout]
-    for isa in isas(ext):
-        got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, packed, code, minimum, None, 72, isa), x)
-        assert torch.equal(got, expected), isa
+    assert_small_codes_bits(ext, x, packed, layout, minimum, 72, expected)
     # the loader's choice: float32 scales stay block int8 where VNNI takes many rows faster
     layer = Int8BlockLinear(weight)
-    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
-    assert layer.layout == (layout if half or avx2 else "block")
+    assert layer.layout == (layout if half or avx2_best() else "block")
     assert torch.equal(layer(x), expected)
 
 
@@ -196,9 +206,8 @@ def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, byte
     codes[1, :64] = 113
     weight = Int8BlockWeight(codes, weight.scale, None, 32)
     layer = Int8BlockLinear(weight)
-    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
     layout = "iq4" if half else "iq4_32"
-    assert layer.layout == (layout if avx2 else "block") and layer.half == half
+    assert layer.layout == (layout if avx2_best() else "block") and layer.half == half
     values = torch.from_numpy(IQ4_VALUES)
     indices = (codes[..., None] == values).int().argmax(-1)
     packed = kernels.pack_iq4(indices, weight.scale, half=half)
@@ -207,11 +216,7 @@ def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, byte
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     x[0, :64] = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
     expected = ext.q8_linear(x, block, 32, False, half, None, 72, 0)
-    code = kernels.SMALL_CODES_LAYOUTS[layout]
-    for isa in isas(ext):
-        got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, packed, code, False, None, 72, isa), x)
-        assert torch.equal(got, expected), isa
+    assert_small_codes_bits(ext, x, packed, layout, False, 72, expected)
     assert torch.equal(layer(x), expected)
     # codes outside the IQ4 values, or minimums: not this layout
     q8 = decode_gguf_blocks(gguf_blocks("Q8_0", 16, 64), "Q8_0")
@@ -253,10 +258,7 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
     x[3, :256] = 0  # a super-block of zeros: dx = 0
     expected = ext.small_codes_linear(x, layer.packed, 0, False, None, 72, 0)
     assert torch.equal(expected, q6k_reference(x, weight))
-    for isa in isas(ext):
-        got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, layer.packed, 0, False, None, 72, isa), x)
-        assert torch.equal(got, expected), isa
+    assert_small_codes_bits(ext, x, layer.packed, "q6k", False, 72, expected)
     assert torch.equal(layer(x), expected)
     # the extreme codes and scales: code -32 times sc -128 (v = 4096, the largest weight byte
     # pair), 31 times -128 (-3968) and -32 times 127 (-4064), against activations of +-127
@@ -285,14 +287,9 @@ def test_q3k_in_nibbles_gives_q6ks_bits(ext):
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     x[0, :256] = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
     expected = q6k_reference(x, weight)
-    code = kernels.SMALL_CODES_LAYOUTS["q3k"]
-    for isa in isas(ext):
-        got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, packed, code, False, None, 72, isa), x)
-        assert torch.equal(got, expected), isa
+    assert_small_codes_bits(ext, x, packed, "q3k", False, 72, expected)
     layer = Int8BlockLinear(weight)
-    avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
-    assert layer.layout == ("q3k" if avx2 else "q6k")
+    assert layer.layout == ("q3k" if avx2_best() else "q6k")
     assert torch.equal(layer(x), expected)
     # Q6_K's codes past 4 bits keep the Q6_K layout
     q6 = decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K")
