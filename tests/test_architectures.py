@@ -327,6 +327,9 @@ def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, av
     from specdecode import kernels
     from specdecode.models.gguf_reader import GGUFFile
     from specdecode.models.int8_blocks import Int8BlockWeight
+    from specdecode.models.weights import resident_bytes
+
+    from test_gguf_loading import held_bytes
 
     model = build("qwen2", seed=8, intermediate_size=256)
     path = tmp_path / f"{qtype}.gguf"
@@ -342,6 +345,8 @@ def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, av
     if kernels.isa() > ISA_LEVELS.index("avx2"):
         layout = avx512_layout
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
+    # the memory the file is refused by before it loads bounds what the runner holds
+    assert resident_bytes(file, "int4") >= held_bytes(runner)
     prompt = repetitive_prompts()[2]
     exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
     assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()

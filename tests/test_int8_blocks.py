@@ -11,8 +11,9 @@ import torch
 from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
-from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, Int8BlockLinear,
-                                           Int8BlockWeight, Q6KWeight, decode_gguf_blocks,
+from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTES,
+                                           Int8BlockLinear, Int8BlockWeight, Q6KWeight,
+                                           decode_gguf_blocks, held_bytes_per_weight,
                                            quantize_int8_blocks)
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
 from specdecode.models.quant import make_linear
@@ -294,6 +295,14 @@ def test_q3k_in_nibbles_gives_q6ks_bits(ext):
     # Q6_K's codes past 4 bits keep the Q6_K layout
     q6 = decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K")
     assert Int8BlockLinear(q6).layout == "q6k"
+
+
+@pytest.mark.parametrize("qtype", list(HELD_BYTES))
+def test_held_bytes_are_the_layouts(ext, qtype):
+    # what the memory check counts a matrix of one type as (weights.resident_bytes) is what
+    # its layer holds on this CPU
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 32, 512, seed=9), qtype)
+    assert Int8BlockLinear(weight).nbytes == 32 * 512 * held_bytes_per_weight(qtype)
 
 
 def test_codes_past_five_bits_stay_block_int8(ext):

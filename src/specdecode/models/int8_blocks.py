@@ -239,6 +239,22 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 
 # ---- the linear layer -----------------------------------------------------------------------
 
+#: bytes a weight ``Int8BlockLinear`` holds of a matrix of one GGUF type, by its layout
+#: (kernels/small_codes.h, q8_blocks.h): (where AVX2 is the CPU's best, past it); Q4_0, Q4_1 and
+#: Q4_K are the int8 runner's
+HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75, 0.75),
+              "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
+              "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
+              "IQ4_XS": (0.625, 1.125), "Q4_0": (0.6875, 0.6875), "Q4_1": (0.75, 0.75),
+              "Q4_K": (0.875, 1.25)}
+
+
+def held_bytes_per_weight(qtype: str) -> float:
+    """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
+    (``HELD_BYTES``; a fused layer of several types holds up to 1.5)."""
+    return HELD_BYTES[qtype][0 if kernels.isa() <= kernels.ISA_LEVELS.index("avx2") else 1]
+
+
 def _five_bit_codes(weight: Int8BlockWeight) -> bool:
     """Whether ``weight``'s codes fit in 5 bits as the five-bit layout stores them: -16..15,
     or 0..31 where there are minimums."""

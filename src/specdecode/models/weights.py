@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import re
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +36,8 @@ import torch
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks
-from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, quantize_int8_blocks
+from specdecode.models.int8_blocks import (Int8BlockLinear, Int8BlockWeight, held_bytes_per_weight,
+                                           quantize_int8_blocks)
 from specdecode.models.quant import (Int4Linear, Q4Weight, SplitLinear, check_format, make_linear,
                                      quantize_int4)
 
@@ -51,8 +53,11 @@ _CHUNK_ROWS = 512
 #: (llama.PREFILL_WEIGHTS)
 BYTES_PER_WEIGHT = {"int4": 0.625, "int8": 1.0625, "bf16": 2 + 2, "fp32": 4 + 4}
 #: at most what block int8 holds of a file's block types (a code, a float32 scale and minimum
-#: per 16 weights: Q6_K's groups; fewer bytes where the group is 32 or the scales float16)
+#: per 16 weights: a fused layer of Q6_K or Q3_K beside a type with minimums); a matrix of one
+#: type alone holds its layout's bytes (``int8_blocks.HELD_BYTES``)
 BLOCK_INT8_BYTES = 1.5
+#: the parts of fused layers: q/k/v (named group ``qkv``) and gate/up
+_FUSED_PARTS = re.compile(r"\.(?:(?P<qkv>[qkv]_proj)|gate_proj|up_proj)\.weight$")
 #: where a checkpoint's LM head lies (its own, or the embedding table it is tied to)
 HEAD_NAMES = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
@@ -185,30 +190,43 @@ def _linear_for(parts: Sequence, weights: str):
     return make_linear(torch.cat([as_float(p) for p in parts]), weights)
 
 
+def _fused_group(name: str) -> str:
+    """The layer a matrix is fused into: ``...qkv`` for q/k/v, ``...gate_up`` for gate/up,
+    else its own name."""
+    return _FUSED_PARTS.sub(lambda m: ".qkv" if m.group("qkv") else ".gate_up", name)
+
+
 def resident_bytes(file: GGUFFile, weights: str) -> int:
     """Bytes the native runner holds of ``file``'s weights in format ``weights``: its layers
-    (``BYTES_PER_WEIGHT``; at most ``BLOCK_INT8_BYTES`` for the block types int4 and int8 keep
-    as block int8) and norms; the token embedding is read from the file by row
-    (``models/embedding.py``): nothing of it is held, unless it is the (tied) LM head too."""
+    (``BYTES_PER_WEIGHT``; for the block types int4 and int8 keep as block int8, their layout's
+    bytes where a fused layer is of one type, else at most ``BLOCK_INT8_BYTES``) and norms; the
+    token embedding is read from the file by row (``models/embedding.py``): nothing of it is
+    held, unless it is the (tied) LM head too."""
     check_format(weights)
+    types: dict[str, set[str]] = {}
+    for name, entry in file.entries.items():
+        types.setdefault(_fused_group(name), set()).add(entry.qtype)
 
-    def layer(entry) -> int:
+    def layer(name: str, entry) -> int:
         kept_as_blocks = (entry.qtype in INT8_BLOCK_TYPES and weights in ("int4", "int8")
                           or entry.qtype in Q4_TYPES and weights == "int8")
-        return int(entry.numel * (BLOCK_INT8_BYTES if kept_as_blocks else BYTES_PER_WEIGHT[weights]))
+        if not kept_as_blocks:
+            return int(entry.numel * BYTES_PER_WEIGHT[weights])
+        alone = len(types[_fused_group(name)]) == 1
+        return int(entry.numel * (held_bytes_per_weight(entry.qtype) if alone else BLOCK_INT8_BYTES))
 
     total = 0
     for name, entry in file.entries.items():
         if name == "model.embed_tokens.weight":
             if "lm_head.weight" not in file.entries:
-                total += layer(entry)
+                total += layer(name, entry)
         elif len(entry.shape) == 1:
             total += entry.numel * 4
         elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
             # a MoE router or Qwen2-MoE's shared-expert gate: float32, in whole tiles of rows
             total += -(-entry.shape[0] // kernels.TILE) * kernels.TILE * entry.shape[1] * 4
         else:
-            total += layer(entry)
+            total += layer(name, entry)
     return total
 
 
