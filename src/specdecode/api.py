@@ -290,8 +290,9 @@ class Decoder:
         ids = self.runner.held_tokens()
         if len(ids):
             draft = self._kept_draft()
+            kept = None if draft is None else draft[1].kept_rows()
             file.write([(ids, self.runner.saved_rows(len(ids)))],
-                       None if draft is None else (draft[0], *draft[1].kept_rows()))
+                       (draft[0], *kept) if kept and kept[0] else None)  # a draft that read
         return len(ids)
 
     def load_prompt_cache(self, path: str | os.PathLike, prompt=None, chat: bool = True) -> int:
