@@ -1,10 +1,11 @@
 """GGUF's Q3_K, IQ4_NL and IQ4_XS blocks as block int8, every weight the file's own value.
 
-These types hold no Q4_1 block exactly: Q3_K has two 3-bit scales' worth of codes in a 32-weight
-group (a scale per 16 weights), and the IQ4 types' sixteen values are not evenly spaced. Read
-into int4 they were re-quantised, which moved Qwen2.5-Coder-1.5B IQ4_XS's perplexity 3.2% above
-``llama-perplexity``'s on the same file. As block int8 they keep their values (ggml-common.h's
-block layouts, decoded here in numpy; tested bit for bit against ``gguf.quants.dequantize``):
+No Q4_1 block holds these types exactly: Q3_K has a scale per 16 weights (a 32-weight block
+would need two), and the IQ4 types' sixteen values are not evenly spaced. Re-quantised to
+int4's Q4_1 they move the model (Qwen2.5-Coder-1.5B IQ4_XS: perplexity 3.2% above
+``llama-perplexity``'s on the same file, against 0.3% below kept: docs/native-runner.md). As
+block int8 they keep their values (ggml-common.h's block layouts, decoded here in numpy; tested
+bit for bit against ``gguf.quants.dequantize``):
 
     type    weights a block  codes                         scale                    group
     Q3_K    256 (16 x 16)    -4..3                         d * (sc - 32), 6-bit sc  16
