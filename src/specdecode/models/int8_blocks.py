@@ -249,10 +249,16 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               "Q4_K": (0.875, 1.25)}
 
 
+def _avx2_best() -> bool:
+    """Whether AVX2 is the best this CPU has (or less): the layouts without AVX-512 kernels
+    (five_bit32, iq4, q3k) are held only then."""
+    return kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+
+
 def held_bytes_per_weight(qtype: str) -> float:
     """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
     (``HELD_BYTES``; a fused layer of several types holds up to 1.5)."""
-    return HELD_BYTES[qtype][0 if kernels.isa() <= kernels.ISA_LEVELS.index("avx2") else 1]
+    return HELD_BYTES[qtype][0 if _avx2_best() else 1]
 
 
 def _five_bit_codes(weight: Int8BlockWeight) -> bool:
@@ -309,7 +315,7 @@ class Int8BlockLinear:
         # where AVX2 is the best the CPU has (as five_bit32): IQ4_NL or IQ4_XS codes as their
         # 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06 or 1.13; Q3_K's codes in Q6_K's
         # layout without the top bits, 0.58, not 0.83
-        avx2 = kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+        avx2 = _avx2_best()
         indices = _iq4_indices(weight) if avx2 else None
         q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q3k" if q3k
