@@ -1,17 +1,18 @@
-"""Time a GGUF file's 3 to 6-bit matrices in their own layout against block int8, interleaved.
+"""Time a GGUF file's 2 to 6-bit matrices in their own layout against block int8, interleaved.
 
     PYTHONPATH=src python scripts/small_codes_layouts.py                   # qwen2.5-coder-1.5b
     PYTHONPATH=src python scripts/small_codes_layouts.py --model qwen2.5-coder-0.5b --rows 1 4 16
     PYTHONPATH=src python scripts/small_codes_layouts.py --model q5km.gguf    # a Q5_K_M file
 
-Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4, Q5_K, Q3_K, IQ4_NL or IQ4_XS (the
-token embedding aside: it is read by row) is built twice from the same blocks:
+Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4, Q5_K, Q3_K, Q2_K, IQ4_NL or IQ4_XS
+(the token embedding aside: it is read by row) is built twice from the same blocks:
 ``Int8BlockLinear``, which holds it in the file's own bytes (kernels/small_codes.h: 0.83 bytes
-a weight for Q6_K and Q3_K, 0.69-0.75 for the five-bit types; where AVX2 is the CPU's best, 0.875
-for Q5_K with its float32 scales and 0.56-0.63 for the IQ4 types' indices), and block int8
-(kernels/q8_blocks.h: 1.25, 1.06-1.13, 1.25, 1.06-1.13). The five-bit and IQ4 types compute the
-same bits in both (asserted here as well); Q6_K and Q3_K fold their sub-block scales in
-integers in their own layout, against block int8's float fold per 16 inputs. Per row count, all
+a weight for Q6_K, 0.33 for Q2_K, 0.69-0.75 for the five-bit types; where AVX2 is the CPU's
+best, 0.58 for Q3_K, 0.875 for Q5_K with its float32 scales and 0.56-0.63 for the IQ4 types'
+indices), and block int8 (kernels/q8_blocks.h: 1.25, 1.5, 1.06-1.13, 1.25, 1.06-1.13). The
+five-bit and IQ4 types compute the same bits in both (asserted here as well); Q6_K, Q3_K and
+Q2_K fold their sub-block scales (Q2_K: and minimums) in integers in their own layout, against
+block int8's float fold per 16 inputs. Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
 the two layouts alternate ``--repeat`` times and the medians are printed with their ratio.
 """
@@ -29,7 +30,7 @@ from specdecode.models.gguf_reader import GGUFFile
 from specdecode.models.int8_blocks import Int8BlockLinear
 from specdecode.models.loading import NAMED_MODELS
 
-TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 
 
 class BlockInt8:
@@ -82,7 +83,7 @@ def main() -> None:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):
         x = torch.randn(3, a.in_features)
-        assert a.layout in ("q6k", "q3k") or torch.equal(a(x), b(x)), \
+        assert a.layout in ("q6k", "q3k", "q2k") or torch.equal(a(x), b(x)), \
             "five-bit and IQ4 codes: block int8's bits"
     megabytes = [sum(lin.packed.numel() for lin in group) / 1e6 for group in (own, block)]
     print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "

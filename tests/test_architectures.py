@@ -174,7 +174,8 @@ def add_family_metadata(writer, c, arch: str) -> None:
 
 #: where a block type's float16 scales are: (first byte, how many); the other bytes (codes,
 #: sub-block scales) are valid whatever their bits
-_SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1)}
+_SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1),
+              "Q2_K": (80, 2)}
 
 
 def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -315,11 +316,13 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
 
 
 @pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
-                                                        ("IQ4_XS", "iq4_32", "block")])
-def test_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
-    """Q3_K and IQ4_XS hold no Q4_1 block exactly: the int4 runner keeps a file's such matrices
-    with their own values (where AVX2 is the CPU's best Q3_K's codes in nibbles and IQ4_XS's as
-    indices into its values; else Q6_K's layout and block int8), not re-quantised; logits
+                                                        ("IQ4_XS", "iq4_32", "block"),
+                                                        ("Q2_K", "q2k", "q2k")])
+def test_q2_k_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
+    """Q2_K, Q3_K and IQ4_XS hold no Q4_1 block exactly: the int4 runner keeps a file's such
+    matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's best Q3_K's
+    codes in nibbles and IQ4_XS's as indices into its values, else Q6_K's layout and block
+    int8), not re-quantised; logits
     within the int8 activations of the fp32 runner's (gguf's dequantised weights), and suffix =
     ar."""
     import gguf

@@ -12,7 +12,7 @@ from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTES,
-                                           Int8BlockLinear, Int8BlockWeight, Q6KWeight,
+                                           Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q6KWeight,
                                            decode_gguf_blocks, held_bytes_per_weight,
                                            quantize_int8_blocks)
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
@@ -53,6 +53,8 @@ def gguf_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
     if qtype in ("Q6_K", "Q3_K"):
         blocks[..., -2:] = halves(1)  # d last
+    elif qtype == "Q2_K":
+        blocks[..., -4:] = halves(2)  # d, dmin last
     elif qtype in ("Q4_K", "Q5_K"):
         blocks[..., 0:4] = halves(2)  # d, dmin first
     else:
@@ -68,10 +70,12 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     got = weight.dequantize().numpy()
     assert got.shape == expected.shape == (6, 512)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qtype
-    assert weight.group == (16 if qtype in ("Q6_K", "Q3_K") else 32)
+    assert weight.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K") else 32)
     assert isinstance(weight, Q6KWeight) == (qtype in ("Q6_K", "Q3_K"))
-    assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
-    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 3}.get(qtype, 4)
+    assert isinstance(weight, Q2KWeight) == (qtype == "Q2_K")
+    assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"))
+    bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 3,
+            "Q2_K": 2}.get(qtype, 4)
     signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q3_K")
     low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if signed else (0, (1 << bits) - 1)
     # MXFP4: e2m1 values doubled; the IQ4 types: ggml's sixteen values
@@ -103,14 +107,15 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor, inputs: int = 32) ->
     return half_step.double() @ weight.abs().double().T
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q5_1", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q4_K", "Q5_1", "Q3_K", "IQ4_XS", "Q2_K"])
 def test_linear_within_the_activation_bound(ext, qtype):
     weight = decode_gguf_blocks(gguf_blocks(qtype, 40, 512, seed=3), qtype)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     w = weight.dequantize()
     exact = x.double() @ w.double().T
     layer = Int8BlockLinear(weight)
-    inputs = 256 if layer.layout == "q6k" else 32  # Q6_K, Q3_K: activations per super-block
+    # Q6_K, Q3_K, Q2_K: activations per super-block
+    inputs = 256 if layer.layout in ("q6k", "q3k", "q2k") else 32
     bound = activation_bound(x, w, inputs) * 1.0001 + 1e-6 * (x.abs().double() @ w.abs().double().T)
     got = layer(x).double()
     error = (got - exact).abs()
@@ -224,6 +229,16 @@ def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, byte
     assert Int8BlockLinear(q8).layout == "block"
 
 
+def quantised_per_256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' int8 activations per row and per 256 inputs: xq int64 [m, k / 256, 256]
+    and dx [m, k / 256], x ~ dx * xq."""
+    m, k = x.shape
+    blocks = x.view(m, k // 256, 256)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64), amax / 127.0
+
+
 def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
     """Q6_K's numbers (kernels/small_codes.h) computed apart from the kernels: activations
     quantised per row and per 256 inputs, S = sum over a super-block's sub-blocks of sc times
@@ -231,11 +246,7 @@ def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
     (each fma exact in float64, then rounded once to float32)."""
     m, k = x.shape
     n = weight.codes.shape[0]
-    blocks = x.view(m, k // 256, 256)
-    amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64)
-    dx = amax / 127.0
+    xq, dx = quantised_per_256(x)
     sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // 16, 16), weight.codes.to(torch.int64).view(n, k // 16, 16))
     super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
     assert super_sums.abs().max() < 2**28  # int32 in the kernels
@@ -272,6 +283,63 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
     packed = Int8BlockLinear(extreme).packed
     for isa in isas(ext):
         assert torch.equal(ext.small_codes_linear(xe, packed, 0, False, None, 16, isa), want), isa
+
+
+def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
+    """Q2_K's numbers (kernels/small_codes.h) computed apart from the kernels: q6k_reference's
+    S and fold, then per super-block M = sum over its sub-blocks of m times the sub-block's
+    sum(xq), folded acc = fma(-M, dmin * dx, acc)."""
+    m, k = x.shape
+    n = weight.codes.shape[0]
+    xq, dx = quantised_per_256(x)
+    xq = xq.view(m, k // 16, 16)
+
+    def per_super_block(sums: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return (sums * factor.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
+
+    codes = weight.codes.to(torch.int64).view(n, k // 16, 16)
+    super_sums = per_super_block(torch.einsum("mgi,ngi->mng", xq, codes), weight.sub_scale)
+    min_sums = per_super_block(xq.sum(-1)[:, None, :].expand(m, n, k // 16), weight.sub_min)
+    assert super_sums.abs().max() < 2**24 and min_sums.abs().max() < 2**24  # float32-exact
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    folds = ((super_sums, weight.super_scale, 1), (min_sums, weight.super_min, -1))
+    for b in range(k // 256):
+        for sums, factor, sign in folds:
+            scale = factor[None, :, b].float() * dx[:, None, b]  # float32 product
+            acc = (sign * sums[:, :, b].double() * scale.double() + acc.double()).float()
+    return acc
+
+
+def test_q2k_in_the_files_bits_folds_scales_and_minimums_in_integers(ext):
+    # Q2_K held in the file's own 0.33 bytes a weight (not block int8's 1.5): its sub-block
+    # scales and minimums folded in integers against activations quantised per 256 inputs, the
+    # reference's numbers on every row count (direct passes below 4 rows, tiles decoded from
+    # there), position and instruction set (AVX-512 CPUs run AVX2's kernel, and hold this
+    # layout too); the extreme codes, sc and m (3, 15, 15) against activations of +-127
+    weight = decode_gguf_blocks(gguf_blocks("Q2_K", 72, 512, seed=5), "Q2_K")
+    assert isinstance(weight, Q2KWeight)
+    weight.codes[0, :256], weight.sub_scale[0, :16], weight.sub_min[0, :16] = 3, 15, 15
+    weight.codes[1, :256], weight.sub_scale[1, :16], weight.sub_min[1, :16] = 0, 0, 15
+    packed = kernels.pack_q2k(weight.codes, weight.sub_scale, weight.sub_min,
+                              weight.super_scale, weight.super_min)
+    assert packed.numel() == 80 * 512 * 1344 / 4096
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    x[0, :256] = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    x[1, :256] = 1.0
+    expected = q2k_reference(x, weight)
+    assert_small_codes_bits(ext, x, packed, "q2k", True, 72, expected)
+    layer = Int8BlockLinear(weight)
+    assert layer.layout == "q2k" and layer.nbytes == packed.numel()
+    assert torch.equal(layer(x), expected)
+    # fused with another Q2_K matrix it stays Q2_K, beside another type block int8's groups
+    other = decode_gguf_blocks(gguf_blocks("Q2_K", 24, 512, seed=7), "Q2_K")
+    fused = Int8BlockWeight.cat([weight, other])
+    assert isinstance(fused, Q2KWeight) and Int8BlockLinear(fused).layout == "q2k"
+    assert torch.equal(Int8BlockLinear(fused)(x)[:, :72], expected)
+    mixed = Int8BlockWeight.cat([weight, decode_gguf_blocks(gguf_blocks("Q4_K", 8, 512), "Q4_K")])
+    assert type(mixed) is Int8BlockWeight and mixed.group == 16
+    assert torch.equal(mixed.dequantize()[:72].view(torch.int32),
+                       weight.dequantize().view(torch.int32))
 
 
 def test_q3k_in_nibbles_gives_q6ks_bits(ext):
@@ -396,8 +464,8 @@ def test_bad_input_gets_clear_errors(ext):
         layer(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(SpecDecodeError, match="residual"):
         layer(torch.randn(2, 64), torch.randn(3, 16))
-    with pytest.raises(SpecDecodeError, match="not Q2_K"):
-        decode_gguf_blocks(np.zeros((2, 84), np.uint8), "Q2_K")
+    with pytest.raises(SpecDecodeError, match="not IQ2_XS"):
+        decode_gguf_blocks(np.zeros((2, 66), np.uint8), "IQ2_XS")
     with pytest.raises(SpecDecodeError, match="multiple of 34 bytes"):
         decode_gguf_blocks(np.zeros((2, 35), np.uint8), "Q8_0")
     codes = torch.zeros(4, 64, dtype=torch.int8)
@@ -408,11 +476,16 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"4 \(IQ4 indices, float32 scales\) or 5 \(Q3_K\), "
-                                           r"not 7"):
+    with pytest.raises(RuntimeError, match=r"5 \(Q3_K\) or 6 \(Q2_K\), not 7"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K, Q3_K and IQ4 layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
+    with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
+    q2k = decode_gguf_blocks(gguf_blocks("Q2_K", 16, 256), "Q2_K")
+    with pytest.raises(SpecDecodeError, match="Q2_K codes are 0..3, its sc and m 0..15"):
+        kernels.pack_q2k(q2k.codes + 1, q2k.sub_scale, q2k.sub_min, q2k.super_scale,
+                         q2k.super_min)
 
 
 @pytest.mark.slow  # gguf's reader parses the file's 49,152-token vocabulary first (15-20 s)

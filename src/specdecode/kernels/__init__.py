@@ -10,7 +10,8 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``pack_iq4``, ``pack_q3k``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
+``pack_five_bit``, ``pack_iq4``, ``pack_q3k``, ``pack_q2k``, ``weights.pack_blocks``,
+``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
@@ -207,6 +208,39 @@ def pack_q3k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
     return torch.cat([groups, packed[..., 3072:]], -1).contiguous()
 
 
+def pack_q2k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
+             super_scale: torch.Tensor, super_min: torch.Tensor) -> torch.Tensor:
+    """GGUF Q2_K weights (w = d * sc * code - dmin * m; codes [N, K] in 0..3, sc and m [N, K /
+    16] in 0..15, d and dmin float16 [N, K / 256]) -> uint8 [N / 16, K / 256, 1344]: per tile
+    and super-block, 16 groups of 16 inputs, each 64 bytes whose byte 4c + i holds input 4j + i
+    of column c at bits 2j; then the groups' sc | m << 4 (group major), the columns' d, their
+    dmin (the ``q2k`` layout, kernels/small_codes.h). Rows padded with zeros to whole tiles."""
+    n, k = codes.shape
+    require(k % 256 == 0 and tuple(sub_scale.shape) == tuple(sub_min.shape) == (n, k // 16)
+            and tuple(super_scale.shape) == tuple(super_min.shape) == (n, k // 256),
+            f"Q2_K weights: codes [N, a multiple of 256] with sc and m [N, K / 16] and d and "
+            f"dmin [N, K / 256], got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, "
+            f"{tuple(sub_min.shape)}, {tuple(super_scale.shape)}, {tuple(super_min.shape)}")
+    require(all(0 <= int(t.min()) and int(t.max()) <= top
+                for t, top in ((codes, 3), (sub_scale, 15), (sub_min, 15))),
+            "Q2_K codes are 0..3, its sc and m 0..15")
+    supers = k // 256
+    packed = torch.empty(-(-n // TILE), supers, 1344, dtype=torch.uint8)
+    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time, as pack_q8_blocks
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
+        c = _tiles(codes[rows].to(torch.uint8))  # [T, c, K]
+        c = c.view(-1, TILE, supers, 16, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [T, s, g, c, i, j]
+        c = c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6
+        sc_m = _tiles((sub_scale[rows] | sub_min[rows] << 4).to(torch.uint8))  # [T, c, K / 16]
+        sc_m = sc_m.view(-1, TILE, supers, 16).permute(0, 2, 3, 1)  # [T, s, g, c]
+        parts = [c.reshape(-1, supers, 1024), sc_m.reshape(-1, supers, 256)]
+        parts += [_tiles(t[rows].to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
+                  for t in (super_scale, super_min)]
+        torch.cat(parts, -1, out=packed[first:first + step])
+    return packed
+
+
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                   half: bool = True) -> torch.Tensor:
     """Block int8 weights in groups of 32 whose codes fit in 5 bits (-16..15 without minimums,
@@ -240,7 +274,7 @@ def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> t
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
 SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_32": 4,
-                       "q3k": 5}
+                       "q3k": 5, "q2k": 6}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):

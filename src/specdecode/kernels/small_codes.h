@@ -1,9 +1,9 @@
-// Weights of 5 or 6-bit codes in the bytes of the file's own blocks (models/int8_blocks.py), not
+// Weights of 2 to 6-bit codes in the bytes of the file's own blocks (models/int8_blocks.py), not
 // widened to bytes.
 // Included once by cpu_kernels.cpp, after q8_blocks.h, whose activation quantisers and kernel
 // it uses.
 //
-// Three layouts:
+// The layouts:
 // - FIVE_BIT: block int8 in groups of 32 with float16 scales (and minimums) whose codes fit in 5
 //   bits (-16..15 without minimums, 0..31 with): GGUF Q5_0, Q5_1 and MXFP4, in 0.69 (0.75) bytes
 //   a weight instead of 1.06 (1.13). Block int8's numbers: per row, column and group the exact
@@ -22,6 +22,8 @@
 // - Q3K: GGUF Q3_K in Q6K's form (codes -4..3, sc - 32 per 16 inputs, d per 256) with u = code
 //   + 8 in the nibbles only (TOP = 0): B = 2368, 0.58 bytes a weight against Q6K's 0.83, Q6K's
 //   numbers; AVX2 and the portable kernel only, as FIVE_BIT32.
+// - Q2K: GGUF Q2_K (codes 0..3, 4-bit sc and m per 16 inputs, d and dmin per 256), its codes in
+//   2 bits and its minimums folded in integers as its scales (the Q2K struct below).
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
 // output is the same in a call of any size and position, on every instruction set (tested).
 //
@@ -60,9 +62,12 @@
 #ifndef Q6K_AVX2_DECODE_MIN_ROWS
 #define Q6K_AVX2_DECODE_MIN_ROWS 5
 #endif
-// the same for Q3K
+// the same for Q3K and Q2K
 #ifndef Q3K_AVX2_DECODE_MIN_ROWS
 #define Q3K_AVX2_DECODE_MIN_ROWS 4
+#endif
+#ifndef Q2K_AVX2_DECODE_MIN_ROWS
+#define Q2K_AVX2_DECODE_MIN_ROWS 4
 #endif
 // the fewest rows for which Q6K takes the AMX tiles (where the CPU has them): each call decodes
 // its weights into tiles, which fewer rows do not repay (measured on the 1.5B's Q6_K downs and
@@ -87,8 +92,9 @@ static inline float half_at(const uint8_t* at, int c) {
 // run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes -8..7, offset 8).
 template <int TOP_BITS>
 struct SuperScales {
-  static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = TOP == 2;
+  static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8, CODE_BITS = 4;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = TOP == 2,
+                        SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 32 * TOP, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
@@ -99,6 +105,27 @@ struct SuperScales {
 };
 using Q6K = SuperScales<2>;
 using Q3K = SuperScales<0>;
+
+// Q2K: GGUF Q2_K, w = d * sc * code - dmin * m, codes 0..3, a 4-bit sc and m per 16 inputs (one
+// byte, sc in its low nibble, as the file holds them), float16 d and dmin per 256. Groups of 64
+// bytes (byte 4c + i holds input 4j + i of column c at bits 2j, j = 0..3), the groups' sc | m
+// << 4 (16 x 16 bytes, group major), the columns' d, their dmin: B = 1344, the file's 0.33
+// bytes a weight. Q6K's integer fold of sc, and its minimums folded likewise, per super-block
+//   S = sum of sc * isum, M = sum of m * sum(xq)   (exact: |S| < 2^21, |M| < 2^19)
+//   acc = fma((float)S, d * dx, acc), acc = fma(-(float)M, dmin * dx, acc)
+// AVX2 and the portable kernel only (AVX-512 CPUs run AVX2's).
+struct Q2K {
+  static constexpr int G = 16, TOP = 0, GROUPS = 16, OFFSET = 0, CODE_BITS = 2;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = false,
+                        SUB_MINS = true;
+  static constexpr int GROUP_BYTES = 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256,
+                       DMIN_AT = D_AT + 32;
+  static constexpr int64_t block_bytes(bool) { return DMIN_AT + 32; }
+  static inline int32_t sub_scale(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c] & 15; }
+  static inline int32_t sub_min(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c] >> 4; }
+  static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
+  static inline float super_min(const uint8_t* block, int c) { return half_at(block + DMIN_AT, c); }
+};
 
 // column c's float32 number at `at`
 static inline float float_at(const uint8_t* at, int c) {
@@ -112,8 +139,9 @@ static inline float float_at(const uint8_t* at, int c) {
 // TOP bits of each code above its nibble (1: five-bit codes; 0: IQ4's indices)
 template <bool F32, int TOP_BITS = 1>
 struct FiveBitScales {
-  static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2;
-  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = !F32 && TOP;
+  static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
+  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = !F32 && TOP,
+                        SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 8 * TOP * G / 4, SC_AT = GROUP_BYTES,
                        MIN_AT = SC_AT + 16 * SCALE_BYTES;
   static constexpr int64_t block_bytes(bool minimum) {
@@ -153,6 +181,8 @@ struct Acts {
   // Q6K on decoded AVX2 tiles: xq + 128, each pass's rows interleaved by words of 4 inputs
   // (q6k_interleave)
   const uint8_t* xu = nullptr;
+  // Q2K: each group's sum(xq) [m, k / 16], for its minimums
+  const int32_t* xsum = nullptr;
 };
 
 template <class F>
@@ -162,6 +192,7 @@ constexpr bool is_q6k = std::is_same_v<F, Q6K>;
 template <class F>
 static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
   const int j = i / 4, at = 4 * c + i % 4;
+  if constexpr (F::CODE_BITS == 2) return (grp[at] >> (2 * j)) & 3;
   const int low = (grp[64 * (j / 2) + at] >> (4 * (j % 2))) & 15;
   if constexpr (F::CODEBOOK) return IQ4_VALUES[low];
   if constexpr (F::TOP == 0) return low;
@@ -200,6 +231,13 @@ static void columns_generic(
         if constexpr (F::SUPER)
           for (int c = 0; c < 16; c++)
             acc[c] = FMA((float)super_sum[c], F::super_scale(block, c) * a.dx[r * blocks + b], acc[c]);
+        if constexpr (F::SUB_MINS)
+          for (int c = 0; c < 16; c++) {
+            int32_t min_sum = 0;  // M
+            for (int g = 0; g < F::GROUPS; g++)
+              min_sum += F::sub_min(block, g, c) * a.xsum[r * groups + b * F::GROUPS + g];
+            acc[c] = FMA(-(float)min_sum, F::super_min(block, c) * a.dx[r * blocks + b], acc[c]);
+          }
       }
       for (int c = 0; c < 16 && t * 16 + c < n; c++) {
         const int64_t at = r * n + t * 16 + c;
@@ -216,6 +254,10 @@ static void columns_generic(
 // nibbles, with its top bits moved to bit 4 and up
 template <class F, int J>
 static inline __m256i slice_avx2(const uint8_t* grp, int h) {
+  if constexpr (F::CODE_BITS == 2) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * h));
+    return _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * J), _mm256_set1_epi8(3));
+  }
   const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (J / 2) + 32 * h));
   const __m256i low = _mm256_and_si256(J % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles, _mm256_set1_epi8(0x0f));
   if constexpr (F::TOP == 0) return low;
@@ -248,6 +290,35 @@ struct IQ4Codes {
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))), index);
   }
 };
+
+// half h's 8 sub-block scales of group g of a SUPER block, as bytes (Q2K: the low nibbles)
+template <class F>
+static inline __m128i sub_scales8(const uint8_t* block, int g, int h) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
+  if constexpr (F::SUB_MINS) return _mm_and_si128(bytes, _mm_set1_epi8(15));
+  else return bytes;
+}
+
+// Q2K's minimums of super-block b folded for R rows of half h (8 columns) of a block:
+// M = sum over its groups of m * sum(xq), then acc[r][at] = fma(-(float)M, dmin * dx, acc)
+template <class F, int R, int H>
+static inline void fold_mins_avx2(const Acts& a, int64_t r0, const uint8_t* block, int64_t b, int h,
+                                  int at, __m256 (&acc)[R][H]) {
+  const int64_t groups = a.k / F::G, blocks = a.k / 256;
+  __m256i min_sum[R];
+  for (int r = 0; r < R; r++) min_sum[r] = _mm256_setzero_si256();
+  for (int g = 0; g < F::GROUPS; g++) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_srli_epi16(_mm_andnot_si128(_mm_set1_epi8(15), bytes), 4));
+    for (int r = 0; r < R; r++)
+      min_sum[r] = _mm256_add_epi32(
+          min_sum[r], _mm256_mullo_epi32(m, _mm256_set1_epi32(a.xsum[(r0 + r) * groups + b * F::GROUPS + g])));
+  }
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::DMIN_AT + 16 * h)));
+  for (int r = 0; r < R; r++)
+    acc[r][at] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sum[r]),
+                                  _mm256_mul_ps(dmin, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][at]);
+}
 
 // the 8 scales or minimums of half h's columns at `at`, float16 or (FIVE_BIT32) float32
 template <class F>
@@ -301,8 +372,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
           }
         });
         if constexpr (F::SUPER) {
-          const __m256i sc = _mm256_cvtepi8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * half)));
+          const __m256i sc = _mm256_cvtepi8_epi32(sub_scales8<F>(block, g, half));
           for (int r = 0; r < R; r++)
             super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
         } else {
@@ -325,6 +395,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
         for (int r = 0; r < R; r++)
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(super_sum[r][h]),
                                       _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][h]);
+        if constexpr (F::SUB_MINS) fold_mins_avx2<F>(a, r0, block, b, h0 + h, h, acc);
       }
   }
 }
@@ -368,7 +439,7 @@ static void decode_q6k_avx2(const uint8_t* tile, int64_t k, uint8_t* out) {
           _mm256_store_si256(reinterpret_cast<__m256i*>(half + 32 * decltype(j)::value), q);
           sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16));
         });
-        const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
+        const __m128i sc = sub_scales8<F>(block, g, h);
         _mm256_store_si256(reinterpret_cast<__m256i*>(half + SLICES),
                            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc, sc)));
         correction[h] = _mm256_add_epi32(correction[h], _mm256_mullo_epi32(sum, _mm256_cvtepi8_epi32(sc)));
@@ -411,10 +482,12 @@ static void q6k_decoded_half_avx2(const Acts& a, int64_t r0, const uint8_t* tile
       }
     }
     const __m256i correction = _mm256_load_si256(reinterpret_cast<const __m256i*>(from + BLOCK + 32 * h));
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + b * F::block_bytes(false) + F::D_AT + 16 * h)));
+    const uint8_t* block = tile + b * F::block_bytes(false);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::D_AT + 16 * h)));
     for (int r = 0; r < R; r++)
       acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(super_sum[r], correction)),
                                   _mm256_mul_ps(d, _mm256_set1_ps(a.dx[(r0 + r) * blocks + b])), acc[r][0]);
+    if constexpr (F::SUB_MINS) fold_mins_avx2<F>(a, r0, block, b, h, 0, acc);
   }
 }
 
@@ -873,27 +946,32 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
   Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, IQ4_LAYOUT = 3, IQ4_32_LAYOUT = 4,
-  Q3K_LAYOUT = 5
+  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6
 };
 
 }  // namespace small_codes
 
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], IQ4 [N / 16,
-// K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368]
+// K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344] (whose
+// minimums are the layout's: `minimum` true)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q3K_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q2K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
-              "scales), 3 (IQ4 indices), 4 (IQ4 indices, float32 scales) or 5 (Q3_K), not ", layout);
+              "scales), 3 (IQ4 indices), 4 (IQ4 indices, float32 scales), 5 (Q3_K) or 6 (Q2_K), not ",
+              layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
   const bool iq4 = layout == IQ4_LAYOUT || layout == IQ4_32_LAYOUT, q3k = layout == Q3K_LAYOUT;
-  const bool super = q6k || q3k;  // activations per 256 inputs, sub-block scales in integers
-  TORCH_CHECK(!(super || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
+  const bool q2k = layout == Q2K_LAYOUT;
+  const bool super = q6k || q3k || q2k;  // activations per 256 inputs, sub-block scales in integers
+  TORCH_CHECK(!(q6k || q3k || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
+  TORCH_CHECK(!q2k || minimum, "the Q2_K layout has minimums");
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
                         : q3k ? Q3K::block_bytes(false)
+                        : q2k ? Q2K::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == IQ4_LAYOUT ? IQ4::block_bytes(false)
                         : layout == IQ4_32_LAYOUT ? IQ4_32::block_bytes(false)
@@ -912,28 +990,33 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
-  const bool q6k_decoded = super && !amx && isa == AVX2 &&
-                           m >= (q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q6K_AVX2_DECODE_MIN_ROWS);
+  // (Q6K's on AVX2 alone: AVX-512 CPUs take its VNNI kernel; Q3K and Q2K have AVX2's only)
+  const bool q6k_decoded = super && !amx && (q6k ? isa == AVX2 : isa >= AVX2) &&
+                           m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
+                                 : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
-                              : iq4 ? offset<IQ4>(false) : offset<FiveBit>(minimum);
+                              : q2k ? offset<Q2K>(false) : iq4 ? offset<IQ4>(false)
+                              : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
-  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
+  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group)), xsum(q2k ? m * (k / group) : 0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
     if (super) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
     else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
-    if (q6k_decoded) return;
+    if (q6k_decoded && !q2k) return;
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
         for (int64_t i = 0; i < group; i++) total += xq[r * k + g * group + i];
-        bias[r * (k / group) + g] = -code_offset * total;
+        if (!q6k_decoded) bias[r * (k / group) + g] = -code_offset * total;
+        if (q2k) xsum[r * (k / group) + g] = total;
       }
   });
   std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
   if (q6k_decoded) q6k_interleave(xq.data(), m, k, xu.data());
-  const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr};
+  const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr,
+                  xsum.data()};
   const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -941,6 +1024,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q3k) columns<Q3K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == IQ4_LAYOUT) columns<IQ4, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == IQ4_32_LAYOUT) columns<IQ4_32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

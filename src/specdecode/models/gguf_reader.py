@@ -21,9 +21,9 @@ with a scale and a minimum per 32 weights, the int4 format):
           2^-11 (15 s + |m|), against 4-bit steps of s. ``q4k_blocks`` counts the products
           that were not exact.
 
-The 5, 6 and 8-bit types, Q3_K and the IQ4 types (``INT8_BLOCK_TYPES``) are read as blocks
-too, which the int4 and int8 runners keep with their own values (models/int8_blocks.py). Every
-other type (float16, bfloat16, float32, Q2_K, the other I-quants) is dequantised to float32 by
+The 5, 6 and 8-bit types, Q2_K, Q3_K and the IQ4 types (``INT8_BLOCK_TYPES``) are read as
+blocks too, which the int4 and int8 runners keep with their own values (models/int8_blocks.py).
+Every other type (float16, bfloat16, float32, the other I-quants) is dequantised to float32 by
 ``gguf`` itself, exactly as ``transformers`` does; the int4 runner re-quantises those matrices
 in the Q4_1 scheme, the other formats take them as they are.
 
@@ -106,7 +106,8 @@ _READ_ROWS = 512
 #: GGUF types kept as 4-bit blocks
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
-INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4", "Q3_K", "IQ4_NL", "IQ4_XS")
+INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4", "Q3_K", "IQ4_NL", "IQ4_XS",
+                    "Q2_K")
 
 
 def _readable_types() -> tuple[str, ...]:

@@ -14,7 +14,7 @@ them with):
     Q5_K   256 (8 x 32)     0..31      d * sc            -(dmin * m)  32
     Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
     MXFP4  32               -12..12    2^(e - 128)       -            32
-    Q3_K, IQ4_NL, IQ4_XS: models/q3k_iq4_blocks.py
+    Q3_K, IQ4_NL, IQ4_XS: models/q3k_iq4_blocks.py; Q2_K: models/q2k_blocks.py
 
 d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
 sub-block integers. MXFP4 (gpt-oss's experts) holds an e8m0 exponent byte e and 4-bit e2m1
@@ -42,6 +42,7 @@ scheme, symmetric per 32 inputs with a float16 scale.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError, require
-from specdecode.models import q3k_iq4_blocks
+from specdecode.models import q2k_blocks, q3k_iq4_blocks
 
 #: inputs per group that the kernel accepts; activations are quantised per 32 in any case
 GROUPS = (16, 32)
@@ -58,11 +59,12 @@ GROUPS = (16, 32)
 INT8_GROUP = 32
 #: bytes of one block, per GGUF type this module decodes
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, **q3k_iq4_blocks.BLOCK_BYTES}
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, **q3k_iq4_blocks.BLOCK_BYTES,
+               "Q2_K": q2k_blocks.BLOCK_BYTES}
 #: weights of one block, per GGUF type
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
                  "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
-                 **q3k_iq4_blocks.BLOCK_WEIGHTS}
+                 **q3k_iq4_blocks.BLOCK_WEIGHTS, "Q2_K": q2k_blocks.BLOCK_WEIGHTS}
 #: code + 128 -> its index in the IQ4 values (255: not one of them)
 _IQ4_INDEX = np.full(256, 255, np.uint8)
 _IQ4_INDEX[q3k_iq4_blocks.IQ4_VALUES.astype(np.int16) + 128] = np.arange(16)
@@ -130,11 +132,12 @@ class Int8BlockWeight:
                 "block int8 parts must share their input size")
         if len(parts) == 1:  # (a copy of a whole LM head would be its size again in flight)
             return parts[0]
-        if all(isinstance(p, Q6KWeight) for p in parts):
-            return Q6KWeight(*(torch.cat([getattr(p, f) for p in parts])
-                               for f in ("codes", "scale")), None, 16,
-                             *(torch.cat([getattr(p, f) for p in parts])
-                               for f in ("sub_scale", "super_scale")))
+        kind = type(parts[0])
+        if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
+            # Q6_K or Q2_K throughout: their scales' factors stacked too
+            return kind(*(torch.cat([getattr(p, f.name) for p in parts])
+                          if isinstance(getattr(parts[0], f.name), torch.Tensor)
+                          else getattr(parts[0], f.name) for f in dataclasses.fields(kind)))
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
@@ -158,6 +161,24 @@ class Q6KWeight(Int8BlockWeight):
     def take(self, index: torch.Tensor) -> Q6KWeight:
         return Q6KWeight(self.codes[index], self.scale[index], None, 16,
                          self.sub_scale[index], self.super_scale[index])
+
+
+@dataclass(frozen=True)
+class Q2KWeight(Int8BlockWeight):
+    """A GGUF Q2_K matrix as block int8 (groups of 16, codes 0..3, scale = d * sc, minimum =
+    -(dmin * m)) that also keeps the factors, ``sub_scale`` sc and ``sub_min`` m int8 [out, in
+    / 16] (0..15) and ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that
+    the kernels hold it in the file's own 0.33 bytes a weight (``kernels.pack_q2k``)."""
+
+    sub_scale: torch.Tensor
+    sub_min: torch.Tensor
+    super_scale: torch.Tensor
+    super_min: torch.Tensor
+
+    def take(self, index: torch.Tensor) -> Q2KWeight:
+        return Q2KWeight(self.codes[index], self.scale[index], self.minimum[index], 16,
+                         self.sub_scale[index], self.sub_min[index], self.super_scale[index],
+                         self.super_min[index])
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
@@ -220,6 +241,10 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
             f"{raw.dtype} {raw.shape}")
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[qtype])
+    if qtype == "Q2_K":  # decoded in numpy (models/q2k_blocks.py)
+        codes, scale, minimum, *factors = (torch.from_numpy(t.reshape(rows, -1))
+                                           for t in q2k_blocks.decode_q2k(blocks))
+        return Q2KWeight(codes, scale, minimum, 16, *factors)
     if qtype in q3k_iq4_blocks.BLOCK_BYTES:  # decoded in numpy (models/q3k_iq4_blocks.py)
         d = q3k_iq4_blocks.decode_q3k_iq4(blocks, qtype)
         codes, scale = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.codes, d.scale))
@@ -246,7 +271,7 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
               "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
               "IQ4_XS": (0.625, 1.125), "Q4_0": (0.6875, 0.6875), "Q4_1": (0.75, 0.75),
-              "Q4_K": (0.875, 1.25)}
+              "Q4_K": (0.875, 1.25), "Q2_K": (0.328125, 0.328125)}
 
 
 def _avx2_best() -> bool:
@@ -308,24 +333,29 @@ class Int8BlockLinear:
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
-        # the file's own bytes where the codes are 4 to 6 bits (kernels/small_codes.h): a Q6_K
+        # the file's own bytes where the codes are 2 to 6 bits (kernels/small_codes.h): a Q6_K
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
-        # integers; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13, and Q5_K (float32 scales)
-        # in 0.875, not 1.25, where AVX2 is the best the CPU has: block int8's numbers
-        # where AVX2 is the best the CPU has (as five_bit32): IQ4_NL or IQ4_XS codes as their
-        # 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06 or 1.13; Q3_K's codes in Q6_K's
-        # layout without the top bits, 0.58, not 0.83
+        # integers; a Q2_K one in 0.33, not 1.5 (its minimums folded in integers too, on any
+        # CPU: AVX-512 ones run its AVX2 kernel); Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not
+        # 1.06-1.13, and Q5_K (float32 scales) in 0.875, not 1.25, where AVX2 is the best the
+        # CPU has: block int8's numbers; where AVX2 is the best the CPU has (as five_bit32):
+        # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
+        # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83
         avx2 = _avx2_best()
         indices = _iq4_indices(weight) if avx2 else None
         q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
-        self.layout = ("q3k" if q3k
+        self.layout = ("q2k" if isinstance(weight, Q2KWeight)
+                       else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
                        else ("iq4" if self.half else "iq4_32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
                        else "five_bit32" if avx2
                        else "block")
-        if self.layout in ("q6k", "q3k"):
+        if self.layout == "q2k":
+            self.packed = kernels.pack_q2k(weight.codes, weight.sub_scale, weight.sub_min,
+                                           weight.super_scale, weight.super_min)
+        elif self.layout in ("q6k", "q3k"):
             pack = kernels.pack_q3k if q3k else kernels.pack_q6k
             self.packed = pack(weight.codes, weight.sub_scale, weight.super_scale)
         elif indices is not None:
