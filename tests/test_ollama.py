@@ -19,6 +19,7 @@ import pytest
 
 from specdecode.api import Decoder
 from specdecode.models.llama import LlamaRunner
+from specdecode.server.frontend import Frontend
 from specdecode.server.ollama import OllamaAnswer
 from test_infill import SPECIAL
 from test_server_tools import TOOL_TEMPLATE, WEATHER, qwen  # noqa: F401 - a fixture
@@ -139,6 +140,18 @@ def test_raw_and_suffix_are_the_completion_endpoints_answers(client, served):
     want = completions.create(model=MODEL, prompt="def add(a, b):\n", suffix="\n\nprint(add)",
                               max_tokens=12, temperature=0)
     assert middle.response == want.choices[0].text
+
+
+def test_a_middle_is_tokenized_once(client, served, monkeypatch):
+    # /api/generate with a suffix builds the middle's prompt once and hands its ids (and the
+    # tokens that end a middle) to the completion endpoint, which does not build it again
+    built = []
+    fill_in = Frontend.fill_in
+    monkeypatch.setattr(Frontend, "fill_in",
+                        lambda self, *args: built.append(args) or fill_in(self, *args))
+    middle = client.generate(model=MODEL, prompt="def add(a, b):\n", suffix="\n\nprint(add)",
+                             options={**PLAIN, "num_predict": 6})
+    assert middle.done and len(built) == 1
 
 
 def test_a_conversations_calls_and_results_read_as_openais(client, served):

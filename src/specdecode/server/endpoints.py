@@ -226,13 +226,14 @@ class Endpoint:
                                                            self.server.settings.max_body_bytes))
 
     async def respond(self, request: Request, payload: Any, prompt: list[int] | None = None,
-                      sampling: dict[str, Any] | None = None) -> Response:
+                      sampling: dict[str, Any] | None = None, ends: tuple[int, ...] = ()
+                      ) -> Response:
         """The response to a request's JSON ``payload`` (``request``: its connection, watched
-        for a client that leaves; ``prompt``: a chat payload's prompt ids, where the caller
-        has encoded them already; ``sampling``: SamplingParams fields beside OpenAI's, which
-        another API's sampler chain sets)."""
+        for a client that leaves; ``prompt``: the prompt's ids, where the caller has encoded
+        them already, with ``ends``: the tokens beside the model's that end the answer, a
+        middle's; ``sampling``: SamplingParams fields beside OpenAI's, which another API's
+        sampler chain sets)."""
         server = self.server
-        ends: tuple[int, ...] = ()
         echo = None
         if self.chat:
             req = parse(ChatRequest, payload)
@@ -247,7 +248,9 @@ class Endpoint:
             req.unsupported()
             if not req.prompts():
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            if req.suffix:  # fill in the middle: each prompt the text before it
+            if prompt is not None:
+                prompts = [prompt]
+            elif req.suffix:  # fill in the middle: each prompt the text before it
                 filled = [await run_in_threadpool(server.fill_in, p, req.suffix)
                           for p in req.prompts()]
                 prompts, ends = [ids for ids, _ in filled], filled[0][1]

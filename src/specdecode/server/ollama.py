@@ -471,15 +471,15 @@ async def plain_answer(completion: Endpoint, request: Request, req: OllamaGenera
     """(the completion endpoint's response to the raw prompt after ``context``, or to the
     middle between ``prompt`` and ``suffix``; None: no ``context`` is returned)."""
     server = completion.server
+    ends: tuple[int, ...] = ()
     if req.suffix is not None:
-        ids, _ = await run_in_threadpool(server.fill_in, req.prompt, req.suffix)
-        body.update(prompt=req.prompt, suffix=req.suffix)
+        ids, ends = await run_in_threadpool(server.fill_in, req.prompt, req.suffix)
     else:
         ids = list(req.context or []) + await run_in_threadpool(server.encode, req.prompt,
                                                                  False)
-        body["prompt"] = ids
+    body["prompt"] = ids  # (the completion request's field, which must not be empty)
     body["max_tokens"] = cap(req.options.num_predict, server.max_context - len(ids), "prompt")
-    return await completion.respond(request, body, None, sampling), None
+    return await completion.respond(request, body, ids, sampling, ends), None
 
 
 def log_fields(req: OllamaRequest, chat: bool) -> dict[str, Any]:
