@@ -62,12 +62,13 @@
 #ifndef Q6K_AVX2_DECODE_MIN_ROWS
 #define Q6K_AVX2_DECODE_MIN_ROWS 5
 #endif
-// the same for Q3K and Q2K
+// the same for Q3K, and for Q2K (whose direct passes of 4 rows beat the decoded tiles, 0.72x,
+// and from 5 to 16 rows are level with them: 0.92-1.08x, run to run)
 #ifndef Q3K_AVX2_DECODE_MIN_ROWS
 #define Q3K_AVX2_DECODE_MIN_ROWS 4
 #endif
 #ifndef Q2K_AVX2_DECODE_MIN_ROWS
-#define Q2K_AVX2_DECODE_MIN_ROWS 4
+#define Q2K_AVX2_DECODE_MIN_ROWS 5
 #endif
 // the fewest rows for which Q6K takes the AMX tiles (where the CPU has them): each call decodes
 // its weights into tiles, which fewer rows do not repay (measured on the 1.5B's Q6_K downs and
@@ -181,8 +182,8 @@ struct Acts {
   // Q6K on decoded AVX2 tiles: xq + 128, each pass's rows interleaved by words of 4 inputs
   // (q6k_interleave)
   const uint8_t* xu = nullptr;
-  // Q2K: each group's sum(xq) [m, k / 16], for its minimums
-  const int32_t* xsum = nullptr;
+  // Q2K: each group's sum(xq) [m, k / 16] (|.| <= 16 x 127), for its minimums
+  const int16_t* xsum = nullptr;
 };
 
 template <class F>
@@ -300,19 +301,25 @@ static inline __m128i sub_scales8(const uint8_t* block, int g, int h) {
 }
 
 // Q2K's minimums of super-block b folded for R rows of half h (8 columns) of a block:
-// M = sum over its groups of m * sum(xq), then acc[r][at] = fma(-(float)M, dmin * dx, acc)
+// M = sum over its groups of m * sum(xq), two groups a VPMADDWD (each column's m of groups 2p
+// and 2p + 1 as a 16-bit pair against the row's two sums), then acc[r][at] = fma(-(float)M,
+// dmin * dx, acc)
 template <class F, int R, int H>
 static inline void fold_mins_avx2(const Acts& a, int64_t r0, const uint8_t* block, int64_t b, int h,
                                   int at, __m256 (&acc)[R][H]) {
   const int64_t groups = a.k / F::G, blocks = a.k / 256;
   __m256i min_sum[R];
   for (int r = 0; r < R; r++) min_sum[r] = _mm256_setzero_si256();
-  for (int g = 0; g < F::GROUPS; g++) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
-    const __m256i m = _mm256_cvtepu8_epi32(_mm_srli_epi16(_mm_andnot_si128(_mm_set1_epi8(15), bytes), 4));
-    for (int r = 0; r < R; r++)
-      min_sum[r] = _mm256_add_epi32(
-          min_sum[r], _mm256_mullo_epi32(m, _mm256_set1_epi32(a.xsum[(r0 + r) * groups + b * F::GROUPS + g])));
+  for (int g = 0; g < F::GROUPS; g += 2) {
+    const uint8_t* at_g = block + F::SC_AT + 16 * g + 8 * h;
+    const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g + 16)));
+    const __m256i m = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_andnot_si128(_mm_set1_epi8(15), pairs), 4));
+    for (int r = 0; r < R; r++) {
+      int32_t sums;  // the row's sum(xq) of groups g and g + 1
+      std::memcpy(&sums, a.xsum + (r0 + r) * groups + b * F::GROUPS + g, 4);
+      min_sum[r] = _mm256_add_epi32(min_sum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(sums)));
+    }
   }
   const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::DMIN_AT + 16 * h)));
   for (int r = 0; r < R; r++)
@@ -338,7 +345,10 @@ static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  constexpr int CHUNK = F::SUPER ? 2 : 4;
+  // Q2K: codes 0..3 and no offset, so a group's four slices add up in 16 bits (4 x 2 x 3 x 127
+  // = 3048) and VPMADDWD by the sub-block scale (16-bit pairs) gives sc * isum at once
+  constexpr bool SCALED_PAIRS = F::CODE_BITS == 2;
+  constexpr int CHUNK = F::SUPER && !SCALED_PAIRS ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -359,7 +369,8 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
       for (int h = 0; h < H; h++) {
         const int half = h0 + h;
         __m256i isum[R], part[R];
-        for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
+        if constexpr (!SCALED_PAIRS)
+          for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
         each_slice_avx2<F>(block + g * F::GROUP_BYTES, half, [&](auto j, __m256i u) {
           constexpr int J = decltype(j)::value;
           for (int r = 0; r < R; r++) {
@@ -367,11 +378,16 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
             std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
             const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
             part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
-            if constexpr (J % CHUNK == CHUNK - 1)
+            if constexpr (!SCALED_PAIRS && J % CHUNK == CHUNK - 1)
               isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
           }
         });
-        if constexpr (F::SUPER) {
+        if constexpr (SCALED_PAIRS) {
+          const __m128i sc8 = sub_scales8<F>(block, g, half);
+          const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+          for (int r = 0; r < R; r++)
+            super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_madd_epi16(part[r], sc));
+        } else if constexpr (F::SUPER) {
           const __m256i sc = _mm256_cvtepi8_epi32(sub_scales8<F>(block, g, half));
           for (int r = 0; r < R; r++)
             super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
@@ -553,13 +569,27 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
   for (int64_t t = t0; t < t1; t++) {
     const uint8_t* tile = packed + t * tile_bytes;
     const uint8_t* next = t + 1 < t1 ? tile + tile_bytes : nullptr;
-    k_avx2::row_passes(m, next, tile_bytes / 64, groups,
-                       [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
+    auto pass = [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
       constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
       __m256 acc[R][H];
       halves_avx2<F, MIN, R, H>(a, r0, tile, h0, first, ahead, acc);
       k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
-    });
+    };
+    if (F::CODE_BITS == 2 && (m == 3 || m == 4)) {
+      // Q2K holds each super-block's integer sums beside the float accumulators: 3 or 4 rows
+      // over both halves at once need more than AVX2's 16 registers (4 rows: 8 + 8 and the
+      // group's partial sums), so they take one half a pass, the second from cache (measured
+      // on the 1.5B's Q2_K matrices: 4 rows 0.61x the time, 3 rows 0.84x; Q6K's passes, whose
+      // code differs, ran 1.1-1.2x slower so)
+      using one = std::integral_constant<int, 1>;
+      for (int h = 0; h < 2; h++) {
+        const Ahead ahead = ahead_of_pass(h, 2, next, tile_bytes / 64, groups);
+        if (m == 4) pass(std::integral_constant<int, 4>{}, one{}, 0, h, h == 0, ahead);
+        else pass(std::integral_constant<int, 3>{}, one{}, 0, h, h == 0, ahead);
+      }
+    } else {
+      k_avx2::row_passes(m, next, tile_bytes / 64, groups, pass);
+    }
   }
 }
 #pragma GCC pop_options
@@ -999,7 +1029,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                               : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
-  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group)), xsum(q2k ? m * (k / group) : 0);
+  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
+  std::vector<int16_t> xsum(q2k ? m * (k / group) : 0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
     if (super) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
@@ -1010,7 +1041,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
         int32_t total = 0;
         for (int64_t i = 0; i < group; i++) total += xq[r * k + g * group + i];
         if (!q6k_decoded) bias[r * (k / group) + g] = -code_offset * total;
-        if (q2k) xsum[r * (k / group) + g] = total;
+        if (q2k) xsum[r * (k / group) + g] = static_cast<int16_t>(total);
       }
   });
   std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
