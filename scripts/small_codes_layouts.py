@@ -12,7 +12,9 @@ best, 0.58 for Q3_K, 0.875 for Q5_K with its float32 scales and 0.56-0.63 for th
 indices), and block int8 (kernels/q8_blocks.h: 1.25, 1.5, 1.06-1.13, 1.25, 1.06-1.13). The
 five-bit and IQ4 types compute the same bits in both (asserted here as well); Q6_K, Q3_K and
 Q2_K fold their sub-block scales (Q2_K: and minimums) in integers in their own layout, against
-block int8's float fold per 16 inputs. Per row count, all
+block int8's float fold per 16 inputs. ``--against int4`` times the same weights re-quantised
+to the int4 runner's Q4_1 instead (what the runner does with a type it has no exact form for:
+``make_linear(weight.dequantize(), "int4")``). Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
 the two layouts alternate ``--repeat`` times and the medians are printed with their ratio.
 """
@@ -29,6 +31,7 @@ from specdecode import kernels
 from specdecode.models.gguf_reader import GGUFFile
 from specdecode.models.int8_blocks import Int8BlockLinear
 from specdecode.models.loading import NAMED_MODELS
+from specdecode.models.quant import make_linear
 
 TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 
@@ -47,16 +50,21 @@ class BlockInt8:
         return kernels.q8_linear(x, self.packed, group, minimum, half, n)
 
 
-def layouts(path, kinds=TYPES) -> tuple[list, list, dict]:
+def requantised(weight, like: Int8BlockLinear):
+    """The same weight re-quantised to int4 (Q4_1 per 32 inputs)."""
+    return make_linear(weight.dequantize(), "int4")
+
+
+def layouts(path, kinds=TYPES, against=BlockInt8) -> tuple[list, list, dict]:
     file = GGUFFile(path)
-    own, block, types = [], [], {}
+    own, other, types = [], [], {}
     for name, entry in file.entries.items():
         if entry.qtype in kinds and len(entry.shape) == 2 and "embed_tokens" not in name:
             weight = file.read_blocks(name)
             own.append(Int8BlockLinear(weight))
-            block.append(BlockInt8(weight, own[-1]))
+            other.append(against(weight, own[-1]))
             types[entry.qtype] = types.get(entry.qtype, 0) + 1
-    return own, block, types
+    return own, other, types
 
 
 def seconds(linears: list, rows: int) -> float:
@@ -75,21 +83,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES,
                         help="the block types whose matrices are timed (default: all)")
+    parser.add_argument("--against", choices=("block", "int4"), default="block",
+                        help="block int8 (exact), or int4 (re-quantised to Q4_1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    other_name = "block int8" if args.against == "block" else "int4 re-quantised"
     own, block, types = layouts(NAMED_MODELS[args.model]() if args.model in NAMED_MODELS
-                                else args.model, args.types)
+                                else args.model, args.types,
+                                BlockInt8 if args.against == "block" else requantised)
     if not own:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):
         x = torch.randn(3, a.in_features)
-        assert a.layout in ("q6k", "q3k", "q2k") or torch.equal(a(x), b(x)), \
-            "five-bit and IQ4 codes: block int8's bits"
-    megabytes = [sum(lin.packed.numel() for lin in group) / 1e6 for group in (own, block)]
+        assert (args.against != "block" or a.layout in ("q6k", "q3k", "q2k")
+                or torch.equal(a(x), b(x))), "five-bit and IQ4 codes: block int8's bits"
+    megabytes = [sum(lin.nbytes for lin in own) / 1e6, sum(lin.packed.numel() for lin in block) / 1e6]
     print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "
-          f"{megabytes[0]:.0f} MB in the file's own bytes, {megabytes[1]:.0f} MB as block int8; "
-          f"{args.threads} threads; medians of {args.repeat}")
-    print("| rows | block int8 ms | own bytes ms | ratio |\n|---:|---:|---:|---:|")
+          f"{megabytes[0]:.0f} MB in the file's own bytes, {megabytes[1]:.0f} MB as "
+          f"{other_name}; {args.threads} threads; medians of {args.repeat}")
+    print(f"| rows | {other_name} ms | own bytes ms | ratio |\n|---:|---:|---:|---:|")
     for rows in args.rows:
         times = {"own": [], "block": []}
         for _ in range(args.repeat):
