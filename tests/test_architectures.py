@@ -175,7 +175,7 @@ def add_family_metadata(writer, c, arch: str) -> None:
 #: where a block type's float16 scales are: (first byte, how many); the other bytes (codes,
 #: sub-block scales) are valid whatever their bits
 _SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1),
-              "Q2_K": (80, 2)}
+              "Q2_K": (80, 2), "Q6_K": (208, 1)}
 
 
 def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -350,6 +350,38 @@ def test_q2_k_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layou
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
     # the memory the file is refused by before it loads bounds what the runner holds
     assert resident_bytes(file, "int4") >= held_bytes(runner)
+    prompt = repetitive_prompts()[2]
+    exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
+    assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
+@pytest.mark.parametrize("types,layouts", [
+    ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q2k", None]),
+    ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k", "q6k"])])
+def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, types, layouts):
+    """The query scale (1/sqrt(head size), not a power of two here) is folded into q; the
+    float16 super-block scales of a Q2_K or Q6_K q cannot take it, so q carries it as its input
+    scale (the kernel multiplies the activations' scales by it) and keeps its own layout, apart
+    from k and v (it was block int8 with k, 1.25-1.5 bytes a weight); the memory check counts
+    exactly what the runner holds; logits within the int8 activations of the fp32 runner's, and
+    suffix = ar."""
+    from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.weights import resident_bytes
+
+    from test_gguf_loading import held_bytes
+
+    model = build("qwen2", seed=8, hidden_size=256, intermediate_size=256)
+    path = tmp_path / "super-q.gguf"
+    write_gguf(model, path, "qwen2", types)
+    runner = LlamaRunner.from_gguf(path, "int4")
+    parts = runner.layers[0].qkv.parts
+    assert [getattr(part, "layout", None) for part in parts] == layouts
+    assert parts[0].input_scale == pytest.approx(runner.shape.query_scale) != 1.0
+    assert all(part.input_scale == 1.0 for part in parts[1:] if hasattr(part, "input_scale"))
+    assert resident_bytes(GGUFFile(path), "int4") == held_bytes(runner)
     prompt = repetitive_prompts()[2]
     exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
     assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()

@@ -158,13 +158,14 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
     assert torch.allclose(outs[0].double(), xe.double() @ w.double().T, rtol=1e-5, atol=1e-4)
 
 
-def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, expected):
+def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, expected,
+                            input_scale: float = 1.0):
     """``packed`` in ``layout`` gives ``expected``'s bits on every instruction set, every row
     count and position of ``x``."""
     code = kernels.SMALL_CODES_LAYOUTS[layout]
     for isa in isas(ext):
-        got = assert_row_invariant(
-            lambda rows: ext.small_codes_linear(rows, packed, code, minimum, None, n, isa), x)
+        got = assert_row_invariant(lambda rows: ext.small_codes_linear(
+            rows, packed, code, minimum, None, n, isa, input_scale), x)
         assert torch.equal(got, expected), isa
 
 
@@ -235,7 +236,9 @@ def quantised_per_256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     blocks = x.view(m, k // 256, 256)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax divided as the kernels divide (a Python number over a tensor is its reciprocal
+    # times the number: an ulp off at times, which moves a product that lands on a half)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64), amax / 127.0
 
 
@@ -243,10 +246,12 @@ def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
     """Q6_K's numbers (kernels/small_codes.h) computed apart from the kernels: activations
     quantised per row and per 256 inputs, S = sum over a super-block's sub-blocks of sc times
     the exact sum(code * xq), folded acc = fma(S, d * dx, acc) super-block after super-block
-    (each fma exact in float64, then rounded once to float32)."""
+    (each fma exact in float64, then rounded once to float32); dx times the weight's input
+    scale (float32)."""
     m, k = x.shape
     n = weight.codes.shape[0]
     xq, dx = quantised_per_256(x)
+    dx = dx * torch.tensor(weight.input_scale, dtype=torch.float32)  # (the kernel's float)
     sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // 16, 16), weight.codes.to(torch.int64).view(n, k // 16, 16))
     super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
     assert super_sums.abs().max() < 2**28  # int32 in the kernels
@@ -292,7 +297,7 @@ def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
     m, k = x.shape
     n = weight.codes.shape[0]
     xq, dx = quantised_per_256(x)
-    xq = xq.view(m, k // 16, 16)
+    xq, dx = xq.view(m, k // 16, 16), dx * torch.tensor(weight.input_scale, dtype=torch.float32)
 
     def per_super_block(sums: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         return (sums * factor.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
@@ -340,6 +345,37 @@ def test_q2k_in_the_files_bits_folds_scales_and_minimums_in_integers(ext):
     assert type(mixed) is Int8BlockWeight and mixed.group == 16
     assert torch.equal(mixed.dequantize()[:72].view(torch.int32),
                        weight.dequantize().view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q6k"), ("Q2_K", "q2k"), ("Q3_K", None)])
+def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
+    # a query scale folded into a Q6_K, Q3_K or Q2_K projection: the weight keeps its factors
+    # and carries the scale as its input scale, which the kernel multiplies the activations'
+    # scales by: the reference's numbers with dx times it, every ISA, row count and position;
+    # its block int8 numbers (what a fused layer of mixed types would hold) are scaled too
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 40, 512, seed=9), qtype)
+    factor = 1 / 128 ** 0.5
+    scaled = weight.scaled(factor)
+    assert type(scaled) is type(weight) and scaled.input_scale == factor
+    assert torch.equal(scaled.dequantize(), Int8BlockWeight(
+        weight.codes, weight.scale * factor,
+        None if weight.minimum is None else weight.minimum * factor, 16).dequantize())
+    layer = Int8BlockLinear(scaled)
+    layout = layout or ("q3k" if avx2_best() else "q6k")
+    assert layer.layout == layout and layer.input_scale == factor
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(10))
+    reference = q2k_reference if qtype == "Q2_K" else q6k_reference
+    expected = reference(x, scaled)
+    assert_small_codes_bits(ext, x, layer.packed, layout, qtype == "Q2_K", 40, expected, factor)
+    assert torch.equal(layer(x), expected)
+    assert (expected - reference(x, weight) * factor).abs().max() < 1e-5 * expected.abs().max()
+    # fused with an unscaled part it is block int8 of the scaled numbers
+    fused = Int8BlockWeight.cat([scaled, weight])
+    assert type(fused) is Int8BlockWeight
+    assert torch.equal(fused.dequantize()[:40], scaled.dequantize())
+    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K and Q2_K layouts take an input"):
+        five = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q5_0", 16, 256), "Q5_0"))
+        ext.small_codes_linear(torch.randn(2, 256), five.packed, 1, False, None, 16, 0, 0.5)
 
 
 def test_q3k_in_nibbles_gives_q6ks_bits(ext):

@@ -277,8 +277,9 @@ SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_
                        "q3k": 5, "q2k": 6}
 
 
-def small_codes_linear(x, packed, layout: str, minimum, n, residual=None):
-    return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n, isa())
+def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0):
+    return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n,
+                                     isa(), input_scale)
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):
@@ -345,11 +346,11 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0, sin
 INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, SMALL_CODES_KIND = 0, 1, 2, 3
 
 
-def packed_linear(packed, kind, n, group=32, minimum=False, half=False):
+def packed_linear(packed, kind, n, group=32, minimum=False, half=False, input_scale=1.0):
     """A linear layer's packed weight as the extension's ``PackedLinear`` (what a
     ``LayerStack`` calls): the kernel of ``kind`` with the arguments the layer objects of
     models/quant.py give it."""
-    return load().PackedLinear(packed, kind, n, group, minimum, half)
+    return load().PackedLinear(packed, kind, n, group, minimum, half, input_scale)
 
 
 def split_linear(parts):

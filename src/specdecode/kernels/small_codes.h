@@ -984,10 +984,12 @@ enum Layout : int64_t {
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], IQ4 [N / 16,
 // K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344] (whose
-// minimums are the layout's: `minimum` true)
+// minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
+// activations' scales dx times it (a query scale folded into a projection whose float16
+// super-block scales cannot take it: models/int8_blocks.py's input_scale)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
-                              int64_t isa) {
+                              int64_t isa, double input_scale) {
   using namespace small_codes;
   TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q2K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
@@ -999,6 +1001,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const bool super = q6k || q3k || q2k;  // activations per 256 inputs, sub-block scales in integers
   TORCH_CHECK(!(q6k || q3k || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
   TORCH_CHECK(!q2k || minimum, "the Q2_K layout has minimums");
+  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K and Q2_K layouts take an input scale");
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
                         : q3k ? Q3K::block_bytes(false)
                         : q2k ? Q2K::block_bytes(false)
@@ -1035,6 +1038,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
     if (super) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
     else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
+    if (input_scale != 1.0)
+      for (int64_t i = r0 * (k / 256); i < r1 * (k / 256); i++) dx[i] *= static_cast<float>(input_scale);
     if (q6k_decoded && !q2k) return;
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {

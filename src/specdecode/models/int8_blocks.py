@@ -109,9 +109,24 @@ class Int8BlockWeight:
 
     def take(self, index: torch.Tensor) -> Int8BlockWeight:
         """Rows ``index`` (a slice or a tensor of row numbers: q/k rows unpermuted, a head's
-        shortlist), in this weight's form."""
-        return Int8BlockWeight(self.codes[index], self.scale[index],
-                               None if self.minimum is None else self.minimum[index], self.group)
+        shortlist), in this weight's form (its scales' factors too)."""
+        return dataclasses.replace(self, **{name: t[index] for name, t in self._tensors()})
+
+    def _tensors(self):
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def scaled(self, factor: float) -> Int8BlockWeight:
+        """The weights times ``factor`` (a query scale folded in): scales and minimums times it
+        in float32. A weight whose kernels read its scales' factors (``Q6KWeight``,
+        ``Q2KWeight``) keeps those, whose float16 super-block scales would not hold the product,
+        and carries ``factor`` as its ``input_scale``, which the kernel multiplies the
+        activations' scales by."""
+        numbers = {"scale": self.scale * factor,
+                   "minimum": None if self.minimum is None else self.minimum * factor}
+        if hasattr(self, "input_scale"):
+            numbers["input_scale"] = self.input_scale * factor
+        return dataclasses.replace(self, **numbers)
 
     def regroup(self, group: int) -> Int8BlockWeight:
         """The same weights in groups of ``group`` (a divisor of this one's): scales and
@@ -133,11 +148,11 @@ class Int8BlockWeight:
         if len(parts) == 1:  # (a copy of a whole LM head would be its size again in flight)
             return parts[0]
         kind = type(parts[0])
-        if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
-            # Q6_K or Q2_K throughout: their scales' factors stacked too
-            return kind(*(torch.cat([getattr(p, f.name) for p in parts])
-                          if isinstance(getattr(parts[0], f.name), torch.Tensor)
-                          else getattr(parts[0], f.name) for f in dataclasses.fields(kind)))
+        if (kind is not Int8BlockWeight and all(type(p) is kind for p in parts)
+                and len({p.input_scale for p in parts}) == 1):
+            # Q6_K or Q2_K throughout, one input scale: their scales' factors stacked too
+            return dataclasses.replace(parts[0], **{
+                name: torch.cat([getattr(p, name) for p in parts]) for name, _ in parts[0]._tensors()})
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
@@ -157,10 +172,8 @@ class Q6KWeight(Int8BlockWeight):
 
     sub_scale: torch.Tensor
     super_scale: torch.Tensor
-
-    def take(self, index: torch.Tensor) -> Q6KWeight:
-        return Q6KWeight(self.codes[index], self.scale[index], None, 16,
-                         self.sub_scale[index], self.super_scale[index])
+    #: the kernel's factor on the activations' scales (``scaled``): w = input_scale * d * sc * q
+    input_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -174,11 +187,8 @@ class Q2KWeight(Int8BlockWeight):
     sub_min: torch.Tensor
     super_scale: torch.Tensor
     super_min: torch.Tensor
-
-    def take(self, index: torch.Tensor) -> Q2KWeight:
-        return Q2KWeight(self.codes[index], self.scale[index], self.minimum[index], 16,
-                         self.sub_scale[index], self.sub_min[index], self.super_scale[index],
-                         self.super_min[index])
+    #: as ``Q6KWeight``'s
+    input_scale: float = 1.0
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
@@ -329,6 +339,7 @@ class Int8BlockLinear:
         self.out_features = out
         self.group = weight.group
         self.has_minimum = weight.minimum is not None
+        self.input_scale = getattr(weight, "input_scale", 1.0)  # (the q6k, q3k and q2k layouts')
         # float16 scales where they are float16 numbers (Q8_0, Q4_0/1, Q5_0/1, --weights int8):
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
@@ -375,7 +386,7 @@ class Int8BlockLinear:
         try:
             if self.layout != "block":
                 return kernels.small_codes_linear(x, self.packed, self.layout, self.has_minimum,
-                                                  self.out_features, residual)
+                                                  self.out_features, residual, self.input_scale)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
@@ -390,7 +401,8 @@ class Int8BlockLinear:
                                          self.group, self.has_minimum, self.half)
         # (the small-code kernel takes its layout's code where block int8 takes its group)
         return kernels.packed_linear(self.packed, kernels.SMALL_CODES_KIND, self.out_features,
-                                     kernels.SMALL_CODES_LAYOUTS[self.layout], self.has_minimum)
+                                     kernels.SMALL_CODES_LAYOUTS[self.layout], self.has_minimum,
+                                     input_scale=self.input_scale)
 
     @property
     def nbytes(self) -> int:

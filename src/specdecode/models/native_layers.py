@@ -42,9 +42,7 @@ def _scaled(weight, factor: float):
     if isinstance(weight, Q4Blocks):
         return weight.scaled(factor)
     if isinstance(weight, Int8BlockWeight):
-        return Int8BlockWeight(weight.codes, weight.scale * factor,
-                               None if weight.minimum is None else weight.minimum * factor,
-                               weight.group)
+        return weight.scaled(factor)
     return weight.float() * factor
 
 

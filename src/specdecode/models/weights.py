@@ -13,7 +13,8 @@ keeping the file's own values wherever a kernel can: GGUF's Q4_0, Q4_1 and Q4_K 
 4-bit blocks for int4 (``gguf_reader``); the other block types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K)
 run as block int8 (``models/int8_blocks``) with their own scales. A group of both (a Q4_K_M
 file's q/k/v with v in Q6_K) is a ``SplitLinear``: its 4-bit parts int4, its block parts block
-int8, one after another. Float matrices are quantised (int4:
+int8, one after another; so is a Q6_K, Q3_K or Q2_K q beside its k and v, which carries the
+query scale as its own input scale (``Int8BlockWeight.scaled``). Float matrices are quantised (int4:
 Q4_1's scheme, int8: Q8_0's), a few thousand rows at a time. The int8 format takes 4-bit
 blocks as block int8 too, exactly.
 
@@ -163,12 +164,17 @@ def _linear_for(parts: Sequence, weights: str):
     """One layer for matrices sharing an input (each float32, Q4Weight, Q4Blocks or a file's
     block int8), in ``weights``. int4: each part packed on its own and the tiles concatenated
     (the bytes of packing the concatenation, as every part but the last fills whole tiles of 16
-    rows); 4-bit parts beside block int8 ones (a Q4_K_M file's Q4_K q/k and Q6_K v) a
+    rows); 4-bit parts beside block int8 ones (a Q4_K_M file's Q4_K q/k and Q6_K v), or block
+    parts of different input scales (a Q6_K q with the query scale beside its k and v), a
     ``SplitLinear`` of each run's layer, where fused they would all be block int8."""
     check_format(weights)
     blocks = [isinstance(p, Int8BlockWeight) for p in parts]
-    if weights == "int4" and any(blocks) and not all(blocks):
-        runs = itertools.groupby(parts, lambda p: isinstance(p, Int8BlockWeight))
+
+    def run_of(p) -> tuple[bool, float]:  # a query scale stands apart: Int8BlockWeight.scaled
+        return isinstance(p, Int8BlockWeight), getattr(p, "input_scale", 1.0)
+
+    if weights == "int4" and any(blocks) and len({run_of(p) for p in parts}) > 1:
+        runs = itertools.groupby(parts, run_of)
         return SplitLinear([_linear_for(list(run), weights) for _, run in runs])
     if weights == "int8" or (weights == "int4" and any(blocks)):
         return Int8BlockLinear(Int8BlockWeight.cat([as_int8_blocks(p) for p in parts]))
@@ -199,7 +205,8 @@ def _fused_group(name: str) -> str:
 def resident_bytes(file: GGUFFile, weights: str) -> int:
     """Bytes the native runner holds of ``file``'s weights in format ``weights``: its layers
     (``BYTES_PER_WEIGHT``; for the block types int4 and int8 keep as block int8, their layout's
-    bytes where a fused layer is of one type, else at most ``BLOCK_INT8_BYTES``) and norms; the
+    bytes where a fused layer's block parts are of one type, else at most ``BLOCK_INT8_BYTES``)
+    and norms; the
     token embedding is read from the file by row (``models/embedding.py``): nothing of it is
     held, unless it is the (tied) LM head too."""
     check_format(weights)
@@ -212,7 +219,10 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
                           or entry.qtype in Q4_TYPES and weights == "int8")
         if not kept_as_blocks:
             return int(entry.numel * BYTES_PER_WEIGHT[weights])
-        alone = len(types[_fused_group(name)]) == 1
+        fused = types[_fused_group(name)]
+        if weights == "int4":  # its int4 and float parts stand apart (_linear_for)
+            fused = fused & set(INT8_BLOCK_TYPES)
+        alone = len(fused) == 1
         return int(entry.numel * (held_bytes_per_weight(entry.qtype) if alone else BLOCK_INT8_BYTES))
 
     total = 0
