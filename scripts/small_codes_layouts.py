@@ -97,7 +97,8 @@ def main() -> None:
         x = torch.randn(3, a.in_features)
         assert (args.against != "block" or a.layout in ("q6k", "q3k", "q2k")
                 or torch.equal(a(x), b(x))), "five-bit and IQ4 codes: block int8's bits"
-    megabytes = [sum(lin.nbytes for lin in own) / 1e6, sum(lin.packed.numel() for lin in block) / 1e6]
+    megabytes = [sum(lin.nbytes for lin in own) / 1e6,
+                 sum(lin.packed.numel() for lin in block) / 1e6]
     print(f"{len(own)} matrices ({', '.join(f'{n} {t}' for t, n in types.items())}): "
           f"{megabytes[0]:.0f} MB in the file's own bytes, {megabytes[1]:.0f} MB as "
           f"{other_name}; {args.threads} threads; medians of {args.repeat}")

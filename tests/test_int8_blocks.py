@@ -239,7 +239,8 @@ def quantised_per_256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # 127 / amax divided as the kernels divide (a Python number over a tensor is its reciprocal
     # times the number: an ulp off at times, which moves a product that lands on a half)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64), amax / 127.0
+    xq = torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64)
+    return xq, amax / 127.0
 
 
 def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:

@@ -151,8 +151,8 @@ class Int8BlockWeight:
         if (kind is not Int8BlockWeight and all(type(p) is kind for p in parts)
                 and len({p.input_scale for p in parts}) == 1):
             # Q6_K or Q2_K throughout, one input scale: their scales' factors stacked too
-            return dataclasses.replace(parts[0], **{
-                name: torch.cat([getattr(p, name) for p in parts]) for name, _ in parts[0]._tensors()})
+            return dataclasses.replace(parts[0], **{name: torch.cat([getattr(p, name) for p in parts])
+                                                    for name, _ in parts[0]._tensors()})
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
