@@ -315,6 +315,17 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
 
 
+def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
+    """``runner``'s logits within the int8 activations of the fp32 runner's (gguf's dequantised
+    weights of the file at ``path``), and its suffix answers ar's."""
+    prompt = repetitive_prompts()[2]
+    exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
+    assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()
+    for prompt in repetitive_prompts()[:2]:
+        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
+        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+
+
 @pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
                                                         ("IQ4_XS", "iq4_32", "block"),
                                                         ("Q2_K", "q2k", "q2k")])
@@ -350,12 +361,7 @@ def test_q2_k_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layou
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
     # the memory the file is refused by before it loads bounds what the runner holds
     assert resident_bytes(file, "int4") >= held_bytes(runner)
-    prompt = repetitive_prompts()[2]
-    exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
-    assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()
-    for prompt in repetitive_prompts()[:2]:
-        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
-        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+    assert_near_fp32_and_suffix_is_ar(runner, path)
 
 
 @pytest.mark.parametrize("types,layouts", [
@@ -382,12 +388,7 @@ def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, ty
     assert parts[0].input_scale == pytest.approx(runner.shape.query_scale) != 1.0
     assert all(part.input_scale == 1.0 for part in parts[1:] if hasattr(part, "input_scale"))
     assert resident_bytes(GGUFFile(path), "int4") == held_bytes(runner)
-    prompt = repetitive_prompts()[2]
-    exact = LlamaRunner.from_gguf(path).prefill(prompt).logits
-    assert (runner.prefill(prompt).logits - exact).abs().max() < 0.05 * exact.abs().max()
-    for prompt in repetitive_prompts()[:2]:
-        ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
-        assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+    assert_near_fp32_and_suffix_is_ar(runner, path)
 
 
 def test_q4_k_blocks_unpack_like_ggml():

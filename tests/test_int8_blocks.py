@@ -230,9 +230,11 @@ def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, byte
     assert Int8BlockLinear(q8).layout == "block"
 
 
-def quantised_per_256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantised_per_256(x: torch.Tensor,
+                      input_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' int8 activations per row and per 256 inputs: xq int64 [m, k / 256, 256]
-    and dx [m, k / 256], x ~ dx * xq."""
+    and dx [m, k / 256], x ~ dx * xq; dx times a layer's ``input_scale`` (a float32 product,
+    as the kernels take it)."""
     m, k = x.shape
     blocks = x.view(m, k // 256, 256)
     amax = blocks.abs().amax(-1)
@@ -240,7 +242,7 @@ def quantised_per_256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # times the number: an ulp off at times, which moves a product that lands on a half)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.clamp(torch.round(blocks * inv[..., None]), -127, 127).to(torch.int64)
-    return xq, amax / 127.0
+    return xq, amax / 127.0 * torch.tensor(input_scale, dtype=torch.float32)
 
 
 def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
@@ -251,8 +253,7 @@ def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
     scale (float32)."""
     m, k = x.shape
     n = weight.codes.shape[0]
-    xq, dx = quantised_per_256(x)
-    dx = dx * torch.tensor(weight.input_scale, dtype=torch.float32)  # (the kernel's float)
+    xq, dx = quantised_per_256(x, weight.input_scale)
     sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // 16, 16), weight.codes.to(torch.int64).view(n, k // 16, 16))
     super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
     assert super_sums.abs().max() < 2**28  # int32 in the kernels
@@ -297,8 +298,8 @@ def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
     sum(xq), folded acc = fma(-M, dmin * dx, acc)."""
     m, k = x.shape
     n = weight.codes.shape[0]
-    xq, dx = quantised_per_256(x)
-    xq, dx = xq.view(m, k // 16, 16), dx * torch.tensor(weight.input_scale, dtype=torch.float32)
+    xq, dx = quantised_per_256(x, weight.input_scale)
+    xq = xq.view(m, k // 16, 16)
 
     def per_super_block(sums: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         return (sums * factor.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)

@@ -206,9 +206,8 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
     """Bytes the native runner holds of ``file``'s weights in format ``weights``: its layers
     (``BYTES_PER_WEIGHT``; for the block types int4 and int8 keep as block int8, their layout's
     bytes where a fused layer's block parts are of one type, else at most ``BLOCK_INT8_BYTES``)
-    and norms; the
-    token embedding is read from the file by row (``models/embedding.py``): nothing of it is
-    held, unless it is the (tied) LM head too."""
+    and norms; the token embedding is read from the file by row (``models/embedding.py``):
+    nothing of it is held, unless it is the (tied) LM head too."""
     check_format(weights)
     types: dict[str, set[str]] = {}
     for name, entry in file.entries.items():
