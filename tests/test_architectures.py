@@ -175,7 +175,8 @@ def add_family_metadata(writer, c, arch: str) -> None:
 #: where a block type's float16 scales are: (first byte, how many); the other bytes (codes,
 #: sub-block scales) are valid whatever their bits
 _SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1),
-              "Q2_K": (80, 2), "Q6_K": (208, 1)}
+              "Q2_K": (80, 2), "Q6_K": (208, 1), "IQ3_XXS": (0, 1), "IQ3_S": (0, 1),
+              "IQ1_S": (0, 1)}
 
 
 def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -328,14 +329,14 @@ def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
 
 @pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
                                                         ("IQ4_XS", "iq4_32", "block"),
+                                                        ("IQ3_XXS", "iq4_32", "iq4_32"),
                                                         ("Q2_K", "q2k", "q2k")])
-def test_q2_k_q3_k_and_iq4_matrices_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
-    """Q2_K, Q3_K and IQ4_XS hold no Q4_1 block exactly: the int4 runner keeps a file's such
-    matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's best Q3_K's
-    codes in nibbles and IQ4_XS's as indices into its values, else Q6_K's layout and block
-    int8), not re-quantised; logits
-    within the int8 activations of the fp32 runner's (gguf's dequantised weights), and suffix =
-    ar."""
+def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
+    """Q2_K, Q3_K, IQ4_XS and IQ3_XXS hold no Q4_1 block exactly: the int4 runner keeps a
+    file's such matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's
+    best Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, else Q6_K's
+    layout and block int8; IQ3_XXS's as indices on every CPU), not re-quantised; logits within the int8
+    activations of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
     import gguf
 
     from specdecode import kernels
@@ -414,6 +415,43 @@ def test_q4_k_blocks_unpack_like_ggml():
     assert inexact == 0
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
     assert np.array_equal(Q4Weight(codes, scale, minimum).dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("qtype", ["IQ3_S", "IQ1_S"])
+def test_odd_grid_i_quants_are_q4_1_blocks(tmp_path, qtype):
+    """IQ3_S's and IQ1_S's codes are odd, -15..15: each 32-weight group is a Q4_1 block, scale
+    2 s and minimum -15 s, those rounded to float16 as int4 keeps them (moving a weight q 2s -
+    15 s by at most 2^-11 (15 |2s| + |15 s|)), exactly ggml's weights where they are float16
+    numbers; a file of such matrices runs in int4's kernels (its down projections the file's
+    4-bit blocks, not re-quantised), within the int8 activations of the fp32 runner, suffix =
+    ar, in the memory counted."""
+    import gguf
+
+    from specdecode.models.gguf_reader import GGUFFile, q4_nibbles
+    from specdecode.models.iq_grid_blocks import BLOCK_BYTES
+    from specdecode.models.weights import resident_bytes
+
+    from test_gguf_loading import held_bytes
+
+    raw = random_k_blocks(qtype, 8, 512, np.random.default_rng(1))
+    kind = gguf.GGMLQuantizationType[qtype]
+    blocks = q4_nibbles(raw, qtype)
+    scale, minimum = blocks.scale.float(), blocks.minimum.float()
+    error = np.abs(blocks.dequantize().numpy() - gguf.quants.dequantize(raw, kind))
+    bound = 2 ** -11 * (15 * scale + minimum.abs()).numpy() * (1 + 1e-6)
+    assert (error.reshape(8, 16, 32).max(-1) <= bound).all() and error.max() > 0
+    d = raw.reshape(-1, BLOCK_BYTES[qtype])[:, 0:2]
+    d[:] = np.array([2 ** -10], np.float16).view(np.uint8)  # d a power of two: exact
+    assert np.array_equal(q4_nibbles(raw, qtype).dequantize().numpy(),
+                          gguf.quants.dequantize(raw, kind))
+    model = build("qwen2", seed=8, intermediate_size=256)
+    path = tmp_path / f"{qtype}.gguf"
+    write_gguf(model, path, "qwen2", {"down_proj": qtype})
+    file = GGUFFile(path)
+    runner = LlamaRunner.from_gguf(path, "int4")
+    assert all(type(layer.down).__name__ == "Int4Linear" for layer in runner.layers)
+    assert resident_bytes(file, "int4") >= held_bytes(runner)
+    assert_near_fp32_and_suffix_is_ar(runner, path)
 
 
 # ---- the real Gemma 3 270M ----------------------------------------------------------------------

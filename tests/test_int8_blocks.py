@@ -15,8 +15,11 @@ from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTE
                                            Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q6KWeight,
                                            decode_gguf_blocks, held_bytes_per_weight,
                                            quantize_int8_blocks)
+from specdecode.models.gguf_reader import q4_nibbles
+from specdecode.models.iq_grid_blocks import CODEBOOKS, ODD_GRID_TYPES
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
 from specdecode.models.quant import make_linear
+from specdecode.models.weights import as_int8_blocks
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (llama.cpp's reader) is not installed")
 
@@ -78,9 +81,11 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
             "Q2_K": 2}.get(qtype, 4)
     signed = qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K", "Q3_K")
     low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if signed else (0, (1 << bits) - 1)
-    # MXFP4: e2m1 values doubled; the IQ4 types: ggml's sixteen values
-    low, high = {"MXFP4": (-12, 12), "IQ4_NL": (-127, 113), "IQ4_XS": (-127, 113)}.get(
-        qtype, (low, high))
+    # MXFP4: e2m1 values doubled; the IQ4 types: ggml's sixteen values; the grid I-quants:
+    # their grids' largest values (IQ1_S's 8 + 1)
+    low, high = {"MXFP4": (-12, 12), "IQ4_NL": (-127, 113), "IQ4_XS": (-127, 113),
+                 "IQ3_XXS": (-62, 62), "IQ3_S": (-15, 15), "IQ2_XXS": (-43, 43),
+                 "IQ1_S": (-9, 9)}.get(qtype, (low, high))
     assert low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
 
 
@@ -159,13 +164,13 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
 
 
 def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, expected,
-                            input_scale: float = 1.0):
+                            input_scale: float = 1.0, codebook: torch.Tensor | None = None):
     """``packed`` in ``layout`` gives ``expected``'s bits on every instruction set, every row
     count and position of ``x``."""
     code = kernels.SMALL_CODES_LAYOUTS[layout]
     for isa in isas(ext):
         got = assert_row_invariant(lambda rows: ext.small_codes_linear(
-            rows, packed, code, minimum, None, n, isa, input_scale), x)
+            rows, packed, code, minimum, None, n, isa, input_scale, codebook), x)
         assert torch.equal(got, expected), isa
 
 
@@ -200,31 +205,42 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     assert torch.equal(layer(x), expected)
 
 
-@pytest.mark.parametrize("qtype,half,bytes_a_weight", [("IQ4_NL", True, 288 / 512),
-                                                       ("IQ4_XS", False, 320 / 512)])
-def test_iq4_codes_as_their_indices_give_block_int8s_bits(ext, qtype, half, bytes_a_weight):
-    # IQ4_NL and IQ4_XS matrices held as 4-bit indices into the IQ4 values compute block int8's
-    # numbers bit for bit: every row count and position, every instruction set (AVX-512 CPUs
-    # run the AVX2 kernel, and their loader keeps block int8); the extreme codes -127 and 113
-    # against activations of +-127 included
+@pytest.mark.parametrize("qtype,half,bytes_a_weight,values", [
+    ("IQ4_NL", True, 288 / 512, IQ4_VALUES), ("IQ4_XS", False, 320 / 512, IQ4_VALUES),
+    ("IQ3_XXS", False, 320 / 512, CODEBOOKS["IQ3_XXS"]),
+    ("IQ2_XXS", False, 320 / 512, CODEBOOKS["IQ2_XXS"])])
+def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, bytes_a_weight,
+                                                values):
+    # IQ4_NL, IQ4_XS, IQ3_XXS and IQ2_XXS matrices held as 4-bit indices into their type's sixteen
+    # codes compute block int8's numbers bit for bit: every row count and position, every
+    # instruction set (AVX-512 CPUs run the AVX2 kernel; their loader keeps the IQ4 types as
+    # block int8); the codebook's extreme codes against activations of +-127 included
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     codes = weight.codes.clone()
-    codes[0, :64] = -127
-    codes[1, :64] = 113
+    codes[0, :64] = int(values.min())
+    codes[1, :64] = int(values.max())
     weight = Int8BlockWeight(codes, weight.scale, None, 32)
     layer = Int8BlockLinear(weight)
     layout = "iq4" if half else "iq4_32"
-    assert layer.layout == (layout if avx2_best() else "block") and layer.half == half
-    values = torch.from_numpy(IQ4_VALUES)
-    indices = (codes[..., None] == values).int().argmax(-1)
+    held = avx2_best() or qtype not in ("IQ4_NL", "IQ4_XS")
+    assert layer.layout == (layout if held else "block") and layer.half == half
+    codebook = torch.from_numpy(values)
+    if held:
+        assert torch.equal(layer.codebook, codebook)
+    indices = (codes[..., None] == codebook).int().argmax(-1)
     packed = kernels.pack_iq4(indices, weight.scale, half=half)
     assert packed.numel() == 80 * 512 * bytes_a_weight
     block = kernels.pack_q8_blocks(codes, weight.scale, None, 32, half)
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     x[0, :64] = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
     expected = ext.q8_linear(x, block, 32, False, half, None, 72, 0)
-    assert_small_codes_bits(ext, x, packed, layout, False, 72, expected)
+    assert_small_codes_bits(ext, x, packed, layout, False, 72, expected, codebook=codebook)
     assert torch.equal(layer(x), expected)
+    # the layouts an AVX-512 CPU's loader holds (built, not run: this CPU may lack AVX-512)
+    monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index("avx512"))
+    iq4 = qtype in ("IQ4_NL", "IQ4_XS")
+    assert Int8BlockLinear(weight).layout == ("block" if iq4 else layout)
+    assert held_bytes_per_weight(qtype) == (1.0625 if half else 1.125) if iq4 else bytes_a_weight
     # codes outside the IQ4 values, or minimums: not this layout
     q8 = decode_gguf_blocks(gguf_blocks("Q8_0", 16, 64), "Q8_0")
     assert Int8BlockLinear(q8).layout == "block"
@@ -406,8 +422,10 @@ def test_q3k_in_nibbles_gives_q6ks_bits(ext):
 @pytest.mark.parametrize("qtype", list(HELD_BYTES))
 def test_held_bytes_are_the_layouts(ext, qtype):
     # what the memory check counts a matrix of one type as (weights.resident_bytes) is what
-    # its layer holds on this CPU
-    weight = decode_gguf_blocks(gguf_blocks(qtype, 32, 512, seed=9), qtype)
+    # its layer holds on this CPU (IQ3_S and IQ1_S: the int8 runner's, from their Q4_1 blocks)
+    raw = gguf_blocks(qtype, 32, 512, seed=9)
+    weight = (as_int8_blocks(q4_nibbles(raw, qtype)) if qtype in ODD_GRID_TYPES
+              else decode_gguf_blocks(raw, qtype))
     assert Int8BlockLinear(weight).nbytes == 32 * 512 * held_bytes_per_weight(qtype)
 
 
@@ -520,6 +538,12 @@ def test_bad_input_gets_clear_errors(ext):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
     with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
+    iq4 = kernels.pack_iq4(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), half=False)
+    with pytest.raises(RuntimeError, match="the IQ4 layouts, and they alone, take a codebook"):
+        ext.small_codes_linear(torch.randn(2, 64), iq4, 4, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match="a codebook is sixteen int8 codes"):
+        ext.small_codes_linear(torch.randn(2, 64), iq4, 4, False, None, 16, 0, 1.0,
+                               torch.zeros(8, dtype=torch.int8))
     q2k = decode_gguf_blocks(gguf_blocks("Q2_K", 16, 256), "Q2_K")
     with pytest.raises(SpecDecodeError, match="Q2_K codes are 0..3, its sc and m 0..15"):
         kernels.pack_q2k(q2k.codes + 1, q2k.sub_scale, q2k.sub_min, q2k.super_scale,

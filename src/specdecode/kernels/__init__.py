@@ -260,13 +260,14 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
 
 
 def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> torch.Tensor:
-    """Weights whose codes are GGUF IQ4's sixteen values, given as their indices (0..15, int
-    [N, K]) with scales [N, K / 32] (float16 where ``half``, IQ4_NL's; else float32, IQ4_XS's
-    d * (ls - 32)) -> uint8 [N / 16, K / 32, 256 + 32 (64)]: the five-bit layout's nibbles of
-    the indices, no top bits, then the scales (the ``iq4`` and ``iq4_32`` layouts,
-    kernels/small_codes.h)."""
+    """Weights whose codes are a codebook's sixteen values (GGUF IQ4's, or a grid I-quant's:
+    models/iq_grid_blocks.py), given as their indices (0..15, int [N, K]) with scales [N, K /
+    32] (float16 where ``half``, IQ4_NL's; else float32, IQ4_XS's d * (ls - 32)) -> uint8 [N /
+    16, K / 32, 256 + 32 (64)]: the five-bit layout's nibbles of the indices, no top bits, then
+    the scales (the ``iq4`` and ``iq4_32`` layouts, kernels/small_codes.h, which take the
+    codebook with each call)."""
     require(int(indices.min()) >= 0 and int(indices.max()) <= 15,
-            "IQ4 weights are indices 0..15 into the IQ4 values")
+            "codebook weights are indices 0..15 into sixteen codes")
     # the five-bit layout holds code + 16 without minimums: the index, with zero top bits
     packed = pack_five_bit(indices.to(torch.int8) - 16, scale, None, half)
     return torch.cat([packed[..., :256], packed[..., 320:]], -1).contiguous()
@@ -277,9 +278,11 @@ SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_
                        "q3k": 5, "q2k": 6}
 
 
-def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0):
+def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,
+                       codebook=None):
+    """``codebook`` (the ``iq4`` layouts alone): int8 [16], the codes their indices name."""
     return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n,
-                                     isa(), input_scale)
+                                     isa(), input_scale, codebook)
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):
@@ -346,11 +349,12 @@ def attention(q, k_cache, v_cache, past, slots, lens, window=0, softcap=0.0, sin
 INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, SMALL_CODES_KIND = 0, 1, 2, 3
 
 
-def packed_linear(packed, kind, n, group=32, minimum=False, half=False, input_scale=1.0):
+def packed_linear(packed, kind, n, group=32, minimum=False, half=False, input_scale=1.0,
+                  codebook=None):
     """A linear layer's packed weight as the extension's ``PackedLinear`` (what a
     ``LayerStack`` calls): the kernel of ``kind`` with the arguments the layer objects of
     models/quant.py give it."""
-    return load().PackedLinear(packed, kind, n, group, minimum, half, input_scale)
+    return load().PackedLinear(packed, kind, n, group, minimum, half, input_scale, codebook)
 
 
 def split_linear(parts):

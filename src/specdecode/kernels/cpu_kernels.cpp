@@ -573,7 +573,8 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
 // small_codes.h (included below, beside q8_blocks.h)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
-                              int64_t isa, double input_scale);
+                              int64_t isa, double input_scale,
+                              const c10::optional<at::Tensor>& codebook);
 
 namespace {
 
@@ -1153,15 +1154,17 @@ struct PackedLinear {
   int64_t kind, n, group;
   bool minimum, half;
   double input_scale;  // SMALL_CODES: small_codes_linear's (a query scale folded in)
+  c10::optional<at::Tensor> codebook;  // SMALL_CODES: small_codes_linear's (IQ4 layouts)
   std::vector<PackedLinear> parts;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half,
-               double input_scale)
+               double input_scale, c10::optional<at::Tensor> codebook)
       : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half),
-        input_scale(input_scale) {
+        input_scale(input_scale), codebook(std::move(codebook)) {
     TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE || kind == SMALL_CODES,
                 "unknown linear kind ", kind);
     TORCH_CHECK(input_scale == 1.0 || kind == SMALL_CODES, "only small-code layers take an input scale");
+    TORCH_CHECK(!this->codebook || kind == SMALL_CODES, "only small-code layers take a codebook");
   }
 
   explicit PackedLinear(std::vector<PackedLinear> parts)
@@ -1182,7 +1185,7 @@ struct PackedLinear {
     if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
     if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
     if (kind == SMALL_CODES)
-      return small_codes_linear(x, packed, group, minimum, residual, n, isa, input_scale);
+      return small_codes_linear(x, packed, group, minimum, residual, n, isa, input_scale, codebook);
     return dense_linear(x, packed, c10::nullopt, residual, n, isa);
   }
 };
@@ -1584,7 +1587,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, nogil);
   m.def("small_codes_linear", &small_codes_linear, py::arg("x"), py::arg("packed"), py::arg("layout"),
         py::arg("minimum"), py::arg("residual"), py::arg("n"), py::arg("isa"),
-        py::arg("input_scale") = 1.0, nogil);
+        py::arg("input_scale") = 1.0, py::arg("codebook") = py::none(), nogil);
   m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm, nogil);
   m.def("swiglu", &swiglu, nogil);
@@ -1608,7 +1611,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("forward", &MoEExperts::forward, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
-      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool, double>())
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool, double,
+                    c10::optional<at::Tensor>>())
       .def(py::init<std::vector<PackedLinear>>());
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,

@@ -122,10 +122,10 @@ static inline __m256 numbers8(const uint8_t* at) {
 // VPMADDWD by ones adds a column's pairs into its 32-bit sum. The group's integer is VPDPBUSD's
 // (sum of code * xq) and the folds are columns_vnni's. `prefetch`: the pass that streams the
 // tile asks for it Q8_PREFETCH bytes ahead; a later pass asks for its share of the next tile,
-// `ahead`. `Codes`: where the codes are read (ByteCodes).
+// `ahead`. `codes`: where the codes are read (ByteCodes).
 template <int G, bool MIN, bool HALF, int R, int H, class Codes = ByteCodes>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
-                        Ahead ahead, __m256 (&acc)[R][H]) {
+                        Ahead ahead, __m256 (&acc)[R][H], const Codes& codes) {
   constexpr int64_t C = Codes::code_bytes(G), S = HALF ? 32 : 64, B = C + S * (MIN ? 2 : 1);
   const int64_t groups = a.k / G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -144,7 +144,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
     for (int j = 0; j < G / 4; j++) {
       __m256i code[H], magnitude[H];
       for (int h = 0; h < H; h++) {
-        code[h] = Codes::slice(blk, j, h0 + h);
+        code[h] = codes.slice(blk, j, h0 + h);
         magnitude[h] = _mm256_abs_epi8(code[h]);
       }
       for (int r = 0; r < R; r++) {
@@ -175,7 +175,7 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
 // each tile in k_avx2::row_passes
 template <int G, bool MIN, bool HALF, class Codes = ByteCodes>
 static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
-                         float* y, int64_t n, int64_t t0, int64_t t1) {
+                         float* y, int64_t n, int64_t t0, int64_t t1, const Codes& codes = {}) {
   const int64_t groups = a.k / G;
   const int64_t tile_bytes = groups * (Codes::code_bytes(G) + (HALF ? 32 : 64) * (MIN ? 2 : 1));
   for (int64_t t = t0; t < t1; t++) {
@@ -185,7 +185,7 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
                        [&](auto rows, auto halves, int64_t r0, int h0, bool first, Ahead ahead) {
       constexpr int R = decltype(rows)::value, H = decltype(halves)::value;
       __m256 acc[R][H];
-      halves_avx2<G, MIN, HALF, R, H, Codes>(a, r0, tile, h0, first, ahead, acc);
+      halves_avx2<G, MIN, HALF, R, H, Codes>(a, r0, tile, h0, first, ahead, acc, codes);
       k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     });
   }

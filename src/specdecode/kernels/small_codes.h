@@ -88,8 +88,8 @@ static inline float half_at(const uint8_t* at, int c) {
 }
 
 // SUPER: Q6K's and Q3K's sub-block scales folded in integers per super-block of 256 inputs;
-// FIVE_BIT computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into
-// IQ4_VALUES (the codes signed, no offset). AVX512: the layout has AVX-512 kernels (the others
+// FIVE_BIT computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into the
+// call's codebook, sixteen int8 codes (signed, no offset). AVX512: the layout has AVX-512 kernels (the others
 // run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes -8..7, offset 8).
 template <int TOP_BITS>
 struct SuperScales {
@@ -159,10 +159,6 @@ using FiveBit32 = FiveBitScales<true>;
 using IQ4 = FiveBitScales<false, 0>;
 using IQ4_32 = FiveBitScales<true, 0>;
 
-// ggml's kvalues_iq4nl (models/q3k_iq4_blocks.py's IQ4_VALUES)
-alignas(16) static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                  1,    13,   25,  38,  53,  69,  89,  113};
-
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
 constexpr int32_t offset(bool minimum) {
@@ -184,6 +180,8 @@ struct Acts {
   const uint8_t* xu = nullptr;
   // Q2K: each group's sum(xq) [m, k / 16] (|.| <= 16 x 127), for its minimums
   const int16_t* xsum = nullptr;
+  // CODEBOOK layouts: the sixteen codes the weights' 4-bit indices name
+  const int8_t* codebook = nullptr;
 };
 
 template <class F>
@@ -191,11 +189,11 @@ constexpr bool is_q6k = std::is_same_v<F, Q6K>;
 
 // u of input i of column c in a packed group (CODEBOOK: the code its index names)
 template <class F>
-static inline int32_t unpacked(const uint8_t* grp, int c, int i) {
+static inline int32_t unpacked(const uint8_t* grp, int c, int i, const int8_t* codebook) {
   const int j = i / 4, at = 4 * c + i % 4;
   if constexpr (F::CODE_BITS == 2) return (grp[at] >> (2 * j)) & 3;
   const int low = (grp[64 * (j / 2) + at] >> (4 * (j % 2))) & 15;
-  if constexpr (F::CODEBOOK) return IQ4_VALUES[low];
+  if constexpr (F::CODEBOOK) return codebook[low];
   if constexpr (F::TOP == 0) return low;
   const int top = (grp[8 * F::G + at] >> (F::TOP * j)) & ((1 << F::TOP) - 1);
   return low | top << 4;
@@ -220,7 +218,7 @@ static void columns_generic(
           for (int c = 0; c < 16; c++) {
             int32_t isum = a.bias[r * groups + at];
             for (int i = 0; i < F::G; i++)
-              isum += unpacked<F>(block + g * F::GROUP_BYTES, c, i) * xg[i];
+              isum += unpacked<F>(block + g * F::GROUP_BYTES, c, i, a.codebook) * xg[i];
             if constexpr (F::SUPER) {
               super_sum[c] += F::sub_scale(block, g, c) * isum;
             } else {
@@ -278,17 +276,18 @@ static inline void each_slice_avx2(const uint8_t* grp, int h, Use&& use) {
   }
 }
 
-// IQ4's codes for block int8's AVX2 kernel (q8blocks::halves_avx2): slice j's 4-bit indices
-// (the nibbles of slices 2i and 2i + 1 share 64 bytes) looked up in IQ4_VALUES with VPSHUFB
-// (which looks up within each 128-bit lane: the table is in both)
-struct IQ4Codes {
+// A codebook layout's codes for block int8's AVX2 kernel (q8blocks::halves_avx2): slice j's
+// 4-bit indices (the nibbles of slices 2i and 2i + 1 share 64 bytes) looked up in `codebook`
+// with VPSHUFB (which looks up within each 128-bit lane: the table is in both)
+struct CodebookCodes {
+  const int8_t* codebook;  // sixteen codes
   static constexpr int64_t code_bytes(int group) { return 8 * group; }
-  static inline __m256i slice(const uint8_t* grp, int j, int h) {
+  inline __m256i slice(const uint8_t* grp, int j, int h) const {
     const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * (j / 2) + 32 * h));
     const __m256i index = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(nibbles, 4) : nibbles,
                                            _mm256_set1_epi8(0x0f));
     return _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))), index);
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook))), index);
   }
 };
 
@@ -959,7 +958,8 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
     if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
   } else if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
     if (isa >= AVX2)
-      return q8blocks::columns_avx2<32, false, !F::FLOAT32, IQ4Codes>(a8, m, packed, residual, y, n, t0, t1);
+      return q8blocks::columns_avx2<32, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
+                                                             CodebookCodes{a.codebook});
     return columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   } else if constexpr (F::AVX512) {
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
@@ -986,10 +986,12 @@ enum Layout : int64_t {
 // K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344] (whose
 // minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
-// super-block scales cannot take it: models/int8_blocks.py's input_scale)
+// super-block scales cannot take it: models/int8_blocks.py's input_scale). `codebook` (IQ4
+// layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF I-quant's values)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
-                              int64_t isa, double input_scale) {
+                              int64_t isa, double input_scale,
+                              const c10::optional<at::Tensor>& codebook) {
   using namespace small_codes;
   TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q2K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
@@ -1002,6 +1004,10 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   TORCH_CHECK(!(q6k || q3k || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
   TORCH_CHECK(!q2k || minimum, "the Q2_K layout has minimums");
   TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K and Q2_K layouts take an input scale");
+  TORCH_CHECK(iq4 == codebook.has_value(), "the IQ4 layouts, and they alone, take a codebook");
+  TORCH_CHECK(!iq4 || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
+                       codebook->numel() == 16 && codebook->is_contiguous()),
+              "a codebook is sixteen int8 codes, got ", iq4 ? codebook->sizes() : packed.sizes());
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
                         : q3k ? Q3K::block_bytes(false)
                         : q2k ? Q2K::block_bytes(false)
@@ -1052,7 +1058,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
   if (q6k_decoded) q6k_interleave(xq.data(), m, k, xu.data());
   const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr,
-                  xsum.data()};
+                  xsum.data(), iq4 ? codebook->data_ptr<int8_t>() : nullptr};
   const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();

@@ -21,9 +21,12 @@ with a scale and a minimum per 32 weights, the int4 format):
           2^-11 (15 s + |m|), against 4-bit steps of s. ``q4k_blocks`` counts the products
           that were not exact.
 
-The 5, 6 and 8-bit types, Q2_K, Q3_K and the IQ4 types (``INT8_BLOCK_TYPES``) are read as
-blocks too, which the int4 and int8 runners keep with their own values (models/int8_blocks.py).
-Every other type (float16, bfloat16, float32, the other I-quants) is dequantised to float32 by
+IQ3_S and IQ1_S, whose codes are odd (-15..15), are Q4_1 blocks with scale 2 s and minimum
+-15 s (models/iq_grid_blocks.py), those two rounded to float16 as Q4_K's products are. The 5, 6
+and 8-bit types, Q2_K, Q3_K, the IQ4 types, IQ3_XXS and IQ2_XXS (``INT8_BLOCK_TYPES``) are read
+as blocks too, which the int4 and int8 runners keep with their own values
+(models/int8_blocks.py). Every other type (float16, bfloat16, float32, IQ2_XS, IQ2_S, IQ1_M) is
+dequantised to float32 by
 ``gguf`` itself, exactly as ``transformers`` does; the int4 runner re-quantises those matrices
 in the Q4_1 scheme, the other formats take them as they are.
 
@@ -59,6 +62,7 @@ from specdecode.cache import file_version
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
 from specdecode.models.int8_blocks import decode_gguf_blocks
+from specdecode.models.iq_grid_blocks import ODD_GRID_TYPES, odd_grid_q4
 from specdecode.models.quant import Q4Weight
 
 #: llama.cpp's llama3 rope scaling (Llama 3.1-3.3): a factor per rotary frequency, which the
@@ -103,11 +107,11 @@ _EXPERT = re.compile(r"blk\.(\d+)\.experts\.(\d+)\.(\w+)\.(weight|bias)")
 _BARE_NAMES = {"attn_sinks": "self_attn.sinks"}
 #: rows of a 4-bit tensor unpacked at a time (:meth:`GGUFFile.read_blocks`)
 _READ_ROWS = 512
-#: GGUF types kept as 4-bit blocks
-Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: GGUF types kept as 4-bit blocks (IQ3_S and IQ1_S: models/iq_grid_blocks.py's odd grids)
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K", *ODD_GRID_TYPES)
 #: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
 INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4", "Q3_K", "IQ4_NL", "IQ4_XS",
-                    "Q2_K")
+                    "Q2_K", "IQ3_XXS", "IQ2_XXS")
 
 
 def _readable_types() -> tuple[str, ...]:
@@ -251,7 +255,11 @@ class Q4Blocks:
 def q4_nibbles(raw: np.ndarray, qtype: str) -> Q4Blocks:
     """:class:`Q4Blocks` of Q4_0, Q4_1 or Q4_K data [rows, bytes]: the same weights as
     :func:`q4_blocks` and :func:`q4k_blocks` (Q4_K's scale products rounded to float16 there
-    too), the codes left in bytes (moved by the kernels' ``repack.h``)."""
+    too), the codes left in bytes (moved by the kernels' ``repack.h``); of IQ3_S or IQ1_S data
+    (``ODD_GRID_TYPES``): their Q4_1 form, decoded in numpy (``iq_grid_blocks.odd_grid_q4``)."""
+    if qtype in ODD_GRID_TYPES:
+        nibbles, scale, minimum = odd_grid_q4(raw, qtype)
+        return Q4Blocks(nibbles, torch.from_numpy(scale), torch.from_numpy(minimum))
     nibbles, scale, minimum = kernels.load().q4_nibbles(
         torch.from_numpy(np.ascontiguousarray(raw)), qtype)
     return Q4Blocks(nibbles.numpy(), scale, minimum)
@@ -571,6 +579,8 @@ class GGUFFile:
         try:
             if blocks and e.qtype == "Q4_K":
                 value = Q4Weight(*q4k_blocks(raw)[:3])
+            elif blocks and e.qtype in ODD_GRID_TYPES:
+                value = q4_nibbles(raw, e.qtype).codes()
             elif blocks and e.qtype in Q4_TYPES:
                 value = Q4Weight(*q4_blocks(raw, e.qtype))
             else:

@@ -15,6 +15,7 @@ them with):
     Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
     MXFP4  32               -12..12    2^(e - 128)       -            32
     Q3_K, IQ4_NL, IQ4_XS: models/q3k_iq4_blocks.py; Q2_K: models/q2k_blocks.py
+    IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S: models/iq_grid_blocks.py
 
 d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
 sub-block integers. MXFP4 (gpt-oss's experts) holds an e8m0 exponent byte e and 4-bit e2m1
@@ -51,7 +52,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError, require
-from specdecode.models import q2k_blocks, q3k_iq4_blocks
+from specdecode.models import iq_grid_blocks, q2k_blocks, q3k_iq4_blocks
 
 #: inputs per group that the kernel accepts; activations are quantised per 32 in any case
 GROUPS = (16, 32)
@@ -60,14 +61,16 @@ INT8_GROUP = 32
 #: bytes of one block, per GGUF type this module decodes
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17, **q3k_iq4_blocks.BLOCK_BYTES,
-               "Q2_K": q2k_blocks.BLOCK_BYTES}
+               "Q2_K": q2k_blocks.BLOCK_BYTES, **iq_grid_blocks.BLOCK_BYTES}
 #: weights of one block, per GGUF type
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
                  "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
-                 **q3k_iq4_blocks.BLOCK_WEIGHTS, "Q2_K": q2k_blocks.BLOCK_WEIGHTS}
-#: code + 128 -> its index in the IQ4 values (255: not one of them)
-_IQ4_INDEX = np.full(256, 255, np.uint8)
-_IQ4_INDEX[q3k_iq4_blocks.IQ4_VALUES.astype(np.int16) + 128] = np.arange(16)
+                 **q3k_iq4_blocks.BLOCK_WEIGHTS, "Q2_K": q2k_blocks.BLOCK_WEIGHTS,
+                 **iq_grid_blocks.BLOCK_WEIGHTS}
+#: the tables of sixteen codes that the codebook layouts index: the IQ4 types', the grid
+#: I-quants'
+_CODEBOOKS = [q3k_iq4_blocks.IQ4_VALUES, *iq_grid_blocks.CODEBOOKS.values()]
+_IQ4_CODEBOOK = torch.from_numpy(q3k_iq4_blocks.IQ4_VALUES)
 #: MXFP4's e2m1 code -> its value doubled (ggml-common.h's kvalues_mxfp4)
 _MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
@@ -255,6 +258,10 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
         codes, scale, minimum, *factors = (torch.from_numpy(t.reshape(rows, -1))
                                            for t in q2k_blocks.decode_q2k(blocks))
         return Q2KWeight(codes, scale, minimum, 16, *factors)
+    if qtype in iq_grid_blocks.BLOCK_BYTES:  # decoded in numpy (models/iq_grid_blocks.py)
+        codes, scale = iq_grid_blocks.decode_iq_grid(blocks, qtype)
+        return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, -1)),
+                               torch.from_numpy(scale.reshape(rows, -1)), None, 32)
     if qtype in q3k_iq4_blocks.BLOCK_BYTES:  # decoded in numpy (models/q3k_iq4_blocks.py)
         d = q3k_iq4_blocks.decode_q3k_iq4(blocks, qtype)
         codes, scale = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.codes, d.scale))
@@ -281,7 +288,9 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
               "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
               "IQ4_XS": (0.625, 1.125), "Q4_0": (0.6875, 0.6875), "Q4_1": (0.75, 0.75),
-              "Q4_K": (0.875, 1.25), "Q2_K": (0.328125, 0.328125)}
+              "Q4_K": (0.875, 1.25), "Q2_K": (0.328125, 0.328125),
+              **{qtype: (0.625, 0.625) for qtype in iq_grid_blocks.CODEBOOKS},
+              **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
 def _avx2_best() -> bool:
@@ -312,16 +321,22 @@ def _q3k_codes(weight: Q6KWeight) -> bool:
     return fits(weight.codes[0]) and fits(weight.codes)  # a first row tells Q6_K apart cheaply
 
 
-def _iq4_indices(weight: Int8BlockWeight) -> torch.Tensor | None:
-    """``weight``'s codes as indices into the IQ4 values (uint8 [out, in]), where every code is
-    one of them and there are no minimums (GGUF IQ4_NL and IQ4_XS matrices); else None."""
+def _codebook_indices(weight: Int8BlockWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first of ``_CODEBOOKS`` that holds every code of ``weight`` (int8 [16]) and the codes
+    as indices into it (uint8 [out, in]), where there is one and no minimums (GGUF IQ4_NL,
+    IQ4_XS and grid I-quant matrices); else None."""
     if weight.group != 32 or weight.minimum is not None:
         return None
     codes = weight.codes.numpy().view(np.uint8) ^ 0x80  # code + 128
-    if (_IQ4_INDEX[codes[0]] > 15).any():  # a first row tells other types apart cheaply
-        return None
-    indices = _IQ4_INDEX[codes]
-    return None if (indices > 15).any() else torch.from_numpy(indices)
+    for codebook in _CODEBOOKS:
+        index = np.full(256, 255, np.uint8)  # code + 128 -> its index (255: none)
+        index[codebook.astype(np.int16) + 128] = np.arange(16)  # (a padding 0: any of its slots)
+        if (index[codes[0]] > 15).any():  # a first row tells other types apart cheaply
+            continue
+        indices = index[codes]
+        if not (indices > 15).any():
+            return torch.from_numpy(codebook.copy()), torch.from_numpy(indices)
+    return None
 
 
 class Int8BlockLinear:
@@ -351,9 +366,14 @@ class Int8BlockLinear:
         # 1.06-1.13, and Q5_K (float32 scales) in 0.875, not 1.25, where AVX2 is the best the
         # CPU has: block int8's numbers; where AVX2 is the best the CPU has (as five_bit32):
         # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
-        # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83
+        # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83. IQ3_XXS
+        # or IQ2_XXS codes likewise in 0.63 on every CPU (AVX-512 ones run the AVX2 kernel):
+        # block int8 would hold 2.9 or 4.4 times the file's bytes
         avx2 = _avx2_best()
-        indices = _iq4_indices(weight) if avx2 else None
+        found = _codebook_indices(weight)
+        if found is not None and not avx2 and found[0].equal(_IQ4_CODEBOOK):
+            found = None
+        self.codebook, indices = found if found is not None else (None, None)
         q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
                        else "q3k" if q3k
@@ -386,7 +406,8 @@ class Int8BlockLinear:
         try:
             if self.layout != "block":
                 return kernels.small_codes_linear(x, self.packed, self.layout, self.has_minimum,
-                                                  self.out_features, residual, self.input_scale)
+                                                  self.out_features, residual, self.input_scale,
+                                                  self.codebook)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
@@ -402,7 +423,7 @@ class Int8BlockLinear:
         # (the small-code kernel takes its layout's code where block int8 takes its group)
         return kernels.packed_linear(self.packed, kernels.SMALL_CODES_KIND, self.out_features,
                                      kernels.SMALL_CODES_LAYOUTS[self.layout], self.has_minimum,
-                                     input_scale=self.input_scale)
+                                     input_scale=self.input_scale, codebook=self.codebook)
 
     @property
     def nbytes(self) -> int:
