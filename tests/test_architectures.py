@@ -328,8 +328,8 @@ def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
 
 
 @pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
-                                                        ("IQ4_XS", "iq4_32", "block"),
-                                                        ("IQ3_XXS", "iq4_32", "iq4_32"),
+                                                        ("IQ4_XS", "codebook32", "block"),
+                                                        ("IQ3_XXS", "codebook32", "codebook32"),
                                                         ("Q2_K", "q2k", "q2k")])
 def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
     """Q2_K, Q3_K, IQ4_XS and IQ3_XXS hold no Q4_1 block exactly: the int4 runner keeps a

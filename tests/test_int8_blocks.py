@@ -221,14 +221,14 @@ def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, b
     codes[1, :64] = int(values.max())
     weight = Int8BlockWeight(codes, weight.scale, None, 32)
     layer = Int8BlockLinear(weight)
-    layout = "iq4" if half else "iq4_32"
+    layout = "codebook" if half else "codebook32"
     held = avx2_best() or qtype not in ("IQ4_NL", "IQ4_XS")
     assert layer.layout == (layout if held else "block") and layer.half == half
     codebook = torch.from_numpy(values)
     if held:
         assert torch.equal(layer.codebook, codebook)
     indices = (codes[..., None] == codebook).int().argmax(-1)
-    packed = kernels.pack_iq4(indices, weight.scale, half=half)
+    packed = kernels.pack_codebook(indices, weight.scale, half=half)
     assert packed.numel() == 80 * 512 * bytes_a_weight
     block = kernels.pack_q8_blocks(codes, weight.scale, None, 32, half)
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
@@ -534,15 +534,15 @@ def test_bad_input_gets_clear_errors(ext):
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
     with pytest.raises(RuntimeError, match=r"5 \(Q3_K\) or 6 \(Q2_K\), not 7"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
-    with pytest.raises(RuntimeError, match="Q6_K, Q3_K and IQ4 layouts have no minimums"):
+    with pytest.raises(RuntimeError, match="Q6_K, Q3_K and codebook layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
     with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
-    iq4 = kernels.pack_iq4(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), half=False)
-    with pytest.raises(RuntimeError, match="the IQ4 layouts, and they alone, take a codebook"):
-        ext.small_codes_linear(torch.randn(2, 64), iq4, 4, False, None, 16, 0)
+    book = kernels.pack_codebook(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), half=False)
+    with pytest.raises(RuntimeError, match="the codebook layouts, and they alone, take a codebook"):
+        ext.small_codes_linear(torch.randn(2, 64), book, 4, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="a codebook is sixteen int8 codes"):
-        ext.small_codes_linear(torch.randn(2, 64), iq4, 4, False, None, 16, 0, 1.0,
+        ext.small_codes_linear(torch.randn(2, 64), book, 4, False, None, 16, 0, 1.0,
                                torch.zeros(8, dtype=torch.int8))
     q2k = decode_gguf_blocks(gguf_blocks("Q2_K", 16, 256), "Q2_K")
     with pytest.raises(SpecDecodeError, match="Q2_K codes are 0..3, its sc and m 0..15"):

@@ -10,7 +10,7 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``pack_iq4``, ``pack_q3k``, ``pack_q2k``, ``weights.pack_blocks``,
+``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``weights.pack_blocks``,
 ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
@@ -259,12 +259,12 @@ def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
                                 None if minimum is None else minimum.to(dtype).contiguous())
 
 
-def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> torch.Tensor:
+def pack_codebook(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> torch.Tensor:
     """Weights whose codes are a codebook's sixteen values (GGUF IQ4's, or a grid I-quant's:
     models/iq_grid_blocks.py), given as their indices (0..15, int [N, K]) with scales [N, K /
     32] (float16 where ``half``, IQ4_NL's; else float32, IQ4_XS's d * (ls - 32)) -> uint8 [N /
     16, K / 32, 256 + 32 (64)]: the five-bit layout's nibbles of the indices, no top bits, then
-    the scales (the ``iq4`` and ``iq4_32`` layouts, kernels/small_codes.h, which take the
+    the scales (the ``codebook`` and ``codebook32`` layouts, kernels/small_codes.h, which take the
     codebook with each call)."""
     require(int(indices.min()) >= 0 and int(indices.max()) <= 15,
             "codebook weights are indices 0..15 into sixteen codes")
@@ -274,13 +274,13 @@ def pack_iq4(indices: torch.Tensor, scale: torch.Tensor, half: bool = True) -> t
 
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
-SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "iq4": 3, "iq4_32": 4,
+SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "codebook": 3, "codebook32": 4,
                        "q3k": 5, "q2k": 6}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,
                        codebook=None):
-    """``codebook`` (the ``iq4`` layouts alone): int8 [16], the codes their indices name."""
+    """``codebook`` (the codebook layouts alone): int8 [16], the codes their indices name."""
     return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n,
                                      isa(), input_scale, codebook)
 

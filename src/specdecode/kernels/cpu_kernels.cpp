@@ -1154,7 +1154,7 @@ struct PackedLinear {
   int64_t kind, n, group;
   bool minimum, half;
   double input_scale;  // SMALL_CODES: small_codes_linear's (a query scale folded in)
-  c10::optional<at::Tensor> codebook;  // SMALL_CODES: small_codes_linear's (IQ4 layouts)
+  c10::optional<at::Tensor> codebook;  // SMALL_CODES: small_codes_linear's (codebook layouts)
   std::vector<PackedLinear> parts;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half,

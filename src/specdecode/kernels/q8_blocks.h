@@ -97,7 +97,7 @@ static void columns_generic(
 #pragma GCC target("avx2,fma,f16c")
 
 // Where halves_avx2 reads a group's codes: block int8's bytes, code + 128 in VPDPBUSD's order
-// (small_codes.h's IQ4 layouts give another source: the codes' 4-bit indices)
+// (small_codes.h's codebook layouts give another source: the codes' 4-bit indices)
 struct ByteCodes {
   // bytes of a group's codes; its scales follow them
   static constexpr int64_t code_bytes(int group) { return 16 * group; }

@@ -40,11 +40,13 @@
 //   up to 17 significant bits): B = 384 or 448, 0.875 bytes a weight against block int8's 1.25,
 //   block int8's numbers; on AVX2 and the portable kernel (AVX-512 CPUs run the AVX2 one, and
 //   the loader keeps block int8 there, whose VNNI kernels take many rows faster).
-// - IQ4, IQ4_32: GGUF IQ4_NL (float16 scales) and IQ4_XS (float32 scales d * (ls - 32)): codes
-//   from ggml's table of sixteen values (kvalues_iq4nl, -127..113), stored as their 4-bit
-//   index, TOP = 0 (no top bits): B = 288 or 320, 0.56 or 0.63 bytes a weight against block
-//   int8's 1.06 or 1.13, and block int8's numbers (the index looked up with VPSHUFB, then block
-//   int8's AVX2 arithmetic on the signed codes). AVX2 and the portable kernel only, as FIVE_BIT32.
+// - CODEBOOK, CODEBOOK32: codes from a table of sixteen int8 values that each call passes (GGUF
+//   IQ4_NL's and IQ4_XS's kvalues_iq4nl, -127..113; IQ3_XXS's and IQ2_XXS's grid values),
+//   stored as their 4-bit index, TOP = 0 (no top bits), with float16 scales (IQ4_NL) or float32
+//   ones (IQ4_XS's d * (ls - 32), IQ3_XXS's, IQ2_XXS's): B = 288 or 320, 0.56 or 0.63 bytes a
+//   weight against block int8's 1.06 or 1.13, and block int8's numbers (the index looked up
+//   with VPSHUFB, then block int8's AVX2 arithmetic on the signed codes). AVX2 and the portable
+//   kernel only, as FIVE_BIT32.
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 
@@ -89,8 +91,9 @@ static inline float half_at(const uint8_t* at, int c) {
 
 // SUPER: Q6K's and Q3K's sub-block scales folded in integers per super-block of 256 inputs;
 // FIVE_BIT computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into the
-// call's codebook, sixteen int8 codes (signed, no offset). AVX512: the layout has AVX-512 kernels (the others
-// run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes -8..7, offset 8).
+// call's codebook, sixteen int8 codes (signed, no offset). AVX512: the layout has AVX-512
+// kernels (the others run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes
+// -8..7, offset 8).
 template <int TOP_BITS>
 struct SuperScales {
   static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8, CODE_BITS = 4;
@@ -137,7 +140,7 @@ static inline float float_at(const uint8_t* at, int c) {
 
 // F32: the scales and minimums as float32 (FIVE_BIT32: Q5_K's d * sc and dmin * m, which are
 // not float16 numbers), else float16
-// TOP bits of each code above its nibble (1: five-bit codes; 0: IQ4's indices)
+// TOP bits of each code above its nibble (1: five-bit codes; 0: a codebook's indices)
 template <bool F32, int TOP_BITS = 1>
 struct FiveBitScales {
   static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
@@ -156,8 +159,8 @@ struct FiveBitScales {
 };
 using FiveBit = FiveBitScales<false>;
 using FiveBit32 = FiveBitScales<true>;
-using IQ4 = FiveBitScales<false, 0>;
-using IQ4_32 = FiveBitScales<true, 0>;
+using Codebook = FiveBitScales<false, 0>;
+using Codebook32 = FiveBitScales<true, 0>;
 
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
@@ -975,18 +978,18 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
-  Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, IQ4_LAYOUT = 3, IQ4_32_LAYOUT = 4,
+  Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, CODEBOOK_LAYOUT = 3, CODEBOOK32_LAYOUT = 4,
   Q3K_LAYOUT = 5, Q2K_LAYOUT = 6
 };
 
 }  // namespace small_codes
 
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
-// [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], IQ4 [N / 16,
-// K / 32, 288] (IQ4_32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344] (whose
-// minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
+// [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], CODEBOOK [N /
+// 16, K / 32, 288] (CODEBOOK32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344]
+// (whose minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
-// super-block scales cannot take it: models/int8_blocks.py's input_scale). `codebook` (IQ4
+// super-block scales cannot take it: models/int8_blocks.py's input_scale). `codebook` (CODEBOOK
 // layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF I-quant's values)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
@@ -995,25 +998,25 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   using namespace small_codes;
   TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q2K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
-              "scales), 3 (IQ4 indices), 4 (IQ4 indices, float32 scales), 5 (Q3_K) or 6 (Q2_K), not ",
+              "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K) or 6 (Q2_K), not ",
               layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
-  const bool iq4 = layout == IQ4_LAYOUT || layout == IQ4_32_LAYOUT, q3k = layout == Q3K_LAYOUT;
+  const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT, q3k = layout == Q3K_LAYOUT;
   const bool q2k = layout == Q2K_LAYOUT;
   const bool super = q6k || q3k || q2k;  // activations per 256 inputs, sub-block scales in integers
-  TORCH_CHECK(!(q6k || q3k || iq4) || !minimum, "the Q6_K, Q3_K and IQ4 layouts have no minimums");
+  TORCH_CHECK(!(q6k || q3k || book) || !minimum, "the Q6_K, Q3_K and codebook layouts have no minimums");
   TORCH_CHECK(!q2k || minimum, "the Q2_K layout has minimums");
   TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K and Q2_K layouts take an input scale");
-  TORCH_CHECK(iq4 == codebook.has_value(), "the IQ4 layouts, and they alone, take a codebook");
-  TORCH_CHECK(!iq4 || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
+  TORCH_CHECK(book == codebook.has_value(), "the codebook layouts, and they alone, take a codebook");
+  TORCH_CHECK(!book || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
                        codebook->numel() == 16 && codebook->is_contiguous()),
-              "a codebook is sixteen int8 codes, got ", iq4 ? codebook->sizes() : packed.sizes());
+              "a codebook is sixteen int8 codes, got ", book ? codebook->sizes() : packed.sizes());
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
                         : q3k ? Q3K::block_bytes(false)
                         : q2k ? Q2K::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
-                        : layout == IQ4_LAYOUT ? IQ4::block_bytes(false)
-                        : layout == IQ4_32_LAYOUT ? IQ4_32::block_bytes(false)
+                        : layout == CODEBOOK_LAYOUT ? Codebook::block_bytes(false)
+                        : layout == CODEBOOK32_LAYOUT ? Codebook32::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
   const int64_t inputs = super ? 256 : 32, group = super ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
@@ -1034,7 +1037,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                            m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
-                              : q2k ? offset<Q2K>(false) : iq4 ? offset<IQ4>(false)
+                              : q2k ? offset<Q2K>(false) : book ? offset<Codebook>(false)
                               : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
@@ -1058,7 +1061,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
   if (q6k_decoded) q6k_interleave(xq.data(), m, k, xu.data());
   const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr,
-                  xsum.data(), iq4 ? codebook->data_ptr<int8_t>() : nullptr};
+                  xsum.data(), book ? codebook->data_ptr<int8_t>() : nullptr};
   const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
@@ -1067,8 +1070,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q3k) columns<Q3K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
-    else if (layout == IQ4_LAYOUT) columns<IQ4, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
-    else if (layout == IQ4_32_LAYOUT) columns<IQ4_32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (layout == CODEBOOK_LAYOUT) columns<Codebook, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (layout == CODEBOOK32_LAYOUT) columns<Codebook32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32) columns<FiveBit32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

@@ -295,7 +295,7 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
 
 def _avx2_best() -> bool:
     """Whether AVX2 is the best this CPU has (or less): the layouts without AVX-512 kernels
-    (five_bit32, iq4, q3k) are held only then."""
+    (five_bit32, q3k, codebook layouts of the IQ4 types) are held only then."""
     return kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
 
 
@@ -378,7 +378,7 @@ class Int8BlockLinear:
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
-                       else ("iq4" if self.half else "iq4_32") if indices is not None
+                       else ("codebook" if self.half else "codebook32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
                        else "five_bit32" if avx2
@@ -390,7 +390,7 @@ class Int8BlockLinear:
             pack = kernels.pack_q3k if q3k else kernels.pack_q6k
             self.packed = pack(weight.codes, weight.sub_scale, weight.super_scale)
         elif indices is not None:
-            self.packed = kernels.pack_iq4(indices, weight.scale, half=self.half)
+            self.packed = kernels.pack_codebook(indices, weight.scale, half=self.half)
         elif self.layout != "block":
             self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum,
                                                 half=self.layout == "five_bit")
