@@ -176,7 +176,7 @@ def add_family_metadata(writer, c, arch: str) -> None:
 #: sub-block scales) are valid whatever their bits
 _SCALES_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q3_K": (108, 1), "IQ4_XS": (0, 1),
               "Q2_K": (80, 2), "Q6_K": (208, 1), "IQ3_XXS": (0, 1), "IQ3_S": (0, 1),
-              "IQ1_S": (0, 1)}
+              "IQ1_S": (0, 1), "IQ2_S": (0, 1)}
 
 
 def random_k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -330,12 +330,13 @@ def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
 @pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
                                                         ("IQ4_XS", "codebook32", "block"),
                                                         ("IQ3_XXS", "codebook32", "codebook32"),
+                                                        ("IQ2_S", "codebook16", "codebook16"),
                                                         ("Q2_K", "q2k", "q2k")])
 def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
-    """Q2_K, Q3_K, IQ4_XS and IQ3_XXS hold no Q4_1 block exactly: the int4 runner keeps a
+    """Q2_K, Q3_K, IQ4_XS, IQ3_XXS and IQ2_S hold no Q4_1 block exactly: the int4 runner keeps a
     file's such matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's
     best Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, else Q6_K's
-    layout and block int8; IQ3_XXS's as indices on every CPU), not re-quantised; logits within the int8
+    layout and block int8; IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised; logits within the int8
     activations of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
     import gguf
 

@@ -73,7 +73,7 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     got = weight.dequantize().numpy()
     assert got.shape == expected.shape == (6, 512)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), qtype
-    assert weight.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K") else 32)
+    assert weight.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K", "IQ2_XS", "IQ2_S") else 32)
     assert isinstance(weight, Q6KWeight) == (qtype in ("Q6_K", "Q3_K"))
     assert isinstance(weight, Q2KWeight) == (qtype == "Q2_K")
     assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"))
@@ -85,7 +85,7 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     # their grids' largest values (IQ1_S's 8 + 1)
     low, high = {"MXFP4": (-12, 12), "IQ4_NL": (-127, 113), "IQ4_XS": (-127, 113),
                  "IQ3_XXS": (-62, 62), "IQ3_S": (-15, 15), "IQ2_XXS": (-43, 43),
-                 "IQ1_S": (-9, 9)}.get(qtype, (low, high))
+                 "IQ2_XS": (-43, 43), "IQ2_S": (-43, 43), "IQ1_S": (-9, 9)}.get(qtype, (low, high))
     assert low <= int(weight.codes.min()) and int(weight.codes.max()) <= high
 
 
@@ -208,20 +208,23 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
 @pytest.mark.parametrize("qtype,half,bytes_a_weight,values", [
     ("IQ4_NL", True, 288 / 512, IQ4_VALUES), ("IQ4_XS", False, 320 / 512, IQ4_VALUES),
     ("IQ3_XXS", False, 320 / 512, CODEBOOKS["IQ3_XXS"]),
-    ("IQ2_XXS", False, 320 / 512, CODEBOOKS["IQ2_XXS"])])
+    ("IQ2_XXS", False, 320 / 512, CODEBOOKS["IQ2"]),
+    ("IQ2_XS", False, 192 / 256, CODEBOOKS["IQ2"]), ("IQ2_S", False, 192 / 256, CODEBOOKS["IQ2"])])
 def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, bytes_a_weight,
                                                 values):
-    # IQ4_NL, IQ4_XS, IQ3_XXS and IQ2_XXS matrices held as 4-bit indices into their type's sixteen
-    # codes compute block int8's numbers bit for bit: every row count and position, every
+    # IQ4_NL, IQ4_XS, IQ3_XXS and the IQ2 types' matrices held as 4-bit indices into their type's
+    # sixteen codes (IQ2_XS, IQ2_S: with a float32 scale per 16 inputs, the codebook16 layout)
+    # compute block int8's numbers bit for bit: every row count and position, every
     # instruction set (AVX-512 CPUs run the AVX2 kernel; their loader keeps the IQ4 types as
     # block int8); the codebook's extreme codes against activations of +-127 included
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     codes = weight.codes.clone()
     codes[0, :64] = int(values.min())
     codes[1, :64] = int(values.max())
-    weight = Int8BlockWeight(codes, weight.scale, None, 32)
+    group = weight.group
+    weight = Int8BlockWeight(codes, weight.scale, None, group)
     layer = Int8BlockLinear(weight)
-    layout = "codebook" if half else "codebook32"
+    layout = "codebook16" if group == 16 else "codebook" if half else "codebook32"
     held = avx2_best() or qtype not in ("IQ4_NL", "IQ4_XS")
     assert layer.layout == (layout if held else "block") and layer.half == half
     codebook = torch.from_numpy(values)
@@ -230,10 +233,10 @@ def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, b
     indices = (codes[..., None] == codebook).int().argmax(-1)
     packed = kernels.pack_codebook(indices, weight.scale, half=half)
     assert packed.numel() == 80 * 512 * bytes_a_weight
-    block = kernels.pack_q8_blocks(codes, weight.scale, None, 32, half)
+    block = kernels.pack_q8_blocks(codes, weight.scale, None, group, half)
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     x[0, :64] = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
-    expected = ext.q8_linear(x, block, 32, False, half, None, 72, 0)
+    expected = ext.q8_linear(x, block, group, False, half, None, 72, 0)
     assert_small_codes_bits(ext, x, packed, layout, False, 72, expected, codebook=codebook)
     assert torch.equal(layer(x), expected)
     # the layouts an AVX-512 CPU's loader holds (built, not run: this CPU may lack AVX-512)
@@ -520,8 +523,8 @@ def test_bad_input_gets_clear_errors(ext):
         layer(torch.randn(2, 64, dtype=torch.float64))
     with pytest.raises(SpecDecodeError, match="residual"):
         layer(torch.randn(2, 64), torch.randn(3, 16))
-    with pytest.raises(SpecDecodeError, match="not IQ2_XS"):
-        decode_gguf_blocks(np.zeros((2, 66), np.uint8), "IQ2_XS")
+    with pytest.raises(SpecDecodeError, match="not IQ1_M"):
+        decode_gguf_blocks(np.zeros((2, 56), np.uint8), "IQ1_M")
     with pytest.raises(SpecDecodeError, match="multiple of 34 bytes"):
         decode_gguf_blocks(np.zeros((2, 35), np.uint8), "Q8_0")
     codes = torch.zeros(4, 64, dtype=torch.int8)
@@ -532,8 +535,8 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"5 \(Q3_K\) or 6 \(Q2_K\), not 7"):
-        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 7, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match=r"6 \(Q2_K\) or 7 \(codebook indices.*\), not 8"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 8, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K, Q3_K and codebook layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
     with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):

@@ -265,17 +265,39 @@ def pack_codebook(indices: torch.Tensor, scale: torch.Tensor, half: bool = True)
     32] (float16 where ``half``, IQ4_NL's; else float32, IQ4_XS's d * (ls - 32)) -> uint8 [N /
     16, K / 32, 256 + 32 (64)]: the five-bit layout's nibbles of the indices, no top bits, then
     the scales (the ``codebook`` and ``codebook32`` layouts, kernels/small_codes.h, which take the
-    codebook with each call)."""
+    codebook with each call). With float32 scales [N, K / 16] (IQ2_XS's, IQ2_S's): uint8 [N /
+    16, K / 16, 128 + 64], the ``codebook16`` layout."""
     require(int(indices.min()) >= 0 and int(indices.max()) <= 15,
             "codebook weights are indices 0..15 into sixteen codes")
+    if scale.shape[1] * 16 == indices.shape[1]:
+        return _pack_codebook16(indices, scale.float())
     # the five-bit layout holds code + 16 without minimums: the index, with zero top bits
     packed = pack_five_bit(indices.to(torch.int8) - 16, scale, None, half)
     return torch.cat([packed[..., :256], packed[..., 320:]], -1).contiguous()
 
 
+def _pack_codebook16(indices: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The ``codebook16`` layout: per tile of 16 columns (rows padded with zeros) and group of
+    16 inputs, two 64-byte lines of nibbles, slice 2l (inputs 8l..8l + 3) low and slice 2l + 1
+    high, byte 4c + i holding column c's input i of its slice, as the five-bit layout holds
+    them; then the 16 columns' float32 scales."""
+    n, k = indices.shape
+    tiles, groups = -(-n // 16), k // 16
+    padded = torch.zeros(tiles * 16, k, dtype=torch.uint8)
+    padded[:n] = indices
+    scales = torch.zeros(tiles * 16, groups)
+    scales[:n] = scale
+    # tile, column, group, line, slice of the line, input of the slice
+    nibbles = padded.view(tiles, 16, groups, 2, 2, 4)
+    lines = nibbles[..., 0, :] | nibbles[..., 1, :] << 4
+    codes = lines.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 128)
+    scale_bytes = scales.view(tiles, 16, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([codes, scale_bytes], -1).contiguous()
+
+
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
 SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "codebook": 3, "codebook32": 4,
-                       "q3k": 5, "q2k": 6}
+                       "q3k": 5, "q2k": 6, "codebook16": 7}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,

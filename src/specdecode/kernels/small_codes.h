@@ -140,10 +140,11 @@ static inline float float_at(const uint8_t* at, int c) {
 
 // F32: the scales and minimums as float32 (FIVE_BIT32: Q5_K's d * sc and dmin * m, which are
 // not float16 numbers), else float16
-// TOP bits of each code above its nibble (1: five-bit codes; 0: a codebook's indices)
-template <bool F32, int TOP_BITS = 1>
+// TOP bits of each code above its nibble (1: five-bit codes; 0: a codebook's indices), a scale
+// per GROUP inputs (16: CODEBOOK16 alone)
+template <bool F32, int TOP_BITS = 1, int GROUP = 32>
 struct FiveBitScales {
-  static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
+  static constexpr int G = GROUP, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
   static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = !F32 && TOP,
                         SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 8 * TOP * G / 4, SC_AT = GROUP_BYTES,
@@ -161,6 +162,7 @@ using FiveBit = FiveBitScales<false>;
 using FiveBit32 = FiveBitScales<true>;
 using Codebook = FiveBitScales<false, 0>;
 using Codebook32 = FiveBitScales<true, 0>;
+using Codebook16 = FiveBitScales<true, 0, 16>;
 
 // the code offsets: u = code + offset is what the packed bytes hold
 template <class F>
@@ -225,8 +227,9 @@ static void columns_generic(
             if constexpr (F::SUPER) {
               super_sum[c] += F::sub_scale(block, g, c) * isum;
             } else {
-              acc[c] = FMA((float)isum, F::scale(block, g, c) * a.dx[r * agroups + at], acc[c]);
-              if constexpr (MIN) acc[c] = FMA(F::minimum(block, g, c), a.sx[r * agroups + at], acc[c]);
+              const int64_t at32 = r * agroups + at * F::G / 32;  // (the activations' group of 32)
+              acc[c] = FMA((float)isum, F::scale(block, g, c) * a.dx[at32], acc[c]);
+              if constexpr (MIN) acc[c] = FMA(F::minimum(block, g, c), a.sx[at32], acc[c]);
             }
           }
         }
@@ -961,8 +964,8 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
     if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
   } else if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
     if (isa >= AVX2)
-      return q8blocks::columns_avx2<32, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
-                                                             CodebookCodes{a.codebook});
+      return q8blocks::columns_avx2<F::G, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
+                                                               CodebookCodes{a.codebook});
     return columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   } else if constexpr (F::AVX512) {
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
@@ -979,15 +982,15 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
   Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, CODEBOOK_LAYOUT = 3, CODEBOOK32_LAYOUT = 4,
-  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6
+  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7
 };
 
 }  // namespace small_codes
 
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], CODEBOOK [N /
-// 16, K / 32, 288] (CODEBOOK32: 320), Q3K [N / 16, K / 256, 2368], Q2K [N / 16, K / 256, 1344]
-// (whose minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
+// 16, K / 32, 288] (CODEBOOK32: 320; CODEBOOK16: [N / 16, K / 16, 192]), Q3K [N / 16, K / 256,
+// 2368], Q2K [N / 16, K / 256, 1344] (whose minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
 // super-block scales cannot take it: models/int8_blocks.py's input_scale). `codebook` (CODEBOOK
 // layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF I-quant's values)
@@ -996,12 +999,13 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                               int64_t isa, double input_scale,
                               const c10::optional<at::Tensor>& codebook) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q2K_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= CODEBOOK16_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
-              "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K) or 6 (Q2_K), not ",
-              layout);
+              "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K), 6 "
+              "(Q2_K) or 7 (codebook indices, float32 scales per 16 inputs), not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
-  const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT, q3k = layout == Q3K_LAYOUT;
+  const bool book16 = layout == CODEBOOK16_LAYOUT, q3k = layout == Q3K_LAYOUT;
+  const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT || book16;
   const bool q2k = layout == Q2K_LAYOUT;
   const bool super = q6k || q3k || q2k;  // activations per 256 inputs, sub-block scales in integers
   TORCH_CHECK(!(q6k || q3k || book) || !minimum, "the Q6_K, Q3_K and codebook layouts have no minimums");
@@ -1017,8 +1021,9 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == CODEBOOK_LAYOUT ? Codebook::block_bytes(false)
                         : layout == CODEBOOK32_LAYOUT ? Codebook32::block_bytes(false)
+                        : book16 ? Codebook16::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
-  const int64_t inputs = super ? 256 : 32, group = super ? 16 : 32;
+  const int64_t inputs = super ? 256 : book16 ? 16 : 32, group = super || book16 ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
@@ -1072,6 +1077,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK_LAYOUT) columns<Codebook, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK32_LAYOUT) columns<Codebook32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (book16) columns<Codebook16, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32 && minimum) columns<FiveBit32, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (f32) columns<FiveBit32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

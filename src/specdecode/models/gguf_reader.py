@@ -23,10 +23,10 @@ with a scale and a minimum per 32 weights, the int4 format):
 
 IQ3_S and IQ1_S, whose codes are odd (-15..15), are Q4_1 blocks with scale 2 s and minimum
 -15 s (models/iq_grid_blocks.py), those two rounded to float16 as Q4_K's products are. The 5, 6
-and 8-bit types, Q2_K, Q3_K, the IQ4 types, IQ3_XXS and IQ2_XXS (``INT8_BLOCK_TYPES``) are read
-as blocks too, which the int4 and int8 runners keep with their own values
-(models/int8_blocks.py). Every other type (float16, bfloat16, float32, IQ2_XS, IQ2_S, IQ1_M) is
-dequantised to float32 by
+and 8-bit types, Q2_K, Q3_K, the IQ4 types, IQ3_XXS and the IQ2 types (``INT8_BLOCK_TYPES``) are
+read as blocks too, which the int4 and int8 runners keep with their own values
+(models/int8_blocks.py). Every other type (float16, bfloat16, float32, IQ1_M) is dequantised to
+float32 by
 ``gguf`` itself, exactly as ``transformers`` does; the int4 runner re-quantises those matrices
 in the Q4_1 scheme, the other formats take them as they are.
 
@@ -111,7 +111,7 @@ _READ_ROWS = 512
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K", *ODD_GRID_TYPES)
 #: GGUF types the int4 and int8 runners keep as block int8, with the file's own values
 INT8_BLOCK_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4", "Q3_K", "IQ4_NL", "IQ4_XS",
-                    "Q2_K", "IQ3_XXS", "IQ2_XXS")
+                    "Q2_K", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S")
 
 
 def _readable_types() -> tuple[str, ...]:

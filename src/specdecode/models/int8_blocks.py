@@ -15,7 +15,7 @@ them with):
     Q6_K   256 (16 x 16)    -32..31    d * sc            -            16
     MXFP4  32               -12..12    2^(e - 128)       -            32
     Q3_K, IQ4_NL, IQ4_XS: models/q3k_iq4_blocks.py; Q2_K: models/q2k_blocks.py
-    IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S: models/iq_grid_blocks.py
+    IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: models/iq_grid_blocks.py
 
 d, m and dmin are the file's float16 numbers, sc and m the K-quants' 6-bit (Q6_K: 8-bit signed)
 sub-block integers. MXFP4 (gpt-oss's experts) holds an e8m0 exponent byte e and 4-bit e2m1
@@ -261,7 +261,8 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
     if qtype in iq_grid_blocks.BLOCK_BYTES:  # decoded in numpy (models/iq_grid_blocks.py)
         codes, scale = iq_grid_blocks.decode_iq_grid(blocks, qtype)
         return Int8BlockWeight(torch.from_numpy(codes.reshape(rows, -1)),
-                               torch.from_numpy(scale.reshape(rows, -1)), None, 32)
+                               torch.from_numpy(scale.reshape(rows, -1)), None,
+                               256 // scale.shape[1])
     if qtype in q3k_iq4_blocks.BLOCK_BYTES:  # decoded in numpy (models/q3k_iq4_blocks.py)
         d = q3k_iq4_blocks.decode_q3k_iq4(blocks, qtype)
         codes, scale = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.codes, d.scale))
@@ -289,7 +290,8 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
               "IQ4_XS": (0.625, 1.125), "Q4_0": (0.6875, 0.6875), "Q4_1": (0.75, 0.75),
               "Q4_K": (0.875, 1.25), "Q2_K": (0.328125, 0.328125),
-              **{qtype: (0.625, 0.625) for qtype in iq_grid_blocks.CODEBOOKS},
+              "IQ3_XXS": (0.625, 0.625), "IQ2_XXS": (0.625, 0.625), "IQ2_XS": (0.75, 0.75),
+              "IQ2_S": (0.75, 0.75),
               **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
@@ -325,7 +327,7 @@ def _codebook_indices(weight: Int8BlockWeight) -> tuple[torch.Tensor, torch.Tens
     """The first of ``_CODEBOOKS`` that holds every code of ``weight`` (int8 [16]) and the codes
     as indices into it (uint8 [out, in]), where there is one and no minimums (GGUF IQ4_NL,
     IQ4_XS and grid I-quant matrices); else None."""
-    if weight.group != 32 or weight.minimum is not None:
+    if weight.minimum is not None:
         return None
     codes = weight.codes.numpy().view(np.uint8) ^ 0x80  # code + 128
     for codebook in _CODEBOOKS:
@@ -367,8 +369,9 @@ class Int8BlockLinear:
         # CPU has: block int8's numbers; where AVX2 is the best the CPU has (as five_bit32):
         # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
         # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83. IQ3_XXS
-        # or IQ2_XXS codes likewise in 0.63 on every CPU (AVX-512 ones run the AVX2 kernel):
-        # block int8 would hold 2.9 or 4.4 times the file's bytes
+        # or IQ2_XXS codes likewise in 0.63 on every CPU (AVX-512 ones run the AVX2 kernel),
+        # IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold 2.9 to 4.4
+        # times the file's bytes
         avx2 = _avx2_best()
         found = _codebook_indices(weight)
         if found is not None and not avx2 and found[0].equal(_IQ4_CODEBOOK):
@@ -378,7 +381,8 @@ class Int8BlockLinear:
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
-                       else ("codebook" if self.half else "codebook32") if indices is not None
+                       else ("codebook16" if weight.group == 16 else "codebook" if self.half
+                             else "codebook32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
                        else "five_bit32" if avx2

@@ -1,31 +1,32 @@
-"""GGUF's grid I-quants IQ3_XXS, IQ3_S, IQ2_XXS and IQ1_S as block int8, every weight the
-file's own value.
+"""GGUF's grid I-quants IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S as block int8, every
+weight the file's own value.
 
 These types store each group of 4 or 8 weights as an index into a grid of value vectors (Tseng
 et al., "QuIP#: Even Better LLM Quantization with Hadamard Incoherence and Lattice Codebooks",
-2024, as llama.cpp adapted it), with sign bits and a small integer scale per 32 weights under a
-float16 super-block scale d. Their values are not evenly spaced (IQ3_XXS's magnitudes 4, 12, ..,
+2024, as llama.cpp adapted it), with sign bits and a small integer scale per 32 (IQ2_XS, IQ2_S:
+16) weights under a float16 super-block scale d. Their values are not evenly spaced (IQ3_XXS's magnitudes 4, 12, ..,
 52, 62; IQ2_XXS's 8, 25, 43), so no Q4_1 block holds them, but every one of them is d times a
 small integer: a weight is scale * code exactly, with an int8 code from a table of at most
-sixteen values and a float32 scale per 32 weights (ggml-common.h's block layouts; the grids are
+sixteen values and a float32 scale per group (ggml-common.h's block layouts; the grids are
 ``gguf.quants``' own; tested bit for bit against ``gguf.quants.dequantize``):
 
-    type     bytes a block of 256  code                                scale
-    IQ3_XXS  98                    grid(4, 12, .., 52, 62) * sign      d * (0.5 + ls) * 0.5
-    IQ3_S    110                   grid(1, 3, .., 15) * sign           d * (1 + 2 ls)
-    IQ2_XXS  66                    grid(8, 25, 43) * sign              d * (0.5 + ls) * 0.25
-    IQ1_S    50                    8 grid(-1, 0, 1) + (1 or -1)        d * (1 + 2 ls) / 8
+    type     bytes a block of 256  code                             scale                  group
+    IQ3_XXS  98                    grid(4, 12, .., 52, 62) * sign   d * (0.5 + ls) * 0.5   32
+    IQ3_S    110                   grid(1, 3, .., 15) * sign        d * (1 + 2 ls)         32
+    IQ2_XXS  66                    grid(8, 25, 43) * sign           d * (0.5 + ls) * 0.25  32
+    IQ2_XS   74                    grid(8, 25, 43) * sign           d * (0.5 + ls) * 0.25  16
+    IQ2_S    82                    grid(8, 25, 43) * sign           d * (0.5 + ls) * 0.25  16
+    IQ1_S    50                    8 grid(-1, 0, 1) + (1 or -1)     d * (1 + 2 ls) / 8     32
 
 (IQ1_S's weight is d (1 + 2 ls) (grid + delta), delta = +-1/8 per 32 weights: times 8 an odd
 integer.) IQ3_S's and IQ1_S's codes are odd, -15..15, so each of their 32-weight groups is a
 Q4_1 block, code = 2 q - 15 for q = 0..15, scale 2 s and minimum -15 s: the int4 runner holds
 them so (``ODD_GRID_TYPES``, :func:`odd_grid_q4`), in int4's kernels, with those two numbers
 rounded to float16 as int4 keeps them (as Q4_K's products are: within 2^-11 of themselves).
-IQ3_XXS's and IQ2_XXS's codes are held by ``int8_blocks.Int8BlockLinear`` as 4-bit indices into
-their type's ``CODEBOOKS`` entry with the float32 scales (kernels/small_codes.h's codebook
-layout, 0.63 bytes a weight, computing block int8's bits). The types with a scale per 16
-weights (IQ2_XS, IQ2_S, IQ1_M) are not decoded here: their codes times their scales' ratio
-would not fit a byte.
+The others' codes are held by ``int8_blocks.Int8BlockLinear`` as 4-bit indices into their
+grid's ``CODEBOOKS`` entry with the float32 scales (kernels/small_codes.h's codebook layouts,
+0.63 bytes a weight, 0.75 with a scale per 16, computing block int8's bits). IQ1_M (3-bit scales
+per 16 weights under a super-block scale spread over their top bits) is not decoded here.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import quants
 
-BLOCK_BYTES = {"IQ3_XXS": 98, "IQ3_S": 110, "IQ2_XXS": 66, "IQ1_S": 50}
+BLOCK_BYTES = {"IQ3_XXS": 98, "IQ3_S": 110, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82,
+               "IQ1_S": 50}
 BLOCK_WEIGHTS = {name: 256 for name in BLOCK_BYTES}
 
 
@@ -51,10 +53,10 @@ def _signed_table(magnitudes) -> np.ndarray:
     return np.array(values + [0] * (16 - len(values)), np.int8)
 
 
-#: the tables of sixteen values the codebook layout indexes (the IQ4 types' is
-#: q3k_iq4_blocks.IQ4_VALUES)
+#: the tables of sixteen values the codebook layouts index, by grid (the IQ4 types' is
+#: q3k_iq4_blocks.IQ4_VALUES): IQ3_XXS's, and IQ2_XXS's, IQ2_XS's and IQ2_S's
 CODEBOOKS = {"IQ3_XXS": _signed_table(quants.IQ3_XXS.grid_map),
-             "IQ2_XXS": _signed_table(quants.IQ2_XXS.grid_map)}
+             "IQ2": _signed_table(quants.IQ2_XXS.grid_map)}
 #: the types whose codes are odd, -15..15: Q4_1 blocks (:func:`odd_grid_q4`)
 ODD_GRID_TYPES = ("IQ3_S", "IQ1_S")
 
@@ -119,6 +121,34 @@ def _iq2_xxs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, _float16(blocks) * (np.float32(0.5) + ls) * np.float32(0.25)
 
 
+def _per_16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """IQ2_XS's and IQ2_S's scales (eight bytes at ``at``, a nibble per 16 weights, low nibble
+    first) as float32 [blocks, 16]: d * (0.5 + ls) * 0.25."""
+    packed = blocks[:, at:at + 8]
+    ls = np.stack([packed & 15, packed >> 4], -1).reshape(len(blocks), 16).astype(np.float32)
+    return _float16(blocks) * (np.float32(0.5) + ls) * np.float32(0.25)
+
+
+def _iq2_xs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # block_iq2_xs: d, qs[32] uint16 (per 8 weights: a 9-bit grid index, a 7-bit sign index
+    # above it), scales[8]
+    n = len(blocks)
+    qs = blocks[:, 2:66].copy().view(np.uint16)
+    signs = _bits(np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)[qs >> 9], 8)
+    codes = _gridded(_grid(quants.IQ2_XS), qs & 511, signs.reshape(n, 256))
+    return codes, _per_16(blocks, 66)
+
+
+def _iq2_s(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # block_iq2_s: d, qs[64] (the low 8 bits of a 10-bit grid index per 8 weights, then a sign
+    # bit per weight), qh[8] (the indices' top 2 bits, four to a byte, lowest first), scales[8]
+    n = len(blocks)
+    high = blocks[:, 66:74, None] >> np.array([0, 2, 4, 6], np.uint8) & 3
+    index = blocks[:, 2:34].astype(np.uint16) | high.reshape(n, 32).astype(np.uint16) << 8
+    codes = _gridded(_grid(quants.IQ2_S), index, _bits(blocks[:, 34:66], 8))
+    return codes, _per_16(blocks, 74)
+
+
 def _iq1_s(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # block_iq1_s: d, qs[32] (the low 8 bits of an 11-bit grid index per 8 weights), qh[8]
     # uint16 per 32 weights: 3 more index bits per 8 weights (bits 0..11), ls (bits 12..14) and
@@ -134,12 +164,14 @@ def _iq1_s(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, _float16(blocks) * (1 + 2 * ls) * np.float32(0.125)
 
 
-_DECODERS = {"IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s, "IQ2_XXS": _iq2_xxs, "IQ1_S": _iq1_s}
+_DECODERS = {"IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs,
+             "IQ2_S": _iq2_s, "IQ1_S": _iq1_s}
 
 
 def decode_iq_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """``qtype`` blocks, uint8 [blocks, ``BLOCK_BYTES[qtype]``], decoded: codes int8 [blocks,
-    256] and float32 scales [blocks, 8], one per 32 weights."""
+    256] and float32 scales [blocks, 8], one per 32 weights (IQ2_XS, IQ2_S: [blocks, 16], one
+    per 16)."""
     return _DECODERS[qtype](blocks)
 
 
