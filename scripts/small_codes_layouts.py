@@ -5,15 +5,15 @@
     PYTHONPATH=src python scripts/small_codes_layouts.py --model q5km.gguf    # a Q5_K_M file
 
 Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4, Q5_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
-IQ3_XXS or IQ2_XXS (the token embedding aside: it is read by row) is built twice from the same
-blocks: ``Int8BlockLinear``, which holds it in the file's own bytes (kernels/small_codes.h: 0.83
-bytes a weight for Q6_K, 0.33 for Q2_K, 0.69-0.75 for the five-bit types, 0.63 for IQ3_XXS's
-and IQ2_XXS's codebook indices; where AVX2 is the CPU's best, 0.58 for Q3_K, 0.875 for Q5_K
-with its float32 scales and 0.56-0.63 for the IQ4 types' indices), and block int8
+IQ3_XXS or an IQ2 type (the token embedding aside: it is read by row) is built twice from the
+same blocks: ``Int8BlockLinear``, which holds it in the file's own bytes (kernels/small_codes.h:
+0.83 bytes a weight for Q6_K, 0.33 for Q2_K, 0.69-0.75 for the five-bit types, 0.63-0.75 for
+IQ3_XXS's and the IQ2 types' codebook indices; where AVX2 is the CPU's best, 0.58 for Q3_K,
+0.875 for Q5_K with its float32 scales and 0.56-0.63 for the IQ4 types' indices), and block int8
 (kernels/q8_blocks.h: 1.25, 1.5, 1.06-1.13, 1.25, 1.06-1.13). The five-bit and codebook types
-compute the same bits in both (asserted here as well); Q6_K, Q3_K and
-Q2_K fold their sub-block scales (Q2_K: and minimums) in integers in their own layout, against
-block int8's float fold per 16 inputs. ``--against int4`` times the same weights re-quantised
+compute the same bits in both (asserted here as well); Q6_K, Q3_K and Q2_K fold their sub-block
+scales (Q2_K: and minimums) in integers in their own layout, against block int8's float fold per
+16 inputs. ``--against int4`` times the same weights re-quantised
 to the int4 runner's Q4_1 instead (what the runner does with a type it has no exact form for:
 ``make_linear(weight.dequantize(), "int4")``). Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
@@ -35,7 +35,7 @@ from specdecode.models.loading import NAMED_MODELS
 from specdecode.models.quant import make_linear
 
 TYPES = ("Q6_K", "Q5_0", "Q5_1", "MXFP4", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS",
-         "IQ2_XXS")
+         "IQ2_XXS", "IQ2_XS", "IQ2_S")
 
 
 class BlockInt8:

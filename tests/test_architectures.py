@@ -336,8 +336,9 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
     """Q2_K, Q3_K, IQ4_XS, IQ3_XXS and IQ2_S hold no Q4_1 block exactly: the int4 runner keeps a
     file's such matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's
     best Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, else Q6_K's
-    layout and block int8; IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised; logits within the int8
-    activations of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
+    layout and block int8; IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised;
+    logits within the int8 activations of the fp32 runner's (gguf's dequantised weights), and
+    suffix = ar."""
     import gguf
 
     from specdecode import kernels

@@ -541,7 +541,8 @@ def test_bad_input_gets_clear_errors(ext):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
     with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
-    book = kernels.pack_codebook(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), half=False)
+    book = kernels.pack_codebook(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
+                                 half=False)
     with pytest.raises(RuntimeError, match="the codebook layouts, and they alone, take a codebook"):
         ext.small_codes_linear(torch.randn(2, 64), book, 4, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="a codebook is sixteen int8 codes"):

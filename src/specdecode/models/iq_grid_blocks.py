@@ -4,11 +4,11 @@ weight the file's own value.
 These types store each group of 4 or 8 weights as an index into a grid of value vectors (Tseng
 et al., "QuIP#: Even Better LLM Quantization with Hadamard Incoherence and Lattice Codebooks",
 2024, as llama.cpp adapted it), with sign bits and a small integer scale per 32 (IQ2_XS, IQ2_S:
-16) weights under a float16 super-block scale d. Their values are not evenly spaced (IQ3_XXS's magnitudes 4, 12, ..,
-52, 62; IQ2_XXS's 8, 25, 43), so no Q4_1 block holds them, but every one of them is d times a
-small integer: a weight is scale * code exactly, with an int8 code from a table of at most
-sixteen values and a float32 scale per group (ggml-common.h's block layouts; the grids are
-``gguf.quants``' own; tested bit for bit against ``gguf.quants.dequantize``):
+16) weights under a float16 super-block scale d. Their values are not evenly spaced (IQ3_XXS's
+magnitudes 4, 12, .., 52, 62; IQ2_XXS's 8, 25, 43), so no Q4_1 block holds them, but every one
+of them is d times a small integer: a weight is scale * code exactly, with an int8 code from a
+table of at most sixteen values and a float32 scale per group (ggml-common.h's block layouts;
+the grids are ``gguf.quants``' own; tested bit for bit against ``gguf.quants.dequantize``):
 
     type     bytes a block of 256  code                             scale                  group
     IQ3_XXS  98                    grid(4, 12, .., 52, 62) * sign   d * (0.5 + ls) * 0.5   32
