@@ -373,7 +373,8 @@ class Int8BlockLinear:
         # IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold 2.9 to 4.4
         # times the file's bytes
         avx2 = _avx2_best()
-        found = _codebook_indices(weight)
+        # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes)
+        found = _codebook_indices(weight) if type(weight) is Int8BlockWeight else None
         if found is not None and not avx2 and found[0].equal(_IQ4_CODEBOOK):
             found = None
         self.codebook, indices = found if found is not None else (None, None)
