@@ -46,7 +46,8 @@
 //   ones (IQ4_XS's d * (ls - 32), IQ3_XXS's, IQ2_XXS's): B = 288 or 320, 0.56 or 0.63 bytes a
 //   weight against block int8's 1.06 or 1.13, and block int8's numbers (the index looked up
 //   with VPSHUFB, then block int8's AVX2 arithmetic on the signed codes). AVX2 and the portable
-//   kernel only, as FIVE_BIT32.
+//   kernel only, as FIVE_BIT32. CODEBOOK16: G = 16 with float32 scales (IQ2_XS, IQ2_S: a scale
+//   per 16 inputs): B = 192, 0.75 bytes a weight against block int8's 1.25.
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 

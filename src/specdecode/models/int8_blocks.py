@@ -67,10 +67,20 @@ BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
                  "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
                  **q3k_iq4_blocks.BLOCK_WEIGHTS, "Q2_K": q2k_blocks.BLOCK_WEIGHTS,
                  **iq_grid_blocks.BLOCK_WEIGHTS}
-#: the tables of sixteen codes that the codebook layouts index: the IQ4 types', the grid
-#: I-quants'
-_CODEBOOKS = [q3k_iq4_blocks.IQ4_VALUES, *iq_grid_blocks.CODEBOOKS.values()]
-_IQ4_CODEBOOK = torch.from_numpy(q3k_iq4_blocks.IQ4_VALUES)
+
+
+def _codebook(values: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """A table of sixteen codes (int8 [16]) and the map code + 128 -> its index in it (255: not
+    one of them; a padding 0: any of its slots, which all hold 0)."""
+    index = np.full(256, 255, np.uint8)
+    index[values.astype(np.int16) + 128] = np.arange(16)
+    return torch.from_numpy(values.copy()), index
+
+
+#: the tables of sixteen codes that the codebook layouts index: the IQ4 types' (first), the
+#: grid I-quants'
+_CODEBOOKS = [_codebook(q3k_iq4_blocks.IQ4_VALUES),
+              *(_codebook(values) for values in iq_grid_blocks.CODEBOOKS.values())]
 #: MXFP4's e2m1 code -> its value doubled (ggml-common.h's kvalues_mxfp4)
 _MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
@@ -323,21 +333,20 @@ def _q3k_codes(weight: Q6KWeight) -> bool:
     return fits(weight.codes[0]) and fits(weight.codes)  # a first row tells Q6_K apart cheaply
 
 
-def _codebook_indices(weight: Int8BlockWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The first of ``_CODEBOOKS`` that holds every code of ``weight`` (int8 [16]) and the codes
-    as indices into it (uint8 [out, in]), where there is one and no minimums (GGUF IQ4_NL,
-    IQ4_XS and grid I-quant matrices); else None."""
+def _codebook_indices(weight: Int8BlockWeight,
+                      codebooks) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first of ``codebooks`` (``_CODEBOOKS``' entries) that holds every code of ``weight``
+    (int8 [16]) and the codes as indices into it (uint8 [out, in]), where there is one and no
+    minimums (GGUF IQ4_NL, IQ4_XS and grid I-quant matrices); else None."""
     if weight.minimum is not None:
         return None
     codes = weight.codes.numpy().view(np.uint8) ^ 0x80  # code + 128
-    for codebook in _CODEBOOKS:
-        index = np.full(256, 255, np.uint8)  # code + 128 -> its index (255: none)
-        index[codebook.astype(np.int16) + 128] = np.arange(16)  # (a padding 0: any of its slots)
+    for codebook, index in codebooks:
         if (index[codes[0]] > 15).any():  # a first row tells other types apart cheaply
             continue
         indices = index[codes]
         if not (indices > 15).any():
-            return torch.from_numpy(codebook.copy()), torch.from_numpy(indices)
+            return codebook, torch.from_numpy(indices)
     return None
 
 
@@ -373,10 +382,10 @@ class Int8BlockLinear:
         # IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold 2.9 to 4.4
         # times the file's bytes
         avx2 = _avx2_best()
-        # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes)
-        found = _codebook_indices(weight) if type(weight) is Int8BlockWeight else None
-        if found is not None and not avx2 and found[0].equal(_IQ4_CODEBOOK):
-            found = None
+        # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
+        # is the first)
+        found = (_codebook_indices(weight, _CODEBOOKS if avx2 else _CODEBOOKS[1:])
+                 if type(weight) is Int8BlockWeight else None)
         self.codebook, indices = found if found is not None else (None, None)
         q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)

@@ -31,6 +31,8 @@ per 16 weights under a super-block scale spread over their top bits) is not deco
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from gguf import quants
 
@@ -39,6 +41,7 @@ BLOCK_BYTES = {"IQ3_XXS": 98, "IQ3_S": 110, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S"
 BLOCK_WEIGHTS = {name: 256 for name in BLOCK_BYTES}
 
 
+@functools.cache
 def _grid(kind) -> np.ndarray:
     """A type's grid of value vectors as int8 [entries, 4 or 8] (``gguf.quants``' float32 one,
     built from ggml's packed table on first use)."""
@@ -61,6 +64,11 @@ CODEBOOKS = {"IQ3_XXS": _signed_table(quants.IQ3_XXS.grid_map),
 ODD_GRID_TYPES = ("IQ3_S", "IQ1_S")
 
 
+#: ggml's ksigns: a 7-bit sign index -> its eight sign bits (the eighth makes an even count of
+#: minus signs)
+_KSIGNS = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+
+
 def _float16(blocks: np.ndarray) -> np.ndarray:
     """Every block's float16 d (its first two bytes) as float32 [blocks, 1]."""
     return blocks[:, :2].copy().view(np.float16).astype(np.float32)
@@ -72,12 +80,16 @@ def _bits(packed: np.ndarray, count: int) -> np.ndarray:
 
 
 def _ksign_bits(words: np.ndarray) -> np.ndarray:
-    """IQ2_XXS/IQ3_XXS's sign words (uint32 [blocks, 8]: four 7-bit indices into ggml's ksigns
-    table, whose eighth bit makes an even count of minus signs) -> 0/1 [blocks, 8, 32], 1 for a
-    minus sign."""
-    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)
+    """IQ2_XXS/IQ3_XXS's sign words (uint32 [blocks, 8]: four 7-bit indices into ``_KSIGNS``)
+    -> 0/1 [blocks, 8, 32], 1 for a minus sign."""
     index = words[..., None] >> np.array([0, 7, 14, 21], np.uint32) & 0x7F
-    return _bits(ksigns[index], 8).reshape(*words.shape, 32)
+    return _bits(_KSIGNS[index], 8).reshape(*words.shape, 32)
+
+
+def _scale_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[blocks, n] bytes of 4-bit ls, low nibble first (IQ3_S's per 32 weights, IQ2_XS's and
+    IQ2_S's per 16) -> float32 [blocks, 2n]."""
+    return np.stack([packed & 15, packed >> 4], -1).reshape(len(packed), -1).astype(np.float32)
 
 
 def _gridded(grid: np.ndarray, index: np.ndarray, minus: np.ndarray) -> np.ndarray:
@@ -105,9 +117,7 @@ def _iq3_s(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     high = _bits(blocks[:, 66:74], 8).reshape(n, 64).astype(np.uint16)
     index = blocks[:, 2:66].astype(np.uint16) | high << 8
     codes = _gridded(_grid(quants.IQ3_S), index, _bits(blocks[:, 74:106], 8))
-    scales = blocks[:, 106:110]
-    ls = np.stack([scales & 15, scales >> 4], -1).reshape(n, 8).astype(np.float32)
-    return codes, _float16(blocks) * (1 + 2 * ls)
+    return codes, _float16(blocks) * (1 + 2 * _scale_nibbles(blocks[:, 106:110]))
 
 
 def _iq2_xxs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -124,8 +134,7 @@ def _iq2_xxs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _per_16(blocks: np.ndarray, at: int) -> np.ndarray:
     """IQ2_XS's and IQ2_S's scales (eight bytes at ``at``, a nibble per 16 weights, low nibble
     first) as float32 [blocks, 16]: d * (0.5 + ls) * 0.25."""
-    packed = blocks[:, at:at + 8]
-    ls = np.stack([packed & 15, packed >> 4], -1).reshape(len(blocks), 16).astype(np.float32)
+    ls = _scale_nibbles(blocks[:, at:at + 8])
     return _float16(blocks) * (np.float32(0.5) + ls) * np.float32(0.25)
 
 
@@ -134,7 +143,7 @@ def _iq2_xs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # above it), scales[8]
     n = len(blocks)
     qs = blocks[:, 2:66].copy().view(np.uint16)
-    signs = _bits(np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8)[qs >> 9], 8)
+    signs = _bits(_KSIGNS[qs >> 9], 8)
     codes = _gridded(_grid(quants.IQ2_XS), qs & 511, signs.reshape(n, 256))
     return codes, _per_16(blocks, 66)
 
