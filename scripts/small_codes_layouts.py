@@ -3,19 +3,21 @@
     PYTHONPATH=src python scripts/small_codes_layouts.py                   # qwen2.5-coder-1.5b
     PYTHONPATH=src python scripts/small_codes_layouts.py --model qwen2.5-coder-0.5b --rows 1 4 16
     PYTHONPATH=src python scripts/small_codes_layouts.py --model q5km.gguf    # a Q5_K_M file
+    PYTHONPATH=src python scripts/small_codes_layouts.py --model q3km.gguf --types Q3_K --against q6k
 
 Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4, Q5_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
 IQ3_XXS or an IQ2 type (the token embedding aside: it is read by row) is built twice from the
 same blocks: ``Int8BlockLinear``, which holds it in the file's own bytes (kernels/small_codes.h:
 0.83 bytes a weight for Q6_K, 0.33 for Q2_K, 0.69-0.75 for the five-bit types, 0.63-0.75 for
-IQ3_XXS's and the IQ2 types' codebook indices; where AVX2 is the CPU's best, 0.58 for Q3_K,
-0.875 for Q5_K with its float32 scales and 0.56-0.63 for the IQ4 types' indices), and block int8
+IQ3_XXS's and the IQ2 types' codebook indices; on a CPU without AMX, 0.58 for Q3_K, 0.875 for
+Q5_K with its float32 scales and 0.56-0.63 for the IQ4 types' indices), and block int8
 (kernels/q8_blocks.h: 1.25, 1.5, 1.06-1.13, 1.25, 1.06-1.13). The five-bit and codebook types
 compute the same bits in both (asserted here as well); Q6_K, Q3_K and Q2_K fold their sub-block
 scales (Q2_K: and minimums) in integers in their own layout, against block int8's float fold per
 16 inputs. ``--against int4`` times the same weights re-quantised
 to the int4 runner's Q4_1 instead (what the runner does with a type it has no exact form for:
-``make_linear(weight.dequantize(), "int4")``). Per row count, all
+``make_linear(weight.dequantize(), "int4")``); ``--against q6k`` times Q3_K matrices in Q6_K's
+layout (the same numbers in 0.83 bytes a weight, what a CPU with AMX holds). Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
 the two layouts alternate ``--repeat`` times and the medians are printed with their ratio.
 """
@@ -30,7 +32,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.models.gguf_reader import GGUFFile
-from specdecode.models.int8_blocks import Int8BlockLinear
+from specdecode.models.int8_blocks import Int8BlockLinear, Q6KWeight
 from specdecode.models.loading import NAMED_MODELS
 from specdecode.models.quant import make_linear
 
@@ -55,6 +57,25 @@ class BlockInt8:
 def requantised(weight, like: Int8BlockLinear):
     """The same weight re-quantised to int4 (Q4_1 per 32 inputs)."""
     return make_linear(weight.dequantize(), "int4")
+
+
+class Q6KLayout:
+    """A Q3_K matrix in Q6_K's layout (0.83 bytes a weight: what a CPU with AMX holds)."""
+
+    def __init__(self, weight, like: Int8BlockLinear):
+        if not isinstance(weight, Q6KWeight):
+            raise SystemExit("--against q6k times Q3_K matrices (--types Q3_K)")
+        self.packed = kernels.pack_q6k(weight.codes, weight.sub_scale, weight.super_scale)
+        self.in_features, self.n, self.input_scale = (like.in_features, like.out_features,
+                                                      like.input_scale)
+
+    def __call__(self, x):
+        return kernels.small_codes_linear(x, self.packed, "q6k", False, self.n, None,
+                                          self.input_scale)
+
+
+AGAINST = {"block": ("block int8", BlockInt8), "int4": ("int4 re-quantised", requantised),
+           "q6k": ("Q6_K's layout", Q6KLayout)}
 
 
 def layouts(path, kinds=TYPES, against=BlockInt8) -> tuple[list, list, dict]:
@@ -85,14 +106,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES,
                         help="the block types whose matrices are timed (default: all)")
-    parser.add_argument("--against", choices=("block", "int4"), default="block",
-                        help="block int8 (exact), or int4 (re-quantised to Q4_1)")
+    parser.add_argument("--against", choices=tuple(AGAINST), default="block",
+                        help="block int8 (exact), int4 (re-quantised to Q4_1) or, for Q3_K, "
+                             "Q6_K's layout (exact)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    other_name = "block int8" if args.against == "block" else "int4 re-quantised"
+    other_name, other = AGAINST[args.against]
     own, block, types = layouts(NAMED_MODELS[args.model]() if args.model in NAMED_MODELS
-                                else args.model, args.types,
-                                BlockInt8 if args.against == "block" else requantised)
+                                else args.model, args.types, other)
     if not own:
         raise SystemExit(f"{args.model} has no matrix in {', '.join(TYPES)}")
     for a, b in zip(own, block):

@@ -287,8 +287,8 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
 
 
 def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monkeypatch):
-    """A file's Q5_K matrices (float32 scales d * sc) in the five-bit layout, as CPUs whose best
-    is AVX2 hold them, and as block int8, as AVX-512 CPUs do: the same logits, bit for bit,
+    """A file's Q5_K matrices (float32 scales d * sc) in the five-bit layout, as CPUs without
+    AMX hold them, and as block int8, as AMX CPUs do: the same logits, bit for bit,
     through the layer stack (prefill and a verify chain), and every method's tokens ar's."""
     from specdecode.models import int8_blocks
 
@@ -297,7 +297,7 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
     path = tmp_path / "q5k.gguf"
     write_gguf(model, path, "qwen2", {"down_proj": "Q5_K"})
     runners = {}
-    for layout, level in (("five_bit32", "avx2"), ("block", "avx512")):
+    for layout, level in (("five_bit32", "avx512"), ("block", "amx")):
         monkeypatch.setattr(int8_blocks.kernels, "isa", lambda level=level: ISA_LEVELS.index(level))
         runners[layout] = LlamaRunner.from_gguf(path, "int4")
         downs = [layer.down.layout for layer in runners[layout].layers]
@@ -327,15 +327,15 @@ def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
 
 
-@pytest.mark.parametrize("qtype,layout,avx512_layout", [("Q3_K", "q3k", "q6k"),
+@pytest.mark.parametrize("qtype,layout,amx_layout", [("Q3_K", "q3k", "q6k"),
                                                         ("IQ4_XS", "codebook32", "block"),
                                                         ("IQ3_XXS", "codebook32", "codebook32"),
                                                         ("IQ2_S", "codebook16", "codebook16"),
                                                         ("Q2_K", "q2k", "q2k")])
-def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, avx512_layout):
+def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, amx_layout):
     """Q2_K, Q3_K, IQ4_XS, IQ3_XXS and IQ2_S hold no Q4_1 block exactly: the int4 runner keeps a
-    file's such matrices with their own values (Q2_K in its own layout; where AVX2 is the CPU's
-    best Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, else Q6_K's
+    file's such matrices with their own values (Q2_K in its own layout; on a CPU without AMX
+    Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, with AMX Q6_K's
     layout and block int8; IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised;
     logits within the int8 activations of the fp32 runner's (gguf's dequantised weights), and
     suffix = ar."""
@@ -359,8 +359,8 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
     assert np.array_equal(weight.dequantize().numpy(), expected)
     runner = LlamaRunner.from_gguf(path, "int4")
-    if kernels.isa() > ISA_LEVELS.index("avx2"):
-        layout = avx512_layout
+    if kernels.isa() > ISA_LEVELS.index("avx512"):
+        layout = amx_layout
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
     # the memory the file is refused by before it loads bounds what the runner holds
     assert resident_bytes(file, "int4") >= held_bytes(runner)

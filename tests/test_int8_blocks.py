@@ -174,9 +174,10 @@ def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, 
         assert torch.equal(got, expected), isa
 
 
-def avx2_best() -> bool:
-    """Whether AVX2 is the best instruction set this CPU has (or less)."""
-    return kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+def without_amx() -> bool:
+    """Whether this CPU lacks AMX tiles (where Q5_K's, Q3_K's and the IQ4 types' own layouts
+    are held)."""
+    return kernels.isa() <= kernels.ISA_LEVELS.index("avx512")
 
 
 @pytest.mark.parametrize("qtype,half,bytes_a_weight", [("Q5_0", True, 352 / 512),
@@ -188,7 +189,7 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     # (1.06-1.25 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
     # tiles decoded once from there), every position, every instruction set; 5 column tiles, so
     # the decoded tiles' last pair is one tile. Q5_K's scales d * sc are not float16 numbers:
-    # float32 (five_bit32), on AVX2 and the portable kernel (AVX-512 CPUs run AVX2's)
+    # float32 (five_bit32)
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     layout = "five_bit" if half else "five_bit32"
     packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum, half=half)
@@ -199,9 +200,9 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
     assert_small_codes_bits(ext, x, packed, layout, minimum, 72, expected)
-    # the loader's choice: float32 scales stay block int8 where VNNI takes many rows faster
+    # the loader's choice: float32 scales stay block int8 where AMX takes many rows
     layer = Int8BlockLinear(weight)
-    assert layer.layout == (layout if half or avx2_best() else "block")
+    assert layer.layout == (layout if half or without_amx() else "block")
     assert torch.equal(layer(x), expected)
 
 
@@ -215,8 +216,8 @@ def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, b
     # IQ4_NL, IQ4_XS, IQ3_XXS and the IQ2 types' matrices held as 4-bit indices into their type's
     # sixteen codes (IQ2_XS, IQ2_S: with a float32 scale per 16 inputs, the codebook16 layout)
     # compute block int8's numbers bit for bit: every row count and position, every
-    # instruction set (AVX-512 CPUs run the AVX2 kernel; their loader keeps the IQ4 types as
-    # block int8); the codebook's extreme codes against activations of +-127 included
+    # instruction set (an AMX CPU's loader keeps the IQ4 types as block int8); the codebook's
+    # extreme codes against activations of +-127 included
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     codes = weight.codes.clone()
     codes[0, :64] = int(values.min())
@@ -225,7 +226,7 @@ def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, b
     weight = Int8BlockWeight(codes, weight.scale, None, group)
     layer = Int8BlockLinear(weight)
     layout = "codebook16" if group == 16 else "codebook" if half else "codebook32"
-    held = avx2_best() or qtype not in ("IQ4_NL", "IQ4_XS")
+    held = without_amx() or qtype not in ("IQ4_NL", "IQ4_XS")
     assert layer.layout == (layout if held else "block") and layer.half == half
     codebook = torch.from_numpy(values)
     if held:
@@ -239,8 +240,8 @@ def test_codebook_indices_give_block_int8s_bits(ext, monkeypatch, qtype, half, b
     expected = ext.q8_linear(x, block, group, False, half, None, 72, 0)
     assert_small_codes_bits(ext, x, packed, layout, False, 72, expected, codebook=codebook)
     assert torch.equal(layer(x), expected)
-    # the layouts an AVX-512 CPU's loader holds (built, not run: this CPU may lack AVX-512)
-    monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index("avx512"))
+    # the layouts an AMX CPU's loader holds (built, not run: this CPU may lack AMX)
+    monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index("amx"))
     iq4 = qtype in ("IQ4_NL", "IQ4_XS")
     assert Int8BlockLinear(weight).layout == ("block" if iq4 else layout)
     assert held_bytes_per_weight(qtype) == (1.0625 if half else 1.125) if iq4 else bytes_a_weight
@@ -382,7 +383,7 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
         weight.codes, weight.scale * factor,
         None if weight.minimum is None else weight.minimum * factor, 16).dequantize())
     layer = Int8BlockLinear(scaled)
-    layout = layout or ("q3k" if avx2_best() else "q6k")
+    layout = layout or ("q3k" if without_amx() else "q6k")
     assert layer.layout == layout and layer.input_scale == factor
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(10))
     reference = q2k_reference if qtype == "Q2_K" else q6k_reference
@@ -402,8 +403,8 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
 def test_q3k_in_nibbles_gives_q6ks_bits(ext):
     # Q3_K is Q6_K's form with codes -4..3: held as u = code + 8 in nibbles alone (0.58 bytes a
     # weight against 0.83) it computes Q6_K's numbers, the reference's, on every row count,
-    # position and instruction set (AVX-512 CPUs run AVX2's kernel; their loader keeps the
-    # Q6_K layout); the extreme codes -4 and 3 against sc -32 and 31 included
+    # position and instruction set (an AMX CPU's loader keeps the Q6_K layout, whose AMX
+    # kernel takes many rows); the extreme codes -4 and 3 against sc -32 and 31 included
     weight = decode_gguf_blocks(gguf_blocks("Q3_K", 72, 512, seed=5), "Q3_K")
     assert isinstance(weight, Q6KWeight) and -4 <= int(weight.codes.min()) <= int(weight.codes.max()) <= 3
     weight.codes[0, :256], weight.sub_scale[0, :16] = -4, -32
@@ -415,7 +416,7 @@ def test_q3k_in_nibbles_gives_q6ks_bits(ext):
     expected = q6k_reference(x, weight)
     assert_small_codes_bits(ext, x, packed, "q3k", False, 72, expected)
     layer = Int8BlockLinear(weight)
-    assert layer.layout == ("q3k" if avx2_best() else "q6k")
+    assert layer.layout == ("q3k" if without_amx() else "q6k")
     assert torch.equal(layer(x), expected)
     # Q6_K's codes past 4 bits keep the Q6_K layout
     q6 = decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K")

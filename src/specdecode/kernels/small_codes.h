@@ -53,8 +53,10 @@
 
 // how far ahead of the group in use the first row pass asks for a tile's weights
 #define SMALL_CODES_PREFETCH 4096
-// the fewest rows for which a tile is decoded once to block int8's layout (measured on the
-// 1.5B's Q6_K matrices: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it)
+// the fewest rows for which a FIVE_BIT tile is decoded once to block int8's layout on AVX-512
+// (measured on a Zen 5: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it).
+// The other layouts' VNNI passes unpack a slice for each pass of 4 rows at every row count: on
+// a Zen 4 the decoded tiles took 1.04-1.2x their time at 16-64 rows (Q5_K, IQ4_XS)
 #ifndef SMALL_CODES_DECODE_MIN_ROWS
 #define SMALL_CODES_DECODE_MIN_ROWS 13
 #endif
@@ -98,7 +100,7 @@ static inline float half_at(const uint8_t* at, int c) {
 template <int TOP_BITS>
 struct SuperScales {
   static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8, CODE_BITS = 4;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = TOP == 2,
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = true,
                         SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 32 * TOP, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
@@ -146,7 +148,7 @@ static inline float float_at(const uint8_t* at, int c) {
 template <bool F32, int TOP_BITS = 1, int GROUP = 32>
 struct FiveBitScales {
   static constexpr int G = GROUP, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
-  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = !F32 && TOP,
+  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = true,
                         SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 8 * TOP * G / 4, SC_AT = GROUP_BYTES,
                        MIN_AT = SC_AT + 16 * SCALE_BYTES;
@@ -169,7 +171,6 @@ using Codebook16 = FiveBitScales<true, 0, 16>;
 template <class F>
 constexpr int32_t offset(bool minimum) {
   if constexpr (F::SUPER) return F::OFFSET;
-  else if constexpr (F::CODEBOOK) return 0;
   else return minimum ? 0 : 16;  // 0..31 with minimums, -16..15 without
 }
 
@@ -603,12 +604,25 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
+// A codebook layout's sixteen codes plus 128 (VPDPBUSD's unsigned operand), in each 128-bit
+// lane for VPSHUFB; zeros for the other layouts
+static inline __m512i codebook_table(const int8_t* codebook) {
+  if (!codebook) return _mm512_setzero_si512();
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook));
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(codes), _mm512_set1_epi8((char)0x80));
+}
+
 // slice j of a packed group as VPDPBUSD's unsigned operand: its nibbles, with its top bits
-// moved to bit 4 and up ((nibbles & 15) | top in one ternary-logic operation)
+// moved to bit 4 and up ((nibbles & 15) | top in one ternary-logic operation); a codebook
+// layout's: the code each nibble names plus 128, looked up in `table` (codebook_table)
 template <class F, int J>
-static inline __m512i slice(const uint8_t* grp) {
+static inline __m512i slice(const uint8_t* grp, __m512i table) {
   const __m512i nibbles = _mm512_loadu_si512(grp + 64 * (J / 2));
   const __m512i low = J % 2 ? _mm512_srli_epi16(nibbles, 4) : nibbles;
+  if constexpr (F::TOP == 0) {
+    const __m512i index = _mm512_and_si512(low, _mm512_set1_epi8(0x0f));
+    return F::CODEBOOK ? _mm512_shuffle_epi8(table, index) : index;
+  }
   const __m512i tops = _mm512_loadu_si512(grp + 8 * F::G);
   constexpr int shift = 4 - F::TOP * J;  // from bit TOP j to bit 4
   const __m512i moved = shift > 0 ? _mm512_slli_epi16(tops, shift)
@@ -622,23 +636,26 @@ static inline __m512 halves16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// the 16 columns' sc of group g of a Q6K block, as int32
+// the 16 columns' sc of group g of a Q6K (Q3K) block, as int32
+template <class F>
 static inline __m512i sub_scales16(const uint8_t* block, int g) {
-  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q6K::SC_AT + 16 * g)));
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g)));
 }
 
-// a Q6K super-block's fold for one row: acc = fma(S, d * dx, acc)
+// a Q6K (Q3K) super-block's fold for one row: acc = fma(S, d * dx, acc)
+template <class F>
 static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx, __m512 acc) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(super_sum),
-                         _mm512_mul_ps(halves16(block + Q6K::D_AT), _mm512_set1_ps(dx)), acc);
+                         _mm512_mul_ps(halves16(block + F::D_AT), _mm512_set1_ps(dx)), acc);
 }
 
-// every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)`
+// every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)` (`table`: a codebook
+// layout's, codebook_table)
 template <class F, int J = 0, class Use>
-static inline void each_slice(const uint8_t* const* grp, Use&& use) {
+static inline void each_slice(const uint8_t* const* grp, __m512i table, Use&& use) {
   if constexpr (J < F::G / 4) {
-    use(J, [&](int t) { return slice<F, J>(grp[t]); });
-    each_slice<F, J + 1>(grp, use);
+    use(J, [&](int t) { return slice<F, J>(grp[t], table); });
+    each_slice<F, J + 1>(grp, table, use);
   }
 }
 
@@ -653,10 +670,11 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   constexpr int CH = R * T < 4 ? 2 : 1;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
+  const __m512i table = codebook_table(a.codebook);
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
-    __m512i super_sum[R][T];  // Q6K: S
+    __m512i super_sum[R][T];  // Q6K, Q3K: S
     if constexpr (F::SUPER)
       for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) super_sum[r][t] = _mm512_setzero_si512();
@@ -679,7 +697,7 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
         }
       const uint8_t* grp[T];
       for (int t = 0; t < T; t++) grp[t] = tile + t * tile_bytes + b * bytes + g * F::GROUP_BYTES;
-      each_slice<F>(grp, [&](int j, auto unpack) {
+      each_slice<F>(grp, table, [&](int j, auto unpack) {
         __m512i w[T];
         for (int t = 0; t < T; t++) w[t] = unpack(t);
         for (int r = 0; r < R; r++) {
@@ -692,24 +710,25 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
         if constexpr (F::SUPER) {
-          const __m512i sc = sub_scales16(block, g);
+          const __m512i sc = sub_scales16<F>(block, g);
           for (int r = 0; r < R; r++) {
             __m512i isum = sum[0][r][t];
             for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
             super_sum[r][t] = _mm512_add_epi32(super_sum[r][t], _mm512_mullo_epi32(isum, sc));
           }
-        } else {
-          const __m512 scale = halves16(block + FiveBit::SC_AT);
+        } else {  // (the activations' group of 32 holds this group: CODEBOOK16's are 16)
+          const int64_t at32 = at * F::G / 32;
+          const __m512 scale = q8blocks::scales16(block + F::SC_AT, !F::FLOAT32);
           for (int r = 0; r < R; r++) {
             __m512i isum = sum[0][r][t];
             for (int ch = 1; ch < CH; ch++) isum = _mm512_add_epi32(isum, sum[ch][r][t]);
-            const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * agroups + at]));
+            const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[(r0 + r) * agroups + at32]));
             acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[r][t]);
           }
           if constexpr (MIN) {
-            const __m512 mn = halves16(block + FiveBit::MIN_AT);
+            const __m512 mn = q8blocks::scales16(block + F::MIN_AT, !F::FLOAT32);
             for (int r = 0; r < R; r++)
-              acc[r][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * agroups + at]), acc[r][t]);
+              acc[r][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[(r0 + r) * agroups + at32]), acc[r][t]);
           }
         }
       }
@@ -718,7 +737,7 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
         for (int r = 0; r < R; r++)
-          acc[r][t] = fold_q6k(block, super_sum[r][t], a.dx[(r0 + r) * blocks + b], acc[r][t]);
+          acc[r][t] = fold_q6k<F>(block, super_sum[r][t], a.dx[(r0 + r) * blocks + b], acc[r][t]);
       }
   }
 }
@@ -778,8 +797,10 @@ static void decode_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
         _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line), _MM_HINT_T0);
       const uint8_t* grp = block + g * F::GROUP_BYTES;
       uint8_t* dst = out + (b * F::GROUPS + g) * out_bytes;
-      each_slice<F>(&grp, [&](int j, auto unpack) { _mm512_storeu_si512(dst + 64 * j, unpack(0)); });
-      std::memcpy(dst + 16 * F::G, block + FiveBit::SC_AT, MIN ? 64 : 32);  // scales, minimums
+      each_slice<F>(&grp, _mm512_setzero_si512(), [&](int j, auto unpack) {
+        _mm512_storeu_si512(dst + 64 * j, unpack(0));
+      });
+      std::memcpy(dst + 16 * F::G, block + F::SC_AT, MIN ? 64 : 32);  // scales, minimums
     }
   }
 }
@@ -846,7 +867,7 @@ static void decode_q6k_tile(const uint8_t* tile, int64_t k, uint8_t* out) {
       const int64_t first = g * (F::G / 4);  // the group's first slice in its super-block
       uint8_t* lo = out + (b * 4 + first / 16) * Q6K_STEP_BYTES + first % 16 * 64;
       const uint8_t* grp = block + g * F::GROUP_BYTES;
-      each_slice<F>(&grp, [&](int j, auto unpack) {
+      each_slice<F>(&grp, _mm512_setzero_si512(), [&](int j, auto unpack) {
         const __m512i u = unpack(0);  // code + offset
         const __m512i v_even = _mm512_sub_epi16(_mm512_maddubs_epi16(u, sc_even), offset);
         const __m512i v_odd = _mm512_sub_epi16(_mm512_maddubs_epi16(u, sc_odd), offset);
@@ -914,7 +935,7 @@ static void q6k_rows_amx(const Acts& a, int64_t r0, const uint8_t* weights, cons
     for (int r = 0; r < R; r++) {
       const __m512i s = _mm512_add_epi32(_mm512_load_si512(sums[buffer][0] + 16 * r),
                                          _mm512_slli_epi32(_mm512_load_si512(sums[buffer][1] + 16 * r), 8));
-      acc[r] = fold_q6k(block, s, a.dx[(r0 + r) * blocks + b], acc[r]);
+      acc[r] = fold_q6k<Q6K>(block, s, a.dx[(r0 + r) * blocks + b], acc[r]);
     }
   };
   for (int64_t b = 0; b < blocks; b++) {
@@ -963,19 +984,18 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
     if constexpr (is_q6k<F>)
       if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
     if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
-  } else if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
+  }
+  if constexpr (F::AVX512) {  // (Q2K has none: AVX2's runs on AVX-512 CPUs)
+    if constexpr (std::is_same_v<F, FiveBit>)
+      if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
+    if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  }
+  if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
     if (isa >= AVX2)
       return q8blocks::columns_avx2<F::G, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
                                                                CodebookCodes{a.codebook});
-    return columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-  } else if constexpr (F::AVX512) {
-    if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
-  }
-  if constexpr (F::AVX512) {  // FIVE_BIT32 and Q3K have none: AVX2's run on those CPUs
-    if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-  }
-  if constexpr (!F::CODEBOOK) {
-    if (isa >= AVX2) return columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
+  } else if (isa >= AVX2) {
+    return columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   }
   columns_generic<F, MIN>(a, m, packed, residual, y, n, t0, t1);
 }
@@ -1038,12 +1058,13 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
-  // (Q6K's on AVX2 alone: AVX-512 CPUs take its VNNI kernel; Q3K and Q2K have AVX2's only)
-  const bool q6k_decoded = super && !amx && (q6k ? isa == AVX2 : isa >= AVX2) &&
+  // (Q6K's and Q3K's on AVX2 alone: AVX-512 CPUs take their VNNI kernel; Q2K has AVX2's only)
+  const bool q6k_decoded = super && !amx && (q2k ? isa >= AVX2 : isa == AVX2) &&
                            m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
+  // (a codebook's VNNI kernels read code + 128, its AVX2 and portable ones the code)
   const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
-                              : q2k ? offset<Q2K>(false) : book ? offset<Codebook>(false)
+                              : q2k ? offset<Q2K>(false) : book ? (isa >= AVX512 ? 128 : 0)
                               : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));

@@ -293,7 +293,7 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 # ---- the linear layer -----------------------------------------------------------------------
 
 #: bytes a weight ``Int8BlockLinear`` holds of a matrix of one GGUF type, by its layout
-#: (kernels/small_codes.h, q8_blocks.h): (where AVX2 is the CPU's best, past it); Q4_0, Q4_1 and
+#: (kernels/small_codes.h, q8_blocks.h): (on a CPU without AMX, with AMX); Q4_0, Q4_1 and
 #: Q4_K are the int8 runner's
 HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75, 0.75),
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
@@ -305,16 +305,17 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
-def _avx2_best() -> bool:
-    """Whether AVX2 is the best this CPU has (or less): the layouts without AVX-512 kernels
-    (five_bit32, q3k, codebook layouts of the IQ4 types) are held only then."""
-    return kernels.isa() <= kernels.ISA_LEVELS.index("avx2")
+def _without_amx() -> bool:
+    """Whether this CPU lacks AMX tiles: Q5_K's, Q3_K's and the IQ4 types' own layouts
+    (five_bit32, q3k, the IQ4 codebook) are held only then. With AMX, block int8 and Q6_K's
+    layout multiply many rows on the tiles, which those layouts have no kernels for."""
+    return kernels.isa() <= kernels.ISA_LEVELS.index("avx512")
 
 
 def held_bytes_per_weight(qtype: str) -> float:
     """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
     (``HELD_BYTES``; a fused layer of several types holds up to 1.5)."""
-    return HELD_BYTES[qtype][0 if _avx2_best() else 1]
+    return HELD_BYTES[qtype][0 if _without_amx() else 1]
 
 
 def _five_bit_codes(weight: Int8BlockWeight) -> bool:
@@ -374,20 +375,19 @@ class Int8BlockLinear:
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
         # integers; a Q2_K one in 0.33, not 1.5 (its minimums folded in integers too, on any
         # CPU: AVX-512 ones run its AVX2 kernel); Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not
-        # 1.06-1.13, and Q5_K (float32 scales) in 0.875, not 1.25, where AVX2 is the best the
-        # CPU has: block int8's numbers; where AVX2 is the best the CPU has (as five_bit32):
-        # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
-        # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83. IQ3_XXS
-        # or IQ2_XXS codes likewise in 0.63 on every CPU (AVX-512 ones run the AVX2 kernel),
-        # IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold 2.9 to 4.4
-        # times the file's bytes
-        avx2 = _avx2_best()
+        # 1.06-1.13: block int8's numbers. On a CPU without AMX likewise (as five_bit32) Q5_K
+        # (float32 scales) in 0.875, not 1.25; IQ4_NL or IQ4_XS codes as their 4-bit indices,
+        # 0.56 or 0.63 bytes a weight, not 1.06 or 1.13; Q3_K's codes in Q6_K's layout
+        # without the top bits, 0.58, not 0.83. IQ3_XXS or IQ2_XXS codes as indices in 0.63
+        # on every CPU, IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold
+        # 2.9 to 4.4 times the file's bytes
+        small = _without_amx()
         # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
         # is the first)
-        found = (_codebook_indices(weight, _CODEBOOKS if avx2 else _CODEBOOKS[1:])
+        found = (_codebook_indices(weight, _CODEBOOKS if small else _CODEBOOKS[1:])
                  if type(weight) is Int8BlockWeight else None)
         self.codebook, indices = found if found is not None else (None, None)
-        q3k = avx2 and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
+        q3k = small and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
@@ -395,7 +395,7 @@ class Int8BlockLinear:
                              else "codebook32") if indices is not None
                        else "block" if not _five_bit_codes(weight)
                        else "five_bit" if self.half
-                       else "five_bit32" if avx2
+                       else "five_bit32" if small
                        else "block")
         if self.layout == "q2k":
             self.packed = kernels.pack_q2k(weight.codes, weight.sub_scale, weight.sub_min,
