@@ -3,7 +3,8 @@
     PYTHONPATH=src python scripts/small_codes_layouts.py                   # qwen2.5-coder-1.5b
     PYTHONPATH=src python scripts/small_codes_layouts.py --model qwen2.5-coder-0.5b --rows 1 4 16
     PYTHONPATH=src python scripts/small_codes_layouts.py --model q5km.gguf    # a Q5_K_M file
-    PYTHONPATH=src python scripts/small_codes_layouts.py --model q3km.gguf --types Q3_K --against q6k
+    PYTHONPATH=src python scripts/small_codes_layouts.py --model q3km.gguf --types Q3_K \\
+        --against q6k
 
 Every weight matrix of the file in Q6_K, Q5_0, Q5_1, MXFP4, Q5_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
 IQ3_XXS or an IQ2 type (the token embedding aside: it is read by row) is built twice from the

@@ -21,7 +21,7 @@
 //   super-block and only S is folded (q6k_columns_amx below).
 // - Q3K: GGUF Q3_K in Q6K's form (codes -4..3, sc - 32 per 16 inputs, d per 256) with u = code
 //   + 8 in the nibbles only (TOP = 0): B = 2368, 0.58 bytes a weight against Q6K's 0.83, Q6K's
-//   numbers; AVX2 and the portable kernel only, as FIVE_BIT32.
+//   numbers (on AMX CPUs the loader keeps Q6K's layout, whose tiles take many rows).
 // - Q2K: GGUF Q2_K (codes 0..3, 4-bit sc and m per 16 inputs, d and dmin per 256), its codes in
 //   2 bits and its minimums folded in integers as its scales (the Q2K struct below).
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
@@ -38,16 +38,16 @@
 //   minimums (float16) if any: B = 352 or 384;
 // - FIVE_BIT32: FIVE_BIT with float32 scales and minimums (GGUF Q5_K: d * sc and dmin * m have
 //   up to 17 significant bits): B = 384 or 448, 0.875 bytes a weight against block int8's 1.25,
-//   block int8's numbers; on AVX2 and the portable kernel (AVX-512 CPUs run the AVX2 one, and
-//   the loader keeps block int8 there, whose VNNI kernels take many rows faster).
+//   block int8's numbers (on AMX CPUs the loader keeps block int8, whose tiles take many rows).
 // - CODEBOOK, CODEBOOK32: codes from a table of sixteen int8 values that each call passes (GGUF
 //   IQ4_NL's and IQ4_XS's kvalues_iq4nl, -127..113; IQ3_XXS's and IQ2_XXS's grid values),
 //   stored as their 4-bit index, TOP = 0 (no top bits), with float16 scales (IQ4_NL) or float32
 //   ones (IQ4_XS's d * (ls - 32), IQ3_XXS's, IQ2_XXS's): B = 288 or 320, 0.56 or 0.63 bytes a
-//   weight against block int8's 1.06 or 1.13, and block int8's numbers (the index looked up
-//   with VPSHUFB, then block int8's AVX2 arithmetic on the signed codes). AVX2 and the portable
-//   kernel only, as FIVE_BIT32. CODEBOOK16: G = 16 with float32 scales (IQ2_XS, IQ2_S: a scale
-//   per 16 inputs): B = 192, 0.75 bytes a weight against block int8's 1.25.
+//   weight against block int8's 1.06 or 1.13, and block int8's numbers: the index looked up
+//   with VPSHUFB, on AVX2 then block int8's AVX2 arithmetic on the signed codes, on AVX-512 the
+//   code + 128 as VPDPBUSD's unsigned operand (offset 128). CODEBOOK16: G = 16 with float32
+//   scales (IQ2_XS, IQ2_S: a scale per 16 inputs): B = 192, 0.75 bytes a weight against block
+//   int8's 1.25. (On AMX CPUs the loader keeps IQ4_NL and IQ4_XS as block int8, as FIVE_BIT32.)
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 

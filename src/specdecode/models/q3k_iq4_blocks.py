@@ -14,11 +14,12 @@ bit for bit against ``gguf.quants.dequantize``):
 
 Q3_K has Q6_K's form (signed codes, a signed integer scale per 16 weights under a float16
 super-block scale), so ``int8_blocks.decode_gguf_blocks`` makes it a ``Q6KWeight`` and the
-kernels fold its scales in integers as Q6_K's; where AVX2 is the CPU's best they hold its codes
-in 4 bits (0.58 bytes a weight: small_codes.h's Q3K layout), else in Q6_K's 6.6. The IQ4 types
-are block int8, held where AVX2 is the CPU's best as 4-bit indices into IQ4_VALUES with their
-scales (kernels/small_codes.h: 0.56 bytes a weight for IQ4_NL's float16 scales, 0.63 for
-IQ4_XS's products, computing block int8's bits), else as block int8 (1.06, 1.13).
+kernels fold its scales in integers as Q6_K's; on a CPU without AMX they hold its codes in 4
+bits (0.58 bytes a weight: small_codes.h's Q3K layout), with AMX in Q6_K's 6.6 (whose tile
+kernel takes many rows). The IQ4 types are block int8, held on a CPU without AMX as 4-bit
+indices into IQ4_VALUES with their scales (kernels/small_codes.h: 0.56 bytes a weight for
+IQ4_NL's float16 scales, 0.63 for IQ4_XS's products, computing block int8's bits), with AMX as
+block int8 (1.06, 1.13).
 """
 
 from __future__ import annotations

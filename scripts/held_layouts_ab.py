@@ -1,0 +1,83 @@
+"""Whole forwards of a GGUF file as a CPU with AMX holds it against this CPU's, in one process.
+
+    PYTHONPATH=src python scripts/held_layouts_ab.py --model iq4xs.gguf
+    PYTHONPATH=src python scripts/held_layouts_ab.py --model q3km.gguf --rows 1 16 --turns 15
+
+Without AMX the int4 runner holds Q5_K, Q3_K, IQ4_NL and IQ4_XS matrices in their own small
+layouts (kernels/small_codes.h: 0.875, 0.58, 0.56 and 0.63 bytes a weight); with AMX it keeps
+them as block int8 and in Q6_K's layout (1.25, 0.83, 1.06, 1.13), whose tile kernels take many
+rows. Two runners of ``--model`` are built here, one each way (``int8_blocks._without_amx``
+set for its build), both on this CPU's kernels; after ``--past`` cached positions they take
+turns on forwards of each row count (each first in every other turn; their logits asserted
+equal: the layouts compute the same numbers), then on a prompt of ``--prompt`` tokens. Printed:
+the medians and the ratio, this CPU's layouts over the AMX CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode.draft import Draft
+from specdecode.models import int8_blocks
+from specdecode.models.loading import load_model, make_runner
+
+
+def tokens(count: int) -> list[int]:
+    return [1000 + (i * 7919) % 40000 for i in range(count)]
+
+
+def alternate(calls: dict, turns: int) -> dict:
+    """{name: median seconds} of ``calls`` taking turns, each first in every other turn."""
+    times = {name: [] for name in calls}
+    for turn in range(turns):
+        for name in sorted(calls, reverse=turn % 2 == 1):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a named model or GGUF file")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--past", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--turns", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    held = int8_blocks._without_amx
+    runners = {}
+    for name, small in (("amx", False), ("this", True)):
+        int8_blocks._without_amx = lambda small=small: small
+        runners[name] = make_runner(loaded, "native", "int4",
+                                    max(args.past + max(args.rows), args.prompt) + 16)
+    int8_blocks._without_amx = held
+    print(f"{args.model}: ms, as an AMX CPU holds it / as this CPU does ({args.threads} threads)")
+    for runner in runners.values():
+        runner.prefill(tokens(args.past))
+    for rows in args.rows:
+        logits = {}
+
+        def step(name, rows=rows, logits=logits):
+            logits[name] = runners[name].forward(0, Draft.chain([5] * (rows - 1))).logits
+            runners[name].commit([])
+
+        took = alternate({name: lambda name=name: step(name) for name in runners}, args.turns)
+        assert torch.equal(logits["amx"], logits["this"]), "the layouts disagree"
+        print(f"{rows} rows after {args.past}: {took['amx'] * 1e3:.1f} / {took['this'] * 1e3:.1f} "
+              f"({took['this'] / took['amx']:.2f}x)", flush=True)
+    took = alternate({name: lambda name=name: runners[name].replica().prefill(tokens(args.prompt))
+                      for name in runners}, max(3, args.turns // 3))
+    print(f"{args.prompt}-token prompt: {took['amx'] * 1e3:.0f} / {took['this'] * 1e3:.0f} "
+          f"({took['this'] / took['amx']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
