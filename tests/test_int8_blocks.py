@@ -340,9 +340,9 @@ def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
 def test_q2k_in_the_files_bits_folds_scales_and_minimums_in_integers(ext):
     # Q2_K held in the file's own 0.33 bytes a weight (not block int8's 1.5): its sub-block
     # scales and minimums folded in integers against activations quantised per 256 inputs, the
-    # reference's numbers on every row count (direct passes below 4 rows, tiles decoded from
-    # there), position and instruction set (AVX-512 CPUs run AVX2's kernel, and hold this
-    # layout too); the extreme codes, sc and m (3, 15, 15) against activations of +-127
+    # reference's numbers on every row count (on AVX2 direct passes below 5 rows, tiles decoded
+    # from there; VNNI's passes at every count), position and instruction set; the extreme
+    # codes, sc and m (3, 15, 15) against activations of +-127
     weight = decode_gguf_blocks(gguf_blocks("Q2_K", 72, 512, seed=5), "Q2_K")
     assert isinstance(weight, Q2KWeight)
     weight.codes[0, :256], weight.sub_scale[0, :16], weight.sub_min[0, :16] = 3, 15, 15

@@ -94,14 +94,12 @@ static inline float half_at(const uint8_t* at, int c) {
 
 // SUPER: Q6K's and Q3K's sub-block scales folded in integers per super-block of 256 inputs;
 // FIVE_BIT computes block int8's numbers. CODEBOOK: the packed 4 bits are an index into the
-// call's codebook, sixteen int8 codes (signed, no offset). AVX512: the layout has AVX-512
-// kernels (the others run AVX2's). TOP_BITS: 2 (Q6K: codes -32..31, offset 32) or 0 (Q3K: codes
-// -8..7, offset 8).
+// call's codebook, sixteen int8 codes (signed, no offset). TOP_BITS: 2 (Q6K: codes -32..31,
+// offset 32) or 0 (Q3K: codes -8..7, offset 8).
 template <int TOP_BITS>
 struct SuperScales {
   static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8, CODE_BITS = 4;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = true,
-                        SUB_MINS = false;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 32 * TOP, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
@@ -120,11 +118,9 @@ using Q3K = SuperScales<0>;
 // bytes a weight. Q6K's integer fold of sc, and its minimums folded likewise, per super-block
 //   S = sum of sc * isum, M = sum of m * sum(xq)   (exact: |S| < 2^21, |M| < 2^19)
 //   acc = fma((float)S, d * dx, acc), acc = fma(-(float)M, dmin * dx, acc)
-// AVX2 and the portable kernel only (AVX-512 CPUs run AVX2's).
 struct Q2K {
   static constexpr int G = 16, TOP = 0, GROUPS = 16, OFFSET = 0, CODE_BITS = 2;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, AVX512 = false,
-                        SUB_MINS = true;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = true;
   static constexpr int GROUP_BYTES = 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256,
                        DMIN_AT = D_AT + 32;
   static constexpr int64_t block_bytes(bool) { return DMIN_AT + 32; }
@@ -148,8 +144,7 @@ static inline float float_at(const uint8_t* at, int c) {
 template <bool F32, int TOP_BITS = 1, int GROUP = 32>
 struct FiveBitScales {
   static constexpr int G = GROUP, TOP = TOP_BITS, GROUPS = 1, SCALE_BYTES = F32 ? 4 : 2, CODE_BITS = 4;
-  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, AVX512 = true,
-                        SUB_MINS = false;
+  static constexpr bool SUPER = false, FLOAT32 = F32, CODEBOOK = TOP == 0, SUB_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 8 * TOP * G / 4, SC_AT = GROUP_BYTES,
                        MIN_AT = SC_AT + 16 * SCALE_BYTES;
   static constexpr int64_t block_bytes(bool minimum) {
@@ -617,6 +612,8 @@ static inline __m512i codebook_table(const int8_t* codebook) {
 // layout's: the code each nibble names plus 128, looked up in `table` (codebook_table)
 template <class F, int J>
 static inline __m512i slice(const uint8_t* grp, __m512i table) {
+  if constexpr (F::CODE_BITS == 2)  // Q2K: a group's four slices at bits 2j of its 64 bytes
+    return _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(grp), 2 * J), _mm512_set1_epi8(3));
   const __m512i nibbles = _mm512_loadu_si512(grp + 64 * (J / 2));
   const __m512i low = J % 2 ? _mm512_srli_epi16(nibbles, 4) : nibbles;
   if constexpr (F::TOP == 0) {
@@ -636,10 +633,12 @@ static inline __m512 halves16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// the 16 columns' sc of group g of a Q6K (Q3K) block, as int32
+// the 16 columns' sc of group g of a SUPER block, as int32 (Q2K: the low nibbles)
 template <class F>
 static inline __m512i sub_scales16(const uint8_t* block, int g) {
-  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g));
+  if constexpr (F::SUB_MINS) return _mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(15));
+  else return _mm512_cvtepi8_epi32(bytes);
 }
 
 // a Q6K (Q3K) super-block's fold for one row: acc = fma(S, d * dx, acc)
@@ -647,6 +646,29 @@ template <class F>
 static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx, __m512 acc) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(super_sum),
                          _mm512_mul_ps(halves16(block + F::D_AT), _mm512_set1_ps(dx)), acc);
+}
+
+// Q2K's minimums of super-block b folded for one row: M = sum over its groups of m * sum(xq),
+// two groups a VPMADDWD (each column's m of groups 2p and 2p + 1 as a 16-bit pair against the
+// row's two sums), then acc = fma(-(float)M, dmin * dx, acc)
+template <class F>
+static inline __m512 fold_mins_vnni(const Acts& a, int64_t row, const uint8_t* block, int64_t b,
+                                    __m512 acc) {
+  const int64_t groups = a.k / F::G, blocks = a.k / 256;
+  __m512i min_sum = _mm512_setzero_si512();
+  for (int g = 0; g < F::GROUPS; g += 2) {
+    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g));
+    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 16));
+    // column c's sc | m << 4 of both groups side by side in 16 bits each, shifted down to m
+    const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+    const __m512i pairs = _mm512_srli_epi16(_mm512_cvtepu8_epi16(both), 4);
+    int32_t sums;  // the row's sum(xq) of group g (low 16 bits) and g + 1 (high)
+    std::memcpy(&sums, a.xsum + row * groups + b * F::GROUPS + g, 4);
+    min_sum = _mm512_add_epi32(min_sum, _mm512_madd_epi16(pairs, _mm512_set1_epi32(sums)));
+  }
+  const __m512 dmin_dx = _mm512_mul_ps(halves16(block + F::DMIN_AT), _mm512_set1_ps(a.dx[row * blocks + b]));
+  const __m512 m = _mm512_cvtepi32_ps(min_sum);
+  return _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), m), dmin_dx, acc);
 }
 
 // every slice of a group, J = 0 .. G / 4 - 1, through `use(J, slice)` (`table`: a codebook
@@ -736,8 +758,10 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
     if constexpr (F::SUPER)
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
           acc[r][t] = fold_q6k<F>(block, super_sum[r][t], a.dx[(r0 + r) * blocks + b], acc[r][t]);
+          if constexpr (F::SUB_MINS) acc[r][t] = fold_mins_vnni<F>(a, r0 + r, block, b, acc[r][t]);
+        }
       }
   }
 }
@@ -985,11 +1009,9 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
       if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
     if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
   }
-  if constexpr (F::AVX512) {  // (Q2K has none: AVX2's runs on AVX-512 CPUs)
-    if constexpr (std::is_same_v<F, FiveBit>)
-      if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
-    if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
-  }
+  if constexpr (std::is_same_v<F, FiveBit>)
+    if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
+  if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
     if (isa >= AVX2)
       return q8blocks::columns_avx2<F::G, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
@@ -1058,8 +1080,8 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
-  // (Q6K's and Q3K's on AVX2 alone: AVX-512 CPUs take their VNNI kernel; Q2K has AVX2's only)
-  const bool q6k_decoded = super && !amx && (q2k ? isa >= AVX2 : isa == AVX2) &&
+  // (on AVX2 alone: AVX-512 CPUs take their VNNI kernels)
+  const bool q6k_decoded = super && !amx && isa == AVX2 &&
                            m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   // (a codebook's VNNI kernels read code + 128, its AVX2 and portable ones the code)

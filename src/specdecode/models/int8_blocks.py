@@ -373,14 +373,13 @@ class Int8BlockLinear:
         self.half = weight.group == 32 and all(torch.equal(t.half().float(), t) for t in numbers)
         # the file's own bytes where the codes are 2 to 6 bits (kernels/small_codes.h): a Q6_K
         # matrix in 0.83 bytes a weight, not 1.25, with its sub-block scales folded in
-        # integers; a Q2_K one in 0.33, not 1.5 (its minimums folded in integers too, on any
-        # CPU: AVX-512 ones run its AVX2 kernel); Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not
-        # 1.06-1.13: block int8's numbers. On a CPU without AMX likewise (as five_bit32) Q5_K
-        # (float32 scales) in 0.875, not 1.25; IQ4_NL or IQ4_XS codes as their 4-bit indices,
-        # 0.56 or 0.63 bytes a weight, not 1.06 or 1.13; Q3_K's codes in Q6_K's layout
-        # without the top bits, 0.58, not 0.83. IQ3_XXS or IQ2_XXS codes as indices in 0.63
-        # on every CPU, IQ2_XS or IQ2_S codes (a scale per 16) in 0.75: block int8 would hold
-        # 2.9 to 4.4 times the file's bytes
+        # integers; a Q2_K one in 0.33, not 1.5 (its minimums folded in integers too), on any
+        # CPU; Q5_0, Q5_1 or MXFP4 in 0.69-0.75, not 1.06-1.13: block int8's numbers. On a
+        # CPU without AMX likewise (as five_bit32) Q5_K (float32 scales) in 0.875, not 1.25;
+        # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
+        # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83.
+        # IQ3_XXS or IQ2_XXS codes as indices in 0.63 on every CPU, IQ2_XS or IQ2_S codes (a
+        # scale per 16) in 0.75: block int8 would hold 2.9 to 4.4 times the file's bytes
         small = _without_amx()
         # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
         # is the first)
