@@ -16,29 +16,16 @@ the medians and the ratio, this CPU's layouts over the AMX CPU's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from specdecode.draft import Draft
+from kernels_ab import alternate, forward_medians  # (a script beside this one)
 from specdecode.models import int8_blocks
 from specdecode.models.loading import load_model, make_runner
 
 
 def tokens(count: int) -> list[int]:
     return [1000 + (i * 7919) % 40000 for i in range(count)]
-
-
-def alternate(calls: dict, turns: int) -> dict:
-    """{name: median seconds} of ``calls`` taking turns, each first in every other turn."""
-    times = {name: [] for name in calls}
-    for turn in range(turns):
-        for name in sorted(calls, reverse=turn % 2 == 1):
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -63,14 +50,7 @@ def main() -> None:
     for runner in runners.values():
         runner.prefill(tokens(args.past))
     for rows in args.rows:
-        logits = {}
-
-        def step(name, rows=rows, logits=logits):
-            logits[name] = runners[name].forward(0, Draft.chain([5] * (rows - 1))).logits
-            runners[name].commit([])
-
-        took = alternate({name: lambda name=name: step(name) for name in runners}, args.turns)
-        assert torch.equal(logits["amx"], logits["this"]), "the layouts disagree"
+        took = forward_medians(runners, rows, args.turns)
         print(f"{rows} rows after {args.past}: {took['amx'] * 1e3:.1f} / {took['this'] * 1e3:.1f} "
               f"({took['this'] / took['amx']:.2f}x)", flush=True)
     took = alternate({name: lambda name=name: runners[name].replica().prefill(tokens(args.prompt))

@@ -54,6 +54,22 @@ def alternate(calls: dict, turns: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def forward_medians(runners: dict, rows: int, turns: int, use=lambda name: None) -> dict:
+    """{name: median seconds} of a forward of ``rows`` rows (a root and a chain, not committed)
+    by each of ``runners`` in turns (``use(name)`` before each), their logits asserted equal."""
+    logits = {}
+
+    def step(name):
+        use(name)
+        logits[name] = runners[name].forward(0, Draft.chain([5] * (rows - 1))).logits
+        runners[name].commit([])
+
+    took = alternate({name: lambda name=name: step(name) for name in runners}, turns)
+    first, *others = logits.values()
+    assert all(torch.equal(first, other) for other in others), "the runners' logits differ"
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", required=True, help="the git revision to compare against")
@@ -85,15 +101,7 @@ def main() -> None:
             use(name)
             runner.prefill(prompt)
         for m in args.rows:
-            logits = {}
-
-            def step(name, m=m, logits=logits):
-                use(name)
-                logits[name] = runners[name].forward(0, Draft.chain([5] * (m - 1))).logits
-                runners[name].commit([])
-
-            took = alternate({name: lambda name=name: step(name) for name in builds}, args.turns)
-            assert torch.equal(logits["rev"], logits["tree"]), "the builds disagree"
+            took = forward_medians(runners, m, args.turns, use)
             print(f"forward {m} rows after {past}: {took['rev'] * 1e3:.2f} / "
                   f"{took['tree'] * 1e3:.2f} ({took['tree'] / took['rev']:.3f}x)", flush=True)
     if args.prefill:
