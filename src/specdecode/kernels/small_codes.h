@@ -56,7 +56,8 @@
 // the fewest rows for which a FIVE_BIT tile is decoded once to block int8's layout on AVX-512
 // (measured on a Zen 5: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it).
 // The other layouts' VNNI passes unpack a slice for each pass of 4 rows at every row count: on
-// a Zen 4 the decoded tiles took 1.04-1.2x their time at 16-64 rows (Q5_K, IQ4_XS)
+// a Zen 4 the decoded tiles took 1.05-1.22x their time at 16-32 rows, 0.98-1.05x at 64 (Q5_K,
+// IQ4_XS)
 #ifndef SMALL_CODES_DECODE_MIN_ROWS
 #define SMALL_CODES_DECODE_MIN_ROWS 13
 #endif
