@@ -90,9 +90,11 @@ def main() -> None:
         kernels.load = lambda ext=builds[name]: ext
 
     base = {}
+    # room for the longest past and its rows, and for the prompts
+    context = max(max(args.pasts) + max(args.rows), max(args.prefill_lengths)) + 64
     for name in builds:
         use(name)
-        base[name] = make_runner(loaded, "native", args.weights, max(args.pasts) + 64)
+        base[name] = make_runner(loaded, "native", args.weights, context)
     print(f"ms, {args.rev} / working tree ({torch.get_num_threads()} threads)")
     for past in args.pasts:
         prompt = [1000 + (i * 7919) % 40000 for i in range(past)]
