@@ -19,13 +19,9 @@ import argparse
 
 import torch
 
-from kernels_ab import alternate, forward_medians  # (a script beside this one)
+from kernels_ab import alternate, forward_medians, tokens  # (a script beside this one)
 from specdecode.models import int8_blocks
 from specdecode.models.loading import load_model, make_runner
-
-
-def tokens(count: int) -> list[int]:
-    return [1000 + (i * 7919) % 40000 for i in range(count)]
 
 
 def main() -> None:

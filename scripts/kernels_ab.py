@@ -43,6 +43,11 @@ def build_revision(rev: str, folder: Path):
     return kernels.compile_extension("kernels_at_revision", paths)
 
 
+def tokens(count: int) -> list[int]:
+    """``count`` token ids spread over the vocabulary (a prompt whose content does not matter)."""
+    return [1000 + (i * 7919) % 40000 for i in range(count)]
+
+
 def alternate(calls: dict, turns: int) -> dict:
     """{name: median seconds} of ``calls`` taking turns, each first in every other turn."""
     times = {name: [] for name in calls}
@@ -97,7 +102,7 @@ def main() -> None:
         base[name] = make_runner(loaded, "native", args.weights, context)
     print(f"ms, {args.rev} / working tree ({torch.get_num_threads()} threads)")
     for past in args.pasts:
-        prompt = [1000 + (i * 7919) % 40000 for i in range(past)]
+        prompt = tokens(past)
         runners = {name: base[name].replica() for name in builds}
         for name, runner in runners.items():
             use(name)
@@ -108,7 +113,7 @@ def main() -> None:
                   f"{took['tree'] * 1e3:.2f} ({took['tree'] / took['rev']:.3f}x)", flush=True)
     if args.prefill:
         for length in args.prefill_lengths:
-            prompt = [1000 + (i * 7919) % 40000 for i in range(length)]
+            prompt = tokens(length)
 
             def fill(name, prompt=prompt):
                 use(name)
