@@ -186,10 +186,10 @@ def without_amx() -> bool:
                                                        ("Q5_K", False, 448 / 512)])
 def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, half, bytes_a_weight):
     # a matrix of 5-bit codes held in the file's own bytes computes block int8's numbers
-    # (1.06-1.25 bytes a weight) bit for bit: every row count (the direct kernel below 13 rows,
-    # tiles decoded once from there), every position, every instruction set; 5 column tiles, so
-    # the decoded tiles' last pair is one tile. Q5_K's scales d * sc are not float16 numbers:
-    # float32 (five_bit32)
+    # (1.06-1.25 bytes a weight) bit for bit: every row count (five_bit on AVX-512: the direct
+    # kernel below 13 rows, tiles decoded once from there), every position, every instruction
+    # set; 5 column tiles, so the decoded tiles' last pair is one tile. Q5_K's scales d * sc are
+    # not float16 numbers: float32 (five_bit32, whose passes never decode)
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
     layout = "five_bit" if half else "five_bit32"
     packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum, half=half)
