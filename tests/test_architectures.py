@@ -368,20 +368,27 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
 
 
 @pytest.mark.parametrize("types,layouts", [
-    ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q2k", None]),
-    ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k", "q6k"])])
+    ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q2k", "q4k or int4"]),
+    ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k", "q6k"]),
+    ({"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K"}, ["q4k", "q6k"])])
 def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, types, layouts):
     """The query scale (1/sqrt(head size), not a power of two here) is folded into q; the
     float16 super-block scales of a Q2_K or Q6_K q cannot take it, so q carries it as its input
     scale (the kernel multiplies the activations' scales by it) and keeps its own layout, apart
-    from k and v (it was block int8 with k, 1.25-1.5 bytes a weight); the memory check counts
-    exactly what the runner holds; logits within the int8 activations of the fp32 runner's, and
-    suffix = ar."""
+    from k and v (it was block int8 with k, 1.25-1.5 bytes a weight); a Q4_K q in Q4_K's own
+    layout carries it likewise, fused with its k (the scale of q's columns alone); the memory
+    check counts exactly what the runner holds; logits within the int8 activations of the
+    fp32 runner's, and suffix = ar."""
     from specdecode.models.gguf_reader import GGUFFile
+    from specdecode.models.int8_blocks import q4k_own_layout
     from specdecode.models.weights import resident_bytes
 
     from test_gguf_loading import held_bytes
 
+    own = q4k_own_layout()
+    if layouts[0] == "q4k" and not own:
+        pytest.skip("Q4_K's own layout is held where the best kernels are AVX-512 VNNI without AMX")
+    layouts = [{"q4k or int4": "q4k" if own else None}.get(name, name) for name in layouts]
     model = build("qwen2", seed=8, hidden_size=256, intermediate_size=256)
     path = tmp_path / "super-q.gguf"
     write_gguf(model, path, "qwen2", types)
@@ -390,6 +397,8 @@ def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, ty
     assert [getattr(part, "layout", None) for part in parts] == layouts
     assert parts[0].input_scale == pytest.approx(runner.shape.query_scale) != 1.0
     assert all(part.input_scale == 1.0 for part in parts[1:] if hasattr(part, "input_scale"))
+    # (a Q4_K q fused with its k: the scale of q's columns alone)
+    assert parts[0].scaled_columns == (256 if layouts[0] == "q4k" else -1)
     assert resident_bytes(GGUFFile(path), "int4") == held_bytes(runner)
     assert_near_fp32_and_suffix_is_ar(runner, path)
 

@@ -67,12 +67,13 @@ def test_direct_load_gives_the_old_paths_logits_bitwise(files, shape, mix):
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "tiny-gemma3"])
 def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     """A Q4_K_M file's attn_v (Q6_K) beside q and k (Q4_K): the q/k/v layer runs q and k as int4
-    and v in Q6_K's own layout (v's own values: gguf's dequantisation, bitwise), each row's
-    outputs those of each matrix alone, and the layer stack's forward gives the Python loop's
-    bits."""
+    (on a VNNI CPU without AMX: fused in Q4_K's own layout, q's query scale on its columns
+    alone) and v in Q6_K's own layout (v's own values: gguf's dequantisation, bitwise), each
+    row's outputs those of each matrix alone, and the layer stack's forward gives the Python
+    loop's bits."""
     import gguf
 
-    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight
+    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, q4k_own_layout
     from specdecode.models.quant import Int4Linear, SplitLinear
     from specdecode.models.weights import _linear_for
 
@@ -90,8 +91,11 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     runner = LlamaRunner.from_gguf(path, "int4")
     qkv = runner.layers[layer].qkv
     assert isinstance(qkv, SplitLinear)
-    assert [type(part) for part in qkv.parts] == [Int4Linear, Int8BlockLinear]
-    assert qkv.parts[1].layout == "q6k" and qkv.in_features == f.config.hidden_size
+    q4k = q4k_own_layout()
+    assert [type(part) for part in qkv.parts] == [Int8BlockLinear if q4k else Int4Linear,
+                                                  Int8BlockLinear]
+    assert [getattr(part, "layout", "int4") for part in qkv.parts] == ["q4k" if q4k else "int4", "q6k"]
+    assert qkv.in_features == f.config.hidden_size
     x = torch.randn(3, f.config.hidden_size)
     out = qkv(x)
     assert torch.equal(out[:, -v.codes.shape[0]:], Int8BlockLinear(v)(x))
@@ -99,6 +103,8 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
         q = f.read_blocks(p + "q_proj.weight").scaled(runner.shape.query_scale)
         alone = _linear_for([q], "int4")(x)
         assert torch.equal(out[:, :alone.shape[1]], alone)
+        k = _linear_for([f.read_blocks(p + "k_proj.weight")], "int4")(x)
+        assert torch.equal(out[:, alone.shape[1]:alone.shape[1] + k.shape[1]], k)
     assert (runner._stack is None) == (shape == "tiny-gemma3")  # Gemma's norms: no stack
     stacked = runner.prefill(PROMPT).logits
     runner._stack = None

@@ -12,9 +12,9 @@ from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTES,
-                                           Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q6KWeight,
-                                           decode_gguf_blocks, held_bytes_per_weight,
-                                           quantize_int8_blocks)
+                                           Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q4KWeight,
+                                           Q6KWeight, decode_gguf_blocks, held_bytes_per_weight,
+                                           q4k_own_layout, quantize_int8_blocks)
 from specdecode.models.gguf_reader import q4_nibbles
 from specdecode.models.iq_grid_blocks import CODEBOOKS, ODD_GRID_TYPES
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
@@ -76,6 +76,7 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     assert weight.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K", "IQ2_XS", "IQ2_S") else 32)
     assert isinstance(weight, Q6KWeight) == (qtype in ("Q6_K", "Q3_K"))
     assert isinstance(weight, Q2KWeight) == (qtype == "Q2_K")
+    assert isinstance(weight, Q4KWeight) == (qtype == "Q4_K")
     assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"))
     bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 3,
             "Q2_K": 2}.get(qtype, 4)
@@ -312,22 +313,22 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
         assert torch.equal(ext.small_codes_linear(xe, packed, 0, False, None, 16, isa), want), isa
 
 
-def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
-    """Q2_K's numbers (kernels/small_codes.h) computed apart from the kernels: q6k_reference's
-    S and fold, then per super-block M = sum over its sub-blocks of m times the sub-block's
-    sum(xq), folded acc = fma(-M, dmin * dx, acc)."""
+def minimums_reference(x: torch.Tensor, weight: Q2KWeight | Q4KWeight) -> torch.Tensor:
+    """Q2_K's and Q4_K's numbers (kernels/small_codes.h) computed apart from the kernels:
+    q6k_reference's S and fold, then per super-block M = sum over its sub-blocks (of 16 or 32
+    inputs) of m times the sub-block's sum(xq), folded acc = fma(-M, dmin * dx, acc)."""
     m, k = x.shape
-    n = weight.codes.shape[0]
+    n, group = weight.codes.shape[0], weight.group
     xq, dx = quantised_per_256(x, weight.input_scale)
-    xq = xq.view(m, k // 16, 16)
+    xq = xq.view(m, k // group, group)
 
     def per_super_block(sums: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return (sums * factor.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
+        return (sums * factor.to(torch.int64)[None]).view(m, n, k // 256, 256 // group).sum(-1)
 
-    codes = weight.codes.to(torch.int64).view(n, k // 16, 16)
+    codes = weight.codes.to(torch.int64).view(n, k // group, group)
     super_sums = per_super_block(torch.einsum("mgi,ngi->mng", xq, codes), weight.sub_scale)
-    min_sums = per_super_block(xq.sum(-1)[:, None, :].expand(m, n, k // 16), weight.sub_min)
-    assert super_sums.abs().max() < 2**24 and min_sums.abs().max() < 2**24  # float32-exact
+    min_sums = per_super_block(xq.sum(-1)[:, None, :].expand(m, n, k // group), weight.sub_min)
+    assert super_sums.abs().max() < 2**25 and min_sums.abs().max() < 2**22  # int32 in the kernels
     acc = torch.zeros(m, n, dtype=torch.float32)
     folds = ((super_sums, weight.super_scale, 1), (min_sums, weight.super_min, -1))
     for b in range(k // 256):
@@ -337,36 +338,91 @@ def q2k_reference(x: torch.Tensor, weight: Q2KWeight) -> torch.Tensor:
     return acc
 
 
-def test_q2k_in_the_files_bits_folds_scales_and_minimums_in_integers(ext):
-    # Q2_K held in the file's own 0.33 bytes a weight (not block int8's 1.5): its sub-block
-    # scales and minimums folded in integers against activations quantised per 256 inputs, the
-    # reference's numbers on every row count (on AVX2 direct passes below 5 rows, tiles decoded
-    # from there; VNNI's passes at every count), position and instruction set; the extreme
-    # codes, sc and m (3, 15, 15) against activations of +-127
-    weight = decode_gguf_blocks(gguf_blocks("Q2_K", 72, 512, seed=5), "Q2_K")
-    assert isinstance(weight, Q2KWeight)
-    weight.codes[0, :256], weight.sub_scale[0, :16], weight.sub_min[0, :16] = 3, 15, 15
-    weight.codes[1, :256], weight.sub_scale[1, :16], weight.sub_min[1, :16] = 0, 0, 15
-    packed = kernels.pack_q2k(weight.codes, weight.sub_scale, weight.sub_min,
-                              weight.super_scale, weight.super_min)
-    assert packed.numel() == 80 * 512 * 1344 / 4096
+@pytest.mark.parametrize("qtype,top_code,top_factor,block_bytes", [("Q2_K", 3, 15, 1344),
+                                                                   ("Q4_K", 15, 63, 2368)])
+def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top_factor,
+                                                        block_bytes):
+    # Q2_K in the file's own 0.33 bytes a weight (not block int8's 1.5), Q4_K in 0.58 (int4's
+    # Q4_1 blocks hold 0.625, block int8 1.25): their sub-block scales and minimums (Q2_K: 4
+    # bits per 16 inputs, Q4_K: 6 bits per 32) folded in integers against activations
+    # quantised per 256 inputs, the reference's numbers on every row count (Q2_K on AVX2:
+    # direct passes below 5 rows, tiles decoded from there; VNNI's passes at every count),
+    # position and instruction set; the extreme codes, sc and m against activations of +-127;
+    # the factors are the file's (d * sc and dmin * m the block int8 numbers)
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
+    assert type(weight) is {"Q2_K": Q2KWeight, "Q4_K": Q4KWeight}[qtype]
+    sub = 256 // weight.group  # sub-blocks a super-block
+    spread = lambda t: t.float().repeat_interleave(sub, 1)  # noqa: E731 (per 256 -> per group)
+    assert torch.equal(spread(weight.super_scale) * weight.sub_scale.float(), weight.scale)
+    assert torch.equal(-(spread(weight.super_min) * weight.sub_min.float()), weight.minimum)
+    weight.codes[0, :256], weight.sub_scale[0, :sub], weight.sub_min[0, :sub] = top_code, top_factor, top_factor
+    weight.codes[1, :256], weight.sub_scale[1, :sub], weight.sub_min[1, :sub] = 0, 0, top_factor
+    layout = qtype.lower().replace("_", "")
+    packed = getattr(kernels, f"pack_{layout}")(weight.codes, weight.sub_scale, weight.sub_min,
+                                                weight.super_scale, weight.super_min)
+    assert packed.numel() == 80 * 512 * block_bytes / 4096
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     x[0, :256] = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
     x[1, :256] = 1.0
-    expected = q2k_reference(x, weight)
-    assert_small_codes_bits(ext, x, packed, "q2k", True, 72, expected)
-    layer = Int8BlockLinear(weight)
-    assert layer.layout == "q2k" and layer.nbytes == packed.numel()
-    assert torch.equal(layer(x), expected)
-    # fused with another Q2_K matrix it stays Q2_K, beside another type block int8's groups
-    other = decode_gguf_blocks(gguf_blocks("Q2_K", 24, 512, seed=7), "Q2_K")
-    fused = Int8BlockWeight.cat([weight, other])
-    assert isinstance(fused, Q2KWeight) and Int8BlockLinear(fused).layout == "q2k"
-    assert torch.equal(Int8BlockLinear(fused)(x)[:, :72], expected)
-    mixed = Int8BlockWeight.cat([weight, decode_gguf_blocks(gguf_blocks("Q4_K", 8, 512), "Q4_K")])
+    x[2, 256:] = 0  # a super-block of zeros: dx = 0
+    expected = minimums_reference(x, weight)
+    assert_small_codes_bits(ext, x, packed, layout, True, 72, expected)
+    if layout == "q2k" or q4k_own_layout():  # (Q4_K's is held on VNNI CPUs without AMX)
+        layer = Int8BlockLinear(weight)
+        assert layer.layout == layout and layer.nbytes == packed.numel()
+        assert torch.equal(layer(x), expected)
+        # fused with another matrix of its type it keeps its layout
+        fused = Int8BlockWeight.cat([weight, decode_gguf_blocks(gguf_blocks(qtype, 24, 512, 7), qtype)])
+        assert type(fused) is type(weight) and Int8BlockLinear(fused).layout == layout
+        assert torch.equal(Int8BlockLinear(fused)(x)[:, :72], expected)
+    # beside another type, block int8's groups, every weight unchanged
+    mixed = Int8BlockWeight.cat([weight, decode_gguf_blocks(gguf_blocks("Q6_K", 8, 512), "Q6_K")])
     assert type(mixed) is Int8BlockWeight and mixed.group == 16
     assert torch.equal(mixed.dequantize()[:72].view(torch.int32),
                        weight.dequantize().view(torch.int32))
+
+
+def test_a_scaled_q4k_q_fuses_with_its_k(ext):
+    # a Q4_K q scaled by the query scale fused with its unscaled k: one layer, the scale the
+    # activations' of q's columns alone (scaled_columns), each part the reference's numbers of
+    # its own weight on every instruction set, row count and position; a part that is not
+    # whole tiles of rows, or a scaled k, leaves the parts to block int8's numbers
+    q = decode_gguf_blocks(gguf_blocks("Q4_K", 48, 512, seed=11), "Q4_K").scaled(0.125 ** 0.5)
+    k = decode_gguf_blocks(gguf_blocks("Q4_K", 24, 512, seed=12), "Q4_K")
+    fused = Int8BlockWeight.cat([q, k])
+    assert isinstance(fused, Q4KWeight) and fused.scaled_rows == 48
+    assert fused.input_scale == q.input_scale
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(13))
+    expected = torch.cat([minimums_reference(x, q), minimums_reference(x, k)], 1)
+    packed = kernels.pack_q4k(fused.codes, fused.sub_scale, fused.sub_min, fused.super_scale,
+                              fused.super_min)
+    for isa in isas(ext):
+        got = assert_row_invariant(lambda rows: ext.small_codes_linear(
+            rows, packed, kernels.SMALL_CODES_LAYOUTS["q4k"], True, None, 72, isa,
+            q.input_scale, None, 48), x)
+        assert torch.equal(got, expected), isa
+    if q4k_own_layout():
+        layer = Int8BlockLinear(fused)
+        assert layer.layout == "q4k" and layer.scaled_columns == 48
+        assert torch.equal(layer(x), expected)
+    with pytest.raises(SpecDecodeError, match="rows of a partly scaled weight"):
+        fused.take(slice(0, 8))
+    for parts in ([q.take(slice(0, 40)), k], [k, q]):
+        assert type(Int8BlockWeight.cat(parts)) is Int8BlockWeight
+
+
+@pytest.mark.parametrize("isa,layout", [("amx", "block"), ("avx512", "q4k"),
+                                        ("avx2", "five_bit32")])
+def test_q4k_held_in_its_own_layout_on_vnni_cpus_without_amx(monkeypatch, isa, layout):
+    # where a CPU's best kernels are AVX-512 VNNI without AMX a Q4_K matrix keeps its own
+    # layout (and the int4 runner reads it so); with AMX block int8 (int4: Q4_1 blocks, whose
+    # tiles take many rows); on AVX2 alone five_bit32 (int4: Q4_1 blocks, whose AVX2 kernel
+    # took 0.6x q4k's time from 4 rows). Layers built, not run
+    monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index(isa))
+    weight = decode_gguf_blocks(gguf_blocks("Q4_K", 16, 256), "Q4_K")
+    assert q4k_own_layout() == (isa == "avx512")
+    assert Int8BlockLinear(weight).layout == layout
+    assert held_bytes_per_weight("Q4_K") == {"amx": 1.25, "avx512": 0.578125, "avx2": 0.875}[isa]
 
 
 @pytest.mark.parametrize("qtype,layout", [("Q6_K", "q6k"), ("Q2_K", "q2k"), ("Q3_K", None)])
@@ -386,7 +442,7 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
     layout = layout or ("q3k" if without_amx() else "q6k")
     assert layer.layout == layout and layer.input_scale == factor
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(10))
-    reference = q2k_reference if qtype == "Q2_K" else q6k_reference
+    reference = minimums_reference if qtype == "Q2_K" else q6k_reference
     expected = reference(x, scaled)
     assert_small_codes_bits(ext, x, layer.packed, layout, qtype == "Q2_K", 40, expected, factor)
     assert torch.equal(layer(x), expected)
@@ -395,7 +451,7 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
     fused = Int8BlockWeight.cat([scaled, weight])
     assert type(fused) is Int8BlockWeight
     assert torch.equal(fused.dequantize()[:40], scaled.dequantize())
-    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K and Q2_K layouts take an input"):
+    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K, Q2_K and Q4_K layouts take an"):
         five = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q5_0", 16, 256), "Q5_0"))
         ext.small_codes_linear(torch.randn(2, 256), five.packed, 1, False, None, 16, 0, 0.5)
 
@@ -536,12 +592,15 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"6 \(Q2_K\) or 7 \(codebook indices.*\), not 8"):
-        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 8, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match=r"7 \(codebook indices.*\) or 8 \(Q4_K\), not 9"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 9, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K, Q3_K and codebook layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
-    with pytest.raises(RuntimeError, match="the Q2_K layout has minimums"):
+    with pytest.raises(RuntimeError, match="the Q2_K and Q4_K layouts have minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match="whole tiles of 16 of the 16, not 8"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, False, None, 16, 0, 0.5,
+                               None, 8)
     book = kernels.pack_codebook(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
                                  half=False)
     with pytest.raises(RuntimeError, match="the codebook layouts, and they alone, take a codebook"):
@@ -553,6 +612,13 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="Q2_K codes are 0..3, its sc and m 0..15"):
         kernels.pack_q2k(q2k.codes + 1, q2k.sub_scale, q2k.sub_min, q2k.super_scale,
                          q2k.super_min)
+    q4k = decode_gguf_blocks(gguf_blocks("Q4_K", 16, 256), "Q4_K")
+    with pytest.raises(SpecDecodeError, match="Q4_K codes are 0..15, its sc and m 0..63"):
+        kernels.pack_q4k(q4k.codes, q4k.sub_scale + 1, q4k.sub_min, q4k.super_scale,
+                         q4k.super_min)
+    with pytest.raises(SpecDecodeError, match=r"sc and m \[N, K / 32\]"):
+        kernels.pack_q4k(q4k.codes, q4k.sub_scale[:, :4], q4k.sub_min, q4k.super_scale,
+                         q4k.super_min)
 
 
 @pytest.mark.slow  # gguf's reader parses the file's 49,152-token vocabulary first (15-20 s)

@@ -10,8 +10,8 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``weights.pack_blocks``,
-``int8_blocks.decode_gguf_blocks``).
+``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``pack_q4k``,
+``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
@@ -208,6 +208,23 @@ def pack_q3k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
     return torch.cat([groups, packed[..., 3072:]], -1).contiguous()
 
 
+def _check_minimums_factors(qtype: str, group: int, codes: torch.Tensor, sub_scale: torch.Tensor,
+                            sub_min: torch.Tensor, super_scale: torch.Tensor,
+                            super_min: torch.Tensor) -> None:
+    """Refuse the factors of GGUF Q2_K or Q4_K weights (``group``: the inputs of a sub-block)
+    that do not fit its layout, naming the shapes or ranges wanted."""
+    n, k = codes.shape
+    require(k % 256 == 0 and tuple(sub_scale.shape) == tuple(sub_min.shape) == (n, k // group)
+            and tuple(super_scale.shape) == tuple(super_min.shape) == (n, k // 256),
+            f"{qtype} weights: codes [N, a multiple of 256] with sc and m [N, K / {group}] and d "
+            f"and dmin [N, K / 256], got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, "
+            f"{tuple(sub_min.shape)}, {tuple(super_scale.shape)}, {tuple(super_min.shape)}")
+    top_code, top_factor = {"Q2_K": (3, 15), "Q4_K": (15, 63)}[qtype]
+    require(all(0 <= int(t.min()) and int(t.max()) <= top
+                for t, top in ((codes, top_code), (sub_scale, top_factor), (sub_min, top_factor))),
+            f"{qtype} codes are 0..{top_code}, its sc and m 0..{top_factor}")
+
+
 def pack_q2k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
              super_scale: torch.Tensor, super_min: torch.Tensor) -> torch.Tensor:
     """GGUF Q2_K weights (w = d * sc * code - dmin * m; codes [N, K] in 0..3, sc and m [N, K /
@@ -215,30 +232,60 @@ def pack_q2k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor
     and super-block, 16 groups of 16 inputs, each 64 bytes whose byte 4c + i holds input 4j + i
     of column c at bits 2j; then the groups' sc | m << 4 (group major), the columns' d, their
     dmin (the ``q2k`` layout, kernels/small_codes.h). Rows padded with zeros to whole tiles."""
-    n, k = codes.shape
-    require(k % 256 == 0 and tuple(sub_scale.shape) == tuple(sub_min.shape) == (n, k // 16)
-            and tuple(super_scale.shape) == tuple(super_min.shape) == (n, k // 256),
-            f"Q2_K weights: codes [N, a multiple of 256] with sc and m [N, K / 16] and d and "
-            f"dmin [N, K / 256], got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, "
-            f"{tuple(sub_min.shape)}, {tuple(super_scale.shape)}, {tuple(super_min.shape)}")
-    require(all(0 <= int(t.min()) and int(t.max()) <= top
-                for t, top in ((codes, 3), (sub_scale, 15), (sub_min, 15))),
-            "Q2_K codes are 0..3, its sc and m 0..15")
-    supers = k // 256
-    packed = torch.empty(-(-n // TILE), supers, 1344, dtype=torch.uint8)
-    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time, as pack_q8_blocks
-    for first in range(0, packed.shape[0], step):
-        rows = slice(first * TILE, (first + step) * TILE)
+    _check_minimums_factors("Q2_K", 16, codes, sub_scale, sub_min, super_scale, super_min)
+    supers = codes.shape[1] // 256
+
+    def codes_and_factors(rows: slice) -> list[torch.Tensor]:
         c = _tiles(codes[rows].to(torch.uint8))  # [T, c, K]
         c = c.view(-1, TILE, supers, 16, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [T, s, g, c, i, j]
         c = c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6
         sc_m = _tiles((sub_scale[rows] | sub_min[rows] << 4).to(torch.uint8))  # [T, c, K / 16]
         sc_m = sc_m.view(-1, TILE, supers, 16).permute(0, 2, 3, 1)  # [T, s, g, c]
-        parts = [c.reshape(-1, supers, 1024), sc_m.reshape(-1, supers, 256)]
+        return [c.reshape(-1, supers, 1024), sc_m.reshape(-1, supers, 256)]
+
+    return _pack_super_blocks(codes.shape, 1344, codes_and_factors, super_scale, super_min)
+
+
+def _pack_super_blocks(shape, block_bytes: int, codes_and_factors, super_scale: torch.Tensor,
+                       super_min: torch.Tensor) -> torch.Tensor:
+    """uint8 [N / 16, K / 256, ``block_bytes``] of weights [N, K] (``shape``) in a few tiles at
+    a time: ``codes_and_factors(rows)``'s bytes [tiles, K / 256, ...] of those rows, then the
+    columns' d and dmin (float16) per super-block."""
+    n, k = shape
+    packed = torch.empty(-(-n // TILE), k // 256, block_bytes, dtype=torch.uint8)
+    step = max(1, (1 << 22) // (TILE * k))  # tiles at a time, as pack_q8_blocks
+    for first in range(0, packed.shape[0], step):
+        rows = slice(first * TILE, (first + step) * TILE)
+        parts = codes_and_factors(rows)
         parts += [_tiles(t[rows].to(torch.float16)).transpose(1, 2).contiguous().view(torch.uint8)
                   for t in (super_scale, super_min)]
         torch.cat(parts, -1, out=packed[first:first + step])
     return packed
+
+
+def pack_q4k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
+             super_scale: torch.Tensor, super_min: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_K weights (w = d * sc * code - dmin * m; codes [N, K] in 0..15, sc and m [N, K /
+    32] in 0..63, d and dmin float16 [N, K / 256]) -> uint8 [N / 16, K / 256, 2368]: per tile
+    and super-block, 8 groups of 32 inputs in the codebook layouts' nibbles (256 bytes each),
+    then the groups' sc (group major), their m in pairs of groups (column c's m of groups 2p and
+    2p + 1 at bytes 2c and 2c + 1 of pair p), the columns' d, their dmin (the ``q4k`` layout,
+    kernels/small_codes.h). Rows padded with zeros to whole tiles."""
+    _check_minimums_factors("Q4_K", 32, codes, sub_scale, sub_min, super_scale, super_min)
+    supers = codes.shape[1] // 256
+
+    def codes_and_factors(rows: slice) -> list[torch.Tensor]:
+        # the five-bit layout holds codes 0..15 with minimums as they are, in its nibbles
+        part = codes[rows]
+        zeros = torch.zeros(part.shape[0], supers * 8, dtype=torch.float16)
+        nibbles = pack_five_bit(part, zeros, zeros)[..., :256]  # [T, K / 32, 256]
+        sc = _tiles(sub_scale[rows].to(torch.uint8)).view(-1, TILE, supers, 8)  # [T, c, s, g]
+        m = _tiles(sub_min[rows].to(torch.uint8)).view(-1, TILE, supers, 4, 2)  # [T, c, s, p, i]
+        return [nibbles.reshape(-1, supers, 2048),
+                sc.permute(0, 2, 3, 1).reshape(-1, supers, 128),  # [T, s, g, c]
+                m.permute(0, 2, 3, 1, 4).reshape(-1, supers, 128)]  # [T, s, p, c, i]
+
+    return _pack_super_blocks(codes.shape, 2368, codes_and_factors, super_scale, super_min)
 
 
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
@@ -297,14 +344,15 @@ def _pack_codebook16(indices: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
 SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "codebook": 3, "codebook32": 4,
-                       "q3k": 5, "q2k": 6, "codebook16": 7}
+                       "q3k": 5, "q2k": 6, "codebook16": 7, "q4k": 8}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,
-                       codebook=None):
-    """``codebook`` (the codebook layouts alone): int8 [16], the codes their indices name."""
+                       codebook=None, scaled_columns=-1):
+    """``codebook`` (the codebook layouts alone): int8 [16], the codes their indices name;
+    ``scaled_columns``: the leading columns ``input_scale`` is of (-1: all)."""
     return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n,
-                                     isa(), input_scale, codebook)
+                                     isa(), input_scale, codebook, scaled_columns)
 
 
 def q8_linear(x, packed, group, minimum, half, n, residual=None):
@@ -372,11 +420,12 @@ INT4_KIND, BLOCK_INT8_KIND, DENSE_KIND, SMALL_CODES_KIND = 0, 1, 2, 3
 
 
 def packed_linear(packed, kind, n, group=32, minimum=False, half=False, input_scale=1.0,
-                  codebook=None):
+                  codebook=None, scaled_columns=-1):
     """A linear layer's packed weight as the extension's ``PackedLinear`` (what a
     ``LayerStack`` calls): the kernel of ``kind`` with the arguments the layer objects of
     models/quant.py give it."""
-    return load().PackedLinear(packed, kind, n, group, minimum, half, input_scale, codebook)
+    return load().PackedLinear(packed, kind, n, group, minimum, half, input_scale, codebook,
+                               scaled_columns)
 
 
 def split_linear(parts):

@@ -574,7 +574,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t g
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa, double input_scale,
-                              const c10::optional<at::Tensor>& codebook);
+                              const c10::optional<at::Tensor>& codebook, int64_t scaled_columns);
 
 namespace {
 
@@ -1155,12 +1155,13 @@ struct PackedLinear {
   bool minimum, half;
   double input_scale;  // SMALL_CODES: small_codes_linear's (a query scale folded in)
   c10::optional<at::Tensor> codebook;  // SMALL_CODES: small_codes_linear's (codebook layouts)
+  int64_t scaled_columns;  // SMALL_CODES: small_codes_linear's (the columns input_scale is of)
   std::vector<PackedLinear> parts;
 
   PackedLinear(at::Tensor packed, int64_t kind, int64_t n, int64_t group, bool minimum, bool half,
-               double input_scale, c10::optional<at::Tensor> codebook)
+               double input_scale, c10::optional<at::Tensor> codebook, int64_t scaled_columns)
       : packed(std::move(packed)), kind(kind), n(n), group(group), minimum(minimum), half(half),
-        input_scale(input_scale), codebook(std::move(codebook)) {
+        input_scale(input_scale), codebook(std::move(codebook)), scaled_columns(scaled_columns) {
     TORCH_CHECK(kind == INT4 || kind == BLOCK_INT8 || kind == DENSE || kind == SMALL_CODES,
                 "unknown linear kind ", kind);
     TORCH_CHECK(input_scale == 1.0 || kind == SMALL_CODES, "only small-code layers take an input scale");
@@ -1169,7 +1170,7 @@ struct PackedLinear {
 
   explicit PackedLinear(std::vector<PackedLinear> parts)
       : kind(SPLIT), n(0), group(0), minimum(false), half(false), input_scale(1.0),
-        parts(std::move(parts)) {
+        scaled_columns(-1), parts(std::move(parts)) {
     TORCH_CHECK(this->parts.size() >= 2, "a split linear layer needs two parts or more");
     for (const PackedLinear& part : this->parts) n += part.n;
   }
@@ -1185,7 +1186,8 @@ struct PackedLinear {
     if (kind == INT4) return q4_linear(x, packed, residual, n, isa);
     if (kind == BLOCK_INT8) return q8_linear(x, packed, group, minimum, half, residual, n, isa);
     if (kind == SMALL_CODES)
-      return small_codes_linear(x, packed, group, minimum, residual, n, isa, input_scale, codebook);
+      return small_codes_linear(x, packed, group, minimum, residual, n, isa, input_scale, codebook,
+                                scaled_columns);
     return dense_linear(x, packed, c10::nullopt, residual, n, isa);
   }
 };
@@ -1587,7 +1589,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, nogil);
   m.def("small_codes_linear", &small_codes_linear, py::arg("x"), py::arg("packed"), py::arg("layout"),
         py::arg("minimum"), py::arg("residual"), py::arg("n"), py::arg("isa"),
-        py::arg("input_scale") = 1.0, py::arg("codebook") = py::none(), nogil);
+        py::arg("input_scale") = 1.0, py::arg("codebook") = py::none(),
+        py::arg("scaled_columns") = -1, nogil);
   m.def("q4_uses_amx", &q4_uses_amx, "whether q4_linear runs m rows on the AMX tiles at this isa level");
   m.def("rms_norm", &rms_norm, nogil);
   m.def("swiglu", &swiglu, nogil);
@@ -1612,7 +1615,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &MoEExperts::forward, nogil);
   py::class_<PackedLinear>(m, "PackedLinear")
       .def(py::init<at::Tensor, int64_t, int64_t, int64_t, bool, bool, double,
-                    c10::optional<at::Tensor>>())
+                    c10::optional<at::Tensor>, int64_t>())
       .def(py::init<std::vector<PackedLinear>>());
   py::class_<LayerStack>(m, "LayerStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<PackedLinear>, std::vector<PackedLinear>,

@@ -24,6 +24,10 @@
 //   numbers (on AMX CPUs the loader keeps Q6K's layout, whose tiles take many rows).
 // - Q2K: GGUF Q2_K (codes 0..3, 4-bit sc and m per 16 inputs, d and dmin per 256), its codes in
 //   2 bits and its minimums folded in integers as its scales (the Q2K struct below).
+// - Q4K: GGUF Q4_K (codes 0..15, 6-bit sc and m per 32 inputs, d and dmin per 256) in Q2K's
+//   form: 0.58 bytes a weight (the file's 0.56, whose sc and m take 6 bits each), sub-block
+//   scales and minimums folded in integers (on AMX CPUs the loader keeps int4's Q4_1 blocks,
+//   whose tiles take many rows; on AVX2 alone too, whose Q4 kernel is faster from 4 rows).
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
 // output is the same in a call of any size and position, on every instruction set (tested).
 //
@@ -100,7 +104,8 @@ static inline float half_at(const uint8_t* at, int c) {
 template <int TOP_BITS>
 struct SuperScales {
   static constexpr int G = 16, TOP = TOP_BITS, GROUPS = 16, OFFSET = TOP ? 32 : 8, CODE_BITS = 4;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = false;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = false,
+                        PACKED_MINS = false;
   static constexpr int GROUP_BYTES = 8 * G + 32 * TOP, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256;
   static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
   // column c's sc of group g, and its d
@@ -119,14 +124,40 @@ using Q3K = SuperScales<0>;
 // bytes a weight. Q6K's integer fold of sc, and its minimums folded likewise, per super-block
 //   S = sum of sc * isum, M = sum of m * sum(xq)   (exact: |S| < 2^21, |M| < 2^19)
 //   acc = fma((float)S, d * dx, acc), acc = fma(-(float)M, dmin * dx, acc)
+// (PACKED_MINS: sc and m share a byte; MIN_AT: where the groups' m are, as their sc at SC_AT)
 struct Q2K {
   static constexpr int G = 16, TOP = 0, GROUPS = 16, OFFSET = 0, CODE_BITS = 2;
-  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = true;
-  static constexpr int GROUP_BYTES = 64, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 256,
-                       DMIN_AT = D_AT + 32;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = true,
+                        PACKED_MINS = true;
+  static constexpr int GROUP_BYTES = 64, SC_AT = GROUPS * GROUP_BYTES, MIN_AT = SC_AT,
+                       D_AT = SC_AT + 256, DMIN_AT = D_AT + 32;
   static constexpr int64_t block_bytes(bool) { return DMIN_AT + 32; }
   static inline int32_t sub_scale(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c] & 15; }
   static inline int32_t sub_min(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c] >> 4; }
+  static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
+  static inline float super_min(const uint8_t* block, int c) { return half_at(block + DMIN_AT, c); }
+};
+
+// Q4K: GGUF Q4_K, w = d * sc * code - dmin * m, codes 0..15, a 6-bit sc and m per 32 inputs,
+// float16 d and dmin per 256. Groups of 256 bytes (the codebook layouts' nibbles: slices 2i
+// and 2i + 1 in the low and high nibbles of 64 bytes), the groups' sc (8 x 16 bytes, group
+// major), their m in pairs of groups (4 x 32 bytes: column c's m of groups 2p and 2p + 1 at
+// bytes 2c and 2c + 1 of pair p, which widen to the 16-bit pairs of the minimums' fold), the
+// columns' d, their dmin: B = 2368, 0.58 bytes a weight against int4's 0.625 (the file's 0.56,
+// whose sc and m take 6 bits each). Q2K's
+// folds (exact: |S| < 2^25, |M| < 2^22), one a super-block where int4's Q4_1 blocks fold twice
+// per 32 inputs
+struct Q4K {
+  static constexpr int G = 32, TOP = 0, GROUPS = 8, OFFSET = 0, CODE_BITS = 4;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = true,
+                        PACKED_MINS = false;
+  static constexpr int GROUP_BYTES = 8 * G, SC_AT = GROUPS * GROUP_BYTES, MIN_AT = SC_AT + 16 * GROUPS,
+                       D_AT = MIN_AT + 16 * GROUPS, DMIN_AT = D_AT + 32;
+  static constexpr int64_t block_bytes(bool) { return DMIN_AT + 32; }
+  static inline int32_t sub_scale(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c]; }
+  static inline int32_t sub_min(const uint8_t* block, int g, int c) {
+    return block[MIN_AT + 32 * (g / 2) + 2 * c + g % 2];
+  }
   static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
   static inline float super_min(const uint8_t* block, int c) { return half_at(block + DMIN_AT, c); }
 };
@@ -181,7 +212,7 @@ struct Acts {
   // Q6K on decoded AVX2 tiles: xq + 128, each pass's rows interleaved by words of 4 inputs
   // (q6k_interleave)
   const uint8_t* xu = nullptr;
-  // Q2K: each group's sum(xq) [m, k / 16] (|.| <= 16 x 127), for its minimums
+  // Q2K, Q4K: each group's sum(xq) [m, k / G] (|.| <= 32 x 128), for their minimums
   const int16_t* xsum = nullptr;
   // CODEBOOK layouts: the sixteen codes the weights' 4-bit indices name
   const int8_t* codebook = nullptr;
@@ -299,11 +330,11 @@ struct CodebookCodes {
 template <class F>
 static inline __m128i sub_scales8(const uint8_t* block, int g, int h) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 8 * h));
-  if constexpr (F::SUB_MINS) return _mm_and_si128(bytes, _mm_set1_epi8(15));
+  if constexpr (F::PACKED_MINS) return _mm_and_si128(bytes, _mm_set1_epi8(15));
   else return bytes;
 }
 
-// Q2K's minimums of super-block b folded for R rows of half h (8 columns) of a block:
+// Q2K's (Q4K's) minimums of super-block b folded for R rows of half h (8 columns) of a block:
 // M = sum over its groups of m * sum(xq), two groups a VPMADDWD (each column's m of groups 2p
 // and 2p + 1 as a 16-bit pair against the row's two sums), then acc[r][at] = fma(-(float)M,
 // dmin * dx, acc)
@@ -314,10 +345,16 @@ static inline void fold_mins_avx2(const Acts& a, int64_t r0, const uint8_t* bloc
   __m256i min_sum[R];
   for (int r = 0; r < R; r++) min_sum[r] = _mm256_setzero_si256();
   for (int g = 0; g < F::GROUPS; g += 2) {
-    const uint8_t* at_g = block + F::SC_AT + 16 * g + 8 * h;
-    const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g)),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g + 16)));
-    const __m256i m = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_andnot_si128(_mm_set1_epi8(15), pairs), 4));
+    __m128i pairs;  // each column's m of groups g and g + 1 side by side
+    if constexpr (F::PACKED_MINS) {  // (Q2K: sc | m << 4, shifted down)
+      const uint8_t* at_g = block + F::MIN_AT + 16 * g + 8 * h;
+      pairs = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g)),
+                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at_g + 16)));
+      pairs = _mm_srli_epi16(_mm_andnot_si128(_mm_set1_epi8(15), pairs), 4);
+    } else {
+      pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::MIN_AT + 16 * g + 16 * h));
+    }
+    const __m256i m = _mm256_cvtepu8_epi16(pairs);
     for (int r = 0; r < R; r++) {
       int32_t sums;  // the row's sum(xq) of groups g and g + 1
       std::memcpy(&sums, a.xsum + (r0 + r) * groups + b * F::GROUPS + g, 4);
@@ -348,10 +385,11 @@ static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  // Q2K: codes 0..3 and no offset, so a group's four slices add up in 16 bits (4 x 2 x 3 x 127
-  // = 3048) and VPMADDWD by the sub-block scale (16-bit pairs) gives sc * isum at once
-  constexpr bool SCALED_PAIRS = F::CODE_BITS == 2;
-  constexpr int CHUNK = F::SUPER && !SCALED_PAIRS ? 2 : 4;
+  // Q2K, Q4K: no code offset, so a group's slices add up in 16 bits (Q2K: 4 x 2 x 3 x 128 =
+  // 3072; Q4K: 8 x 2 x 15 x 128 = 30720 < 2^15) and VPMADDWD by the sub-block scale (16-bit
+  // pairs) gives sc * isum at once
+  constexpr bool SCALED_PAIRS = F::SUB_MINS;
+  constexpr int CHUNK = SCALED_PAIRS ? F::G / 4 : F::SUPER ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -578,8 +616,8 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
       halves_avx2<F, MIN, R, H>(a, r0, tile, h0, first, ahead, acc);
       k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     };
-    if (F::CODE_BITS == 2 && (m == 3 || m == 4)) {
-      // Q2K holds each super-block's integer sums beside the float accumulators: 3 or 4 rows
+    if (F::SUB_MINS && (m == 3 || m == 4)) {
+      // Q2K (Q4K) holds each super-block's integer sums beside the float accumulators: 3 or 4 rows
       // over both halves at once need more than AVX2's 16 registers (4 rows: 8 + 8 and the
       // group's partial sums), so they take one half a pass, the second from cache (measured
       // on the 1.5B's Q2_K matrices: 4 rows 0.61x the time, 3 rows 0.84x; Q6K's passes, whose
@@ -634,11 +672,13 @@ static inline __m512 halves16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// the 16 columns' sc of group g of a SUPER block, as int32 (Q2K: the low nibbles)
+// the 16 columns' sc of group g of a SUPER block, as int32 (Q2K: the low nibbles; Q4K: bytes
+// 0..63)
 template <class F>
 static inline __m512i sub_scales16(const uint8_t* block, int g) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g));
-  if constexpr (F::SUB_MINS) return _mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(15));
+  if constexpr (F::PACKED_MINS) return _mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(15));
+  else if constexpr (F::SUB_MINS) return _mm512_cvtepu8_epi32(bytes);
   else return _mm512_cvtepi8_epi32(bytes);
 }
 
@@ -649,25 +689,32 @@ static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx,
                          _mm512_mul_ps(halves16(block + F::D_AT), _mm512_set1_ps(dx)), acc);
 }
 
-// Q2K's minimums of super-block b folded for one row: M = sum over its groups of m * sum(xq),
-// two groups a VPMADDWD (each column's m of groups 2p and 2p + 1 as a 16-bit pair against the
-// row's two sums), then acc = fma(-(float)M, dmin * dx, acc) (fold_mins_avx2's numbers). The m
-// pairs are unpacked again for each row: unpacked once for a pass's rows, as fold_mins_avx2
-// does, the 1.5B's Q2_K forwards took 1.05x the time at 16 and 64 rows on a Zen 4
+// the 16 columns' m of groups g and g + 1 of a SUB_MINS block as 16-bit pairs (Q2K: sc | m << 4
+// of both groups side by side, shifted down; Q4K: held so)
 template <class F>
-static inline __m512 fold_mins_vnni(const Acts& a, int64_t row, const uint8_t* block, int64_t b,
-                                    __m512 acc) {
+static inline __m512i min_pairs16(const uint8_t* block, int g) {
+  if constexpr (F::PACKED_MINS) {
+    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::MIN_AT + 16 * g));
+    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::MIN_AT + 16 * g + 16));
+    const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+    return _mm512_srli_epi16(_mm512_cvtepu8_epi16(both), 4);
+  } else {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + F::MIN_AT + 16 * g)));
+  }
+}
+
+// Q2K's (Q4K's) minimums of super-block b folded for one row: M = sum over its groups of m *
+// sum(xq), two groups a VPDPWSSD (`pairs`: min_pairs16 of groups 2p and 2p + 1, against the
+// row's two sums), then acc = fma(-(float)M, dmin * dx, acc) (fold_mins_avx2's numbers)
+template <class F>
+static inline __m512 fold_mins_vnni(const Acts& a, int64_t row, const __m512i (&pairs)[F::GROUPS / 2],
+                                    const uint8_t* block, int64_t b, __m512 acc) {
   const int64_t groups = a.k / F::G, blocks = a.k / 256;
   __m512i min_sum = _mm512_setzero_si512();
-  for (int g = 0; g < F::GROUPS; g += 2) {
-    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g));
-    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g + 16));
-    // column c's sc | m << 4 of both groups side by side in 16 bits each, shifted down to m
-    const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
-    const __m512i pairs = _mm512_srli_epi16(_mm512_cvtepu8_epi16(both), 4);
-    int32_t sums;  // the row's sum(xq) of group g (low 16 bits) and g + 1 (high)
-    std::memcpy(&sums, a.xsum + row * groups + b * F::GROUPS + g, 4);
-    min_sum = _mm512_add_epi32(min_sum, _mm512_madd_epi16(pairs, _mm512_set1_epi32(sums)));
+  for (int p = 0; p < F::GROUPS / 2; p++) {
+    int32_t sums;  // the row's sum(xq) of group 2p (low 16 bits) and 2p + 1 (high)
+    std::memcpy(&sums, a.xsum + row * groups + b * F::GROUPS + 2 * p, 4);
+    min_sum = _mm512_dpwssd_epi32(min_sum, pairs[p], _mm512_set1_epi32(sums));
   }
   const __m512 dmin_dx = _mm512_mul_ps(halves16(block + F::DMIN_AT), _mm512_set1_ps(a.dx[row * blocks + b]));
   return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(min_sum), dmin_dx, acc);
@@ -715,8 +762,8 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       }
       __m512i sum[CH][R][T];
       for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {
-          sum[0][r][t] = _mm512_set1_epi32(a.bias[(r0 + r) * groups + at]);
+        for (int t = 0; t < T; t++) {  // (Q2K, Q4K: no code offset, no bias)
+          sum[0][r][t] = F::SUB_MINS ? _mm512_setzero_si512() : _mm512_set1_epi32(a.bias[(r0 + r) * groups + at]);
           for (int ch = 1; ch < CH; ch++) sum[ch][r][t] = _mm512_setzero_si512();
         }
       const uint8_t* grp[T];
@@ -760,9 +807,17 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
     if constexpr (F::SUPER)
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
+        // the m pairs: Q4K's widened once for the pass's rows; Q2K's again for each row (once
+        // for a pass's rows, the 1.5B's Q2_K forwards took 1.05x the time at 16 and 64 rows on
+        // a Zen 4)
+        __m512i pairs[F::GROUPS / 2];
+        if constexpr (F::SUB_MINS && !F::PACKED_MINS)
+          for (int p = 0; p < F::GROUPS / 2; p++) pairs[p] = min_pairs16<F>(block, 2 * p);
         for (int r = 0; r < R; r++) {
           acc[r][t] = fold_q6k<F>(block, super_sum[r][t], a.dx[(r0 + r) * blocks + b], acc[r][t]);
-          if constexpr (F::SUB_MINS) acc[r][t] = fold_mins_vnni<F>(a, r0 + r, block, b, acc[r][t]);
+          if constexpr (F::PACKED_MINS)
+            for (int p = 0; p < F::GROUPS / 2; p++) pairs[p] = min_pairs16<F>(block, 2 * p);
+          if constexpr (F::SUB_MINS) acc[r][t] = fold_mins_vnni<F>(a, r0 + r, pairs, block, b, acc[r][t]);
         }
       }
   }
@@ -1009,7 +1064,8 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
   if constexpr (F::SUPER) {
     if constexpr (is_q6k<F>)
       if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
-    if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
+    if constexpr (F::G == 16)  // (Q4K's groups of 32 have no decoded tiles)
+      if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
   }
   if constexpr (std::is_same_v<F, FiveBit>)
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
@@ -1027,7 +1083,7 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
   Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, CODEBOOK_LAYOUT = 3, CODEBOOK32_LAYOUT = 4,
-  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7
+  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7, Q4K_LAYOUT = 8
 };
 
 }  // namespace small_codes
@@ -1035,27 +1091,32 @@ enum Layout : int64_t {
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], CODEBOOK [N /
 // 16, K / 32, 288] (CODEBOOK32: 320; CODEBOOK16: [N / 16, K / 16, 192]), Q3K [N / 16, K / 256,
-// 2368], Q2K [N / 16, K / 256, 1344] (whose minimums are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K): y times it, as the
+// 2368], Q2K [N / 16, K / 256, 1344], Q4K [N / 16, K / 256, 2368] (Q2K's and Q4K's minimums
+// are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K, Q4K): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
-// super-block scales cannot take it: models/int8_blocks.py's input_scale). `codebook` (CODEBOOK
-// layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF I-quant's values)
+// super-block scales cannot take it: models/int8_blocks.py's input_scale), of the first
+// `scaled_columns` columns (a multiple of 16: a scaled q fused with its k; -1: all of them).
+// `codebook` (CODEBOOK layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF
+// I-quant's values)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa, double input_scale,
-                              const c10::optional<at::Tensor>& codebook) {
+                              const c10::optional<at::Tensor>& codebook, int64_t scaled_columns) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= CODEBOOK16_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q4K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
               "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K), 6 "
-              "(Q2_K) or 7 (codebook indices, float32 scales per 16 inputs), not ", layout);
+              "(Q2_K), 7 (codebook indices, float32 scales per 16 inputs) or 8 (Q4_K), not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
   const bool book16 = layout == CODEBOOK16_LAYOUT, q3k = layout == Q3K_LAYOUT;
   const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT || book16;
-  const bool q2k = layout == Q2K_LAYOUT;
-  const bool super = q6k || q3k || q2k;  // activations per 256 inputs, sub-block scales in integers
+  const bool q2k = layout == Q2K_LAYOUT, q4k = layout == Q4K_LAYOUT;
+  const bool mins = q2k || q4k;  // minimums folded in integers: each group's sum(xq) wanted
+  // activations per 256 inputs, sub-block scales in integers
+  const bool super = q6k || q3k || mins;
   TORCH_CHECK(!(q6k || q3k || book) || !minimum, "the Q6_K, Q3_K and codebook layouts have no minimums");
-  TORCH_CHECK(!q2k || minimum, "the Q2_K layout has minimums");
-  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K and Q2_K layouts take an input scale");
+  TORCH_CHECK(!mins || minimum, "the Q2_K and Q4_K layouts have minimums");
+  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K, Q2_K and Q4_K layouts take an input scale");
   TORCH_CHECK(book == codebook.has_value(), "the codebook layouts, and they alone, take a codebook");
   TORCH_CHECK(!book || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
                        codebook->numel() == 16 && codebook->is_contiguous()),
@@ -1063,12 +1124,13 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const int64_t bytes = q6k ? Q6K::block_bytes(false)
                         : q3k ? Q3K::block_bytes(false)
                         : q2k ? Q2K::block_bytes(false)
+                        : q4k ? Q4K::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == CODEBOOK_LAYOUT ? Codebook::block_bytes(false)
                         : layout == CODEBOOK32_LAYOUT ? Codebook32::block_bytes(false)
                         : book16 ? Codebook16::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
-  const int64_t inputs = super ? 256 : book16 ? 16 : 32, group = super || book16 ? 16 : 32;
+  const int64_t inputs = super ? 256 : book16 ? 16 : 32, group = (super && !q4k) || book16 ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
@@ -1077,50 +1139,61 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   TORCH_CHECK(tiles * 16 >= n && tiles * 16 < n + 16, "packed weights hold ", tiles * 16,
               " columns, not ", n);
   const float* res = residual_ptr(residual, m, n);
+  TORCH_CHECK(scaled_columns == -1 || (scaled_columns >= 0 && scaled_columns % 16 == 0 && scaled_columns <= n),
+              "scaled columns are -1 (all) or whole tiles of 16 of the ", n, ", not ", scaled_columns);
+  // the column tiles whose activations' scales are times input_scale: all, or the first ones,
+  // which read dx_scaled
+  const int64_t scaled_tiles = scaled_columns == -1 ? tiles : scaled_columns / 16;
   // FIVE_BIT with more rows than a pass of the direct kernel: tiles decoded once to block int8's
   // layout; Q6K with rows enough: the AMX tiles, which read whole blocks of 16 rows, or on AVX2
   // tiles decoded once, which read the activations plus 128 and no offset terms
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
   // (on AVX2 alone: AVX-512 CPUs take their VNNI kernels)
-  const bool q6k_decoded = super && !amx && isa == AVX2 &&
+  const bool q6k_decoded = super && !q4k && !amx && isa == AVX2 &&
                            m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   // (a codebook's VNNI kernels read code + 128, its AVX2 and portable ones the code)
   const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
-                              : q2k ? offset<Q2K>(false) : book ? (isa >= AVX512 ? 128 : 0)
+                              : mins ? 0 : book ? (isa >= AVX512 ? 128 : 0)
                               : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
+  std::vector<float> dx_scaled(input_scale != 1.0 && scaled_tiles < tiles ? dx.size() : 0);
   std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
-  std::vector<int16_t> xsum(q2k ? m * (k / group) : 0);
+  std::vector<int16_t> xsum(mins ? m * (k / group) : 0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
     if (super) quantise_rows_isa<256>(xp, r0, r1, k, xq.data(), dx.data(), nullptr, isa);
     else quantise_rows_isa(xp, r0, r1, k, xq.data(), dx.data(), sx.data(), isa);
     if (input_scale != 1.0)
-      for (int64_t i = r0 * (k / 256); i < r1 * (k / 256); i++) dx[i] *= static_cast<float>(input_scale);
+      for (int64_t i = r0 * (k / 256); i < r1 * (k / 256); i++)
+        (dx_scaled.empty() ? dx[i] : dx_scaled[i]) = dx[i] * static_cast<float>(input_scale);
     if (q6k_decoded && !q2k) return;
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
         for (int64_t i = 0; i < group; i++) total += xq[r * k + g * group + i];
         if (!q6k_decoded) bias[r * (k / group) + g] = -code_offset * total;
-        if (q2k) xsum[r * (k / group) + g] = static_cast<int16_t>(total);
+        if (mins) xsum[r * (k / group) + g] = static_cast<int16_t>(total);
       }
   });
   std::vector<uint8_t> xu(q6k_decoded ? m * k : 0);
   if (q6k_decoded) q6k_interleave(xq.data(), m, k, xu.data());
   const Acts acts{xq.data(), dx.data(), bias.data(), sx.data(), k, q6k_decoded ? xu.data() : nullptr,
                   xsum.data(), book ? codebook->data_ptr<int8_t>() : nullptr};
+  Acts scaled_acts = acts;
+  if (!dx_scaled.empty()) scaled_acts.dx = dx_scaled.data();
   const q8blocks::Acts acts8{xq.data(), dx.data(), bias.data(), sx.data(), k};
   auto y = at::empty({m, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+  auto run = [&](const Acts& acts, int64_t t0, int64_t t1) {
+    if (t0 >= t1) return;
     if (q6k) columns<Q6K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q3k) columns<Q3K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (q4k) columns<Q4K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK_LAYOUT) columns<Codebook, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK32_LAYOUT) columns<Codebook32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (book16) columns<Codebook16, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
@@ -1128,6 +1201,10 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     else if (f32) columns<FiveBit32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (minimum) columns<FiveBit, true>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else columns<FiveBit, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+  };
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    run(scaled_acts, t0, std::min(t1, scaled_tiles));
+    run(acts, std::max(t0, scaled_tiles), t1);
   });
   return y;
 }

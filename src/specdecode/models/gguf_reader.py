@@ -61,7 +61,7 @@ from specdecode import kernels
 from specdecode.cache import file_version
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
-from specdecode.models.int8_blocks import decode_gguf_blocks
+from specdecode.models.int8_blocks import decode_gguf_blocks, q4k_own_layout
 from specdecode.models.iq_grid_blocks import ODD_GRID_TYPES, odd_grid_q4
 from specdecode.models.quant import Q4Weight
 
@@ -372,20 +372,28 @@ def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _read_as_int8_blocks(qtype: str) -> bool:
+    """Whether the int4 and int8 runners read a tensor of ``qtype`` as :class:`Int8BlockWeight`
+    (the block int8 types, and Q4_K where this CPU holds it in its own layout:
+    ``int8_blocks.q4k_own_layout``)."""
+    return qtype in INT8_BLOCK_TYPES or qtype == "Q4_K" and q4k_own_layout()
+
+
 def dequantized_rows(raw: np.ndarray, e: TensorEntry, blocks: bool) -> torch.Tensor:
     """float32 rows of matrix ``e`` from their bytes ``raw`` [rows, bytes a row], the values
     ``weights.as_float`` gives of the tensor the runner reads: with ``blocks`` (the int4 and
     int8 runners' :meth:`GGUFFile.read_blocks`) 4-bit types through :class:`Q4Blocks` (Q4_K's
-    scale products rounded to float16, as int4 holds them) and the block int8 types through
-    :class:`Int8BlockWeight` (exactly), else as :meth:`GGUFFile.read` with ``blocks=False``
-    (``gguf``'s dequantisation). The same functions on fewer rows: every block decodes on its
-    own, so a row has the same bits whichever rows are read with it. Not for llama.cpp's
-    permuted q/k rows or Gemma's 1 + w norms (the token embedding is neither)."""
+    scale products rounded to float16, as int4 holds them) and the block int8 types (and Q4_K
+    where it keeps its own layout) through :class:`Int8BlockWeight` (exactly), else as
+    :meth:`GGUFFile.read` with ``blocks=False`` (``gguf``'s dequantisation). The same
+    functions on fewer rows: every block decodes on its own, so a row has the same bits
+    whichever rows are read with it. Not for llama.cpp's permuted q/k rows or Gemma's 1 + w
+    norms (the token embedding is neither)."""
     try:
+        if blocks and _read_as_int8_blocks(e.qtype):
+            return decode_gguf_blocks(raw, e.qtype).dequantize()
         if blocks and e.qtype in Q4_TYPES:
             return q4_nibbles(raw, e.qtype).dequantize()
-        if blocks and e.qtype in INT8_BLOCK_TYPES:
-            return decode_gguf_blocks(raw, e.qtype).dequantize()
         return _dequantized(raw, e)
     except (ValueError, NotImplementedError, KeyError) as exc:
         raise SpecDecodeError(f"cannot read tensor {e.gguf_name} ({e.qtype}): {exc}") from None
@@ -598,10 +606,11 @@ class GGUFFile:
     def read_blocks(self, name: str):
         """Tensor ``name`` for the int4 and int8 runners: :class:`Q4Blocks` for 4-bit block
         types (their bytes as they are), :class:`Int8BlockWeight` for the other block types
-        (``INT8_BLOCK_TYPES``: their own values, exactly), else float32 as :meth:`read` gives
-        it; q/k rows unpermuted."""
+        (``INT8_BLOCK_TYPES``: their own values, exactly) and for Q4_K where this CPU holds it in
+        its own layout (``_read_as_int8_blocks``), else float32 as :meth:`read` gives it; q/k
+        rows unpermuted."""
         e = self.entries[name]
-        if e.qtype in INT8_BLOCK_TYPES:
+        if _read_as_int8_blocks(e.qtype):
             weight = decode_gguf_blocks(self.raw(name), e.qtype)
             heads = self._permuted_heads(name)
             if heads:

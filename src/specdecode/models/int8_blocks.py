@@ -36,7 +36,9 @@ and one or two fused multiply-adds per group fold it in, in group order: row inv
 construction, the same bits on every instruction set. A matrix that is Q6_K throughout
 (``Q6KWeight``) keeps the file's bytes and its own numbers (``kernels/small_codes.h``): its
 8-bit sub-block scales are folded in integers against activations quantised per 256 inputs,
-as llama.cpp folds Q6_K against its Q8_K, one fused multiply-add per 256 inputs instead of 16.
+as llama.cpp folds Q6_K against its Q8_K, one fused multiply-add per 256 inputs instead of 16;
+so do Q2_K matrices (``Q2KWeight``) and, on AVX-512 VNNI CPUs without AMX, Q4_K ones
+(``Q4KWeight``), their minimums folded likewise.
 ``quantize_int8_blocks`` makes the format from float weights (``--weights int8``): GGUF Q8_0's
 scheme, symmetric per 32 inputs with a float16 scale.
 """
@@ -123,6 +125,7 @@ class Int8BlockWeight:
     def take(self, index: torch.Tensor) -> Int8BlockWeight:
         """Rows ``index`` (a slice or a tensor of row numbers: q/k rows unpermuted, a head's
         shortlist), in this weight's form (its scales' factors too)."""
+        require(getattr(self, "scaled_rows", -1) == -1, "rows of a partly scaled weight")
         return dataclasses.replace(self, **{name: t[index] for name, t in self._tensors()})
 
     def _tensors(self):
@@ -132,9 +135,9 @@ class Int8BlockWeight:
     def scaled(self, factor: float) -> Int8BlockWeight:
         """The weights times ``factor`` (a query scale folded in): scales and minimums times it
         in float32. A weight whose kernels read its scales' factors (``Q6KWeight``,
-        ``Q2KWeight``) keeps those, whose float16 super-block scales would not hold the product,
-        and carries ``factor`` as its ``input_scale``, which the kernel multiplies the
-        activations' scales by."""
+        ``Q4KWeight``, ``Q2KWeight``) keeps those, whose float16 super-block scales would not
+        hold the product, and carries ``factor`` as its ``input_scale``, which the kernel
+        multiplies the activations' scales by."""
         numbers = {"scale": self.scale * factor,
                    "minimum": None if self.minimum is None else self.minimum * factor}
         if hasattr(self, "input_scale"):
@@ -161,11 +164,19 @@ class Int8BlockWeight:
         if len(parts) == 1:  # (a copy of a whole LM head would be its size again in flight)
             return parts[0]
         kind = type(parts[0])
-        if (kind is not Int8BlockWeight and all(type(p) is kind for p in parts)
-                and len({p.input_scale for p in parts}) == 1):
-            # Q6_K or Q2_K throughout, one input scale: their scales' factors stacked too
-            return dataclasses.replace(parts[0], **{name: torch.cat([getattr(p, name) for p in parts])
-                                                    for name, _ in parts[0]._tensors()})
+        if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
+            # Q6_K, Q4_K or Q2_K throughout, one input scale (Q4_K: or a scaled q before its
+            # unscaled k, the kernel told which rows): their scales' factors stacked too
+            scales = [p.input_scale for p in parts]
+            stacked = {name: torch.cat([getattr(p, name) for p in parts])
+                       for name, _ in parts[0]._tensors()}
+            whole = all(getattr(p, "scaled_rows", -1) == -1 for p in parts)
+            if whole and len(set(scales)) == 1:
+                return dataclasses.replace(parts[0], **stacked)
+            if (whole and kind is Q4KWeight and set(scales[1:]) == {1.0}
+                    and parts[0].codes.shape[0] % kernels.TILE == 0):
+                return dataclasses.replace(parts[0], **stacked,
+                                           scaled_rows=parts[0].codes.shape[0])
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
@@ -187,6 +198,24 @@ class Q6KWeight(Int8BlockWeight):
     super_scale: torch.Tensor
     #: the kernel's factor on the activations' scales (``scaled``): w = input_scale * d * sc * q
     input_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Q4KWeight(Int8BlockWeight):
+    """A GGUF Q4_K matrix as block int8 (groups of 32, codes 0..15, scale = d * sc, minimum =
+    -(dmin * m)) that also keeps the factors, ``sub_scale`` sc and ``sub_min`` m uint8 [out, in
+    / 32] (0..63) and ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that
+    a VNNI CPU without AMX holds it in 0.58 bytes a weight (``kernels.pack_q4k``; the file's
+    0.56), its sub-block scales and minimums folded in integers (``q4k_own_layout``)."""
+
+    sub_scale: torch.Tensor
+    sub_min: torch.Tensor
+    super_scale: torch.Tensor
+    super_min: torch.Tensor
+    #: as ``Q6KWeight``'s
+    input_scale: float = 1.0
+    #: the leading rows ``input_scale`` is of (-1: all): a scaled q fused with its k (``cat``)
+    scaled_rows: int = -1
 
 
 @dataclass(frozen=True)
@@ -253,6 +282,18 @@ def decode_mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> Int8BlockW
                            torch.from_numpy(_e8m0_half(scales.numpy())), None, 32)
 
 
+def _q4k_factors(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K blocks' (uint8 [blocks, 144]) sub-block scales and minimums (uint8 [blocks, 8],
+    0..63: ggml-quants.c's get_scale_min_k4 over the 12 bytes after d and dmin) and their d and
+    dmin (float16 [blocks, 1])."""
+    q = blocks[:, 4:16]
+    low, high = q[:, 0:4], q[:, 4:8]  # sub-blocks 0-3 in the low 6 bits; 4-7's top 2 bits
+    sc = np.concatenate([low & 63, (q[:, 8:12] & 15) | (low >> 6) << 4], 1)
+    m = np.concatenate([high & 63, (q[:, 8:12] >> 4) | (high >> 6) << 4], 1)
+    d, dmin = (blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
+    return sc, m, d, dmin
+
+
 def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
     """A GGUF tensor's block data (uint8 [rows, bytes a row], as ``gguf.GGUFReader`` maps it)
     of type ``qtype`` (a ``GGMLQuantizationType`` name) as block int8, every weight exact (the
@@ -283,6 +324,9 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
     codes, scale, minimum = kernels.load().decode_blocks(torch.from_numpy(blocks), qtype)
     codes, scale = codes.view(rows, -1), scale.view(rows, -1)
     group = 16 if qtype == "Q6_K" else 32
+    if qtype == "Q4_K":  # the scales' factors too
+        factors = (torch.from_numpy(t.reshape(rows, -1)) for t in _q4k_factors(blocks))
+        return Q4KWeight(codes, scale, minimum.view(rows, -1), group, *factors)
     if qtype == "Q6_K":  # the scales' factors too: sc (bytes 192..207) and d (208..209)
         return Q6KWeight(codes, scale, None, group,
                          torch.from_numpy(blocks[:, 192:208].view(np.int8).copy().reshape(rows, -1)),
@@ -294,7 +338,7 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 
 #: bytes a weight ``Int8BlockLinear`` holds of a matrix of one GGUF type, by its layout
 #: (kernels/small_codes.h, q8_blocks.h): (on a CPU without AMX, with AMX); Q4_0, Q4_1 and
-#: Q4_K are the int8 runner's
+#: Q4_K are the int8 runner's (Q4_K's on AVX-512 VNNI without AMX: ``Q4K_BYTES``)
 HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75, 0.75),
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
               "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
@@ -305,6 +349,10 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
+#: bytes a weight of a Q4_K matrix in its own layout (``q4k_own_layout``)
+Q4K_BYTES = 0.578125
+
+
 def _without_amx() -> bool:
     """Whether this CPU lacks AMX tiles: Q5_K's, Q3_K's and the IQ4 types' own layouts
     (five_bit32, q3k, the IQ4 codebook) are held only then. With AMX, block int8 and Q6_K's
@@ -312,9 +360,20 @@ def _without_amx() -> bool:
     return kernels.isa() <= kernels.ISA_LEVELS.index("avx512")
 
 
+def q4k_own_layout() -> bool:
+    """Whether this CPU holds GGUF Q4_K matrices in their own layout (``q4k``, for the int4
+    runner too: :class:`Q4KWeight`): where its best kernels are AVX-512 VNNI without AMX. With
+    AMX int4's Q4_1 blocks take many rows on the tiles; on AVX2 alone int4's kernel took 0.6x
+    the q4k layout's time from 4 rows (its one row 1.07x; the 1.5B's Q4_K matrices on a Zen 4
+    capped at AVX2)."""
+    return _without_amx() and kernels.isa() == kernels.ISA_LEVELS.index("avx512")
+
+
 def held_bytes_per_weight(qtype: str) -> float:
     """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
-    (``HELD_BYTES``; a fused layer of several types holds up to 1.5)."""
+    (``HELD_BYTES``, ``Q4K_BYTES``; a fused layer of several types holds up to 1.5)."""
+    if qtype == "Q4_K" and q4k_own_layout():
+        return Q4K_BYTES
     return HELD_BYTES[qtype][0 if _without_amx() else 1]
 
 
@@ -366,7 +425,9 @@ class Int8BlockLinear:
         self.out_features = out
         self.group = weight.group
         self.has_minimum = weight.minimum is not None
-        self.input_scale = getattr(weight, "input_scale", 1.0)  # (the q6k, q3k and q2k layouts')
+        self.input_scale = getattr(weight, "input_scale", 1.0)  # (the super-block layouts')
+        # (of its first scaled_columns outputs: a Q4_K q fused with its k; -1: all)
+        self.scaled_columns = getattr(weight, "scaled_rows", -1)
         # float16 scales where they are float16 numbers (Q8_0, Q4_0/1, Q5_0/1, --weights int8):
         # the same numbers in fewer bytes (a row reads 1.0625 bytes a weight, not 1.125)
         numbers = [t for t in (weight.scale, weight.minimum) if t is not None]
@@ -379,7 +440,9 @@ class Int8BlockLinear:
         # IQ4_NL or IQ4_XS codes as their 4-bit indices, 0.56 or 0.63 bytes a weight, not 1.06
         # or 1.13; Q3_K's codes in Q6_K's layout without the top bits, 0.58, not 0.83.
         # IQ3_XXS or IQ2_XXS codes as indices in 0.63 on every CPU, IQ2_XS or IQ2_S codes (a
-        # scale per 16) in 0.75: block int8 would hold 2.9 to 4.4 times the file's bytes
+        # scale per 16) in 0.75: block int8 would hold 2.9 to 4.4 times the file's bytes. And
+        # on a VNNI CPU without AMX a Q4_K matrix in 0.58 (its scales and minimums folded in
+        # integers, as Q2_K's), not int4's 0.625 or five_bit32's 0.875
         small = _without_amx()
         # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
         # is the first)
@@ -388,6 +451,7 @@ class Int8BlockLinear:
         self.codebook, indices = found if found is not None else (None, None)
         q3k = small and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
+                       else "q4k" if isinstance(weight, Q4KWeight) and q4k_own_layout()
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
                        else ("codebook16" if weight.group == 16 else "codebook" if self.half
@@ -396,9 +460,10 @@ class Int8BlockLinear:
                        else "five_bit" if self.half
                        else "five_bit32" if small
                        else "block")
-        if self.layout == "q2k":
-            self.packed = kernels.pack_q2k(weight.codes, weight.sub_scale, weight.sub_min,
-                                           weight.super_scale, weight.super_min)
+        if self.layout in ("q2k", "q4k"):
+            pack = kernels.pack_q2k if self.layout == "q2k" else kernels.pack_q4k
+            self.packed = pack(weight.codes, weight.sub_scale, weight.sub_min,
+                               weight.super_scale, weight.super_min)
         elif self.layout in ("q6k", "q3k"):
             pack = kernels.pack_q3k if q3k else kernels.pack_q6k
             self.packed = pack(weight.codes, weight.sub_scale, weight.super_scale)
@@ -420,7 +485,7 @@ class Int8BlockLinear:
             if self.layout != "block":
                 return kernels.small_codes_linear(x, self.packed, self.layout, self.has_minimum,
                                                   self.out_features, residual, self.input_scale,
-                                                  self.codebook)
+                                                  self.codebook, self.scaled_columns)
             return kernels.q8_linear(x, self.packed, self.group, self.has_minimum, self.half,
                                      self.out_features, residual)
         except RuntimeError as exc:
@@ -436,7 +501,8 @@ class Int8BlockLinear:
         # (the small-code kernel takes its layout's code where block int8 takes its group)
         return kernels.packed_linear(self.packed, kernels.SMALL_CODES_KIND, self.out_features,
                                      kernels.SMALL_CODES_LAYOUTS[self.layout], self.has_minimum,
-                                     input_scale=self.input_scale, codebook=self.codebook)
+                                     input_scale=self.input_scale, codebook=self.codebook,
+                                     scaled_columns=self.scaled_columns)
 
     @property
     def nbytes(self) -> int:
