@@ -4,15 +4,15 @@
     PYTHONPATH=src python scripts/held_layouts_ab.py --model q3km.gguf --rows 1 16 --turns 15
 
 Without AMX the int4 runner holds Q4_K, Q5_K, Q3_K, IQ4_NL and IQ4_XS matrices in their own
-small layouts (kernels/small_codes.h: 0.58, 0.875, 0.58, 0.56 and 0.63 bytes a weight); with
-AMX it keeps them as int4's Q4_1 blocks, block int8 and in Q6_K's layout (0.625, 1.25, 0.83,
-1.06, 1.13), whose tile kernels take many rows. Two runners of ``--model`` are built here, one
-each way (``int8_blocks._without_amx`` set for its build), both on this CPU's kernels; after
-``--past`` cached positions they take turns on forwards of each row count (each first in every
-other turn; their logits asserted equal where the layouts compute the same numbers: not where
-the file has Q4_K matrices, whose layout folds per 256 inputs where Q4_1's folds per 32), then
-on a prompt of ``--prompt`` tokens. Printed: the medians and the ratio, this CPU's layouts over
-the AMX CPU's.
+small layouts (kernels/small_codes.h: 0.58, 0.70 (AVX2: 0.875), 0.58, 0.56 and 0.63 bytes a
+weight); with AMX it keeps them as int4's Q4_1 blocks, block int8 and in Q6_K's layout (0.625,
+1.25, 0.83, 1.06, 1.13), whose tile kernels take many rows. Two runners of ``--model`` are
+built here, one each way (``int8_blocks._without_amx`` set for its build), both on this CPU's
+kernels; after ``--past`` cached positions they take turns on forwards of each row count (each
+first in every other turn; their logits asserted equal where the layouts compute the same
+numbers: not where the file has Q4_K or Q5_K matrices, whose own layouts fold per 256 inputs
+where the others fold per 32), then on a prompt of ``--prompt`` tokens. Printed: the medians
+and the ratio, this CPU's layouts over the AMX CPU's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     held = int8_blocks._without_amx
-    q4k = any(e.qtype == "Q4_K" for e in GGUFFile(loaded.gguf_path).entries.values())
+    # (Q4_K's and Q5_K's own layouts fold per 256 inputs, their other layouts per 32)
+    other_numbers = any(e.qtype in ("Q4_K", "Q5_K")
+                        for e in GGUFFile(loaded.gguf_path).entries.values())
     runners = {}
     for name, small in (("amx", False), ("this", True)):
         int8_blocks._without_amx = lambda small=small: small
@@ -50,7 +52,7 @@ def main() -> None:
     for runner in runners.values():
         runner.prefill(tokens(args.past))
     for rows in args.rows:
-        took = forward_medians(runners, rows, args.turns, equal=not q4k)
+        took = forward_medians(runners, rows, args.turns, equal=not other_numbers)
         print(f"{rows} rows after {args.past}: {took['amx'] * 1e3:.1f} / {took['this'] * 1e3:.1f} "
               f"({took['this'] / took['amx']:.2f}x)", flush=True)
     took = alternate({name: lambda name=name: runners[name].replica().prefill(tokens(args.prompt))

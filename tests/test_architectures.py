@@ -287,9 +287,11 @@ def test_gguf_files_read_like_the_model(tmp_path, name, arch):
 
 
 def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monkeypatch):
-    """A file's Q5_K matrices (float32 scales d * sc) in the five-bit layout, as CPUs without
-    AMX hold them, and as block int8, as AMX CPUs do: the same logits, bit for bit,
-    through the layer stack (prefill and a verify chain), and every method's tokens ar's."""
+    """A file's Q5_K matrices (float32 scales d * sc) in the five-bit layout, as AVX2-only CPUs
+    hold them, and as block int8, as AMX CPUs do: the same logits, bit for bit, through the
+    layer stack (prefill and a verify chain), and every method's tokens ar's; in Q5_K's own
+    layout, as AVX-512 VNNI CPUs without AMX hold them (its scales and minimums folded in
+    integers: other numbers), logits within the int8 activations of the fp32 runner's."""
     from specdecode.models import int8_blocks
 
     # intermediate 256: the down projection's rows are one Q5_K super-block
@@ -297,7 +299,7 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
     path = tmp_path / "q5k.gguf"
     write_gguf(model, path, "qwen2", {"down_proj": "Q5_K"})
     runners = {}
-    for layout, level in (("five_bit32", "avx512"), ("block", "amx")):
+    for layout, level in (("five_bit32", "avx2"), ("block", "amx"), ("q5k", "avx512")):
         monkeypatch.setattr(int8_blocks.kernels, "isa", lambda level=level: ISA_LEVELS.index(level))
         runners[layout] = LlamaRunner.from_gguf(path, "int4")
         downs = [layer.down.layout for layer in runners[layout].layers]
@@ -305,15 +307,16 @@ def test_q5_k_matrices_in_five_bit_bytes_give_block_int8s_logits(tmp_path, monke
     monkeypatch.undo()
     prompt = repetitive_prompts()[2]
     outs = []
-    for runner in runners.values():
-        first = runner.prefill(prompt).logits
-        chain = runner.forward(prompt[-1], Draft.chain(prompt[:5])).logits
+    for layout in ("five_bit32", "block"):
+        first = runners[layout].prefill(prompt).logits
+        chain = runners[layout].forward(prompt[-1], Draft.chain(prompt[:5])).logits
         outs.append((first, chain))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     runner = runners["five_bit32"]
     for prompt in repetitive_prompts()[:2]:
         ar = Decoder(runner, None, "ar", eos_token_ids=[]).start(prompt, 24).run()
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
+    assert_near_fp32_and_suffix_is_ar(runners["q5k"], path)
 
 
 def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
@@ -380,12 +383,12 @@ def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, ty
     check counts exactly what the runner holds; logits within the int8 activations of the
     fp32 runner's, and suffix = ar."""
     from specdecode.models.gguf_reader import GGUFFile
-    from specdecode.models.int8_blocks import q4k_own_layout
+    from specdecode.models.int8_blocks import q4k_q5k_own_layouts
     from specdecode.models.weights import resident_bytes
 
     from test_gguf_loading import held_bytes
 
-    own = q4k_own_layout()
+    own = q4k_q5k_own_layouts()
     if layouts[0] == "q4k" and not own:
         pytest.skip("Q4_K's own layout is held where the best kernels are AVX-512 VNNI without AMX")
     layouts = [{"q4k or int4": "q4k" if own else None}.get(name, name) for name in layouts]

@@ -13,8 +13,9 @@ from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTES,
                                            Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q4KWeight,
-                                           Q6KWeight, decode_gguf_blocks, held_bytes_per_weight,
-                                           q4k_own_layout, quantize_int8_blocks)
+                                           Q5KWeight, Q6KWeight, decode_gguf_blocks,
+                                           held_bytes_per_weight, q4k_q5k_own_layouts,
+                                           quantize_int8_blocks)
 from specdecode.models.gguf_reader import q4_nibbles
 from specdecode.models.iq_grid_blocks import CODEBOOKS, ODD_GRID_TYPES
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
@@ -76,7 +77,7 @@ def test_decode_equals_gguf_dequantize_bitwise(qtype):
     assert weight.group == (16 if qtype in ("Q6_K", "Q3_K", "Q2_K", "IQ2_XS", "IQ2_S") else 32)
     assert isinstance(weight, Q6KWeight) == (qtype in ("Q6_K", "Q3_K"))
     assert isinstance(weight, Q2KWeight) == (qtype == "Q2_K")
-    assert isinstance(weight, Q4KWeight) == (qtype == "Q4_K")
+    assert type(weight) is {"Q4_K": Q4KWeight, "Q5_K": Q5KWeight}.get(qtype, type(weight))
     assert (weight.minimum is not None) == (qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"))
     bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q3_K": 3,
             "Q2_K": 2}.get(qtype, 4)
@@ -201,10 +202,14 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
     expected = ext.q8_linear(x, block, group, minimum, half, None, 72, 0)
     assert_small_codes_bits(ext, x, packed, layout, minimum, 72, expected)
-    # the loader's choice: float32 scales stay block int8 where AMX takes many rows
+    # the loader's choice: float32 scales stay block int8 where AMX takes many rows; Q5_K's
+    # own layout (q5k, its other numbers) where the best kernels are VNNI without AMX
     layer = Int8BlockLinear(weight)
-    assert layer.layout == (layout if half or without_amx() else "block")
-    assert torch.equal(layer(x), expected)
+    if qtype == "Q5_K" and q4k_q5k_own_layouts():
+        assert layer.layout == "q5k"
+    else:
+        assert layer.layout == (layout if half or without_amx() else "block")
+        assert torch.equal(layer(x), expected)
 
 
 @pytest.mark.parametrize("qtype,half,bytes_a_weight,values", [
@@ -314,9 +319,10 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
 
 
 def minimums_reference(x: torch.Tensor, weight: Q2KWeight | Q4KWeight) -> torch.Tensor:
-    """Q2_K's and Q4_K's numbers (kernels/small_codes.h) computed apart from the kernels:
-    q6k_reference's S and fold, then per super-block M = sum over its sub-blocks (of 16 or 32
-    inputs) of m times the sub-block's sum(xq), folded acc = fma(-M, dmin * dx, acc)."""
+    """Q2_K's, Q4_K's and Q5_K's numbers (kernels/small_codes.h) computed apart from the
+    kernels: q6k_reference's S and fold, then per super-block M = sum over its sub-blocks (of
+    16 or 32 inputs) of m times the sub-block's sum(xq), folded acc = fma(-M, dmin * dx, acc)
+    (S and M as float32 numbers first, as the kernels convert them: Q5_K's S passes 2^24)."""
     m, k = x.shape
     n, group = weight.codes.shape[0], weight.group
     xq, dx = quantised_per_256(x, weight.input_scale)
@@ -328,29 +334,31 @@ def minimums_reference(x: torch.Tensor, weight: Q2KWeight | Q4KWeight) -> torch.
     codes = weight.codes.to(torch.int64).view(n, k // group, group)
     super_sums = per_super_block(torch.einsum("mgi,ngi->mng", xq, codes), weight.sub_scale)
     min_sums = per_super_block(xq.sum(-1)[:, None, :].expand(m, n, k // group), weight.sub_min)
-    assert super_sums.abs().max() < 2**25 and min_sums.abs().max() < 2**22  # int32 in the kernels
+    assert super_sums.abs().max() < 2**26 and min_sums.abs().max() < 2**22  # int32 in the kernels
     acc = torch.zeros(m, n, dtype=torch.float32)
     folds = ((super_sums, weight.super_scale, 1), (min_sums, weight.super_min, -1))
     for b in range(k // 256):
         for sums, factor, sign in folds:
             scale = factor[None, :, b].float() * dx[:, None, b]  # float32 product
-            acc = (sign * sums[:, :, b].double() * scale.double() + acc.double()).float()
+            acc = (sign * sums[:, :, b].float().double() * scale.double() + acc.double()).float()
     return acc
 
 
 @pytest.mark.parametrize("qtype,top_code,top_factor,block_bytes", [("Q2_K", 3, 15, 1344),
-                                                                   ("Q4_K", 15, 63, 2368)])
+                                                                   ("Q4_K", 15, 63, 2368),
+                                                                   ("Q5_K", 31, 63, 2880)])
 def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top_factor,
                                                         block_bytes):
     # Q2_K in the file's own 0.33 bytes a weight (not block int8's 1.5), Q4_K in 0.58 (int4's
-    # Q4_1 blocks hold 0.625, block int8 1.25): their sub-block scales and minimums (Q2_K: 4
-    # bits per 16 inputs, Q4_K: 6 bits per 32) folded in integers against activations
-    # quantised per 256 inputs, the reference's numbers on every row count (Q2_K on AVX2:
+    # Q4_1 blocks hold 0.625, block int8 1.25), Q5_K in 0.70 (five_bit32: 0.875): their
+    # sub-block scales and minimums (Q2_K: 4 bits per 16 inputs, Q4_K and Q5_K: 6 bits per
+    # 32) folded in integers against activations quantised per 256 inputs (Q5_K on AVX2 four
+    # slices at a time), the reference's numbers on every row count (Q2_K on AVX2:
     # direct passes below 5 rows, tiles decoded from there; VNNI's passes at every count),
     # position and instruction set; the extreme codes, sc and m against activations of +-127;
     # the factors are the file's (d * sc and dmin * m the block int8 numbers)
     weight = decode_gguf_blocks(gguf_blocks(qtype, 72, 512, seed=5), qtype)
-    assert type(weight) is {"Q2_K": Q2KWeight, "Q4_K": Q4KWeight}[qtype]
+    assert type(weight) is {"Q2_K": Q2KWeight, "Q4_K": Q4KWeight, "Q5_K": Q5KWeight}[qtype]
     sub = 256 // weight.group  # sub-blocks a super-block
     spread = lambda t: t.float().repeat_interleave(sub, 1)  # noqa: E731 (per 256 -> per group)
     assert torch.equal(spread(weight.super_scale) * weight.sub_scale.float(), weight.scale)
@@ -367,7 +375,7 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
     x[2, 256:] = 0  # a super-block of zeros: dx = 0
     expected = minimums_reference(x, weight)
     assert_small_codes_bits(ext, x, packed, layout, True, 72, expected)
-    if layout == "q2k" or q4k_own_layout():  # (Q4_K's is held on VNNI CPUs without AMX)
+    if layout == "q2k" or q4k_q5k_own_layouts():  # (Q4_K's, Q5_K's: VNNI CPUs without AMX)
         layer = Int8BlockLinear(weight)
         assert layer.layout == layout and layer.nbytes == packed.numel()
         assert torch.equal(layer(x), expected)
@@ -382,47 +390,54 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
                        weight.dequantize().view(torch.int32))
 
 
-def test_a_scaled_q4k_q_fuses_with_its_k(ext):
-    # a Q4_K q scaled by the query scale fused with its unscaled k: one layer, the scale the
-    # activations' of q's columns alone (scaled_columns), each part the reference's numbers of
-    # its own weight on every instruction set, row count and position; a part that is not
-    # whole tiles of rows, or a scaled k, leaves the parts to block int8's numbers
-    q = decode_gguf_blocks(gguf_blocks("Q4_K", 48, 512, seed=11), "Q4_K").scaled(0.125 ** 0.5)
-    k = decode_gguf_blocks(gguf_blocks("Q4_K", 24, 512, seed=12), "Q4_K")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_a_scaled_q_fuses_with_its_k(ext, qtype):
+    # a Q4_K (Q5_K) q scaled by the query scale fused with its unscaled k: one layer, the scale
+    # the activations' of q's columns alone (scaled_columns), each part the reference's numbers
+    # of its own weight on every instruction set, row count and position; a part that is not
+    # whole tiles of rows, or a scaled k, or another type leaves the parts to block int8's
+    q = decode_gguf_blocks(gguf_blocks(qtype, 48, 512, seed=11), qtype).scaled(0.125 ** 0.5)
+    k = decode_gguf_blocks(gguf_blocks(qtype, 24, 512, seed=12), qtype)
     fused = Int8BlockWeight.cat([q, k])
-    assert isinstance(fused, Q4KWeight) and fused.scaled_rows == 48
+    assert type(fused) is type(q) and fused.scaled_rows == 48
     assert fused.input_scale == q.input_scale
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(13))
     expected = torch.cat([minimums_reference(x, q), minimums_reference(x, k)], 1)
-    packed = kernels.pack_q4k(fused.codes, fused.sub_scale, fused.sub_min, fused.super_scale,
-                              fused.super_min)
+    layout = qtype.lower().replace("_", "")
+    packed = getattr(kernels, f"pack_{layout}")(fused.codes, fused.sub_scale, fused.sub_min,
+                                                fused.super_scale, fused.super_min)
     for isa in isas(ext):
         got = assert_row_invariant(lambda rows: ext.small_codes_linear(
-            rows, packed, kernels.SMALL_CODES_LAYOUTS["q4k"], True, None, 72, isa,
+            rows, packed, kernels.SMALL_CODES_LAYOUTS[layout], True, None, 72, isa,
             q.input_scale, None, 48), x)
         assert torch.equal(got, expected), isa
-    if q4k_own_layout():
+    if q4k_q5k_own_layouts():
         layer = Int8BlockLinear(fused)
-        assert layer.layout == "q4k" and layer.scaled_columns == 48
+        assert layer.layout == layout and layer.scaled_columns == 48
         assert torch.equal(layer(x), expected)
     with pytest.raises(SpecDecodeError, match="rows of a partly scaled weight"):
         fused.take(slice(0, 8))
-    for parts in ([q.take(slice(0, 40)), k], [k, q]):
+    other = "Q5_K" if qtype == "Q4_K" else "Q4_K"
+    for parts in ([q.take(slice(0, 40)), k], [k, q],
+                  [q, decode_gguf_blocks(gguf_blocks(other, 24, 512), other)]):
         assert type(Int8BlockWeight.cat(parts)) is Int8BlockWeight
 
 
-@pytest.mark.parametrize("isa,layout", [("amx", "block"), ("avx512", "q4k"),
-                                        ("avx2", "five_bit32")])
-def test_q4k_held_in_its_own_layout_on_vnni_cpus_without_amx(monkeypatch, isa, layout):
-    # where a CPU's best kernels are AVX-512 VNNI without AMX a Q4_K matrix keeps its own
-    # layout (and the int4 runner reads it so); with AMX block int8 (int4: Q4_1 blocks, whose
-    # tiles take many rows); on AVX2 alone five_bit32 (int4: Q4_1 blocks, whose AVX2 kernel
-    # took 0.6x q4k's time from 4 rows). Layers built, not run
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_q4k_q5k_held_in_their_own_layouts_on_vnni_cpus_without_amx(monkeypatch, isa, qtype):
+    # where a CPU's best kernels are AVX-512 VNNI without AMX a Q4_K or Q5_K matrix keeps its
+    # own layout (and the int4 runner reads Q4_K so); with AMX block int8 (int4: Q4_K as Q4_1
+    # blocks, whose tiles take many rows); on AVX2 alone five_bit32 (int4: Q4_K as Q4_1
+    # blocks, whose AVX2 kernel is the faster from 4 rows). Layers built, not run
     monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index(isa))
-    weight = decode_gguf_blocks(gguf_blocks("Q4_K", 16, 256), "Q4_K")
-    assert q4k_own_layout() == (isa == "avx512")
-    assert Int8BlockLinear(weight).layout == layout
-    assert held_bytes_per_weight("Q4_K") == {"amx": 1.25, "avx512": 0.578125, "avx2": 0.875}[isa]
+    weight = decode_gguf_blocks(gguf_blocks(qtype, 16, 256), qtype)
+    assert q4k_q5k_own_layouts() == (isa == "avx512")
+    own = qtype.lower().replace("_", "")
+    assert Int8BlockLinear(weight).layout == {"amx": "block", "avx512": own,
+                                              "avx2": "five_bit32"}[isa]
+    own_bytes = {"Q4_K": 0.578125, "Q5_K": 0.703125}[qtype]
+    assert held_bytes_per_weight(qtype) == {"amx": 1.25, "avx512": own_bytes, "avx2": 0.875}[isa]
 
 
 @pytest.mark.parametrize("qtype,layout", [("Q6_K", "q6k"), ("Q2_K", "q2k"), ("Q3_K", None)])
@@ -451,7 +466,7 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
     fused = Int8BlockWeight.cat([scaled, weight])
     assert type(fused) is Int8BlockWeight
     assert torch.equal(fused.dequantize()[:40], scaled.dequantize())
-    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K, Q2_K and Q4_K layouts take an"):
+    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K, Q2_K, Q4_K and Q5_K layouts take"):
         five = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q5_0", 16, 256), "Q5_0"))
         ext.small_codes_linear(torch.randn(2, 256), five.packed, 1, False, None, 16, 0, 0.5)
 
@@ -592,11 +607,11 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"7 \(codebook indices.*\) or 8 \(Q4_K\), not 9"):
-        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 9, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match=r"8 \(Q4_K\) or 9 \(Q5_K\), not 10"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 10, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K, Q3_K and codebook layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
-    with pytest.raises(RuntimeError, match="the Q2_K and Q4_K layouts have minimums"):
+    with pytest.raises(RuntimeError, match="the Q2_K, Q4_K and Q5_K layouts have minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 6, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="whole tiles of 16 of the 16, not 8"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, False, None, 16, 0, 0.5,

@@ -10,7 +10,7 @@ output element is computed by one thread in an order of additions fixed by the m
 alone, so a row's result never depends on the rows beside it, on any x86-64 CPU; the
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
-``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``pack_q4k``,
+``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``pack_q4k``, ``pack_q5k``,
 ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
@@ -211,7 +211,7 @@ def pack_q3k(codes: torch.Tensor, sub_scale: torch.Tensor, super_scale: torch.Te
 def _check_minimums_factors(qtype: str, group: int, codes: torch.Tensor, sub_scale: torch.Tensor,
                             sub_min: torch.Tensor, super_scale: torch.Tensor,
                             super_min: torch.Tensor) -> None:
-    """Refuse the factors of GGUF Q2_K or Q4_K weights (``group``: the inputs of a sub-block)
+    """Refuse the factors of GGUF Q2_K, Q4_K or Q5_K weights (``group``: the inputs of a sub-block)
     that do not fit its layout, naming the shapes or ranges wanted."""
     n, k = codes.shape
     require(k % 256 == 0 and tuple(sub_scale.shape) == tuple(sub_min.shape) == (n, k // group)
@@ -219,7 +219,7 @@ def _check_minimums_factors(qtype: str, group: int, codes: torch.Tensor, sub_sca
             f"{qtype} weights: codes [N, a multiple of 256] with sc and m [N, K / {group}] and d "
             f"and dmin [N, K / 256], got {tuple(codes.shape)}, {tuple(sub_scale.shape)}, "
             f"{tuple(sub_min.shape)}, {tuple(super_scale.shape)}, {tuple(super_min.shape)}")
-    top_code, top_factor = {"Q2_K": (3, 15), "Q4_K": (15, 63)}[qtype]
+    top_code, top_factor = {"Q2_K": (3, 15), "Q4_K": (15, 63), "Q5_K": (31, 63)}[qtype]
     require(all(0 <= int(t.min()) and int(t.max()) <= top
                 for t, top in ((codes, top_code), (sub_scale, top_factor), (sub_min, top_factor))),
             f"{qtype} codes are 0..{top_code}, its sc and m 0..{top_factor}")
@@ -271,21 +271,40 @@ def pack_q4k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor
     then the groups' sc (group major), their m in pairs of groups (column c's m of groups 2p and
     2p + 1 at bytes 2c and 2c + 1 of pair p), the columns' d, their dmin (the ``q4k`` layout,
     kernels/small_codes.h). Rows padded with zeros to whole tiles."""
-    _check_minimums_factors("Q4_K", 32, codes, sub_scale, sub_min, super_scale, super_min)
+    return _pack_sub_mins32("Q4_K", codes, sub_scale, sub_min, super_scale, super_min)
+
+
+def pack_q5k(codes: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
+             super_scale: torch.Tensor, super_min: torch.Tensor) -> torch.Tensor:
+    """GGUF Q5_K weights (``pack_q4k``'s, codes 0..31) -> uint8 [N / 16, K / 256, 2880]: each
+    group's nibbles followed by its codes' fifth bits (64 bytes, slice j's at bit j), as the
+    five-bit layout holds them (the ``q5k`` layout, kernels/small_codes.h)."""
+    return _pack_sub_mins32("Q5_K", codes, sub_scale, sub_min, super_scale, super_min)
+
+
+def _pack_sub_mins32(qtype: str, codes: torch.Tensor, sub_scale: torch.Tensor,
+                     sub_min: torch.Tensor, super_scale: torch.Tensor,
+                     super_min: torch.Tensor) -> torch.Tensor:
+    """``pack_q4k`` and ``pack_q5k``: the five-bit layout's codes, with the sub-block factors
+    and super-block scales of Q4_K's and Q5_K's layouts."""
+    _check_minimums_factors(qtype, 32, codes, sub_scale, sub_min, super_scale, super_min)
     supers = codes.shape[1] // 256
+    group_bytes = 256 if qtype == "Q4_K" else 320  # (Q5_K: its fifth bits too)
 
     def codes_and_factors(rows: slice) -> list[torch.Tensor]:
-        # the five-bit layout holds codes 0..15 with minimums as they are, in its nibbles
+        # the five-bit layout holds codes 0..31 with minimums as they are: its nibbles, then
+        # their fifth bits (zero for Q4_K)
         part = codes[rows]
         zeros = torch.zeros(part.shape[0], supers * 8, dtype=torch.float16)
-        nibbles = pack_five_bit(part, zeros, zeros)[..., :256]  # [T, K / 32, 256]
+        groups = pack_five_bit(part, zeros, zeros)[..., :group_bytes]  # [T, K / 32, bytes]
         sc = _tiles(sub_scale[rows].to(torch.uint8)).view(-1, TILE, supers, 8)  # [T, c, s, g]
         m = _tiles(sub_min[rows].to(torch.uint8)).view(-1, TILE, supers, 4, 2)  # [T, c, s, p, i]
-        return [nibbles.reshape(-1, supers, 2048),
+        return [groups.reshape(-1, supers, 8 * group_bytes),
                 sc.permute(0, 2, 3, 1).reshape(-1, supers, 128),  # [T, s, g, c]
                 m.permute(0, 2, 3, 1, 4).reshape(-1, supers, 128)]  # [T, s, p, c, i]
 
-    return _pack_super_blocks(codes.shape, 2368, codes_and_factors, super_scale, super_min)
+    return _pack_super_blocks(codes.shape, 8 * group_bytes + 320, codes_and_factors, super_scale,
+                              super_min)
 
 
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
@@ -344,7 +363,7 @@ def _pack_codebook16(indices: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
 SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "codebook": 3, "codebook32": 4,
-                       "q3k": 5, "q2k": 6, "codebook16": 7, "q4k": 8}
+                       "q3k": 5, "q2k": 6, "codebook16": 7, "q4k": 8, "q5k": 9}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,

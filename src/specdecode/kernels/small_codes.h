@@ -28,6 +28,8 @@
 //   form: 0.58 bytes a weight (the file's 0.56, whose sc and m take 6 bits each), sub-block
 //   scales and minimums folded in integers (on AMX CPUs the loader keeps int4's Q4_1 blocks,
 //   whose tiles take many rows; on AVX2 alone too, whose Q4 kernel is faster from 4 rows).
+// - Q5K: GGUF Q5_K (codes 0..31) in Q4K's form with the fifth bits (TOP = 1): 0.70 bytes a
+//   weight (the loader holds it where it holds Q4K; elsewhere FIVE_BIT32 or block int8).
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
 // output is the same in a call of any size and position, on every instruction set (tested).
 //
@@ -144,15 +146,17 @@ struct Q2K {
 // major), their m in pairs of groups (4 x 32 bytes: column c's m of groups 2p and 2p + 1 at
 // bytes 2c and 2c + 1 of pair p, which widen to the 16-bit pairs of the minimums' fold), the
 // columns' d, their dmin: B = 2368, 0.58 bytes a weight against int4's 0.625 (the file's 0.56,
-// whose sc and m take 6 bits each). Q2K's
-// folds (exact: |S| < 2^25, |M| < 2^22), one a super-block where int4's Q4_1 blocks fold twice
-// per 32 inputs
-struct Q4K {
-  static constexpr int G = 32, TOP = 0, GROUPS = 8, OFFSET = 0, CODE_BITS = 4;
+// whose sc and m take 6 bits each). Q2K's folds (exact: |S| < 2^25, |M| < 2^22), one a
+// super-block where int4's Q4_1 blocks fold twice per 32 inputs. Q5K (TOP_BITS 1, GGUF Q5_K):
+// each group's fifth bits after its nibbles, as FIVE_BIT's (64 bytes, slice j's at bit j): B =
+// 2880, 0.70 bytes a weight against FIVE_BIT32's 0.875 (|S| < 2^26)
+template <int TOP_BITS>
+struct SubMins32 {
+  static constexpr int G = 32, TOP = TOP_BITS, GROUPS = 8, OFFSET = 0, CODE_BITS = 4;
   static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = false, SUB_MINS = true,
                         PACKED_MINS = false;
-  static constexpr int GROUP_BYTES = 8 * G, SC_AT = GROUPS * GROUP_BYTES, MIN_AT = SC_AT + 16 * GROUPS,
-                       D_AT = MIN_AT + 16 * GROUPS, DMIN_AT = D_AT + 32;
+  static constexpr int GROUP_BYTES = 8 * G + 2 * TOP * G, SC_AT = GROUPS * GROUP_BYTES,
+                       MIN_AT = SC_AT + 16 * GROUPS, D_AT = MIN_AT + 16 * GROUPS, DMIN_AT = D_AT + 32;
   static constexpr int64_t block_bytes(bool) { return DMIN_AT + 32; }
   static inline int32_t sub_scale(const uint8_t* block, int g, int c) { return block[SC_AT + 16 * g + c]; }
   static inline int32_t sub_min(const uint8_t* block, int g, int c) {
@@ -161,6 +165,8 @@ struct Q4K {
   static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
   static inline float super_min(const uint8_t* block, int c) { return half_at(block + DMIN_AT, c); }
 };
+using Q4K = SubMins32<0>;
+using Q5K = SubMins32<1>;
 
 // column c's float32 number at `at`
 static inline float float_at(const uint8_t* at, int c) {
@@ -385,11 +391,11 @@ static inline __m256 numbers8_avx2(const uint8_t* at, int h) {
 template <class F, bool MIN, int R, int H>
 static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, bool prefetch,
                         Ahead ahead, __m256 (&acc)[R][H]) {
-  // Q2K, Q4K: no code offset, so a group's slices add up in 16 bits (Q2K: 4 x 2 x 3 x 128 =
-  // 3072; Q4K: 8 x 2 x 15 x 128 = 30720 < 2^15) and VPMADDWD by the sub-block scale (16-bit
-  // pairs) gives sc * isum at once
+  // Q2K, Q4K, Q5K: no code offset, so a group's slices (Q5K: four at a time) add up in 16
+  // bits (Q2K: 4 x 2 x 3 x 128 = 3072; Q4K: 8 x 2 x 15 x 128 = 30720; Q5K: 4 x 2 x 31 x 128
+  // = 31744 < 2^15) and VPMADDWD by the sub-block scale (16-bit pairs) gives sc times them
   constexpr bool SCALED_PAIRS = F::SUB_MINS;
-  constexpr int CHUNK = SCALED_PAIRS ? F::G / 4 : F::SUPER ? 2 : 4;
+  constexpr int CHUNK = SCALED_PAIRS ? (F::TOP ? 4 : F::G / 4) : F::SUPER ? 2 : 4;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -409,9 +415,13 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
         _mm_prefetch(reinterpret_cast<const char*>(ahead.at + (at * ahead.lines + line) * 64), _MM_HINT_T0);
       for (int h = 0; h < H; h++) {
         const int half = h0 + h;
-        __m256i isum[R], part[R];
-        if constexpr (!SCALED_PAIRS)
+        __m256i isum[R], part[R], sc_pairs;
+        if constexpr (SCALED_PAIRS) {  // each column's sc in both 16-bit halves of its lane
+          const __m128i sc8 = sub_scales8<F>(block, g, half);
+          sc_pairs = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+        } else {
           for (int r = 0; r < R; r++) isum[r] = _mm256_set1_epi32(a.bias[(r0 + r) * groups + at]);
+        }
         each_slice_avx2<F>(block + g * F::GROUP_BYTES, half, [&](auto j, __m256i u) {
           constexpr int J = decltype(j)::value;
           for (int r = 0; r < R; r++) {
@@ -419,15 +429,16 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
             std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * J, 4);
             const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(four));
             part[r] = J % CHUNK ? _mm256_add_epi16(part[r], p) : p;
-            if constexpr (!SCALED_PAIRS && J % CHUNK == CHUNK - 1)
-              isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+            if constexpr (J % CHUNK == CHUNK - 1) {
+              if constexpr (SCALED_PAIRS)
+                super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_madd_epi16(part[r], sc_pairs));
+              else
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], ones));
+            }
           }
         });
         if constexpr (SCALED_PAIRS) {
-          const __m128i sc8 = sub_scales8<F>(block, g, half);
-          const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
-          for (int r = 0; r < R; r++)
-            super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_madd_epi16(part[r], sc));
+          // (sc times the group's sum already in S)
         } else if constexpr (F::SUPER) {
           const __m256i sc = _mm256_cvtepi8_epi32(sub_scales8<F>(block, g, half));
           for (int r = 0; r < R; r++)
@@ -1064,7 +1075,7 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
   if constexpr (F::SUPER) {
     if constexpr (is_q6k<F>)
       if (tiles_pay(m, isa, Q6K_AMX_MIN_ROWS)) return q6k_columns_amx(a, m, packed, residual, y, n, t0, t1);
-    if constexpr (F::G == 16)  // (Q4K's groups of 32 have no decoded tiles)
+    if constexpr (F::G == 16)  // (Q4K's and Q5K's groups of 32 have no decoded tiles)
       if (a.xu) return q6k_columns_decoded_avx2<F>(a, m, packed, residual, y, n, t0, t1);
   }
   if constexpr (std::is_same_v<F, FiveBit>)
@@ -1083,7 +1094,7 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
   Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, CODEBOOK_LAYOUT = 3, CODEBOOK32_LAYOUT = 4,
-  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7, Q4K_LAYOUT = 8
+  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7, Q4K_LAYOUT = 8, Q5K_LAYOUT = 9
 };
 
 }  // namespace small_codes
@@ -1091,8 +1102,9 @@ enum Layout : int64_t {
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], CODEBOOK [N /
 // 16, K / 32, 288] (CODEBOOK32: 320; CODEBOOK16: [N / 16, K / 16, 192]), Q3K [N / 16, K / 256,
-// 2368], Q2K [N / 16, K / 256, 1344], Q4K [N / 16, K / 256, 2368] (Q2K's and Q4K's minimums
-// are the layout's: `minimum` true). `input_scale` (Q6K, Q3K, Q2K, Q4K): y times it, as the
+// 2368], Q2K [N / 16, K / 256, 1344], Q4K [N / 16, K / 256, 2368], Q5K [N / 16, K / 256, 2880]
+// (Q2K's, Q4K's and Q5K's minimums are the layout's: `minimum` true). `input_scale` (Q6K,
+// Q3K, Q2K, Q4K, Q5K): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
 // super-block scales cannot take it: models/int8_blocks.py's input_scale), of the first
 // `scaled_columns` columns (a multiple of 16: a scaled q fused with its k; -1: all of them).
@@ -1103,20 +1115,21 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                               int64_t isa, double input_scale,
                               const c10::optional<at::Tensor>& codebook, int64_t scaled_columns) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q4K_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q5K_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
               "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K), 6 "
-              "(Q2_K), 7 (codebook indices, float32 scales per 16 inputs) or 8 (Q4_K), not ", layout);
+              "(Q2_K), 7 (codebook indices, float32 scales per 16 inputs), 8 (Q4_K) or 9 (Q5_K), "
+              "not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
   const bool book16 = layout == CODEBOOK16_LAYOUT, q3k = layout == Q3K_LAYOUT;
   const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT || book16;
-  const bool q2k = layout == Q2K_LAYOUT, q4k = layout == Q4K_LAYOUT;
-  const bool mins = q2k || q4k;  // minimums folded in integers: each group's sum(xq) wanted
+  const bool q2k = layout == Q2K_LAYOUT, q4k = layout == Q4K_LAYOUT, q5k = layout == Q5K_LAYOUT;
+  const bool mins = q2k || q4k || q5k;  // minimums folded in integers: each group's sum(xq) wanted
   // activations per 256 inputs, sub-block scales in integers
   const bool super = q6k || q3k || mins;
   TORCH_CHECK(!(q6k || q3k || book) || !minimum, "the Q6_K, Q3_K and codebook layouts have no minimums");
-  TORCH_CHECK(!mins || minimum, "the Q2_K and Q4_K layouts have minimums");
-  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K, Q2_K and Q4_K layouts take an input scale");
+  TORCH_CHECK(!mins || minimum, "the Q2_K, Q4_K and Q5_K layouts have minimums");
+  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K, Q2_K, Q4_K and Q5_K layouts take an input scale");
   TORCH_CHECK(book == codebook.has_value(), "the codebook layouts, and they alone, take a codebook");
   TORCH_CHECK(!book || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
                        codebook->numel() == 16 && codebook->is_contiguous()),
@@ -1125,12 +1138,14 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                         : q3k ? Q3K::block_bytes(false)
                         : q2k ? Q2K::block_bytes(false)
                         : q4k ? Q4K::block_bytes(false)
+                        : q5k ? Q5K::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == CODEBOOK_LAYOUT ? Codebook::block_bytes(false)
                         : layout == CODEBOOK32_LAYOUT ? Codebook32::block_bytes(false)
                         : book16 ? Codebook16::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
-  const int64_t inputs = super ? 256 : book16 ? 16 : 32, group = (super && !q4k) || book16 ? 16 : 32;
+  const int64_t inputs = super ? 256 : book16 ? 16 : 32;
+  const int64_t group = (super && !q4k && !q5k) || book16 ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
@@ -1150,7 +1165,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
   const bool amx = q6k && tiles_pay(m, isa, Q6K_AMX_MIN_ROWS);
   const bool decoded = layout == FIVE_BIT_LAYOUT && isa >= AVX512 && m >= SMALL_CODES_DECODE_MIN_ROWS;
   // (on AVX2 alone: AVX-512 CPUs take their VNNI kernels)
-  const bool q6k_decoded = super && !q4k && !amx && isa == AVX2 &&
+  const bool q6k_decoded = (q6k || q3k || q2k) && !amx && isa == AVX2 &&
                            m >= (q6k ? Q6K_AVX2_DECODE_MIN_ROWS
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   // (a codebook's VNNI kernels read code + 128, its AVX2 and portable ones the code)
@@ -1194,6 +1209,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     else if (q3k) columns<Q3K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q4k) columns<Q4K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (q5k) columns<Q5K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK_LAYOUT) columns<Codebook, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK32_LAYOUT) columns<Codebook32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (book16) columns<Codebook16, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

@@ -37,8 +37,8 @@ construction, the same bits on every instruction set. A matrix that is Q6_K thro
 (``Q6KWeight``) keeps the file's bytes and its own numbers (``kernels/small_codes.h``): its
 8-bit sub-block scales are folded in integers against activations quantised per 256 inputs,
 as llama.cpp folds Q6_K against its Q8_K, one fused multiply-add per 256 inputs instead of 16;
-so do Q2_K matrices (``Q2KWeight``) and, on AVX-512 VNNI CPUs without AMX, Q4_K ones
-(``Q4KWeight``), their minimums folded likewise.
+so do Q2_K matrices (``Q2KWeight``) and, on AVX-512 VNNI CPUs without AMX, Q4_K and Q5_K ones
+(``Q4KWeight``, ``Q5KWeight``), their minimums folded likewise.
 ``quantize_int8_blocks`` makes the format from float weights (``--weights int8``): GGUF Q8_0's
 scheme, symmetric per 32 inputs with a float16 scale.
 """
@@ -165,15 +165,15 @@ class Int8BlockWeight:
             return parts[0]
         kind = type(parts[0])
         if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
-            # Q6_K, Q4_K or Q2_K throughout, one input scale (Q4_K: or a scaled q before its
-            # unscaled k, the kernel told which rows): their scales' factors stacked too
+            # Q6_K, Q5_K, Q4_K or Q2_K throughout, one input scale (Q4_K, Q5_K: or a scaled q
+            # before its unscaled k, the kernel told which rows): their scales' factors stacked
             scales = [p.input_scale for p in parts]
             stacked = {name: torch.cat([getattr(p, name) for p in parts])
                        for name, _ in parts[0]._tensors()}
             whole = all(getattr(p, "scaled_rows", -1) == -1 for p in parts)
             if whole and len(set(scales)) == 1:
                 return dataclasses.replace(parts[0], **stacked)
-            if (whole and kind is Q4KWeight and set(scales[1:]) == {1.0}
+            if (whole and issubclass(kind, Q4KWeight) and set(scales[1:]) == {1.0}
                     and parts[0].codes.shape[0] % kernels.TILE == 0):
                 return dataclasses.replace(parts[0], **stacked,
                                            scaled_rows=parts[0].codes.shape[0])
@@ -206,7 +206,7 @@ class Q4KWeight(Int8BlockWeight):
     -(dmin * m)) that also keeps the factors, ``sub_scale`` sc and ``sub_min`` m uint8 [out, in
     / 32] (0..63) and ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that
     a VNNI CPU without AMX holds it in 0.58 bytes a weight (``kernels.pack_q4k``; the file's
-    0.56), its sub-block scales and minimums folded in integers (``q4k_own_layout``)."""
+    0.56), its sub-block scales and minimums folded in integers (``q4k_q5k_own_layouts``)."""
 
     sub_scale: torch.Tensor
     sub_min: torch.Tensor
@@ -216,6 +216,12 @@ class Q4KWeight(Int8BlockWeight):
     input_scale: float = 1.0
     #: the leading rows ``input_scale`` is of (-1: all): a scaled q fused with its k (``cat``)
     scaled_rows: int = -1
+
+
+@dataclass(frozen=True)
+class Q5KWeight(Q4KWeight):
+    """A GGUF Q5_K matrix: :class:`Q4KWeight`'s form with codes 0..31, held in 0.70 bytes a
+    weight (``kernels.pack_q5k``; the file's 0.69) where Q4_K's layout is."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,8 @@ def decode_mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> Int8BlockW
 
 
 def _q4k_factors(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Q4_K blocks' (uint8 [blocks, 144]) sub-block scales and minimums (uint8 [blocks, 8],
+    """Q4_K (Q5_K) blocks' (uint8 [blocks, 144 (176)]) sub-block scales and minimums (uint8
+    [blocks, 8],
     0..63: ggml-quants.c's get_scale_min_k4 over the 12 bytes after d and dmin) and their d and
     dmin (float16 [blocks, 1])."""
     q = blocks[:, 4:16]
@@ -324,9 +331,10 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
     codes, scale, minimum = kernels.load().decode_blocks(torch.from_numpy(blocks), qtype)
     codes, scale = codes.view(rows, -1), scale.view(rows, -1)
     group = 16 if qtype == "Q6_K" else 32
-    if qtype == "Q4_K":  # the scales' factors too
+    if qtype in ("Q4_K", "Q5_K"):  # the scales' factors too
         factors = (torch.from_numpy(t.reshape(rows, -1)) for t in _q4k_factors(blocks))
-        return Q4KWeight(codes, scale, minimum.view(rows, -1), group, *factors)
+        kind = Q4KWeight if qtype == "Q4_K" else Q5KWeight
+        return kind(codes, scale, minimum.view(rows, -1), group, *factors)
     if qtype == "Q6_K":  # the scales' factors too: sc (bytes 192..207) and d (208..209)
         return Q6KWeight(codes, scale, None, group,
                          torch.from_numpy(blocks[:, 192:208].view(np.int8).copy().reshape(rows, -1)),
@@ -338,7 +346,8 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 
 #: bytes a weight ``Int8BlockLinear`` holds of a matrix of one GGUF type, by its layout
 #: (kernels/small_codes.h, q8_blocks.h): (on a CPU without AMX, with AMX); Q4_0, Q4_1 and
-#: Q4_K are the int8 runner's (Q4_K's on AVX-512 VNNI without AMX: ``Q4K_BYTES``)
+#: Q4_K are the int8 runner's (Q4_K's and Q5_K's on AVX-512 VNNI without AMX:
+#: ``OWN_LAYOUT_BYTES``)
 HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75, 0.75),
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
               "Q3_K": (0.578125, 0.828125), "IQ4_NL": (0.5625, 1.0625),
@@ -349,8 +358,8 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
-#: bytes a weight of a Q4_K matrix in its own layout (``q4k_own_layout``)
-Q4K_BYTES = 0.578125
+#: bytes a weight of a Q4_K or Q5_K matrix in its own layout (``q4k_q5k_own_layouts``)
+OWN_LAYOUT_BYTES = {"Q4_K": 0.578125, "Q5_K": 0.703125}
 
 
 def _without_amx() -> bool:
@@ -360,20 +369,19 @@ def _without_amx() -> bool:
     return kernels.isa() <= kernels.ISA_LEVELS.index("avx512")
 
 
-def q4k_own_layout() -> bool:
-    """Whether this CPU holds GGUF Q4_K matrices in their own layout (``q4k``, for the int4
-    runner too: :class:`Q4KWeight`): where its best kernels are AVX-512 VNNI without AMX. With
-    AMX int4's Q4_1 blocks take many rows on the tiles; on AVX2 alone int4's kernel took 0.6x
-    the q4k layout's time from 4 rows (its one row 1.07x; the 1.5B's Q4_K matrices on a Zen 4
-    capped at AVX2)."""
+def q4k_q5k_own_layouts() -> bool:
+    """Whether this CPU holds GGUF Q4_K and Q5_K matrices in their own layouts (``q4k``, for
+    the int4 runner too, and ``q5k``: :class:`Q4KWeight`, :class:`Q5KWeight`): where its best
+    kernels are AVX-512 VNNI without AMX. With AMX int4's Q4_1 blocks and block int8 take many
+    rows on the tiles; on AVX2 alone int4's Q4 kernel is the faster from 4 rows."""
     return _without_amx() and kernels.isa() == kernels.ISA_LEVELS.index("avx512")
 
 
 def held_bytes_per_weight(qtype: str) -> float:
     """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
-    (``HELD_BYTES``, ``Q4K_BYTES``; a fused layer of several types holds up to 1.5)."""
-    if qtype == "Q4_K" and q4k_own_layout():
-        return Q4K_BYTES
+    (``HELD_BYTES``, ``OWN_LAYOUT_BYTES``; a fused layer of several types holds up to 1.5)."""
+    if qtype in OWN_LAYOUT_BYTES and q4k_q5k_own_layouts():
+        return OWN_LAYOUT_BYTES[qtype]
     return HELD_BYTES[qtype][0 if _without_amx() else 1]
 
 
@@ -442,7 +450,7 @@ class Int8BlockLinear:
         # IQ3_XXS or IQ2_XXS codes as indices in 0.63 on every CPU, IQ2_XS or IQ2_S codes (a
         # scale per 16) in 0.75: block int8 would hold 2.9 to 4.4 times the file's bytes. And
         # on a VNNI CPU without AMX a Q4_K matrix in 0.58 (its scales and minimums folded in
-        # integers, as Q2_K's), not int4's 0.625 or five_bit32's 0.875
+        # integers, as Q2_K's), not int4's 0.625 or five_bit32's 0.875, and a Q5_K one in 0.70
         small = _without_amx()
         # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
         # is the first)
@@ -451,7 +459,8 @@ class Int8BlockLinear:
         self.codebook, indices = found if found is not None else (None, None)
         q3k = small and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
-                       else "q4k" if isinstance(weight, Q4KWeight) and q4k_own_layout()
+                       else {Q4KWeight: "q4k", Q5KWeight: "q5k"}[type(weight)]
+                       if isinstance(weight, Q4KWeight) and q4k_q5k_own_layouts()
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
                        else ("codebook16" if weight.group == 16 else "codebook" if self.half
@@ -460,21 +469,23 @@ class Int8BlockLinear:
                        else "five_bit" if self.half
                        else "five_bit32" if small
                        else "block")
-        if self.layout in ("q2k", "q4k"):
-            pack = kernels.pack_q2k if self.layout == "q2k" else kernels.pack_q4k
-            self.packed = pack(weight.codes, weight.sub_scale, weight.sub_min,
-                               weight.super_scale, weight.super_min)
-        elif self.layout in ("q6k", "q3k"):
-            pack = kernels.pack_q3k if q3k else kernels.pack_q6k
-            self.packed = pack(weight.codes, weight.sub_scale, weight.super_scale)
-        elif indices is not None:
-            self.packed = kernels.pack_codebook(indices, weight.scale, half=self.half)
-        elif self.layout != "block":
-            self.packed = kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum,
-                                                half=self.layout == "five_bit")
-        else:
-            self.packed = kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum,
-                                                 weight.group, self.half)
+        self.packed = self._packed(weight, indices)
+
+    def _packed(self, weight: Int8BlockWeight, indices: torch.Tensor | None) -> torch.Tensor:
+        """``weight`` in the bytes of ``self.layout`` (``indices``: a codebook layout's)."""
+        if self.layout in ("q2k", "q4k", "q5k"):
+            return getattr(kernels, f"pack_{self.layout}")(
+                weight.codes, weight.sub_scale, weight.sub_min, weight.super_scale, weight.super_min)
+        if self.layout in ("q6k", "q3k"):
+            return getattr(kernels, f"pack_{self.layout}")(weight.codes, weight.sub_scale,
+                                                            weight.super_scale)
+        if indices is not None:
+            return kernels.pack_codebook(indices, weight.scale, half=self.half)
+        if self.layout != "block":
+            return kernels.pack_five_bit(weight.codes, weight.scale, weight.minimum,
+                                         half=self.layout == "five_bit")
+        return kernels.pack_q8_blocks(weight.codes, weight.scale, weight.minimum, weight.group,
+                                      self.half)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8BlockLinear:

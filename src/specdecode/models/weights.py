@@ -12,12 +12,14 @@ token embedding stays in the file, its rows read when looked up (``models/embedd
 keeping the file's own values wherever a kernel can: GGUF's Q4_0, Q4_1 and Q4_K blocks stay
 4-bit blocks for int4 (``gguf_reader``); the other block types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K)
 run as block int8 (``models/int8_blocks``) with their own scales. Where the best kernels are
-AVX-512 VNNI without AMX, Q4_K matrices run in their own layout (``int8_blocks.Q4KWeight``:
-0.58 bytes a weight, the file's numbers exactly, scales and minimums folded in integers). A
+AVX-512 VNNI without AMX, Q4_K and Q5_K matrices run in their own layouts
+(``int8_blocks.Q4KWeight``, ``Q5KWeight``: 0.58 and 0.70 bytes a weight, the file's numbers
+exactly, scales and minimums folded in integers). A
 group of several (a Q4_K_M file's q/k/v with v in Q6_K) is a ``SplitLinear``: its 4-bit parts
 int4 (or in Q4_K's layout), its block parts block int8, one after another; so is a Q6_K, Q3_K
 or Q2_K q beside its k and v, which carries the query scale as its own input scale
-(``Int8BlockWeight.scaled``; a Q4_K q fused with its k carries it for its own columns). Float
+(``Int8BlockWeight.scaled``; a Q4_K or Q5_K q fused with its k carries it for its own
+columns). Float
 matrices are quantised (int4: Q4_1's scheme, int8: Q8_0's), a few thousand rows at a time. The
 int8 format takes 4-bit blocks as block int8 too, exactly.
 
@@ -40,8 +42,8 @@ import torch
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks
-from specdecode.models.int8_blocks import (Int8BlockLinear, Int8BlockWeight, Q4KWeight,
-                                           held_bytes_per_weight, q4k_own_layout,
+from specdecode.models.int8_blocks import (OWN_LAYOUT_BYTES, Int8BlockLinear, Int8BlockWeight,
+                                           Q4KWeight, held_bytes_per_weight, q4k_q5k_own_layouts,
                                            quantize_int8_blocks)
 from specdecode.models.quant import (Int4Linear, Q4Weight, SplitLinear, check_format, make_linear,
                                      quantize_int4)
@@ -174,12 +176,12 @@ def _linear_for(parts: Sequence, weights: str):
     check_format(weights)
     blocks = [isinstance(p, Int8BlockWeight) for p in parts]
 
-    def run_of(p) -> tuple[bool, bool, float]:
-        # a query scale stands apart (Int8BlockWeight.scaled), and so do Q4_K matrices in their
-        # own layout (beside a Q6_K v they would be block int8), whose q and k fuse whatever
-        # the q's scale (Int8BlockWeight.cat)
-        q4k = isinstance(p, Q4KWeight)
-        return isinstance(p, Int8BlockWeight), q4k, 1.0 if q4k else getattr(p, "input_scale", 1.0)
+    def run_of(p) -> tuple[bool, type | None, float]:
+        # a query scale stands apart (Int8BlockWeight.scaled), and so do Q4_K and Q5_K matrices
+        # in their own layouts (beside a Q6_K v they would be block int8), whose q and k fuse
+        # whatever the q's scale (Int8BlockWeight.cat)
+        own = type(p) if isinstance(p, Q4KWeight) else None
+        return isinstance(p, Int8BlockWeight), own, 1.0 if own else getattr(p, "input_scale", 1.0)
 
     if weights == "int4" and any(blocks) and len({run_of(p) for p in parts}) > 1:
         runs = itertools.groupby(parts, run_of)
@@ -221,18 +223,18 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
     for name, entry in file.entries.items():
         types.setdefault(_fused_group(name), set()).add(entry.qtype)
 
-    own_q4k = q4k_own_layout()
+    own_layouts = q4k_q5k_own_layouts()
 
     def layer(name: str, entry) -> int:
         kept_as_blocks = (entry.qtype in INT8_BLOCK_TYPES and weights in ("int4", "int8")
                           or entry.qtype in Q4_TYPES and weights == "int8"
-                          or entry.qtype == "Q4_K" and weights == "int4" and own_q4k)
+                          or entry.qtype == "Q4_K" and weights == "int4" and own_layouts)
         if not kept_as_blocks:
             return int(entry.numel * BYTES_PER_WEIGHT[weights])
         fused = types[_fused_group(name)]
-        if weights == "int4":  # its int4, float and own-layout Q4_K parts stand apart (_linear_for)
-            if entry.qtype == "Q4_K":
-                return int(entry.numel * held_bytes_per_weight("Q4_K"))
+        if weights == "int4":  # its int4, float and own-layout parts stand apart (_linear_for)
+            if own_layouts and entry.qtype in OWN_LAYOUT_BYTES:
+                return int(entry.numel * OWN_LAYOUT_BYTES[entry.qtype])
             fused = fused & set(INT8_BLOCK_TYPES)
         alone = len(fused) == 1
         return int(entry.numel * (held_bytes_per_weight(entry.qtype) if alone else BLOCK_INT8_BYTES))
