@@ -371,17 +371,16 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
 
 
 @pytest.mark.parametrize("types,layouts", [
-    ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q2k", "q4k or int4"]),
-    ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k", "q6k"]),
+    ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q4k or int4"]),
+    ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k"]),
     ({"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K"}, ["q4k", "q6k"])])
 def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, types, layouts):
     """The query scale (1/sqrt(head size), not a power of two here) is folded into q; the
-    float16 super-block scales of a Q2_K or Q6_K q cannot take it, so q carries it as its input
-    scale (the kernel multiplies the activations' scales by it) and keeps its own layout, apart
-    from k and v (it was block int8 with k, 1.25-1.5 bytes a weight); a Q4_K q in Q4_K's own
-    layout carries it likewise, fused with its k (the scale of q's columns alone); the memory
-    check counts exactly what the runner holds; logits within the int8 activations of the
-    fp32 runner's, and suffix = ar."""
+    float16 super-block scales of a Q2_K, Q6_K or Q4_K (its own layout) q cannot take it, so q
+    carries it as its input scale (the kernel multiplies the activations' scales by it, for
+    q's columns alone) and keeps its own layout, fused with a k (and v) of its type (it was
+    block int8 with k, 1.25-1.5 bytes a weight); the memory check counts exactly what the
+    runner holds; logits within the int8 activations of the fp32 runner's, and suffix = ar."""
     from specdecode.models.gguf_reader import GGUFFile
     from specdecode.models.int8_blocks import q4k_q5k_own_layouts
     from specdecode.models.weights import resident_bytes
@@ -396,12 +395,12 @@ def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, ty
     path = tmp_path / "super-q.gguf"
     write_gguf(model, path, "qwen2", types)
     runner = LlamaRunner.from_gguf(path, "int4")
-    parts = runner.layers[0].qkv.parts
+    qkv = runner.layers[0].qkv
+    parts = getattr(qkv, "parts", [qkv])  # (one layer where q, k and v are of one type)
     assert [getattr(part, "layout", None) for part in parts] == layouts
     assert parts[0].input_scale == pytest.approx(runner.shape.query_scale) != 1.0
     assert all(part.input_scale == 1.0 for part in parts[1:] if hasattr(part, "input_scale"))
-    # (a Q4_K q fused with its k: the scale of q's columns alone)
-    assert parts[0].scaled_columns == (256 if layouts[0] == "q4k" else -1)
+    assert parts[0].scaled_columns == 256  # (q's rows: the scale of its columns alone)
     assert resident_bytes(GGUFFile(path), "int4") == held_bytes(runner)
     assert_near_fp32_and_suffix_is_ar(runner, path)
 

@@ -390,28 +390,30 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
                        weight.dequantize().view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K"])
 def test_a_scaled_q_fuses_with_its_k(ext, qtype):
-    # a Q4_K (Q5_K) q scaled by the query scale fused with its unscaled k: one layer, the scale
-    # the activations' of q's columns alone (scaled_columns), each part the reference's numbers
-    # of its own weight on every instruction set, row count and position; a part that is not
-    # whole tiles of rows, or a scaled k, or another type leaves the parts to block int8's
+    # a q scaled by the query scale fused with its unscaled k of the same type: one layer, the
+    # scale the activations' of q's columns alone (scaled_columns), each part the reference's
+    # numbers of its own weight on every instruction set, row count and position; a part that
+    # is not whole tiles of rows, or a scaled k, or another type leaves the parts to block int8's
     q = decode_gguf_blocks(gguf_blocks(qtype, 48, 512, seed=11), qtype).scaled(0.125 ** 0.5)
     k = decode_gguf_blocks(gguf_blocks(qtype, 24, 512, seed=12), qtype)
     fused = Int8BlockWeight.cat([q, k])
     assert type(fused) is type(q) and fused.scaled_rows == 48
     assert fused.input_scale == q.input_scale
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(13))
-    expected = torch.cat([minimums_reference(x, q), minimums_reference(x, k)], 1)
+    reference = q6k_reference if qtype == "Q6_K" else minimums_reference
+    expected = torch.cat([reference(x, q), reference(x, k)], 1)
     layout = qtype.lower().replace("_", "")
-    packed = getattr(kernels, f"pack_{layout}")(fused.codes, fused.sub_scale, fused.sub_min,
-                                                fused.super_scale, fused.super_min)
+    factors = ((fused.sub_scale, fused.super_scale) if qtype == "Q6_K" else
+               (fused.sub_scale, fused.sub_min, fused.super_scale, fused.super_min))
+    packed = getattr(kernels, f"pack_{layout}")(fused.codes, *factors)
     for isa in isas(ext):
         got = assert_row_invariant(lambda rows: ext.small_codes_linear(
-            rows, packed, kernels.SMALL_CODES_LAYOUTS[layout], True, None, 72, isa,
+            rows, packed, kernels.SMALL_CODES_LAYOUTS[layout], qtype != "Q6_K", None, 72, isa,
             q.input_scale, None, 48), x)
         assert torch.equal(got, expected), isa
-    if q4k_q5k_own_layouts():
+    if qtype in ("Q6_K", "Q2_K") or q4k_q5k_own_layouts():
         layer = Int8BlockLinear(fused)
         assert layer.layout == layout and layer.scaled_columns == 48
         assert torch.equal(layer(x), expected)
@@ -462,7 +464,8 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
     assert_small_codes_bits(ext, x, layer.packed, layout, qtype == "Q2_K", 40, expected, factor)
     assert torch.equal(layer(x), expected)
     assert (expected - reference(x, weight) * factor).abs().max() < 1e-5 * expected.abs().max()
-    # fused with an unscaled part it is block int8 of the scaled numbers
+    # fused with an unscaled part, not in whole tiles of rows (40), it is block int8 of the
+    # scaled numbers
     fused = Int8BlockWeight.cat([scaled, weight])
     assert type(fused) is Int8BlockWeight
     assert torch.equal(fused.dequantize()[:40], scaled.dequantize())

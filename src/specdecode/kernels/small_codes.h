@@ -218,7 +218,7 @@ struct Acts {
   // Q6K on decoded AVX2 tiles: xq + 128, each pass's rows interleaved by words of 4 inputs
   // (q6k_interleave)
   const uint8_t* xu = nullptr;
-  // Q2K, Q4K: each group's sum(xq) [m, k / G] (|.| <= 32 x 128), for their minimums
+  // Q2K, Q4K, Q5K: each group's sum(xq) [m, k / G] (|.| <= 32 x 128), for their minimums
   const int16_t* xsum = nullptr;
   // CODEBOOK layouts: the sixteen codes the weights' 4-bit indices name
   const int8_t* codebook = nullptr;
@@ -340,7 +340,7 @@ static inline __m128i sub_scales8(const uint8_t* block, int g, int h) {
   else return bytes;
 }
 
-// Q2K's (Q4K's) minimums of super-block b folded for R rows of half h (8 columns) of a block:
+// Q2K's (Q4K's, Q5K's) minimums of super-block b folded for R rows of half h (8 columns) of a block:
 // M = sum over its groups of m * sum(xq), two groups a VPMADDWD (each column's m of groups 2p
 // and 2p + 1 as a 16-bit pair against the row's two sums), then acc[r][at] = fma(-(float)M,
 // dmin * dx, acc)
@@ -628,7 +628,7 @@ static void columns_avx2(const Acts& a, int64_t m, const uint8_t* packed, const 
       k_avx2::store_halves_avx2<R, H>(acc, r0, t * 16 + 8 * h0, residual, y, n);
     };
     if (F::SUB_MINS && (m == 3 || m == 4)) {
-      // Q2K (Q4K) holds each super-block's integer sums beside the float accumulators: 3 or 4 rows
+      // Q2K (Q4K, Q5K) holds each super-block's integer sums beside the float accumulators: 3 or 4 rows
       // over both halves at once need more than AVX2's 16 registers (4 rows: 8 + 8 and the
       // group's partial sums), so they take one half a pass, the second from cache (measured
       // on the 1.5B's Q2_K matrices: 4 rows 0.61x the time, 3 rows 0.84x; Q6K's passes, whose
@@ -683,8 +683,8 @@ static inline __m512 halves16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// the 16 columns' sc of group g of a SUPER block, as int32 (Q2K: the low nibbles; Q4K: bytes
-// 0..63)
+// the 16 columns' sc of group g of a SUPER block, as int32 (Q2K: the low nibbles; Q4K, Q5K:
+// bytes 0..63)
 template <class F>
 static inline __m512i sub_scales16(const uint8_t* block, int g) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + F::SC_AT + 16 * g));
@@ -701,7 +701,7 @@ static inline __m512 fold_q6k(const uint8_t* block, __m512i super_sum, float dx,
 }
 
 // the 16 columns' m of groups g and g + 1 of a SUB_MINS block as 16-bit pairs (Q2K: sc | m << 4
-// of both groups side by side, shifted down; Q4K: held so)
+// of both groups side by side, shifted down; Q4K, Q5K: held so)
 template <class F>
 static inline __m512i min_pairs16(const uint8_t* block, int g) {
   if constexpr (F::PACKED_MINS) {
@@ -714,7 +714,7 @@ static inline __m512i min_pairs16(const uint8_t* block, int g) {
   }
 }
 
-// Q2K's (Q4K's) minimums of super-block b folded for one row: M = sum over its groups of m *
+// Q2K's (Q4K's, Q5K's) minimums of super-block b folded for one row: M = sum over its groups of m *
 // sum(xq), two groups a VPDPWSSD (`pairs`: min_pairs16 of groups 2p and 2p + 1, against the
 // row's two sums), then acc = fma(-(float)M, dmin * dx, acc) (fold_mins_avx2's numbers)
 template <class F>
@@ -773,7 +773,7 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       }
       __m512i sum[CH][R][T];
       for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {  // (Q2K, Q4K: no code offset, no bias)
+        for (int t = 0; t < T; t++) {  // (Q2K, Q4K, Q5K: no code offset, no bias)
           sum[0][r][t] = F::SUB_MINS ? _mm512_setzero_si512() : _mm512_set1_epi32(a.bias[(r0 + r) * groups + at]);
           for (int ch = 1; ch < CH; ch++) sum[ch][r][t] = _mm512_setzero_si512();
         }
@@ -818,7 +818,7 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
     if constexpr (F::SUPER)
       for (int t = 0; t < T; t++) {
         const uint8_t* block = tile + t * tile_bytes + b * bytes;
-        // the m pairs: Q4K's widened once for the pass's rows; Q2K's again for each row (once
+        // the m pairs: Q4K's, Q5K's widened once for the pass's rows; Q2K's again for each row (once
         // for a pass's rows, the 1.5B's Q2_K forwards took 1.05x the time at 16 and 64 rows on
         // a Zen 4)
         __m512i pairs[F::GROUPS / 2];

@@ -165,15 +165,15 @@ class Int8BlockWeight:
             return parts[0]
         kind = type(parts[0])
         if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
-            # Q6_K, Q5_K, Q4_K or Q2_K throughout, one input scale (Q4_K, Q5_K: or a scaled q
-            # before its unscaled k, the kernel told which rows): their scales' factors stacked
+            # Q6_K, Q5_K, Q4_K or Q2_K throughout, one input scale (or a scaled q before its
+            # unscaled k, the kernel told which rows): their scales' factors stacked
             scales = [p.input_scale for p in parts]
             stacked = {name: torch.cat([getattr(p, name) for p in parts])
                        for name, _ in parts[0]._tensors()}
             whole = all(getattr(p, "scaled_rows", -1) == -1 for p in parts)
             if whole and len(set(scales)) == 1:
                 return dataclasses.replace(parts[0], **stacked)
-            if (whole and issubclass(kind, Q4KWeight) and set(scales[1:]) == {1.0}
+            if (whole and set(scales[1:]) == {1.0}
                     and parts[0].codes.shape[0] % kernels.TILE == 0):
                 return dataclasses.replace(parts[0], **stacked,
                                            scaled_rows=parts[0].codes.shape[0])
@@ -198,6 +198,8 @@ class Q6KWeight(Int8BlockWeight):
     super_scale: torch.Tensor
     #: the kernel's factor on the activations' scales (``scaled``): w = input_scale * d * sc * q
     input_scale: float = 1.0
+    #: the leading rows ``input_scale`` is of (-1: all): a scaled q fused with its k (``cat``)
+    scaled_rows: int = -1
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,6 @@ class Q4KWeight(Int8BlockWeight):
     super_min: torch.Tensor
     #: as ``Q6KWeight``'s
     input_scale: float = 1.0
-    #: the leading rows ``input_scale`` is of (-1: all): a scaled q fused with its k (``cat``)
     scaled_rows: int = -1
 
 
@@ -237,6 +238,7 @@ class Q2KWeight(Int8BlockWeight):
     super_min: torch.Tensor
     #: as ``Q6KWeight``'s
     input_scale: float = 1.0
+    scaled_rows: int = -1
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
@@ -474,8 +476,9 @@ class Int8BlockLinear:
     def _packed(self, weight: Int8BlockWeight, indices: torch.Tensor | None) -> torch.Tensor:
         """``weight`` in the bytes of ``self.layout`` (``indices``: a codebook layout's)."""
         if self.layout in ("q2k", "q4k", "q5k"):
-            return getattr(kernels, f"pack_{self.layout}")(
-                weight.codes, weight.sub_scale, weight.sub_min, weight.super_scale, weight.super_min)
+            return getattr(kernels, f"pack_{self.layout}")(weight.codes, weight.sub_scale,
+                                                            weight.sub_min, weight.super_scale,
+                                                            weight.super_min)
         if self.layout in ("q6k", "q3k"):
             return getattr(kernels, f"pack_{self.layout}")(weight.codes, weight.sub_scale,
                                                             weight.super_scale)

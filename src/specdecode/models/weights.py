@@ -16,10 +16,9 @@ AVX-512 VNNI without AMX, Q4_K and Q5_K matrices run in their own layouts
 (``int8_blocks.Q4KWeight``, ``Q5KWeight``: 0.58 and 0.70 bytes a weight, the file's numbers
 exactly, scales and minimums folded in integers). A
 group of several (a Q4_K_M file's q/k/v with v in Q6_K) is a ``SplitLinear``: its 4-bit parts
-int4 (or in Q4_K's layout), its block parts block int8, one after another; so is a Q6_K, Q3_K
-or Q2_K q beside its k and v, which carries the query scale as its own input scale
-(``Int8BlockWeight.scaled``; a Q4_K or Q5_K q fused with its k carries it for its own
-columns). Float
+int4 (or in Q4_K's layout), its block parts block int8, one after another. A Q6_K, Q5_K, Q4_K,
+Q3_K or Q2_K q carries the query scale as its own input scale (``Int8BlockWeight.scaled``),
+fused with a k of its kind, which the kernel applies to q's columns alone. Float
 matrices are quantised (int4: Q4_1's scheme, int8: Q8_0's), a few thousand rows at a time. The
 int8 format takes 4-bit blocks as block int8 too, exactly.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -171,21 +169,13 @@ def _linear_for(parts: Sequence, weights: str):
     block int8), in ``weights``. int4: each part packed on its own and the tiles concatenated
     (the bytes of packing the concatenation, as every part but the last fills whole tiles of 16
     rows); 4-bit parts beside block int8 ones (a Q4_K_M file's Q4_K q/k and Q6_K v), or block
-    parts of different input scales (a Q6_K q with the query scale beside its k and v), a
-    ``SplitLinear`` of each run's layer, where fused they would all be block int8."""
+    parts of kinds that keep their own layouts beside others, a ``SplitLinear`` of each run's
+    layer, where fused they would all be block int8."""
     check_format(weights)
     blocks = [isinstance(p, Int8BlockWeight) for p in parts]
-
-    def run_of(p) -> tuple[bool, type | None, float]:
-        # a query scale stands apart (Int8BlockWeight.scaled), and so do Q4_K and Q5_K matrices
-        # in their own layouts (beside a Q6_K v they would be block int8), whose q and k fuse
-        # whatever the q's scale (Int8BlockWeight.cat)
-        own = type(p) if isinstance(p, Q4KWeight) else None
-        return isinstance(p, Int8BlockWeight), own, 1.0 if own else getattr(p, "input_scale", 1.0)
-
-    if weights == "int4" and any(blocks) and len({run_of(p) for p in parts}) > 1:
-        runs = itertools.groupby(parts, run_of)
-        return SplitLinear([_linear_for(list(run), weights) for _, run in runs])
+    runs = _runs(parts)
+    if weights == "int4" and any(blocks) and len(runs) > 1:
+        return SplitLinear([_linear_for(run, weights) for run in runs])
     if weights == "int8" or (weights == "int4" and any(blocks)):
         return Int8BlockLinear(Int8BlockWeight.cat([as_int8_blocks(p) for p in parts]))
     if weights == "int4":
@@ -204,6 +194,38 @@ def _linear_for(parts: Sequence, weights: str):
             start += n
         return Int4Linear.from_packed(packed, sum(rows))
     return make_linear(torch.cat([as_float(p) for p in parts]), weights)
+
+
+def _run_key(p) -> tuple[bool, type | None, float]:
+    """What a part shares with the parts it runs with in one layer: block int8 or not, Q4_K's
+    and Q5_K's own kinds (beside another type they would be block int8) and the input scale (a
+    query scale stands apart: ``Int8BlockWeight.scaled``)."""
+    own = type(p) if isinstance(p, Q4KWeight) else None
+    return isinstance(p, Int8BlockWeight), own, getattr(p, "input_scale", 1.0)
+
+
+def _takes_scaled_q(run: list, p) -> bool:
+    """Whether ``p``, an unscaled k, joins ``run``, a scaled q alone of its kind (one that keeps
+    its scales' factors) in whole tiles of rows: ``Int8BlockWeight.cat`` fuses them, the kernel
+    applying the query scale to q's columns alone."""
+    q = run[0]
+    return (len(run) == 1 and type(p) is type(q) and hasattr(q, "scaled_rows")
+            and q.input_scale != 1.0 and p.input_scale == 1.0
+            and q.codes.shape[0] % kernels.TILE == 0)
+
+
+def _runs(parts: Sequence) -> list[list]:
+    """``parts`` in runs of consecutive parts of one ``_run_key``, a scaled q taking its k."""
+    runs, keys = [], []
+    for p in parts:
+        key = _run_key(p)
+        if runs and (keys[-1] == key or _takes_scaled_q(runs[-1], p)):
+            runs[-1].append(p)
+            keys[-1] = key
+        else:
+            runs.append([p])
+            keys.append(key)
+    return runs
 
 
 def _fused_group(name: str) -> str:
@@ -235,7 +257,7 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
         if weights == "int4":  # its int4, float and own-layout parts stand apart (_linear_for)
             if own_layouts and entry.qtype in OWN_LAYOUT_BYTES:
                 return int(entry.numel * OWN_LAYOUT_BYTES[entry.qtype])
-            fused = fused & set(INT8_BLOCK_TYPES)
+            fused = fused & set(INT8_BLOCK_TYPES) - set(OWN_LAYOUT_BYTES if own_layouts else ())
         alone = len(fused) == 1
         return int(entry.numel * (held_bytes_per_weight(entry.qtype) if alone else BLOCK_INT8_BYTES))
 
