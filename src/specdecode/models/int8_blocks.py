@@ -203,12 +203,12 @@ class Q6KWeight(Int8BlockWeight):
 
 
 @dataclass(frozen=True)
-class Q4KWeight(Int8BlockWeight):
-    """A GGUF Q4_K matrix as block int8 (groups of 32, codes 0..15, scale = d * sc, minimum =
-    -(dmin * m)) that also keeps the factors, ``sub_scale`` sc and ``sub_min`` m uint8 [out, in
-    / 32] (0..63) and ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that
-    a VNNI CPU without AMX holds it in 0.58 bytes a weight (``kernels.pack_q4k``; the file's
-    0.56), its sub-block scales and minimums folded in integers (``q4k_q5k_own_layouts``)."""
+class SubMinsWeight(Int8BlockWeight):
+    """A K-quant matrix with minimums as block int8 (scale = d * sc, minimum = -(dmin * m)) that
+    also keeps the factors, ``sub_scale`` sc and ``sub_min`` m [out, in / group] and
+    ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that the kernels hold
+    it in the file's codes and fold sc and m in integers (``kernels/small_codes.h``); one of the
+    kinds below."""
 
     sub_scale: torch.Tensor
     sub_min: torch.Tensor
@@ -217,6 +217,13 @@ class Q4KWeight(Int8BlockWeight):
     #: as ``Q6KWeight``'s
     input_scale: float = 1.0
     scaled_rows: int = -1
+
+
+@dataclass(frozen=True)
+class Q4KWeight(SubMinsWeight):
+    """A GGUF Q4_K matrix (groups of 32, codes 0..15, sc and m 0..63), which a VNNI CPU without
+    AMX holds in 0.58 bytes a weight (``kernels.pack_q4k``; the file's 0.56:
+    ``q4k_q5k_own_layouts``)."""
 
 
 @dataclass(frozen=True)
@@ -226,19 +233,9 @@ class Q5KWeight(Q4KWeight):
 
 
 @dataclass(frozen=True)
-class Q2KWeight(Int8BlockWeight):
-    """A GGUF Q2_K matrix as block int8 (groups of 16, codes 0..3, scale = d * sc, minimum =
-    -(dmin * m)) that also keeps the factors, ``sub_scale`` sc and ``sub_min`` m int8 [out, in
-    / 16] (0..15) and ``super_scale`` d and ``super_min`` dmin float16 [out, in / 256], so that
-    the kernels hold it in the file's own 0.33 bytes a weight (``kernels.pack_q2k``)."""
-
-    sub_scale: torch.Tensor
-    sub_min: torch.Tensor
-    super_scale: torch.Tensor
-    super_min: torch.Tensor
-    #: as ``Q6KWeight``'s
-    input_scale: float = 1.0
-    scaled_rows: int = -1
+class Q2KWeight(SubMinsWeight):
+    """A GGUF Q2_K matrix (groups of 16, codes 0..3, sc and m 0..15), held in the file's own
+    0.33 bytes a weight on every CPU (``kernels.pack_q2k``)."""
 
 
 def quantize_int8_blocks(weight: torch.Tensor, group: int = INT8_GROUP) -> Int8BlockWeight:
