@@ -15,9 +15,10 @@ Q5_K with its float32 scales (0.70 in its own layout where the best kernels are 
 and 0.56-0.63 for the IQ4 types' indices), and block int8 (kernels/q8_blocks.h: 1.25, 1.5,
 1.06-1.13, 1.25, 1.06-1.13). The five-bit and codebook types compute the same bits in both
 (asserted here as well); Q6_K, Q3_K, Q2_K and Q5_K's own layout fold their sub-block scales
-(Q2_K, Q5_K: and minimums) in integers, against block int8's float fold per 16 or 32 inputs. ``--against int4`` times the same weights re-quantised
-to the int4 runner's Q4_1 instead (what the runner does with a type it has no exact form for:
-``make_linear(weight.dequantize(), "int4")``); ``--against q6k`` times Q3_K matrices in Q6_K's
+(Q2_K, Q5_K: and minimums) in integers, against block int8's float fold per 16 or 32 inputs.
+``--against int4`` times the same weights re-quantised to the int4 runner's Q4_1 instead (what
+the runner does with a type it has no exact form for: ``make_linear(weight.dequantize(),
+"int4")``); ``--against q6k`` times Q3_K matrices in Q6_K's
 layout (the same numbers in 0.83 bytes a weight, what a CPU with AMX holds). Per row count, all
 matrices in turn form one timing, as a decode step reads them one after another from memory;
 the two layouts alternate ``--repeat`` times and the medians are printed with their ratio.

@@ -94,7 +94,8 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     q4k = q4k_q5k_own_layouts()
     assert [type(part) for part in qkv.parts] == [Int8BlockLinear if q4k else Int4Linear,
                                                   Int8BlockLinear]
-    assert [getattr(part, "layout", "int4") for part in qkv.parts] == ["q4k" if q4k else "int4", "q6k"]
+    assert [getattr(part, "layout", "int4") for part in qkv.parts] == ["q4k" if q4k else "int4",
+                                                                      "q6k"]
     assert qkv.in_features == f.config.hidden_size
     x = torch.randn(3, f.config.hidden_size)
     out = qkv(x)

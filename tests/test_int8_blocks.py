@@ -363,7 +363,8 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
     spread = lambda t: t.float().repeat_interleave(sub, 1)  # noqa: E731 (per 256 -> per group)
     assert torch.equal(spread(weight.super_scale) * weight.sub_scale.float(), weight.scale)
     assert torch.equal(-(spread(weight.super_min) * weight.sub_min.float()), weight.minimum)
-    weight.codes[0, :256], weight.sub_scale[0, :sub], weight.sub_min[0, :sub] = top_code, top_factor, top_factor
+    weight.codes[0, :256] = top_code
+    weight.sub_scale[0, :sub], weight.sub_min[0, :sub] = top_factor, top_factor
     weight.codes[1, :256], weight.sub_scale[1, :sub], weight.sub_min[1, :sub] = 0, 0, top_factor
     layout = qtype.lower().replace("_", "")
     packed = getattr(kernels, f"pack_{layout}")(weight.codes, weight.sub_scale, weight.sub_min,
@@ -380,7 +381,8 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
         assert layer.layout == layout and layer.nbytes == packed.numel()
         assert torch.equal(layer(x), expected)
         # fused with another matrix of its type it keeps its layout
-        fused = Int8BlockWeight.cat([weight, decode_gguf_blocks(gguf_blocks(qtype, 24, 512, 7), qtype)])
+        other = decode_gguf_blocks(gguf_blocks(qtype, 24, 512, 7), qtype)
+        fused = Int8BlockWeight.cat([weight, other])
         assert type(fused) is type(weight) and Int8BlockLinear(fused).layout == layout
         assert torch.equal(Int8BlockLinear(fused)(x)[:, :72], expected)
     # beside another type, block int8's groups, every weight unchanged

@@ -256,7 +256,7 @@ static void columns_generic(
           const int64_t at = b * F::GROUPS + g;
           const int8_t* xg = a.xq + r * a.k + at * F::G;
           for (int c = 0; c < 16; c++) {
-            int32_t isum = a.bias[r * groups + at];
+            int32_t isum = F::SUB_MINS ? 0 : a.bias[r * groups + at];  // (no code offset)
             for (int i = 0; i < F::G; i++)
               isum += unpacked<F>(block + g * F::GROUP_BYTES, c, i, a.codebook) * xg[i];
             if constexpr (F::SUPER) {
@@ -437,13 +437,12 @@ static void halves_avx2(const Acts& a, int64_t r0, const uint8_t* tile, int h0, 
             }
           }
         });
-        if constexpr (SCALED_PAIRS) {
-          // (sc times the group's sum already in S)
-        } else if constexpr (F::SUPER) {
+        // (SCALED_PAIRS: sc times the group's sum is already in S)
+        if constexpr (F::SUPER && !SCALED_PAIRS) {
           const __m256i sc = _mm256_cvtepi8_epi32(sub_scales8<F>(block, g, half));
           for (int r = 0; r < R; r++)
             super_sum[r][h] = _mm256_add_epi32(super_sum[r][h], _mm256_mullo_epi32(isum[r], sc));
-        } else {
+        } else if constexpr (!F::SUPER) {
           const __m256 scale = numbers8_avx2<F>(block + F::SC_AT, half);
           for (int r = 0; r < R; r++) {
             const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[(r0 + r) * agroups + at]));
@@ -1170,12 +1169,14 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                                  : q3k ? Q3K_AVX2_DECODE_MIN_ROWS : Q2K_AVX2_DECODE_MIN_ROWS);
   // (a codebook's VNNI kernels read code + 128, its AVX2 and portable ones the code)
   const int32_t code_offset = q6k ? offset<Q6K>(false) : q3k ? offset<Q3K>(false)
-                              : mins ? 0 : book ? (isa >= AVX512 ? 128 : 0)
+                              : book ? (isa >= AVX512 ? 128 : 0)
                               : offset<FiveBit>(minimum);
   std::vector<int8_t> xq((amx ? (m + 15) / 16 * 16 : m) * k);
   std::vector<float> dx(m * (k / (super ? 256 : 32))), sx(super ? 0 : m * (k / 32));
   std::vector<float> dx_scaled(input_scale != 1.0 && scaled_tiles < tiles ? dx.size() : 0);
-  std::vector<int32_t> bias(q6k_decoded ? 0 : m * (k / group));
+  // each group's offset term (none without a code offset: the minimums layouts', decoded Q6K's)
+  const bool biased = !mins && !q6k_decoded;
+  std::vector<int32_t> bias(biased ? m * (k / group) : 0);
   std::vector<int16_t> xsum(mins ? m * (k / group) : 0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {  // rows: one quantisation each
@@ -1184,12 +1185,12 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     if (input_scale != 1.0)
       for (int64_t i = r0 * (k / 256); i < r1 * (k / 256); i++)
         (dx_scaled.empty() ? dx[i] : dx_scaled[i]) = dx[i] * static_cast<float>(input_scale);
-    if (q6k_decoded && !q2k) return;
+    if (!biased && !mins) return;  // (neither offset terms nor sums wanted)
     for (int64_t r = r0; r < r1; r++)
       for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
         for (int64_t i = 0; i < group; i++) total += xq[r * k + g * group + i];
-        if (!q6k_decoded) bias[r * (k / group) + g] = -code_offset * total;
+        if (biased) bias[r * (k / group) + g] = -code_offset * total;
         if (mins) xsum[r * (k / group) + g] = static_cast<int16_t>(total);
       }
   });

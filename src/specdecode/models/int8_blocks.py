@@ -170,7 +170,7 @@ class Int8BlockWeight:
             scales = [p.input_scale for p in parts]
             stacked = {name: torch.cat([getattr(p, name) for p in parts])
                        for name, _ in parts[0]._tensors()}
-            whole = all(getattr(p, "scaled_rows", -1) == -1 for p in parts)
+            whole = all(p.scaled_rows == -1 for p in parts)
             if whole and len(set(scales)) == 1:
                 return dataclasses.replace(parts[0], **stacked)
             if (whole and set(scales[1:]) == {1.0}
@@ -289,9 +289,8 @@ def decode_mxfp4_pairs(blocks: torch.Tensor, scales: torch.Tensor) -> Int8BlockW
 
 def _q4k_factors(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     """Q4_K (Q5_K) blocks' (uint8 [blocks, 144 (176)]) sub-block scales and minimums (uint8
-    [blocks, 8],
-    0..63: ggml-quants.c's get_scale_min_k4 over the 12 bytes after d and dmin) and their d and
-    dmin (float16 [blocks, 1])."""
+    [blocks, 8], 0..63: ggml-quants.c's get_scale_min_k4 over the 12 bytes after d and dmin)
+    and their d and dmin (float16 [blocks, 1])."""
     q = blocks[:, 4:16]
     low, high = q[:, 0:4], q[:, 4:8]  # sub-blocks 0-3 in the low 6 bits; 4-7's top 2 bits
     sc = np.concatenate([low & 63, (q[:, 8:12] & 15) | (low >> 6) << 4], 1)

@@ -256,7 +256,7 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
         fused = types[_fused_group(name)]
         if weights == "int4":  # its int4, float and own-layout parts stand apart (_linear_for)
             if own_layouts and entry.qtype in OWN_LAYOUT_BYTES:
-                return int(entry.numel * OWN_LAYOUT_BYTES[entry.qtype])
+                return int(entry.numel * held_bytes_per_weight(entry.qtype))
             fused = fused & set(INT8_BLOCK_TYPES) - set(OWN_LAYOUT_BYTES if own_layouts else ())
         alone = len(fused) == 1
         return int(entry.numel * (held_bytes_per_weight(entry.qtype) if alone else BLOCK_INT8_BYTES))
