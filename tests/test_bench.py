@@ -12,7 +12,8 @@ import pytest
 from specdecode import kernels, registry
 from specdecode.bench import cli as bench_cli
 from specdecode.bench import simulate
-from specdecode.questions import load_questions, sample_per_task
+from specdecode.questions import load_questions, pick_questions, sample_per_task
+from specdecode.bench.datasets import load_workloads
 from specdecode.bench.metrics import FIELDS
 from specdecode.bench.roofline import vnni_cpu
 from specdecode.bench.runner import Target
@@ -259,6 +260,13 @@ def test_per_task_sample_spreads_over_mt_bench_categories():
     assert len(load_questions()) == 240
 
 
+def test_named_questions_run_in_the_order_given():
+    questions = pick_questions(load_questions(), "401, 161")
+    assert [q.question_id for q in questions] == [401, 161]
+    edits = pick_questions(load_workloads("spec-bench,code-edit"), "code-edit-1,81")
+    assert [q.question_id for q in edits] == ["code-edit-1", 81]
+
+
 def _no_model(*_):
     raise AssertionError("the model must not load for bad input")
 
@@ -286,6 +294,9 @@ def test_malformed_question_file_names_the_line(tmp_path, capsys, monkeypatch, r
     (["--peers", "hf,vllm"], "unknown peer(s) 'vllm'"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--per-task", "0"], "--per-task must be positive"),
+    (["--questions", "161,9999"], "--questions names ids that --data does not hold: 9999"),
+    (["--questions", "161,161"], "--questions repeats a question id"),
+    (["--questions", "161", "--per-task", "2"], "--questions and --per-task both choose"),
     (["--max-minutes", "0"], "--max-minutes must be positive"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["-c", "suffix.x=1", "--methods", "ngram"], "not in --methods"),

@@ -11,7 +11,7 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.estimates import RowCosts
+from specdecode.estimates import Acceptance, RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
@@ -138,10 +138,11 @@ def test_a_method_whose_first_token_does_not_pay_still_explores():
     first draft (it could not repay itself), but after enough idle steps it sends the small
     explore draft any method sends, in every path that sizes through learning_cap."""
     linear = RowCosts({1: 1.0, 2: 2.0})
-    assert learning_cap(linear, 1, 6, 6, tried=0, idle=0, tokens_left=100) is None
-    assert learning_cap(linear, 1, 6, 6, tried=0, idle=EXPLORE_EVERY, tokens_left=100) is None
-    assert learning_cap(linear, 1, 6, 6, tried=0, idle=5 * EXPLORE_EVERY,
-                        tokens_left=100) == (EXPLORE_NODES, EXPLORE_NODES)
+    never = dict(own_drafts=0, record=Acceptance(), tokens_left=100)
+    assert learning_cap(linear, 1, 6, 6, idle=0, **never) is None
+    assert learning_cap(linear, 1, 6, 6, idle=EXPLORE_EVERY, **never) is None
+    assert learning_cap(linear, 1, 6, 6, idle=5 * EXPLORE_EVERY,
+                        **never) == (EXPLORE_NODES, EXPLORE_NODES)
 
 
 @pytest.mark.parametrize("accepted", [1, 0], ids=["accepted", "rejected"])
@@ -151,7 +152,8 @@ def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(ac
     however well it drafts. Its first FIRST_DRAFTS are a token each, where one sure to be
     accepted would pay: after reading a short prompt (seven forwards' worth: the 0.5B reading
     51 tokens for the 1.5B on two AVX2 cores) with 128 tokens to repay it, not with 8. Then
-    what it is worth decides: its tokens accepted, it keeps drafting; rejected, it stops."""
+    what it is worth decides: its tokens accepted, it keeps drafting; rejected, it stops as
+    soon as the upper bound of its acceptance no longer pays for a token (two misses here)."""
     costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
     behind = dict(catch_up_s=7.0, level_s=0.6)
     assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=8, **behind) == (0, 0)
@@ -166,7 +168,43 @@ def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(ac
     if accepted:
         assert all(caps), caps
     else:
-        assert caps[:FIRST_DRAFTS] == [1] * FIRST_DRAFTS and not any(caps[FIRST_DRAFTS:]), caps
+        assert caps[:2] == [1, 1] and not any(caps[2:]), caps
+
+
+def test_the_first_token_bound_rules_a_drafter_out_only_on_evidence_enough():
+    """Wilson's upper bound on a first token's chance: 1 before any draft, high after a few
+    misses, near the rate seen after many."""
+    record = Acceptance()
+    assert record.first_bound() == 1.0
+    bounds = {}
+    for drafts in range(1, 201):
+        record.observe(Draft.chain([0]), int(drafts % 4 == 0))  # one in four accepted
+        bounds[drafts] = record.first_bound()
+    assert 0.6 < bounds[4] < 0.7 and bounds[12] < 0.5 and 0.25 < bounds[200] < 0.31
+    assert all(bounds[n + 4] < bounds[n] for n in range(4, 197, 4))
+
+
+@pytest.mark.parametrize("earlier, drafts", [(4, FIRST_DRAFTS), (40, 0)],
+                         ids=["after-four-drafts", "after-forty"])
+def test_a_new_request_drafts_to_learn_until_its_methods_record_rules_it_out(earlier, drafts):
+    """A draft model whose token costs 60% of a forward; an earlier request of its method
+    accepted one of its first tokens in four. On four drafts that does not rule it out (it
+    might accept three in four on this text): a new request sends its own FIRST_DRAFTS tokens
+    and, as they are accepted, goes on drafting; on forty, the record is evidence enough and
+    the new request sends none."""
+    costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
+    sizing = DraftSizing(costs)
+    first = sizing.sequence(GREEDY)
+    for k in range(earlier):
+        first.observe(Draft.chain([0]), int(k % 4 == 0), 0.6, costs(2))
+    new, caps = sizing.sequence(GREEDY), []
+    for step in range(3 * EXPLORE_EVERY):
+        depth, nodes = new.cap(6, 6, level_s=0.6, tokens_left=200 - step)
+        caps.append(depth)
+        draft = Draft.chain([0] * min(depth, nodes))
+        new.observe(draft, len(draft), 0.6 * len(draft), costs(1 + len(draft)))
+    assert caps[:drafts] == [1] * drafts, caps
+    assert all(caps) if drafts else not any(caps), caps
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -8,6 +8,7 @@ request's drafts (``sizing.py``) and the ``auto`` proposer (``proposers/auto.py`
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,9 @@ UNSEEN_RATE = 0.5
 UNSEEN_ROWS = 1.0
 #: steps of evidence below which a level's chance given the one above leans on that one's
 MIN_EVIDENCE = 1.0
+#: the normal quantile of the upper confidence bound on a first token's chance
+#: (:meth:`Acceptance.first_bound`): one-sided 95%
+FIRST_BOUND_Z = 1.645
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
 OVERHEAD_STEPS = 64
 #: draft rows grouped for that fit, each group from its first row count to the next group's
@@ -84,12 +88,15 @@ class Acceptance:
     rows: list[float] = field(default_factory=list)
     #: verify steps with a draft observed, not decayed
     drafts: int = 0
+    #: those of them that accepted the draft's first token, not decayed
+    firsts: int = 0
     #: drafts accepted whole in a row, up to the last one observed
     whole: int = 0
 
     def observe(self, draft: Draft, accepted: int) -> None:
         depth = draft.max_depth
         self.drafts += depth > 0
+        self.firsts += depth > 0 and accepted > 0
         if depth:
             self.whole = self.whole + 1 if accepted >= depth else 0
         for counts in (self.offered, self.tried, self.reached, self.rows):
@@ -127,6 +134,19 @@ class Acceptance:
             chance *= given
             out.append((chance, max(rows / offered if offered else UNSEEN_ROWS, 1.0)))
         return out
+
+    def first_bound(self) -> float:
+        """An upper confidence bound on the chance that a draft's first token is accepted:
+        Wilson's score interval (FIRST_BOUND_Z) over every draft observed, not decayed; 1
+        before any. A few misses leave it high (one of four accepted: 0.64), many bring it to
+        the observed rate, so a drafter is ruled out only on evidence enough."""
+        n = self.drafts
+        if not n:
+            return 1.0
+        z2 = FIRST_BOUND_Z * FIRST_BOUND_Z
+        rate = self.firsts / n
+        spread = FIRST_BOUND_Z * math.sqrt(rate * (1.0 - rate) / n + z2 / (4.0 * n * n))
+        return min(1.0, (rate + z2 / (2.0 * n) + spread) / (1.0 + z2 / n))
 
     def given(self, k: int) -> tuple[float, float]:
         """(steps that tried depth k + 1, steps that accepted it), this record's alone."""

@@ -114,3 +114,17 @@ def sample_per_task(questions: list[Question], per_task: int | None) -> list[Que
                     picked += 1
             depth += 1
     return [q for q in questions if id(q) in chosen]
+
+
+def pick_questions(questions: list[Question], ids: str) -> list[Question]:
+    """The questions named by ``ids`` (comma-separated question ids, e.g. "161,401,code-edit-0"),
+    in that order: the order decides what a method that learns across requests has seen."""
+    by_id = {str(q.question_id): q for q in questions}
+    wanted = [i.strip() for i in ids.split(",") if i.strip()]
+    require(wanted, "--questions needs at least one question id")
+    missing = [i for i in wanted if i not in by_id]
+    require(not missing, f"--questions names ids that --data does not hold: {', '.join(missing)} "
+                         f"(its ids: {', '.join(list(by_id)[:6])}, ...)")
+    require(len(set(wanted)) == len(wanted), f"--questions repeats a question id: {ids!r}")
+    return [by_id[i] for i in wanted]
+

@@ -21,12 +21,14 @@ forwards, server/goodput.py) and :class:`SequenceSizer` for one request (the lib
 and the bench): one mechanism. Depth 0 is plain autoregressive decoding, so a method whose
 drafts do not pay on this model and machine stops drafting. Where the allocation sends a
 sequence nothing, :func:`learning_cap`, in every path, sends a small draft so that its method's
-estimate can learn (what a draft is worth is learnt only from drafts sent): a method seen
-drafting fewer than ``FIRST_DRAFTS`` times sends one-token drafts where a token sure to be
-accepted would pay (:func:`first_draft`; on the prior of a level never drafted, the allocation
-may send none); otherwise, after ``EXPLORE_EVERY`` steps or more, once such a draft would cost
-at most ``EXPLORE_SHARE`` of the steps since the last, one small draft, so its estimate can
-recover when the text starts to repeat (:func:`explore_cap`). A sequence whose last
+estimate can learn (what a draft is worth is learnt only from drafts sent): a request's first
+``FIRST_DRAFTS`` drafts are a token each where a token would pay at the upper confidence bound
+of its method's first-token acceptance (:func:`first_draft`: sure to be accepted before any
+draft; on the prior of a level never drafted, the allocation may send none, and a few early
+misses must not stop a good draft model for good, whose explores cost too much to bring it
+back); otherwise, after ``EXPLORE_EVERY`` steps or more, once such a draft would cost at most
+``EXPLORE_SHARE`` of the steps since the last, one small draft, so its estimate can recover
+when the text starts to repeat (:func:`explore_cap`). A sequence whose last
 ``DEEPEN_AFTER`` drafts were accepted whole drafts a level deeper than its allocation
 (:func:`deepened`), so that a request easier than its method's record learns its deeper levels.
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
@@ -63,8 +65,9 @@ EXPLORE_NODES = 4
 #: every EXPLORE_EVERY idle steps where a few rows cost little more than one; a draft model,
 #: whose explore pays for a forward a token and for reading every token it skipped, waits longer
 EXPLORE_SHARE = 0.05
-#: drafts a method sends a token at a time, where their cost allows, before its acceptance
-#: decides alone: one would leave a good draft model that missed once never to draft again (its
+#: drafts each request sends a token at a time where the allocation sends none and a token
+#: would pay at the upper bound of its method's first-token acceptance (a draft model whose
+#: first four drafts missed three times would otherwise never draft again, on any text: its
 #: explores cost more than EXPLORE_SHARE where reading a skipped token is dear)
 FIRST_DRAFTS = 4
 #: drafts accepted whole in a row after which a sequence's draft goes a level deeper than its
@@ -245,37 +248,41 @@ def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 
 def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
                 tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0,
-                catch_up_s: float = 0.0) -> tuple[int, int] | None:
-    """The one-token draft a method seen drafting fewer than FIRST_DRAFTS times sends where
-    the allocation sends none, if a token sure to be accepted would pay for itself: what its
-    drafts are worth is learnt only from drafts sent, and on the prior of a level never
-    drafted (``UNSEEN_RATE``) a draft model whose token costs a large share of a target forward
-    would never send its first (the 0.5B drafting for the 1.5B on two AVX2 cores: 40%, while it
-    agrees with the 1.5B about three times in four). Its price: its row beside the
-    ``base_rows``, ``draft_s`` (drafting), a level, and its ``catch_up_s`` spread over the
-    ``tokens_left`` as the allocation spreads it (:func:`catch_up_share`); sent where that is
-    less than a one-row forward, which the token it commits when accepted saves (so a draft
-    model behind a long prompt near the end of a request does not try: reading it would not be
-    repaid). None otherwise, or where nothing may be drafted."""
+                catch_up_s: float = 0.0, chance: float = 1.0) -> tuple[int, int] | None:
+    """The one-token draft a request sends for its first FIRST_DRAFTS drafts where the
+    allocation sends none, if a token accepted with ``chance`` (an upper bound on its method's
+    first-token acceptance, :meth:`~specdecode.estimates.Acceptance.first_bound`; 1 before any
+    draft) would pay for itself: what its drafts are worth is learnt only from drafts sent, and
+    on the prior of a level never drafted (``UNSEEN_RATE``) a draft model whose token costs a
+    large share of a target forward would never send its first (the 0.5B drafting for the 1.5B
+    on two AVX2 cores: 40%, while it agrees with the 1.5B about three times in four). Its
+    price: its row beside the ``base_rows``, ``draft_s`` (drafting), a level, and its
+    ``catch_up_s`` spread over the ``tokens_left`` as the allocation spreads it
+    (:func:`catch_up_share`); sent where that is less than ``chance`` one-row forwards, which
+    the token it commits when accepted saves (so a draft model behind a long prompt near the
+    end of a request does not try: reading it would not be repaid). None otherwise, or where
+    nothing may be drafted."""
     if min(max_depth, max_nodes) <= 0:
         return None
     first_s = (costs(base_rows + 1) - costs(base_rows) + draft_s + level_s
                + catch_up_share(catch_up_s, tokens_left, [(1.0, 1.0)]))
-    return (1, 1) if first_s < costs(1) else None
+    return (1, 1) if first_s < chance * costs(1) else None
 
 
-def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, tried: int,
-                 idle: int, tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0,
-                 catch_up_s: float = 0.0, every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
+def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
+                 own_drafts: int, record: Acceptance, idle: int, tokens_left: int,
+                 draft_s: float = 0.0, level_s: float = 0.0, catch_up_s: float = 0.0,
+                 every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
     """The small draft a sequence sends where the allocation sends none, so that its method's
-    estimate can learn: a first draft (:func:`first_draft`) while the method has been seen
-    drafting (``tried``) fewer than FIRST_DRAFTS times and one pays, else an explore
-    (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid whole); None
-    where neither is due. Every path sizes through it: a request's :class:`SequenceSizer`, the
-    server's scheduler and ``auto``'s parts."""
-    if tried < FIRST_DRAFTS:
+    estimate can learn: a first draft (:func:`first_draft`) while the request has sent
+    (``own_drafts``) fewer than FIRST_DRAFTS drafts and one pays at the upper bound of the
+    first-token acceptance of ``record`` (its method's drafts, the request's among them), else
+    an explore (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid
+    whole); None where neither is due. Every path sizes through it: a request's
+    :class:`SequenceSizer`, the server's scheduler and ``auto``'s parts."""
+    if own_drafts < FIRST_DRAFTS:
         first = first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s,
-                            level_s, catch_up_s)
+                            level_s, catch_up_s, record.first_bound())
         if first is not None:
             return first
     return explore_cap(costs, base_rows, max_depth, max_nodes, idle, draft_s + catch_up_s,
@@ -319,9 +326,11 @@ class SequenceSizer:
         depth, rows = deepened(allocate([candidate], sizing.costs, 1, overhead_s, row_s)[0],
                                self.acceptance, max_depth, max_nodes)
         if not depth:
-            tried = max(self.acceptance.drafts, prior.drafts if prior else 0)
-            depth, rows = learning_cap(sizing.costs, 1, max_depth, max_nodes, tried, self.idle,
-                                       tokens_left, draft_s, level_s, catch_up_s) or (0, 0)
+            depth, rows = learning_cap(sizing.costs, 1, max_depth, max_nodes,
+                                       self.acceptance.drafts,
+                                       self.acceptance if prior is None else prior,
+                                       self.idle, tokens_left, draft_s, level_s,
+                                       catch_up_s) or (0, 0)
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)

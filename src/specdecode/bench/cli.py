@@ -19,7 +19,7 @@ from pathlib import Path
 from specdecode.bench.contenders import (PEERS, HFGenerate, IsolatedLlamaCpp, MethodContender,
                                          llama_cpp_available, llama_cpp_unsupported)
 from specdecode.bench.datasets import load_workloads
-from specdecode.questions import Question, load_questions, sample_per_task
+from specdecode.questions import Question, load_questions, pick_questions, sample_per_task
 from specdecode.bench.diffusion import add_arguments as add_diffusion_arguments
 from specdecode.bench.llama_server_peer import CONFIGS as SERVER_CONFIGS
 from specdecode.bench.llama_server_peer import LlamaServerPeer
@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. --data spec-bench,code-edit")
     parser.add_argument("--per-task", type=int, default=None, metavar="N",
                         help="the first N questions of each task (default: all)")
+    parser.add_argument("--questions", default=None, metavar="ID[,...]",
+                        help="these question ids of --data, in this order, instead of "
+                             "--per-task (what methods that learn across requests saw first "
+                             "matters), e.g. --questions 161,401,403")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time each prompt this many times; records keep the median")
@@ -210,7 +214,11 @@ def plan(args: argparse.Namespace) -> Plan:
     from specdecode.cli_options import sampling_options
     from specdecode.sampling import SamplingParams
 
-    questions = sample_per_task(load_workloads(args.data), args.per_task)
+    require(args.questions is None or args.per_task is None,
+            "--questions and --per-task both choose the questions; give one")
+    loaded = load_workloads(args.data)
+    questions = (sample_per_task(loaded, args.per_task) if args.questions is None
+                 else pick_questions(loaded, args.questions))
     methods = parse_methods(args.methods, args.config)
     peers = parse_peers(args.peers, args.model)
     llama_server, peer_draft = server_peers(peers, args)

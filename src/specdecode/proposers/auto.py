@@ -31,8 +31,9 @@ acceptance, its drafting included) beats the best draft already in hand, whose d
 already paid; so the suffix tree's nearly free draft is made first, and a head or a draft
 model drafts only where the suffix draft is poor, to the depth its acceptance pays for (a draft
 model's token costs a forward of its own). A part whose drafts do not pay still drafts a token
-while it has drafted fewer than ``FIRST_DRAFTS`` times, where one sure to be accepted would
-pay, and after that a small draft after ``explore_every`` steps without drafting, where it
+for a request's first ``FIRST_DRAFTS`` drafts, where one would pay at the upper confidence bound
+of its first-token acceptance (sure to be accepted before its first draft), and after that a
+small draft after ``explore_every`` steps without drafting, where it
 costs at most ``EXPLORE_SHARE`` of those steps, so its estimate follows the text
 (:func:`specdecode.sizing.learning_cap`, as in the server). Of the drafts in hand (and their
 merged prefix tree, with ``merge``), the one with the most expected tokens per second of its
@@ -234,6 +235,8 @@ class AutoProposer(Proposer):
         #: tokens left out: their catch-up is priced by the part's own curve)
         self.draft_times = [DraftTime() for _ in self.parts]
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
+        #: drafts each part has made in the current request (its first ones are learning_cap's)
+        self.made = [0] * len(self.parts)
         #: a step's seconds besides its forward and drafting, as a line in its draft rows
         self.overhead = StepOverhead()
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
@@ -269,6 +272,7 @@ class AutoProposer(Proposer):
 
     def start(self, prompt: Sequence[int]) -> None:
         self.choices = Counter()
+        self.made = [0] * len(self.parts)
         self._walks, self._sent, self._step = [], None, None
         for part in self.parts:
             part.start(prompt)
@@ -328,9 +332,10 @@ class AutoProposer(Proposer):
         FIRST_DRAFTS times, or not for ``explore_every`` steps). A drafter whose tokens cost a
         forward each (a draft model) drafts to the depth and nodes of that best draft, and
         where none pays, a small draft while its estimate must learn
-        (:func:`~specdecode.sizing.learning_cap`: a token for its first drafts where one sure
-        to be accepted would pay, after them a few after ``explore_every`` steps where they
-        cost at most EXPLORE_SHARE of those steps); a lookup or heads, whose
+        (:func:`~specdecode.sizing.learning_cap`: a token for a request's first drafts where
+        one would pay at the upper bound of the part's first-token acceptance, after them a few
+        after ``explore_every`` steps where they cost at most EXPLORE_SHARE of those steps); a
+        lookup or heads, whose
         drafting costs about the same at any depth, to its own budget (what is sent is chosen
         after)."""
         own = self.controllers[i].budget()
@@ -354,8 +359,8 @@ class AutoProposer(Proposer):
         elif depth:
             sized = Budget(depth, min(rows, most_nodes), own.keep_drafting)
         else:  # no draft of it pays: a small one while its estimate must learn
-            small = learning_cap(self.costs, 1, most_depth, most_nodes, acceptance.drafts,
-                                 self.idle[i], left, fixed_s, level_s, catch_up_s,
+            small = learning_cap(self.costs, 1, most_depth, most_nodes, self.made[i],
+                                 acceptance, self.idle[i], left, fixed_s, level_s, catch_up_s,
                                  every=self.config.explore_every)
             return None if small is None else Budget(*small, own.keep_drafting)
         if learning:
@@ -380,6 +385,7 @@ class AutoProposer(Proposer):
         if timed and len(draft):  # a draft that first read skipped tokens is no sample
             self.draft_times[i].observe(draft.max_depth, time.perf_counter() - started)
         self.idle[i] = 0
+        self.made[i] += len(draft) > 0
         return draft
 
     def propose(self, context, budget):

@@ -532,11 +532,12 @@ class Scheduler:
         draft_s, level_s = self._drafting(seq).priced(level_s)
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels), level_s)
         # where the budget leaves a sequence without a draft, one is sent anyway when its
-        # method's estimate must learn: a token while the method is seldom seen drafting, a
-        # small draft after long without one (an early miss would keep it at nothing)
+        # method's estimate must learn: a token for its first drafts while its method's record
+        # does not rule one out, a small draft after long without one (an early miss would
+        # keep it at nothing)
         return _Sizing(candidate, functools.partial(
             learning_cap, max_depth=most, max_nodes=self.max_draft_rows,
-            tried=max(prior.drafts, seq.acceptance.drafts), idle=seq.idle, tokens_left=left,
+            own_drafts=seq.acceptance.drafts, record=prior, idle=seq.idle, tokens_left=left,
             draft_s=draft_s, level_s=level_s, catch_up_s=catch_up_s), most)
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
