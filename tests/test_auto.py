@@ -176,6 +176,21 @@ def test_a_draft_model_parts_catch_up_is_spread_over_the_tokens_left(left, draft
     assert model.proposed == drafts
 
 
+@pytest.mark.parametrize("answers, drafts", [(1000, True), (4, False)])
+def test_a_draft_model_parts_catch_up_is_spread_over_what_answers_say_is_left(answers, drafts):
+    """With 1000 tokens of budget left, a part two forwards behind drafts after answers of
+    1000 tokens and not after answers of 4: the budget is not what is left."""
+    model = PerToken(one_ahead, 0.2, catch_up_s=2.0)
+    auto = AutoProposer(AutoConfig(parts="suffix,draft_model"), None,
+                        [Scripted(nothing), model], COSTS)
+    for _ in range(3):
+        auto.start(TRUTH[:1])
+        auto.finish(TRUTH[1:1 + answers])
+    auto.start(TRUTH[:1])
+    auto.propose(TRUTH[:1], Budget(64, 128, tokens_left=1000))
+    assert model.proposed == drafts
+
+
 def test_step_seconds_besides_the_forward_are_learnt_per_row():
     """What a step costs besides its forward and its drafting (verification, the LM head's
     rows, the parts' bookkeeping) is learnt as a fixed part and a part per draft row, so a

@@ -11,7 +11,7 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.estimates import Acceptance, RowCosts
+from specdecode.estimates import Acceptance, AnswerLengths, RowCosts
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
@@ -226,6 +226,38 @@ def test_a_draft_far_behind_catches_up_where_the_request_can_repay_it():
     assert sizer.cap(6, 6, 10.0, tokens_left=8)[0] == 0
     assert sizer.cap(6, 6, 10.0, tokens_left=1000)[0] >= 1
     assert sizer.cap(6, 6, 0.0, tokens_left=8)[0] >= 1
+
+
+def test_a_catch_up_is_spread_over_the_tokens_its_methods_answers_say_are_left():
+    """A draft model 10 s behind with 1000 tokens of budget left: after answers of 8 tokens it
+    does not catch up (the budget is not what is left), after answers of 1000 it does; a
+    request already past every recent answer's length is back on its budget; a seeded one
+    reads no other answers."""
+    costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
+    caps = {}
+    for name, length, generated, sampling in (("short", 8, 0, GREEDY), ("long", 1000, 0, GREEDY),
+                                              ("past", 8, 9, GREEDY), ("seeded", 8, 0, SEEDED)):
+        sizing = DraftSizing(costs)
+        for _ in range(5):
+            done = sizing.sequence(sampling)
+            run_steps(done, lambda depth: depth, 10)
+            done.finish(length)
+        sizer = sizing.sequence(sampling)
+        run_steps(sizer, lambda depth: depth, 10)
+        caps[name] = sizer.cap(6, 6, 10.0, tokens_left=1000, generated=generated)[0]
+    assert caps["short"] == 0 and caps["long"] >= 1 and caps["past"] >= 1, caps
+    assert caps["seeded"] >= 1, caps
+
+
+def test_answer_lengths_give_the_tokens_a_request_can_expect_to_add():
+    lengths = AnswerLengths()
+    assert lengths.expected_left(0, 128) == 128
+    for n in (20, 40, 128, 60):
+        lengths.observe(n)
+    assert lengths.expected_left(0, 128) == pytest.approx((20 + 40 + 128 + 60) / 4)
+    assert lengths.expected_left(30, 98) == pytest.approx((10 + 98 + 30) / 3)
+    assert lengths.expected_left(10, 50) == pytest.approx((10 + 30 + 50 + 50) / 4)
+    assert lengths.expected_left(200, 300) == 300  # past every answer: its budget
 
 
 def test_drafting_seconds_count_against_a_draft():

@@ -43,8 +43,8 @@ class Budget:
     keep_drafting: Callable[[DraftSignal], bool] | None = dataclasses.field(
         default=None, compare=False)
     #: tokens the request may still commit (what a proposer that prices its own parts spreads
-    #: a draft model's catch-up over); None: not known
-    tokens_left: int | None = dataclasses.field(default=None, compare=False)
+    #: a draft model's catch-up over, after its own estimate of those it will); None: not known
+    tokens_left: float | None = dataclasses.field(default=None, compare=False)
 
     def capped(self, max_depth: int) -> Budget:
         return dataclasses.replace(self, max_depth=min(self.max_depth, max_depth))

@@ -314,7 +314,7 @@ class Generation:
         cap = self.draft_cap
         if self.sizer is not None and budget.max_depth > 0:
             cap = self.sizer.cap(budget.max_depth, budget.max_nodes, *self.draft_seconds(),
-                                 tokens_left=left)
+                                 tokens_left=left, generated=len(self.tokens))
         if cap is not None:
             budget = budget.capped(cap[0]).capped_nodes(cap[1])
         self._step_started = t0
@@ -401,6 +401,8 @@ class Generation:
         if self._generator is not None:  # begun
             self.proposer.finish(self.tokens)
             self.stats.total_s = time.perf_counter() - self._started
+        if self.sizer is not None and self.finish_reason is not None:  # ended, not cancelled
+            self.sizer.finish(len(self.tokens))
         if self.stats.target_forwards:  # the cache holds this generation's rows
             self.runner.note_held(self._context)
 

@@ -1,8 +1,9 @@
 """The estimates that budget drafts by expected tokens per second: a runner's seconds per
 forward by rows (:class:`RowCosts`), a proposer's recent acceptance by draft depth
-(:class:`Acceptance`) and a step's seconds besides its forward and its drafting
-(:class:`StepOverhead`). The server's goodput budgets (``server/goodput.py``), the sizing of one
-request's drafts (``sizing.py``) and the ``auto`` proposer (``proposers/auto.py``) read them.
+(:class:`Acceptance`), a step's seconds besides its forward and its drafting
+(:class:`StepOverhead`) and the tokens a request has left (:class:`AnswerLengths`). The
+server's goodput budgets (``server/goodput.py``), the sizing of one request's drafts
+(``sizing.py``) and the ``auto`` proposer (``proposers/auto.py``) read them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ MIN_EVIDENCE = 1.0
 #: the normal quantile of the upper confidence bound on a first token's chance
 #: (:meth:`Acceptance.first_bound`): one-sided 95%
 FIRST_BOUND_Z = 1.645
+#: a method's recent answers whose lengths say how many tokens a request has left
+LENGTHS_KEPT = 32
 #: steps whose seconds besides the forward and the drafting the overhead line is fitted to
 OVERHEAD_STEPS = 64
 #: draft rows grouped for that fit, each group from its first row count to the next group's
@@ -156,6 +159,28 @@ class Acceptance:
         if k < len(self.offered):
             return self.offered[k], self.tried[k], self.reached[k], self.rows[k]
         return 0.0, 0.0, 0.0, 0.0
+
+
+class AnswerLengths:
+    """The lengths of a method's recent answers (the last ``LENGTHS_KEPT``), for the tokens a
+    request can be expected to add: a draft model that must first read a long prompt repays
+    that only over the tokens still to come, and the request's budget says little of them
+    where answers end early (RAG and QA answers of 20 to 60 tokens under a budget of 128)."""
+
+    def __init__(self):
+        self._recent: deque[int] = deque(maxlen=LENGTHS_KEPT)
+
+    def observe(self, length: int) -> None:
+        """An answer ended after ``length`` tokens (by its end token, a stop or its budget)."""
+        self._recent.append(length)
+
+    def expected_left(self, generated: int, left: int) -> float:
+        """The tokens a request that has ``generated`` tokens and may add ``left`` more can be
+        expected to add: the mean of what the recent answers longer than ``generated`` added
+        past it (at most ``left`` each); ``left`` where none was longer, since nothing seen
+        says that it ends soon."""
+        longer = [min(n - generated, left) for n in self._recent if n > generated]
+        return max(1.0, sum(longer) / len(longer)) if longer else float(left)
 
 
 class StepOverhead:

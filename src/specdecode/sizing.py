@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
+from specdecode.estimates import DECAY, Acceptance, AnswerLengths, RowCosts, StepOverhead
 from specdecode.models.base import Runner
 
 #: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
@@ -205,6 +205,7 @@ class DraftSizing:
         self.acceptance = Acceptance()
         self.draft_time = DraftTime()
         self.overhead = StepOverhead()
+        self.lengths = AnswerLengths()
 
     def sequence(self, sampling) -> SequenceSizer:
         """The sizer of one request of ``sampling`` (a seeded sampled one is sized repeatably:
@@ -304,15 +305,19 @@ class SequenceSizer:
         self.catch_up_s = 0.0
 
     def cap(self, max_depth: int, max_nodes: int, catch_up_s: float = 0.0,
-            level_s: float = 0.0, tokens_left: int = 1) -> tuple[int, int]:
+            level_s: float = 0.0, tokens_left: int = 1, generated: int = 0) -> tuple[int, int]:
         """(max depth, max draft nodes) for the next draft, within the budget's.
         ``catch_up_s``, ``level_s``: the proposer's drafting by its drafter's row-cost curve
         (:meth:`~specdecode.proposer.Proposer.draft_seconds`). The catch-up is priced by
-        :func:`catch_up_share` over the request's ``tokens_left`` (an explore draft pays it
-        whole); the seconds a level, until the proposer's drafting has been timed (always, for
-        a seeded sampled request, which reads no timings)."""
+        :func:`catch_up_share` over the tokens the request can be expected to add after the
+        ``generated`` ones, at most its ``tokens_left``, by its method's recent answers
+        (:class:`~specdecode.estimates.AnswerLengths`; an explore draft pays it whole); the
+        seconds a level, until the proposer's drafting has been timed. A seeded sampled request
+        reads neither timings nor other answers."""
         sizing = self.sizing
         self.catch_up_s = 0.0
+        if not self.repeatable:
+            tokens_left = sizing.lengths.expected_left(generated, tokens_left)
         prior = None if self.repeatable else sizing.acceptance
         seen = max(len(self.acceptance.offered), len(prior.offered) if prior else 0)
         deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
@@ -334,6 +339,10 @@ class SequenceSizer:
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)
+
+    def finish(self, length: int) -> None:
+        """The request ended (by an end token, a stop or its budget) after ``length`` tokens."""
+        self.sizing.lengths.observe(length)
 
     def observe(self, draft: Draft, accepted: int, draft_s: float, step_s: float) -> None:
         """After a verify step: its draft, the draft tokens accepted, the seconds drafting took

@@ -60,7 +60,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from specdecode import registry
@@ -71,7 +71,7 @@ from specdecode.models.base import Needs, Runner
 from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
-from specdecode.estimates import DECAY, Acceptance, RowCosts, StepOverhead
+from specdecode.estimates import DECAY, Acceptance, AnswerLengths, RowCosts, StepOverhead
 from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
                                catch_up_share, deepened, learning_cap)
 
@@ -237,6 +237,9 @@ class AutoProposer(Proposer):
         self.idle = [config.explore_every] * len(self.parts)  # steps since each part drafted
         #: drafts each part has made in the current request (its first ones are learning_cap's)
         self.made = [0] * len(self.parts)
+        #: the recent answers' lengths, for the tokens a request has left to repay a catch-up
+        self.lengths = AnswerLengths()
+        self._prompt_len = 0
         #: a step's seconds besides its forward and drafting, as a line in its draft rows
         self.overhead = StepOverhead()
         #: arms sent in the current request, by name ("suffix", "hydra", "suffix+hydra", "none")
@@ -273,6 +276,7 @@ class AutoProposer(Proposer):
     def start(self, prompt: Sequence[int]) -> None:
         self.choices = Counter()
         self.made = [0] * len(self.parts)
+        self._prompt_len = len(prompt)
         self._walks, self._sent, self._step = [], None, None
         for part in self.parts:
             part.start(prompt)
@@ -282,6 +286,7 @@ class AutoProposer(Proposer):
             part.use_reference(tokens)
 
     def finish(self, output: Sequence[int]) -> None:
+        self.lengths.observe(len(output))
         for part in self.parts:
             part.finish(output)
 
@@ -396,6 +401,9 @@ class AutoProposer(Proposer):
         rates: dict[int, float] = {}
         best_rate, best_nodes = self._none_rate(), 0
         if budget.max_depth > 0 and budget.max_nodes > 0:
+            if budget.tokens_left:  # what a catch-up is spread over (sizing.catch_up_share)
+                budget = replace(budget, tokens_left=self.lengths.expected_left(
+                    len(context) - self._prompt_len, budget.tokens_left))
             priced = [self._priced(i, context) for i in range(len(self.parts))]
             for i in sorted(range(len(self.parts)), key=lambda i: priced[i].one_level_s):
                 self.idle[i] += 1

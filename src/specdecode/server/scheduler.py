@@ -48,7 +48,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import Call, PrefillCall, Runner, VerifyCall
 from specdecode.models.kv_cache import common_prefix, held_ids
 from specdecode.sampling import SamplingParams
-from specdecode.estimates import Acceptance, RowCosts, StepOverhead
+from specdecode.estimates import Acceptance, AnswerLengths, RowCosts, StepOverhead
 from specdecode.server.goodput import Batching
 from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
                                deepened, learning_cap)
@@ -214,6 +214,9 @@ class Scheduler:
         self.row_costs = batching.row_costs(runners[0])
         #: (method, config) -> acceptance of all its sequences, each new sequence's prior
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
+        #: each method's recent answer lengths (the tokens a request has left to repay a
+        #: draft model's catch-up)
+        self._lengths: dict[tuple[str, str], AnswerLengths] = {}
         #: (method, config) -> seconds its proposer takes to draft, a fixed part and a part a
         #: level (a draft model drafts a token a forward), as for one request (sizing.py)
         self._draft_time: dict[tuple[str, str], DraftTime] = {}
@@ -530,6 +533,8 @@ class Scheduler:
         levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
                                        prior)
         draft_s, level_s = self._drafting(seq).priced(level_s)
+        # a catch-up is spread over the tokens the request can be expected to add
+        left = self._method_lengths(seq).expected_left(len(generation.tokens), left)
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels), level_s)
         # where the budget leaves a sequence without a draft, one is sent anyway when its
         # method's estimate must learn: a token for its first drafts while its method's record
@@ -542,6 +547,9 @@ class Scheduler:
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
+
+    def _method_lengths(self, seq: _Sequence) -> AnswerLengths:
+        return self._lengths.setdefault(_key(seq.spec), AnswerLengths())
 
     def _drafting(self, seq: _Sequence) -> DraftTime:
         return self._draft_time.setdefault(_key(seq.spec), DraftTime())
@@ -572,6 +580,7 @@ class Scheduler:
         if outcome is None:
             result: GenerationResult = seq.stream.finish()
             outcome = result.finish_reason
+            self._method_lengths(seq).observe(len(result.token_ids))
             seq.job.post("done", seq.index, result)
         self.metrics.observe_sequence(seq.spec.method.name, outcome, stats)
         with self._cond:
