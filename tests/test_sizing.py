@@ -145,6 +145,19 @@ def test_a_method_whose_first_token_does_not_pay_still_explores():
                         **never) == (EXPLORE_NODES, EXPLORE_NODES)
 
 
+def test_what_a_draft_row_adds_besides_the_curve_prices_first_and_explore_drafts():
+    """Rows free by the curve, but each draft row adds 1.5 forwards' worth to its step (a long
+    context's attention, measured as the step's overhead): neither a first draft nor an
+    explore of four rows pays then."""
+    free = RowCosts({1: 1.0, 64: 1.01})
+    first = dict(own_drafts=0, record=Acceptance(), idle=0, tokens_left=100)
+    explore = dict(own_drafts=FIRST_DRAFTS, record=Acceptance(), idle=100, tokens_left=100)
+    assert learning_cap(free, 1, 6, 6, **first) == (1, 1)
+    assert learning_cap(free, 1, 6, 6, row_s=1.5, **first) is None
+    assert learning_cap(free, 1, 6, 6, **explore) == (EXPLORE_NODES, EXPLORE_NODES)
+    assert learning_cap(free, 1, 6, 6, row_s=1.5, **explore) is None
+
+
 @pytest.mark.parametrize("accepted", [1, 0], ids=["accepted", "rejected"])
 def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(accepted):
     """A draft model whose token costs 60% of a target forward, rows nearly free: on the prior

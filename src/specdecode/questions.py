@@ -127,4 +127,3 @@ def pick_questions(questions: list[Question], ids: str) -> list[Question]:
                          f"(its ids: {', '.join(list(by_id)[:6])}, ...)")
     require(len(set(wanted)) == len(wanted), f"--questions repeats a question id: {ids!r}")
     return [by_id[i] for i in wanted]
-

@@ -230,26 +230,29 @@ def deepened(cap: tuple[int, int], acceptance: Acceptance, max_depth: int,
 
 
 def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, idle: int,
-                draft_s: float = 0.0, level_s: float = 0.0,
-                every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
+                draft_s: float = 0.0, level_s: float = 0.0, every: int = EXPLORE_EVERY,
+                row_s: float = 0.0) -> tuple[int, int] | None:
     """The small draft (depth, nodes) a sequence that has not drafted for ``idle`` steps sends
     anyway, so that its acceptance estimate can recover (a method's estimate learns only from
     drafts sent: one that fell to nothing would keep it from drafting for good); None before
     ``every`` such steps, or while the draft would cost more than EXPLORE_SHARE of them: its
-    rows beside the ``base_rows`` the forward runs anyway, ``draft_s`` (drafting, a catch-up)
-    and ``level_s`` a level."""
+    rows beside the ``base_rows`` the forward runs anyway, ``row_s`` a row besides the curve
+    (:class:`~specdecode.estimates.StepOverhead`), ``draft_s`` (drafting, a catch-up) and
+    ``level_s`` a level."""
     if idle < every:
         return None
     depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
     if depth <= 0:
         return None
-    explore_s = costs(base_rows + nodes) - costs(base_rows) + draft_s + level_s * depth
+    explore_s = (costs(base_rows + nodes) - costs(base_rows) + row_s * nodes + draft_s
+                 + level_s * depth)
     return (depth, nodes) if explore_s <= EXPLORE_SHARE * idle * costs(1) else None
 
 
 def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
                 tokens_left: int, draft_s: float = 0.0, level_s: float = 0.0,
-                catch_up_s: float = 0.0, chance: float = 1.0) -> tuple[int, int] | None:
+                catch_up_s: float = 0.0, chance: float = 1.0,
+                row_s: float = 0.0) -> tuple[int, int] | None:
     """The one-token draft a request sends for its first FIRST_DRAFTS drafts where the
     allocation sends none, if a token accepted with ``chance`` (an upper bound on its method's
     first-token acceptance, :meth:`~specdecode.estimates.Acceptance.first_bound`; 1 before any
@@ -257,7 +260,8 @@ def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
     on the prior of a level never drafted (``UNSEEN_RATE``) a draft model whose token costs a
     large share of a target forward would never send its first (the 0.5B drafting for the 1.5B
     on two AVX2 cores: 40%, while it agrees with the 1.5B about three times in four). Its
-    price: its row beside the ``base_rows``, ``draft_s`` (drafting), a level, and its
+    price: its row beside the ``base_rows`` and ``row_s`` (what a draft row adds besides the
+    curve, :class:`~specdecode.estimates.StepOverhead`), ``draft_s`` (drafting), a level, and its
     ``catch_up_s`` spread over the ``tokens_left`` as the allocation spreads it
     (:func:`catch_up_share`); sent where that is less than ``chance`` one-row forwards, which
     the token it commits when accepted saves (so a draft model behind a long prompt near the
@@ -265,7 +269,7 @@ def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
     nothing may be drafted."""
     if min(max_depth, max_nodes) <= 0:
         return None
-    first_s = (costs(base_rows + 1) - costs(base_rows) + draft_s + level_s
+    first_s = (costs(base_rows + 1) - costs(base_rows) + row_s + draft_s + level_s
                + catch_up_share(catch_up_s, tokens_left, [(1.0, 1.0)]))
     return (1, 1) if first_s < chance * costs(1) else None
 
@@ -273,21 +277,21 @@ def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
                  own_drafts: int, record: Acceptance, idle: int, tokens_left: int,
                  draft_s: float = 0.0, level_s: float = 0.0, catch_up_s: float = 0.0,
-                 every: int = EXPLORE_EVERY) -> tuple[int, int] | None:
+                 every: int = EXPLORE_EVERY, row_s: float = 0.0) -> tuple[int, int] | None:
     """The small draft a sequence sends where the allocation sends none, so that its method's
     estimate can learn: a first draft (:func:`first_draft`) while the request has sent
     (``own_drafts``) fewer than FIRST_DRAFTS drafts and one pays at the upper bound of the
     first-token acceptance of ``record`` (its method's drafts, the request's among them), else
     an explore (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid
-    whole); None where neither is due. Every path sizes through it: a request's
+    whole), each draft row priced ``row_s`` besides the curve; None where neither is due. Every path sizes through it: a request's
     :class:`SequenceSizer`, the server's scheduler and ``auto``'s parts."""
     if own_drafts < FIRST_DRAFTS:
         first = first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s,
-                            level_s, catch_up_s, record.first_bound())
+                            level_s, catch_up_s, record.first_bound(), row_s)
         if first is not None:
             return first
     return explore_cap(costs, base_rows, max_depth, max_nodes, idle, draft_s + catch_up_s,
-                       level_s, every)
+                       level_s, every, row_s)
 
 
 class SequenceSizer:
@@ -335,7 +339,7 @@ class SequenceSizer:
                                        self.acceptance.drafts,
                                        self.acceptance if prior is None else prior,
                                        self.idle, tokens_left, draft_s, level_s,
-                                       catch_up_s) or (0, 0)
+                                       catch_up_s, row_s=row_s) or (0, 0)
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)

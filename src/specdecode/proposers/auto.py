@@ -366,7 +366,7 @@ class AutoProposer(Proposer):
         else:  # no draft of it pays: a small one while its estimate must learn
             small = learning_cap(self.costs, 1, most_depth, most_nodes, self.made[i],
                                  acceptance, self.idle[i], left, fixed_s, level_s, catch_up_s,
-                                 every=self.config.explore_every)
+                                 every=self.config.explore_every, row_s=self.overhead.line[1])
             return None if small is None else Budget(*small, own.keep_drafting)
         if learning:
             return sized
