@@ -320,7 +320,7 @@ class SequenceSizer:
         reads neither timings nor other answers."""
         sizing = self.sizing
         self.catch_up_s = 0.0
-        if not self.repeatable:
+        if catch_up_s and not self.repeatable:  # (what a catch-up is spread over, alone)
             tokens_left = sizing.lengths.expected_left(generated, tokens_left)
         prior = None if self.repeatable else sizing.acceptance
         seen = max(len(self.acceptance.offered), len(prior.offered) if prior else 0)

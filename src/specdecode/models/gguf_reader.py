@@ -372,7 +372,7 @@ def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _read_as_int8_blocks(qtype: str) -> bool:
+def reads_as_int8_blocks(qtype: str) -> bool:
     """Whether the int4 and int8 runners read a tensor of ``qtype`` as :class:`Int8BlockWeight`
     (the block int8 types, and Q4_K where this CPU holds it in its own layout:
     ``int8_blocks.q4k_q5k_own_layouts``)."""
@@ -390,7 +390,7 @@ def dequantized_rows(raw: np.ndarray, e: TensorEntry, blocks: bool) -> torch.Ten
     whichever rows are read with it. Not for llama.cpp's permuted q/k rows or Gemma's 1 + w
     norms (the token embedding is neither)."""
     try:
-        if blocks and _read_as_int8_blocks(e.qtype):
+        if blocks and reads_as_int8_blocks(e.qtype):
             return decode_gguf_blocks(raw, e.qtype).dequantize()
         if blocks and e.qtype in Q4_TYPES:
             return q4_nibbles(raw, e.qtype).dequantize()
@@ -607,10 +607,10 @@ class GGUFFile:
         """Tensor ``name`` for the int4 and int8 runners: :class:`Q4Blocks` for 4-bit block
         types (their bytes as they are), :class:`Int8BlockWeight` for the other block types
         (``INT8_BLOCK_TYPES``: their own values, exactly) and for Q4_K where this CPU holds it in
-        its own layout (``_read_as_int8_blocks``), else float32 as :meth:`read` gives it; q/k
+        its own layout (``reads_as_int8_blocks``), else float32 as :meth:`read` gives it; q/k
         rows unpermuted."""
         e = self.entries[name]
-        if _read_as_int8_blocks(e.qtype):
+        if reads_as_int8_blocks(e.qtype):
             weight = decode_gguf_blocks(self.raw(name), e.qtype)
             heads = self._permuted_heads(name)
             if heads:

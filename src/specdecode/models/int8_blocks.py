@@ -167,16 +167,13 @@ class Int8BlockWeight:
         if kind is not Int8BlockWeight and all(type(p) is kind for p in parts):
             # Q6_K, Q5_K, Q4_K or Q2_K throughout, one input scale (or a scaled q before its
             # unscaled k, the kernel told which rows): their scales' factors stacked
-            scales = [p.input_scale for p in parts]
-            stacked = {name: torch.cat([getattr(p, name) for p in parts])
-                       for name, _ in parts[0]._tensors()}
-            whole = all(p.scaled_rows == -1 for p in parts)
-            if whole and len(set(scales)) == 1:
-                return dataclasses.replace(parts[0], **stacked)
-            if (whole and set(scales[1:]) == {1.0}
-                    and parts[0].codes.shape[0] % kernels.TILE == 0):
-                return dataclasses.replace(parts[0], **stacked,
-                                           scaled_rows=parts[0].codes.shape[0])
+            one_scale = (len({p.input_scale for p in parts}) == 1
+                         and all(p.scaled_rows == -1 for p in parts))
+            if one_scale or all(fuses_scaled(parts[0], p) for p in parts[1:]):
+                stacked = {name: torch.cat([getattr(p, name) for p in parts])
+                           for name, _ in parts[0]._tensors()}
+                return dataclasses.replace(parts[0], **stacked, scaled_rows=-1 if one_scale
+                                           else parts[0].codes.shape[0])
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
         minimum = None
@@ -185,6 +182,16 @@ class Int8BlockWeight:
                                  for p in parts])
         return Int8BlockWeight(torch.cat([p.codes for p in parts]),
                                torch.cat([p.scale for p in parts]), minimum, group)
+
+
+def fuses_scaled(q: Int8BlockWeight, k: Int8BlockWeight) -> bool:
+    """Whether :meth:`Int8BlockWeight.cat` keeps ``k`` after ``q`` in their own kind: ``q`` a
+    kind that keeps its scales' factors, scaled (a query scale as its ``input_scale``), in whole
+    tiles of rows, ``k`` of its kind unscaled, neither partly scaled already; the kernel then
+    applies the input scale to ``q``'s rows alone (``scaled_rows``)."""
+    return (type(k) is type(q) and getattr(q, "scaled_rows", None) == -1 and k.scaled_rows == -1
+            and q.input_scale != 1.0 and k.input_scale == 1.0
+            and q.codes.shape[0] % kernels.TILE == 0)
 
 
 @dataclass(frozen=True)

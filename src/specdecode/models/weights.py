@@ -39,10 +39,11 @@ import torch
 
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
-from specdecode.models.gguf_reader import INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks
+from specdecode.models.gguf_reader import (INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks,
+                                           reads_as_int8_blocks)
 from specdecode.models.int8_blocks import (OWN_LAYOUT_BYTES, Int8BlockLinear, Int8BlockWeight,
-                                           Q4KWeight, held_bytes_per_weight, q4k_q5k_own_layouts,
-                                           quantize_int8_blocks)
+                                           Q4KWeight, fuses_scaled, held_bytes_per_weight,
+                                           q4k_q5k_own_layouts, quantize_int8_blocks)
 from specdecode.models.quant import (Int4Linear, Q4Weight, SplitLinear, check_format, make_linear,
                                      quantize_int4)
 
@@ -205,13 +206,9 @@ def _run_key(p) -> tuple[bool, type | None, float]:
 
 
 def _takes_scaled_q(run: list, p) -> bool:
-    """Whether ``p``, an unscaled k, joins ``run``, a scaled q alone of its kind (one that keeps
-    its scales' factors) in whole tiles of rows: ``Int8BlockWeight.cat`` fuses them, the kernel
-    applying the query scale to q's columns alone."""
-    q = run[0]
-    return (len(run) == 1 and type(p) is type(q) and hasattr(q, "scaled_rows")
-            and q.input_scale != 1.0 and p.input_scale == 1.0
-            and q.codes.shape[0] % kernels.TILE == 0)
+    """Whether ``p``, an unscaled k, joins ``run``, a scaled q alone of its kind, as
+    ``Int8BlockWeight.cat`` fuses them (``int8_blocks.fuses_scaled``)."""
+    return len(run) == 1 and fuses_scaled(run[0], p)
 
 
 def _runs(parts: Sequence) -> list[list]:
@@ -248,9 +245,8 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
     own_layouts = q4k_q5k_own_layouts()
 
     def layer(name: str, entry) -> int:
-        kept_as_blocks = (entry.qtype in INT8_BLOCK_TYPES and weights in ("int4", "int8")
-                          or entry.qtype in Q4_TYPES and weights == "int8"
-                          or entry.qtype == "Q4_K" and weights == "int4" and own_layouts)
+        kept_as_blocks = (weights in ("int4", "int8") and reads_as_int8_blocks(entry.qtype)
+                          or entry.qtype in Q4_TYPES and weights == "int8")
         if not kept_as_blocks:
             return int(entry.numel * BYTES_PER_WEIGHT[weights])
         fused = types[_fused_group(name)]

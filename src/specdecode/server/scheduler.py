@@ -533,8 +533,8 @@ class Scheduler:
         levels = seq.acceptance.levels(max(0, min(most, len(prior.offered) + EXPLORE_LEVELS)),
                                        prior)
         draft_s, level_s = self._drafting(seq).priced(level_s)
-        # a catch-up is spread over the tokens the request can be expected to add
-        left = self._method_lengths(seq).expected_left(len(generation.tokens), left)
+        if catch_up_s:  # spread over the tokens the request can be expected to add
+            left = self._method_lengths(seq).expected_left(len(generation.tokens), left)
         candidate = Candidate(levels, draft_s + catch_up_share(catch_up_s, left, levels), level_s)
         # where the budget leaves a sequence without a draft, one is sent anyway when its
         # method's estimate must learn: a token for its first drafts while its method's record
