@@ -11,7 +11,8 @@ import torch
 from specdecode.api import Decoder
 from specdecode.draft import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.estimates import Acceptance, AnswerLengths, RowCosts
+from specdecode.estimates import (UNSEEN_ANSWER, Acceptance, AnswerLengths, RowCosts,
+                                  expected_left_alone)
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
@@ -242,14 +243,16 @@ def test_a_draft_far_behind_catches_up_where_the_request_can_repay_it():
 
 
 def test_a_catch_up_is_spread_over_the_tokens_its_methods_answers_say_are_left():
-    """A draft model 10 s behind with 1000 tokens of budget left: after answers of 8 tokens it
+    """A draft model 40 s behind with 1000 tokens of budget left: after answers of 8 tokens it
     does not catch up (the budget is not what is left), after answers of 1000 it does; a
     request already past every recent answer's length is back on its budget; a seeded one
-    reads no other answers."""
+    reads no other answers: it expects as many tokens as it has written (not after answers of
+    1000 at its start, after 500 of its own past answers of 8)."""
     costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
     caps = {}
-    for name, length, generated, sampling in (("short", 8, 0, GREEDY), ("long", 1000, 0, GREEDY),
-                                              ("past", 8, 9, GREEDY), ("seeded", 8, 0, SEEDED)):
+    for name, length, generated, sampling in (
+            ("short", 8, 0, GREEDY), ("long", 1000, 0, GREEDY), ("past", 8, 9, GREEDY),
+            ("seeded start", 1000, 0, SEEDED), ("seeded on", 8, 500, SEEDED)):
         sizing = DraftSizing(costs)
         for _ in range(5):
             done = sizing.sequence(sampling)
@@ -257,9 +260,9 @@ def test_a_catch_up_is_spread_over_the_tokens_its_methods_answers_say_are_left()
             done.finish(length)
         sizer = sizing.sequence(sampling)
         run_steps(sizer, lambda depth: depth, 10)
-        caps[name] = sizer.cap(6, 6, 10.0, tokens_left=1000, generated=generated)[0]
+        caps[name] = sizer.cap(6, 6, 40.0, tokens_left=1000, generated=generated)[0]
     assert caps["short"] == 0 and caps["long"] >= 1 and caps["past"] >= 1, caps
-    assert caps["seeded"] >= 1, caps
+    assert caps["seeded start"] == 0 and caps["seeded on"] >= 1, caps
 
 
 def test_answer_lengths_give_the_tokens_a_request_can_expect_to_add():
@@ -271,6 +274,13 @@ def test_answer_lengths_give_the_tokens_a_request_can_expect_to_add():
     assert lengths.expected_left(30, 98) == pytest.approx((10 + 98 + 30) / 3)
     assert lengths.expected_left(10, 50) == pytest.approx((10 + 30 + 50 + 50) / 4)
     assert lengths.expected_left(200, 300) == 300  # past every answer: its budget
+
+
+def test_a_request_alone_expects_as_many_tokens_as_it_has_written():
+    assert expected_left_alone(0, 128) == UNSEEN_ANSWER
+    assert expected_left_alone(50, 78) == 50
+    assert expected_left_alone(100, 28) == 28
+    assert expected_left_alone(0, 5) == 5
 
 
 def test_drafting_seconds_count_against_a_draft():

@@ -38,7 +38,8 @@ Serving Large Language Models Using Goodput", chooses a batch's draft length the
 A seeded sampled request sizes its drafts from the curve and its own acceptance alone, without
 the seconds measured as it runs and without its method's record of earlier requests, so that it
 repeats: its draft sizes, and so its random draws, then depend on nothing that varies between
-runs.
+runs (the tokens it expects to add, over which a catch-up is spread, are as many as it has
+written: :func:`~specdecode.estimates.expected_left_alone`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from dataclasses import dataclass
 
 from specdecode.draft import Draft
 from specdecode.errors import require
-from specdecode.estimates import DECAY, Acceptance, AnswerLengths, RowCosts, StepOverhead
+from specdecode.estimates import (DECAY, Acceptance, AnswerLengths, RowCosts, StepOverhead,
+                                  expected_left_alone)
 from specdecode.models.base import Runner
 
 #: how drafts are budgeted: "goodput" (this module) or "full" (as the proposers make them)
@@ -317,11 +319,13 @@ class SequenceSizer:
         ``generated`` ones, at most its ``tokens_left``, by its method's recent answers
         (:class:`~specdecode.estimates.AnswerLengths`; an explore draft pays it whole); the
         seconds a level, until the proposer's drafting has been timed. A seeded sampled request
-        reads neither timings nor other answers."""
+        reads neither timings nor other answers (it expects to add as many tokens as it has
+        written, :func:`~specdecode.estimates.expected_left_alone`)."""
         sizing = self.sizing
         self.catch_up_s = 0.0
-        if catch_up_s and not self.repeatable:  # (what a catch-up is spread over, alone)
-            tokens_left = sizing.lengths.expected_left(generated, tokens_left)
+        if catch_up_s:  # (computed only where a catch-up is priced)
+            tokens_left = (expected_left_alone(generated, tokens_left) if self.repeatable
+                           else sizing.lengths.expected_left(generated, tokens_left))
         prior = None if self.repeatable else sizing.acceptance
         seen = max(len(self.acceptance.offered), len(prior.offered) if prior else 0)
         deepest = min(max_depth, max_nodes, seen + EXPLORE_LEVELS)
