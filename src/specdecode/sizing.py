@@ -285,8 +285,9 @@ def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int
     (``own_drafts``) fewer than FIRST_DRAFTS drafts and one pays at the upper bound of the
     first-token acceptance of ``record`` (its method's drafts, the request's among them), else
     an explore (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid
-    whole), each draft row priced ``row_s`` besides the curve; None where neither is due. Every path sizes through it: a request's
-    :class:`SequenceSizer`, the server's scheduler and ``auto``'s parts."""
+    whole), each draft row priced ``row_s`` besides the curve; None where neither is due.
+    Every path sizes through it: a request's :class:`SequenceSizer`, the server's scheduler
+    and ``auto``'s parts."""
     if own_drafts < FIRST_DRAFTS:
         first = first_draft(costs, base_rows, max_depth, max_nodes, tokens_left, draft_s,
                             level_s, catch_up_s, record.first_bound(), row_s)

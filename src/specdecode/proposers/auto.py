@@ -401,10 +401,11 @@ class AutoProposer(Proposer):
         rates: dict[int, float] = {}
         best_rate, best_nodes = self._none_rate(), 0
         if budget.max_depth > 0 and budget.max_nodes > 0:
-            if budget.tokens_left:  # what a catch-up is spread over (sizing.catch_up_share)
+            priced = [self._priced(i, context) for i in range(len(self.parts))]
+            if budget.tokens_left and any(p.catch_up_s for p in priced):
+                # what a catch-up is spread over (sizing.catch_up_share)
                 budget = replace(budget, tokens_left=self.lengths.expected_left(
                     len(context) - self._prompt_len, budget.tokens_left))
-            priced = [self._priced(i, context) for i in range(len(self.parts))]
             for i in sorted(range(len(self.parts)), key=lambda i: priced[i].one_level_s):
                 self.idle[i] += 1
                 capped = self._sized(i, budget, priced[i], best_rate, best_nodes)
