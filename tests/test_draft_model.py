@@ -200,6 +200,31 @@ def test_the_tokens_a_native_draft_skipped_are_priced_by_its_row_costs(target, d
     assert hf.draft_seconds() == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
+def test_a_seeded_request_prices_its_first_catch_up_whatever_the_draft_held(target, drafts,
+                                                                           method):
+    """A seeded sampled request's draft sizes decide its random draws, so what an earlier
+    request left in the draft's cache must not price them: until it first catches up, its
+    catch-up is priced as a read of its whole context. A greedy request prices what the
+    draft must really read (here nothing: the same prompt was read before)."""
+    prompt = repetitive_prompts()[0]
+    dec = decoder(target, method, drafts["close"], draft_runner="native")
+    list(dec.start(prompt, 8))
+    greedy = dec.start(prompt, 40)
+    next(iter(greedy))
+    assert greedy.draft_seconds()[0] == 0.0
+    greedy.close()
+    seeded = dec.start(prompt, 40, temperature=0.8, seed=3)
+    steps = iter(seeded)
+    next(steps)
+    curve = dec.proposer.lm.row_costs
+    rows = len(seeded.prompt_ids) + 1
+    behind = seeded.draft_seconds()[0]
+    assert behind == pytest.approx(curve(rows) - curve(STEADY_ROWS)) and behind > 0
+    next(steps)  # it drafted: the cache holds what it read
+    assert seeded.draft_seconds()[0] == 0.0
+
+
 @pytest.mark.parametrize("draft_runner", ["hf", "native"])
 def test_keep_drafting_stops_the_chain(target, drafts, draft_runner):
     config = registry.get("draft_model").make_config({"draft": drafts["close"],

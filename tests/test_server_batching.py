@@ -253,3 +253,25 @@ def test_a_draft_models_levels_are_priced(model, tokenizer, tmp_path, monkeypatc
     assert [text for text, _ in got] == [solo(model, tokenizer, p, "ar", 24) for p in PROMPTS[:2]]
     assert sum(usage.draft_tokens for _, usage in got) > 0
     assert level_seconds and min(level_seconds) > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dyspec"])
+def test_a_seeded_request_with_sampled_drafts_repeats_at_any_load(model, tokenizer, tmp_path,
+                                                                  method):
+    """draft_model and dyspec verify sampled drafts by the rejection rule, so a seeded
+    request's tokens follow its draft sizes: each is sized by the curve and its own steps, and
+    its draft's catch-up priced as if the slot's draft had read nothing before it, so that it
+    gets the same answer beside five others as after seven others on one slot."""
+    draft = write_gguf(noisy_copy(model, 0.1, seed=1), tmp_path / "draft.gguf")
+    requests = [(p, dict(max_tokens=24, temperature=0.9, seed=7 + i))
+                for i, p in enumerate(PROMPTS)]
+    # min_path_prob 0: trees however flat the tiny draft's distributions
+    config = {"draft": str(draft)} | ({"min_path_prob": 0.0} if method == "dyspec" else {})
+    texts, drafted = {}, {}
+    for parallel in (6, 1):
+        with serve(model, tokenizer, parallel=parallel, method=method, config=config) as served:
+            got = ask_all(served.url, requests)
+        texts[parallel] = [text for text, _ in got]
+        drafted[parallel] = sum(usage.draft_tokens for _, usage in got)
+    assert min(drafted.values()) > len(PROMPTS), drafted
+    assert texts[6] == texts[1]

@@ -317,6 +317,11 @@ def test_untimed_sizing_ignores_measured_seconds():
     sizing.draft_time.observe(4, 50.0)
     assert sizing.sequence(GREEDY).cap(6, 6)[0] == 0
     assert sizing.sequence(SEEDED).cap(6, 6)[0] > 0
+    # a method whose drafts carry no probabilities commits ar's tokens whatever its draft
+    # sizes: a seeded request of it is sized on what was measured, as a greedy one
+    lookups = DraftSizing(sizing.costs, samples_drafts=False)
+    lookups.draft_time.observe(4, 50.0)
+    assert lookups.sequence(SEEDED).cap(6, 6)[0] == 0
 
 
 @pytest.fixture(scope="module")

@@ -311,12 +311,13 @@ class Generation:
             return self._call
         left = self.max_new_tokens - len(self.tokens)
         budget = replace(self.controller.budget().capped(left - 1), tokens_left=left)
-        cap = self.draft_cap
+        if self.draft_cap is not None:
+            budget = budget.capped(self.draft_cap[0]).capped_nodes(self.draft_cap[1])
         if self.sizer is not None and budget.max_depth > 0:
-            cap = self.sizer.cap(budget.max_depth, budget.max_nodes, *self.draft_seconds(),
-                                 tokens_left=left, generated=len(self.tokens))
-        if cap is not None:
-            budget = budget.capped(cap[0]).capped_nodes(cap[1])
+            depth, nodes = self.sizer.cap(budget.max_depth, budget.max_nodes,
+                                          *self.draft_seconds(), tokens_left=left,
+                                          generated=len(self.tokens))
+            budget = budget.capped(depth).capped_nodes(nodes)
         self._step_started = t0
         if budget.max_depth > 0:
             draft = self.proposer.propose(context, budget).truncated(budget.max_depth,

@@ -82,6 +82,12 @@ class Proposer(ABC):
     #: hands it its whole budget), whose one acceptance and drafting time per method would
     #: price a lookup's draft by a draft model's seconds
     prices_own_drafting: bool = False
+    #: whether its drafts at T > 0 can carry the distribution they were drawn from
+    #: (``Draft.probs``), which the rejection rule verifies: a seeded request's tokens then follow
+    #: its draft sizes, so it is sized as if alone (sizing.py). False where drafts carry none
+    #: (lookups, Jacobi windows): the verifier's deterministic walk commits ``ar``'s tokens
+    #: whatever was drafted
+    samples_drafts: bool = True
 
     def __init__(self, config, runner: Runner):
         self.config = config

@@ -172,6 +172,13 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def repeats(self) -> bool:
+        """Sampled with a seed: its tokens must repeat whatever else runs, so nothing that
+        varies between runs (timings, other requests, what a cache held before it) may size
+        its drafts, which decide its random draws where drafts are sampled."""
+        return not self.greedy and self.seed is not None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

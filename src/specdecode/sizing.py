@@ -35,11 +35,14 @@ Estimates are each request's own recent steps (:class:`specdecode.estimates.Acce
 its method's as the prior (SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for
 Serving Large Language Models Using Goodput", chooses a batch's draft length the same way).
 
-A seeded sampled request sizes its drafts from the curve and its own acceptance alone, without
-the seconds measured as it runs and without its method's record of earlier requests, so that it
-repeats: its draft sizes, and so its random draws, then depend on nothing that varies between
-runs (the tokens it expects to add, over which a catch-up is spread, are as many as it has
-written: :func:`~specdecode.estimates.expected_left_alone`).
+A seeded sampled request of a method whose drafts carry probabilities (the rejection rule's
+draws follow the draft: :attr:`~specdecode.proposer.Proposer.samples_drafts`) sizes its drafts
+from the curve and its own acceptance alone, without the seconds measured as it runs, without
+its method's record of earlier requests and, in a server, without the load, so that it repeats:
+its draft sizes, and so its random draws, then depend on nothing that varies between runs (the
+tokens it expects to add, over which a catch-up is spread, are as many as it has written:
+:func:`~specdecode.estimates.expected_left_alone`; the catch-up is priced as if its draft had
+read nothing before the request: :meth:`~specdecode.drafting.session.DraftSession.draft_seconds`).
 """
 
 from __future__ import annotations
@@ -156,7 +159,7 @@ def method_sizing(method, runner: Runner, draft_budget: str = "goodput") -> Draf
         return None
     from specdecode.models.row_costs import cached_row_costs
 
-    return DraftSizing(RowCosts(cached_row_costs(runner)))
+    return DraftSizing(RowCosts(cached_row_costs(runner)), method.proposer.samples_drafts)
 
 
 class DraftTime:
@@ -202,17 +205,20 @@ class DraftSizing:
     and a step's seconds besides the forward and the drafting (a fixed part and a part a draft
     row)."""
 
-    def __init__(self, costs: RowCosts):
+    def __init__(self, costs: RowCosts, samples_drafts: bool = True):
         self.costs = costs
+        #: the method's drafts can carry probabilities (a seeded request's tokens follow its
+        #: draft sizes: :attr:`~specdecode.proposer.Proposer.samples_drafts`)
+        self.samples_drafts = samples_drafts
         self.acceptance = Acceptance()
         self.draft_time = DraftTime()
         self.overhead = StepOverhead()
         self.lengths = AnswerLengths()
 
     def sequence(self, sampling) -> SequenceSizer:
-        """The sizer of one request of ``sampling`` (a seeded sampled one is sized repeatably:
-        see the module docstring)."""
-        return SequenceSizer(self, repeatable=not sampling.greedy and sampling.seed is not None)
+        """The sizer of one request of ``sampling`` (a seeded sampled one whose tokens follow
+        its draft sizes is sized repeatably: see the module docstring)."""
+        return SequenceSizer(self, repeatable=sampling.repeats and self.samples_drafts)
 
 
 def deepened(cap: tuple[int, int], acceptance: Acceptance, max_depth: int,

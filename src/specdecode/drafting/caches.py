@@ -42,10 +42,10 @@ class DraftCache:
     hidden_size: int
     tokens: list[int]  # committed tokens whose KV rows are cached, in order
 
-    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
-        """The seconds :meth:`catch_up` would take past a step's usual ``STEADY_ROWS``, and a
-        draft level's (a forward of one row); (0, 0) where the draft's cost is not known (a
-        ``transformers`` draft)."""
+    def draft_seconds(self, context: Sequence[int], cold: bool = False) -> tuple[float, float]:
+        """The seconds :meth:`catch_up` would take past a step's usual ``STEADY_ROWS`` (``cold``:
+        had the cache held nothing), and a draft level's (a forward of one row); (0, 0) where
+        the draft's cost is not known (a ``transformers`` draft)."""
         return 0.0, 0.0
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,7 @@ class NativeDraftLM(DraftCache):
         self.tree_tokens: list[int] = []
         self.tree_paths: list[list[int]] = []  # each row's ancestors, root to parent
 
-    def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
+    def draft_seconds(self, context: Sequence[int], cold: bool = False) -> tuple[float, float]:
         """By the draft runner's row-cost curve (models/row_costs.py; measured the first time,
         once per draft file, format, CPU and thread count). The curve's forwards compute every
         row's logits, where a catch-up computes the last one's: a long catch-up is priced
@@ -209,7 +209,7 @@ class NativeDraftLM(DraftCache):
 
             self.row_costs = RowCosts(cached_row_costs(self.runner.runner))
         costs = self.row_costs
-        rows = len(context) - self._reusable(context)
+        rows = len(context) - (0 if cold else self._reusable(context))
         behind = costs(rows) - costs(STEADY_ROWS) if rows > STEADY_ROWS else 0.0
         return max(0.0, behind), costs(1)
 

@@ -34,6 +34,8 @@ class DraftSession:
         self.sampling: SamplingParams = GREEDY
         self.generator = torch.Generator()
         self.prompt_len = 0
+        #: whether this request's context has been read into the draft cache yet
+        self.caught_up = False
         # the last draft: node tokens, parents, and each node's tree row (None: not fed)
         self.nodes: tuple[list[int], list[int], list[int | None]] = ([], [], [])
 
@@ -41,14 +43,24 @@ class DraftSession:
         """A request begins: its sampling options, and the generator seeded from its seed."""
         self.sampling = sampling
         self.prompt_len = len(prompt)
+        self.caught_up = False
         if sampling.seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed((sampling.seed + DRAFT_SEED_OFFSET) % 2**63)
 
     def draft_seconds(self, context: Sequence[int]) -> tuple[float, float]:
-        """As :meth:`specdecode.proposer.Proposer.draft_seconds`, for this draft cache."""
-        return self.lm.draft_seconds(context)
+        """As :meth:`specdecode.proposer.Proposer.draft_seconds`, for this draft cache. Until
+        a seeded sampled request first catches up, its catch-up is priced as if the cache held
+        nothing: what an earlier request left there (a shared system prompt, a server's slot
+        history) must not size its drafts, which its random draws follow. After it, the cache
+        holds what this request read, whatever it held before."""
+        return self.lm.draft_seconds(context, cold=self.sampling.repeats and not self.caught_up)
+
+    def catch_up(self, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft cache's :meth:`~specdecode.drafting.caches.DraftCache.catch_up`."""
+        self.caught_up = True
+        return self.lm.catch_up(context)
 
     def node(self, logits: torch.Tensor, context: Sequence[int]) -> NodeDistributions:
         """The processed distributions of a node with shortlist logits [V'] whose committed
@@ -105,7 +117,7 @@ class DraftSession:
         if length <= 0:
             self.nodes = ([], [], [])
             return Draft.empty()
-        logits, hidden = lm.catch_up(context)
+        logits, hidden = self.catch_up(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         path = list(context)
@@ -135,7 +147,7 @@ class DraftSession:
         if length <= 0:
             self.nodes = ([], [], [])
             return Draft.empty()
-        logits, hidden = lm.catch_up(context)
+        logits, hidden = self.catch_up(context)
         rows, hiddens = [logits] * k, [hidden] * k
         paths = [list(context) for _ in range(k)]
         tokens: list[int] = []

@@ -174,7 +174,7 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
     if budget_nodes <= 0 or max_depth <= 0:
         session.nodes = ([], [], [])
         return Draft.empty()
-    logits, _ = session.lm.catch_up(context)
+    logits, _ = session.catch_up(context)
     tree = _Growth(session, context, max_depth)
     tree.rank(-1, ranking(0) if ranking is not None else
               rank_children(session, logits[None], context, [[]], budget_nodes)[0])

@@ -162,6 +162,7 @@ class ADEDConfig:
           summary="an adaptive tri-gram matrix, learnt online across requests, drafts a tree "
                   "by PUCT search")
 class ADEDProposer(Proposer):
+    samples_drafts = False  # n-gram lookups
     def __init__(self, config: ADEDConfig, runner):
         super().__init__(config, runner)
         #: kept across requests

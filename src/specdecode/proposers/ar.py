@@ -21,5 +21,6 @@ class ArConfig:
 @register("ar", ArConfig, paper="plain autoregressive decoding (the reference)",
           summary="one token per target forward; every method is tested against it")
 class Autoregressive(Proposer):
+    samples_drafts = False  # it drafts nothing
     def propose(self, context, budget):
         return Draft.empty()

@@ -214,6 +214,8 @@ class AutoProposer(Proposer):
     #: the head kind the default learned part (hydra) loads ``heads`` for
     head_kind = "hydra"
     prices_own_drafting = True
+    #: its drafts go without their parts' probabilities (see the module docstring)
+    samples_drafts = False
 
     def __init__(self, config: AutoConfig, runner: Runner, parts: Sequence[Proposer] | None = None,
                  row_costs: RowCosts | None = None):

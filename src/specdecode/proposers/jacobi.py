@@ -61,6 +61,7 @@ class JacobiConfig:
           summary="the target refines a window of guessed future tokens by fixed-point "
                   "iteration, one verify step per iteration; no draft model")
 class JacobiProposer(Proposer):
+    samples_drafts = False  # guesses, not draws (sjd samples them)
     def __init__(self, config: JacobiConfig, runner):
         super().__init__(config, runner)
         #: guesses for the positions after the root, refined by every verify step

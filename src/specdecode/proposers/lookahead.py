@@ -141,6 +141,7 @@ class _Trie:
           summary="a 2-D Jacobi window generates n-grams into a pool; pooled n-grams starting "
                   "with the last token are verified in the same forward")
 class LookaheadProposer(Proposer):
+    samples_drafts = False  # n-gram lookups
     def __init__(self, config: LookaheadConfig, runner):
         super().__init__(config, runner)
         #: kept across requests

@@ -66,6 +66,7 @@ def lookup(context: np.ndarray, max_ngram: int, min_ngram: int, length: int,
 @register("ngram", NgramConfig, paper="Prompt Lookup Decoding (Saxena, 2023)",
           summary="longest matching n-gram in the context proposes what followed it (chain)")
 class NgramProposer(Proposer):
+    samples_drafts = False  # prompt lookups
     def __init__(self, config, runner):
         super().__init__(config, runner)
         self.reference = NO_TOKENS

@@ -209,6 +209,7 @@ class RecyclingConfig:
           summary="the target's own top-k candidates from earlier steps, kept in a token "
                   "adjacency matrix across requests, fill a static 80-node tree")
 class RecyclingProposer(Proposer):
+    samples_drafts = False  # recycled top-k successors
     def __init__(self, config: RecyclingConfig, runner):
         super().__init__(config, runner)
         self.template = compile_template(template_paths(config.tree), config.candidates)

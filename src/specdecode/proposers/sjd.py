@@ -59,6 +59,7 @@ class SJDConfig:
           summary="Jacobi window whose guesses are sampled and verified by speculative "
                   "sampling, so sampled output keeps the target's distribution")
 class SJDProposer(JacobiProposer):
+    samples_drafts = True  # each guess drawn from the last pass
     def __init__(self, config: SJDConfig, runner):
         super().__init__(config, runner)
         #: q per guess: the distribution each guess was drawn from ([V] rows), sampled only

@@ -96,6 +96,7 @@ class SuffixConfig:
           summary="suffix trees over the request and earlier responses propose a draft tree; "
                   "model-free, learns across requests")
 class SuffixProposer(Proposer):
+    samples_drafts = False  # suffix-tree lookups
     def __init__(self, config: SuffixConfig, runner=None, global_cache: SuffixCache | None = None):
         super().__init__(config, runner)
         if global_cache is None:

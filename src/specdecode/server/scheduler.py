@@ -15,7 +15,10 @@ are prefilled in parts beside the decode rows (at most ``prefill_rows`` prompt r
 oldest first), so a long prompt does not stall the others. Before each sequence drafts, the
 scheduler caps its draft by goodput (:mod:`.goodput`): expected committed tokens per second of
 the whole forward, from the runner's measured row-cost curve and the sequence's recent
-acceptance; drafts shrink as the batch grows, down to none.
+acceptance; drafts shrink as the batch grows, down to none. A seeded sampled sequence whose
+tokens follow its draft sizes (a draft model's sampled drafts, verified by the rejection rule)
+is sized as if alone instead, by its own :class:`~specdecode.sizing.SequenceSizer`, so that it
+repeats at any load.
 
 A new request goes to the free slot whose cache shares the longest prefix with its prompt,
 and prefills only the rest (:mod:`.prompt_cache`: the slots' own rows, and a bounded store of
@@ -50,8 +53,8 @@ from specdecode.models.kv_cache import common_prefix, held_ids
 from specdecode.sampling import SamplingParams
 from specdecode.estimates import Acceptance, AnswerLengths, RowCosts, StepOverhead
 from specdecode.server.goodput import Batching
-from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftTime, allocate, catch_up_share,
-                               deepened, learning_cap)
+from specdecode.sizing import (EXPLORE_LEVELS, Candidate, DraftSizing, DraftTime,
+                               SequenceSizer, allocate, catch_up_share, deepened, learning_cap)
 from specdecode.server.metrics import Metrics
 from specdecode.server.prompt_cache import PromptCache
 from specdecode.server.protocol import ApiError
@@ -340,6 +343,17 @@ class Scheduler:
         reuse = reuse and seq.spec.sampling.get("prompt_logprobs") is None
         return self.prompt_cache.place(slot.runner, held, held_ids(seq.spec.prompt_ids), reuse)
 
+    def _sizer_alone(self, seq: _Sequence, sampling: SamplingParams) -> SequenceSizer | None:
+        """A sizer of its own for a sequence whose tokens must not follow the load: seeded,
+        sampled, of a method whose drafts carry probabilities (the rejection rule's draws follow
+        its draft sizes); sized by the curve and its own steps, as the library sizes it. None
+        for every other sequence: the step's allocation sizes it (:meth:`_caps`)."""
+        proposer = seq.decoder.proposer
+        if (self.row_costs is None or not sampling.repeats or not proposer.samples_drafts
+                or proposer.prices_own_drafting):
+            return None
+        return DraftSizing(self.row_costs).sequence(sampling)
+
     def _part_rows(self, runner: Runner) -> int:
         granule = runner.prefill_granule
         return max(granule, PREFILL_PART_ROWS // granule * granule) if granule else 0
@@ -359,7 +373,8 @@ class Scheduler:
             else:
                 seq.generation = Generation(seq.slot.runner, seq.decoder.proposer,
                                             spec.prompt_ids, spec.max_tokens, sampling,
-                                            ends, reference=spec.reference)
+                                            ends, sizer=self._sizer_alone(seq, sampling),
+                                            reference=spec.reference)
             seq.stream = TextStream(seq.decoder, seq.generation, spec.stop, spec.kept_tokens,
                                     spec.limits.start() if spec.limits is not None else None)
             if seq.decoder.method.lossy:
@@ -475,14 +490,18 @@ class Scheduler:
             if seq.generation.reading_prompt:
                 seq.generation.next_call()  # the prompt's next scored part: nothing drafted
         drafting = [seq for seq in stepped if not seq.generation.reading_prompt]
+        # sequences with a sizer of their own size their drafts within the server's row bound
+        joint = [seq for seq in drafting if seq.generation.sizer is None]
         # what each draft must first read of the tokens it skipped, and a level's seconds, by
         # the drafter's own row-cost curve, where drafts are priced
-        priced = ([seq.generation.draft_seconds() for seq in drafting]
-                  if self.row_costs is not None else [(0.0, 0.0)] * len(drafting))
-        caps = self._caps(drafting, priced)
+        priced = ([seq.generation.draft_seconds() for seq in joint]
+                  if self.row_costs is not None else [(0.0, 0.0)] * len(joint))
+        allocated = iter(zip(self._caps(joint, priced, len(drafting) - len(joint)), priced))
+        alone = ((self.max_draft_rows, self.max_draft_rows), (0.0, 0.0))
         total = 0.0
-        for seq, cap, (catch_up_s, _) in zip(drafting, caps, priced):
+        for seq in drafting:
             generation = seq.generation
+            cap, (catch_up_s, _) = alone if generation.sizer is not None else next(allocated)
             generation.draft_cap = cap
             started = time.perf_counter()
             try:
@@ -494,16 +513,19 @@ class Scheduler:
                 spent = time.perf_counter() - started
                 total += spent
                 call = generation.pending_call
-                # a catch-up, or forced tokens (nothing drafted), is no sample of drafting
-                if len(call.draft) and not call.forced and not catch_up_s:
+                # a catch-up, or forced tokens (nothing drafted), is no sample of drafting (a
+                # sequence sized alone prices its drafting without timings)
+                if (len(call.draft) and not call.forced and not catch_up_s
+                        and generation.sizer is None):
                     self._drafting(seq).observe(call.draft.max_depth, spent)
         return total
 
-    def _caps(self, drafting: list[_Sequence],
-              priced: list[tuple[float, float]]) -> list[tuple[int, int]]:
+    def _caps(self, drafting: list[_Sequence], priced: list[tuple[float, float]],
+              others: int) -> list[tuple[int, int]]:
         """Each sequence's (max depth, max draft rows) for its next step; ``priced``: each
         one's catch-up seconds (spread by :func:`~specdecode.sizing.catch_up_share`) and a
-        level's seconds by its drafter's curve (until its method's drafting is timed)."""
+        level's seconds by its drafter's curve (until its method's drafting is timed);
+        ``others``: the decoding sequences sized alone, a row each here."""
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
         sizings = [self._sizing(seq, *seconds) for seq, seconds in zip(drafting, priced)]
@@ -514,8 +536,8 @@ class Scheduler:
                            if seq.solo is None and not seq.prefilling
                            and seq.generation.reading_prompt)
         caps = allocate([sizing.candidate for sizing in sizings], self.row_costs,
-                        len(drafting) + prompt_rows, *self._overhead.line)
-        step_rows = len(drafting) + prompt_rows + sum(rows for _, rows in caps)
+                        len(drafting) + others + prompt_rows, *self._overhead.line)
+        step_rows = len(drafting) + others + prompt_rows + sum(rows for _, rows in caps)
         return [deepened((depth, min(rows, self.max_draft_rows)), seq.acceptance, sizing.most,
                          self.max_draft_rows) if depth
                 else sizing.fallback(self.row_costs, step_rows) or (0, 0)
