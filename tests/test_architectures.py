@@ -330,18 +330,18 @@ def assert_near_fp32_and_suffix_is_ar(runner: LlamaRunner, path) -> None:
         assert Decoder(runner, None, "suffix", eos_token_ids=[]).start(prompt, 24).run() == ar
 
 
-@pytest.mark.parametrize("qtype,layout,amx_layout", [("Q3_K", "q3k", "q6k"),
-                                                        ("IQ4_XS", "codebook32", "block"),
-                                                        ("IQ3_XXS", "codebook32", "codebook32"),
-                                                        ("IQ2_S", "codebook16", "codebook16"),
-                                                        ("Q2_K", "q2k", "q2k")])
-def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, amx_layout):
+@pytest.mark.parametrize("qtype,layout,amx_layout,avx2_layout", [
+    ("Q3_K", "q3k", "q6k", "q3k"), ("IQ4_XS", "iq4xs", "block", "codebook32"),
+    ("IQ3_XXS", "codebook32", "codebook32", "codebook32"),
+    ("IQ2_S", "codebook16", "codebook16", "codebook16"), ("Q2_K", "q2k", "q2k", "q2k")])
+def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout, amx_layout,
+                                                         avx2_layout):
     """Q2_K, Q3_K, IQ4_XS, IQ3_XXS and IQ2_S hold no Q4_1 block exactly: the int4 runner keeps a
     file's such matrices with their own values (Q2_K in its own layout; on a CPU without AMX
-    Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values, with AMX Q6_K's
-    layout and block int8; IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised;
-    logits within the int8 activations of the fp32 runner's (gguf's dequantised weights), and
-    suffix = ar."""
+    Q3_K's codes in nibbles and IQ4_XS's as indices into its sixteen values (with its integer
+    sub-block scales where the best kernels are VNNI), with AMX Q6_K's layout and block int8;
+    IQ3_XXS's and IQ2_S's as indices on every CPU), not re-quantised; logits within the int8
+    activations of the fp32 runner's (gguf's dequantised weights), and suffix = ar."""
     import gguf
 
     from specdecode import kernels
@@ -364,6 +364,8 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
     runner = LlamaRunner.from_gguf(path, "int4")
     if kernels.isa() > ISA_LEVELS.index("avx512"):
         layout = amx_layout
+    elif kernels.isa() < ISA_LEVELS.index("avx512"):
+        layout = avx2_layout
     assert [layer.down.layout for layer in runner.layers] == [layout] * len(runner.layers)
     # the memory the file is refused by before it loads bounds what the runner holds
     assert resident_bytes(file, "int4") >= held_bytes(runner)
@@ -373,23 +375,26 @@ def test_types_without_a_q4_1_form_keep_the_files_values(tmp_path, qtype, layout
 @pytest.mark.parametrize("types,layouts", [
     ({"q_proj": "Q2_K", "k_proj": "Q2_K", "v_proj": "Q4_K"}, ["q2k", "q4k or int4"]),
     ({"q_proj": "Q6_K", "k_proj": "Q6_K", "v_proj": "Q6_K"}, ["q6k"]),
-    ({"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K"}, ["q4k", "q6k"])])
+    ({"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K"}, ["q4k", "q6k"]),
+    ({"q_proj": "IQ4_XS", "k_proj": "IQ4_XS", "v_proj": "Q6_K"}, ["iq4xs", "q6k"])])
 def test_a_query_scale_keeps_a_super_block_projection_in_its_layout(tmp_path, types, layouts):
     """The query scale (1/sqrt(head size), not a power of two here) is folded into q; the
-    float16 super-block scales of a Q2_K, Q6_K or Q4_K (its own layout) q cannot take it, so q
-    carries it as its input scale (the kernel multiplies the activations' scales by it, for
-    q's columns alone) and keeps its own layout, fused with a k (and v) of its type (it was
-    block int8 with k, 1.25-1.5 bytes a weight); the memory check counts exactly what the
-    runner holds; logits within the int8 activations of the fp32 runner's, and suffix = ar."""
+    float16 super-block scales of a Q2_K, Q6_K, Q4_K or IQ4_XS (their own layouts) q cannot
+    take it, so q carries it as its input scale (the kernel multiplies the activations' scales
+    by it, for q's columns alone) and keeps its own layout, fused with a k (and v) of its type
+    (it was block int8 with k, 1.13-1.5 bytes a weight); the memory check counts exactly what
+    the runner holds; logits within the int8 activations of the fp32 runner's, and suffix =
+    ar."""
     from specdecode.models.gguf_reader import GGUFFile
-    from specdecode.models.int8_blocks import q4k_q5k_own_layouts
+    from specdecode.models.int8_blocks import vnni_own_layouts
     from specdecode.models.weights import resident_bytes
 
     from test_gguf_loading import held_bytes
 
-    own = q4k_q5k_own_layouts()
-    if layouts[0] == "q4k" and not own:
-        pytest.skip("Q4_K's own layout is held where the best kernels are AVX-512 VNNI without AMX")
+    own = vnni_own_layouts()
+    if layouts[0] in ("q4k", "iq4xs") and not own:
+        pytest.skip(f"{layouts[0]}, an own layout, is held where the best kernels are AVX-512 "
+                    "VNNI without AMX")
     layouts = [{"q4k or int4": "q4k" if own else None}.get(name, name) for name in layouts]
     model = build("qwen2", seed=8, hidden_size=256, intermediate_size=256)
     path = tmp_path / "super-q.gguf"

@@ -73,7 +73,7 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     loop's bits."""
     import gguf
 
-    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, q4k_q5k_own_layouts
+    from specdecode.models.int8_blocks import Int8BlockLinear, Int8BlockWeight, vnni_own_layouts
     from specdecode.models.quant import Int4Linear, SplitLinear
     from specdecode.models.weights import _linear_for
 
@@ -91,7 +91,7 @@ def test_a_q4_k_m_files_6_bit_tensors_keep_their_values(files, shape):
     runner = LlamaRunner.from_gguf(path, "int4")
     qkv = runner.layers[layer].qkv
     assert isinstance(qkv, SplitLinear)
-    q4k = q4k_q5k_own_layouts()
+    q4k = vnni_own_layouts()
     assert [type(part) for part in qkv.parts] == [Int8BlockLinear if q4k else Int4Linear,
                                                   Int8BlockLinear]
     assert [getattr(part, "layout", "int4") for part in qkv.parts] == ["q4k" if q4k else "int4",

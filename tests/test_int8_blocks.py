@@ -12,10 +12,10 @@ from conftest import assert_row_invariant
 from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.int8_blocks import (BLOCK_BYTES, BLOCK_WEIGHTS, HELD_BYTES,
-                                           Int8BlockLinear, Int8BlockWeight, Q2KWeight, Q4KWeight,
-                                           Q5KWeight, Q6KWeight, decode_gguf_blocks,
-                                           held_bytes_per_weight, q4k_q5k_own_layouts,
-                                           quantize_int8_blocks)
+                                           IQ4XSWeight, Int8BlockLinear, Int8BlockWeight, Q2KWeight,
+                                           Q4KWeight, Q5KWeight, Q6KWeight, decode_gguf_blocks,
+                                           held_bytes_per_weight, quantize_int8_blocks,
+                                           vnni_own_layouts)
 from specdecode.models.gguf_reader import q4_nibbles
 from specdecode.models.iq_grid_blocks import CODEBOOKS, ODD_GRID_TYPES
 from specdecode.models.q3k_iq4_blocks import IQ4_VALUES
@@ -205,7 +205,7 @@ def test_five_bit_codes_in_the_files_bytes_give_block_int8s_bits(ext, qtype, hal
     # the loader's choice: float32 scales stay block int8 where AMX takes many rows; Q5_K's
     # own layout (q5k, its other numbers) where the best kernels are VNNI without AMX
     layer = Int8BlockLinear(weight)
-    if qtype == "Q5_K" and q4k_q5k_own_layouts():
+    if qtype == "Q5_K" and vnni_own_layouts():
         assert layer.layout == "q5k"
     else:
         assert layer.layout == (layout if half or without_amx() else "block")
@@ -271,17 +271,20 @@ def quantised_per_256(x: torch.Tensor,
     return xq, amax / 127.0 * torch.tensor(input_scale, dtype=torch.float32)
 
 
-def q6k_reference(x: torch.Tensor, weight: Q6KWeight) -> torch.Tensor:
-    """Q6_K's numbers (kernels/small_codes.h) computed apart from the kernels: activations
-    quantised per row and per 256 inputs, S = sum over a super-block's sub-blocks of sc times
-    the exact sum(code * xq), folded acc = fma(S, d * dx, acc) super-block after super-block
-    (each fma exact in float64, then rounded once to float32); dx times the weight's input
-    scale (float32)."""
+def q6k_reference(x: torch.Tensor, weight: Q6KWeight | IQ4XSWeight) -> torch.Tensor:
+    """Q6_K's numbers (kernels/small_codes.h; IQ4_XS's too) computed apart from the kernels:
+    activations quantised per row and per 256 inputs, S = sum over a super-block's sub-blocks
+    (of 16 or 32 inputs) of sc times the exact sum(code * xq), folded acc = fma(S, d * dx, acc)
+    super-block after super-block (S as a float32 number first, as the kernels convert it; each
+    fma exact in float64, then rounded once to float32); dx times the weight's input scale
+    (float32)."""
     m, k = x.shape
-    n = weight.codes.shape[0]
+    n, group = weight.codes.shape[0], weight.group
     xq, dx = quantised_per_256(x, weight.input_scale)
-    sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // 16, 16), weight.codes.to(torch.int64).view(n, k // 16, 16))
-    super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 16).sum(-1)
+    sums = torch.einsum("mgi,ngi->mng", xq.view(m, k // group, group),
+                        weight.codes.to(torch.int64).view(n, k // group, group))
+    super_sums = (sums * weight.sub_scale.to(torch.int64)[None]).view(m, n, k // 256, 256 // group)
+    super_sums = super_sums.sum(-1)
     assert super_sums.abs().max() < 2**28  # int32 in the kernels
     acc = torch.zeros(m, n, dtype=torch.float32)
     for b in range(k // 256):
@@ -316,6 +319,43 @@ def test_q6k_folds_sub_block_scales_in_integers(ext):
     packed = Int8BlockLinear(extreme).packed
     for isa in isas(ext):
         assert torch.equal(ext.small_codes_linear(xe, packed, 0, False, None, 16, isa), want), isa
+
+
+def iq4_indices(codes: torch.Tensor) -> torch.Tensor:
+    """IQ4 codes int8 [N, K] as their indices into IQ4_VALUES (uint8)."""
+    return (codes[..., None] == torch.from_numpy(IQ4_VALUES)).to(torch.uint8).argmax(-1)
+
+
+def test_iq4xs_folds_sub_block_scales_in_integers(ext):
+    # IQ4_XS held as 4-bit indices with its integer sub-block scales (0.55 bytes a weight, not
+    # codebook32's 0.63): Q6_K's fold against activations quantised per 256 inputs, the same
+    # bits from every row count, position and instruction set (AVX2 alone: the portable
+    # kernel) and the numbers of a reference written apart from the kernels; the extreme codes
+    # and scales against activations of +-127; 5 column tiles, 2 super-blocks
+    weight = decode_gguf_blocks(gguf_blocks("IQ4_XS", 72, 512, seed=5), "IQ4_XS")
+    assert type(weight) is IQ4XSWeight
+    spread = weight.super_scale.float().repeat_interleave(8, 1)  # (per 256 -> per 32)
+    assert torch.equal(spread * weight.sub_scale.float(), weight.scale)
+    weight.codes[0, :256], weight.sub_scale[0, :8] = -127, -32
+    weight.codes[1, :256], weight.sub_scale[1, :8] = 113, 31
+    packed = kernels.pack_iq4xs(iq4_indices(weight.codes), weight.sub_scale, weight.super_scale)
+    assert packed.numel() == 80 * 512 * 2240 / 4096
+    x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(6))
+    x[0, :256] = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    x[1, :256] = -1.0
+    x[2, 256:] = 0  # a super-block of zeros: dx = 0
+    expected = q6k_reference(x, weight)
+    codebook = torch.from_numpy(IQ4_VALUES)
+    assert_small_codes_bits(ext, x, packed, "iq4xs", False, 72, expected, codebook=codebook)
+    if vnni_own_layouts():
+        layer = Int8BlockLinear(weight)
+        assert layer.layout == "iq4xs" and layer.nbytes == packed.numel()
+        assert torch.equal(layer(x), expected)
+        # fused with another IQ4_XS matrix it keeps its layout
+        other = decode_gguf_blocks(gguf_blocks("IQ4_XS", 24, 512, 7), "IQ4_XS")
+        fused = Int8BlockWeight.cat([weight, other])
+        assert type(fused) is IQ4XSWeight and Int8BlockLinear(fused).layout == "iq4xs"
+        assert torch.equal(Int8BlockLinear(fused)(x)[:, :72], expected)
 
 
 def minimums_reference(x: torch.Tensor, weight: Q2KWeight | Q4KWeight) -> torch.Tensor:
@@ -376,7 +416,7 @@ def test_minimums_folded_in_integers_in_the_files_bits(ext, qtype, top_code, top
     x[2, 256:] = 0  # a super-block of zeros: dx = 0
     expected = minimums_reference(x, weight)
     assert_small_codes_bits(ext, x, packed, layout, True, 72, expected)
-    if layout == "q2k" or q4k_q5k_own_layouts():  # (Q4_K's, Q5_K's: VNNI CPUs without AMX)
+    if layout == "q2k" or vnni_own_layouts():  # (Q4_K's, Q5_K's: VNNI CPUs without AMX)
         layer = Int8BlockLinear(weight)
         assert layer.layout == layout and layer.nbytes == packed.numel()
         assert torch.equal(layer(x), expected)
@@ -415,7 +455,7 @@ def test_a_scaled_q_fuses_with_its_k(ext, qtype):
             rows, packed, kernels.SMALL_CODES_LAYOUTS[layout], qtype != "Q6_K", None, 72, isa,
             q.input_scale, None, 48), x)
         assert torch.equal(got, expected), isa
-    if qtype in ("Q6_K", "Q2_K") or q4k_q5k_own_layouts():
+    if qtype in ("Q6_K", "Q2_K") or vnni_own_layouts():
         layer = Int8BlockLinear(fused)
         assert layer.layout == layout and layer.scaled_columns == 48
         assert torch.equal(layer(x), expected)
@@ -428,42 +468,51 @@ def test_a_scaled_q_fuses_with_its_k(ext, qtype):
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512", "avx2"])
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
-def test_q4k_q5k_held_in_their_own_layouts_on_vnni_cpus_without_amx(monkeypatch, isa, qtype):
-    # where a CPU's best kernels are AVX-512 VNNI without AMX a Q4_K or Q5_K matrix keeps its
-    # own layout (and the int4 runner reads Q4_K so); with AMX block int8 (int4: Q4_K as Q4_1
-    # blocks, whose tiles take many rows); on AVX2 alone five_bit32 (int4: Q4_K as Q4_1
-    # blocks, whose AVX2 kernel is the faster from 4 rows). Layers built, not run
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "IQ4_XS"])
+def test_own_layouts_on_vnni_cpus_without_amx(monkeypatch, isa, qtype):
+    # where a CPU's best kernels are AVX-512 VNNI without AMX a Q4_K, Q5_K or IQ4_XS matrix
+    # keeps its own layout (and the int4 runner reads Q4_K so); with AMX block int8 (int4: Q4_K
+    # as Q4_1 blocks, whose tiles take many rows); on AVX2 alone five_bit32 (int4: Q4_K as
+    # Q4_1 blocks, whose AVX2 kernel is the faster from 4 rows), IQ4_XS codebook32. Layers
+    # built, not run
     monkeypatch.setattr(kernels, "isa", lambda: kernels.ISA_LEVELS.index(isa))
     weight = decode_gguf_blocks(gguf_blocks(qtype, 16, 256), qtype)
-    assert q4k_q5k_own_layouts() == (isa == "avx512")
+    assert vnni_own_layouts() == (isa == "avx512")
     own = qtype.lower().replace("_", "")
+    iq4 = qtype == "IQ4_XS"
     assert Int8BlockLinear(weight).layout == {"amx": "block", "avx512": own,
-                                              "avx2": "five_bit32"}[isa]
-    own_bytes = {"Q4_K": 0.578125, "Q5_K": 0.703125}[qtype]
-    assert held_bytes_per_weight(qtype) == {"amx": 1.25, "avx512": own_bytes, "avx2": 0.875}[isa]
+                                              "avx2": "codebook32" if iq4 else "five_bit32"}[isa]
+    own_bytes = {"Q4_K": 0.578125, "Q5_K": 0.703125, "IQ4_XS": 0.546875}[qtype]
+    assert held_bytes_per_weight(qtype) == {
+        "amx": 1.125 if iq4 else 1.25, "avx512": own_bytes, "avx2": 0.625 if iq4 else 0.875}[isa]
 
 
-@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q6k"), ("Q2_K", "q2k"), ("Q3_K", None)])
+@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q6k"), ("Q2_K", "q2k"), ("Q3_K", None),
+                                          ("IQ4_XS", "iq4xs")])
 def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
-    # a query scale folded into a Q6_K, Q3_K or Q2_K projection: the weight keeps its factors
-    # and carries the scale as its input scale, which the kernel multiplies the activations'
-    # scales by: the reference's numbers with dx times it, every ISA, row count and position;
-    # its block int8 numbers (what a fused layer of mixed types would hold) are scaled too
+    # a query scale folded into a Q6_K, Q3_K, Q2_K or IQ4_XS projection: the weight keeps its
+    # factors and carries the scale as its input scale, which the kernel multiplies the
+    # activations' scales by: the reference's numbers with dx times it, every ISA, row count and
+    # position; its block int8 numbers (what a fused layer of mixed types would hold) are
+    # scaled too
+    if qtype == "IQ4_XS" and not vnni_own_layouts():
+        pytest.skip("IQ4_XS keeps its own layout only where the best kernels are AVX-512 VNNI "
+                    "without AMX")
     weight = decode_gguf_blocks(gguf_blocks(qtype, 40, 512, seed=9), qtype)
     factor = 1 / 128 ** 0.5
     scaled = weight.scaled(factor)
     assert type(scaled) is type(weight) and scaled.input_scale == factor
     assert torch.equal(scaled.dequantize(), Int8BlockWeight(
         weight.codes, weight.scale * factor,
-        None if weight.minimum is None else weight.minimum * factor, 16).dequantize())
+        None if weight.minimum is None else weight.minimum * factor, weight.group).dequantize())
     layer = Int8BlockLinear(scaled)
     layout = layout or ("q3k" if without_amx() else "q6k")
     assert layer.layout == layout and layer.input_scale == factor
     x = torch.randn(ROWS, 512, generator=torch.Generator().manual_seed(10))
     reference = minimums_reference if qtype == "Q2_K" else q6k_reference
     expected = reference(x, scaled)
-    assert_small_codes_bits(ext, x, layer.packed, layout, qtype == "Q2_K", 40, expected, factor)
+    assert_small_codes_bits(ext, x, layer.packed, layout, qtype == "Q2_K", 40, expected, factor,
+                            layer.codebook)
     assert torch.equal(layer(x), expected)
     assert (expected - reference(x, weight) * factor).abs().max() < 1e-5 * expected.abs().max()
     # fused with an unscaled part, not in whole tiles of rows (40), it is block int8 of the
@@ -471,7 +520,7 @@ def test_a_scaled_super_block_weight_keeps_its_layout(ext, qtype, layout):
     fused = Int8BlockWeight.cat([scaled, weight])
     assert type(fused) is Int8BlockWeight
     assert torch.equal(fused.dequantize()[:40], scaled.dequantize())
-    with pytest.raises(RuntimeError, match="only the Q6_K, Q3_K, Q2_K, Q4_K and Q5_K layouts take"):
+    with pytest.raises(RuntimeError, match="Q5_K and IQ4_XS layouts take an input scale"):
         five = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q5_0", 16, 256), "Q5_0"))
         ext.small_codes_linear(torch.randn(2, 256), five.packed, 1, False, None, 16, 0, 0.5)
 
@@ -612,8 +661,8 @@ def test_bad_input_gets_clear_errors(ext):
     with pytest.raises(SpecDecodeError, match="codes must be int8"):
         Int8BlockWeight(codes.float(), torch.zeros(4, 2), None, 32)
     q6k = Int8BlockLinear(decode_gguf_blocks(gguf_blocks("Q6_K", 16, 256), "Q6_K"))
-    with pytest.raises(RuntimeError, match=r"8 \(Q4_K\) or 9 \(Q5_K\), not 10"):
-        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 10, False, None, 16, 0)
+    with pytest.raises(RuntimeError, match=r"9 \(Q5_K\) or 10 \(IQ4_XS\), not 11"):
+        ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 11, False, None, 16, 0)
     with pytest.raises(RuntimeError, match="Q6_K, Q3_K and codebook layouts have no minimums"):
         ext.small_codes_linear(torch.randn(2, 256), q6k.packed, 0, True, None, 16, 0)
     with pytest.raises(RuntimeError, match="the Q2_K, Q4_K and Q5_K layouts have minimums"):

@@ -11,7 +11,7 @@ alone, so a row's result never depends on the rows beside it, on any x86-64 CPU;
 instruction set only changes the speed (the variants give the same bits). ``repack.h`` decodes a
 GGUF file's blocks and moves them into those layouts when a model loads (``pack_q6k``,
 ``pack_five_bit``, ``pack_codebook``, ``pack_q3k``, ``pack_q2k``, ``pack_q4k``, ``pack_q5k``,
-``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
+``pack_iq4xs``, ``weights.pack_blocks``, ``int8_blocks.decode_gguf_blocks``).
 
 The extension is compiled once by ``scripts/setup.sh`` (``python -m specdecode.kernels``), or
 on first use, with torch's ``cpp_extension`` and the machine's g++, into
@@ -307,6 +307,37 @@ def _pack_sub_mins32(qtype: str, codes: torch.Tensor, sub_scale: torch.Tensor,
                               super_min)
 
 
+def pack_iq4xs(indices: torch.Tensor, sub_scale: torch.Tensor,
+               super_scale: torch.Tensor) -> torch.Tensor:
+    """GGUF IQ4_XS weights (w = d * sc * kvalues_iq4nl[index]; indices [N, K] in 0..15, sc int8
+    [N, K / 32] in -32..31, d float16 [N, K / 256]) -> uint8 [N / 16, K / 256, 2240]: per tile
+    and super-block, 8 groups of 32 inputs, the codebook layouts' nibbles of the indices (256
+    bytes each), the groups' sc (group major), the columns' d, 32 bytes of zeros (the ``iq4xs``
+    layout, kernels/small_codes.h). Rows padded with zeros to whole tiles."""
+    n, k = indices.shape
+    require(k % 256 == 0 and tuple(sub_scale.shape) == (n, k // 32)
+            and tuple(super_scale.shape) == (n, k // 256),
+            f"IQ4_XS weights: indices [N, a multiple of 256] with sc [N, K / 32] and d [N, K / "
+            f"256], got {tuple(indices.shape)}, {tuple(sub_scale.shape)}, "
+            f"{tuple(super_scale.shape)}")
+    require(int(indices.min()) >= 0 and int(indices.max()) <= 15
+            and -32 <= int(sub_scale.min()) and int(sub_scale.max()) <= 31,
+            "IQ4_XS indices are 0..15, its sc -32..31")
+    supers = k // 256
+
+    def codes_and_factors(rows: slice) -> list[torch.Tensor]:
+        part = indices[rows]
+        scales = torch.zeros(part.shape[0], supers * 8, dtype=torch.float16)
+        # the five-bit layout holds code + 16 without minimums: the index, with zero top bits
+        groups = pack_five_bit(part.to(torch.int8) - 16, scales, None)[..., :256]
+        sc = _tiles(sub_scale[rows].to(torch.int8).view(torch.uint8)).view(-1, TILE, supers, 8)
+        return [groups.reshape(-1, supers, 2048), sc.permute(0, 2, 3, 1).reshape(-1, supers, 128)]
+
+    # (the zeros after d take dmin's place in the super-block layouts' tail)
+    return _pack_super_blocks((n, k), 2240, codes_and_factors, super_scale,
+                              torch.zeros_like(super_scale))
+
+
 def pack_five_bit(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                   half: bool = True) -> torch.Tensor:
     """Block int8 weights in groups of 32 whose codes fit in 5 bits (-16..15 without minimums,
@@ -363,12 +394,13 @@ def _pack_codebook16(indices: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 #: small_codes_linear's layout codes (small_codes.h's Layout), by Int8BlockLinear.layout's names
 SMALL_CODES_LAYOUTS = {"q6k": 0, "five_bit": 1, "five_bit32": 2, "codebook": 3, "codebook32": 4,
-                       "q3k": 5, "q2k": 6, "codebook16": 7, "q4k": 8, "q5k": 9}
+                       "q3k": 5, "q2k": 6, "codebook16": 7, "q4k": 8, "q5k": 9, "iq4xs": 10}
 
 
 def small_codes_linear(x, packed, layout: str, minimum, n, residual=None, input_scale=1.0,
                        codebook=None, scaled_columns=-1):
-    """``codebook`` (the codebook layouts alone): int8 [16], the codes their indices name;
+    """``codebook`` (the codebook layouts and ``iq4xs`` alone): int8 [16], the codes their
+    indices name;
     ``scaled_columns``: the leading columns ``input_scale`` is of (-1: all)."""
     return load().small_codes_linear(x, packed, SMALL_CODES_LAYOUTS[layout], minimum, residual, n,
                                      isa(), input_scale, codebook, scaled_columns)

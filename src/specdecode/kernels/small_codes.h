@@ -30,6 +30,11 @@
 //   whose tiles take many rows; on AVX2 alone too, whose Q4 kernel is faster from 4 rows).
 // - Q5K: GGUF Q5_K (codes 0..31) in Q4K's form with the fifth bits (TOP = 1): 0.70 bytes a
 //   weight (the loader holds it where it holds Q4K; elsewhere FIVE_BIT32 or block int8).
+// - IQ4XS: GGUF IQ4_XS (codes from kvalues_iq4nl, a 6-bit ls per 32 inputs, sc = ls - 32, and a
+//   float16 d per 256) in Q4K's form without minimums, its codes as a codebook's indices, its
+//   sub-block scales folded in integers as Q6K's: 0.55 bytes a weight against CODEBOOK32's 0.63
+//   (the file's 0.53; the loader holds it where it holds Q4K, elsewhere as CODEBOOK32 or block
+//   int8, whose activations are quantised per 32 inputs, so their bits differ from IQ4XS's).
 // Integer sums are exact in any order and the float operations depend on K alone, so a row's
 // output is the same in a call of any size and position, on every instruction set (tested).
 //
@@ -167,6 +172,22 @@ struct SubMins32 {
 };
 using Q4K = SubMins32<0>;
 using Q5K = SubMins32<1>;
+
+// IQ4XS: GGUF IQ4_XS, w = d * sc * kvalues_iq4nl[index], sc = ls - 32 (-32..31) per 32 inputs, d
+// float16 per 256. Groups of 256 bytes of the indices' nibbles (Q4K's), the groups' sc (8 x 16
+// bytes, group major, int8), the columns' d, 32 bytes of zeros (a whole number of cache lines):
+// B = 2240, 0.55 bytes a weight. Q6K's fold (exact: |isum| <= 32 x 127 x 127 < 2^19, |S| < 2^27)
+struct IQ4XS {
+  static constexpr int G = 32, TOP = 0, GROUPS = 8, OFFSET = 0, CODE_BITS = 4;
+  static constexpr bool SUPER = true, FLOAT32 = false, CODEBOOK = true, SUB_MINS = false,
+                        PACKED_MINS = false;
+  static constexpr int GROUP_BYTES = 8 * G, SC_AT = GROUPS * GROUP_BYTES, D_AT = SC_AT + 16 * GROUPS;
+  static constexpr int64_t block_bytes(bool) { return D_AT + 64; }
+  static inline int32_t sub_scale(const uint8_t* block, int g, int c) {
+    return reinterpret_cast<const int8_t*>(block + SC_AT)[16 * g + c];
+  }
+  static inline float super_scale(const uint8_t* block, int c) { return half_at(block + D_AT, c); }
+};
 
 // column c's float32 number at `at`
 static inline float float_at(const uint8_t* at, int c) {
@@ -1081,9 +1102,12 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
     if (decoded) return columns_decoded<F, MIN>(a8, m, packed, residual, y, n, t0, t1);
   if (isa >= AVX512) return columns_vnni<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   if constexpr (F::CODEBOOK) {  // block int8's AVX2 kernel, reading the indices
-    if (isa >= AVX2)
-      return q8blocks::columns_avx2<F::G, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0, t1,
-                                                               CodebookCodes{a.codebook});
+    // (IQ4XS on AVX2 alone: the portable kernel. The loader holds IQ4_XS so only on VNNI CPUs,
+    // and VPMADDUBSW's unsigned operand would not take its signed codes)
+    if constexpr (!F::SUPER)
+      if (isa >= AVX2)
+        return q8blocks::columns_avx2<F::G, false, !F::FLOAT32>(a8, m, packed, residual, y, n, t0,
+                                                                 t1, CodebookCodes{a.codebook});
   } else if (isa >= AVX2) {
     return columns_avx2<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   }
@@ -1093,7 +1117,8 @@ static void columns(int64_t isa, bool decoded, const Acts& a, const q8blocks::Ac
 // the layouts as small_codes_linear's `layout` names them (kernels.SMALL_CODES_LAYOUTS)
 enum Layout : int64_t {
   Q6K_LAYOUT = 0, FIVE_BIT_LAYOUT = 1, FIVE_BIT32_LAYOUT = 2, CODEBOOK_LAYOUT = 3, CODEBOOK32_LAYOUT = 4,
-  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7, Q4K_LAYOUT = 8, Q5K_LAYOUT = 9
+  Q3K_LAYOUT = 5, Q2K_LAYOUT = 6, CODEBOOK16_LAYOUT = 7, Q4K_LAYOUT = 8, Q5K_LAYOUT = 9,
+  IQ4XS_LAYOUT = 10
 };
 
 }  // namespace small_codes
@@ -1101,34 +1126,36 @@ enum Layout : int64_t {
 // y [m, n] = x [m, k] times small-code weights (+ residual [m, n]) in `layout`: Q6K packed
 // [N / 16, K / 256, 3392], FIVE_BIT [N / 16, K / 32, 352 or 384 with `minimum`], CODEBOOK [N /
 // 16, K / 32, 288] (CODEBOOK32: 320; CODEBOOK16: [N / 16, K / 16, 192]), Q3K [N / 16, K / 256,
-// 2368], Q2K [N / 16, K / 256, 1344], Q4K [N / 16, K / 256, 2368], Q5K [N / 16, K / 256, 2880]
-// (Q2K's, Q4K's and Q5K's minimums are the layout's: `minimum` true). `input_scale` (Q6K,
-// Q3K, Q2K, Q4K, Q5K): y times it, as the
+// 2368], Q2K [N / 16, K / 256, 1344], Q4K [N / 16, K / 256, 2368], Q5K [N / 16, K / 256, 2880],
+// IQ4XS [N / 16, K / 256, 2240] (Q2K's, Q4K's and Q5K's minimums are the layout's: `minimum`
+// true). `input_scale` (Q6K, Q3K, Q2K, Q4K, Q5K, IQ4XS): y times it, as the
 // activations' scales dx times it (a query scale folded into a projection whose float16
 // super-block scales cannot take it: models/int8_blocks.py's input_scale), of the first
 // `scaled_columns` columns (a multiple of 16: a scaled q fused with its k; -1: all of them).
-// `codebook` (CODEBOOK layouts alone): int8 [16], the codes their 4-bit indices name (a GGUF
-// I-quant's values)
+// `codebook` (CODEBOOK layouts and IQ4XS alone): int8 [16], the codes their 4-bit indices name
+// (a GGUF I-quant's values)
 at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int64_t layout,
                               bool minimum, const c10::optional<at::Tensor>& residual, int64_t n,
                               int64_t isa, double input_scale,
                               const c10::optional<at::Tensor>& codebook, int64_t scaled_columns) {
   using namespace small_codes;
-  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= Q5K_LAYOUT,
+  TORCH_CHECK(layout >= Q6K_LAYOUT && layout <= IQ4XS_LAYOUT,
               "small-code layouts: 0 (Q6_K), 1 (five-bit codes), 2 (five-bit codes, float32 "
               "scales), 3 (codebook indices), 4 (codebook indices, float32 scales), 5 (Q3_K), 6 "
-              "(Q2_K), 7 (codebook indices, float32 scales per 16 inputs), 8 (Q4_K) or 9 (Q5_K), "
-              "not ", layout);
+              "(Q2_K), 7 (codebook indices, float32 scales per 16 inputs), 8 (Q4_K), 9 (Q5_K) "
+              "or 10 (IQ4_XS), not ", layout);
   const bool q6k = layout == Q6K_LAYOUT, f32 = layout == FIVE_BIT32_LAYOUT;
   const bool book16 = layout == CODEBOOK16_LAYOUT, q3k = layout == Q3K_LAYOUT;
-  const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT || book16;
+  const bool iq4xs = layout == IQ4XS_LAYOUT;
+  const bool book = layout == CODEBOOK_LAYOUT || layout == CODEBOOK32_LAYOUT || book16 || iq4xs;
   const bool q2k = layout == Q2K_LAYOUT, q4k = layout == Q4K_LAYOUT, q5k = layout == Q5K_LAYOUT;
   const bool mins = q2k || q4k || q5k;  // minimums folded in integers: each group's sum(xq) wanted
   // activations per 256 inputs, sub-block scales in integers
-  const bool super = q6k || q3k || mins;
+  const bool super = q6k || q3k || mins || iq4xs;
   TORCH_CHECK(!(q6k || q3k || book) || !minimum, "the Q6_K, Q3_K and codebook layouts have no minimums");
   TORCH_CHECK(!mins || minimum, "the Q2_K, Q4_K and Q5_K layouts have minimums");
-  TORCH_CHECK(input_scale == 1.0 || super, "only the Q6_K, Q3_K, Q2_K, Q4_K and Q5_K layouts take an input scale");
+  TORCH_CHECK(input_scale == 1.0 || super,
+              "only the Q6_K, Q3_K, Q2_K, Q4_K, Q5_K and IQ4_XS layouts take an input scale");
   TORCH_CHECK(book == codebook.has_value(), "the codebook layouts, and they alone, take a codebook");
   TORCH_CHECK(!book || (codebook->scalar_type() == at::kChar && codebook->dim() == 1 &&
                        codebook->numel() == 16 && codebook->is_contiguous()),
@@ -1138,13 +1165,14 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
                         : q2k ? Q2K::block_bytes(false)
                         : q4k ? Q4K::block_bytes(false)
                         : q5k ? Q5K::block_bytes(false)
+                        : iq4xs ? IQ4XS::block_bytes(false)
                         : f32 ? FiveBit32::block_bytes(minimum)
                         : layout == CODEBOOK_LAYOUT ? Codebook::block_bytes(false)
                         : layout == CODEBOOK32_LAYOUT ? Codebook32::block_bytes(false)
                         : book16 ? Codebook16::block_bytes(false)
                         : FiveBit::block_bytes(minimum);
   const int64_t inputs = super ? 256 : book16 ? 16 : 32;
-  const int64_t group = (super && !q4k && !q5k) || book16 ? 16 : 32;
+  const int64_t group = (super && !q4k && !q5k && !iq4xs) || book16 ? 16 : 32;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "small-code weights (layout ", layout, ") must be packed uint8 [N / 16, K / ",
               inputs, ", ", bytes, "], got ", packed.sizes());
@@ -1211,6 +1239,7 @@ at::Tensor small_codes_linear(const at::Tensor& x, const at::Tensor& packed, int
     else if (q2k) columns<Q2K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q4k) columns<Q4K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (q5k) columns<Q5K, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
+    else if (iq4xs) columns<IQ4XS, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK_LAYOUT) columns<Codebook, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (layout == CODEBOOK32_LAYOUT) columns<Codebook32, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);
     else if (book16) columns<Codebook16, false>(isa, decoded, acts, acts8, m, w, res, yp, n, t0, t1);

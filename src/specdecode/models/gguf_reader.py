@@ -61,7 +61,7 @@ from specdecode import kernels
 from specdecode.cache import file_version
 from specdecode.errors import SpecDecodeError, require
 from specdecode.models.architectures import GGUF_ARCHITECTURES
-from specdecode.models.int8_blocks import decode_gguf_blocks, q4k_q5k_own_layouts
+from specdecode.models.int8_blocks import decode_gguf_blocks, vnni_own_layouts
 from specdecode.models.iq_grid_blocks import ODD_GRID_TYPES, odd_grid_q4
 from specdecode.models.quant import Q4Weight
 
@@ -375,8 +375,8 @@ def _dequantized(raw: np.ndarray, e: TensorEntry) -> torch.Tensor:
 def reads_as_int8_blocks(qtype: str) -> bool:
     """Whether the int4 and int8 runners read a tensor of ``qtype`` as :class:`Int8BlockWeight`
     (the block int8 types, and Q4_K where this CPU holds it in its own layout:
-    ``int8_blocks.q4k_q5k_own_layouts``)."""
-    return qtype in INT8_BLOCK_TYPES or qtype == "Q4_K" and q4k_q5k_own_layouts()
+    ``int8_blocks.vnni_own_layouts``)."""
+    return qtype in INT8_BLOCK_TYPES or qtype == "Q4_K" and vnni_own_layouts()
 
 
 def dequantized_rows(raw: np.ndarray, e: TensorEntry, blocks: bool) -> torch.Tensor:

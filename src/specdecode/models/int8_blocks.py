@@ -38,7 +38,8 @@ construction, the same bits on every instruction set. A matrix that is Q6_K thro
 8-bit sub-block scales are folded in integers against activations quantised per 256 inputs,
 as llama.cpp folds Q6_K against its Q8_K, one fused multiply-add per 256 inputs instead of 16;
 so do Q2_K matrices (``Q2KWeight``) and, on AVX-512 VNNI CPUs without AMX, Q4_K and Q5_K ones
-(``Q4KWeight``, ``Q5KWeight``), their minimums folded likewise.
+(``Q4KWeight``, ``Q5KWeight``), their minimums folded likewise, and IQ4_XS ones
+(``IQ4XSWeight``), their codes as indices into the IQ4 values.
 ``quantize_int8_blocks`` makes the format from float weights (``--weights int8``): GGUF Q8_0's
 scheme, symmetric per 32 inputs with a float16 scale.
 """
@@ -135,9 +136,9 @@ class Int8BlockWeight:
     def scaled(self, factor: float) -> Int8BlockWeight:
         """The weights times ``factor`` (a query scale folded in): scales and minimums times it
         in float32. A weight whose kernels read its scales' factors (``Q6KWeight``,
-        ``Q4KWeight``, ``Q2KWeight``) keeps those, whose float16 super-block scales would not
-        hold the product, and carries ``factor`` as its ``input_scale``, which the kernel
-        multiplies the activations' scales by."""
+        ``IQ4XSWeight``, ``Q4KWeight``, ``Q2KWeight``) keeps those, whose float16 super-block
+        scales would not hold the product, and carries ``factor`` as its ``input_scale``, which
+        the kernel multiplies the activations' scales by."""
         numbers = {"scale": self.scale * factor,
                    "minimum": None if self.minimum is None else self.minimum * factor}
         if hasattr(self, "input_scale"):
@@ -195,11 +196,11 @@ def fuses_scaled(q: Int8BlockWeight, k: Int8BlockWeight) -> bool:
 
 
 @dataclass(frozen=True)
-class Q6KWeight(Int8BlockWeight):
-    """A GGUF Q6_K matrix as block int8 (groups of 16, scale = d * sc) that also keeps the
-    factors of its scales, the 8-bit ``sub_scale`` sc int8 [out, in / 16] and the float16
-    ``super_scale`` d [out, in / 256], so that the kernels can hold it in the file's own 6.6 bits
-    a weight (``kernels.pack_q6k``) and fold sc in integers (``kernels/small_codes.h``)."""
+class SuperScaledWeight(Int8BlockWeight):
+    """Block int8 (scale = d * sc) that also keeps the factors of its scales, the integer
+    ``sub_scale`` sc int8 [out, in / group] and the float16 ``super_scale`` d [out, in / 256], so
+    that the kernels can hold it in the file's codes and fold sc in integers
+    (``kernels/small_codes.h``); one of the kinds below."""
 
     sub_scale: torch.Tensor
     super_scale: torch.Tensor
@@ -207,6 +208,20 @@ class Q6KWeight(Int8BlockWeight):
     input_scale: float = 1.0
     #: the leading rows ``input_scale`` is of (-1: all): a scaled q fused with its k (``cat``)
     scaled_rows: int = -1
+
+
+@dataclass(frozen=True)
+class Q6KWeight(SuperScaledWeight):
+    """A GGUF Q6_K matrix (groups of 16, 8-bit sc), held in the file's own 6.6 bits a weight
+    (``kernels.pack_q6k``); GGUF Q3_K's in this form too (``kernels.pack_q3k``)."""
+
+
+@dataclass(frozen=True)
+class IQ4XSWeight(SuperScaledWeight):
+    """A GGUF IQ4_XS matrix (groups of 32, codes from the IQ4 values, sc = ls - 32), which a VNNI
+    CPU without AMX holds as indices in 0.55 bytes a weight (``kernels.pack_iq4xs``:
+    ``vnni_own_layouts``); other CPUs as block int8 or a codebook layout, which read the
+    scales d * sc as floats."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +245,7 @@ class SubMinsWeight(Int8BlockWeight):
 class Q4KWeight(SubMinsWeight):
     """A GGUF Q4_K matrix (groups of 32, codes 0..15, sc and m 0..63), which a VNNI CPU without
     AMX holds in 0.58 bytes a weight (``kernels.pack_q4k``; the file's 0.56:
-    ``q4k_q5k_own_layouts``)."""
+    ``vnni_own_layouts``)."""
 
 
 @dataclass(frozen=True)
@@ -332,7 +347,8 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
         if d.sub_scale is None:
             return Int8BlockWeight(codes, scale, None, d.group)
         factors = (torch.from_numpy(t.reshape(rows, -1)) for t in (d.sub_scale, d.super_scale))
-        return Q6KWeight(codes, scale, None, d.group, *factors)
+        kind = IQ4XSWeight if qtype == "IQ4_XS" else Q6KWeight
+        return kind(codes, scale, None, d.group, *factors)
     codes, scale, minimum = kernels.load().decode_blocks(torch.from_numpy(blocks), qtype)
     codes, scale = codes.view(rows, -1), scale.view(rows, -1)
     group = 16 if qtype == "Q6_K" else 32
@@ -351,7 +367,7 @@ def decode_gguf_blocks(raw: np.ndarray, qtype: str) -> Int8BlockWeight:
 
 #: bytes a weight ``Int8BlockLinear`` holds of a matrix of one GGUF type, by its layout
 #: (kernels/small_codes.h, q8_blocks.h): (on a CPU without AMX, with AMX); Q4_0, Q4_1 and
-#: Q4_K are the int8 runner's (Q4_K's and Q5_K's on AVX-512 VNNI without AMX:
+#: Q4_K are the int8 runner's (Q4_K's, Q5_K's and IQ4_XS's on AVX-512 VNNI without AMX:
 #: ``OWN_LAYOUT_BYTES``)
 HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75, 0.75),
               "MXFP4": (0.6875, 0.6875), "Q6_K": (0.828125, 0.828125), "Q5_K": (0.875, 1.25),
@@ -363,8 +379,8 @@ HELD_BYTES = {"Q8_0": (1.0625, 1.0625), "Q5_0": (0.6875, 0.6875), "Q5_1": (0.75,
               **{qtype: (0.75, 0.75) for qtype in iq_grid_blocks.ODD_GRID_TYPES}}
 
 
-#: bytes a weight of a Q4_K or Q5_K matrix in its own layout (``q4k_q5k_own_layouts``)
-OWN_LAYOUT_BYTES = {"Q4_K": 0.578125, "Q5_K": 0.703125}
+#: bytes a weight of a Q4_K, Q5_K or IQ4_XS matrix in its own layout (``vnni_own_layouts``)
+OWN_LAYOUT_BYTES = {"Q4_K": 0.578125, "Q5_K": 0.703125, "IQ4_XS": 0.546875}
 
 
 def _without_amx() -> bool:
@@ -374,18 +390,19 @@ def _without_amx() -> bool:
     return kernels.isa() <= kernels.ISA_LEVELS.index("avx512")
 
 
-def q4k_q5k_own_layouts() -> bool:
-    """Whether this CPU holds GGUF Q4_K and Q5_K matrices in their own layouts (``q4k``, for
-    the int4 runner too, and ``q5k``: :class:`Q4KWeight`, :class:`Q5KWeight`): where its best
-    kernels are AVX-512 VNNI without AMX. With AMX int4's Q4_1 blocks and block int8 take many
-    rows on the tiles; on AVX2 alone int4's Q4 kernel is the faster from 4 rows."""
+def vnni_own_layouts() -> bool:
+    """Whether this CPU holds GGUF Q4_K, Q5_K and IQ4_XS matrices in their own layouts (``q4k``,
+    for the int4 runner too, ``q5k`` and ``iq4xs``: :class:`Q4KWeight`, :class:`Q5KWeight`,
+    :class:`IQ4XSWeight`): where its best kernels are AVX-512 VNNI without AMX. With AMX int4's
+    Q4_1 blocks and block int8 take many rows on the tiles; on AVX2 alone int4's Q4 kernel is
+    the faster from 4 rows (and IQ4_XS's signed codes need block int8's arithmetic there)."""
     return _without_amx() and kernels.isa() == kernels.ISA_LEVELS.index("avx512")
 
 
 def held_bytes_per_weight(qtype: str) -> float:
     """Bytes a weight of a matrix all of GGUF ``qtype`` held as block int8 on this CPU
     (``HELD_BYTES``, ``OWN_LAYOUT_BYTES``; a fused layer of several types holds up to 1.5)."""
-    if qtype in OWN_LAYOUT_BYTES and q4k_q5k_own_layouts():
+    if qtype in OWN_LAYOUT_BYTES and vnni_own_layouts():
         return OWN_LAYOUT_BYTES[qtype]
     return HELD_BYTES[qtype][0 if _without_amx() else 1]
 
@@ -431,6 +448,10 @@ class Int8BlockLinear:
     def __init__(self, weight: Int8BlockWeight, in_features: int | None = None):
         """``in_features``: the inputs a call gives, when ``weight`` has zero weights padded
         after them (``quantize_int8_blocks`` of an odd width); default all of its inputs."""
+        own_layouts = vnni_own_layouts()
+        if isinstance(weight, IQ4XSWeight) and not own_layouts:
+            # (its codebook layout and block int8 read the scales d * sc, a query scale in them)
+            weight = Int8BlockWeight(weight.codes, weight.scale, None, weight.group)
         out, inp = weight.codes.shape
         self.in_features = inp if in_features is None else in_features
         require(inp - INT8_GROUP < self.in_features <= inp,
@@ -455,17 +476,19 @@ class Int8BlockLinear:
         # IQ3_XXS or IQ2_XXS codes as indices in 0.63 on every CPU, IQ2_XS or IQ2_S codes (a
         # scale per 16) in 0.75: block int8 would hold 2.9 to 4.4 times the file's bytes. And
         # on a VNNI CPU without AMX a Q4_K matrix in 0.58 (its scales and minimums folded in
-        # integers, as Q2_K's), not int4's 0.625 or five_bit32's 0.875, and a Q5_K one in 0.70
+        # integers, as Q2_K's), not int4's 0.625 or five_bit32's 0.875, a Q5_K one in 0.70 and
+        # an IQ4_XS one in 0.55 (its sub-block scales folded in integers), not codebook32's 0.63
         small = _without_amx()
         # (a Q6_K or Q2_K matrix keeps its own layout, whatever its codes; the IQ4 types' table
         # is the first)
         found = (_codebook_indices(weight, _CODEBOOKS if small else _CODEBOOKS[1:])
-                 if type(weight) is Int8BlockWeight else None)
+                 if type(weight) in (Int8BlockWeight, IQ4XSWeight) else None)
         self.codebook, indices = found if found is not None else (None, None)
         q3k = small and isinstance(weight, Q6KWeight) and _q3k_codes(weight)
         self.layout = ("q2k" if isinstance(weight, Q2KWeight)
                        else {Q4KWeight: "q4k", Q5KWeight: "q5k"}[type(weight)]
-                       if isinstance(weight, Q4KWeight) and q4k_q5k_own_layouts()
+                       if isinstance(weight, Q4KWeight) and own_layouts
+                       else "iq4xs" if isinstance(weight, IQ4XSWeight) and indices is not None
                        else "q3k" if q3k
                        else "q6k" if isinstance(weight, Q6KWeight)
                        else ("codebook16" if weight.group == 16 else "codebook" if self.half
@@ -482,6 +505,8 @@ class Int8BlockLinear:
             return getattr(kernels, f"pack_{self.layout}")(weight.codes, weight.sub_scale,
                                                             weight.sub_min, weight.super_scale,
                                                             weight.super_min)
+        if self.layout == "iq4xs":
+            return kernels.pack_iq4xs(indices, weight.sub_scale, weight.super_scale)
         if self.layout in ("q6k", "q3k"):
             return getattr(kernels, f"pack_{self.layout}")(weight.codes, weight.sub_scale,
                                                             weight.super_scale)

@@ -19,7 +19,9 @@ bits (0.58 bytes a weight: small_codes.h's Q3K layout), with AMX in Q6_K's 6.6 (
 kernel takes many rows). The IQ4 types are block int8, held on a CPU without AMX as 4-bit
 indices into IQ4_VALUES with their scales (kernels/small_codes.h: 0.56 bytes a weight for
 IQ4_NL's float16 scales, 0.63 for IQ4_XS's products, computing block int8's bits), with AMX as
-block int8 (1.06, 1.13).
+block int8 (1.06, 1.13). IQ4_XS keeps its scales' factors too (an ``IQ4XSWeight``): on an
+AVX-512 VNNI CPU without AMX the kernels hold its indices with its integer sub-block scales and
+fold them in integers as Q6_K's (0.55 bytes a weight: small_codes.h's IQ4XS layout).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ _SHIFTS_1 = np.arange(8, dtype=np.uint8)
 
 class Decoded(NamedTuple):
     """One tensor's blocks decoded, a row per block: ``codes`` int8 [blocks, weights a block],
-    ``scale`` float32 [blocks, groups a block]; Q3_K's also its scales' factors, ``sub_scale``
-    int8 [blocks, 16] and ``super_scale`` float16 [blocks, 1]."""
+    ``scale`` float32 [blocks, groups a block]; Q3_K's and IQ4_XS's also their scales' factors,
+    ``sub_scale`` int8 [blocks, groups a block] and ``super_scale`` float16 [blocks, 1]."""
 
     codes: np.ndarray
     scale: np.ndarray
@@ -92,8 +94,10 @@ def _iq4_xs(blocks: np.ndarray) -> Decoded:
     codes = IQ4_VALUES[_nibbles(blocks[:, 8:136].reshape(n, 8, 16))]
     high = blocks[:, 2:4].copy().view(np.uint16)[:, :1] >> (2 * np.arange(8, dtype=np.uint16)) & 3
     ls = _nibbles(blocks[:, 4:8]).reshape(n, 2, 4).transpose(0, 2, 1).reshape(n, 8) | high << 4
-    scale = _float16(blocks, 0)[:, None] * (ls.astype(np.float32) - 32)
-    return Decoded(codes.reshape(n, 256), scale, 32)
+    sub_scale = ls.astype(np.int8) - 32
+    scale = _float16(blocks, 0)[:, None] * sub_scale.astype(np.float32)
+    return Decoded(codes.reshape(n, 256), scale, 32, sub_scale,
+                   blocks[:, 0:2].copy().view(np.float16))
 
 
 _DECODERS = {"Q3_K": _q3k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}

@@ -41,9 +41,10 @@ from specdecode import kernels
 from specdecode.errors import SpecDecodeError
 from specdecode.models.gguf_reader import (INT8_BLOCK_TYPES, Q4_TYPES, GGUFFile, Q4Blocks,
                                            reads_as_int8_blocks)
-from specdecode.models.int8_blocks import (OWN_LAYOUT_BYTES, Int8BlockLinear, Int8BlockWeight,
-                                           Q4KWeight, fuses_scaled, held_bytes_per_weight,
-                                           q4k_q5k_own_layouts, quantize_int8_blocks)
+from specdecode.models.int8_blocks import (OWN_LAYOUT_BYTES, IQ4XSWeight, Int8BlockLinear,
+                                           Int8BlockWeight, Q4KWeight, fuses_scaled,
+                                           held_bytes_per_weight, quantize_int8_blocks,
+                                           vnni_own_layouts)
 from specdecode.models.quant import (Int4Linear, Q4Weight, SplitLinear, check_format, make_linear,
                                      quantize_int4)
 
@@ -198,10 +199,11 @@ def _linear_for(parts: Sequence, weights: str):
 
 
 def _run_key(p) -> tuple[bool, type | None, float]:
-    """What a part shares with the parts it runs with in one layer: block int8 or not, Q4_K's
-    and Q5_K's own kinds (beside another type they would be block int8) and the input scale (a
-    query scale stands apart: ``Int8BlockWeight.scaled``)."""
-    own = type(p) if isinstance(p, Q4KWeight) else None
+    """What a part shares with the parts it runs with in one layer: block int8 or not, Q4_K's,
+    Q5_K's and (where its layout is held) IQ4_XS's own kinds (beside another type they would be
+    block int8) and the input scale (a query scale stands apart: ``Int8BlockWeight.scaled``)."""
+    own = (type(p) if isinstance(p, Q4KWeight)
+           or isinstance(p, IQ4XSWeight) and vnni_own_layouts() else None)
     return isinstance(p, Int8BlockWeight), own, getattr(p, "input_scale", 1.0)
 
 
@@ -242,7 +244,7 @@ def resident_bytes(file: GGUFFile, weights: str) -> int:
     for name, entry in file.entries.items():
         types.setdefault(_fused_group(name), set()).add(entry.qtype)
 
-    own_layouts = q4k_q5k_own_layouts()
+    own_layouts = vnni_own_layouts()
 
     def layer(name: str, entry) -> int:
         kept_as_blocks = (weights in ("int4", "int8") and reads_as_int8_blocks(entry.qtype)
