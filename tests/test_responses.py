@@ -176,6 +176,21 @@ def test_a_stored_response_is_continued_retrieved_and_deleted(client):
         client.responses.create(model=MODEL, input="x", previous_response_id=unkept.id)
 
 
+def test_the_server_keeps_the_last_responses_kept():
+    # --responses-kept 1: the second response drops the first, whose continuation is a 404
+    # naming the bound
+    tokenizer = tool_tokenizer(TOOL_TEMPLATE)
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, max_positions=2 * CONTEXT,
+                       seed=1)
+    with make_server(model, tokenizer, responses_kept=1) as background:
+        client = openai_client(background)
+        first, second = (client.responses.create(model=MODEL, input=text, max_output_tokens=4)
+                         for text in (QUESTION, "And tomorrow?"))
+        assert client.responses.retrieve(second.id).output_text == second.output_text
+        with pytest.raises(openai.NotFoundError, match="keeps the last 1 responses"):
+            client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+
+
 def test_a_streamed_call_is_stored_for_its_output(client):
     with client.responses.stream(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice=NAMED,
                                  max_output_tokens=128) as stream:

@@ -644,6 +644,7 @@ def test_a_suffix_cache_of_another_depth_is_refused(tmp_path):
     (["--method", "ngram", "-c", "bogus=1"], "has no config field 'bogus'"),
     (["--parallel", "0"], "--parallel must be >= 1"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--responses-kept", "-1"], "--responses-kept must be >= 0"),
     (["--suffix-cache", "{tmp}/broken.json"], "is not valid JSON"),
 ])
 def test_serve_rejects_bad_flags_before_loading_the_model(args, message, tmp_path, capsys):

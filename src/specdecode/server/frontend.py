@@ -84,6 +84,8 @@ class Settings:
     #: where the prompt cache is read from at start and written to on shutdown (None: kept in
     #: memory only)
     prompt_cache_file: str | None = None
+    #: Responses API responses kept for ``previous_response_id`` (:mod:`.responses`)
+    responses_kept: int = 256
 
 
 @dataclass(frozen=True)

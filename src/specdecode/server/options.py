@@ -72,6 +72,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                              "wrote over, kept for requests that start with them (least "
                              "recently used dropped first); the slots' own rows are reused "
                              "besides; 0: no prompt cache, every prompt prefilled whole")
+    parser.add_argument("--responses-kept", type=int, default=256, metavar="N",
+                        help="responses of the Responses API kept in memory for "
+                             "previous_response_id and GET /v1/responses/{id} (least recently "
+                             "used dropped first; 0: none)")
     parser.add_argument("--prompt-cache-file", default=None, metavar="PATH",
                         help="read the prompt cache from PATH at start (when it exists and was "
                              "written for this model file, format and kernels) and write it "
@@ -136,12 +140,13 @@ def settings_of(args: argparse.Namespace):
         allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         cors_origins=tuple(args.cors_origin), artifacts=artifact_paths(args.artifact),
         proposer_memory_bytes=args.proposer_memory_mb * 2**20, batching=batching_of(args),
-        prompt_cache_bytes=args.prompt_cache_mb * 2**20, prompt_cache_file=args.prompt_cache_file)
+        prompt_cache_bytes=args.prompt_cache_mb * 2**20, prompt_cache_file=args.prompt_cache_file,
+        responses_kept=args.responses_kept)
     registry.get(settings.method).make_config(settings.config)
     for flag in ("parallel", "max_body_bytes", "default_max_tokens", "proposer_memory_mb"):
         if getattr(args, flag) < 1:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    for flag in ("max_queue", "prompt_cache_mb"):
+    for flag in ("max_queue", "prompt_cache_mb", "responses_kept"):
         if getattr(args, flag) < 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.prompt_cache_file and (args.replicas or not args.prompt_cache_mb):

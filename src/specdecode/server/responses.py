@@ -16,7 +16,7 @@ other kinds are a 400), ``tool_choice``,
 ``json_object``) and the ``specdecode`` extension. A response is kept (``store``, true unless
 false) for ``previous_response_id`` (its conversation goes before the new input; its
 instructions do not, as OpenAI has it) and for ``GET``/``DELETE /v1/responses/{id}``: the last
-STORED_RESPONSES in memory; ``background`` is a 400. ``include``, ``metadata``,
+``--responses-kept`` (256) in memory; ``background`` is a 400. ``include``, ``metadata``,
 ``client_metadata``, ``user``, ``prompt_cache_key``, ``safety_identifier``, ``service_tier``,
 ``truncation`` and ``text.verbosity`` change nothing.
 Written: ``reasoning``, ``message`` (``output_text``) and ``function_call`` items, ``status``
@@ -38,8 +38,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specdecode.server.endpoints import Endpoint, read_json, sse_objects
 from specdecode.server.protocol import ApiError, SpecDecodeOptions, Strict, new_id, parse
 
-#: responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``
-STORED_RESPONSES = 256
 #: tools the API's own servers run: left out of the prompt here (a server without them)
 HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "mcp")
@@ -86,7 +84,7 @@ class ResponseStore:
     ``instructions`` not, as OpenAI carries them over), in memory, the least recently used
     dropped past ``limit``."""
 
-    def __init__(self, limit: int = STORED_RESPONSES):
+    def __init__(self, limit: int):
         self.limit = limit
         self.kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
@@ -110,7 +108,7 @@ class ResponseStore:
 
 
 def add_responses_routes(app: FastAPI, chat: Endpoint) -> None:
-    store = ResponseStore()
+    store = ResponseStore(chat.server.settings.responses_kept)
 
     @app.post("/v1/responses")
     async def responses_route(request: Request):
