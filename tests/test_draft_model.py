@@ -18,6 +18,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.hf import HFRunner
 from specdecode.drafting.artifacts import load_draft
 from specdecode.drafting.caches import STEADY_ROWS
+from specdecode.estimates import RowCosts
 from specdecode.models.row_costs import cached_row_costs
 from specdecode.proposer import Feedback
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -29,6 +30,8 @@ from conftest import repetitive_prompts
 from tiny_models import noisy_copy, tiny_llama
 
 CONTROLLERS = ["fixed", "heuristic", "confidence", "specdecpp"]
+#: a draft's row costs where every row counts (a tiny draft's measured ones are about flat)
+STEEP_DRAFT = RowCosts({1: 1.0, 2: 1.5, 64: 30.0})
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +190,13 @@ def test_the_tokens_a_native_draft_skipped_are_priced_by_its_row_costs(target, d
     gen = dec.start(prompt, 40)
     steps = iter(gen)
     next(steps)  # the prefill: the draft has read nothing yet
+    # a level: one forward of the draft's own runner, whose curve is measured apart
+    assert gen.draft_seconds()[1] == cached_row_costs(dec.proposer.lm.runner.runner)[1] > 0
+    # (a tiny draft's rows are measured to cost about the same: a curve that tells them apart)
+    curve = dec.proposer.lm.row_costs = STEEP_DRAFT
     behind, level = gen.draft_seconds()
-    curve = dec.proposer.lm.row_costs
     rows = len(gen.prompt_ids) + 1
     assert behind == pytest.approx(curve(rows) - curve(STEADY_ROWS)) and behind > 0
-    # a level: one forward of the draft's own runner, whose curve is measured apart
-    assert level == cached_row_costs(dec.proposer.lm.runner.runner)[1] > 0
     next(steps)  # a step that drafted
     assert gen.draft_seconds() == (0.0, level)
     hf = decoder(target, method, drafts["close"], draft_runner="hf").start(prompt, 40)
@@ -209,6 +213,7 @@ def test_a_seeded_request_prices_its_first_catch_up_whatever_the_draft_held(targ
     draft must really read (here nothing: the same prompt was read before)."""
     prompt = repetitive_prompts()[0]
     dec = decoder(target, method, drafts["close"], draft_runner="native")
+    curve = dec.proposer.lm.row_costs = STEEP_DRAFT
     list(dec.start(prompt, 8))
     greedy = dec.start(prompt, 40)
     next(iter(greedy))
@@ -217,7 +222,6 @@ def test_a_seeded_request_prices_its_first_catch_up_whatever_the_draft_held(targ
     seeded = dec.start(prompt, 40, temperature=0.8, seed=3)
     steps = iter(seeded)
     next(steps)
-    curve = dec.proposer.lm.row_costs
     rows = len(seeded.prompt_ids) + 1
     behind = seeded.draft_seconds()[0]
     assert behind == pytest.approx(curve(rows) - curve(STEADY_ROWS)) and behind > 0
