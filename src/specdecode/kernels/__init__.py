@@ -320,16 +320,13 @@ def pack_iq4xs(indices: torch.Tensor, sub_scale: torch.Tensor,
             f"IQ4_XS weights: indices [N, a multiple of 256] with sc [N, K / 32] and d [N, K / "
             f"256], got {tuple(indices.shape)}, {tuple(sub_scale.shape)}, "
             f"{tuple(super_scale.shape)}")
-    require(int(indices.min()) >= 0 and int(indices.max()) <= 15
-            and -32 <= int(sub_scale.min()) and int(sub_scale.max()) <= 31,
-            "IQ4_XS indices are 0..15, its sc -32..31")
+    require(-32 <= int(sub_scale.min()) and int(sub_scale.max()) <= 31, "IQ4_XS's sc are -32..31")
     supers = k // 256
 
     def codes_and_factors(rows: slice) -> list[torch.Tensor]:
         part = indices[rows]
         scales = torch.zeros(part.shape[0], supers * 8, dtype=torch.float16)
-        # the five-bit layout holds code + 16 without minimums: the index, with zero top bits
-        groups = pack_five_bit(part.to(torch.int8) - 16, scales, None)[..., :256]
+        groups = pack_codebook(part, scales)[..., :256]  # (the indices' nibbles, its scales cut)
         sc = _tiles(sub_scale[rows].to(torch.int8).view(torch.uint8)).view(-1, TILE, supers, 8)
         return [groups.reshape(-1, supers, 2048), sc.permute(0, 2, 3, 1).reshape(-1, supers, 128)]
 

@@ -349,10 +349,10 @@ class Scheduler:
         its draft sizes); sized by the curve and its own steps, as the library sizes it. None
         for every other sequence: the step's allocation sizes it (:meth:`_caps`)."""
         proposer = seq.decoder.proposer
-        if (self.row_costs is None or not sampling.repeats or not proposer.samples_drafts
-                or proposer.prices_own_drafting):
+        if self.row_costs is None or proposer.prices_own_drafting:
             return None
-        return DraftSizing(self.row_costs).sequence(sampling)
+        sizer = DraftSizing(self.row_costs, proposer.samples_drafts).sequence(sampling)
+        return sizer if sizer.repeatable else None
 
     def _part_rows(self, runner: Runner) -> int:
         granule = runner.prefill_granule
