@@ -476,6 +476,36 @@ static void q4_tiles_vnni(const int8_t* xq, const float* dx, const float* sx, in
   }
 }
 
+// `rows` (1..R) as a compile-time count: use(std::integral_constant<int, rows>)
+template <int R, class Use>
+static inline void with_rows(int64_t rows, Use&& use) {
+  if constexpr (R > 1)
+    if (rows < R) return with_rows<R - 1>(rows, use);
+  use(std::integral_constant<int, R>{});
+}
+
+// m rows in passes of P (the last takes what is left), pass(R, r0, ahead) for each, R the
+// pass's row count at compile time, `ahead` where it asks for `next` (ahead_of_pass over
+// `lines` cache lines); the VNNI row kernels' passes (Q4, block int8, small codes)
+template <int P, class Pass>
+static inline void row_passes(int64_t m, const uint8_t* next, int64_t lines, int64_t groups,
+                              Pass&& pass) {
+  for (int64_t r0 = 0; r0 < m; r0 += P) {
+    const Ahead ahead = ahead_of_pass(r0 / P, (m + P - 1) / P, next, lines, groups);
+    with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) { pass(rows, r0, ahead); });
+  }
+}
+
+// the most rows that take a column tile in one pass of the VNNI row kernels: each unpacked
+// slice (each block int8 group's bytes) serves them all and the tile streams once. More rows
+// take two tiles a pass, in passes of 4. (Whole forwards on a Zen 4 after 256 positions, one
+// pass against passes of 4 over two tiles, 5 to 8 rows: the 1.5B's Q4_K and Q6_K 0.84-0.97x
+// the time, the 0.5B's Q5_0, Q8_0, Q4_K and Q6_K 0.86-0.89x, SmolLM2 in int4 0.81-0.92x; passes
+// of up to 8 over one tile for 10 to 64 rows and prompts: 0.99-1.10x)
+#ifndef VNNI_ONE_PASS_ROWS
+#define VNNI_ONE_PASS_ROWS 8
+#endif
+
 // y[rows, tile columns] = residual + acc, as store_tile does, 16 columns a store
 template <int R, int T>
 static void store_tiles(const __m512 (&acc)[R][T], int rows, int64_t r0, int64_t t0, int64_t n,
@@ -490,33 +520,20 @@ static void store_tiles(const __m512 (&acc)[R][T], int rows, int64_t r0, int64_t
     }
 }
 
-// rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
+// rows in passes of P over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for
-template <int T>
+template <int T, int P>
 static void q4_rows_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t m,
                          int64_t k_dim, const uint8_t* tile, const uint8_t* next, int64_t t,
                          const float* residual, float* y, int64_t n) {
   const int64_t groups = k_dim / 32, tile_bytes = groups * Q4_BLOCK;
-  for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const int rows = (int)std::min<int64_t>(4, m - r0);
-    const int8_t* x = xq + r0 * k_dim;
-    const float *gx = dx + r0 * groups, *gs = sx + r0 * groups;
-    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, T * tile_bytes / 64, groups);
-#define Q4_ROWS_CASE(R)                                                                    \
-  {                                                                                        \
-    __m512 acc[R][T];                                                                      \
-    q4_tiles_vnni<R, T>(x, gx, gs, k_dim, tile, tile_bytes, ahead.at, ahead.lines, acc);   \
-    store_tiles<R, T>(acc, R, r0, t, n, residual, y);                                      \
-  }                                                                                        \
-  break;
-    switch (rows) {
-      case 4: Q4_ROWS_CASE(4)
-      case 3: Q4_ROWS_CASE(3)
-      case 2: Q4_ROWS_CASE(2)
-      default: Q4_ROWS_CASE(1)
-    }
-#undef Q4_ROWS_CASE
-  }
+  row_passes<P>(m, next, T * tile_bytes / 64, groups, [&](auto rows, int64_t r0, Ahead ahead) {
+    constexpr int R = decltype(rows)::value;
+    __m512 acc[R][T];
+    q4_tiles_vnni<R, T>(xq + r0 * k_dim, dx + r0 * groups, sx + r0 * groups, k_dim, tile,
+                        tile_bytes, ahead.at, ahead.lines, acc);
+    store_tiles<R, T>(acc, R, r0, t, n, residual, y);
+  });
 }
 
 static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t m,
@@ -526,12 +543,13 @@ static void q4_columns_vnni(const int8_t* xq, const float* dx, const float* sx, 
   int64_t t = t0;
   // two tiles a pass where rows are many enough to be bound by arithmetic; one stream of
   // weights where few rows make it bound by memory (measured: two streams cost 40% there)
-  for (; m > 4 && t + 2 <= t1; t += 2)
-    q4_rows_vnni<2>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
-                    t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
+  for (; m > VNNI_ONE_PASS_ROWS && t + 2 <= t1; t += 2)
+    q4_rows_vnni<2, 4>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
+                       t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
   for (; t < t1; t++)
-    q4_rows_vnni<1>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
-                    t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
+    q4_rows_vnni<1, VNNI_ONE_PASS_ROWS>(xq, dx, sx, m, k_dim, packed + t * tile_bytes,
+                                        t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t,
+                                        residual, y, n);
 }
 
 // quantise_rows (below) with 512-bit registers: the same operations, so the same bytes

@@ -258,31 +258,20 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   }
 }
 
-// rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
+// rows in passes of P over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for, spread over their groups;
 // `next_bytes`: how many bytes of them (default: T tiles of this layout)
-template <int T, int G, bool MIN, bool HALF>
+template <int T, int G, bool MIN, bool HALF, int P = 4>
 static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8_t* next,
                       int64_t t, const float* residual, float* y, int64_t n, int64_t next_bytes = 0) {
   const int64_t groups = a.k / G, tile_bytes = groups * block_bytes(G, MIN, HALF);
   const int64_t lines = (next_bytes > 0 ? next_bytes : T * tile_bytes) / 64;
-  for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, lines, groups);
-#define Q8_ROWS_CASE(R)                                                          \
-  {                                                                              \
-    __m512 acc[R][T];                                                            \
-    tiles_vnni<R, T, G, MIN, HALF>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc); \
-    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);                  \
-  }                                                                              \
-  break;
-    switch (std::min<int64_t>(4, m - r0)) {
-      case 4: Q8_ROWS_CASE(4)
-      case 3: Q8_ROWS_CASE(3)
-      case 2: Q8_ROWS_CASE(2)
-      default: Q8_ROWS_CASE(1)
-    }
-#undef Q8_ROWS_CASE
-  }
+  k_avx512::row_passes<P>(m, next, lines, groups, [&](auto rows, int64_t r0, Ahead ahead) {
+    constexpr int R = decltype(rows)::value;
+    __m512 acc[R][T];
+    tiles_vnni<R, T, G, MIN, HALF>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc);
+    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);
+  });
 }
 
 template <int G, bool MIN, bool HALF>
@@ -292,12 +281,13 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
   int64_t t = t0;
   // two tiles a pass where rows are many enough to be bound by arithmetic, one stream of
   // weights where few rows leave it bound by memory (as the Q4 kernel)
-  for (; m > 4 && t + 2 <= t1; t += 2)
+  for (; m > VNNI_ONE_PASS_ROWS && t + 2 <= t1; t += 2)
     rows_vnni<2, G, MIN, HALF>(a, m, packed + t * tile_bytes,
                                t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
   for (; t < t1; t++)
-    rows_vnni<1, G, MIN, HALF>(a, m, packed + t * tile_bytes,
-                               t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
+    rows_vnni<1, G, MIN, HALF, VNNI_ONE_PASS_ROWS>(
+        a, m, packed + t * tile_bytes, t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t,
+        residual, y, n);
 }
 #pragma GCC pop_options
 

@@ -854,30 +854,20 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   }
 }
 
-// rows in passes of 4 over T column tiles; `next`: the tiles this thread reads after these
+// rows in passes of P over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for, spread over their groups
-template <class F, bool MIN, int T>
+template <class F, bool MIN, int T, int P = 4>
 static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8_t* next,
                       int64_t t, const float* residual, float* y, int64_t n) {
   const int64_t groups = a.k / F::G;
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
-  for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    const Ahead ahead = ahead_of_pass(r0 / 4, (m + 3) / 4, next, T * tile_bytes / 64, groups);
-#define SMALL_CODES_ROWS_CASE(R)                                                   \
-  {                                                                                \
-    __m512 acc[R][T];                                                              \
-    tiles_vnni<F, MIN, R, T>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc); \
-    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);                    \
-  }                                                                                \
-  break;
-    switch (std::min<int64_t>(4, m - r0)) {
-      case 4: SMALL_CODES_ROWS_CASE(4)
-      case 3: SMALL_CODES_ROWS_CASE(3)
-      case 2: SMALL_CODES_ROWS_CASE(2)
-      default: SMALL_CODES_ROWS_CASE(1)
-    }
-#undef SMALL_CODES_ROWS_CASE
-  }
+  const int64_t lines = T * tile_bytes / 64;
+  k_avx512::row_passes<P>(m, next, lines, groups, [&](auto rows, int64_t r0, Ahead ahead) {
+    constexpr int R = decltype(rows)::value;
+    __m512 acc[R][T];
+    tiles_vnni<F, MIN, R, T>(a, r0, tile, tile_bytes, ahead.at, ahead.lines, acc);
+    k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);
+  });
 }
 
 template <class F, bool MIN>
@@ -887,12 +877,13 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
   int64_t t = t0;
   // two tiles a pass where rows are many enough to be bound by arithmetic, one stream of
   // weights where few rows leave it bound by memory (as the Q4 and block int8 kernels)
-  for (; m > 4 && t + 2 <= t1; t += 2)
+  for (; m > VNNI_ONE_PASS_ROWS && t + 2 <= t1; t += 2)
     rows_vnni<F, MIN, 2>(a, m, packed + t * tile_bytes,
                          t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
   for (; t < t1; t++)
-    rows_vnni<F, MIN, 1>(a, m, packed + t * tile_bytes,
-                         t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t, residual, y, n);
+    rows_vnni<F, MIN, 1, VNNI_ONE_PASS_ROWS>(
+        a, m, packed + t * tile_bytes, t + 2 <= t1 ? packed + (t + 1) * tile_bytes : nullptr, t,
+        residual, y, n);
 }
 
 // a FIVE_BIT tile's groups in block int8's layout (q8_blocks.h, groups of 32: the slices of u,
