@@ -270,10 +270,16 @@ def test_answer_lengths_give_the_tokens_a_request_can_expect_to_add():
     assert lengths.expected_left(0, 128) == 128
     for n in (20, 40, 128, 60):
         lengths.observe(n)
-    assert lengths.expected_left(0, 128) == pytest.approx((20 + 40 + 128 + 60) / 4)
-    assert lengths.expected_left(30, 98) == pytest.approx((10 + 98 + 30) / 3)
-    assert lengths.expected_left(10, 50) == pytest.approx((10 + 30 + 50 + 50) / 4)
+    # the lower quartile of what the answers longer than those generated added past them
+    assert lengths.expected_left(0, 128) == 40  # of 20, 40, 60, 128
+    assert lengths.expected_left(30, 98) == 10  # of 10, 30, 98
+    assert lengths.expected_left(10, 50) == 30  # of 10, 30, 50, 50 (each at most its budget)
     assert lengths.expected_left(200, 300) == 300  # past every answer: its budget
+    # a mixed record: most answers short, a few long ones pull the mean up, not the quartile
+    mixed = AnswerLengths()
+    for n in [20] * 6 + [128] * 2:
+        mixed.observe(n)
+    assert mixed.expected_left(0, 128) == 20
 
 
 def test_a_request_alone_expects_as_many_tokens_as_it_has_written():

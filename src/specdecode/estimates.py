@@ -179,11 +179,16 @@ class AnswerLengths:
 
     def expected_left(self, generated: int, left: int) -> float:
         """The tokens a request that has ``generated`` tokens and may add ``left`` more can be
-        expected to add: the mean of what the recent answers longer than ``generated`` added
-        past it (at most ``left`` each); ``left`` where none was longer, since nothing seen
-        says that it ends soon."""
-        longer = [min(n - generated, left) for n in self._recent if n > generated]
-        return max(1.0, sum(longer) / len(longer)) if longer else float(left)
+        counted on to add: the lower quartile of what the recent answers longer than
+        ``generated`` added past it (at most ``left`` each); ``left`` where none was longer,
+        since nothing seen says that it ends soon. Not their mean: a catch-up is paid before
+        any of its return, and an answer shorter than counted on loses it whole where a longer
+        one adds only a step's margin a step; and a record of mixed requests (RAG's 20-token
+        answers after summaries of 120) has a mean that long answers pull above most answers.
+        On the 1.5B with the 0.5B as draft (Spec-Bench's dev half, greedy, on a Zen 4) the mean
+        had the draft read 700-800-token RAG prompts to draft answers of 16-58 tokens."""
+        longer = sorted(min(n - generated, left) for n in self._recent if n > generated)
+        return max(1.0, float(longer[len(longer) // 4])) if longer else float(left)
 
 
 def expected_left_alone(generated: int, left: int) -> float:
