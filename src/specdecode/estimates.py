@@ -184,7 +184,7 @@ class AnswerLengths:
         since nothing seen says that it ends soon. Not their mean: a catch-up is paid before
         any of its return, and an answer shorter than counted on loses it whole where a longer
         one adds only a step's margin a step; and a record of mixed requests (RAG's 20-token
-        answers after summaries of 120) has a mean that long answers pull above most answers.
+        answers after maths answers of 128) has a mean that long answers pull above most answers.
         On the 1.5B with the 0.5B as draft (Spec-Bench's dev half, greedy, on a Zen 4) the mean
         had the draft read 700-800-token RAG prompts to draft answers of 16-58 tokens."""
         longer = sorted(min(n - generated, left) for n in self._recent if n > generated)
