@@ -4,6 +4,7 @@ budgeted by goodput, and a client leaving mid-stream loses nobody else's tokens.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -12,7 +13,8 @@ import openai
 import pytest
 
 from specdecode.api import Decoder
-from specdecode.models.base import VerifyCall
+from specdecode import registry
+from specdecode.models.base import PrefillCall, VerifyCall
 from specdecode.models.llama import LlamaRunner
 from specdecode.server import BackgroundServer
 from specdecode.server.app import Server, Settings, create_app
@@ -128,6 +130,67 @@ def test_each_slot_holds_and_reports_the_memory_of_its_own_sequence(tokenizer):
     assert sorted(held) == [first, 2 * first] and 2 * first < whole / 4
     assert [scraped["specdecode_kv_cache_bytes", (("slot", str(i)),)] for i in (0, 1)] == held
     assert text == solo(model, tokenizer, prompt, "ar", 8)
+
+
+def test_prefill_order_takes_the_oldest_then_the_fewest_rows_left():
+    assert scheduler.prefill_order([]) == []
+    assert scheduler.prefill_order([300]) == [0]
+    assert scheduler.prefill_order([500, 400, 10, 200, 30]) == [0, 2, 4, 3, 1]
+    assert scheduler.prefill_order([5, 40, 40, 7]) == [0, 3, 1, 2]  # ties: the older first
+
+
+def test_a_short_prompt_is_not_held_behind_long_ones(tokenizer, monkeypatch):
+    """Two long prompts, then a short one, queued together, prompt rows for one part and a bit
+    a step: the first step prefills the oldest prompt's first part and the whole short prompt,
+    the second long prompt waits; every answer is the one it gets alone."""
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=512, seed=4)
+    steps = []  # each packed forward's prompt parts: (prompt length, start, stop)
+    run_packed = LlamaRunner.run_packed
+
+    def spy(self, work):
+        steps.append([(len(call.ids), call.start, call.stop) for _, call in work
+                      if isinstance(call, PrefillCall)])
+        return run_packed(self, work)
+
+    monkeypatch.setattr(LlamaRunner, "run_packed", spy)
+    part = scheduler.PREFILL_PART_ROWS
+    words = tokenizer.encode(" ".join(PROMPTS * 10), add_special_tokens=False)
+    assert len(words) >= 2 * part + 50
+    prompts = [words[:2 * part + 40], words[9:2 * part + 39], words[:20]]
+    runners = [LlamaRunner.from_transformers(model, "int4")]
+    runners += [runners[0].replica() for _ in prompts[1:]]
+    settings = Settings(model_id=MODEL, method="ar",
+                        batching=Batching(row_curve=FLAT, prefill_rows=part + 1))
+    backend = Server(runners, tokenizer, [EOS], settings).backend
+    ar = registry.get("ar")
+    loop = asyncio.new_event_loop()
+    # one job: its sequences are queued at once and admitted together, in this order
+    job = scheduler.Job([scheduler.SequenceSpec(ids, 4, (), {}, ar, ar.make_config())
+                         for ids in prompts], loop)
+
+    async def answers():
+        done = {}
+        while len(done) < len(prompts):
+            kind, index, payload = await job.events.get()
+            assert kind != "error", payload
+            if kind == "done":
+                done[index] = payload.token_ids
+        return [done[i] for i in range(len(prompts))]
+
+    backend.start()
+    try:
+        backend.submit(job)
+        got = loop.run_until_complete(answers())
+    finally:
+        backend.stop()
+        loop.close()
+    long, other, short = (len(ids) for ids in prompts)
+    assert steps[0] == [(long, 0, part), (short, 0, short)]
+    assert steps[1] == [(long, part, 2 * part), (other, 0, part)]
+    for ids, answer in zip(prompts, got):
+        decoder = Decoder(LlamaRunner.from_transformers(model, "int4"), tokenizer, "ar",
+                          backend.eos_token_ids)
+        assert answer == decoder.generate(ids, 4, chat=False).token_ids
 
 
 def test_goodput_keeps_drafts_where_rows_are_free_and_drops_them_where_not(model, tokenizer):

@@ -10,15 +10,16 @@ Each step gathers every active sequence's next target call (its root and draft t
 of its prompt) and runs them as ONE :meth:`Runner.run_packed`: where the runner packs calls
 (the native runner: row-invariant kernels, a cache per sequence) that is one forward whose
 every row is bitwise what the sequence's solo forward computes, so batching changes the speed,
-never a token; other runners (``hf``) run the calls one after another, round robin. New prompts
-are prefilled in parts beside the decode rows (at most ``prefill_rows`` prompt rows a step,
-oldest first), so a long prompt does not stall the others. Before each sequence drafts, the
-scheduler caps its draft by goodput (:mod:`.goodput`): expected committed tokens per second of
-the whole forward, from the runner's measured row-cost curve and the sequence's recent
-acceptance; drafts shrink as the batch grows, down to none. A seeded sampled sequence whose
-tokens follow its draft sizes (a draft model's sampled drafts, verified by the rejection rule)
-is sized as if alone instead, by its own :class:`~specdecode.sizing.SequenceSizer`, so that it
-repeats at any load.
+never a token; other runners (``hf``) run the calls one after another, round robin. New
+prompts are prefilled in parts beside the decode rows (at most ``prefill_rows`` prompt rows a
+step: the oldest prompt's part, then the shortest remaining prompts first), so a long prompt
+neither stalls the decoding sequences nor holds a short prompt behind it. Before each sequence
+drafts, the scheduler caps its draft by goodput (:mod:`.goodput`): expected committed tokens
+per second of the whole forward, from the runner's measured row-cost curve and the sequence's
+recent acceptance; drafts shrink as the batch grows, down to none. A seeded sampled sequence
+whose tokens follow its draft sizes (a draft model's sampled drafts, verified by the rejection
+rule) is sized as if alone instead, by its own :class:`~specdecode.sizing.SequenceSizer`, so
+that it repeats at any load.
 
 A new request goes to the free slot whose cache shares the longest prefix with its prompt,
 and prefills only the rest (:mod:`.prompt_cache`: the slots' own rows, and a bounded store of
@@ -392,22 +393,28 @@ class Scheduler:
         seq.job.post("start", seq.index)
 
     def _gather(self) -> list[tuple[_Sequence, Call]]:
-        """Every decoding sequence's verify call, and prompt parts oldest first within the
-        step's prompt rows (one part at least)."""
-        work = []
-        prompt_rows = 0
-        for seq in self._active:
-            if seq.solo is not None:
-                continue
-            if not seq.prefilling:
-                work.append((seq, seq.generation.pending_call))
-            elif prompt_rows < self.prefill_rows:
-                ids = tuple(seq.spec.prompt_ids)
-                part = self._part_rows(seq.slot.runner)
-                stop = len(ids) if not part else min(len(ids), seq.prefilled + part)
-                work.append((seq, PrefillCall(ids, seq.prefilled, stop, seq.decoder.proposer.needs)))
-                prompt_rows += stop - seq.prefilled
-        return work
+        """Every decoding sequence's verify call, and the step's prompt parts."""
+        work = [(seq, seq.generation.pending_call) for seq in self._active
+                if seq.solo is None and not seq.prefilling]
+        return work + [(seq, PrefillCall(tuple(seq.spec.prompt_ids), seq.prefilled, stop,
+                                         seq.decoder.proposer.needs))
+                       for seq, stop in self._prompt_parts()]
+
+    def _prompt_parts(self) -> list[tuple[_Sequence, int]]:
+        """The next step's prompt parts, each (sequence, the prompt row its part stops at): in
+        :func:`prefill_order` within the step's prompt rows, one part at least."""
+        prefilling = [seq for seq in self._active if seq.solo is None and seq.prefilling]
+        parts, rows = [], 0
+        for i in prefill_order([len(seq.spec.prompt_ids) - seq.prefilled for seq in prefilling]):
+            if rows >= self.prefill_rows:
+                break
+            seq = prefilling[i]
+            length = len(seq.spec.prompt_ids)
+            part = self._part_rows(seq.slot.runner)
+            stop = length if not part else min(length, seq.prefilled + part)
+            parts.append((seq, stop))
+            rows += stop - seq.prefilled
+        return parts
 
     def _step(self) -> None:
         """One packed forward of every active sequence, then each one's verify and draft."""
@@ -529,9 +536,7 @@ class Scheduler:
         if self.row_costs is None:
             return [(self.max_draft_rows, self.max_draft_rows)] * len(drafting)
         sizings = [self._sizing(seq, *seconds) for seq, seconds in zip(drafting, priced)]
-        prompt_rows = sum(min(self._part_rows(seq.slot.runner) or self.prefill_rows,
-                              len(seq.spec.prompt_ids) - seq.prefilled)
-                          for seq in self._active if seq.prefilling)
+        prompt_rows = sum(stop - seq.prefilled for seq, stop in self._prompt_parts())
         prompt_rows += sum(_rows(seq.generation.pending_call) for seq in self._active
                            if seq.solo is None and not seq.prefilling
                            and seq.generation.reading_prompt)
@@ -637,6 +642,15 @@ class Scheduler:
 
 def _key(spec: SequenceSpec) -> tuple[str, str]:
     return spec.method.name, repr(spec.config)
+
+
+def prefill_order(rows_left: list[int]) -> list[int]:
+    """The order in which prompt parts are taken, given the prompt rows each prefilling sequence
+    has left, oldest first: the oldest first, so that every prompt moves on however many
+    shorter ones arrive after it; then the fewest rows left first (shortest remaining first,
+    which keeps the mean wait for a first token least), so that a short request is not held
+    behind the long prompts that came before it."""
+    return [0] + sorted(range(1, len(rows_left)), key=rows_left.__getitem__) if rows_left else []
 
 
 def _rows(call: Call) -> int:
