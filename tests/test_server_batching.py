@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from specdecode.api import Decoder
+from specdecode.api import Decoder, with_turn_ends
 from specdecode import registry
 from specdecode.models.base import PrefillCall, VerifyCall
 from specdecode.models.llama import LlamaRunner
@@ -139,12 +139,15 @@ def test_prefill_order_takes_the_oldest_then_the_fewest_rows_left():
     assert scheduler.prefill_order([5, 40, 40, 7]) == [0, 3, 1, 2]  # ties: the older first
 
 
-def test_a_short_prompt_is_not_held_behind_long_ones(tokenizer, monkeypatch):
-    """Two long prompts, then a short one, queued together, prompt rows for one part and a bit
-    a step: the first step prefills the oldest prompt's first part and the whole short prompt,
-    the second long prompt waits; every answer is the one it gets alone."""
-    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=512, seed=4)
-    steps = []  # each packed forward's prompt parts: (prompt length, start, stop)
+@pytest.fixture(scope="module")
+def long_model(tokenizer):
+    return tiny_llama(vocab_size=len(tokenizer), hidden_size=64, max_positions=512, seed=4)
+
+
+@pytest.fixture
+def prompt_parts(monkeypatch):
+    """Each packed forward's prompt parts: (prompt length, start, stop)."""
+    steps = []
     run_packed = LlamaRunner.run_packed
 
     def spy(self, work):
@@ -153,44 +156,98 @@ def test_a_short_prompt_is_not_held_behind_long_ones(tokenizer, monkeypatch):
         return run_packed(self, work)
 
     monkeypatch.setattr(LlamaRunner, "run_packed", spy)
-    part = scheduler.PREFILL_PART_ROWS
-    words = tokenizer.encode(" ".join(PROMPTS * 10), add_special_tokens=False)
-    assert len(words) >= 2 * part + 50
-    prompts = [words[:2 * part + 40], words[9:2 * part + 39], words[:20]]
+    return steps
+
+
+def together(model, tokenizer, prompts, max_tokens=4, **settings):
+    """The prompts (token ids) queued at once, as one job's sequences (admitted together, in
+    this order) on a server of a slot each, `ar`, greedy: each one's result."""
     runners = [LlamaRunner.from_transformers(model, "int4")]
     runners += [runners[0].replica() for _ in prompts[1:]]
-    settings = Settings(model_id=MODEL, method="ar",
-                        batching=Batching(row_curve=FLAT, prefill_rows=part + 1))
-    backend = Server(runners, tokenizer, [EOS], settings).backend
+    backend = Server(runners, tokenizer, [EOS],
+                     Settings(model_id=MODEL, method="ar", **settings)).backend
     ar = registry.get("ar")
     loop = asyncio.new_event_loop()
-    # one job: its sequences are queued at once and admitted together, in this order
-    job = scheduler.Job([scheduler.SequenceSpec(ids, 4, (), {}, ar, ar.make_config())
+    job = scheduler.Job([scheduler.SequenceSpec(ids, max_tokens, (), {}, ar, ar.make_config())
                          for ids in prompts], loop)
 
-    async def answers():
+    async def results():
         done = {}
         while len(done) < len(prompts):
             kind, index, payload = await job.events.get()
             assert kind != "error", payload
             if kind == "done":
-                done[index] = payload.token_ids
+                done[index] = payload
         return [done[i] for i in range(len(prompts))]
 
     backend.start()
     try:
         backend.submit(job)
-        got = loop.run_until_complete(answers())
+        return loop.run_until_complete(results())
     finally:
         backend.stop()
         loop.close()
+
+
+def alone(model, tokenizer, ids, max_tokens=4):
+    decoder = Decoder(LlamaRunner.from_transformers(model, "int4"), tokenizer, "ar",
+                      with_turn_ends([EOS], tokenizer))  # the server's ends
+    return decoder.generate(ids, max_tokens, chat=False).token_ids
+
+
+def test_a_short_prompt_is_not_held_behind_long_ones(long_model, tokenizer, prompt_parts):
+    """Two long prompts, then a short one, queued together, prompt rows for one part and a bit
+    a step: the first step prefills the oldest prompt's first part and the whole short prompt,
+    the second long prompt waits; every answer is the one it gets alone."""
+    part = scheduler.PREFILL_PART_ROWS
+    words = tokenizer.encode(" ".join(PROMPTS * 10), add_special_tokens=False)
+    assert len(words) >= 2 * part + 50
+    prompts = [words[:2 * part + 40], words[9:2 * part + 39], words[:20]]
+    got = together(long_model, tokenizer, prompts,
+                   batching=Batching(row_curve=FLAT, prefill_rows=part + 1))
     long, other, short = (len(ids) for ids in prompts)
-    assert steps[0] == [(long, 0, part), (short, 0, short)]
-    assert steps[1] == [(long, part, 2 * part), (other, 0, part)]
-    for ids, answer in zip(prompts, got):
-        decoder = Decoder(LlamaRunner.from_transformers(model, "int4"), tokenizer, "ar",
-                          backend.eos_token_ids)
-        assert answer == decoder.generate(ids, 4, chat=False).token_ids
+    assert prompt_parts[0] == [(long, 0, part), (short, 0, short)]
+    assert prompt_parts[1] == [(long, part, 2 * part), (other, 0, part)]
+    for ids, result in zip(prompts, got):
+        assert result.token_ids == alone(long_model, tokenizer, ids)
+
+
+@pytest.mark.parametrize("cache_mb", [1024, 0])
+def test_prompts_sent_together_compute_their_common_start_once(long_model, tokenizer,
+                                                               prompt_parts, cache_mb):
+    """Two prompts with a common start of 200 tokens (and a short one of its own) queued
+    together: the second waits while the first computes the common rows, copies them, and
+    prefills only its own 40 (``--prompt-cache-mb 0``: it computes them all); both answers are
+    the ones they get alone."""
+    part = scheduler.PREFILL_PART_ROWS
+    words = tokenizer.encode(" ".join(PROMPTS * 12), add_special_tokens=False)
+    assert len(words) >= 400
+    first, second, own = words[:240], words[:200] + words[300:340], words[5:30]
+    got = together(long_model, tokenizer, [first, second, own],
+                   batching=Batching(row_curve=FLAT, prefill_rows=2 * part),
+                   prompt_cache_bytes=cache_mb * 2**20)
+    computed = [(length, start, stop) for step in prompt_parts for length, start, stop in step]
+    if cache_mb:
+        assert computed == [(240, 0, part), (25, 0, 25), (240, part, 240), (240, 200, 240)]
+        assert [result.stats.cached_tokens for result in got] == [0, 200, 0]
+    else:
+        assert sorted(computed) == sorted([(240, 0, part), (25, 0, 25), (240, 0, part),
+                                           (240, part, 240), (240, part, 240)])
+    for ids, result in zip((first, second, own), got):
+        assert result.token_ids == alone(long_model, tokenizer, ids)
+
+
+def test_the_choices_of_one_request_read_its_prompt_once(long_model, tokenizer, prompt_parts):
+    """A request's ``n`` sequences share their whole prompt: one computes it, the others copy
+    all its rows but the last (whose logits they need) and compute that one."""
+    words = tokenizer.encode(" ".join(PROMPTS * 12), add_special_tokens=False)[:200]
+    got = together(long_model, tokenizer, [words] * 3, max_tokens=6,
+                   batching=Batching(row_curve=FLAT))
+    computed = [(length, start, stop) for step in prompt_parts for length, start, stop in step]
+    part = scheduler.PREFILL_PART_ROWS
+    assert computed == [(200, 0, part), (200, part, 200), (200, 199, 200), (200, 199, 200)]
+    assert [result.stats.cached_tokens for result in got] == [0, 199, 199]
+    assert [result.token_ids for result in got] == [alone(long_model, tokenizer, words, 6)] * 3
 
 
 def test_goodput_keeps_drafts_where_rows_are_free_and_drops_them_where_not(model, tokenizer):

@@ -12,12 +12,14 @@ import pytest
 from specdecode.bench import serving
 from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
 from specdecode.questions import Question
-from specdecode.bench.serving_client import Batch, Outcome, run_batch
+from specdecode.bench.multiturn_workloads import TOOLS
+from specdecode.bench.serving_client import Batch, Outcome, StreamedCalls, run_batch
 from specdecode.bench.serving_report import (identical, markdown, mismatches, percentile,
                                              problems, summarize, targets)
 from specdecode.bench.serving_servers import LLAMA_SERVER, OURS, ServerSpec, command
-from specdecode.bench.serving_workloads import (Request, build_workload, interleave_tasks,
-                                                sampling_of)
+from specdecode.bench.serving_workloads import (AGENT_FUNCTIONS, AGENT_TASKS, Request,
+                                                agent_system, build_workload,
+                                                interleave_tasks, sampling_of)
 from specdecode.errors import SpecDecodeError
 
 
@@ -49,11 +51,45 @@ def test_code_edit_requests_are_one_instruction_over_distinct_functions():
     assert requests[2].source == "def is_even(n):"
 
 
+def test_agent_requests_share_their_system_prompt_and_tools_and_differ_in_their_task():
+    requests = build_workload("agent", AGENT_FUNCTIONS * len(AGENT_TASKS))
+    assert len({r.prompt for r in requests}) == len(requests)
+    assert {r.system for r in requests} == {agent_system()}
+    assert all(r.tools == tuple(TOOLS) for r in requests)
+    assert all(FUNCTIONS[i] in agent_system() for i in range(AGENT_FUNCTIONS))
+    # the tasks in turn, each over every function of the module once
+    assert [r.prompt.split()[0] for r in requests[:4]] == ["What", "Add", "Write", "Does"]
+    assert requests[1].prompt == AGENT_TASKS[1].format(name="count_words")
+    assert requests[1].source == FUNCTIONS[5].splitlines()[0]
+    named = [(r.prompt.split()[0], r.source) for r in requests]
+    assert len(set(named)) == len(requests)
+    assert requests[0].messages() == [{"role": "system", "content": agent_system()},
+                                      {"role": "user", "content": requests[0].prompt}]
+
+
+def test_streamed_tool_calls_are_recorded_as_whole_answers_record_them():
+    from types import SimpleNamespace as Delta
+
+    def call(name=None, arguments=None):
+        return Delta(function=Delta(name=name, arguments=arguments))
+
+    calls = StreamedCalls()
+    deltas = [Delta(content="", tool_calls=[call("read_file", "")]),
+              Delta(content=None, tool_calls=[call(None, '{"path": ')]),
+              Delta(content=None, tool_calls=[call(None, '"a.py"}')]),
+              Delta(content=None, tool_calls=[call("write_file", '{}')]),
+              Delta(content=None, tool_calls=None)]
+    text = "".join(calls.piece(d) for d in deltas) + calls.close()
+    assert text == '<call read_file {"path": "a.py"}><call write_file {}>'
+    assert StreamedCalls().close() == ""
+
+
 @pytest.mark.parametrize("name, count, message", [
     ("code-edit", 65, "more than the 64 code-edit functions"),
     ("spec-bench", 8, "more than the 7 questions"),
     ("chat", 2, "unknown workload 'chat'"),
     ("code-edit", 0, "--requests must be positive"),
+    ("agent", 65, "more than the 64 agent tasks"),
 ])
 def test_bad_workloads_are_refused(name, count, message):
     with pytest.raises(SpecDecodeError, match=message):
@@ -187,7 +223,8 @@ def test_server_commands_give_both_servers_the_same_slots_threads_and_context(tm
     assert llama[llama.index("--parallel") + 1] == "16"
     assert llama[llama.index("-c") + 1] == str(16 * 2048)  # split among its 16 slots
     assert llama[llama.index("-t") + 1] == llama[llama.index("-tb") + 1] == "2"
-    assert "--no-cache-prompt" in llama
+    # its slots' prompt cache, as ours keeps its own; the model's template (tools need it)
+    assert "--cache-prompt" in llama and "--jinja" in llama
 
 
 def test_bad_sweep_options_fail_before_any_server_starts(tmp_path, capsys):
@@ -208,15 +245,19 @@ def test_bad_sweep_options_fail_before_any_server_starts(tmp_path, capsys):
 
 
 def test_slot_context_fits_the_longest_prompt_and_the_answer():
-    class Tokenizer:
-        def apply_chat_template(self, messages, add_generation_prompt):
-            return [0] * (len(messages[0]["content"]) + 10)
+    class Tokenizer:  # a token a character, 10 for the template, 100 a tool
+        def apply_chat_template(self, messages, tools, add_generation_prompt):
+            return [0] * (sum(len(m["content"]) for m in messages) + 10 + 100 * len(tools or ()))
 
     workloads = {"w": [Request(0, "w", "s", "x" * 100), Request(1, "w", "s", "x" * 300)]}
     # 310 prompt tokens + 64 answer + 64 margin = 438 -> 512
     assert serving.slot_context(Tokenizer(), workloads, 64, 8192) == 512
     with pytest.raises(SpecDecodeError, match="more than the model's 256"):
         serving.slot_context(Tokenizer(), workloads, 64, 256)
+    # the system prompt and the tools count: 100 + 50 + 10 + 200 + 64 + 64 = 488 -> 512
+    tooled = {"w": [Request(0, "w", "s", "x" * 100, "y" * 50, ({}, {}))]}
+    assert serving.slot_context(Tokenizer(), tooled, 64, 8192) == 512
+    assert serving.slot_context(Tokenizer(), tooled, 100, 8192) == 768
 
 
 # ---- the clients against a real server (tiny model, in this process) ------------------------

@@ -51,7 +51,8 @@ class LlamaServerPeer:
         spec = ServerSpec(LLAMA_SERVER, extra=tuple(a.format(draft=draft) for a in CONFIGS[name]))
         port = free_port()
         # the serving bench's llama-server command, with one slot
-        self.argv = command(spec, port, 1, context, threads, str(gguf), gguf, binary)
+        self.argv = command(spec, port, 1, context, threads, str(gguf), gguf, binary,
+                            cache_prompt=False)
         self.server = ServerProcess(self.argv, port, threads)
         self.started = False
         # one client for every request: making one costs tens of milliseconds (its TLS

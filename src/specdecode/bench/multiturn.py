@@ -45,8 +45,8 @@ from specdecode.errors import SpecDecodeError, require
 SERVERS = {
     "specdecode": (OURS, (), False),
     "specdecode-no-cache": (OURS, ("--prompt-cache-mb", "0"), False),
-    "llama-server": (LLAMA_SERVER, ("--jinja",), True),
-    "llama-server-no-cache": (LLAMA_SERVER, ("--jinja",), False),
+    "llama-server": (LLAMA_SERVER, (), True),
+    "llama-server-no-cache": (LLAMA_SERVER, (), False),
 }
 CACHED, UNCACHED = "specdecode", "specdecode-no-cache"
 REQUEST_TIMEOUT = 600.0

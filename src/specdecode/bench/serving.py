@@ -3,7 +3,7 @@ official ``openai`` client, on loopback (``scripts/serving_bench.py``; docs/serv
 many users").
 
 For each server (``specdecode serve`` with ``ar``, with the default method; ``llama-server``),
-workload (:mod:`.serving_workloads`: Spec-Bench dev first turns, code edits) and sampling
+workload (:mod:`.serving_workloads`: Spec-Bench dev first turns, code edits, agents) and sampling
 (greedy; temperature 0.7 seeded) the same ``--requests`` requests are sent at each concurrency,
 1 first: the one-client answers are the references every loaded answer must equal. Each
 concurrency gets a **fresh server process** with ``--parallel`` equal to it: the default
@@ -136,7 +136,8 @@ def slot_context(tokenizer, workloads: dict[str, list[Request]], max_tokens: int
                  model_context: int) -> int:
     """Positions each slot needs: the longest chat-templated prompt, max_tokens and a margin,
     rounded up to 256 (llama-server gets ``--parallel`` times this)."""
-    longest = max(len(tokenizer.apply_chat_template(r.messages(), add_generation_prompt=True))
+    longest = max(len(tokenizer.apply_chat_template(r.messages(), tools=list(r.tools) or None,
+                                                    add_generation_prompt=True))
                   for requests in workloads.values() for r in requests)
     need = -(-(longest + max_tokens + CONTEXT_MARGIN) // 256) * 256
     require(need <= model_context,

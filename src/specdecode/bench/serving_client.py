@@ -1,9 +1,10 @@
 """The clients of ``scripts/serving_bench.py``: the official ``openai`` client (``AsyncOpenAI``),
 ``concurrency`` requests in flight at once, every other one streamed.
 
-Each request gives one :class:`Outcome`: its text, finish reason, response id, completion
-tokens (from ``usage``; streams ask for it with ``stream_options.include_usage``), latency
-(send to last byte) and, when streamed, time to first token (send to the first chunk with text).
+Each request gives one :class:`Outcome`: its text (with each tool call the model makes, as
+``<call NAME ARGUMENTS>``), finish reason, response id, completion tokens (from ``usage``;
+streams ask for it with ``stream_options.include_usage``), latency (send to last byte) and,
+when streamed, time to first token (send to the first chunk with text or a tool call's name).
 A batch has a time limit: requests still running at the limit are cancelled and recorded as
 errors, never waited for. A request may be told to hang up after a few chunks (``hang_up``): it
 closes its stream, as a user closing a browser tab does, and is recorded as ``disconnected``.
@@ -63,17 +64,22 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
     """One chat completion; errors are recorded in the outcome, not raised."""
     out = Outcome(request.index, stream)
     fields = sampling.fields(request.index)
+    if request.tools:
+        fields["tools"] = list(request.tools)
     start = time.perf_counter()
     try:
         if not stream:
             r = await client.chat.completions.create(
                 model=model, messages=request.messages(), max_tokens=max_tokens, **fields)
-            out.text = r.choices[0].message.content or ""
+            message = r.choices[0].message
+            out.text = (message.content or "") + "".join(
+                f"<call {call.function.name} {call.function.arguments}>"
+                for call in message.tool_calls or ())
             out.finish_reason = r.choices[0].finish_reason
             out.response_id = r.id
             out.completion_tokens = r.usage.completion_tokens if r.usage else 0
         else:
-            chunks = 0
+            chunks, calls = 0, StreamedCalls()
             response = await client.chat.completions.create(
                 model=model, messages=request.messages(), max_tokens=max_tokens, stream=True,
                 stream_options={"include_usage": True}, **fields)
@@ -81,7 +87,7 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
                 async for chunk in response:
                     out.response_id = chunk.id
                     for choice in chunk.choices:
-                        piece = choice.delta.content or ""
+                        piece = calls.piece(choice.delta)
                         if piece and out.ttft_s is None:
                             out.ttft_s = time.perf_counter() - start
                         out.text += piece
@@ -94,6 +100,7 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
                         break
             finally:
                 await response.close()
+            out.text += calls.close()
             if not out.disconnected and out.finish_reason is None:
                 raise RuntimeError("the stream ended without a finish reason")
     except asyncio.CancelledError:
@@ -102,6 +109,29 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
         out.error = f"{type(exc).__name__}: {exc}"[:500]
     out.latency_s = time.perf_counter() - start
     return out
+
+
+class StreamedCalls:
+    """A stream's tool calls as :func:`send` records them: ``<call NAME ARGUMENTS>`` each, the
+    name from a call's first delta, the arguments in the pieces they come in."""
+
+    def __init__(self):
+        self.open = False
+
+    def piece(self, delta) -> str:
+        """The text of a chunk's delta: its content, then its tool calls' parts."""
+        text = delta.content or ""
+        for call in delta.tool_calls or ():
+            function = call.function
+            if function is not None and function.name:
+                text += (">" if self.open else "") + f"<call {function.name} "
+                self.open = True
+            text += (function.arguments or "") if function is not None else ""
+        return text
+
+    def close(self) -> str:
+        """What ends the text: the last call's end, where one is open."""
+        return ">" if self.open else ""
 
 
 async def run_batch_async(base_url: str, model: str, requests: list[Request], sampling: Sampling,

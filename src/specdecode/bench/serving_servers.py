@@ -5,9 +5,9 @@
 - llama.cpp's ``llama-server --parallel N -c N*C -t T -tb T`` on the same GGUF file, found as
   :func:`.llama_tools.find_tool` finds llama.cpp's tools. Without ``--kv-unified`` (its default
   when ``--parallel`` is given) it splits ``-c`` evenly among its slots, so each slot holds the
-  same ``C`` positions as each of ours. Prompt caching is off (``--no-cache-prompt``) unless
-  asked for (the multi-turn bench): the serving sweep sends every prompt once per concurrency
-  level, and a user's prompt is rarely the previous user's.
+  same ``C`` positions as each of ours. It keeps its slots' prompt cache (``--cache-prompt``,
+  its default, as ours keeps its own) unless asked not to (the multi-turn bench), and applies
+  the model's own chat template (``--jinja``, which tools need).
 
 A :class:`ServerProcess` is a context manager: the process is stopped on leaving it, error or
 not (SIGINT, then SIGKILL after a grace period), and on Linux it also dies with the benchmark
@@ -68,7 +68,7 @@ def llama_server_binary(directory: str | None) -> Path:
 
 
 def command(spec: ServerSpec, port: int, parallel: int, context: int, threads: int, model: str,
-            gguf: Path | None, llama_server: Path | None, cache_prompt: bool = False) -> list[str]:
+            gguf: Path | None, llama_server: Path | None, cache_prompt: bool = True) -> list[str]:
     """The argv of ``spec``'s server with ``parallel`` slots of ``context`` positions each;
     ``cache_prompt``: llama-server keeps its slots' prompt cache (ours is set by its flags)."""
     if spec.kind == OURS:
@@ -84,8 +84,7 @@ def command(spec: ServerSpec, port: int, parallel: int, context: int, threads: i
     return [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(parallel), "-c", str(parallel * context), "-t", str(threads),
             "-tb", str(threads), "--cache-prompt" if cache_prompt else "--no-cache-prompt",
-            "--no-webui", "--metrics",
-            "--log-disable", *spec.extra]
+            "--jinja", "--no-webui", "--metrics", "--log-disable", *spec.extra]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

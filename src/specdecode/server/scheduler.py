@@ -23,7 +23,9 @@ that it repeats at any load.
 
 A new request goes to the free slot whose cache shares the longest prefix with its prompt,
 and prefills only the rest (:mod:`.prompt_cache`: the slots' own rows, and a bounded store of
-rows saved before a slot wrote over them).
+rows saved before a slot wrote over them); while it prefills, it copies the rows of its prompt
+that running sequences have computed, so that requests arriving together with a common start
+compute it once (:meth:`Scheduler._share_prompts`).
 
 Speculation stays exact: each generation sees only its own runner, proposer and random
 generator; packing and interleaving change the order of work, never its result, and a reused
@@ -71,6 +73,9 @@ DECODERS_PER_SLOT = 8
 #: prompt rows prefilled per turn (rounded down to a multiple of the runner's granule): a
 #: short request beside a long prompt waits for one such part per step of its own
 PREFILL_PART_ROWS = 128
+#: prompt rows another sequence's part must compute for a prefilling sequence that shares them
+#: before the sequence waits a step to copy them instead of computing them itself
+SHARED_ROWS_WORTH_A_STEP = 32
 
 
 @dataclass(frozen=True)
@@ -143,10 +148,26 @@ class _Sequence:
     #: text pieces of a generation with a decode loop of its own (a lossy method), stepped
     #: one piece a step outside the packed forward
     solo: Any = None
+    #: its prompt may start with rows computed elsewhere (the prompt cache's, another running
+    #: sequence's: :meth:`Scheduler._place`)
+    reuses_rows: bool = False
 
     @property
     def spec(self) -> SequenceSpec:
         return self.job.specs[self.index]
+
+    @functools.cached_property
+    def prompt(self) -> Any:
+        """The prompt's ids as the rows' keepers compare them (``kv_cache.held_ids``)."""
+        return held_ids(self.spec.prompt_ids)
+
+    @property
+    def computed_prompt_rows(self) -> int:
+        """Rows of its prompt its slot's cache holds, for another sequence to copy: none while
+        a generation scores its prompt itself or runs a loop of its own."""
+        if self.solo is not None or self.generation is None or self.generation.reading_prompt:
+            return 0
+        return min(self.prefilled, self.slot.runner.cache_len)
 
     @property
     def prefilling(self) -> bool:
@@ -323,9 +344,8 @@ class Scheduler:
         emptiest among equals, so that the others keep what they hold)."""
         if self.prompt_cache is None:
             return self._free.pop()
-        prompt = held_ids(seq.spec.prompt_ids)
         best = max(range(len(self._free)), key=lambda i: (
-            common_prefix(self._free[i].held, prompt), -len(self._free[i].held)))
+            common_prefix(self._free[i].held, seq.prompt), -len(self._free[i].held)))
         return self._free.pop(best)
 
     def _place(self, seq: _Sequence) -> int:
@@ -341,8 +361,8 @@ class Scheduler:
         needs = None if lossy else seq.decoder.proposer.needs
         reuse = not lossy and not needs.final_hidden and not needs.layers
         # a scored prompt needs every row's logits, which no cached row keeps
-        reuse = reuse and seq.spec.sampling.get("prompt_logprobs") is None
-        return self.prompt_cache.place(slot.runner, held, held_ids(seq.spec.prompt_ids), reuse)
+        seq.reuses_rows = reuse and seq.spec.sampling.get("prompt_logprobs") is None
+        return self.prompt_cache.place(slot.runner, held, seq.prompt, seq.reuses_rows)
 
     def _sizer_alone(self, seq: _Sequence, sampling: SamplingParams) -> SequenceSizer | None:
         """A sizer of its own for a sequence whose tokens must not follow the load: seeded,
@@ -402,19 +422,44 @@ class Scheduler:
 
     def _prompt_parts(self) -> list[tuple[_Sequence, int]]:
         """The next step's prompt parts, each (sequence, the prompt row its part stops at): in
-        :func:`prefill_order` within the step's prompt rows, one part at least."""
+        :func:`prefill_order` within the step's prompt rows, one part at least; a sequence
+        whose next rows another part computes waits for them."""
         prefilling = [seq for seq in self._active if seq.solo is None and seq.prefilling]
         parts, rows = [], 0
         for i in prefill_order([len(seq.spec.prompt_ids) - seq.prefilled for seq in prefilling]):
             if rows >= self.prefill_rows:
                 break
             seq = prefilling[i]
+            if any(_computes_for(other, stop, seq) for other, stop in parts):
+                continue  # it copies those rows next step (_share_prompts)
             length = len(seq.spec.prompt_ids)
             part = self._part_rows(seq.slot.runner)
             stop = length if not part else min(length, seq.prefilled + part)
             parts.append((seq, stop))
             rows += stop - seq.prefilled
         return parts
+
+    def _share_prompts(self) -> None:
+        """Copy into each prefilling sequence that may reuse rows the rows of its prompt that
+        another running sequence has computed: the same tokens from the start give bitwise the
+        same rows, so requests that arrive together with a common start (a system prompt, tool
+        definitions) compute it once."""
+        if self.prompt_cache is None:
+            return
+        donors = [(seq, seq.computed_prompt_rows) for seq in self._active]
+        for seq in self._active:
+            if not (seq.reuses_rows and seq.prefilling):
+                continue
+            limit = len(seq.prompt) - 1  # the last token is prefilled for its logits
+            shared, donor = max(((min(common_prefix(other.prompt[:rows], seq.prompt), limit),
+                                  other) for other, rows in donors if other is not seq),
+                                key=lambda pair: pair[0], default=(0, None))
+            if shared <= seq.prefilled:
+                continue
+            seq.slot.runner.load_rows(donor.slot.runner.saved_rows(shared), shared)
+            self.metrics.prompt_cache_hit_tokens.inc(shared - seq.prefilled)
+            seq.generation.stats.cached_tokens += shared - seq.prefilled
+            seq.prefilled = shared
 
     def _step(self) -> None:
         """One packed forward of every active sequence, then each one's verify and draft."""
@@ -423,6 +468,7 @@ class Scheduler:
                 self._end(seq, "cancelled")
         for seq in [seq for seq in self._active if seq.solo is not None]:
             self._step_solo(seq)
+        self._share_prompts()
         work = self._gather()
         if not work:
             return
@@ -651,6 +697,16 @@ def prefill_order(rows_left: list[int]) -> list[int]:
     which keeps the mean wait for a first token least), so that a short request is not held
     behind the long prompts that came before it."""
     return [0] + sorted(range(1, len(rows_left)), key=rows_left.__getitem__) if rows_left else []
+
+
+def _computes_for(other: _Sequence, stop: int, seq: _Sequence) -> bool:
+    """Whether ``other``'s prompt part, up to row ``stop``, computes rows of ``seq``'s prompt
+    (the same tokens from the start) that ``seq`` would compute next, enough of them that
+    ``seq`` waits a step and copies them (:meth:`Scheduler._share_prompts`)."""
+    if not seq.reuses_rows or other.prefilled > seq.prefilled:
+        return False
+    shared = min(common_prefix(other.prompt, seq.prompt), stop, len(seq.prompt) - 1)
+    return shared - seq.prefilled >= SHARED_ROWS_WORTH_A_STEP
 
 
 def _rows(call: Call) -> int:
