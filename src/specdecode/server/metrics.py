@@ -63,7 +63,7 @@ class Metrics:
             "rows)", buckets=ROW_BUCKETS, registry=registry)
         self.prompt_cache_hit_tokens = Counter(
             "specdecode_prompt_cache_hit_tokens", "prompt tokens whose rows were reused from an "
-            "earlier request (not prefilled again)", registry=registry)
+            "earlier request or a running one (not prefilled again)", registry=registry)
         self.prompt_cache_evictions = Counter(
             "specdecode_prompt_cache_evictions", "saved prompts dropped to make room",
             registry=registry)
