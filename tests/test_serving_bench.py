@@ -13,7 +13,7 @@ from specdecode.bench import serving
 from specdecode.bench.code_edit import FUNCTIONS, INSTRUCTION
 from specdecode.questions import Question
 from specdecode.bench.multiturn_workloads import TOOLS
-from specdecode.bench.serving_client import Batch, Outcome, StreamedCalls, run_batch
+from specdecode.bench.serving_client import Batch, Outcome, ToolCallText, run_batch
 from specdecode.bench.serving_report import (identical, markdown, mismatches, percentile,
                                              problems, summarize, targets)
 from specdecode.bench.serving_servers import LLAMA_SERVER, OURS, ServerSpec, command
@@ -67,13 +67,13 @@ def test_agent_requests_share_their_system_prompt_and_tools_and_differ_in_their_
                                       {"role": "user", "content": requests[0].prompt}]
 
 
-def test_streamed_tool_calls_are_recorded_as_whole_answers_record_them():
+def test_tool_calls_are_recorded_alike_streamed_and_whole():
     from types import SimpleNamespace as Delta
 
     def call(name=None, arguments=None):
         return Delta(function=Delta(name=name, arguments=arguments))
 
-    calls = StreamedCalls()
+    calls = ToolCallText()
     deltas = [Delta(content="", tool_calls=[call("read_file", "")]),
               Delta(content=None, tool_calls=[call(None, '{"path": ')]),
               Delta(content=None, tool_calls=[call(None, '"a.py"}')]),
@@ -81,7 +81,12 @@ def test_streamed_tool_calls_are_recorded_as_whole_answers_record_them():
               Delta(content=None, tool_calls=None)]
     text = "".join(calls.piece(d) for d in deltas) + calls.close()
     assert text == '<call read_file {"path": "a.py"}><call write_file {}>'
-    assert StreamedCalls().close() == ""
+    assert ToolCallText().close() == ""
+    # a whole message: the same text as its stream
+    whole = ToolCallText()
+    message = Delta(content=None, tool_calls=[call("read_file", '{"path": "a.py"}'),
+                                              call("write_file", "{}")])
+    assert whole.piece(message) + whole.close() == text
 
 
 @pytest.mark.parametrize("name, count, message", [

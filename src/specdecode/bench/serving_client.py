@@ -71,15 +71,13 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
         if not stream:
             r = await client.chat.completions.create(
                 model=model, messages=request.messages(), max_tokens=max_tokens, **fields)
-            message = r.choices[0].message
-            out.text = (message.content or "") + "".join(
-                f"<call {call.function.name} {call.function.arguments}>"
-                for call in message.tool_calls or ())
+            text = ToolCallText()  # a whole message reads as one delta
+            out.text = text.piece(r.choices[0].message) + text.close()
             out.finish_reason = r.choices[0].finish_reason
             out.response_id = r.id
             out.completion_tokens = r.usage.completion_tokens if r.usage else 0
         else:
-            chunks, calls = 0, StreamedCalls()
+            chunks, calls = 0, ToolCallText()
             response = await client.chat.completions.create(
                 model=model, messages=request.messages(), max_tokens=max_tokens, stream=True,
                 stream_options={"include_usage": True}, **fields)
@@ -111,15 +109,17 @@ async def send(client, model: str, request: Request, sampling: Sampling, max_tok
     return out
 
 
-class StreamedCalls:
-    """A stream's tool calls as :func:`send` records them: ``<call NAME ARGUMENTS>`` each, the
-    name from a call's first delta, the arguments in the pieces they come in."""
+class ToolCallText:
+    """An answer's tool calls as :func:`send` records them, streamed or whole alike:
+    ``<call NAME ARGUMENTS>`` each, the name from a call's first delta, the arguments in the
+    pieces they come in (a whole message is one delta with every call whole)."""
 
     def __init__(self):
         self.open = False
 
     def piece(self, delta) -> str:
-        """The text of a chunk's delta: its content, then its tool calls' parts."""
+        """The text of a chunk's delta (or a whole message): its content, then its tool
+        calls' parts."""
         text = delta.content or ""
         for call in delta.tool_calls or ():
             function = call.function

@@ -444,12 +444,11 @@ class Scheduler:
         another running sequence has computed: the same tokens from the start give bitwise the
         same rows, so requests that arrive together with a common start (a system prompt, tool
         definitions) compute it once."""
-        if self.prompt_cache is None:
+        takers = [seq for seq in self._active if seq.reuses_rows and seq.prefilling]
+        if not takers:  # (most steps: nothing is being prefilled)
             return
         donors = [(seq, seq.computed_prompt_rows) for seq in self._active]
-        for seq in self._active:
-            if not (seq.reuses_rows and seq.prefilling):
-                continue
+        for seq in takers:
             limit = len(seq.prompt) - 1  # the last token is prefilled for its logits
             shared, donor = max(((min(common_prefix(other.prompt[:rows], seq.prompt), limit),
                                   other) for other, rows in donors if other is not seq),
