@@ -38,12 +38,18 @@ class DraftSession:
         self.caught_up = False
         # the last draft: node tokens, parents, and each node's tree row (None: not fed)
         self.nodes: tuple[list[int], list[int], list[int | None]] = ([], [], [])
+        #: how likely the best child of a node the drafter reads is to be the target's token,
+        #: a running mean over the nodes read (drafting/tree.py values unread nodes by it)
+        self.child_confidence = 1.0
 
     def start(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A request begins: its sampling options, and the generator seeded from its seed."""
         self.sampling = sampling
         self.prompt_len = len(prompt)
         self.caught_up = False
+        # learned anew: a seeded request's tree shapes, which its draws follow, must not
+        # depend on the requests before it
+        self.child_confidence = 1.0
         if sampling.seed is None:
             self.generator.seed()
         else:

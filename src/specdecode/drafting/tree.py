@@ -8,7 +8,10 @@ in rounds: place candidates while the best one has a read parent; when the best 
 draft forward, read the (up to ``expand_width``) most valuable unread nodes in one batched
 forward, which is what bounds the draft's cost at a few forwards per step on CPU. Growth stops
 when the best candidate's value falls below ``min_path_prob`` (draft confidence predicts
-acceptance: an uncertain step sends a small tree or none).
+acceptance: an uncertain step sends a small tree or none). An unread node is valued by its own
+value times the running mean of the best child's probability of the nodes read before
+(:attr:`DraftSession.child_confidence`): a read whose children would all fall below the floor
+costs a forward and places nothing, which, where acceptance is low, was most reads.
 
 Siblings are drawn *without replacement* (RSD, Jeon et al., 2024): greedy decoding takes them
 in order of draft probability; sampled decoding draws each, when it joins, from the draft
@@ -37,6 +40,14 @@ from specdecode.draft import Draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
 from specdecode.sampling import sample
+
+
+#: how fast :attr:`DraftSession.child_confidence` follows the nodes read (a read a node: about
+#: the last ten reads, a few steps)
+CONFIDENCE_RATE = 0.1
+#: the lowest child confidence: above it a confident root child is still read, so the mean
+#: keeps learning where drafts get easier
+CONFIDENCE_FLOOR = 0.3
 
 
 def check_tree(config) -> None:
@@ -175,11 +186,14 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         session.nodes = ([], [], [])
         return Draft.empty()
     logits, _ = session.catch_up(context)
-    tree = _Growth(session, context, max_depth)
+    # a drafter that ranks every depth without reading (ranking) values a node's children
+    # by the node's own value, their bound: its reads cost nothing
+    tree = _Growth(session, context, max_depth,
+                   1.0 if ranking is not None else session.child_confidence)
     tree.rank(-1, ranking(0) if ranking is not None else
               rank_children(session, logits[None], context, [[]], budget_nodes)[0])
     # entries: (-value, tie, node, read): read = node's children are ranked (take the next
-    # one); unread = the node must be fed to the drafter first (value: an upper bound)
+    # one); unread = the node must be fed to the drafter first (value: an estimate)
     forwards = 0
     while tree.heap and len(tree.tokens) < budget_nodes:
         value, _, node, read = tree.heap[0]
@@ -197,6 +211,11 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         forwards += 1
         tree.read_best(budget_nodes - len(tree.tokens), settings.expand_width)
     session.nodes = (tree.tokens, tree.parents, tree.rows)
+    # learned after the growth, so the sampled tree's shape never follows its own draws
+    for best_child in tree.read_best_children:
+        session.child_confidence = max(
+            CONFIDENCE_FLOOR, session.child_confidence
+            + CONFIDENCE_RATE * (best_child - session.child_confidence))
     probs = torch.stack(tree.probs) if tree.probs else None
     return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
 
@@ -234,10 +253,13 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
 class _Growth:
     """A tree while it grows: its nodes, their values and tree rows, the candidates' heap."""
 
-    def __init__(self, session: DraftSession, context: Sequence[int], max_depth: int):
+    def __init__(self, session: DraftSession, context: Sequence[int], max_depth: int,
+                 child_confidence: float):
         self.session = session
         self.context = context  # read only: no copy of a long context a step
         self.max_depth = max_depth
+        self.child_confidence = child_confidence  # an unread node's value: its own times this
+        self.read_best_children: list[float] = []  # each node read: its best child's weight
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.probs: list[torch.Tensor] = []
@@ -271,7 +293,7 @@ class _Growth:
         new = len(self.tokens) - 1
         self.push(-parent_value * ranked.next_weight(), node, True)
         if len(self.paths[new]) < self.max_depth:
-            self.push(-self.values[new], new, False)
+            self.push(-self.values[new] * self.child_confidence, new, False)
 
     def read_best(self, room: int, width: int) -> None:
         """Read the most valuable unread nodes that could still join (at most ``width``) in
@@ -288,4 +310,5 @@ class _Growth:
                                room)
         for j, n in enumerate(feed):
             self.rows[n] = first_row + j
+            self.read_best_children.append(ranked[j].next_weight())
             self.rank(n, ranked[j])

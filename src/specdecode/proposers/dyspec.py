@@ -11,7 +11,8 @@ allow), whose tree rows attend to their ancestors through the same slot tables a
 verify pass; ``draft_runner=hf`` runs a checkpoint's through ``transformers`` with a mask.
 A node is worth its verify row only if it is likely to be accepted: ``min_path_prob`` stops the
 growth when the best candidate's value falls below it (EAGLE-2's observation that draft
-confidence predicts acceptance), so an uncertain step sends a small tree or none.
+confidence predicts acceptance), so an uncertain step sends a small tree or none, and a node is
+read (a draft forward) only where its children can be expected to reach that floor.
 Defaults: 16 nodes (on a CPU each verify row costs a share of a one-token forward, so the
 tree stays small; docs/native-runner.md has the row costs), depth 8, 4 nodes read per draft
 forward (a small draft's forward costs nearly the same for 1 or 4 rows), at most 6 such forwards
