@@ -16,8 +16,9 @@ from specdecode.estimates import (UNSEEN_ANSWER, Acceptance, AnswerLengths, RowC
 from specdecode.models import row_costs
 from specdecode.models.llama import LlamaRunner
 from specdecode.sampling import GREEDY, SamplingParams
-from specdecode.sizing import (DEEPEN_AFTER, EXPLORE_EVERY, EXPLORE_NODES, EXPLORE_SHARE,
-                               FIRST_DRAFTS, DraftSizing, DraftTime, learning_cap)
+from specdecode.sizing import (DEEPEN_AFTER, EXPLORE_BACKOFF, EXPLORE_EVERY, EXPLORE_NODES,
+                               EXPLORE_SHARE, FIRST_DRAFTS, DraftSizing, DraftTime, explore_due,
+                               learning_cap)
 
 from conftest import repetitive_prompts
 
@@ -91,31 +92,57 @@ def test_drafts_stop_where_rows_cost_a_forward_and_return_to_explore():
     assert all(b - a > spacing for a, b in zip(explores, explores[1:])), explores
 
 
+def explores(costs: RowCosts, level_s: float, skipped_s: float, steps: int = 600,
+             accepts=lambda draft: 0) -> list[int]:
+    """The steps after the first EXPLORE_EVERY at which a request sent a draft, each accepted
+    ``accepts(draft)`` tokens; a draft model takes ``level_s`` a token and, before a draft,
+    ``skipped_s`` for each token it skipped."""
+    sizer, skipped, sent = DraftSizing(costs).sequence(GREEDY), 0, []
+    for step in range(steps):
+        depth, nodes = sizer.cap(6, 6, skipped_s * skipped, tokens_left=steps - step)
+        draft = Draft.chain([0] * min(depth, nodes))
+        draft_s = level_s * len(draft) + (skipped_s * skipped if len(draft) else 0.0)
+        if step > EXPLORE_EVERY and len(draft):
+            sent.append(step)
+        skipped = 0 if len(draft) else skipped + 1
+        sizer.observe(draft, accepts(draft) if len(draft) else 0, draft_s,
+                      costs(1 + len(draft)) + draft_s)
+    return sent
+
+
 def test_a_lookup_explores_every_few_steps_and_a_dear_draft_model_seldom():
-    """Drafts are never accepted. A lookup drafts in no time; a draft model takes 0.5 s a
-    token and, before an explore, 0.02 s for each token it skipped: it explores far less often,
-    and its explores cost at most EXPLORE_SHARE of the decoding seconds. (Where a skipped
-    token costs EXPLORE_SHARE of a step or more, a draft model never explores.)"""
+    """Drafts are never accepted. A lookup drafts in no time: after its first misses it
+    explores every EXPLORE_EVERY steps doubled EXPLORE_BACKOFF times; a draft model takes
+    0.5 s a token and, before an explore, 0.02 s for each token it skipped: it explores far
+    less often, and its explores cost at most EXPLORE_SHARE of the decoding seconds. (Where a
+    skipped token costs EXPLORE_SHARE of a step or more, a draft model never explores.)"""
     costs = RowCosts({1: 1.0, 8: 1.2, 64: 3.0})
-
-    def explores(level_s: float, skipped_s: float, steps: int = 600) -> tuple[int, float]:
-        sizer, skipped, count, spent = DraftSizing(costs).sequence(GREEDY), 0, 0, 0.0
-        for step in range(steps):
-            depth, nodes = sizer.cap(6, 6, skipped_s * skipped, tokens_left=steps - step)
-            draft = Draft.chain([0] * min(depth, nodes))
-            draft_s = level_s * len(draft) + (skipped_s * skipped if len(draft) else 0.0)
-            if step > EXPLORE_EVERY and len(draft):
-                count += 1
-                spent += draft_s + costs(1 + len(draft)) - costs(1)
-            skipped = 0 if len(draft) else skipped + 1
-            sizer.observe(draft, 0, draft_s, costs(1 + len(draft)) + draft_s)
-        return count, spent
-
-    lookup, _ = explores(0.0, 0.0)
-    model, model_s = explores(0.5, 0.02)
-    assert lookup >= 600 // (EXPLORE_EVERY + 1) - 3, lookup
-    assert 1 <= model <= lookup // 2, (model, lookup)
+    lookup = explores(costs, 0.0, 0.0)
+    longest = EXPLORE_EVERY << EXPLORE_BACKOFF
+    assert len(lookup) >= 600 // (longest + 1) - 1, lookup
+    assert all(b - a == longest + 1 for a, b in zip(lookup[1:], lookup[2:])), lookup
+    model = explores(costs, 0.5, 0.02)
+    model_s = sum(0.5 * EXPLORE_NODES + 0.02 * (b - a - 1) + costs(1 + EXPLORE_NODES) - costs(1)
+                  for a, b in zip(model, model[1:]))
+    assert 1 <= len(model) <= len(lookup), (model, lookup)
     assert model_s <= EXPLORE_SHARE * 600 * costs(1) * 1.1, model_s
+
+
+def test_explores_come_back_every_few_steps_once_a_draft_is_accepted():
+    """Each draft in a row whose first token was rejected doubles the steps before the next
+    explore, up to EXPLORE_BACKOFF times; an accepted one brings them back to EXPLORE_EVERY
+    (a step without a draft changes nothing)."""
+    assert not explore_due(EXPLORE_EVERY - 1, 0) and explore_due(EXPLORE_EVERY, 0)
+    assert not explore_due(2 * EXPLORE_EVERY - 1, 1) and explore_due(2 * EXPLORE_EVERY, 1)
+    longest = EXPLORE_EVERY << EXPLORE_BACKOFF
+    assert not explore_due(longest - 1, 99) and explore_due(longest, 99)
+    acceptance = Acceptance()
+    for _ in range(3):
+        acceptance.observe(Draft.chain([0, 0]), 0)
+    acceptance.observe(Draft.empty(), 0)
+    assert acceptance.missed == 3
+    acceptance.observe(Draft.chain([0, 0]), 1)
+    assert acceptance.missed == 0
 
 
 def test_an_idle_request_sends_the_allocations_draft_once_its_method_is_seen_to_pay():

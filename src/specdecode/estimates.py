@@ -98,6 +98,8 @@ class Acceptance:
     firsts: int = 0
     #: drafts accepted whole in a row, up to the last one observed
     whole: int = 0
+    #: drafts whose first token was rejected in a row, up to the last one observed
+    missed: int = 0
 
     def observe(self, draft: Draft, accepted: int) -> None:
         depth = draft.max_depth
@@ -105,6 +107,7 @@ class Acceptance:
         self.firsts += depth > 0 and accepted > 0
         if depth:
             self.whole = self.whole + 1 if accepted >= depth else 0
+            self.missed = self.missed + 1 if accepted == 0 else 0
         for counts in (self.offered, self.tried, self.reached, self.rows):
             counts[:] = [c * DECAY for c in counts]
             counts.extend([0.0] * (depth - len(counts)))

@@ -26,9 +26,11 @@ estimate can learn (what a draft is worth is learnt only from drafts sent): a re
 of its method's first-token acceptance (:func:`first_draft`: sure to be accepted before any
 draft; on the prior of a level never drafted, the allocation may send none, and a few early
 misses must not stop a good draft model for good, whose explores cost too much to bring it
-back); otherwise, after ``EXPLORE_EVERY`` steps or more, once such a draft would cost at most
-``EXPLORE_SHARE`` of the steps since the last, one small draft, so its estimate can recover
-when the text starts to repeat (:func:`explore_cap`). A sequence whose last
+back); otherwise, after ``EXPLORE_EVERY`` steps or more (doubled for each draft in a row whose
+first token was rejected, at most ``EXPLORE_BACKOFF`` times: a method that never pays on a
+text costs a quarter as much), once such a draft would cost at most ``EXPLORE_SHARE`` of the
+steps since the last, one small draft, so its estimate can recover when the text starts to
+repeat (:func:`explore_cap`). A sequence whose last
 ``DEEPEN_AFTER`` drafts were accepted whole drafts a level deeper than its allocation
 (:func:`deepened`), so that a request easier than its method's record learns its deeper levels.
 Estimates are each request's own recent steps (:class:`specdecode.estimates.Acceptance`) with
@@ -70,6 +72,11 @@ EXPLORE_NODES = 4
 #: every EXPLORE_EVERY idle steps where a few rows cost little more than one; a draft model,
 #: whose explore pays for a forward a token and for reading every token it skipped, waits longer
 EXPLORE_SHARE = 0.05
+#: the most times the steps between explores double: each draft in a row whose first token was
+#: rejected doubles them (a method that never pays on this text, Jacobi's guesses on prose,
+#: costs a quarter of EXPLORE_SHARE after two, not the whole of it), and an accepted one
+#: brings them back to EXPLORE_EVERY
+EXPLORE_BACKOFF = 2
 #: drafts each request sends a token at a time where the allocation sends none and a token
 #: would pay at the upper bound of its method's first-token acceptance (a draft model whose
 #: first four drafts missed three times would otherwise never draft again, on any text: its
@@ -237,17 +244,25 @@ def deepened(cap: tuple[int, int], acceptance: Acceptance, max_depth: int,
     return depth + 1, rows + 1
 
 
+def explore_due(idle: int, missed: int, every: int = EXPLORE_EVERY) -> bool:
+    """Whether a sequence ``idle`` steps without a draft explores: after ``every`` steps,
+    doubled for each of the last ``missed`` drafts whose first token was rejected (at most
+    EXPLORE_BACKOFF times)."""
+    return idle >= every << min(missed, EXPLORE_BACKOFF)
+
+
 def explore_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int, idle: int,
                 draft_s: float = 0.0, level_s: float = 0.0, every: int = EXPLORE_EVERY,
-                row_s: float = 0.0) -> tuple[int, int] | None:
+                row_s: float = 0.0, missed: int = 0) -> tuple[int, int] | None:
     """The small draft (depth, nodes) a sequence that has not drafted for ``idle`` steps sends
     anyway, so that its acceptance estimate can recover (a method's estimate learns only from
     drafts sent: one that fell to nothing would keep it from drafting for good); None before
-    ``every`` such steps, or while the draft would cost more than EXPLORE_SHARE of them: its
-    rows beside the ``base_rows`` the forward runs anyway, ``row_s`` a row besides the curve
+    it is due (:func:`explore_due`: ``every`` steps, more after ``missed`` drafts missed in a
+    row), or while the draft would cost more than EXPLORE_SHARE of the steps: its rows beside
+    the ``base_rows`` the forward runs anyway, ``row_s`` a row besides the curve
     (:class:`~specdecode.estimates.StepOverhead`), ``draft_s`` (drafting, a catch-up) and
     ``level_s`` a level."""
-    if idle < every:
+    if not explore_due(idle, missed, every):
         return None
     depth, nodes = min(max_depth, EXPLORE_NODES), min(max_nodes, EXPLORE_NODES)
     if depth <= 0:
@@ -285,13 +300,15 @@ def first_draft(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
 def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int,
                  own_drafts: int, record: Acceptance, idle: int, tokens_left: int,
                  draft_s: float = 0.0, level_s: float = 0.0, catch_up_s: float = 0.0,
-                 every: int = EXPLORE_EVERY, row_s: float = 0.0) -> tuple[int, int] | None:
+                 every: int = EXPLORE_EVERY, row_s: float = 0.0,
+                 missed: int = 0) -> tuple[int, int] | None:
     """The small draft a sequence sends where the allocation sends none, so that its method's
     estimate can learn: a first draft (:func:`first_draft`) while the request has sent
     (``own_drafts``) fewer than FIRST_DRAFTS drafts and one pays at the upper bound of the
     first-token acceptance of ``record`` (its method's drafts, the request's among them), else
-    an explore (:func:`explore_cap`, after ``idle`` steps without a draft, the catch-up paid
-    whole), each draft row priced ``row_s`` besides the curve; None where neither is due.
+    an explore (:func:`explore_cap`, after ``idle`` steps without a draft and more after
+    ``missed`` drafts missed in a row, the catch-up paid whole), each draft row priced
+    ``row_s`` besides the curve; None where neither is due.
     Every path sizes through it: a request's :class:`SequenceSizer`, the server's scheduler
     and ``auto``'s parts."""
     if own_drafts < FIRST_DRAFTS:
@@ -300,7 +317,7 @@ def learning_cap(costs: RowCosts, base_rows: int, max_depth: int, max_nodes: int
         if first is not None:
             return first
     return explore_cap(costs, base_rows, max_depth, max_nodes, idle, draft_s + catch_up_s,
-                       level_s, every, row_s)
+                       level_s, every, row_s, missed)
 
 
 class SequenceSizer:
@@ -350,7 +367,8 @@ class SequenceSizer:
                                        self.acceptance.drafts,
                                        self.acceptance if prior is None else prior,
                                        self.idle, tokens_left, draft_s, level_s,
-                                       catch_up_s, row_s=row_s) or (0, 0)
+                                       catch_up_s, row_s=row_s,
+                                       missed=self.acceptance.missed) or (0, 0)
         if depth:
             self.catch_up_s = catch_up_s
         return depth, min(rows, max_nodes)

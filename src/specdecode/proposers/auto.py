@@ -33,7 +33,8 @@ model drafts only where the suffix draft is poor, to the depth its acceptance pa
 model's token costs a forward of its own). A part whose drafts do not pay still drafts a token
 for a request's first ``FIRST_DRAFTS`` drafts, where one would pay at the upper confidence bound
 of its first-token acceptance (sure to be accepted before its first draft), and after that a
-small draft after ``explore_every`` steps without drafting, where it
+small draft after ``explore_every`` steps without drafting (twice or four times as many after
+drafts missed in a row: :func:`specdecode.sizing.explore_due`), where it
 costs at most ``EXPLORE_SHARE`` of those steps, so its estimate follows the text
 (:func:`specdecode.sizing.learning_cap`, as in the server). Of the drafts in hand (and their
 merged prefix tree, with ``merge``), the one with the most expected tokens per second of its
@@ -73,7 +74,7 @@ from specdecode.proposer import Feedback, Proposer
 from specdecode.registry import param, register
 from specdecode.estimates import DECAY, Acceptance, AnswerLengths, RowCosts, StepOverhead
 from specdecode.sizing import (EXPLORE_LEVELS, FIRST_DRAFTS, Candidate, DraftTime, allocate,
-                               catch_up_share, deepened, learning_cap)
+                               catch_up_share, deepened, explore_due, learning_cap)
 
 #: config fields handed on to every part whose config has them
 SHARED_FIELDS = ("heads", "min_path_prob", "corpus", "draft")
@@ -99,7 +100,8 @@ class AutoConfig:
                                     "draft_model)")
     merge: bool = param(True, "also consider the merged prefix tree of the drafts in hand")
     explore_every: int = param(16, "a part that has not drafted for this many steps drafts "
-                                   "anyway, so its acceptance estimate stays current",
+                                   "anyway, so its acceptance estimate stays current (up to "
+                                   "four times as many after drafts missed in a row)",
                                bounds=(1, 1024))
 
     def __post_init__(self):
@@ -360,7 +362,7 @@ class AutoProposer(Proposer):
                                         *self.overhead.line)[0],
                                acceptance, most_depth, most_nodes)
         learning = (acceptance.drafts < FIRST_DRAFTS
-                    or self.idle[i] >= self.config.explore_every)
+                    or explore_due(self.idle[i], acceptance.missed, self.config.explore_every))
         if not per_token:
             sized = Budget(most_depth, most_nodes, own.keep_drafting)
         elif depth:
@@ -368,7 +370,8 @@ class AutoProposer(Proposer):
         else:  # no draft of it pays: a small one while its estimate must learn
             small = learning_cap(self.costs, 1, most_depth, most_nodes, self.made[i],
                                  acceptance, self.idle[i], left, fixed_s, level_s, catch_up_s,
-                                 every=self.config.explore_every, row_s=self.overhead.line[1])
+                                 every=self.config.explore_every, row_s=self.overhead.line[1],
+                                 missed=acceptance.missed)
             return None if small is None else Budget(*small, own.keep_drafting)
         if learning:
             return sized

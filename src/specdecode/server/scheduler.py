@@ -616,7 +616,7 @@ class Scheduler:
             learning_cap, max_depth=most, max_nodes=self.max_draft_rows,
             own_drafts=seq.acceptance.drafts, record=prior, idle=seq.idle, tokens_left=left,
             draft_s=draft_s, level_s=level_s, catch_up_s=catch_up_s,
-            row_s=self._overhead.line[1]), most)
+            row_s=self._overhead.line[1], missed=seq.acceptance.missed), most)
 
     def _method_acceptance(self, seq: _Sequence) -> Acceptance:
         return self._acceptance.setdefault(_key(seq.spec), Acceptance())
