@@ -11,7 +11,7 @@ when the best candidate's value falls below ``min_path_prob`` (draft confidence 
 acceptance: an uncertain step sends a small tree or none). An unread node is valued by its own
 value times the running mean of the best child's probability of the nodes read before
 (:attr:`DraftSession.child_confidence`): a read whose children would all fall below the floor
-costs a forward and places nothing, which, where acceptance is low, was most reads.
+costs a forward and places nothing, and where acceptance is low most reads would.
 
 Siblings are drawn *without replacement* (RSD, Jeon et al., 2024): greedy decoding takes them
 in order of draft probability; sampled decoding draws each, when it joins, from the draft
