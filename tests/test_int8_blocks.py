@@ -168,12 +168,17 @@ def test_row_invariant_and_every_isa_the_same_bits(ext, group, with_minimum, hal
 def assert_small_codes_bits(ext, x, packed, layout: str, minimum: bool, n: int, expected,
                             input_scale: float = 1.0, codebook: torch.Tensor | None = None):
     """``packed`` in ``layout`` gives ``expected``'s bits on every instruction set, every row
-    count and position of ``x``."""
+    count and position of ``x``, and in one call of more rows than SUPER_DECODE_MIN_ROWS (72,
+    small_codes.h: from there the VNNI passes of the super-block layouts read each super-block
+    decoded once), ``x``'s rows and 16 of them again."""
     code = kernels.SMALL_CODES_LAYOUTS[layout]
+    many = torch.cat([x, x[:16]])
     for isa in isas(ext):
-        got = assert_row_invariant(lambda rows: ext.small_codes_linear(
-            rows, packed, code, minimum, None, n, isa, input_scale, codebook), x)
+        linear = lambda rows: ext.small_codes_linear(  # noqa: E731
+            rows, packed, code, minimum, None, n, isa, input_scale, codebook)
+        got = assert_row_invariant(linear, x)
         assert torch.equal(got, expected), isa
+        assert torch.equal(linear(many), torch.cat([expected, expected[:16]])), isa
 
 
 def without_amx() -> bool:

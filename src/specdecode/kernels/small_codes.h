@@ -66,12 +66,22 @@
 #define SMALL_CODES_PREFETCH 4096
 // the fewest rows for which a FIVE_BIT tile is decoded once to block int8's layout on AVX-512
 // (measured on a Zen 5: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it).
-// The other layouts' VNNI passes unpack a slice for each pass of 4 rows at every row count: on
-// a Zen 4 the decoded tiles took 1.05-1.22x their time at 16-32 rows, 0.98-1.05x at 64 (Q5_K,
-// IQ4_XS)
+// The other layouts' VNNI passes unpack a slice for each pass of 4 rows below
+// SUPER_DECODE_MIN_ROWS: on a Zen 4 whole decoded tiles took 1.05-1.22x their time at 16-32
+// rows, 0.98-1.05x at 64 (Q5_K, IQ4_XS), on a Zen 5 1.05-1.19x at 12-64 rows (Q4_K, Q6_K)
 #ifndef SMALL_CODES_DECODE_MIN_ROWS
 #define SMALL_CODES_DECODE_MIN_ROWS 13
 #endif
+// the fewest rows for which the super-block layouts' VNNI passes read each super-block of a
+// tile pair decoded once (columns_vnni_decoded). The 1.5B's Q4_K and Q6_K forwards after 256
+// positions on a Zen 5, 2 threads, against the direct passes (scripts/kernels_ab.py): 48 rows
+// 1.04x the time, 64 0.99x, 80 0.95-0.99x, 96 0.92x, 128 0.91x, 256 0.87-0.89x, prompts of
+// 512 to 2048 tokens 0.90-0.96x
+#ifndef SUPER_DECODE_MIN_ROWS
+#define SUPER_DECODE_MIN_ROWS 72
+#endif
+// a decoded super-block's bytes: 256 inputs of 16 columns, a byte each
+constexpr int64_t DECODED_BLOCK_BYTES = 4096;
 // the fewest rows for which Q6K on AVX2 decodes each column tile once (decode_q6k_avx2)
 // instead of every pass of 4 rows unpacking the codes again (measured on the 1.5B's Q6_K
 // matrices, 2 threads, against the passes: 4 rows 1.28x the time, 5 rows 0.96x, 16 rows 0.84x,
@@ -766,16 +776,18 @@ static inline void each_slice(const uint8_t* const* grp, __m512i table, Use&& us
 // VPDPBUSD go into two chains. `ahead`: the next tiles' weights, `ahead_lines` cache lines a
 // group, which the passes after a tile's first ask for (null: the first pass, which asks for
 // its own stream SMALL_CODES_PREFETCH bytes ahead).
-template <class F, bool MIN, int R, int T>
-static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
-                       const uint8_t* ahead, int64_t ahead_lines, __m512 (&acc)[R][T]) {
+//
+// blocks_vnni: blocks b0..b1 of it added to `acc`; DECODED: b1 = b0 + 1, the block's slices
+// read from `decoded` (decode_block's, the T tiles' one after the other) instead of unpacked.
+template <class F, bool MIN, int R, int T, bool DECODED = false>
+static inline void blocks_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
+                               const uint8_t* ahead, int64_t ahead_lines, int64_t b0, int64_t b1,
+                               const uint8_t* decoded, __m512 (&acc)[R][T]) {
   constexpr int CH = R * T < 4 ? 2 : 1;
   constexpr int64_t bytes = F::block_bytes(MIN), lines = (bytes + 63) / 64;
   const int64_t blocks = a.k / (F::G * F::GROUPS), groups = a.k / F::G, agroups = a.k / 32;
   const __m512i table = codebook_table(a.codebook);
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; b++) {
+  for (int64_t b = b0; b < b1; b++) {
     __m512i super_sum[R][T];  // Q6K, Q3K: S
     if constexpr (F::SUPER)
       for (int r = 0; r < R; r++)
@@ -785,7 +797,7 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       if (ahead) {
         for (int64_t line = 0; line < ahead_lines; line++)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + (at * ahead_lines + line) * 64), _MM_HINT_T0);
-      } else {  // the block's lines spread over its groups
+      } else if constexpr (!DECODED) {  // the block's lines spread over its groups
         for (int t = 0; t < T; t++)
           for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
             _mm_prefetch(reinterpret_cast<const char*>(tile + t * tile_bytes + b * bytes +
@@ -801,7 +813,11 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
       for (int t = 0; t < T; t++) grp[t] = tile + t * tile_bytes + b * bytes + g * F::GROUP_BYTES;
       each_slice<F>(grp, table, [&](int j, auto unpack) {
         __m512i w[T];
-        for (int t = 0; t < T; t++) w[t] = unpack(t);
+        for (int t = 0; t < T; t++)
+          if constexpr (DECODED)
+            w[t] = _mm512_load_si512(decoded + DECODED_BLOCK_BYTES * t + 64 * (g * (F::G / 4) + j));
+          else
+            w[t] = unpack(t);
         for (int r = 0; r < R; r++) {
           int32_t four;
           std::memcpy(&four, a.xq + (r0 + r) * a.k + at * F::G + 4 * j, 4);
@@ -854,6 +870,31 @@ static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t t
   }
 }
 
+template <class F, bool MIN, int R, int T>
+static void tiles_vnni(const Acts& a, int64_t r0, const uint8_t* tile, int64_t tile_bytes,
+                       const uint8_t* ahead, int64_t ahead_lines, __m512 (&acc)[R][T]) {
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+  blocks_vnni<F, MIN, R, T>(a, r0, tile, tile_bytes, ahead, ahead_lines, 0,
+                            a.k / (F::G * F::GROUPS), nullptr, acc);
+}
+
+// one super-block's slices as VPDPBUSD's operands (each_slice's), group-major, asking for the
+// tile's stream SMALL_CODES_PREFETCH bytes ahead
+template <class F, bool MIN>
+static inline void decode_block(const uint8_t* block, __m512i table, uint8_t* out) {
+  constexpr int64_t lines = (F::block_bytes(MIN) + 63) / 64;
+  for (int g = 0; g < F::GROUPS; g++) {
+    for (int64_t line = lines * g / F::GROUPS; line < lines * (g + 1) / F::GROUPS; line++)
+      _mm_prefetch(reinterpret_cast<const char*>(block + SMALL_CODES_PREFETCH + 64 * line),
+                   _MM_HINT_T0);
+    const uint8_t* grp = block + g * F::GROUP_BYTES;
+    each_slice<F>(&grp, table, [&](int j, auto unpack) {
+      _mm512_store_si512(out + 64 * (g * (F::G / 4) + j), unpack(0));
+    });
+  }
+}
+
 // rows in passes of P over T column tiles; `next`: the tiles this thread reads after these
 // (null if none), whose weights the passes after the first ask for, spread over their groups
 template <class F, bool MIN, int T, int P = 4>
@@ -870,9 +911,65 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
   });
 }
 
+// Many rows over a SUPER layout: passes of 4 rows over a tile pair would each unpack its slices
+// again (on a Zen 5 the unpacking's shifts and ands take VPDPBUSD's ports: scripts/
+// vnni_ports.cpp), so each super-block of the pair is decoded once into cache and every pass
+// runs over it, the passes' accumulators kept in memory between super-blocks. The same
+// integers and float operations in the same order: the direct passes' bits. A last odd tile
+// takes the direct passes. (Fewer rows lose: SUPER_DECODE_MIN_ROWS; whole tiles decoded
+// before the passes, their accumulators in registers, took 1.05-1.19x the direct passes' time
+// at 12 to 64 rows and 1.02x on a 512-token prompt.)
+template <class F, bool MIN>
+static void columns_vnni_decoded(const Acts& a, int64_t m, const uint8_t* packed,
+                                 const float* residual, float* y, int64_t n, int64_t t0,
+                                 int64_t t1) {
+  constexpr int P = 4;
+  constexpr int64_t bytes = F::block_bytes(MIN);
+  const int64_t blocks = a.k / (F::G * F::GROUPS), tile_bytes = blocks * bytes;
+  const __m512i table = codebook_table(a.codebook);
+  alignas(64) uint8_t decoded[2 * DECODED_BLOCK_BYTES];
+  std::vector<float> sums(2 * 16 * m);  // each row's two tiles' accumulators
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2) {
+    const uint8_t* pair = packed + t * tile_bytes;
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    // (the passes written out: a helper lambda taking them by reference lost the gain)
+    for (int64_t b = 0; b < blocks; b++) {
+      for (int i = 0; i < 2; i++)
+        decode_block<F, MIN>(pair + i * tile_bytes + b * bytes, table,
+                             decoded + i * DECODED_BLOCK_BYTES);
+      for (int64_t r0 = 0; r0 < m; r0 += P)
+        k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          __m512 acc[R][2];
+          for (int r = 0; r < R; r++)
+            for (int i = 0; i < 2; i++) acc[r][i] = _mm512_loadu_ps(&sums[32 * (r0 + r) + 16 * i]);
+          blocks_vnni<F, MIN, R, 2, true>(a, r0, pair, tile_bytes, nullptr, 0, b, b + 1, decoded,
+                                          acc);
+          for (int r = 0; r < R; r++)
+            for (int i = 0; i < 2; i++) _mm512_storeu_ps(&sums[32 * (r0 + r) + 16 * i], acc[r][i]);
+        });
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += P)
+      k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m512 acc[R][2];
+        for (int r = 0; r < R; r++)
+          for (int i = 0; i < 2; i++) acc[r][i] = _mm512_loadu_ps(&sums[32 * (r0 + r) + 16 * i]);
+        k_avx512::store_tiles<R, 2>(acc, R, r0, t, n, residual, y);
+      });
+  }
+  if (t < t1)
+    rows_vnni<F, MIN, 1, VNNI_ONE_PASS_ROWS>(a, m, packed + t * tile_bytes, nullptr, t, residual,
+                                             y, n);
+}
+
 template <class F, bool MIN>
 static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const float* residual,
                          float* y, int64_t n, int64_t t0, int64_t t1) {
+  if constexpr (F::SUPER)
+    if (m >= SUPER_DECODE_MIN_ROWS)
+      return columns_vnni_decoded<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
   int64_t t = t0;
   // two tiles a pass where rows are many enough to be bound by arithmetic, one stream of
