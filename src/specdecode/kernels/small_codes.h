@@ -919,46 +919,50 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
 // takes the direct passes. (Fewer rows lose: SUPER_DECODE_MIN_ROWS; whole tiles decoded
 // before the passes, their accumulators in registers, took 1.05-1.19x the direct passes' time
 // at 12 to 64 rows and 1.02x on a 512-token prompt.)
+template <class F, bool MIN, int T>
+static void tiles_decoded(const Acts& a, int64_t m, const uint8_t* tiles, int64_t tile_bytes,
+                          int64_t t, const float* residual, float* y, int64_t n) {
+  constexpr int P = 4;
+  constexpr int64_t bytes = F::block_bytes(MIN);
+  const int64_t blocks = a.k / (F::G * F::GROUPS);
+  const __m512i table = codebook_table(a.codebook);
+  alignas(64) uint8_t decoded[T * DECODED_BLOCK_BYTES];
+  std::vector<float> sums(16 * T * m);  // each row's T tiles' accumulators
+  // (the passes written out: a helper lambda taking them by reference lost the gain)
+  for (int64_t b = 0; b < blocks; b++) {
+    for (int i = 0; i < T; i++)
+      decode_block<F, MIN>(tiles + i * tile_bytes + b * bytes, table,
+                           decoded + i * DECODED_BLOCK_BYTES);
+    for (int64_t r0 = 0; r0 < m; r0 += P)
+      k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        __m512 acc[R][T];
+        for (int r = 0; r < R; r++)
+          for (int i = 0; i < T; i++) acc[r][i] = _mm512_loadu_ps(&sums[16 * (T * (r0 + r) + i)]);
+        blocks_vnni<F, MIN, R, T, true>(a, r0, tiles, tile_bytes, nullptr, 0, b, b + 1, decoded,
+                                        acc);
+        for (int r = 0; r < R; r++)
+          for (int i = 0; i < T; i++) _mm512_storeu_ps(&sums[16 * (T * (r0 + r) + i)], acc[r][i]);
+      });
+  }
+  for (int64_t r0 = 0; r0 < m; r0 += P)
+    k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      __m512 acc[R][T];
+      for (int r = 0; r < R; r++)
+        for (int i = 0; i < T; i++) acc[r][i] = _mm512_loadu_ps(&sums[16 * (T * (r0 + r) + i)]);
+      k_avx512::store_tiles<R, T>(acc, R, r0, t, n, residual, y);
+    });
+}
+
 template <class F, bool MIN>
 static void columns_vnni_decoded(const Acts& a, int64_t m, const uint8_t* packed,
                                  const float* residual, float* y, int64_t n, int64_t t0,
                                  int64_t t1) {
-  constexpr int P = 4;
-  constexpr int64_t bytes = F::block_bytes(MIN);
-  const int64_t blocks = a.k / (F::G * F::GROUPS), tile_bytes = blocks * bytes;
-  const __m512i table = codebook_table(a.codebook);
-  alignas(64) uint8_t decoded[2 * DECODED_BLOCK_BYTES];
-  std::vector<float> sums(2 * 16 * m);  // each row's two tiles' accumulators
-  int64_t t = t0;
-  for (; t + 2 <= t1; t += 2) {
-    const uint8_t* pair = packed + t * tile_bytes;
-    std::fill(sums.begin(), sums.end(), 0.0f);
-    // (the passes written out: a helper lambda taking them by reference lost the gain)
-    for (int64_t b = 0; b < blocks; b++) {
-      for (int i = 0; i < 2; i++)
-        decode_block<F, MIN>(pair + i * tile_bytes + b * bytes, table,
-                             decoded + i * DECODED_BLOCK_BYTES);
-      for (int64_t r0 = 0; r0 < m; r0 += P)
-        k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
-          constexpr int R = decltype(rows)::value;
-          __m512 acc[R][2];
-          for (int r = 0; r < R; r++)
-            for (int i = 0; i < 2; i++) acc[r][i] = _mm512_loadu_ps(&sums[32 * (r0 + r) + 16 * i]);
-          blocks_vnni<F, MIN, R, 2, true>(a, r0, pair, tile_bytes, nullptr, 0, b, b + 1, decoded,
-                                          acc);
-          for (int r = 0; r < R; r++)
-            for (int i = 0; i < 2; i++) _mm512_storeu_ps(&sums[32 * (r0 + r) + 16 * i], acc[r][i]);
-        });
-    }
-    for (int64_t r0 = 0; r0 < m; r0 += P)
-      k_avx512::with_rows<P>(std::min<int64_t>(P, m - r0), [&](auto rows) {
-        constexpr int R = decltype(rows)::value;
-        __m512 acc[R][2];
-        for (int r = 0; r < R; r++)
-          for (int i = 0; i < 2; i++) acc[r][i] = _mm512_loadu_ps(&sums[32 * (r0 + r) + 16 * i]);
-        k_avx512::store_tiles<R, 2>(acc, R, r0, t, n, residual, y);
-      });
-  }
+  const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
+  int64_t t = t0;  // (three tiles a step: 1.02-1.03x the time of two at 128-256 rows)
+  for (; t + 2 <= t1; t += 2)
+    tiles_decoded<F, MIN, 2>(a, m, packed + t * tile_bytes, tile_bytes, t, residual, y, n);
   if (t < t1)
     rows_vnni<F, MIN, 1, VNNI_ONE_PASS_ROWS>(a, m, packed + t * tile_bytes, nullptr, t, residual,
                                              y, n);
@@ -972,8 +976,13 @@ static void columns_vnni(const Acts& a, int64_t m, const uint8_t* packed, const 
       return columns_vnni_decoded<F, MIN>(a, m, packed, residual, y, n, t0, t1);
   const int64_t tile_bytes = a.k / (F::G * F::GROUPS) * F::block_bytes(MIN);
   int64_t t = t0;
-  // two tiles a pass where rows are many enough to be bound by arithmetic, one stream of
-  // weights where few rows leave it bound by memory (as the Q4 and block int8 kernels)
+  // three tiles a pass (the last two or one as they fall) where rows are many enough to be
+  // bound by arithmetic, one stream of weights where few rows leave it bound by memory (as the
+  // Q4 and block int8 kernels). (Three against two, the 1.5B's forwards after 256 positions on
+  // a Zen 5: 12 to 64 rows 0.935-0.985x the time in three runs, scripts/kernels_ab.py)
+  for (; m > VNNI_ONE_PASS_ROWS && t + 3 <= t1; t += 3)
+    rows_vnni<F, MIN, 3>(a, m, packed + t * tile_bytes,
+                         t + 6 <= t1 ? packed + (t + 3) * tile_bytes : nullptr, t, residual, y, n);
   for (; m > VNNI_ONE_PASS_ROWS && t + 2 <= t1; t += 2)
     rows_vnni<F, MIN, 2>(a, m, packed + t * tile_bytes,
                          t + 4 <= t1 ? packed + (t + 2) * tile_bytes : nullptr, t, residual, y, n);
