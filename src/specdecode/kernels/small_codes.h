@@ -911,6 +911,18 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
   });
 }
 
+// rows r0.. of T tiles' accumulators to and from `sums` (16 T floats a row)
+template <int R, int T>
+static inline void load_sums(const float* sums, int64_t r0, __m512 (&acc)[R][T]) {
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < T; i++) acc[r][i] = _mm512_loadu_ps(sums + 16 * (T * (r0 + r) + i));
+}
+template <int R, int T>
+static inline void store_sums(const __m512 (&acc)[R][T], int64_t r0, float* sums) {
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < T; i++) _mm512_storeu_ps(sums + 16 * (T * (r0 + r) + i), acc[r][i]);
+}
+
 // Many rows over a SUPER layout: passes of 4 rows over a tile pair would each unpack its slices
 // again (on a Zen 5 the unpacking's shifts and ands take VPDPBUSD's ports: scripts/
 // vnni_ports.cpp), so each super-block of the pair is decoded once into cache and every pass
@@ -919,13 +931,6 @@ static void rows_vnni(const Acts& a, int64_t m, const uint8_t* tile, const uint8
 // takes the direct passes. (Fewer rows lose: SUPER_DECODE_MIN_ROWS; whole tiles decoded
 // before the passes, their accumulators in registers, took 1.05-1.19x the direct passes' time
 // at 12 to 64 rows and 1.02x on a 512-token prompt.)
-// rows r0.. of T tiles' accumulators held in `sums` (16 T floats a row)
-template <int R, int T>
-static inline void load_sums(const float* sums, int64_t r0, __m512 (&acc)[R][T]) {
-  for (int r = 0; r < R; r++)
-    for (int i = 0; i < T; i++) acc[r][i] = _mm512_loadu_ps(sums + 16 * (T * (r0 + r) + i));
-}
-
 template <class F, bool MIN, int T>
 static void tiles_decoded(const Acts& a, int64_t m, const uint8_t* tiles, int64_t tile_bytes,
                           int64_t t, const float* residual, float* y, int64_t n) {
@@ -947,8 +952,7 @@ static void tiles_decoded(const Acts& a, int64_t m, const uint8_t* tiles, int64_
         load_sums(sums.data(), r0, acc);
         blocks_vnni<F, MIN, R, T, true>(a, r0, tiles, tile_bytes, nullptr, 0, b, b + 1, decoded,
                                         acc);
-        for (int r = 0; r < R; r++)
-          for (int i = 0; i < T; i++) _mm512_storeu_ps(&sums[16 * (T * (r0 + r) + i)], acc[r][i]);
+        store_sums(acc, r0, sums.data());
       });
   }
   for (int64_t r0 = 0; r0 < m; r0 += P)
