@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from kernels_ab import alternate, forward_medians, tokens  # (a script beside this one)
+from kernels_ab import alternate, forward_times, medians, tokens  # (a script beside this one)
 from specdecode.models import gguf_reader, int8_blocks
 from specdecode.models.gguf_reader import GGUFFile
 from specdecode.models.loading import load_model, make_runner
@@ -55,12 +55,12 @@ def main() -> None:
     for runner in runners.values():
         runner.prefill(tokens(args.past))
     for rows in args.rows:
-        took = forward_medians(runners, rows, args.turns, equal=not other_numbers)
+        took = medians(forward_times(runners, rows, args.turns, equal=not other_numbers))
         other = took[args.against]
         print(f"{rows} rows after {args.past}: {other * 1e3:.1f} / {took['this'] * 1e3:.1f} "
               f"({took['this'] / other:.2f}x)", flush=True)
-    took = alternate({name: lambda name=name: runners[name].replica().prefill(tokens(args.prompt))
-                      for name in runners}, max(3, args.turns // 3))
+    took = medians(alternate({name: lambda name=name: runners[name].replica().prefill(
+        tokens(args.prompt)) for name in runners}, max(3, args.turns // 3)))
     other = took[args.against]
     print(f"{args.prompt}-token prompt: {other * 1e3:.0f} / {took['this'] * 1e3:.0f} "
           f"({took['this'] / other:.2f}x)")

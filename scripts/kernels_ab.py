@@ -11,8 +11,10 @@ native, its default weights or ``--weights``) is built on each (``kernels.load``
 build while it is built and called), and the
 two take turns call by call, each first in every other turn. Reported: the median of each,
 for a forward of ``rows`` rows after ``past`` cached positions (equal logits asserted) and,
-with ``--prefill``, prompts of ``--prefill-lengths`` tokens. The Python side is the working
-tree's for both, so a revision whose extension takes other arguments cannot be compared.
+with ``--prefill``, prompts of ``--prefill-lengths`` tokens, and the working tree's time
+against the revision's both as the ratio of the medians and as the median of each turn's
+ratio. The Python side is the working tree's for both, so a revision whose extension takes
+other arguments cannot be compared.
 """
 
 from __future__ import annotations
@@ -49,21 +51,36 @@ def tokens(count: int) -> list[int]:
 
 
 def alternate(calls: dict, turns: int) -> dict:
-    """{name: median seconds} of ``calls`` taking turns, each first in every other turn."""
+    """{name: seconds of each turn} of ``calls`` taking turns, each first in every other turn."""
     times = {name: [] for name in calls}
     for turn in range(turns):
         for name in sorted(calls, reverse=turn % 2 == 1):
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def medians(times: dict) -> dict:
+    """{name: median seconds} of alternate's times."""
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def forward_medians(runners: dict, rows: int, turns: int, use=lambda name: None,
-                    equal: bool = True) -> dict:
-    """{name: median seconds} of a forward of ``rows`` rows (a root and a chain, not committed)
-    by each of ``runners`` in turns (``use(name)`` before each), their logits asserted equal
-    (``equal``; False where the runners hold layouts of different numbers)."""
+def compared(times: dict, digits: int) -> str:
+    """The two builds' median times (ms) and the tree's against the revision's: the ratio of
+    the medians and the median of each turn's ratio, which a slow spell of the machine that
+    outlasts a turn moves less."""
+    rev, tree = statistics.median(times["rev"]), statistics.median(times["tree"])
+    paired = statistics.median(t / r for t, r in zip(times["tree"], times["rev"]))
+    return (f"{rev * 1e3:.{digits}f} / {tree * 1e3:.{digits}f} ({tree / rev:.3f}x, "
+            f"turn by turn {paired:.3f}x)")
+
+
+def forward_times(runners: dict, rows: int, turns: int, use=lambda name: None,
+                  equal: bool = True) -> dict:
+    """{name: seconds of each turn} of a forward of ``rows`` rows (a root and a chain, not
+    committed) by each of ``runners`` in turns (``use(name)`` before each), their logits
+    asserted equal (``equal``; False where the runners hold layouts of different numbers)."""
     logits = {}
 
     def step(name):
@@ -110,9 +127,8 @@ def main() -> None:
             use(name)
             runner.prefill(prompt)
         for m in args.rows:
-            took = forward_medians(runners, m, args.turns, use)
-            print(f"forward {m} rows after {past}: {took['rev'] * 1e3:.2f} / "
-                  f"{took['tree'] * 1e3:.2f} ({took['tree'] / took['rev']:.3f}x)", flush=True)
+            took = forward_times(runners, m, args.turns, use)
+            print(f"forward {m} rows after {past}: {compared(took, 2)}", flush=True)
     if args.prefill:
         for length in args.prefill_lengths:
             prompt = tokens(length)
@@ -123,8 +139,7 @@ def main() -> None:
 
             took = alternate({name: lambda name=name: fill(name) for name in builds},
                              max(4, args.turns // 4))
-            print(f"prefill {length}: {took['rev'] * 1e3:.1f} / {took['tree'] * 1e3:.1f} "
-                  f"({took['tree'] / took['rev']:.3f}x)", flush=True)
+            print(f"prefill {length}: {compared(took, 1)}", flush=True)
 
 
 if __name__ == "__main__":

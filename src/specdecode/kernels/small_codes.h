@@ -62,7 +62,9 @@
 // The integer sums start at -offset times the group's activation sum, so that VPDPBUSD
 // (unsigned u times signed xq) gives sum(code * xq).
 
-// how far ahead of the group in use the first row pass asks for a tile's weights
+// how far ahead of the group in use the first row pass asks for a tile's weights (on a Zen 5,
+// the 1.5B's one-row forwards with 8192 took 0.92x, then 1.02-1.03x the time of 4096 in runs an
+// hour apart: the best distance moves with the machine's memory latency)
 #define SMALL_CODES_PREFETCH 4096
 // the fewest rows for which a FIVE_BIT tile is decoded once to block int8's layout on AVX-512
 // (measured on a Zen 5: scripts/small_codes_layouts.py; each pass of 4 rows unpacks below it).
@@ -76,7 +78,8 @@
 // tile pair decoded once (columns_vnni_decoded). The 1.5B's Q4_K and Q6_K forwards after 256
 // positions on a Zen 5, 2 threads, against the direct passes (scripts/kernels_ab.py): 48 rows
 // 1.04x the time, 64 0.99x, 80 0.95-0.99x, 96 0.92x, 128 0.91x, 256 0.87-0.89x, prompts of
-// 512 to 2048 tokens 0.90-0.96x
+// 512 to 2048 tokens 0.90-0.96x. (Q6_K alone decoded so from 9 rows, whose unpacking costs 13
+// operations for 4 slices against Q4_K's 6: 12 rows 1.05x, 16 rows 1.03x, 32-64 rows 0.99x.)
 #ifndef SUPER_DECODE_MIN_ROWS
 #define SUPER_DECODE_MIN_ROWS 72
 #endif
