@@ -37,8 +37,11 @@
 #define ATTN_VALUE_PREFETCH 16
 #endif
 // rows a thread's share of the row-wise kernels (norms, gating, rotary embedding) holds at
-// least: fewer rows run on the calling thread, as a decode step's do
-#define ROW_GRAIN 16
+// least: fewer rows run on the calling thread, as a decode step's do. (16, which left a verify
+// step of 12 to 16 rows on one thread while the other waited, took 1.02-1.04x the time of 8
+// at those rows: the 1.5B after 256 positions on a Zen 5, scripts/kernels_ab.py; 4 gained
+// nothing over 8 at 4 to 16 rows.)
+#define ROW_GRAIN 8
 
 // Where pass `pass` of `passes` over a tile asks for the next tiles' weights (`lines` cache
 // lines from `next`): spread evenly over the groups of the passes after the first, so that they
@@ -1262,7 +1265,7 @@ struct LayerStack {
                 plan.layers >= last, "bad layer range");
     for (int64_t i = first; i < last; i++) {
       at::Tensor mixed = qkv[i](rms_norm(x, attn_norm[i], eps, isa), c10::nullopt, isa);
-      if (!qkv_bias.empty()) mixed = mixed + qkv_bias[i];  // the Python loop's addition
+      if (!qkv_bias.empty()) mixed.add_(qkv_bias[i]);  // the Python loop's addition, in place
       const at::Tensor q = plan.rope_store(i, mixed, cos, sin, heads, kv_heads, isa);
       x = o[i](plan.attention(i, q, window[i], 0.0, isa), x, isa);  // no soft-capping
       const at::Tensor up = gate_up[i](rms_norm(x, mlp_norm[i], eps, isa), c10::nullopt, isa);
