@@ -632,10 +632,10 @@ const float* residual_ptr(const c10::optional<at::Tensor>& residual, int64_t m, 
 
 // a grain that gives every thread a similar share of column tiles, fixed in advance. (Taken
 // as the threads come for them, the 1.5B's forwards on a Zen 5 after 256 positions did not
-// gain: chunks of a shrinking share of what was left, 16 rows 1.01-1.05x the time, as each
-// chunk's last tile asks for no next tile's weights; each thread's half taken from its front,
-// the other thread taking 6 tiles at a time from its back once done with its own, 1 row
-// 1.00x, 16 rows 1.02x)
+// gain: chunks of a shrinking share of what was left, 16 rows 1.01-1.05x the time, most
+// likely as each chunk's last tile asks for no next tile's weights; each thread's half taken
+// from its front, the other thread taking 6 tiles at a time from its back once done with its
+// own, 1 row 1.00x, 16 rows 1.02x)
 int64_t tile_grain(int64_t tiles) {
   int64_t threads = at::get_num_threads();
   return std::max<int64_t>(1, (tiles + threads - 1) / threads);
