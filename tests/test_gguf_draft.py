@@ -1,7 +1,8 @@
 """A GGUF file as the draft of ``draft_model`` and ``dyspec`` (as llama.cpp's ``-md``): tiny
 random-weight files written here, one the target and others drafts, greedy output identical to
-``ar``, seeded sampling repeating, a draft of another vocabulary or tokenizer refused, a missing
-file refused; and the real pair (Qwen2.5-Coder 1.5B with its 0.5B draft) when installed (slow).
+``ar``, seeded sampling repeating (coupled chains: ``ar``'s own answer), a draft of another
+vocabulary or tokenizer refused, a missing file refused; and the real pair (Qwen2.5-Coder 1.5B
+with its 0.5B draft) when installed (slow).
 
 The files' vocabulary has 90 tokens and their embedding tables 96 rows (as Qwen2.5's tables are
 wider than its tokenizer): a draft whose rows equal the target's is accepted.
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from specdecode.api import Decoder
+from specdecode.draft import Draft
 from specdecode.engine import Generation
 from specdecode.drafting.artifacts import shortlist_ids
 from specdecode.errors import SpecDecodeError
@@ -94,6 +96,48 @@ def test_seeded_sampling_repeats(target, files, method, config):
     assert runs[0] != runs[2]
 
 
+def sampled_run(target, drafter, prompt, strip_probs=False):
+    """(the seeded T = 0.9 answer, the fraction of drafted tokens accepted, drafts that carried
+    probabilities); ``strip_probs``: each draft sent without its probabilities, as ``auto``
+    sends a draft drawn apart from the verifier."""
+    propose, with_probs = drafter.propose, []
+
+    def sent(context, budget):
+        draft = propose(context, budget)
+        with_probs.append(draft.probs is not None)
+        return Draft(draft.tokens, draft.parents) if strip_probs else draft
+
+    drafter.propose = sent
+    try:
+        gen = generation(target, drafter, prompt, 40, temperature=0.9, seed=7)
+        tokens = gen.run()
+    finally:
+        del drafter.propose
+    return tokens, gen.stats.accepted_tokens / max(1, gen.stats.draft_tokens), sum(with_probs)
+
+
+def test_coupled_chains_leave_ars_answer_and_land_on_the_targets_tokens(target, files):
+    """``coupled=true``: each drafted token is drawn with the uniform the verifier will draw for
+    it and sent without probabilities, so a seeded answer is ``ar``'s own whatever the draft;
+    a draft equal to the target lands on its tokens (accepted nearly always), where the same
+    draft's tokens drawn apart from the verifier are accepted with p(x) only."""
+    prompts = repetitive_prompts()[:3]
+    for which in ("target", "close", "other"):
+        drafter = proposer(target, "draft_model", str(files[which]), coupled=True)
+        assert not drafter.samples_drafts
+        for prompt in prompts:
+            expected = generation(target, proposer(target, "ar"), prompt, 40, temperature=0.9,
+                                  seed=7).run()
+            tokens, _, with_probs = sampled_run(target, drafter, prompt)
+            assert tokens == expected and with_probs == 0, (which, prompt)
+    coupled = proposer(target, "draft_model", str(files["target"]), coupled=True)
+    apart = proposer(target, "draft_model", str(files["target"]))
+    rates = [(sampled_run(target, coupled, p)[1], sampled_run(target, apart, p, True)[1])
+             for p in prompts]
+    # (measured: 1.0 against 0.0-0.006 on this near-uniform target at T = 0.9)
+    assert all(mine >= 0.8 and theirs <= 0.5 for mine, theirs in rates), rates
+
+
 @pytest.mark.parametrize("method,config", [("draft_model", {}), ("dyspec", TREE)])
 @pytest.mark.parametrize("widen", [True, False])
 def test_a_shortlisted_head_drafts_only_its_tokens_and_changes_no_output(target, files, method,
@@ -150,12 +194,20 @@ def test_a_widened_shortlist_scores_the_contexts_tokens_as_the_whole_head_does(t
 
 
 def test_auto_given_a_draft_drafts_with_it_and_changes_no_output(target, files):
-    """``auto -c draft=FILE.gguf`` (no parts named): suffix and draft_model, greedy output
-    ``ar``'s; without a draft, a target with no heads is told it may name one."""
+    """``auto -c draft=FILE.gguf`` (no parts named): suffix and draft_model (coupled), greedy
+    and seeded sampled output ``ar``'s; without a draft, a target with no heads is told it may
+    name one."""
     auto = proposer(target, "auto", str(files["close"]))
     assert auto.names == ["suffix", "draft_model"]
     for prompt in repetitive_prompts()[:2]:
         assert generation(target, auto, prompt, 24).run() == ar(target, prompt, 24), prompt
+    # its draft model's chains are coupled to the verifier: a seeded answer is ar's own
+    assert auto.parts[1].config.coupled
+    prompt = repetitive_prompts()[1]
+    expected = generation(target, proposer(target, "ar"), prompt, 40, temperature=0.9,
+                          seed=7).run()
+    tokens, _, with_probs = sampled_run(target, auto, prompt)
+    assert tokens == expected and with_probs == 0
     # without a draft its default heads are asked for: none are trained for this target
     with pytest.raises(SpecDecodeError, match=r"no trained hydra heads.*-c draft=NAME"):
         proposer(target, "auto")

@@ -265,6 +265,7 @@ class Generation:
         self._started = time.perf_counter()
         self._generator = self.sampling.generator()
         self.proposer.set_sampling(self.sampling)
+        self.proposer.couple(self._generator)
         self.proposer.start(self.prompt_ids)
         if self.reference:
             self.proposer.use_reference(self.reference)

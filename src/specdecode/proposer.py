@@ -1,8 +1,9 @@
 """The proposer interface: where draft tokens come from.
 
 A proposer only proposes; it never decides what is accepted. Its lifecycle per request:
-``set_sampling(params)`` -> ``start(prompt)`` -> ``observe(prefill feedback)`` ->
-(``propose(context, budget)`` -> ``observe(feedback)``)* -> ``finish(output)``.
+``set_sampling(params)`` -> ``couple(generator)`` -> ``start(prompt)`` ->
+``observe(prefill feedback)`` -> (``propose(context, budget)`` -> ``observe(feedback)``)* ->
+``finish(output)``.
 What it reads from the target's passes besides the logits it declares in ``needs``; the engine
 asks the runner for it and hands it over in :class:`Feedback`.
 State that outlives a request (a global suffix tree, a token-recycling matrix) stays on the
@@ -103,6 +104,14 @@ class Proposer(ABC):
         their drafts from a model (draft models) sample from the same processed distribution as
         the target, and record it in ``Draft.probs`` for the verifier."""
         self.sampling = sampling
+
+    def couple(self, generator: torch.Generator) -> None:
+        """The request's verifier generator (the engine's), given after :meth:`set_sampling`.
+        A proposer that sends a sampled draft without probabilities may draw its tokens with
+        the uniforms this generator will draw next, from a copy of its state, never drawing
+        from it (drafting/session.py's coupled drafts): the verifier's walk commits ``ar``'s
+        tokens whatever was drafted, and accepts a drafted token where the two draws agree.
+        Nothing for the rest."""
 
     def start(self, prompt: Sequence[int]) -> None:
         """A request begins with ``prompt`` (token ids)."""

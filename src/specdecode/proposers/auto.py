@@ -43,16 +43,20 @@ outside (:attr:`~specdecode.proposer.Proposer.prices_own_drafting`).
 
 Every draft made, sent or not, is scored against the tokens the target commits (walking its
 tree along them, across steps where needed), so the estimates of parts and of the merged tree
-stay current; greedy, that walk is the acceptance the verifier would have given. The sent
-draft is scored by what the verifier accepted.
+stay current; greedy, and at T > 0 for a coupled chain, that walk is the acceptance the
+verifier would have given. The sent draft is scored by what the verifier accepted.
 
 Exactness is the verifier's. Every draft is sent without probabilities (a sampled head draft
 loses its ``Draft.probs``), so at T > 0 the verifier takes its deterministic walk: it samples
-each token from the target and descends where a child holds it, which is exact for any draft
-drawn independently of its uniforms, and draws exactly ``ar``'s uniforms. That keeps seeded
-runs repeatable although the choices depend on measured seconds (with probabilities, the
-rejection rule's draws would depend on which draft was sent); the price is the head's
-acceptance at T > 0, p(x) in place of min(1, p(x) / q(x)).
+each token from the target with ``ar``'s uniforms and descends where a child holds it, so it
+commits ``ar``'s tokens whatever was drafted. That keeps seeded runs repeatable although the
+choices depend on measured seconds (with probabilities, the rejection rule's draws would depend
+on which draft was sent). A draft model part draws its chains coupled to the verifier
+(``draft_model``'s ``coupled``; drafting/session.py): each token with the uniform the verifier's
+walk will draw for it, so where the draft model and the target nearly agree so do their draws
+(nearly as often as the rejection rule would accept), and an unsent chain's walk scores it as
+the verifier would have. A head's sampled tokens, drawn apart from the verifier, are accepted
+with p(x) only.
 """
 
 from __future__ import annotations
@@ -259,6 +263,8 @@ class AutoProposer(Proposer):
         method = registry.get(name)
         fields = {f for f, _, _ in method.defaults()}
         shared = {f: getattr(self.config, f) for f in SHARED_FIELDS if f in fields}
+        if "coupled" in fields:  # its drafts go without probabilities: drawn coupled
+            shared["coupled"] = True
         try:
             return method.proposer(method.make_config(shared), self.runner)
         except SpecDecodeError as exc:
@@ -276,6 +282,10 @@ class AutoProposer(Proposer):
         super().set_sampling(sampling)
         for part in self.parts:
             part.set_sampling(sampling)
+
+    def couple(self, generator) -> None:
+        for part in self.parts:
+            part.couple(generator)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.choices = Counter()

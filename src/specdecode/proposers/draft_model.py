@@ -9,7 +9,10 @@ token from its own distribution processed exactly like the target's (penalties, 
 top-k, top-p, min-p, each node with its own context) and records that distribution in
 ``Draft.probs``, so the verifier's rejection rule keeps the target's distribution. The draft draws
 from its own generator, seeded from the request seed (offset, so its draws are independent of
-the verifier's): seeded runs repeat.
+the verifier's): seeded runs repeat. ``coupled`` draws each token with the verifier's own next
+uniform instead and sends the chain without probabilities (drafter-invariant speculative
+decoding, Daliri et al., 2024; drafting/session.py): a seeded answer is then ``ar``'s own, and
+a token is accepted where the two draws agree.
 
 The draft's cache is kept aligned with the target: at each step the committed tokens it has not
 seen (the accepted tokens it did not compute itself, and the bonus/recovered token) are fed in
@@ -67,6 +70,9 @@ class DraftModelConfig(DraftSource):
     stop_threshold: float = param(0.3, "specdecpp controller: stop when the predicted P(some "
                                        "drafted token is rejected) exceeds this (paper: 0.3)",
                                   bounds=(0.0, 1.0))
+    coupled: bool = param(False, "T > 0: draw each token with the verifier's next uniform and "
+                                 "send the chain without probabilities, so a seeded answer is "
+                                 "ar's own (false: rejection sampling with its probabilities)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -132,6 +138,8 @@ class DraftModelProposer(Proposer):
         self.session = DraftSession(lm)
         self.acceptance_head = loaded.acceptance_head
         self.draft_source = loaded.source
+        #: coupled chains carry no probabilities: any draft leaves a seeded answer ar's
+        self.samples_drafts = not config.coupled
 
     @property
     def lm(self):
@@ -140,6 +148,10 @@ class DraftModelProposer(Proposer):
 
     def make_controller(self) -> Controller:
         return CONTROLLERS[self.config.controller](self)
+
+    def couple(self, generator: torch.Generator) -> None:
+        if self.config.coupled:
+            self.session.couple(generator)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.session.start(prompt, self.sampling)
