@@ -194,13 +194,15 @@ def test_a_method_seldom_seen_drafting_sends_single_tokens_to_learn_its_worth(ac
     of a level never drafted, no draft pays, and without first drafts it would never draft,
     however well it drafts. Its first FIRST_DRAFTS are a token each, where one sure to be
     accepted would pay: after reading a short prompt (seven forwards' worth: the 0.5B reading
-    51 tokens for the 1.5B on two AVX2 cores) with 128 tokens to repay it, not with 8. Then
+    51 tokens for the 1.5B on two AVX2 cores) with 128 tokens to repay it (a request that has
+    written 128 expects as many more), not with 8. Then
     what it is worth decides: its tokens accepted, it keeps drafting; rejected, it stops as
     soon as the upper bound of its acceptance no longer pays for a token (two misses here)."""
     costs = RowCosts({1: 1.0, 2: 1.02, 64: 3.0})
     behind = dict(catch_up_s=7.0, level_s=0.6)
     assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=8, **behind) == (0, 0)
-    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=128, **behind) == (1, 1)
+    assert DraftSizing(costs).sequence(GREEDY).cap(6, 6, tokens_left=128, generated=128,
+                                                   **behind) == (1, 1)
     sizer, caps = DraftSizing(costs).sequence(GREEDY), []
     for step in range(EXPLORE_EVERY):
         depth, nodes = sizer.cap(6, 6, level_s=0.6, tokens_left=200 - step)
@@ -273,14 +275,17 @@ def test_a_draft_far_behind_catches_up_where_the_request_can_repay_it():
 
 def test_a_catch_up_is_spread_over_the_tokens_its_methods_answers_say_are_left():
     """A draft model 40 s behind with 1000 tokens of budget left: after answers of 8 tokens it
-    does not catch up (the budget is not what is left), after answers of 1000 it does; a
-    request already past every recent answer's length is back on its budget; a seeded one
-    reads no other answers: it expects as many tokens as it has written (not after answers of
-    1000 at its start, after 500 of its own past answers of 8)."""
+    does not catch up (the budget is not what is left), nor after answers of 1000 while its
+    own answer is short (what it has written says at most as much), but once it has written
+    500 of them it does; a request already past every recent answer's length counts on as
+    many as it has written; a seeded one reads no other answers: it expects as many tokens as
+    it has written (not after answers of 1000 at its start, after 500 of its own past answers
+    of 8)."""
     costs = RowCosts({1: 1.0, 8: 1.05, 64: 2.0})
     caps = {}
     for name, length, generated, sampling in (
-            ("short", 8, 0, GREEDY), ("long", 1000, 0, GREEDY), ("past", 8, 9, GREEDY),
+            ("short", 8, 0, GREEDY), ("long start", 1000, 0, GREEDY),
+            ("long on", 1000, 500, GREEDY), ("past", 8, 500, GREEDY),
             ("seeded start", 1000, 0, SEEDED), ("seeded on", 8, 500, SEEDED)):
         sizing = DraftSizing(costs)
         for _ in range(5):
@@ -290,25 +295,34 @@ def test_a_catch_up_is_spread_over_the_tokens_its_methods_answers_say_are_left()
         sizer = sizing.sequence(sampling)
         run_steps(sizer, lambda depth: depth, 10)
         caps[name] = sizer.cap(6, 6, 40.0, tokens_left=1000, generated=generated)[0]
-    assert caps["short"] == 0 and caps["long"] >= 1 and caps["past"] >= 1, caps
+    assert caps["short"] == 0 and caps["long start"] == 0, caps
+    assert caps["long on"] >= 1 and caps["past"] >= 1, caps
     assert caps["seeded start"] == 0 and caps["seeded on"] >= 1, caps
 
 
 def test_answer_lengths_give_the_tokens_a_request_can_expect_to_add():
     lengths = AnswerLengths()
-    assert lengths.expected_left(0, 128) == 128
+    # nothing seen: what the request says of itself (as many as it has written, at least 32)
+    assert lengths.expected_left(0, 128) == UNSEEN_ANSWER
+    assert lengths.expected_left(100, 128) == 100
     for n in (20, 40, 128, 60):
         lengths.observe(n)
     # the lower quartile of what the answers longer than those generated added past them
-    assert lengths.expected_left(0, 128) == 40  # of 20, 40, 60, 128
+    assert lengths.expected_left(0, 128) == UNSEEN_ANSWER  # 40 of 20, 40, 60, 128: at most 32
     assert lengths.expected_left(30, 98) == 10  # of 10, 30, 98
-    assert lengths.expected_left(10, 50) == 30  # of 10, 30, 50, 50 (each at most its budget)
-    assert lengths.expected_left(200, 300) == 300  # past every answer: its budget
+    assert lengths.expected_left(50, 50) == 10  # of 10, 50 (at most 50 alone)
+    assert lengths.expected_left(200, 300) == 200  # past every answer: as many as written
     # a mixed record: most answers short, a few long ones pull the mean up, not the quartile
     mixed = AnswerLengths()
     for n in [20] * 6 + [128] * 2:
         mixed.observe(n)
     assert mixed.expected_left(0, 128) == 20
+    # a record of long answers does not outbid a request that has written little yet
+    long = AnswerLengths()
+    for n in [128] * 8:
+        long.observe(n)
+    assert long.expected_left(0, 128) == UNSEEN_ANSWER
+    assert long.expected_left(60, 68) == 60
 
 
 def test_a_request_alone_expects_as_many_tokens_as_it_has_written():

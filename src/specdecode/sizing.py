@@ -340,11 +340,11 @@ class SequenceSizer:
         ``catch_up_s``, ``level_s``: the proposer's drafting by its drafter's row-cost curve
         (:meth:`~specdecode.proposer.Proposer.draft_seconds`). The catch-up is priced by
         :func:`catch_up_share` over the tokens the request can be expected to add after the
-        ``generated`` ones, at most its ``tokens_left``, by its method's recent answers
-        (:class:`~specdecode.estimates.AnswerLengths`; an explore draft pays it whole); the
-        seconds a level, until the proposer's drafting has been timed. A seeded sampled request
-        reads neither timings nor other answers (it expects to add as many tokens as it has
-        written, :func:`~specdecode.estimates.expected_left_alone`)."""
+        ``generated`` ones, at most its ``tokens_left``, by its method's recent answers and
+        its own length (:class:`~specdecode.estimates.AnswerLengths`; an explore draft pays it
+        whole); the seconds a level, until the proposer's drafting has been timed. A seeded
+        sampled request reads neither timings nor other answers (it expects to add as many
+        tokens as it has written, :func:`~specdecode.estimates.expected_left_alone`)."""
         sizing = self.sizing
         self.catch_up_s = 0.0
         if catch_up_s:  # (computed only where a catch-up is priced)
