@@ -415,7 +415,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, context: Sequence
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Inverse-CDF draw from probs [V] using exactly one uniform number, so a seeded run draws
     the same random stream whatever the drafts were."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return inverse_cdf(probs, uniform(generator))
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token of probs [V] (not necessarily normalised) whose interval of the cumulative
+    distribution, in token order, holds ``u`` in [0, 1): :func:`sample`'s draw at ``u``."""
     cdf = probs.double().cumsum(0)
     index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
     index = min(index, probs.shape[0] - 1)

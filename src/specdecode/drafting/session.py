@@ -10,20 +10,23 @@ target's distribution. The draws come from the session's generator, seeded from 
 seed plus ``DRAFT_SEED_OFFSET``: seeded runs repeat, and drafting never reuses the verifier's
 uniforms.
 
-Coupled chains (:meth:`DraftSession.couple`; ``draft_model``'s ``coupled``, ``auto``'s draft
-model) do the opposite: a chain's token at depth k is drawn with the uniform the verifier's
-generator will draw k-th from now (a copy of its state; ``sample`` is an inverse-CDF draw in
-token order, one uniform a token, as the verifier's walk draws one a committed token), and
-the chain goes without probabilities. The verifier's deterministic walk then commits ``ar``'s
-own tokens whatever was drafted (a seeded answer is ``ar``'s), and a drafted token is accepted
-where the draft's draw and the target's land on the same token: the coupling of drafter-
-invariant speculative decoding (Daliri, Musco and Suresh, 2024, "Coupling without
-Communication and Drafter-Invariant Speculative Decoding", arXiv 2408.07978, which couples by
-Gumbel-max over shared noise; here by the inverse CDF ``ar`` already samples with). On the
-peaked distributions of real models the two draws agree nearly as often as min(1, p / q)
-accepts: over Qwen2.5-Coder-1.5B's own answers at T = 0.7 with its 0.5B as the draft, 0.815 of
-positions against rejection sampling's 0.838, where a token drawn apart from the verifier and
-sent without probabilities is accepted with p(x), 0.770 (scripts/coupling_agreement.py).
+Coupled drafts (:meth:`DraftSession.couple`; the ``coupled`` setting of ``draft_model``,
+``dyspec`` and the head methods, and of ``auto``'s parts) do the opposite: a chain's token at
+depth k, and in a tree each node's first child at depth k, is drawn with the uniform the
+verifier's generator will draw k-th from now (a copy of its state; ``sample`` is an
+inverse-CDF draw in token order, one uniform a token, as the verifier's walk draws one a
+committed token); a tree's other siblings are drawn apart, from the session's generator, as
+other guesses; and the draft goes without probabilities. The verifier's deterministic walk
+then commits ``ar``'s own tokens whatever was drafted (a seeded answer is ``ar``'s), and a
+drafted token is accepted where the draft's draw and the target's land on the same token: the
+coupling of drafter-invariant speculative decoding (Daliri, Musco and Suresh, 2024, "Coupling
+without Communication and Drafter-Invariant Speculative Decoding", arXiv 2408.07978, which
+couples by Gumbel-max over shared noise; here by the inverse CDF ``ar`` already samples
+with). On the peaked distributions of real models the two draws agree nearly as often as
+min(1, p / q) accepts: over Qwen2.5-Coder-1.5B's own answers at T = 0.7 with its 0.5B as the
+draft, 0.815 of positions against rejection sampling's 0.838, where a token drawn apart from
+the verifier and sent without probabilities is accepted with p(x), 0.770
+(scripts/coupling_agreement.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,26 @@ import torch
 
 from specdecode.control import DraftSignal
 from specdecode.draft import Draft
-from specdecode.sampling import GREEDY, NodeDistributions, SamplingParams, filtered_probs, sample
+from specdecode.registry import param
+from specdecode.sampling import (GREEDY, NodeDistributions, SamplingParams, filtered_probs,
+                                 inverse_cdf, sample, uniform)
+
+def coupled_param():
+    """The ``coupled`` setting of the methods that draft through a :class:`DraftSession`."""
+    return param(False, "T > 0: draw each drafted token (in a tree, each node's first child) "
+                        "with the uniform the verifier will draw for its position and send the "
+                        "draft without probabilities, so a seeded answer is ar's own (false: "
+                        "rejection sampling with its probabilities)")
+
+
+class CoupledDrafts:
+    """``couple`` for a proposer drafting through ``self.session`` whose config has
+    ``coupled`` (its ``samples_drafts`` is then False: its drafts carry no probabilities)."""
+
+    def couple(self, generator: torch.Generator) -> None:
+        if self.config.coupled:
+            self.session.couple(generator)
+
 
 #: added to the request seed for the draft's generator: its draws must not repeat the
 #: verifier's uniforms (the same stream would correlate drafting and acceptance)
@@ -56,13 +78,40 @@ class DraftSession:
         #: how likely the best child of a node the drafter reads is to be the target's token,
         #: a running mean over the nodes read (drafting/tree.py values unread nodes by it)
         self.child_confidence = 1.0
-        #: the verifier's generator where chains are coupled to its uniforms (:meth:`couple`)
+        #: the verifier's generator where drafts are coupled to its uniforms (:meth:`couple`)
         self.verifier: torch.Generator | None = None
+        #: the current draft's coupled uniforms: a copy of the verifier's generator and those
+        #: drawn from it so far (depth 1 first); None where the draft is not coupled
+        self._uniforms: tuple[torch.Generator, list[float]] | None = None
 
     def couple(self, generator: torch.Generator) -> None:
-        """Draw this request's sampled chains with the uniforms ``generator`` (the verifier's)
+        """Draw this request's sampled drafts with the uniforms ``generator`` (the verifier's)
         draws next, and send them without probabilities (see the module docstring)."""
         self.verifier = generator
+
+    def begin_draft(self) -> None:
+        """A draft begins: where it is coupled (sampled, after :meth:`couple`), a copy of the
+        verifier's generator as it stands, whose draws are the verifier's next uniforms."""
+        self._uniforms = None
+        if self.verifier is not None and not self.sampling.greedy:
+            copy = torch.Generator()
+            copy.set_state(self.verifier.get_state())  # the verifier's own stream is untouched
+            self._uniforms = (copy, [])
+
+    @property
+    def coupled(self) -> bool:
+        """Whether the current draft is coupled (and so goes without probabilities)."""
+        return self._uniforms is not None
+
+    def coupled_uniform(self, depth: int) -> float | None:
+        """The uniform the verifier will draw for the token at ``depth`` (1: the root's child)
+        of the current draft, or None where it is not coupled."""
+        if self._uniforms is None:
+            return None
+        copy, drawn = self._uniforms
+        while len(drawn) < depth:
+            drawn.append(uniform(copy))
+        return drawn[depth - 1]
 
     def start(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A request begins: its sampling options, and the generator seeded from its seed."""
@@ -97,12 +146,11 @@ class DraftSession:
         return NodeDistributions(full, self.sampling, context, self.prompt_len, Draft.empty())
 
     def draw(self, logits: torch.Tensor, context: Sequence[int],
-             generator: torch.Generator | None = None) -> tuple[int, torch.Tensor | None, float]:
+             u: float | None = None) -> tuple[int, torch.Tensor | None, float]:
         """One draft token from shortlist logits [V'] at a node whose committed context plus
         path is ``context``: (token, the distribution it was drawn from or None when greedy,
-        the draft's probability of it). Sampled with ``generator``'s uniform (default: the
-        session's own)."""
-        generator = self.generator if generator is None else generator
+        the draft's probability of it). Sampled at the uniform ``u`` where given (a coupled
+        draft's), else with the session's generator."""
         head_ids = getattr(self.lm, "head_ids", None)
         if self.sampling.greedy and not self.sampling.adjusts_logits and head_ids is not None:
             # the shortlist's argmax and probability: the vocabulary's other tokens have
@@ -114,15 +162,18 @@ class DraftSession:
         if shortlisted is not None:
             # shortlists ascend by id, so the one uniform picks the token the vocabulary's draw would
             small, q = shortlisted
-            index = sample(small, generator)
+            index = self._pick(small, u)
             return int(head_ids[index]), q, float(small[index])
         node = self.node(logits, context)
         if self.sampling.greedy:
             token = node.argmax(0)
             return token, None, float(node.logits[0].softmax(-1)[token])
         q = node.probs(0)
-        token = sample(q, generator)
+        token = self._pick(q, u)
         return token, q, float(q[token])
+
+    def _pick(self, probs: torch.Tensor, u: float | None) -> int:
+        return sample(probs, self.generator) if u is None else inverse_cdf(probs, u)
 
     def shortlist_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """At T > 0 without penalties, for a drafter with a shortlist: the sampling distribution
@@ -150,20 +201,16 @@ class DraftSession:
         if length <= 0:
             self.nodes = ([], [], [])
             return Draft.empty()
-        coupled = self.verifier is not None and not self.sampling.greedy
-        generator = None
-        if coupled:  # a copy: the verifier's own stream is drawn by the verifier alone
-            generator = torch.Generator()
-            generator.set_state(self.verifier.get_state())
+        self.begin_draft()
         logits, hidden = self.catch_up(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         path = list(context)
         for depth in range(1, length + 1):
-            token, q, confidence = self.draw(logits, path, generator)
+            token, q, confidence = self.draw(logits, path, self.coupled_uniform(depth))
             tokens.append(token)
             path.append(token)
-            if q is not None and not coupled:
+            if q is not None and not self.coupled:
                 probs.append(q)
             if depth == length or (keep_drafting is not None and not keep_drafting(
                     DraftSignal(depth, confidence, hidden))):

@@ -24,6 +24,11 @@ depend on the token it turns out to be: a sibling candidate is valued before it 
 its parent's value times the expected draft probability of the next draw (sum of q(x)^2 over
 the undrawn tokens, over their mass). Greedy values use the actual draft probabilities
 (nothing random to bias).
+
+A coupled tree (drafting/session.py) draws each node's first child at the uniform the
+verifier will draw at that child's depth, so the tree holds the chain the verifier's walk
+follows where the draft agrees, its later siblings as guesses where it does not; it goes
+without probabilities and the walk commits ``ar``'s tokens whatever it holds.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
-from specdecode.sampling import sample
+from specdecode.sampling import inverse_cdf, sample
 
 
 #: how fast :attr:`DraftSession.child_confidence` follows the nodes read (a read a node: about
@@ -90,10 +95,13 @@ class _Drawn:
     replacement, RSD)."""
 
     def __init__(self, small: torch.Tensor, ids: torch.Tensor | None, q: torch.Tensor,
-                 generator: torch.Generator, limit: int):
+                 generator: torch.Generator, limit: int, first_u: float | None = None):
         """At most ``limit`` siblings from ``small`` [V'], the draft distribution on the tokens
-        ``ids`` (None: every token), which is ``q`` [V] on the vocabulary."""
+        ``ids`` (None: every token), which is ``q`` [V] on the vocabulary; the first drawn at
+        the uniform ``first_u`` where given (a coupled draft's, session.py), the others with
+        ``generator``."""
         self.small, self.ids, self.q, self.generator = small, ids, q, generator
+        self.first_u = first_u
         self.available = min(limit, int((small > 0).sum()))
         self.drawn: list[int] = []  # indices into small
         # the undrawn tokens' mass and sum of squares, less each drawn sibling's share
@@ -112,7 +120,10 @@ class _Drawn:
             rest, drawn_from = rest.clone(), drawn_from.clone()
             rest[self.drawn] = 0.0
             drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
-        index = sample(rest, self.generator)
+        if self.first_u is not None and not self.drawn:
+            index = inverse_cdf(rest, self.first_u)
+        else:
+            index = sample(rest, self.generator)
         prob = float(self.small[index])
         self.drawn.append(index)
         self._mass -= prob
@@ -132,23 +143,26 @@ def rank_children(session: DraftSession, logits: torch.Tensor, context: Sequence
     sampling, head_ids = session.sampling, getattr(session.lm, "head_ids", None)
     if sampling.greedy and not sampling.adjusts_logits:
         return _shortlist_children(logits, head_ids, limit)
-    return [_node_children(session, row, [*context, *path], limit)
+    return [_node_children(session, row, [*context, *path], limit, len(path) + 1)
             for row, path in zip(logits, paths)]
 
 
 def _node_children(session: DraftSession, logits: torch.Tensor, path: Sequence[int],
-                   limit: int) -> _Children:
+                   limit: int, depth: int) -> _Children:
+    """The candidate children, at ``depth``, of a node whose committed context plus path is
+    ``path``."""
     shortlisted = None if session.sampling.greedy else session.shortlist_probs(logits)
     if shortlisted is not None:
         small, q = shortlisted
-        return _Drawn(small, session.lm.head_ids, q, session.generator, limit)
+        return _Drawn(small, session.lm.head_ids, q, session.generator, limit,
+                      session.coupled_uniform(depth))
     node = session.node(logits, path)  # the vocabulary's logits [V]: only where needed
     if session.sampling.greedy:
         q = node.penalised(0).softmax(-1)
         top = q.topk(min(limit, int((q > 0).sum())))
         return _Ranked(top.indices.tolist(), top.values.tolist())
     q = node.probs(0)
-    return _Drawn(q, None, q, session.generator, limit)
+    return _Drawn(q, None, q, session.generator, limit, session.coupled_uniform(depth))
 
 
 def _shortlist_children(logits: torch.Tensor, head_ids: torch.Tensor | None,
@@ -185,6 +199,7 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
     if budget_nodes <= 0 or max_depth <= 0:
         session.nodes = ([], [], [])
         return Draft.empty()
+    session.begin_draft()
     logits, _ = session.catch_up(context)
     # a drafter that ranks every depth without reading (ranking) values a node's children
     # by the node's own value, their bound: its reads cost nothing
@@ -216,7 +231,7 @@ def grow_tree(session: DraftSession, context: Sequence[int], budget: Budget, set
         session.child_confidence = max(
             CONFIDENCE_FLOOR, session.child_confidence
             + CONFIDENCE_RATE * (best_child - session.child_confidence))
-    probs = torch.stack(tree.probs) if tree.probs else None
+    probs = torch.stack(tree.probs) if tree.probs and not session.coupled else None
     return Draft(tuple(tree.tokens), tuple(tree.parents), probs)
 
 
@@ -242,7 +257,8 @@ def grow_block_tree(session: DraftSession, context: Sequence[int], budget: Budge
             if depth not in depths:
                 depths[depth] = session.shortlist_probs(block[depth])
             small, q = depths[depth]
-            return _Drawn(small, head_ids, q, session.generator, limit)
+            return _Drawn(small, head_ids, q, session.generator, limit,
+                          session.coupled_uniform(depth + 1))
         if not depths:
             depths.update(enumerate(_shortlist_children(block[:settings.max_depth], head_ids,
                                                         limit)))

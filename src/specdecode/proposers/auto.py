@@ -43,7 +43,7 @@ outside (:attr:`~specdecode.proposer.Proposer.prices_own_drafting`).
 
 Every draft made, sent or not, is scored against the tokens the target commits (walking its
 tree along them, across steps where needed), so the estimates of parts and of the merged tree
-stay current; greedy, and at T > 0 for a coupled chain, that walk is the acceptance the
+stay current; greedy, and at T > 0 for a coupled draft, that walk is the acceptance the
 verifier would have given. The sent draft is scored by what the verifier accepted.
 
 Exactness is the verifier's. Every draft is sent without probabilities (a sampled head draft
@@ -51,12 +51,12 @@ loses its ``Draft.probs``), so at T > 0 the verifier takes its deterministic wal
 each token from the target with ``ar``'s uniforms and descends where a child holds it, so it
 commits ``ar``'s tokens whatever was drafted. That keeps seeded runs repeatable although the
 choices depend on measured seconds (with probabilities, the rejection rule's draws would depend
-on which draft was sent). A draft model part draws its chains coupled to the verifier
-(``draft_model``'s ``coupled``; drafting/session.py): each token with the uniform the verifier's
-walk will draw for it, so where the draft model and the target nearly agree so do their draws
-(nearly as often as the rejection rule would accept), and an unsent chain's walk scores it as
-the verifier would have. A head's sampled tokens, drawn apart from the verifier, are accepted
-with p(x) only.
+on which draft was sent). So the parts draw coupled to the verifier (their ``coupled``
+setting; drafting/session.py): a draft model's chain tokens, and each node's first child in a
+tree, with the uniform the verifier's walk will draw at that depth, so where the drafter and
+the target nearly agree so do their draws (nearly as often as the rejection rule would
+accept, where tokens drawn apart from the verifier would be accepted with p(x) only), and an
+unsent draft's walk scores it as the verifier would have.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ from specdecode.models.quant import check_format
 from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
 from specdecode.registry import param, register
-from specdecode.sampling import sample
+from specdecode.sampling import inverse_cdf, sample
 
 SHAPES = ("tree", "chain")
 #: what drafts the block: the learned network (heads/networks.py) or the dLLM
@@ -122,6 +122,7 @@ class DeerProposer(HeadProposer):
                                           config.dllm_weights)
         self.session = DraftSession(lm)
         self.depth_limit = None
+        self.samples_drafts = not config.coupled
 
     def observe(self, feedback: Feedback) -> None:
         if self.config.drafter == "heads":
@@ -146,12 +147,13 @@ class DeerProposer(HeadProposer):
         self.session.nodes = ([], [], [])
         if length <= 0:
             return Draft.empty()
+        self.session.begin_draft()
         self.lm.catch_up(context)
         block = self.lm.block_logits()[:length]
         if self.sampling.greedy and not self.sampling.adjusts_logits:
             return self._greedy_chain(block)
         tokens, probs, path_prob = [], [], 1.0
-        for logits in block:
+        for depth, logits in enumerate(block, 1):
             node = self.session.node(logits, list(context) + tokens)
             if self.sampling.greedy:
                 token = node.argmax(0)
@@ -162,8 +164,10 @@ class DeerProposer(HeadProposer):
             if path_prob < self.config.min_path_prob:
                 break
             if not self.sampling.greedy:
-                token = sample(q, self.session.generator)
-                probs.append(q)
+                u = self.session.coupled_uniform(depth)  # coupled: the verifier's uniform
+                token = sample(q, self.session.generator) if u is None else inverse_cdf(q, u)
+                if not self.session.coupled:
+                    probs.append(q)
             tokens.append(token)
         self.session.nodes = (tokens, list(range(-1, len(tokens) - 1)), [None] * len(tokens))
         return Draft.chain(tokens, torch.stack(probs) if probs else None)

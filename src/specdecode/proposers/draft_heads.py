@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdecode.control import Controller
-from specdecode.drafting.session import DraftSession
+from specdecode.drafting.session import CoupledDrafts, DraftSession, coupled_param
 from specdecode.drafting.tree import check_tree, grow_tree
 from specdecode.heads.artifact import load_heads
 from specdecode.errors import require
@@ -46,6 +46,7 @@ class HeadTreeConfig:
                                        "(as fast as int8 or faster, the same acceptance) | int8 "
                                        "| bf16, or fp32 (plain torch); the drafts may change, "
                                        "never the output")
+    coupled: bool = coupled_param()
 
     def __post_init__(self):
         check_tree(self)
@@ -53,7 +54,7 @@ class HeadTreeConfig:
                 f"unknown draft_weights {self.draft_weights!r}; known: {', '.join(DRAFT_WEIGHTS)}")
 
 
-class HeadProposer(Proposer):
+class HeadProposer(CoupledDrafts, Proposer):
     """Subclasses set ``head_kind`` (a network of heads/networks.py) and register."""
 
     head_kind = "?"
@@ -70,6 +71,8 @@ class HeadProposer(Proposer):
         self.session = DraftSession(self.draft_cache(net, head_ids, runner, config.draft_weights))
         self.depth_limit = net.max_depth
         self.draft_source = source
+        #: coupled trees carry no probabilities: any draft leaves a seeded answer ar's
+        self.samples_drafts = not config.coupled
 
     @property
     def lm(self) -> HeadDraftLM:

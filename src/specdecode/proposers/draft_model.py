@@ -47,7 +47,7 @@ import torch
 
 from specdecode.control import ConfidenceStop, Controller, HeuristicLength, SpecDecPlusPlus
 from specdecode.drafting.artifacts import DraftSource, open_draft
-from specdecode.drafting.session import DraftSession
+from specdecode.drafting.session import CoupledDrafts, DraftSession, coupled_param
 from specdecode.errors import require
 from specdecode.models.base import Runner
 from specdecode.proposer import Feedback, Proposer
@@ -70,9 +70,7 @@ class DraftModelConfig(DraftSource):
     stop_threshold: float = param(0.3, "specdecpp controller: stop when the predicted P(some "
                                        "drafted token is rejected) exceeds this (paper: 0.3)",
                                   bounds=(0.0, 1.0))
-    coupled: bool = param(False, "T > 0: draw each token with the verifier's next uniform and "
-                                 "send the chain without probabilities, so a seeded answer is "
-                                 "ar's own (false: rejection sampling with its probabilities)")
+    coupled: bool = coupled_param()
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,7 +127,7 @@ CONTROLLERS: dict[str, Callable[[DraftModelProposer], Controller]] = {
                 "(Huang et al., 2024); OSD-style distilled draft (Liu et al., 2023)",
           summary="a small draft LM samples a chain from its own KV cache; length controllers "
                   "fixed / heuristic / confidence / specdecpp")
-class DraftModelProposer(Proposer):
+class DraftModelProposer(CoupledDrafts, Proposer):
     def __init__(self, config: DraftModelConfig, runner: Runner,
                  draft_model: torch.nn.Module | None = None):
         """``draft_model``: a causal LM module to draft with instead of ``config.draft``."""
@@ -148,10 +146,6 @@ class DraftModelProposer(Proposer):
 
     def make_controller(self) -> Controller:
         return CONTROLLERS[self.config.controller](self)
-
-    def couple(self, generator: torch.Generator) -> None:
-        if self.config.coupled:
-            self.session.couple(generator)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.session.start(prompt, self.sampling)

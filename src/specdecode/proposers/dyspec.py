@@ -29,7 +29,7 @@ import torch
 
 from specdecode.control import Controller
 from specdecode.drafting.artifacts import DraftSource, open_draft
-from specdecode.drafting.session import DraftSession
+from specdecode.drafting.session import CoupledDrafts, DraftSession, coupled_param
 from specdecode.drafting.tree import check_tree, grow_tree
 from specdecode.models.base import Runner
 from specdecode.proposer import Feedback, Proposer
@@ -49,6 +49,7 @@ class DySpecConfig(DraftSource):
                                       "(its expected acceptance) is below this (0: fill the "
                                       "node budget; 0.2 is much faster than 0 on the dev "
                                       "half, docs/draft-model.md)", bounds=(0.0, 1.0))
+    coupled: bool = coupled_param()
 
     def __post_init__(self):
         super().__post_init__()
@@ -60,7 +61,7 @@ class DySpecConfig(DraftSource):
                 "al., 2024)",
           summary="a draft model grows a tree best-first by path probability under a node "
                   "budget; exact with sampling")
-class DySpecProposer(Proposer):
+class DySpecProposer(CoupledDrafts, Proposer):
     def __init__(self, config: DySpecConfig, runner: Runner,
                  draft_model: torch.nn.Module | None = None):
         """``draft_model``: a causal LM module to draft with instead of ``config.draft``."""
@@ -68,6 +69,8 @@ class DySpecProposer(Proposer):
         lm, loaded = open_draft(config, runner, draft_model)
         self.session = DraftSession(lm)
         self.draft_source = loaded.source
+        #: coupled trees carry no probabilities: any draft leaves a seeded answer ar's
+        self.samples_drafts = not config.coupled
 
     @property
     def lm(self):
