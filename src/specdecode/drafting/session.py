@@ -51,7 +51,8 @@ def coupled_param():
 
 class CoupledDrafts:
     """``couple`` for a proposer drafting through ``self.session`` whose config has
-    ``coupled`` (its ``samples_drafts`` is then False: its drafts carry no probabilities)."""
+    ``coupled`` (its ``__init__`` sets ``samples_drafts`` to ``not coupled``: coupled drafts
+    carry no probabilities)."""
 
     def couple(self, generator: torch.Generator) -> None:
         if self.config.coupled:
