@@ -412,10 +412,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, context: Sequence
     return torch.stack([nodes.probs(row) for row in range(len(draft) + 1)])
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+def sample(probs: torch.Tensor, generator: torch.Generator, u: float | None = None) -> int:
     """Inverse-CDF draw from probs [V] using exactly one uniform number, so a seeded run draws
-    the same random stream whatever the drafts were."""
-    return inverse_cdf(probs, uniform(generator))
+    the same random stream whatever the drafts were: ``generator``'s next, or ``u`` where given
+    (a coupled draft's, the verifier's own uniform for that position; drafting/session.py)."""
+    return inverse_cdf(probs, uniform(generator) if u is None else u)
 
 
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:

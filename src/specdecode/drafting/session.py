@@ -39,7 +39,8 @@ from specdecode.control import DraftSignal
 from specdecode.draft import Draft
 from specdecode.registry import param
 from specdecode.sampling import (GREEDY, NodeDistributions, SamplingParams, filtered_probs,
-                                 inverse_cdf, sample, uniform)
+                                 sample, uniform)
+
 
 def coupled_param():
     """The ``coupled`` setting of the methods that draft through a :class:`DraftSession`."""
@@ -163,18 +164,15 @@ class DraftSession:
         if shortlisted is not None:
             # shortlists ascend by id, so the one uniform picks the token the vocabulary's draw would
             small, q = shortlisted
-            index = self._pick(small, u)
+            index = sample(small, self.generator, u)
             return int(head_ids[index]), q, float(small[index])
         node = self.node(logits, context)
         if self.sampling.greedy:
             token = node.argmax(0)
             return token, None, float(node.logits[0].softmax(-1)[token])
         q = node.probs(0)
-        token = self._pick(q, u)
+        token = sample(q, self.generator, u)
         return token, q, float(q[token])
-
-    def _pick(self, probs: torch.Tensor, u: float | None) -> int:
-        return sample(probs, self.generator) if u is None else inverse_cdf(probs, u)
 
     def shortlist_probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """At T > 0 without penalties, for a drafter with a shortlist: the sampling distribution

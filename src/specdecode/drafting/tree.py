@@ -44,7 +44,7 @@ from specdecode.control import Budget
 from specdecode.draft import Draft
 from specdecode.drafting.session import DraftSession
 from specdecode.errors import require
-from specdecode.sampling import inverse_cdf, sample
+from specdecode.sampling import sample
 
 
 #: how fast :attr:`DraftSession.child_confidence` follows the nodes read (a read a node: about
@@ -120,10 +120,7 @@ class _Drawn:
             rest, drawn_from = rest.clone(), drawn_from.clone()
             rest[self.drawn] = 0.0
             drawn_from[self.drawn if self.ids is None else self.ids[self.drawn]] = 0.0
-        if self.first_u is not None and not self.drawn:
-            index = inverse_cdf(rest, self.first_u)
-        else:
-            index = sample(rest, self.generator)
+        index = sample(rest, self.generator, None if self.drawn else self.first_u)
         prob = float(self.small[index])
         self.drawn.append(index)
         self._mass -= prob

@@ -63,7 +63,7 @@ from specdecode.models.quant import check_format
 from specdecode.proposer import Feedback, Proposer
 from specdecode.proposers.draft_heads import HeadProposer, HeadTreeConfig
 from specdecode.registry import param, register
-from specdecode.sampling import inverse_cdf, sample
+from specdecode.sampling import sample
 
 SHAPES = ("tree", "chain")
 #: what drafts the block: the learned network (heads/networks.py) or the dLLM
@@ -164,8 +164,8 @@ class DeerProposer(HeadProposer):
             if path_prob < self.config.min_path_prob:
                 break
             if not self.sampling.greedy:
-                u = self.session.coupled_uniform(depth)  # coupled: the verifier's uniform
-                token = sample(q, self.session.generator) if u is None else inverse_cdf(q, u)
+                # coupled: at the verifier's own uniform for this depth
+                token = sample(q, self.session.generator, self.session.coupled_uniform(depth))
                 if not self.session.coupled:
                     probs.append(q)
             tokens.append(token)
