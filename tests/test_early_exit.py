@@ -147,7 +147,7 @@ def test_early_exit_speculates_and_accepts(model):
 
 def test_shadow_tokens_count_teacher_forced_agreement(model):
     decoder = Decoder(model, None, "del", eos_token_ids=[], decay=1.0, adapters="none",
-                      idle_shadow_every=1)
+                      idle_shadow_every=1, idle_shadow_max=1)  # shadow tokens every round
     out = decoder.start(PROMPT, 30).run()
     proposer = decoder.proposer
     with torch.no_grad():
@@ -161,14 +161,18 @@ def test_shadow_tokens_count_teacher_forced_agreement(model):
         assert proposer.hits[layer] == int((exit_tokens == torch.tensor(out[1:])).sum()), layer
 
 
-def test_idle_rounds_skip_shadow_tokens(model):
+@pytest.mark.parametrize("most, checks", [(3, 4), (64, 2)])
+def test_idle_rounds_skip_shadow_tokens_and_back_off(model, most, checks):
     decoder = Decoder(model, None, "del", eos_token_ids=[], decay=1.0, adapters="none",
-                      idle_shadow_every=3, candidate_layers="1", prior_weight=1e9)
+                      idle_shadow_every=3, idle_shadow_max=most, candidate_layers="1",
+                      prior_weight=1e9)
     decoder.proposer.prior = {1: 0.0}  # an overwhelming prior of no agreement: never speculate
     assert len(decoder.start(PROMPT, 13).run()) == 13
     assert all(depth == 0 for _, depth in decoder.proposer.choices)
-    # 12 verify rounds of one row each; shadow tokens on rounds 3, 6, 9 and 12
-    assert decoder.proposer.trials[1] == 4
+    # 12 verify rounds of one row each: shadow tokens on rounds 3, 6, 9 and 12 at a fixed
+    # interval; backing off, on rounds 3 and 3 + 6 = 9 (the next one would be 9 + 12)
+    assert decoder.proposer.trials[1] == checks
+    assert decoder.proposer.idle_interval == (3 if most == 3 else 12)
 
 
 def test_del_choice_follows_acceptance(model):
@@ -197,6 +201,9 @@ def test_bad_input(model, tmp_path):
         Decoder(model, None, "early_exit", num_speculative_tokens=0)
     with pytest.raises(SpecDecodeError, match="max_speculative_tokens must be >= 1"):
         Decoder(model, None, "del", max_speculative_tokens=0)
+    with pytest.raises(SpecDecodeError, match="idle_shadow_every must be >= 1 and at most "
+                                              "idle_shadow_max, got 8 and 4"):
+        Decoder(model, None, "del", idle_shadow_every=8, idle_shadow_max=4)
     with pytest.raises(SpecDecodeError, match=r"candidate layer 4 is outside the model.*1\.\.3"):
         Decoder(model, None, "del", candidate_layers="2,4")
     with pytest.raises(SpecDecodeError, match="comma-separated layer numbers"):

@@ -14,8 +14,10 @@ every round:
    (``decay`` per update: recent context counts more) give the acceptance rate alpha_l, starting
    from a prior (the adapters' measured agreement, else 0.5) worth ``prior_weight`` trials.
    Shadow tokens of all layers cost one LM head call per round; while ``del`` is not speculating
-   they are computed every ``idle_shadow_every`` rounds only (a CPU adaptation: on SmolLM2 that
-   call costs about a sixth of a forward).
+   they are computed every ``idle_shadow_every`` rounds only, and each such check that leaves
+   plain decoding best doubles the interval up to ``idle_shadow_max`` (CPU adaptations: on
+   SmolLM2 that call costs about a sixth of a forward; on Qwen2.5-Coder-1.5B, whose untrained
+   exits never paid, a check every 4 rounds cost 5% of its time).
 3. *Token per layer.* Each round picks the layer l and draft length d maximising expected
    tokens per layer computed, TPL(l, d) = (1 - alpha_l^(d+1)) / (1 - alpha_l) / cost(l, d),
    where the paper's cost is d * l + L (L = all layers). On a CPU two terms it ignores matter:
@@ -28,7 +30,7 @@ every round:
 
 Defaults: candidate layers auto (the trained adapters' layers, else eight spread over the upper
 three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, idle shadow
-interval 4, confidence threshold 0.4 (provisional, not yet tuned: the paper's threshold, decay
+interval 4 doubling up to 64, confidence threshold 0.4 (provisional, not yet tuned: the paper's threshold, decay
 and window are not in its abstract or README, the only parts of it read here). Drafts are
 deterministic, so sampled verification stays exact.
 """
@@ -60,8 +62,12 @@ class DelConfig:
     decay: float = param(0.9, "weight of the previous updates in each layer's acceptance counts",
                          bounds=(0.0, 1.0))
     idle_shadow_every: int = param(4, "while not speculating, compute shadow tokens every this "
-                                      "many rounds (each costs an LM head call; the paper: 1)",
+                                      "many rounds at first (each costs an LM head call; the "
+                                      "paper: 1)",
                                    bounds=(1, 1024))
+    idle_shadow_max: int = param(64, "the longest interval between those checks: each check that "
+                                     "leaves plain decoding best doubles it up to this (1024 "
+                                     "rounds at most)", bounds=(1, 1024))
     prior_weight: float = param(4.0, "trials the prior acceptance rate is worth", bounds=(0.0, 1e6))
     head_cost: float = param(HEAD_COST, "cost of one LM head application, in layers (0 in the "
                                         "paper; measured on SmolLM2 / CPU)", bounds=(0.0, 1000.0))
@@ -79,8 +85,9 @@ class DelConfig:
                 f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         require(0.0 <= self.decay <= 1.0, f"decay must be in [0, 1], got {self.decay}")
         require(self.prior_weight > 0, f"prior_weight must be > 0, got {self.prior_weight}")
-        require(self.idle_shadow_every >= 1,
-                f"idle_shadow_every must be >= 1, got {self.idle_shadow_every}")
+        require(1 <= self.idle_shadow_every <= self.idle_shadow_max,
+                f"idle_shadow_every must be >= 1 and at most idle_shadow_max, got "
+                f"{self.idle_shadow_every} and {self.idle_shadow_max}")
         require(self.head_cost >= 0 and self.verify_token_cost >= 0,
                 "head_cost and verify_token_cost must be >= 0")
         if self.candidate_layers != "auto":
@@ -123,6 +130,8 @@ class DynamicExitProposer(Proposer):
         #: (layer, depth) chosen in each round of the current request, for reports
         self.choices: list[tuple[int, int]] = []
         self.idle_rounds = 0
+        #: rounds between shadow-token checks while not speculating (backs off, see observe)
+        self.idle_interval = config.idle_shadow_every
 
     def alpha(self, layer: int) -> float:
         w = self.config.prior_weight
@@ -131,10 +140,10 @@ class DynamicExitProposer(Proposer):
     def choose(self, max_depth: int) -> tuple[int, int]:
         """(exit layer, draft length) with the highest TPL; depth 0 = do not speculate."""
         c, n = self.config, self.runner.num_layers
-        # the shadow tokens' head call: every round when speculating, 1 in idle_shadow_every if not
+        # the shadow tokens' head call: every round when speculating, 1 in idle_interval if not
         best = (self.layers[0], 0)
         best_tpl = tokens_per_layer(0.0, 0, 0, n, c.head_cost,
-                                    round_cost=c.head_cost / c.idle_shadow_every)
+                                    round_cost=c.head_cost / self.idle_interval)
         for layer in self.layers:
             a = self.alpha(layer)
             for depth in range(1, max_depth + 1):
@@ -149,6 +158,7 @@ class DynamicExitProposer(Proposer):
         self.trials = dict.fromkeys(self.layers, 0.0)
         self.choices = []
         self.idle_rounds = 0
+        self.idle_interval = self.config.idle_shadow_every
 
     def propose(self, context, budget):
         layer, depth = self.choose(min(self.config.max_speculative_tokens, budget.max_depth))
@@ -170,8 +180,12 @@ class DynamicExitProposer(Proposer):
         if feedback.prefill:  # learns from verify steps only
             return
         captured = feedback.target.layers
-        self.idle_rounds = 0 if len(feedback.draft) else self.idle_rounds + 1
-        if not captured or self.idle_rounds % self.config.idle_shadow_every:
+        idle = not len(feedback.draft)
+        if not idle:
+            self.idle_rounds, self.idle_interval = 0, self.config.idle_shadow_every
+        else:
+            self.idle_rounds += 1
+        if not captured or (idle and self.idle_rounds < self.idle_interval):
             return
         rows = feedback.committed_rows  # rows whose next token is committed
         target = torch.tensor(feedback.tokens[: len(rows)])
@@ -184,3 +198,7 @@ class DynamicExitProposer(Proposer):
         for layer, hit in zip(self.layers, hits):
             self.hits[layer] = d * self.hits[layer] + hit
             self.trials[layer] = d * self.trials[layer] + len(rows)
+        if idle:  # a check that still leaves plain decoding best: look again twice as late
+            self.idle_rounds = 0
+            if self.choose(self.config.max_speculative_tokens)[1] == 0:
+                self.idle_interval = min(2 * self.idle_interval, self.config.idle_shadow_max)
