@@ -51,9 +51,13 @@ def coupled_param():
 
 
 class CoupledDrafts:
-    """``couple`` for a proposer drafting through ``self.session`` whose config has
-    ``coupled`` (its ``__init__`` sets ``samples_drafts`` to ``not coupled``: coupled drafts
-    carry no probabilities)."""
+    """``couple`` and ``samples_drafts`` for a proposer drafting through ``self.session``
+    whose config has ``coupled``."""
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Coupled drafts carry no probabilities: any draft leaves a seeded answer ar's."""
+        return not self.config.coupled
 
     def couple(self, generator: torch.Generator) -> None:
         if self.config.coupled:

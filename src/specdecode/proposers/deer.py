@@ -122,7 +122,6 @@ class DeerProposer(HeadProposer):
                                           config.dllm_weights)
         self.session = DraftSession(lm)
         self.depth_limit = None
-        self.samples_drafts = not config.coupled
 
     def observe(self, feedback: Feedback) -> None:
         if self.config.drafter == "heads":

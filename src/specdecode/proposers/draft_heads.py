@@ -71,8 +71,6 @@ class HeadProposer(CoupledDrafts, Proposer):
         self.session = DraftSession(self.draft_cache(net, head_ids, runner, config.draft_weights))
         self.depth_limit = net.max_depth
         self.draft_source = source
-        #: coupled trees carry no probabilities: any draft leaves a seeded answer ar's
-        self.samples_drafts = not config.coupled
 
     @property
     def lm(self) -> HeadDraftLM:

@@ -136,8 +136,6 @@ class DraftModelProposer(CoupledDrafts, Proposer):
         self.session = DraftSession(lm)
         self.acceptance_head = loaded.acceptance_head
         self.draft_source = loaded.source
-        #: coupled chains carry no probabilities: any draft leaves a seeded answer ar's
-        self.samples_drafts = not config.coupled
 
     @property
     def lm(self):

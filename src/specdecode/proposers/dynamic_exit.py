@@ -30,8 +30,9 @@ every round:
 
 Defaults: candidate layers auto (the trained adapters' layers, else eight spread over the upper
 three quarters of the model), at most 8 draft tokens, decay 0.9, prior weight 4, idle shadow
-interval 4 doubling up to 64, confidence threshold 0.4 (provisional, not yet tuned: the paper's threshold, decay
-and window are not in its abstract or README, the only parts of it read here). Drafts are
+interval 4 doubling up to 64, confidence threshold 0.4 (provisional, not yet tuned: the
+paper's threshold, decay and window are not in its abstract or README, the only parts of it
+read here). Drafts are
 deterministic, so sampled verification stays exact.
 """
 

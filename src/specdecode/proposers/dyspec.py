@@ -69,8 +69,6 @@ class DySpecProposer(CoupledDrafts, Proposer):
         lm, loaded = open_draft(config, runner, draft_model)
         self.session = DraftSession(lm)
         self.draft_source = loaded.source
-        #: coupled trees carry no probabilities: any draft leaves a seeded answer ar's
-        self.samples_drafts = not config.coupled
 
     @property
     def lm(self):
