@@ -323,6 +323,10 @@ def test_seeded_sampling_matches_ar_for_every_proposer(target, draft_folder, ar_
         # one that says it sends none is sized with the load in a server (sizing.py): drafts
         # with probabilities there would make a seeded answer change with the load
         assert decoder.proposer.samples_drafts or recorder.with_probs == 0, method
+        # and one whose sampled drafts carry none says so: it is sized as if alone otherwise,
+        # without its drafting's measured seconds (early_exit's half-model passes priced free)
+        if recorder.drafted and "temperature" in options:
+            assert decoder.proposer.samples_drafts == (recorder.with_probs > 0), method
         if recorder.with_probs == 0 or "temperature" not in options:
             assert tokens == expected, (method, options)
         else:

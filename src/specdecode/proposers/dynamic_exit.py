@@ -105,6 +105,8 @@ class DelConfig:
           summary="early-exit drafting; exit layer and length chosen each round by tokens per "
                   "layer from shadow-token acceptance")
 class DynamicExitProposer(Proposer):
+    samples_drafts = False  # greedy chains from the exit's logits
+
     def __init__(self, config: DelConfig, runner):
         super().__init__(config, runner)
         self.exits = require_early_exit(runner, "method 'del'")

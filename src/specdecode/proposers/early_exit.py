@@ -54,6 +54,8 @@ class EarlyExitConfig:
           paper="LayerSkip: Early Exit Inference and Self-Speculative Decoding (Elhoushi et al., 2024)",
           summary="the target's first layers draft a chain (shared KV cache, trained exit adapters)")
 class EarlyExitProposer(Proposer):
+    samples_drafts = False  # greedy chains from the exit's logits
+
     def __init__(self, config: EarlyExitConfig, runner):
         super().__init__(config, runner)
         self.exits = require_early_exit(runner, "method 'early_exit'")
