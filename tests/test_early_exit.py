@@ -173,6 +173,10 @@ def test_idle_rounds_skip_shadow_tokens_and_back_off(model, most, checks):
     # interval; backing off, on rounds 3 and 3 + 6 = 9 (the next one would be 9 + 12)
     assert decoder.proposer.trials[1] == checks
     assert decoder.proposer.idle_interval == (3 if most == 3 else 12)
+    # the next request goes on at that interval: backing off, one check, on its round 12
+    assert len(decoder.start(PROMPT, 13).run()) == 13
+    assert decoder.proposer.trials[1] == (4 if most == 3 else 1)
+    assert decoder.proposer.idle_interval == (3 if most == 3 else 24)
 
 
 def test_del_choice_follows_acceptance(model):
