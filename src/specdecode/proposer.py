@@ -85,9 +85,10 @@ class Proposer(ABC):
     prices_own_drafting: bool = False
     #: whether its drafts at T > 0 can carry the distribution they were drawn from
     #: (``Draft.probs``), which the rejection rule verifies: a seeded request's tokens then follow
-    #: its draft sizes, so it is sized as if alone (sizing.py). False where drafts carry none
-    #: (lookups, Jacobi windows): the verifier's deterministic walk commits ``ar``'s tokens
-    #: whatever was drafted
+    #: its draft sizes, so it is sized as if alone (sizing.py), without its drafting's measured
+    #: seconds. False where drafts carry none (lookups, Jacobi windows, early exits' chains):
+    #: the verifier's deterministic walk commits ``ar``'s tokens whatever was drafted, and the
+    #: drafting is priced as timed (an early exit's half-model pass is no free draft)
     samples_drafts: bool = True
 
     def __init__(self, config, runner: Runner):
