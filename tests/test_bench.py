@@ -131,11 +131,12 @@ def test_max_minutes_stops_after_a_question_and_reports_the_ones_done(tmp_path, 
 
 
 def record(method, kind, task, qid, tokens, wall, steps, identical, forwards=None,
-           drafted=None, propose_s=None):
+           drafted=None, propose_s=None, prefill_s=None, prompt_tokens=0):
     return {"method": method, "kind": kind, "task": task, "question_id": qid, "turn": 0,
             "new_tokens": tokens, "wall_s": wall, "accepted_lengths": steps,
             "target_forwards": forwards if forwards is not None else 1 + len(steps),
-            "identical_to_ar": identical, "draft_tokens": drafted, "propose_s": propose_s}
+            "identical_to_ar": identical, "draft_tokens": drafted, "propose_s": propose_s,
+            "prefill_s": prefill_s, "prompt_tokens": prompt_tokens}
 
 
 def test_summary_figures_follow_their_definitions():
@@ -175,6 +176,44 @@ def test_summary_figures_follow_their_definitions():
     assert summary["methods"]["hf"]["overall"]["draft_ms_per_token"] is None
     # two prompts: too few for an interval
     assert m["overall"]["speedup_vs_ar_interval"] is None
+    # recorded without their prompts' seconds: no prompt figures
+    assert m["overall"]["prompt_tokens_per_s"] is None
+    assert m["overall"]["decode_speedup_vs_ar"] is None
+
+
+def test_prompt_figures_follow_their_definitions():
+    """The prompt's seconds apart: prompt tokens/s, its share, the median time to the first
+    token, and the speed after the prompt (each request's tokens after its first) against
+    ar's, which its prompt seconds, the same for both, dilute in speedup_vs_ar."""
+    from specdecode.bench.metrics import summarize
+    from specdecode.bench.report import markdown
+
+    records = [
+        record("ar", "method", "rag", 1, 11, 3.0, [1] * 10, True, prefill_s=2.0,
+               prompt_tokens=800),
+        record("ar", "method", "qa", 2, 21, 2.5, [1] * 20, True, prefill_s=0.5,
+               prompt_tokens=100),
+        record("m", "method", "rag", 1, 11, 2.5, [2] * 5, True, prefill_s=2.0,
+               prompt_tokens=800),
+        record("m", "method", "qa", 2, 21, 1.5, [4] * 5, True, prefill_s=0.5,
+               prompt_tokens=100),
+        record("peer", "peer", "qa", 2, 21, 3.0, None, False, forwards=21),
+    ]
+    summary = summarize(records)
+    ar, m = summary["methods"]["ar"]["overall"], summary["methods"]["m"]["overall"]
+    assert ar["prompt_tokens_per_s"] == 360.0  # 900 tokens in 2.5 s
+    assert ar["prefill_share"] == round(2.5 / 5.5, 4) and m["prefill_share"] == 0.625
+    assert m["time_to_first_token_s"] == 1.25  # the median of 2.0 and 0.5
+    # after the prompt: ar 30 tokens in 3 s, m in 1.5 s
+    assert (ar["decode_tokens_per_s"], m["decode_tokens_per_s"]) == (10.0, 20.0)
+    assert m["decode_speedup_vs_ar"] == 2.0 and m["speedup_vs_ar"] == round(5.5 / 4.0, 4)
+    # per task: rag 10 tokens in 1 s against 0.5 s, qa 20 in 2 s against 1 s
+    assert summary["methods"]["m"]["tasks"]["rag"]["decode_speedup_vs_ar"] == 2.0
+    peer = summary["methods"]["peer"]["overall"]
+    assert peer["prompt_tokens_per_s"] is None and peer["decode_speedup_vs_ar"] is None
+    report = markdown(summary, {"sampling": "greedy"})
+    assert "| m | 360 | 1.250 | 62% | 20.0 | 2.00x |" in report
+    assert "## Speedup over ar after the prompt (the decoding alone), per task" in report
 
 
 def test_speedup_interval_spans_what_the_prompts_drawn_can_give():

@@ -31,7 +31,7 @@ FAKE = textwrap.dedent('''\
             open({log!r}, "a").write(json.dumps(body) + "\\n")
             n = body["n_predict"]
             reply = {{"tokens": [7, 8, 9, 10, 11, 12][:n],
-                     "timings": {{"draft_n": 6, "draft_n_accepted": 3}}}}
+                     "timings": {{"draft_n": 6, "draft_n_accepted": 3, "prompt_ms": 42.5}}}}
             data = json.dumps(reply).encode()
             self.send_response(200); self.send_header("Content-Length", str(len(data)))
             self.end_headers(); self.wfile.write(data)
@@ -69,6 +69,7 @@ def test_a_configuration_runs_as_llama_server_does(fake_server, tmp_path):
     assert out.tokens == [7, 8, 9, 10]  # cut after the end-of-sequence id, kept
     # 3 decoded tokens, 3 accepted drafts: one verify step committed all three
     assert out.accepted_lengths == [3] and out.target_forwards == 2 and out.draft_tokens == 6
+    assert out.prefill_s == 0.0425  # its own seconds on the prompt
 
 
 def test_greedy_is_temperature_zero_and_plain_has_no_speculation(fake_server, tmp_path):

@@ -59,7 +59,8 @@ class Outcome:
     #: draft nodes sent to the target, and the time spent making them (our methods only)
     draft_tokens: int | None = None
     propose_s: float | None = None
-    #: the prompt's prefill (the first token's time; our methods only)
+    #: the prompt's prefill (the first token's time; our methods, and llama-server's own
+    #: seconds on the prompt)
     prefill_s: float | None = None
 
 

@@ -12,7 +12,8 @@ One server process a peer, one slot, prompt caching off (each turn is prefilled 
 is); each request is ``POST /completion`` with the prompt as token ids, greedy as
 ``temperature 0`` (llama.cpp's greedy sampler) or the run's sampling, and the tokens it returns.
 Wall time is the request's, prefill included; target forwards are not exposed (its timings give
-the drafted and accepted tokens, which become the mean accepted length).
+the drafted and accepted tokens, which become the mean accepted length, and its seconds on the
+prompt, the report's prompt figures).
 """
 
 from __future__ import annotations
@@ -95,7 +96,10 @@ class LlamaServerPeer:
         # the prefill gives the first token; each verify step its accepted tokens and one more
         decoded = max(0, len(tokens) - 1)
         steps = max(1, decoded - accepted) if decoded else 0
-        return Outcome(tokens, wall, 1 + steps, _lengths(decoded, steps), drafted or None)
+        # its own seconds on the prompt: the prompt figures of the report (bench/metrics.py)
+        prompt_ms = timings.get("prompt_ms")
+        return Outcome(tokens, wall, 1 + steps, _lengths(decoded, steps), drafted or None,
+                       prefill_s=None if prompt_ms is None else prompt_ms / 1000)
 
     def close(self) -> None:
         self.client.close()

@@ -23,6 +23,15 @@ Aggregation (stated once here and in docs/bench.md):
 - ``draft_ms_per_token``: the proposer's time (drafting and learning from feedback) per draft
   node sent to the target, pooled; ``propose_share``: that time over the wall time. Our
   methods only (None for peers and for ``ar``, which drafts nothing).
+- The prompt and what comes after it, where every record of the cell timed its prompt
+  (``prefill_s``: from the request's start to the prompt's logits, so the time to the first
+  token; ``llama-server``'s own prompt seconds for its peers; None otherwise):
+  ``prompt_tokens_per_s`` = total prompt tokens / total prompt seconds, ``prefill_share`` =
+  those seconds over the wall time, ``time_to_first_token_s`` = the median request's,
+  ``decode_tokens_per_s`` = the tokens after each request's first / the wall time after its
+  prompt, pooled, and ``decode_speedup_vs_ar`` that over ``ar``'s in the same cell: what a
+  method does to the decoding, which every method's prompt seconds, paid alike, dilute in
+  ``speedup_vs_ar``.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ def _cell(records: Sequence[dict]) -> dict:
     drafted = sum(r.get("draft_tokens") or 0 for r in records)
     proposing = sum(r.get("propose_s") or 0.0 for r in records)
     timed = records and all(r.get("propose_s") is not None for r in records)
-    return {
+    return _prompt_figures(records, wall) | {
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "mean_accepted": accepted,
         "draft_ms_per_token": 1000 * proposing / drafted if timed and drafted else None,
@@ -63,6 +72,23 @@ def _cell(records: Sequence[dict]) -> dict:
         "wall_s": wall,
         "target_forwards": sum(r["target_forwards"] for r in records),
         "records": len(records),
+    }
+
+
+def _prompt_figures(records: Sequence[dict], wall: float) -> dict:
+    """The prompt's figures of a cell (see the module docstring); None where a record did not
+    time its prompt."""
+    prompted = bool(records) and all(r.get("prefill_s") is not None for r in records)
+    prefill = sum(r["prefill_s"] for r in records) if prompted else 0.0
+    after = wall - prefill
+    prompt_tokens = sum(r.get("prompt_tokens") or 0 for r in records)
+    return {
+        "prompt_tokens_per_s": prompt_tokens / prefill if prompted and prefill > 0 else None,
+        "prefill_share": prefill / wall if prompted and wall > 0 else None,
+        "time_to_first_token_s": (statistics.median(r["prefill_s"] for r in records)
+                                  if prompted else None),
+        "decode_tokens_per_s": (sum(max(0, r["new_tokens"] - 1) for r in records) / after
+                                if prompted and after > 0 else None),
     }
 
 
@@ -99,10 +125,12 @@ def summarize(records: Sequence[dict]) -> dict:
         methods[name] = {"kind": rows[0]["kind"], "cells": cells}
     for name, entry in methods.items():
         for scope, cell in entry["cells"].items():
-            for ref, key in (("ar", "speedup_vs_ar"), ("hf", "speedup_vs_hf")):
+            for ref, key, field in (("ar", "speedup_vs_ar", "tokens_per_s"),
+                                    ("hf", "speedup_vs_hf", "tokens_per_s"),
+                                    ("ar", "decode_speedup_vs_ar", "decode_tokens_per_s")):
                 base = methods.get(ref, {}).get("cells", {}).get(scope)
-                cell[key] = (cell["tokens_per_s"] / base["tokens_per_s"]
-                             if base and base["tokens_per_s"] > 0 else None)
+                cell[key] = (cell[field] / base[field]
+                             if base and cell[field] is not None and base[field] else None)
     return {
         "tasks": tasks,
         "methods": {

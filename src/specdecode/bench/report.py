@@ -40,7 +40,12 @@ def markdown(summary: dict, meta: dict) -> str:
             f"{fmt(o.get('speedup_vs_ar_interval'), '')} | "
             f"{fmt(o['speedup_vs_hf'], '.2f', 'x')} | "
             f"{fmt(o['mean_accepted'], '.2f')} | {fmt(o['identical_fraction'], '.0%')} |")
+    lines += _prompt_table(summary)
     sections = [("Speedup over ar", "speedup_vs_ar", ".2f", "x"),
+                ("Speedup over ar after the prompt (the decoding alone)", "decode_speedup_vs_ar",
+                 ".2f", "x"),
+                ("Time to first token (the median request's prompt, s)",
+                 "time_to_first_token_s", ".3f", ""),
                 ("Speedup over transformers generate (hf)", "speedup_vs_hf", ".2f", "x"),
                 ("Tokens per second", "tokens_per_s", ".1f", ""),
                 ("Mean accepted length (tokens per verify step)", "mean_accepted", ".2f", ""),
@@ -65,6 +70,25 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += lossy_markdown(summary["lossy"])
     lines.append("")
     return "\n".join(lines)
+
+
+def _prompt_table(summary: dict) -> list[str]:
+    """The overall prompt figures (bench/metrics.py), where a contender timed its prompts."""
+    timed = {name: entry["overall"] for name, entry in summary["methods"].items()
+             if entry["overall"].get("prompt_tokens_per_s") is not None}
+    if not timed:
+        return []
+    lines = ["", "## The prompt and the decoding after it", "",
+             "| method | prompt tokens/s | time to first token (median, s) | prompt share of "
+             "the time | tokens/s after the prompt | speedup vs ar after the prompt |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, o in timed.items():
+        lines.append(f"| {name} | {fmt(o['prompt_tokens_per_s'], '.0f')} | "
+                     f"{fmt(o['time_to_first_token_s'], '.3f')} | "
+                     f"{fmt(o['prefill_share'], '.0%')} | "
+                     f"{fmt(o['decode_tokens_per_s'], '.1f')} | "
+                     f"{fmt(o['decode_speedup_vs_ar'], '.2f', 'x')} |")
+    return lines
 
 
 def lossy_markdown(lossy: dict) -> list[str]:
