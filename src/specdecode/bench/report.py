@@ -20,7 +20,7 @@ def _table(summary: dict, field: str, spec: str, suffix: str = "") -> list[str]:
              "|---|" + "---:|" * (len(tasks) + 1)]
     for name, entry in summary["methods"].items():
         cells = [fmt(entry["tasks"].get(t, {}).get(field), spec, suffix) for t in tasks]
-        cells.append(fmt(entry["overall"][field], spec, suffix))
+        cells.append(fmt(entry["overall"].get(field), spec, suffix))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -51,6 +51,8 @@ def markdown(summary: dict, meta: dict) -> str:
                 ("Mean accepted length (tokens per verify step)", "mean_accepted", ".2f", ""),
                 ("Identical to ar (share of question turns)", "identical_fraction", ".0%", "")]
     for title, field, spec, suffix in sections:
+        if all(entry["overall"].get(field) is None for entry in summary["methods"].values()):
+            continue  # (no contender timed it: runs without peers' or prompts' figures)
         lines += ["", f"## {title}, per task", ""] + _table(summary, field, spec, suffix)
         if field == "speedup_vs_ar" and any(
                 cell.get("speedup_vs_ar_interval") for entry in summary["methods"].values()
